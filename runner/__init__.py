@@ -1,0 +1,1 @@
+"""speccal.runner"""

@@ -1,0 +1,3 @@
+from speccal.cli import main
+
+main()

@@ -1,0 +1,7 @@
+"""CLI commands: fit (filled in by its issue)."""
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Attach this module's commands to the root app."""

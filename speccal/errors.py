@@ -1,0 +1,64 @@
+"""Domain errors shared by every speccal package.
+
+Library code raises these; only ``speccal.cli`` turns them into a one-line message and an exit
+code (2 for bad input, 1 for a runtime failure). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SpeccalError(Exception):
+    """Base class of every error speccal raises on purpose."""
+
+    exit_code = 1
+
+
+class InputError(SpeccalError, ValueError):
+    """Bad user input: a config value, a file, a CLI option.
+
+    The message names the field, the value found and what was expected, so that a user can fix
+    the input without reading code.
+    """
+
+    exit_code = 2
+
+    def __init__(self, field: str, value: Any, expected: str, *, hint: str | None = None):
+        self.field = field
+        self.value = value
+        self.expected = expected
+        self.hint = hint
+        msg = f"{field}: got {_short(value)}, expected {expected}"
+        if hint:
+            msg += f" ({hint})"
+        super().__init__(msg)
+
+
+class GridError(InputError):
+    """A calibration grid or measurement set that a cost model cannot be fitted on."""
+
+
+class CompatibilityError(InputError):
+    """A saved cost table whose semantic compatibility metadata differs from the running config."""
+
+
+class SchemaError(InputError):
+    """A table or trace document that is unreadable, malformed or of an unsupported version."""
+
+
+class CapacityError(SpeccalError):
+    """The runner ran out of a fixed resource (KV blocks, captured buckets)."""
+
+    exit_code = 2
+
+
+class UnsupportedError(SpeccalError):
+    """A request for a feature, layout or option that speccal refuses on purpose."""
+
+    exit_code = 2
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

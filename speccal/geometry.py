@@ -1,0 +1,116 @@
+"""Captured graph geometry shared by the runner, calibration, cost tables and policies.
+
+A runner captures one draft graph per physical request bucket ``Bcap`` and, for each ``Bcap``,
+target graphs at a set of physical row counts ``G``. In the split-graph layout speccal uses, the
+legal target buckets of ``Bcap`` are ``Bcap * j`` for ``j = 1 .. w + 1``: ``j = k + 1`` is the
+full verification of ``k`` draft tokens per request, so every adaptive draft step ``k`` and every
+trimmed verify budget between ``Bcap`` and ``Bcap * (w + 1)`` has a captured shape.
+
+Pure Python: no torch, no numpy.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from speccal.errors import InputError
+
+MAX_REQUEST_BUCKETS = 128
+
+
+def default_request_buckets(max_batch: int) -> tuple[int, ...]:
+    """Powers of two up to ``max_batch`` plus ``max_batch`` itself (1, 2, 4, 8, ...)."""
+    if max_batch < 1:
+        raise InputError("max_batch", max_batch, "an integer >= 1")
+    out = []
+    b = 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    out.append(max_batch)
+    return tuple(out)
+
+
+def default_target_rows(request_buckets: Iterable[int], draft_width: int) -> dict[int, tuple[int, ...]]:
+    """Legal target row buckets per request bucket: ``Bcap * j`` for ``j = 1 .. w + 1``."""
+    return {b: tuple(b * j for j in range(1, draft_width + 2)) for b in request_buckets}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a warmed runner can execute without recapture.
+
+    Attributes
+    ----------
+    draft_width : the most draft tokens a round can propose (``w``).
+    request_buckets : captured physical draft request buckets ``Bcap``, ascending.
+    target_rows : for each ``Bcap``, the captured target row buckets ``G``, ascending; always
+        includes full width ``Bcap * (w + 1)``.
+    kv_capacity_tokens : KV cache slots available to requests (blocks * block_size).
+    max_model_len : the model's context limit (prompt + generated tokens per request).
+    block_size : tokens per KV block.
+    """
+
+    draft_width: int
+    request_buckets: tuple[int, ...]
+    target_rows: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    kv_capacity_tokens: int = 0
+    max_model_len: int = 0
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.draft_width < 1:
+            raise InputError("draft_width", self.draft_width, "an integer >= 1")
+        buckets = tuple(self.request_buckets)
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise InputError("request_buckets", buckets, "a non-empty ascending list of distinct integers >= 1")
+        if len(buckets) > MAX_REQUEST_BUCKETS:
+            raise InputError("request_buckets", len(buckets), f"at most {MAX_REQUEST_BUCKETS} buckets")
+        object.__setattr__(self, "request_buckets", buckets)
+        rows = dict(self.target_rows) or default_target_rows(buckets, self.draft_width)
+        fixed: dict[int, tuple[int, ...]] = {}
+        for b in buckets:
+            gs = tuple(sorted(set(rows.get(b, ()))))
+            full = b * (self.draft_width + 1)
+            if full not in gs:
+                raise InputError(f"target_rows[{b}]", gs, f"a set including full width {full}")
+            if gs[0] < b:
+                raise InputError(f"target_rows[{b}]", gs, f"buckets >= Bcap={b}")
+            fixed[b] = gs
+        object.__setattr__(self, "target_rows", fixed)
+
+    def bcap_for(self, num_requests: int) -> int | None:
+        """Smallest captured request bucket holding ``num_requests``; None when none does."""
+        i = bisect.bisect_left(self.request_buckets, num_requests)
+        return self.request_buckets[i] if i < len(self.request_buckets) else None
+
+    def g_for(self, bcap: int, rows: int) -> int | None:
+        """Smallest captured target bucket of ``bcap`` holding ``rows`` rows; None when none does."""
+        gs = self.target_rows.get(bcap)
+        if gs is None:
+            return None
+        i = bisect.bisect_left(gs, rows)
+        return gs[i] if i < len(gs) else None
+
+    def to_dict(self) -> dict:
+        return {
+            "draft_width": self.draft_width,
+            "request_buckets": list(self.request_buckets),
+            "target_rows": {str(b): list(g) for b, g in self.target_rows.items()},
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Geometry:
+        return cls(
+            draft_width=int(d["draft_width"]),
+            request_buckets=tuple(int(b) for b in d["request_buckets"]),
+            target_rows={int(b): tuple(int(g) for g in gs) for b, gs in d.get("target_rows", {}).items()},
+            kv_capacity_tokens=int(d.get("kv_capacity_tokens", 0)),
+            max_model_len=int(d.get("max_model_len", 0)),
+            block_size=int(d.get("block_size", 16)),
+        )
