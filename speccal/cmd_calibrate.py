@@ -1,7 +1,147 @@
-"""CLI commands: calibrate (filled in by its issue)."""
+"""CLI command ``speccal calibrate``: parse options, call ``speccal.calibrate.pipeline.calibrate``.
+
+Human output (effective configuration, progress, fit report) goes to stderr through Rich;
+``--json`` prints the summary on stdout. Domain errors propagate to ``speccal.cli`` (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.markup import escape
+
+from speccal.errors import InputError, SpeccalError
+
+_err = Console(stderr=True)
+
+
+def _buckets(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        out = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise InputError(
+            "--request-buckets", text, "comma-separated integers, e.g. 1,2,4,8"
+        ) from None
+    if not out:
+        raise InputError("--request-buckets", text, "at least one bucket")
+    return out
 
 
 def register(app: typer.Typer) -> None:
-    """Attach this module's commands to the root app."""
+    """Attach ``calibrate`` to the root app."""
+
+    @app.command("calibrate")
+    def calibrate_cmd(
+        model: Annotated[
+            str, typer.Option("--model", help="Runner preset name or checkpoint folder.")
+        ] = "tiny",
+        device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or npu.")] = "cpu",
+        dtype: Annotated[
+            str | None,
+            typer.Option("--dtype", help="float32, bfloat16 or float16 (runner default if unset)."),
+        ] = None,
+        draft_width: Annotated[
+            int | None,
+            typer.Option(
+                "--draft-width",
+                help="num_speculative_tokens w of the run (runner default if unset).",
+            ),
+        ] = None,
+        request_buckets: Annotated[
+            str | None,
+            typer.Option(
+                "--request-buckets",
+                help="Captured request buckets of the run, e.g. 1,2,4,8; calibration samples them unless "
+                "the config names a subset.",
+            ),
+        ] = None,
+        max_model_len: Annotated[
+            int | None,
+            typer.Option(
+                "--max-model-len", help="Model context of the run (runner default if unset)."
+            ),
+        ] = None,
+        config: Annotated[
+            Path | None,
+            typer.Option(
+                "--config", help="Calibration JSON (either xLLM shape; every part optional)."
+            ),
+        ] = None,
+        out: Annotated[
+            Path, typer.Option("--out", help="Cost table to write (atomically, at the end).")
+        ] = Path("speccal-table.json"),
+        journal: Annotated[
+            Path | None,
+            typer.Option("--journal", help="Window journal (default: OUT.journal.jsonl)."),
+        ] = None,
+        resume: Annotated[
+            bool, typer.Option("--resume", help="Skip windows already in the journal.")
+        ] = False,
+        cost_table: Annotated[
+            Path | None,
+            typer.Option(
+                "--cost-table",
+                help="Reuse a saved table: validate it against this run, skip sampling.",
+            ),
+        ] = None,
+        mode: Annotated[
+            str | None,
+            typer.Option(
+                "--mode",
+                help="target_verify (trimmed verify budgets at full draft width) or draft_step (one point "
+                "set per k). Default: draft_step for the adaptive-draft-step file shape, else target_verify.",
+            ),
+        ] = None,
+        warmup_steps: Annotated[
+            int | None, typer.Option("--warmup-steps", help="Override warmup_steps.")
+        ] = None,
+        window_steps: Annotated[
+            int | None, typer.Option("--window-steps", help="Override window_steps.")
+        ] = None,
+        windows_per_point: Annotated[
+            int | None, typer.Option("--windows-per-point", help="Override windows_per_point.")
+        ] = None,
+        as_json: Annotated[
+            bool, typer.Option("--json", help="Print the summary as JSON on stdout.")
+        ] = False,
+    ) -> None:
+        """Warm the runner, sample the calibration grid, fit and write a cost table."""
+        from speccal.calibrate.pipeline import CalibrateOptions, calibrate
+
+        opts = CalibrateOptions(
+            model=model,
+            device=device,
+            dtype=dtype,
+            draft_width=draft_width,
+            request_buckets=_buckets(request_buckets),
+            max_model_len=max_model_len,
+            config_path=config,
+            out=out,
+            journal=journal,
+            resume=resume,
+            cost_table=cost_table,
+            flags={
+                "mode": mode,
+                "warmup_steps": warmup_steps,
+                "window_steps": window_steps,
+                "windows_per_point": windows_per_point,
+            },
+        )
+        try:
+            summary = calibrate(opts)
+        except SpeccalError as exc:
+            # speccal.cli maps these too, but it raises click's Exit, which typer >= 0.29 (vendored
+            # click) does not recognise; typer.Exit keeps the one-line message and exit code here.
+            _err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            _err.print("[bold red]interrupted[/]: finished windows are in the journal; rerun with --resume")
+            raise typer.Exit(130) from None
+        if as_json:
+            typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))

@@ -1,7 +1,264 @@
-"""CLI commands: replay (filled in by its issue)."""
+"""CLI commands ``speccal replay`` (policies against a table) and ``speccal trace`` (record a trace).
 
+``replay`` loads a table (or builds the synthetic one, ``speccal.scenarios.synthetic_table``) and
+a trace (a file, or a synthetic ``--scenario``), runs ``speccal.replay.replay`` and prints a Rich
+table on stderr (``--json``: the report on stdout; ``--plot DIR``: PNGs). ``trace`` writes a
+synthetic scenario trace, or drives ``speccal.runner.engine.Engine`` (imported lazily: torch is
+only needed for recording) to record a round trace (``--kind rounds``) or the per-token
+acceptance matrix (``--kind tokens``: greedy, drafting from every output position).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
 import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from speccal.errors import InputError
+
+err_console = Console(stderr=True)
+
+
+def _step_config(window_size: int, update_interval: int, switch_min_gain: float):
+    from speccal.policy import AdaptiveStepConfig
+
+    return AdaptiveStepConfig(window_size=window_size, update_interval=update_interval, switch_min_gain=switch_min_gain)
+
+
+def _scenario_trace(scenario: str, rounds: int, draft_width: int, num_requests: int, kv_length: float, seed: int):
+    from speccal.scenarios import generate, make_scenario
+
+    return generate(
+        make_scenario(scenario, rounds=rounds, draft_width=draft_width, num_requests=num_requests, kv_length=kv_length, seed=seed)
+    )
+
+
+def _print_report(d: dict[str, Any]) -> None:
+    verify = d["mode"] == "target_verify"
+    t = Table(
+        title=f"replay: {d['rounds']:,} rounds, mode {d['mode']}, w={d['draft_width']}, best fixed {d['best_fixed']}",
+        title_justify="left",
+    )
+    for col in ("policy", "tokens/s", "TPOT ms", "accept rate", "mean accepted", "mean G" if verify else "mean k", "switches", "gain vs best fixed %"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for p in d["policies"]:
+        if not p["priced"]:
+            t.add_row(p["name"], "uncalibrated", "-", "-", "-", "-", "-", "-")
+            continue
+        t.add_row(
+            p["name"],
+            f"{p['tokens_per_s']:,.1f}",
+            f"{p['tpot_ms']:.3f}",
+            f"{p['acceptance_rate']:.3f}",
+            f"{p['mean_accepted_length']:.3f}",
+            f"{p['mean_g' if verify else 'mean_k']:.2f}",
+            str(p["switches"]),
+            f"{p['gain_vs_best_fixed_pct']:+.2f}",
+        )
+    err_console.print(t)
+    err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}")
+
+
+def replay_cmd(
+    table: Annotated[Path | None, typer.Option("--table", help="Cost table JSON; default: the synthetic table (speccal.scenarios.synthetic_table).")] = None,
+    trace: Annotated[Path | None, typer.Option("--trace", help="Trace file (.parquet / .jsonl, see docs/TRACES.md).")] = None,
+    scenario: Annotated[str | None, typer.Option("--scenario", help="Synthetic trace instead of --trace: steady, transition, batch_change, decay.")] = None,
+    policy: Annotated[list[str] | None, typer.Option("--policy", help="adaptive-step, adaptive-verify or fixed:K (repeatable); fixed:1..w always run.")] = None,
+    mode: Annotated[str, typer.Option("--mode", help="Synthetic table mode (no --table): draft_step or target_verify.")] = "draft_step",
+    rounds: Annotated[int, typer.Option("--rounds", help="Scenario rounds.")] = 20_000,
+    draft_width: Annotated[int | None, typer.Option("--draft-width", help="Scenario draft width (default: the table's, else 5).")] = None,
+    num_requests: Annotated[int, typer.Option("--num-requests", help="Scenario batch size B.")] = 8,
+    kv_length: Annotated[float, typer.Option("--kv-length", help="Scenario mean KV length (tokens).")] = 1024.0,
+    seed: Annotated[int, typer.Option("--seed", help="Scenario seed.")] = 0,
+    window_size: Annotated[int, typer.Option("--window-size", help="Adaptive step: completed batches in the acceptance window.")] = 20,
+    update_interval: Annotated[int, typer.Option("--update-interval", help="Adaptive step: batches between re-scorings.")] = 5,
+    switch_min_gain: Annotated[float, typer.Option("--switch-min-gain", help="Adaptive step: predicted relative gain a switch must exceed.")] = 0.05,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Directory for replay_timeline.png and replay_throughput.png.")] = None,
+) -> None:
+    """Replay speculation policies against a cost table and report predicted throughput."""
+    from speccal.policy import AdaptiveVerifyConfig, CostModel, parse_policy
+    from speccal.replay import ReplayConfig, replay
+    from speccal.scenarios import scenario_geometry, synthetic_table
+    from speccal.trace import RoundTrace, load_trace
+
+    if (trace is None) == (scenario is None):
+        raise InputError("--trace/--scenario", None if trace is None else f"{trace} and {scenario}", "exactly one of --trace PATH or --scenario NAME")
+    specs = [parse_policy(p) for p in (policy or [])]  # refuses a combined adaptive spec first
+    cost_table = None
+    if table is not None:
+        from speccal.costmodel.table import load_table
+
+        cost_table = load_table(table)
+        w = cost_table.draft_width
+        if draft_width is not None and draft_width != w:
+            raise InputError("--draft-width", draft_width, f"the table's draft_width = {w}")
+    else:
+        w = draft_width or 5
+    if trace is not None:
+        tr = load_trace(trace)
+    else:
+        tr = _scenario_trace(scenario, rounds, w, num_requests, kv_length, seed)
+    if cost_table is None:
+        if mode not in ("draft_step", "target_verify"):
+            raise InputError("--mode", mode, "draft_step or target_verify")
+        nmax = int(tr.num_requests.max()) if isinstance(tr, RoundTrace) else int(np.unique(tr.request).size)
+        cost_table = synthetic_table(scenario_geometry(tr.draft_width, nmax), mode)
+    cost = CostModel.from_table(cost_table)
+    if not specs:
+        specs = [parse_policy("adaptive-step" if cost.mode == "draft_step" else "adaptive-verify")]
+    cfg = ReplayConfig(
+        policies=tuple(p.text for p in specs if p.kind != "fixed"),
+        step=_step_config(window_size, update_interval, switch_min_gain),
+        verify=AdaptiveVerifyConfig(),
+    )
+    from speccal.replay import check_replayable
+
+    check_replayable(tr, cost, specs)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True) as prog:
+        task = prog.add_task("replay", total=None)
+        report = replay(tr, cost, cfg, on_step=lambda s: prog.update(task, description=f"replay: {s}"))
+    d = report.to_dict()
+    d["table"] = {"path": str(table) if table else None, "mode": cost.mode, "synthetic": table is None}
+    if plot is not None:
+        from speccal.plots_replay import write_plots
+
+        d["plots"] = [str(p) for p in write_plots(report, plot)]
+    if json_out:
+        typer.echo(json.dumps(d, sort_keys=True, allow_nan=False))
+    else:
+        _print_report(d)
+        for p in d.get("plots", []):
+            err_console.print(f"wrote {p}")
+
+
+def trace_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Trace file to write (.parquet or .jsonl).")],
+    scenario: Annotated[str | None, typer.Option("--scenario", help="Write a synthetic scenario trace instead of recording.")] = None,
+    kind: Annotated[str, typer.Option("--kind", help="rounds (per-round acceptance) or tokens (per-token acceptance matrix, greedy).")] = "rounds",
+    model: Annotated[str, typer.Option("--model", help="Runner model preset or HF folder.")] = "tiny",
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float32 / bfloat16 / float16 (default per device).")] = None,
+    draft_width: Annotated[int, typer.Option("--draft-width", help="Draft width w (every round drafts w).")] = 3,
+    num_requests: Annotated[int, typer.Option("--num-requests", help="Concurrent requests (batch size B).")] = 4,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Random prompt tokens per request.")] = 32,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generated tokens per request.")] = 64,
+    acceptance: Annotated[str, typer.Option("--acceptance", help="greedy or synthetic (rounds only).")] = "greedy",
+    acceptance_profile: Annotated[str | None, typer.Option("--acceptance-profile", help="Synthetic: comma-separated conditional acceptance per position.")] = None,
+    rounds: Annotated[int, typer.Option("--rounds", help="Scenario rounds.")] = 20_000,
+    kv_length: Annotated[float, typer.Option("--kv-length", help="Scenario mean KV length.")] = 1024.0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of prompts / scenario / runner.")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a summary as JSON on stdout.")] = False,
+) -> None:
+    """Record an acceptance trace with the embedded runner (or write a synthetic scenario)."""
+    from speccal.trace import save_trace
+
+    if kind not in ("rounds", "tokens"):
+        raise InputError("--kind", kind, "rounds or tokens")
+    t0 = time.perf_counter()
+    if scenario is not None:
+        tr = _scenario_trace(scenario, rounds, draft_width, num_requests, kv_length, seed)
+    else:
+        tr = _record(kind, model, device, dtype, draft_width, num_requests, prompt_len, max_tokens, acceptance, acceptance_profile, seed)
+    path = save_trace(tr, out)
+    summary = {
+        "path": str(path),
+        "kind": "rounds" if hasattr(tr, "num_rounds") else "tokens",
+        "draft_width": tr.draft_width,
+        "records": int(tr.num_rounds if hasattr(tr, "num_rounds") else tr.request.size),
+        "elapsed_s": round(time.perf_counter() - t0, 3),
+        "meta": tr.meta,
+    }
+    if json_out:
+        typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))
+    else:
+        err_console.print(f"wrote {summary['kind']} trace {path}: {summary['records']:,} records, w={tr.draft_width} ({summary['elapsed_s']} s)")
+
+
+def _record(kind, model, device, dtype, w, num_requests, prompt_len, max_tokens, acceptance, profile_text, seed):
+    """Drive the runner: full-width rounds; for ``tokens``, one extra round from every position."""
+    from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+    from speccal.runner.sampling import SamplingParams
+    from speccal.trace import RoundTraceBuilder, TokenTraceBuilder
+
+    if kind == "tokens" and acceptance != "greedy":
+        raise InputError("--acceptance", acceptance, "greedy for --kind tokens (the matrix is only exact for greedy)")
+    profile = None
+    if profile_text is not None:
+        try:
+            profile = tuple(float(x) for x in profile_text.split(","))
+        except ValueError:
+            raise InputError("--acceptance-profile", profile_text, "comma-separated probabilities") from None
+    buckets = tuple(sorted({1, 2, 4, 8, num_requests}))
+    cfg = EngineConfig(
+        model=model, device=device, dtype=dtype, draft_width=w, request_buckets=buckets,
+        acceptance=acceptance, acceptance_profile=profile, seed=seed,
+    )
+    eng = Engine(cfg)
+    rng = np.random.default_rng(seed)
+    vocab = eng.loaded.config.vocab_size
+    prompts = [rng.integers(0, vocab, size=prompt_len).tolist() for _ in range(num_requests)]
+    meta = {"source": "runner", "compatibility": eng.compatibility(), "num_requests": num_requests,
+            "prompt_len": prompt_len, "max_tokens": max_tokens, "seed": seed, "phases": ["run"]}
+    rounds = RoundTraceBuilder(w)
+    outputs: dict[int, list[int]] = {}
+    rids = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    with _progress("recording rounds") as (prog, task):
+        while eng.has_unfinished():
+            res = eng.step(RoundPlan(num_draft_steps=w))
+            for rid, toks in zip(res.request_ids, res.emitted, strict=True):
+                outputs.setdefault(rid, []).extend(toks)
+            for rid, tok in res.first_tokens.items():
+                if rid not in res.request_ids:
+                    outputs.setdefault(rid, []).append(tok)
+            rounds.add(res.k, res.accepted, res.draft_scores, res.kv_lengths)
+            prog.advance(task)
+    if kind == "rounds":
+        return rounds.build(meta)
+    # Drafting from every position t: a request whose prompt is prompt + y[:t] prefills y[t] and
+    # runs one full-width round from there, whose accepted length is the match length at t.
+    tokens = TokenTraceBuilder(w)
+    jobs = [(i, t) for i, rid in enumerate(rids) for t in range(len(outputs[rid]))]
+    cap = max(buckets)
+    with _progress("drafting from every position") as (prog, task):
+        for j0 in range(0, len(jobs), cap):
+            batch = jobs[j0 : j0 + cap]
+            ids = {}
+            for i, t in batch:
+                y = outputs[rids[i]]
+                ids[eng.add_request(prompts[i] + y[:t], SamplingParams(max_tokens=w + 2, ignore_eos=True))] = (i, t)
+            res = eng.step(RoundPlan(num_draft_steps=w))
+            for b, rid in enumerate(res.request_ids):
+                i, t = ids[rid]
+                tokens.add(i, t, prompt_len + t + 1, int(res.accepted[b]), res.draft_scores[b])
+            eng.reset()
+            prog.advance(task, len(batch))
+    meta["round_trace_rounds"] = len(rounds)
+    return tokens.build(meta)
+
+
+class _progress:
+    """Rich progress bar on stderr as a context manager yielding ``(progress, task)``."""
+
+    def __init__(self, label: str):
+        self.prog = Progress(SpinnerColumn(), TextColumn(label), TextColumn("{task.completed}"), TimeElapsedColumn(), console=err_console, transient=True)
+
+    def __enter__(self):
+        self.prog.__enter__()
+        return self.prog, self.prog.add_task("", total=None)
+
+    def __exit__(self, *exc):
+        return self.prog.__exit__(*exc)
 
 
 def register(app: typer.Typer) -> None:
     """Attach this module's commands to the root app."""
+    app.command("replay")(replay_cmd)
+    app.command("trace")(trace_cmd)

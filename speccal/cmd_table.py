@@ -1,7 +1,207 @@
-"""CLI commands: table (filled in by its issue)."""
+"""CLI commands ``speccal table show|validate|diff|export`` and the fit report shared with ``fit``.
+
+Human output is Rich on stderr; ``--json`` writes machine-readable results to stdout. Domain
+errors (unreadable table, refused compatibility) are raised and turned into exit 2 by the root.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from speccal.atomic import dumps_json, write_text_atomic
+from speccal.errors import InputError
+
+err_console = Console(stderr=True)
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def fit_report(table, console: Console = err_console) -> None:
+    """Print the per-context fit report (points, residual and held-out errors) as Rich tables."""
+    from speccal.costmodel.report import summary
+
+    s = summary(table)
+    console.print(
+        f"[bold]{s['model']}[/] cost table, mode [bold]{s['mode']}[/], draft width "
+        f"{s['draft_width']}, schema v{s['schema_version']}"
+    )
+    t = Table(title="fit report (ms; % of measured cost)", title_justify="left")
+    for col in ("context", "KV", "points", "windows", "error", "n", "MAE ms", "max ms", "mean %", "max %"):
+        t.add_column(col, justify="right" if col not in ("context", "KV", "error") else "left")
+    labels = {"residuals": "residual", "leave_one_point_out": "leave-1-point-out", "leave_one_g_out": "leave-1-G-out"}
+    for f in s["fits"]:
+        for i, key in enumerate(labels):
+            e = f[key]
+            t.add_row(
+                str(f["context_index"]) if i == 0 else "",
+                f"{f['min_kv_length']}-{f['max_kv_length']}" if i == 0 else "",
+                str(f["n_points"]) if i == 0 else "",
+                str(f["n_windows"]) if i == 0 else "",
+                labels[key],
+                f"{e['n_evaluated']}/{e['n_evaluated'] + e['n_skipped']}",
+                _fmt(e["mae_ms"], ".4f"),
+                _fmt(e["max_abs_ms"], ".4f"),
+                _fmt(e["mean_abs_pct"], ".2f"),
+                _fmt(e["max_abs_pct"], ".2f"),
+            )
+    console.print(t)
+
+
+def _params_tables(table, console: Console) -> None:
+    for f in table.fits:
+        if f.model == "additive":
+            p = f.additive
+            t = Table(title=f"context {f.context_index}: bias {p.bias_ms:.4f} ms (reference Bcap {p.bcap_levels[0]}, G {p.g_levels[0]})", title_justify="left")
+            t.add_column("level")
+            t.add_column("value", justify="right")
+            t.add_column("offset ms", justify="right")
+            for b, a in zip(p.bcap_levels, p.alpha_ms, strict=True):
+                t.add_row("alpha(Bcap)", str(b), f"{a:.4f}")
+            for g, th in zip(p.g_levels, p.theta_ms, strict=True):
+                t.add_row("theta(G)", str(g), f"{th:.4f}")
+        else:
+            p = f.sps
+            t = Table(title=f"context {f.context_index}: SPS over G (Bcaps {p.bcap_levels})", title_justify="left")
+            for col in ("G", "cost ms", "steps/s"):
+                t.add_column(col, justify="right")
+            for g, c in zip(p.g_levels, p.cost_ms, strict=True):
+                t.add_row(str(g), f"{c:.4f}", f"{1000.0 / c:.1f}")
+        console.print(t)
+
+
+def _echo_json(obj: Any) -> None:
+    typer.echo(dumps_json(obj), nl=False)
+
+
+def _read_compat(path: Path | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError("--expect", str(path), f"a readable JSON compatibility file ({exc})") from None
+
+
+def show(
+    table_path: Annotated[Path, typer.Argument(help="Cost table JSON file.", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+    params: Annotated[bool, typer.Option("--params/--no-params", help="Also print fitted parameters.")] = True,
+) -> None:
+    """Show a table: identity, compatibility, provenance, fit report and parameters."""
+    from speccal.costmodel.report import summary
+    from speccal.costmodel.table import load_table
+
+    table = load_table(table_path)
+    if as_json:
+        _echo_json(summary(table))
+        return
+    c = table.compatibility
+    m = c.model
+    err_console.print(f"[bold]{table_path}[/]")
+    err_console.print(
+        f"model {m.architecture} ({m.fingerprint}, {m.dtype}, quant {m.quantization}); "
+        f"tp={c.topology.tp} dp={c.topology.dp}; graph {c.graph_mode}; verify {c.verification_mode}; "
+        f"device {c.device.kind}/{c.device.name}"
+    )
+    p = table.provenance
+    err_console.print(
+        f"speccal {p.speccal_version}, created {p.created}, torch {p.torch_version or '?'}"
+        + (f", migrated from {p.migrated_from}" if p.migrated_from else "")
+    )
+    fit_report(table)
+    if params:
+        _params_tables(table, err_console)
+
+
+def validate(
+    table_path: Annotated[Path, typer.Argument(help="Cost table JSON file.", show_default=False)],
+    expect: Annotated[
+        Path | None,
+        typer.Option("--expect", help="Compatibility JSON of the running config to check against."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON on stdout.")] = False,
+) -> None:
+    """Validate a table (schema, consistency and, with --expect, compatibility). Exit 2 if refused."""
+    from speccal.costmodel.table import load_table
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = load_table(table_path, expect=_read_compat(expect))
+    notes = [str(w.message) for w in caught]
+    if as_json:
+        _echo_json({"path": str(table_path), "valid": True, "schema_version": table.schema_version, "warnings": notes})
+        return
+    for n in notes:
+        err_console.print(f"[yellow]warning:[/] {n}", soft_wrap=True)
+    err_console.print(f"[green]valid[/] {table_path} ({table.model}, {len(table.fits)} context(s))")
+
+
+def diff(
+    a: Annotated[Path, typer.Argument(help="First table.", show_default=False)],
+    b: Annotated[Path, typer.Argument(help="Second table.", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the differences as JSON on stdout.")] = False,
+) -> None:
+    """Compare two tables: metadata fields and costs at grid cells calibrated in both."""
+    from speccal.costmodel.report import diff_tables
+    from speccal.costmodel.table import load_table
+
+    d = diff_tables(load_table(a), load_table(b))
+    if as_json:
+        _echo_json(d)
+        return
+    if d["metadata"]:
+        t = Table(title="metadata", title_justify="left")
+        for col in ("field", str(a), str(b)):
+            t.add_column(col)
+        for m in d["metadata"]:
+            t.add_row(m["field"], json.dumps(m["a"]), json.dumps(m["b"]))
+        err_console.print(t)
+    t = Table(title="cost at common cells (ms)", title_justify="left")
+    for col in ("context", "Bcap", "G", "a", "b", "delta", "delta %"):
+        t.add_column(col, justify="right")
+    for c in d["costs"]:
+        t.add_row(*(str(c[k]) for k in ("context_index", "bcap", "g")), f"{c['a_ms']:.4f}", f"{c['b_ms']:.4f}", f"{c['delta_ms']:+.4f}", f"{c['delta_pct']:+.2f}")
+    err_console.print(t)
+    err_console.print(
+        f"{len(d['metadata'])} metadata difference(s); {len(d['costs'])} common cells, max |delta| "
+        f"{_fmt(d['max_abs_delta_pct'], '.2f')}%; only in a: {d['only_in_a']}, only in b: {d['only_in_b']}"
+    )
+
+
+def export(
+    table_path: Annotated[Path, typer.Argument(help="Cost table JSON file.", show_default=False)],
+    fmt: Annotated[str, typer.Option("--format", help="csv or markdown.")] = "csv",
+    out: Annotated[Path | None, typer.Option("--out", help="Write here (atomically) instead of stdout.")] = None,
+) -> None:
+    """Export the cost of every captured (Bcap, G) per context interval as CSV or markdown."""
+    from speccal.costmodel.report import cost_grid, to_markdown
+    from speccal.costmodel.table import load_table
+
+    if fmt not in ("csv", "markdown"):
+        raise InputError("--format", fmt, "csv or markdown")
+    grid = cost_grid(load_table(table_path))
+    text = grid.to_csv(index=False) if fmt == "csv" else to_markdown(grid)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        write_text_atomic(out, text)
+        err_console.print(f"wrote {len(grid)} rows to {out}")
 
 
 def register(app: typer.Typer) -> None:
-    """Attach this module's commands to the root app."""
+    """Attach ``speccal table ...`` to the root app."""
+    sub = typer.Typer(name="table", help="Show, validate, diff and export cost tables.", no_args_is_help=True)
+    sub.command("show")(show)
+    sub.command("validate")(validate)
+    sub.command("diff")(diff)
+    sub.command("export")(export)
+    app.add_typer(sub, name="table")

@@ -1,0 +1,569 @@
+"""Calibration configuration: the JSON boundary, the user's explicit values and the effective config.
+
+Three layers, each the single source of the values it holds:
+
+- ``parse_config_file`` / ``parse_config_obj`` read a calibration JSON in either xLLM shape, unchanged:
+  the adaptive-draft-step file ``{"version": 1, "policy": {...}, "calibration": {...}}`` or the bare
+  calibration object ``{"model": "additive", "request_buckets": [...], "contexts": [...], ...}``.
+  Every part is optional; unknown keys and wrong types are refused naming the key (pydantic,
+  ``extra="forbid"``, strict types).
+- ``UserConfig`` holds only what the user gave explicitly, each value tagged with where it came from
+  (``file`` or ``flag``; a flag overrides the file).
+- ``resolve_config(user, geometry, draft_width)`` fills every missing value from the documented
+  defaults (SPEC section 4 and the xLLM adaptive speculative decoding document) against the warmed
+  runner's geometry and returns a frozen ``CalibrationConfig`` whose ``sources`` say, per key, whether
+  the value is a ``default``, came from the ``file``, a ``flag`` or the ``run`` (draft width). A
+  default that had to be shrunk to fit says why in ``notes``.
+
+Data layout of ``CalibrationConfig.to_dict()`` (stored in the journal header and the cost table)::
+
+    {"model": "additive", "mode": "target_verify", "draft_width": 3,
+     "request_buckets": [1, 2, 4], "target_graph_rows": {"1": [1, 2, 3, 4], ...},
+     "contexts": [{"prefill_tokens": 2048, "min_kv_length": 1, "max_kv_length": 4096}],
+     "warmup_steps": 8, "window_steps": 32, "windows_per_point": 3, "token_seed": 1,
+     "policy": {"window_size": 20, "update_interval": 5, "switch_min_gain": 0.05}}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
+
+from speccal.calibrate.feasibility import check_buckets_captured, default_context, reserve_tokens
+from speccal.costmodel.grid import check_contexts
+from speccal.errors import InputError
+from speccal.geometry import MAX_REQUEST_BUCKETS, Geometry
+
+MODELS = ("additive", "sps")
+MODES = ("target_verify", "draft_step")
+
+# Defaults, exactly as SPEC section 4 and the xLLM document state them.
+DEFAULT_MODEL = "additive"
+DEFAULT_PREFILL_TOKENS = 2048
+DEFAULT_MIN_KV_LENGTH = 1
+DEFAULT_MAX_KV_LENGTH = 4096
+DEFAULT_WARMUP_STEPS = 8
+DEFAULT_WINDOW_STEPS = 32
+DEFAULT_WINDOWS_PER_POINT = 3
+DEFAULT_TOKEN_SEED = 1
+DEFAULT_WINDOW_SIZE = 20
+DEFAULT_UPDATE_INTERVAL = 5
+DEFAULT_SWITCH_MIN_GAIN = 0.05
+
+# Every key the effective configuration reports a source for, in print order.
+KEYS = (
+    "model",
+    "mode",
+    "draft_width",
+    "request_buckets",
+    "target_graph_rows",
+    "contexts",
+    "warmup_steps",
+    "window_steps",
+    "windows_per_point",
+    "token_seed",
+    "policy.window_size",
+    "policy.update_interval",
+    "policy.switch_min_gain",
+)
+SOURCES = ("default", "file", "flag", "run")
+
+
+# ---------------------------------------------------------------------------------------------
+# In-memory config (frozen, validated on construction)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextInterval:
+    """One context interval: synthetic prompts of at most ``prefill_tokens`` tokens whose KV lengths
+    stay inside ``[min_kv_length, max_kv_length]`` (inclusive) during measurement.
+
+    Synthetic prompt lengths are spread evenly over ``[min_kv_length, prefill_tokens]``, so
+    ``prefill_tokens`` must be at least ``min_kv_length``.
+    """
+
+    prefill_tokens: int
+    min_kv_length: int
+    max_kv_length: int
+
+    def __post_init__(self) -> None:
+        _check_int("prefill_tokens", self.prefill_tokens, 1)
+        _check_int("min_kv_length", self.min_kv_length, 1)
+        _check_int("max_kv_length", self.max_kv_length, 1)
+        if self.max_kv_length < self.min_kv_length:
+            raise InputError(
+                "max_kv_length",
+                self.max_kv_length,
+                f"an integer >= min_kv_length={self.min_kv_length}",
+            )
+        if self.prefill_tokens < self.min_kv_length:
+            raise InputError(
+                "prefill_tokens",
+                self.prefill_tokens,
+                f"an integer >= min_kv_length={self.min_kv_length}",
+                hint="synthetic prompts start inside the KV interval",
+            )
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "min_kv_length": self.min_kv_length,
+            "max_kv_length": self.max_kv_length,
+        }
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The adaptive-draft-step policy block (carried into the table; calibration does not use it)."""
+
+    window_size: int = DEFAULT_WINDOW_SIZE
+    update_interval: int = DEFAULT_UPDATE_INTERVAL
+    switch_min_gain: float = DEFAULT_SWITCH_MIN_GAIN
+
+    def __post_init__(self) -> None:
+        _check_int("policy.window_size", self.window_size, 1)
+        _check_int("policy.update_interval", self.update_interval, 1)
+        if not (isinstance(self.switch_min_gain, (int, float)) and 0 <= self.switch_min_gain < 1):
+            raise InputError("policy.switch_min_gain", self.switch_min_gain, "a number in [0, 1)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "window_size": self.window_size,
+            "update_interval": self.update_interval,
+            "switch_min_gain": float(self.switch_min_gain),
+        }
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """The effective calibration configuration: every value resolved, with its source.
+
+    Attributes
+    ----------
+    model : ``additive`` or ``sps``.
+    mode : ``target_verify`` (draft runs full width ``w``; G is the trimmed verify budget) or
+        ``draft_step`` (each candidate ``k`` measured on its own points, ``G = Bcap * (k + 1)``).
+    draft_width : ``w``, the run's ``num_speculative_tokens``.
+    request_buckets : physical draft request buckets ``Bcap`` to sample, ascending.
+    target_graph_rows : per ``Bcap``, the target row buckets ``G`` to sample, ascending.
+    contexts : non-overlapping context intervals, in the order given.
+    warmup_steps, window_steps, windows_per_point : rounds before measuring, rounds per window,
+        windows per grid point.
+    token_seed : seed of the synthetic prompt token ids.
+    policy : adaptive-draft-step policy block.
+    sources : key (see ``KEYS``) -> ``default`` | ``file`` | ``flag`` | ``run``.
+    notes : key -> why a default differs from its documented value (e.g. shrunk to fit).
+    """
+
+    model: str
+    mode: str
+    draft_width: int
+    request_buckets: tuple[int, ...]
+    target_graph_rows: Mapping[int, tuple[int, ...]]
+    contexts: tuple[ContextInterval, ...]
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    window_steps: int = DEFAULT_WINDOW_STEPS
+    windows_per_point: int = DEFAULT_WINDOWS_PER_POINT
+    token_seed: int = DEFAULT_TOKEN_SEED
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    sources: Mapping[str, str] = field(default_factory=dict)
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise InputError("model", self.model, f"one of {', '.join(MODELS)}")
+        if self.mode not in MODES:
+            raise InputError("mode", self.mode, f"one of {', '.join(MODES)}")
+        _check_int("draft_width", self.draft_width, 1)
+        buckets = tuple(self.request_buckets)
+        if (
+            not buckets
+            or list(buckets) != sorted(set(buckets))
+            or any(not isinstance(b, int) or b < 1 for b in buckets)
+        ):
+            raise InputError(
+                "request_buckets", list(buckets), "a non-empty list of distinct integers >= 1"
+            )
+        if len(buckets) > MAX_REQUEST_BUCKETS:
+            raise InputError(
+                "request_buckets", len(buckets), f"at most {MAX_REQUEST_BUCKETS} buckets"
+            )
+        object.__setattr__(self, "request_buckets", buckets)
+        rows = {int(b): tuple(sorted(set(self.target_graph_rows.get(b, ())))) for b in buckets}
+        for b, gs in rows.items():
+            if not gs:
+                raise InputError(f"target_graph_rows[{b}]", [], "at least one target row bucket")
+        object.__setattr__(self, "target_graph_rows", rows)
+        contexts = tuple(self.contexts)
+        if not contexts:
+            raise InputError("contexts", [], "at least one context interval")
+        check_no_overlap(contexts)
+        object.__setattr__(self, "contexts", contexts)
+        _check_int("warmup_steps", self.warmup_steps, 0)
+        _check_int("window_steps", self.window_steps, 1)
+        _check_int("windows_per_point", self.windows_per_point, 1)
+        _check_int("token_seed", self.token_seed, 0)
+        bad = {k: v for k, v in self.sources.items() if k not in KEYS or v not in SOURCES}
+        if bad:
+            raise InputError("sources", bad, f"keys among {KEYS} and sources among {SOURCES}")
+        object.__setattr__(self, "sources", dict(self.sources))
+        object.__setattr__(self, "notes", dict(self.notes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (no sources): what identifies this calibration."""
+        return {
+            "model": self.model,
+            "mode": self.mode,
+            "draft_width": self.draft_width,
+            "request_buckets": list(self.request_buckets),
+            "target_graph_rows": {str(b): list(g) for b, g in self.target_graph_rows.items()},
+            "contexts": [c.to_dict() for c in self.contexts],
+            "warmup_steps": self.warmup_steps,
+            "window_steps": self.window_steps,
+            "windows_per_point": self.windows_per_point,
+            "token_seed": self.token_seed,
+            "policy": self.policy.to_dict(),
+        }
+
+
+def check_no_overlap(contexts: tuple[ContextInterval, ...]) -> None:
+    """Refuse context intervals whose KV ranges overlap (inclusive bounds)."""
+    check_contexts(
+        {i: (c.prefill_tokens, c.min_kv_length, c.max_kv_length) for i, c in enumerate(contexts)}
+    )
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(name, value, f"an integer >= {minimum}")
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON boundary (pydantic, extra="forbid", strict types)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ContextModel(_Strict):
+    prefill_tokens: StrictInt
+    min_kv_length: StrictInt
+    max_kv_length: StrictInt
+
+
+class PolicyModel(_Strict):
+    window_size: StrictInt | None = None
+    update_interval: StrictInt | None = None
+    switch_min_gain: StrictFloat | StrictInt | None = None
+
+
+class CalibrationModel(_Strict):
+    """The bare calibration object (every key optional)."""
+
+    model: Literal["additive", "sps"] | None = None
+    draft_width: StrictInt | None = None
+    request_buckets: list[StrictInt] | None = None
+    # Either {"<Bcap>": [G, ...]} per bucket, or one list of G applied to every request bucket
+    # (each bucket keeps the values that are legal for it).
+    target_graph_rows: dict[str, list[StrictInt]] | list[StrictInt] | None = None
+    contexts: list[ContextModel] | None = None
+    warmup_steps: StrictInt | None = None
+    window_steps: StrictInt | None = None
+    windows_per_point: StrictInt | None = None
+    token_seed: StrictInt | None = None
+
+
+class AdaptiveStepFileModel(_Strict):
+    """The adaptive-draft-step file: ``{"version": 1, "policy": {...}, "calibration": {...}}``."""
+
+    version: Literal[1] | None = None
+    policy: PolicyModel | None = None
+    calibration: CalibrationModel | None = None
+
+
+_WRAPPER_KEYS = frozenset(AdaptiveStepFileModel.model_fields)
+
+
+@dataclass(frozen=True)
+class ParsedFile:
+    """A parsed calibration JSON: which shape it had and its (partial) contents."""
+
+    shape: str  # "adaptive_draft_step" | "calibration"
+    calibration: CalibrationModel
+    policy: PolicyModel | None
+
+
+def parse_config_obj(obj: Any, *, source: str = "config") -> ParsedFile:
+    """Validate a decoded JSON value in either accepted shape.
+
+    A top-level object with any of ``version`` / ``policy`` / ``calibration`` is the
+    adaptive-draft-step shape (then every other top-level key is refused); otherwise it is the bare
+    calibration object.
+    """
+    if not isinstance(obj, dict):
+        raise InputError(source, obj, "a JSON object")
+    try:
+        if _WRAPPER_KEYS & obj.keys():
+            wrapped = AdaptiveStepFileModel.model_validate(obj)
+            return ParsedFile(
+                shape="adaptive_draft_step",
+                calibration=wrapped.calibration or CalibrationModel(),
+                policy=wrapped.policy,
+            )
+        return ParsedFile(
+            shape="calibration", calibration=CalibrationModel.model_validate(obj), policy=None
+        )
+    except ValidationError as exc:
+        raise _input_error(exc, source) from None
+
+
+def parse_config_file(path: str | Path) -> ParsedFile:
+    """Read and validate a calibration JSON file (see ``parse_config_obj``)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(
+            "--config", str(p), "a readable JSON file", hint=exc.strerror or str(exc)
+        ) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            "--config", str(p), "valid JSON", hint=f"line {exc.lineno}: {exc.msg}"
+        ) from None
+    return parse_config_obj(obj, source=str(p))
+
+
+def _input_error(exc: ValidationError, source: str) -> InputError:
+    err = exc.errors()[0]
+    loc = ".".join(
+        str(x)
+        for x in err["loc"]
+        if not str(x).startswith(("int", "float", "list[", "dict[", "literal["))
+    )
+    if err["type"] == "extra_forbidden":
+        return InputError(loc, err["input"], "no such key (unknown keys are refused)", hint=source)
+    if err["type"] == "missing":
+        return InputError(loc, None, "a value (this key is required)", hint=source)
+    expected = err["msg"].removeprefix("Input should be ").removeprefix("input should be ")
+    return InputError(loc or "<root>", err.get("input"), expected, hint=source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Explicit user values and resolution against the runner's geometry
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UserConfig:
+    """Values the user set explicitly: ``values[key] = (value, source)`` with source file|flag.
+
+    Keys are those of ``KEYS``; ``contexts`` holds a tuple of ``ContextInterval``;
+    ``target_graph_rows`` a dict ``{Bcap: [G...]}`` or a list of G.
+    """
+
+    values: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    shape: str | None = None  # shape of the config file, if any
+
+    @classmethod
+    def build(
+        cls, parsed: ParsedFile | None = None, flags: Mapping[str, Any] | None = None
+    ) -> UserConfig:
+        """Merge a parsed file and CLI flags (a flag wins; ``None`` flags are ignored)."""
+        values: dict[str, tuple[Any, str]] = {}
+        if parsed is not None:
+            cal = parsed.calibration
+            for key in (
+                "model",
+                "draft_width",
+                "request_buckets",
+                "target_graph_rows",
+                "warmup_steps",
+                "window_steps",
+                "windows_per_point",
+                "token_seed",
+            ):
+                v = getattr(cal, key)
+                if v is not None:
+                    values[key] = (v, "file")
+            if cal.contexts is not None:
+                values["contexts"] = (
+                    tuple(
+                        _context(
+                            c.prefill_tokens, c.min_kv_length, c.max_kv_length, f"contexts[{i}]"
+                        )
+                        for i, c in enumerate(cal.contexts)
+                    ),
+                    "file",
+                )
+            if parsed.policy is not None:
+                for key in ("window_size", "update_interval", "switch_min_gain"):
+                    v = getattr(parsed.policy, key)
+                    if v is not None:
+                        values[f"policy.{key}"] = (v, "file")
+        for key, v in (flags or {}).items():
+            if key not in KEYS:
+                raise InputError("flag", key, f"one of {KEYS}")
+            if v is not None:
+                values[key] = (v, "flag")
+        return cls(values=values, shape=parsed.shape if parsed else None)
+
+    def get(self, key: str) -> tuple[Any, str] | None:
+        return self.values.get(key)
+
+
+def _context(prefill: int, lo: int, hi: int, where: str) -> ContextInterval:
+    try:
+        return ContextInterval(prefill, lo, hi)
+    except InputError as exc:
+        raise InputError(f"{where}.{exc.field}", exc.value, exc.expected, hint=exc.hint) from None
+
+
+def resolve_config(user: UserConfig, geometry: Geometry) -> CalibrationConfig:
+    """Fill every value the user did not set from the documented defaults against ``geometry``.
+
+    Parameters
+    ----------
+    user : explicit values (file / flag).
+    geometry : the warmed runner's captured geometry; its ``draft_width`` is the run's
+        ``num_speculative_tokens``.
+
+    Returns
+    -------
+    CalibrationConfig with ``sources`` for every key. The default context is shrunk to fit the
+    model context and the KV capacity (``notes['contexts']`` says how); explicit values are not
+    checked here (``feasibility.check_feasible`` does that, before any sampling).
+    """
+    sources: dict[str, str] = {}
+    notes: dict[str, str] = {}
+
+    def pick(key: str, default: Any) -> Any:
+        got = user.get(key)
+        if got is None:
+            sources[key] = "default"
+            return default
+        sources[key] = got[1]
+        return got[0]
+
+    model = pick("model", DEFAULT_MODEL)
+    # The adaptive-draft-step file shape means the user calibrates per candidate k.
+    mode_default = "draft_step" if user.shape == "adaptive_draft_step" else "target_verify"
+    mode = pick("mode", mode_default)
+    if sources["mode"] == "default" and user.shape == "adaptive_draft_step":
+        notes["mode"] = "draft_step because the config file has the adaptive-draft-step shape"
+
+    w = geometry.draft_width
+    got = user.get("draft_width")
+    if got is not None and got[0] != w:
+        raise InputError(
+            "draft_width",
+            got[0],
+            f"the run's num_speculative_tokens={w}",
+            hint=f"draft_width from the {got[1]} must match the runner; change --draft-width instead",
+        )
+    sources["draft_width"] = "run"
+
+    buckets = tuple(sorted(set(pick("request_buckets", geometry.request_buckets))))
+    check_buckets_captured(buckets, geometry)
+    rows_in = pick("target_graph_rows", None)
+    if rows_in is None:
+        # Every legal captured target bucket of each request bucket, full width included.
+        rows = {
+            b: tuple(g for g in geometry.target_rows.get(b, ()) if b <= g <= b * (w + 1))
+            for b in buckets
+        }
+        if mode == "draft_step":
+            rows = {b: tuple(g for g in gs if g % b == 0 and g // b >= 2) for b, gs in rows.items()}
+    elif isinstance(rows_in, Mapping):
+        rows = {}
+        for key, gs in rows_in.items():
+            try:
+                b = int(key)
+            except (TypeError, ValueError):
+                raise InputError(
+                    "target_graph_rows", key, "request bucket keys written as integers"
+                ) from None
+            if b not in buckets:
+                raise InputError(
+                    f"target_graph_rows[{b}]",
+                    list(gs),
+                    f"a key among request_buckets {list(buckets)}",
+                )
+            rows[b] = tuple(gs)
+        missing = [b for b in buckets if b not in rows]
+        if missing:
+            raise InputError(
+                "target_graph_rows",
+                sorted(rows),
+                f"an entry for every request bucket (missing {missing})",
+            )
+    else:
+        wanted = sorted(set(rows_in))
+        rows = {
+            b: tuple(g for g in wanted if g in geometry.target_rows.get(b, ())) for b in buckets
+        }
+        unused = [g for g in wanted if not any(g in gs for gs in rows.values())]
+        if unused:
+            raise InputError(
+                "target_graph_rows",
+                unused,
+                "target row buckets captured for at least one request bucket",
+                hint=f"captured: { {b: list(geometry.target_rows.get(b, ())) for b in buckets} }",
+            )
+    # Full width is always sampled: the full-width admission fallback needs it and it links the
+    # additive grid through shared G values.
+    rows = {b: tuple(sorted(set(gs) | {b * (w + 1)})) for b, gs in rows.items()}
+
+    warmup = pick("warmup_steps", DEFAULT_WARMUP_STEPS)
+    steps = pick("window_steps", DEFAULT_WINDOW_STEPS)
+    windows = pick("windows_per_point", DEFAULT_WINDOWS_PER_POINT)
+    for name, v, lo in (
+        ("warmup_steps", warmup, 0),
+        ("window_steps", steps, 1),
+        ("windows_per_point", windows, 1),
+    ):
+        _check_int(name, v, lo)
+
+    contexts = pick("contexts", None)
+    if contexts is None:
+        reserve = reserve_tokens(warmup, steps, windows, w)
+        ctx, why = default_context(
+            geometry,
+            max(buckets),
+            reserve,
+            prefill_tokens=DEFAULT_PREFILL_TOKENS,
+            min_kv_length=DEFAULT_MIN_KV_LENGTH,
+            max_kv_length=DEFAULT_MAX_KV_LENGTH,
+        )
+        contexts = (ContextInterval(*ctx),)
+        if why:
+            notes["contexts"] = why
+    policy = PolicyConfig(
+        window_size=pick("policy.window_size", DEFAULT_WINDOW_SIZE),
+        update_interval=pick("policy.update_interval", DEFAULT_UPDATE_INTERVAL),
+        switch_min_gain=pick("policy.switch_min_gain", DEFAULT_SWITCH_MIN_GAIN),
+    )
+    return CalibrationConfig(
+        model=model,
+        mode=mode,
+        draft_width=w,
+        request_buckets=buckets,
+        target_graph_rows=rows,
+        contexts=tuple(contexts),
+        warmup_steps=warmup,
+        window_steps=steps,
+        windows_per_point=windows,
+        token_seed=pick("token_seed", DEFAULT_TOKEN_SEED),
+        policy=policy,
+        sources=sources,
+        notes=notes,
+    )

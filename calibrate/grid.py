@@ -1,0 +1,87 @@
+"""The calibration grid: which (context, Bcap, G, k) points are measured and with what round plan.
+
+A ``GridPoint`` is one measured shape. In ``target_verify`` mode the draft runs all ``w`` steps and
+the target receives exactly ``G`` rows: request ``i`` of the ``Bcap`` synthetic requests verifies
+``verify_tokens[i]`` drafted tokens, spread as evenly as possible so that
+``sum(verify_tokens[i] + 1) == G``. In ``draft_step`` mode each candidate ``k`` is its own point set
+with ``G = Bcap * (k + 1)`` (full verification of ``k`` drafts, ``verify_tokens`` None).
+
+Pure Python (no torch): the grid is built and checked before any sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from speccal.costmodel import grid
+from speccal.errors import GridError
+
+if TYPE_CHECKING:
+    from speccal.calibrate.config import CalibrationConfig
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One measured shape.
+
+    Attributes
+    ----------
+    context_index : index into ``CalibrationConfig.contexts``.
+    bcap : physical draft request bucket; calibration runs exactly ``bcap`` requests (B == Bcap).
+    g : physical target rows.
+    k : draft forwards per round (``num_draft_steps``).
+    verify_tokens : per request, drafted tokens sent to the target (prefix length); None = all k.
+    """
+
+    context_index: int
+    bcap: int
+    g: int
+    k: int
+    verify_tokens: tuple[int, ...] | None = None
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        """Identity of the point in the journal and in measurement rows."""
+        return (self.context_index, self.bcap, self.g, self.k)
+
+
+def split_rows(bcap: int, g: int, draft_width: int) -> tuple[int, ...]:
+    """Per-request verify lengths ``v`` (0..w) with ``sum(v + 1) == g``, as even as possible."""
+    extra = g - bcap
+    if extra < 0 or extra > bcap * draft_width:
+        raise GridError(
+            "target_graph_rows",
+            g,
+            f"a row count in [{bcap}, {bcap * (draft_width + 1)}] for Bcap={bcap}",
+        )
+    base, rem = divmod(extra, bcap)
+    return tuple(base + 1 if i < rem else base for i in range(bcap))
+
+
+def build_grid(cfg: CalibrationConfig) -> tuple[GridPoint, ...]:
+    """All points of ``cfg``, ordered by context, then Bcap, then G (measurement order)."""
+    w = cfg.draft_width
+    points: list[GridPoint] = []
+    for ci in range(len(cfg.contexts)):
+        for b in cfg.request_buckets:
+            for g in cfg.target_graph_rows[b]:
+                if cfg.mode == "draft_step":
+                    if g % b or g // b < 2 or g // b > w + 1:
+                        raise GridError(
+                            f"target_graph_rows[{b}]",
+                            g,
+                            f"Bcap * (k + 1) for k in 1..{w} in draft_step mode",
+                        )
+                    points.append(GridPoint(ci, b, g, g // b - 1, None))
+                else:
+                    points.append(GridPoint(ci, b, g, w, split_rows(b, g, w)))
+    return tuple(points)
+
+
+def check_connected(points: tuple[GridPoint, ...]) -> None:
+    """Refuse an additive grid that is not connected through shared G values (before sampling)."""
+    grid.check_connected(
+        [(p.bcap, p.g) for p in points],
+        where="target_graph_rows",
+    )

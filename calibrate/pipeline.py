@@ -1,0 +1,269 @@
+"""One calibration run end to end: what ``speccal calibrate`` calls.
+
+Order (nothing is sampled before every check has passed):
+
+1. parse the calibration JSON (if any) - bad files fail before the runner is built;
+2. build and warm the runner (``Engine``, forced full acceptance) - timed as ``warmup_capture_s``;
+3. ``--cost-table``: load the table against ``Engine.compatibility()`` (semantic mismatch refused),
+   print it and stop: no sampling, no fitting (warmup is not skipped);
+4. resolve the effective configuration against the captured geometry, print it, check
+   feasibility, build the grid;
+5. open the journal (``--resume`` keeps finished windows of the same run), drive the grid with a
+   progress bar, appending each window (fsync) - ``sampling_s``;
+6. fit (``speccal.costmodel.table.build_table``), print the fit report, write the table atomically
+   at ``--out`` - ``fit_s``. A crash before this leaves the previous table untouched.
+
+Returns a JSON-able summary (``--json``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from speccal.calibrate import report
+from speccal.calibrate.config import UserConfig, parse_config_file, resolve_config
+from speccal.calibrate.driver import drive
+from speccal.calibrate.feasibility import check_feasible
+from speccal.calibrate.grid import build_grid
+from speccal.calibrate.journal import open_journal
+from speccal.errors import InputError
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    """Everything ``speccal calibrate`` takes from its command line.
+
+    ``request_buckets`` are the run's captured buckets (engine option); the calibration samples all
+    of them unless the config names a subset. ``flags`` are calibration values set by CLI flags
+    (keys of ``speccal.calibrate.config.KEYS``; None = not given).
+    """
+
+    model: str = "tiny"
+    device: str = "cpu"
+    dtype: str | None = None
+    draft_width: int | None = None
+    request_buckets: tuple[int, ...] | None = None
+    config_path: Path | None = None
+    out: Path = Path("speccal-table.json")
+    journal: Path | None = None
+    resume: bool = False
+    cost_table: Path | None = None
+    max_model_len: int | None = None
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    progress: bool = True
+    seed: int = 0
+
+    @property
+    def journal_path(self) -> Path:
+        return self.journal or self.out.with_name(self.out.name + ".journal.jsonl")
+
+
+def make_engine(opts: CalibrateOptions) -> Any:
+    """Build and warm the runner for calibration (forced full acceptance: shapes == grid)."""
+    from speccal.runner.engine import Engine, EngineConfig
+
+    kwargs: dict[str, Any] = {
+        "model": opts.model,
+        "device": opts.device,
+        "acceptance": "forced",
+        "seed": opts.seed,
+    }
+    if opts.dtype is not None:
+        kwargs["dtype"] = opts.dtype
+    if opts.draft_width is not None:
+        kwargs["draft_width"] = opts.draft_width
+    if opts.request_buckets is not None:
+        kwargs["request_buckets"] = tuple(opts.request_buckets)
+    if opts.max_model_len is not None:
+        kwargs["max_model_len"] = opts.max_model_len
+    return Engine(EngineConfig(**kwargs))
+
+
+def _check_options(opts: CalibrateOptions) -> None:
+    if opts.cost_table is not None:
+        for name, given in (("--resume", opts.resume), ("--journal", opts.journal is not None)):
+            if given:
+                raise InputError(
+                    name, True, "not combined with --cost-table (a reused table samples nothing)"
+                )
+        if not opts.cost_table.is_file():
+            raise InputError("--cost-table", str(opts.cost_table), "an existing cost table file")
+    if not opts.out.parent.exists() and opts.cost_table is None:
+        raise InputError("--out", str(opts.out), "a path in an existing directory")
+
+
+def calibrate(
+    opts: CalibrateOptions,
+    *,
+    console: Console | None = None,
+    engine_factory: Callable[[CalibrateOptions], Any] | None = None,
+) -> dict[str, Any]:
+    """Run one calibration (or validate a reused table); return the ``--json`` summary.
+
+    ``engine_factory(opts)`` builds the warmed runner (default ``make_engine``).
+    """
+    from speccal.costmodel.table import Provenance, build_table, load_table, save_table
+
+    console = console or Console(stderr=True)
+    t_start = time.perf_counter()
+    _check_options(opts)
+    parsed = parse_config_file(opts.config_path) if opts.config_path is not None else None
+
+    t0 = time.perf_counter()
+    engine = (engine_factory or make_engine)(opts)
+    geometry = engine.geometry
+    compat = engine.compatibility()
+    warmup_capture_s = time.perf_counter() - t0
+    description = getattr(engine, "description", opts.model)
+    console.print(
+        f"runner {description} warmed in {warmup_capture_s:.2f} s ({compat.get('graph_mode')} graphs)"
+    )
+
+    if opts.cost_table is not None:
+        table = load_table(opts.cost_table, expect=compat)
+        report.print_reused_table(console, table, opts.cost_table)
+        return {
+            "status": "reused",
+            "cost_table": str(opts.cost_table),
+            "calibration": table.calibration.model_dump(mode="json"),
+            "compatibility": dict(compat),
+            "geometry": geometry.to_dict(),
+            "timings": {
+                "warmup_capture_s": warmup_capture_s,
+                "total_s": time.perf_counter() - t_start,
+            },
+        }
+
+    flags = dict(opts.flags)
+    if opts.request_buckets is not None and not (
+        parsed and parsed.calibration.request_buckets is not None
+    ):
+        # The captured buckets were chosen on the command line: calibrating all of them is the flag's doing.
+        flags["request_buckets"] = tuple(geometry.request_buckets)
+    cfg = resolve_config(UserConfig.build(parsed, flags), geometry)
+    report.print_effective_config(console, cfg, geometry, compat)
+    check_feasible(cfg, geometry)
+    points = build_grid(cfg)
+
+    header = {
+        "config": cfg.to_dict(),
+        "geometry": geometry.to_dict(),
+        "compatibility": dict(compat),
+    }
+    device_label = f"{compat['device']['kind']}:{compat['device']['name']}"
+    vocab_size = _vocab_size(engine)
+    with open_journal(opts.journal_path, header, resume=opts.resume) as journal:
+        if journal.resumed:
+            console.print(
+                f"resuming from {opts.journal_path}: {len(journal.rows)} windows already measured"
+                + (" (dropped a torn last line)" if journal.dropped_torn_line else "")
+            )
+        report.print_grid(console, points, cfg, len(journal.rows))
+        total_windows = len(points) * cfg.windows_per_point
+        with _progress(console, opts.progress) as progress:
+            task = progress.add_task(
+                "calibrating",
+                total=total_windows,
+                completed=len(journal.done & _all_windows(points, cfg.windows_per_point)),
+                points=sum(
+                    all((*p.key, i) in journal.done for i in range(cfg.windows_per_point))
+                    for p in points
+                ),
+                points_total=len(points),
+            )
+
+            def on_window(windows_done: int, points_done: int, point) -> None:
+                progress.update(
+                    task,
+                    completed=windows_done,
+                    points=points_done,
+                    description=f"Bcap={point.bcap} G={point.g} k={point.k}",
+                )
+
+            stats = drive(
+                engine,
+                cfg,
+                points,
+                journal,
+                device=device_label,
+                vocab_size=vocab_size,
+                on_window=on_window,
+            )
+            progress.update(task, points=stats.points_done)
+        rows = pd.DataFrame(journal.rows)
+
+    t_fit = time.perf_counter()
+    table = build_table(
+        rows,
+        model=cfg.model,
+        compatibility=compat,
+        calibration={**cfg.to_dict(), "sources": dict(cfg.sources)},
+        geometry=geometry,
+        provenance=Provenance.now(
+            command=" ".join(["speccal", *sys.argv[1:]]) if sys.argv else None
+        ),
+    )
+    fit_s = time.perf_counter() - t_fit
+    report.print_fit_report(console, table)
+    save_table(table, opts.out)
+    console.print(f"wrote {opts.out} ({stats.points_done}/{stats.points_total} points)")
+    return {
+        "status": "calibrated",
+        "out": str(opts.out),
+        "journal": str(opts.journal_path),
+        "points_total": stats.points_total,
+        "points_done": stats.points_done,
+        "points_resumed": stats.points_skipped,
+        "windows": len(rows),
+        "windows_measured": stats.windows_measured,
+        "rounds": stats.rounds,
+        "effective_config": report.effective_config_dict(cfg, geometry, compat),
+        "fit": report.fit_summary(table),
+        "timings": {
+            "warmup_capture_s": warmup_capture_s,
+            "transition_s": stats.transition_s,
+            "warmup_s": stats.warmup_s,
+            "sampling_s": stats.sampling_s,
+            "fit_s": fit_s,
+            "total_s": time.perf_counter() - t_start,
+        },
+    }
+
+
+def _all_windows(points, windows_per_point: int) -> set:
+    return {(*p.key, i) for p in points for i in range(windows_per_point)}
+
+
+def _vocab_size(engine: Any) -> int:
+    return int(engine.loaded.config.vocab_size)
+
+
+def _progress(console: Console, enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("windows, points {task.fields[points]}/{task.fields[points_total]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )

@@ -1,0 +1,185 @@
+"""Human-readable calibration output (Rich, on stderr): the effective configuration with the
+source of every value and the captured graph geometry, the grid, and the reuse of a saved table.
+
+Also builds the plain-dict form of the effective configuration used by ``--json``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from speccal.calibrate.config import KEYS, CalibrationConfig
+from speccal.calibrate.grid import GridPoint
+from speccal.geometry import Geometry
+
+
+def _value(cfg: CalibrationConfig, key: str) -> str:
+    if key.startswith("policy."):
+        return str(getattr(cfg.policy, key.split(".", 1)[1]))
+    if key == "target_graph_rows":
+        return "; ".join(f"{b}: {list(g)}" for b, g in cfg.target_graph_rows.items())
+    if key == "contexts":
+        return "; ".join(
+            f"prefill {c.prefill_tokens}, KV {c.min_kv_length}..{c.max_kv_length}"
+            for c in cfg.contexts
+        )
+    value = getattr(cfg, key)
+    return str(list(value)) if isinstance(value, tuple) else str(value)
+
+
+def effective_config_dict(
+    cfg: CalibrationConfig, geometry: Geometry, compatibility: Mapping[str, Any]
+) -> dict:
+    """``{"config": ..., "sources": ..., "notes": ..., "geometry": ..., "graph_mode": ...}``."""
+    return {
+        "config": cfg.to_dict(),
+        "sources": dict(cfg.sources),
+        "notes": dict(cfg.notes),
+        "geometry": geometry.to_dict(),
+        "graph_mode": compatibility.get("graph_mode"),
+    }
+
+
+def print_effective_config(
+    console: Console, cfg: CalibrationConfig, geometry: Geometry, compatibility: Mapping[str, Any]
+) -> None:
+    """Print every effective value with its source, then the captured graph geometry."""
+    t = Table(title="effective calibration configuration", title_justify="left")
+    t.add_column("key", style="bold")
+    t.add_column("value", overflow="fold")
+    t.add_column("source")
+    for key in KEYS:
+        source = cfg.sources.get(key, "default")
+        note = cfg.notes.get(key)
+        t.add_row(key, _value(cfg, key), source + (f" ({note})" if note else ""))
+    console.print(t)
+    print_geometry(console, geometry, compatibility)
+
+
+def print_geometry(console: Console, geometry: Geometry, compatibility: Mapping[str, Any]) -> None:
+    """The captured graph geometry of the warmed runner."""
+    g = Table(title="captured graph geometry", title_justify="left")
+    g.add_column("item", style="bold")
+    g.add_column("value", overflow="fold")
+    g.add_row("graph mode", str(compatibility.get("graph_mode")))
+    g.add_row("draft width w", str(geometry.draft_width))
+    g.add_row("request buckets Bcap", str(list(geometry.request_buckets)))
+    g.add_row(
+        "target rows G per Bcap",
+        "; ".join(f"{b}: {list(r)}" for b, r in geometry.target_rows.items()),
+    )
+    g.add_row("KV capacity (tokens)", str(geometry.kv_capacity_tokens))
+    g.add_row("model context", str(geometry.max_model_len))
+    g.add_row("block size", str(geometry.block_size))
+    model = compatibility.get("model") or {}
+    device = compatibility.get("device") or {}
+    g.add_row(
+        "model",
+        f"{model.get('architecture')} {model.get('dtype')} ({str(model.get('fingerprint'))[:12]})",
+    )
+    g.add_row("device", f"{device.get('kind')} {device.get('name')}")
+    console.print(g)
+
+
+def print_grid(
+    console: Console, points: tuple[GridPoint, ...], cfg: CalibrationConfig, done: int
+) -> None:
+    """One line: how much will be sampled."""
+    rounds = len(points) * (cfg.warmup_steps + cfg.windows_per_point * cfg.window_steps)
+    console.print(
+        f"grid: {len(points)} points x {cfg.windows_per_point} windows of {cfg.window_steps} rounds "
+        f"({cfg.mode}, ~{rounds} rounds incl. warmup); {done} windows already in the journal"
+    )
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_fit_report(console: Console, table: Any) -> None:
+    """Per-point residuals and held-out errors of every fitted context of a ``CostTable``."""
+    for fit in table.fits:
+        d = fit.diagnostics
+        t = Table(
+            title=f"{fit.model} fit, context {fit.context_index} (prefill {fit.prefill_tokens}, "
+            f"KV {fit.min_kv_length}..{fit.max_kv_length})",
+            title_justify="left",
+        )
+        for col in (
+            "Bcap",
+            "G",
+            "windows",
+            "step ms",
+            "spread ms",
+            "fit ms",
+            "resid ms",
+            "resid %",
+            "LOPO ms",
+            "LOGO ms",
+        ):
+            t.add_column(col, justify="right")
+        for p in d.points:
+            t.add_row(
+                str(p.bcap),
+                str(p.g),
+                str(p.n_windows),
+                _fmt(p.step_ms),
+                _fmt(p.spread_ms),
+                _fmt(p.predicted_ms),
+                _fmt(p.residual_ms),
+                _fmt(p.residual_pct, ".1f"),
+                _fmt(p.lopo_ms),
+                _fmt(p.logo_ms),
+            )
+        console.print(t)
+        for name, e in (
+            ("residuals", d.residuals),
+            ("leave-one-point-out", d.leave_one_point_out),
+            ("leave-one-G-out", d.leave_one_g_out),
+        ):
+            console.print(
+                f"  {name}: MAE {_fmt(e.mae_ms)} ms ({_fmt(e.mean_abs_pct, '.1f')} %), max "
+                f"{_fmt(e.max_abs_ms)} ms ({_fmt(e.max_abs_pct, '.1f')} %), {e.n_evaluated} points"
+                + (f", {e.n_skipped} skipped" if e.n_skipped else "")
+            )
+
+
+def fit_summary(table: Any) -> list[dict]:
+    """``--json`` form of the fit report: error summaries per context."""
+    out = []
+    for fit in table.fits:
+        d = fit.diagnostics
+        out.append(
+            {
+                "context_index": fit.context_index,
+                "model": fit.model,
+                "points": len(d.points),
+                "residuals": d.residuals.model_dump(),
+                "leave_one_point_out": d.leave_one_point_out.model_dump(),
+                "leave_one_g_out": d.leave_one_g_out.model_dump(),
+            }
+        )
+    return out
+
+
+def print_reused_table(console: Console, table: Any, path: Any) -> None:
+    """Source, saved calibration config and coverage of a table reused with ``--cost-table``."""
+    cal = table.calibration
+    console.print(
+        f"reusing cost table {path} (schema {table.schema_version}, created {table.provenance.created})"
+    )
+    console.print(
+        f"  saved calibration: model {cal.model}, mode {cal.mode}, draft_width {cal.draft_width}, "
+        f"request_buckets {cal.request_buckets}, windows {cal.windows_per_point} x {cal.window_steps} rounds"
+    )
+    for fit in table.fits:
+        console.print(
+            f"  coverage: context {fit.context_index} KV {fit.min_kv_length}..{fit.max_kv_length}, "
+            f"Bcap {fit.bcap_levels()}, held-out MAE "
+            f"{_fmt(fit.diagnostics.leave_one_point_out.mae_ms)} ms"
+        )
+    console.print("  sampling and fitting skipped; compatibility checked against this run")

@@ -1,0 +1,153 @@
+"""Plain-data views of a cost table for the CLI and notebooks (no Rich, no printing).
+
+- :func:`summary`: a JSON-ready dict (identity, compatibility, provenance, one entry per fit
+  with its parameters and error summaries);
+- :func:`cost_grid`: one row per (context, Bcap, captured G) with the looked-up cost, so a
+  table can be exported to CSV/markdown or plotted;
+- :func:`diff_tables`: what differs between two tables (metadata fields and costs at common
+  grid cells);
+- :func:`to_markdown`: a DataFrame as a GitHub markdown table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from speccal.costmodel.table import CostTable
+
+ERROR_KEYS = ("residuals", "leave_one_point_out", "leave_one_g_out")
+
+
+def summary(table: CostTable) -> dict[str, Any]:
+    """JSON-ready overview of ``table`` (no raw windows, no per-point diagnostics)."""
+    fits = []
+    for f in table.fits:
+        params = f.additive if f.model == "additive" else f.sps
+        fits.append(
+            {
+                "context_index": f.context_index,
+                "prefill_tokens": f.prefill_tokens,
+                "min_kv_length": f.min_kv_length,
+                "max_kv_length": f.max_kv_length,
+                "model": f.model,
+                "n_points": len(f.diagnostics.points),
+                "n_windows": len(f.windows),
+                "params": params.model_dump(mode="json"),
+                **{k: getattr(f.diagnostics, k).model_dump(mode="json") for k in ERROR_KEYS},
+            }
+        )
+    return {
+        "schema_version": table.schema_version,
+        "model": table.model,
+        "mode": table.mode,
+        "draft_width": table.draft_width,
+        "compatibility": table.compatibility.model_dump(mode="json"),
+        "calibration": table.calibration.model_dump(mode="json"),
+        "provenance": table.provenance.model_dump(mode="json"),
+        "fits": fits,
+    }
+
+
+def cost_grid(table: CostTable) -> pd.DataFrame:
+    """Cost of every captured (Bcap, G) of the table's geometry, per context interval.
+
+    Columns: ``context_index, min_kv_length, max_kv_length, bcap, g, k, measured, calibrated,
+    cost_ms, steps_per_s, reason``. ``k`` is ``g / bcap - 1`` in ``draft_step`` mode when G is a
+    multiple of Bcap, else empty; costs are looked up at the interval's lower KV bound.
+    """
+    rows = []
+    geom = table.geometry()
+    for f in table.fits:
+        measured = {(p.bcap, p.g) for p in f.diagnostics.points}
+        for b in geom.request_buckets:
+            for g in geom.target_rows[b]:
+                look = table.cost_ms(b, g, f.min_kv_length)
+                k = g // b - 1 if table.mode == "draft_step" and g % b == 0 else None
+                rows.append(
+                    {
+                        "context_index": f.context_index,
+                        "min_kv_length": f.min_kv_length,
+                        "max_kv_length": f.max_kv_length,
+                        "bcap": b,
+                        "g": g,
+                        "k": k,
+                        "measured": (b, g) in measured,
+                        "calibrated": look.calibrated,
+                        "cost_ms": look.cost_ms,
+                        "steps_per_s": 1000.0 / look.cost_ms if look.calibrated else math.nan,
+                        "reason": look.reason or "",
+                    }
+                )
+    df = pd.DataFrame(rows)
+    df["k"] = df["k"].astype("Int64")
+    return df
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def diff_tables(a: CostTable, b: CostTable) -> dict[str, Any]:
+    """Differences between two tables.
+
+    Returns
+    -------
+    ``{"metadata": [{"field", "a", "b"}], "costs": [{"context_index", "bcap", "g", "a_ms",
+    "b_ms", "delta_ms", "delta_pct"}], "max_abs_delta_pct": float | None, "only_in_a": int,
+    "only_in_b": int}``: metadata covers compatibility, calibration and geometry; costs cover
+    grid cells calibrated in both (by context index and Bcap, G).
+    """
+    meta = []
+    for block in ("compatibility", "calibration", "geometry"):
+        fa = _flatten(a.to_json_dict()[block], f"{block}.")
+        fb = _flatten(b.to_json_dict()[block], f"{block}.")
+        for key in sorted(set(fa) | set(fb)):
+            if fa.get(key) != fb.get(key):
+                meta.append({"field": key, "a": fa.get(key), "b": fb.get(key)})
+    ga, gb = cost_grid(a), cost_grid(b)
+    keys = ["context_index", "bcap", "g"]
+    ga, gb = ga[ga.calibrated][keys + ["cost_ms"]], gb[gb.calibrated][keys + ["cost_ms"]]
+    both = ga.merge(gb, on=keys, suffixes=("_a", "_b"))
+    costs = [
+        {
+            "context_index": int(r.context_index),
+            "bcap": int(r.bcap),
+            "g": int(r.g),
+            "a_ms": float(r.cost_ms_a),
+            "b_ms": float(r.cost_ms_b),
+            "delta_ms": float(r.cost_ms_b - r.cost_ms_a),
+            "delta_pct": float(100.0 * (r.cost_ms_b - r.cost_ms_a) / r.cost_ms_a),
+        }
+        for r in both.itertuples(index=False)
+    ]
+    return {
+        "metadata": meta,
+        "costs": costs,
+        "max_abs_delta_pct": max((abs(c["delta_pct"]) for c in costs), default=None),
+        "only_in_a": int(len(ga) - len(both)),
+        "only_in_b": int(len(gb) - len(both)),
+    }
+
+
+def to_markdown(df: pd.DataFrame, floatfmt: str = ".4f") -> str:
+    """Render ``df`` as a GitHub markdown table (NaN and NA as empty cells)."""
+
+    def cell(v: Any) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA:
+            return ""
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return str(v).replace("|", "\\|")
+
+    head = "| " + " | ".join(df.columns) + " |"
+    sep = "| " + " | ".join("---" for _ in df.columns) + " |"
+    body = ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, sep, *body]) + "\n"

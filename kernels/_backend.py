@@ -1,0 +1,49 @@
+"""Backend choice for ``speccal.kernels``: Triton on CUDA tensors when importable, else reference.
+
+Triton is imported lazily and only here, so ``import speccal.kernels`` works on a CPU-only
+machine without it. ``SPECCAL_KERNELS=reference`` forces the pure-torch references everywhere
+(for comparisons and bisecting); ``TRITON_INTERPRET=1`` lets the Triton kernels run on CPU
+tensors through Triton's interpreter (slow; tests only).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["interpreting", "triton_available", "use_triton"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when ``triton`` imports."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor, backend: str | None = None) -> bool:
+    """Whether an op on ``t`` runs the Triton kernel.
+
+    ``backend`` is ``"triton"``, ``"reference"`` or None (auto: Triton for CUDA tensors, or for
+    any tensor under the interpreter, unless ``SPECCAL_KERNELS=reference``).
+    """
+    if backend is None:
+        backend = os.environ.get("SPECCAL_KERNELS", "auto")
+    if backend == "reference":
+        return False
+    ok = triton_available() and (t.is_cuda or interpreting())
+    if backend == "triton" and not ok:
+        from speccal.errors import UnsupportedError
+
+        raise UnsupportedError("backend='triton' needs a CUDA tensor and an importable triton")
+    return ok

@@ -1,0 +1,169 @@
+"""Triton split-K GEMV / skinny GEMM for decode: ``y[M, N] = x[M, K] @ w[N, K].T``, M small.
+
+Owns the weight-streaming matmul of the decode and verify steps (M = 1..64 rows), where time is
+the weight bytes over memory bandwidth. One program reads a ``[BLOCK_N, K / split_k]`` panel of
+``w`` exactly once for all M rows (one M tile covers every row, so weights are never re-read),
+accumulating in fp32. ``split_k > 1`` splits K across programs to put enough loads in flight
+when N is small (o_proj, down_proj); the fp32 partials ``[split_k, M, N]`` are summed by a
+second tiny kernel. Two inner products: ``tl.dot`` (tensor cores, M padded to 16) and, for
+M <= 4, a broadcast-multiply-sum on the CUDA cores (``fma``). Configs come from
+``pick_config`` (a table tuned on an H200, see bench/KERNEL_NOTES.md) or are passed explicitly.
+Weight layout is nn.Linear's ``[N, K]`` row-major (K contiguous). Reference:
+``reference.linear_ref``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["GemvConfig", "linear_triton", "pick_config"]
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of the skinny GEMM (all powers of two)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    fma: bool = False
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DIRECT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FMA: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = pid_k * k_per_split
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FMA:
+            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, 2)  # [BLOCK_M, BLOCK_N]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N]
+    if DIRECT:
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        p_ptrs = part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
+        tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0)
+    m = offs // N
+    n = offs % N
+    tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _cfg(bn: int, bk: int, split: int, stages: int = 4) -> GemvConfig:
+    return GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages)
+
+
+# (N, K) -> [(max_m, config)], first max_m >= m wins. The ~2B preset's shapes, tuned on an H200
+# (bench/bench_kernels.py --sweep, run "v1" in bench/KERNEL_NOTES.md); other shapes use the
+# heuristic, which encodes the same pattern.
+_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
+    (12288, 2048): [(64, _cfg(128, 128, 1))],  # gate_up
+    (2048, 6144): [(64, _cfg(64, 128, 4))],  # down
+    (151936, 2048): [(8, _cfg(64, 256, 1, 3)), (64, _cfg(128, 128, 1))],  # lm_head
+    (4096, 2048): [(64, _cfg(32, 256, 1))],  # qkv
+    (2048, 2048): [(8, _cfg(64, 128, 4)), (64, _cfg(32, 256, 1))],  # o
+}
+
+
+def _heuristic(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    # v1 sweep: one wave of ~100-130 programs streaming long K panels beat more, shorter ones
+    block_n = 128 if n >= 8192 else 64
+    block_k = 128
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split * 2 <= num_sms and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return _cfg(block_n, block_k, split)
+
+
+def pick_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """Config for an ``[m, k] x [n, k]^T`` product: the tuned table, else a heuristic."""
+    for max_m, cfg in _TABLE.get((n, k), []):
+        if m <= max_m:
+            return cfg
+    return _heuristic(m, n, k, num_sms)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def linear_triton(
+    x: torch.Tensor,  # [M, K], K contiguous
+    weight: torch.Tensor,  # [N, K], K contiguous
+    out: torch.Tensor | None = None,  # [M, N], N contiguous
+    config: GemvConfig | None = None,
+) -> torch.Tensor:  # [M, N]
+    """``x @ weight.T``; arguments validated by ``ops.linear``."""
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = triton.next_power_of_2(max(m, 1)) if cfg.fma else max(16, triton.next_power_of_2(m))
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    direct = split == 1
+    part = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    even_k = k % k_per_split == 0 and k_per_split % cfg.block_k == 0
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DIRECT=direct,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, FMA=cfg.fma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, num_warps=4,
+        )
+    return out

@@ -1,0 +1,388 @@
+"""Dispatcher of ``speccal.kernels``: validates shapes, then runs Triton or the reference.
+
+Owns the public API the runner calls. Each op checks shapes and dtypes on the host (static
+facts only: no device value is read, so every op is CUDA-graph capturable), then runs the Triton
+kernel when ``_backend.use_triton`` says so (CUDA tensor and triton importable) and the pure-torch
+reference in ``reference`` otherwise. ``backend="reference"``/``"triton"`` forces one. Layouts
+are those of ``reference`` (KV cache ``[num_blocks, block_size, KVH, D]``, block table
+``[B, max_blocks] int32``, ``seq_lens [B] int32``, packed verify rows padded to ``G``).
+
+Typical verify round, all inside the captured target graph::
+
+    verify_token_update(base, drafts, verify_lens, input_ids)                # [G]
+    verify_metadata_update(verify_lens, ctx_lens, block_table, bs, positions, slots, seq_lens, cu)
+    attention_tiling_update(seq_lens, num_splits, split_len, plan)
+    ... per layer: rms_norm, linear, rotary_kv_write, paged_attention(..., cu_q_lens=cu,
+        tiling=(num_splits, split_len), plan=plan), linear ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speccal.errors import InputError
+from speccal.kernels import reference as ref
+from speccal.kernels._backend import use_triton
+
+__all__ = [
+    "SplitPlan",
+    "attention_tiling_update",
+    "linear",
+    "paged_attention",
+    "plan_splits",
+    "rms_norm",
+    "rotary_kv_write",
+    "verify_metadata_update",
+    "verify_token_update",
+]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_INTS = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Static split-KV plan of one graph bucket.
+
+    ``max_splits`` fixes the attention grid ``(B * KVH, max_splits)``; ``block_n`` is the KV tile
+    (split lengths are multiples of it); a split never gets fewer than ``min_split_len`` tokens.
+    """
+
+    max_splits: int = 1
+    block_n: int = 64
+    min_split_len: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_splits < 1:
+            raise InputError("max_splits", self.max_splits, "an int >= 1")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise InputError("block_n", self.block_n, "a power of two >= 16")
+        if self.min_split_len < 1:
+            raise InputError("min_split_len", self.min_split_len, "an int >= 1")
+
+
+def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int = 1 << 20,
+                block_n: int = 64) -> SplitPlan:
+    """Split plan that gives about four programs per multiprocessor for ``batch`` requests.
+
+    Static in (batch, heads, SMs), so one plan per captured bucket. ``max_len`` caps the splits
+    at one KV tile each.
+    """
+    if batch < 1 or num_kv_heads < 1:
+        raise InputError("batch/num_kv_heads", (batch, num_kv_heads), "ints >= 1")
+    want = -(-4 * num_sms // (batch * num_kv_heads))
+    cap = max(1, -(-max_len // block_n))
+    return SplitPlan(max_splits=max(1, min(want, 64, cap)), block_n=block_n, min_split_len=block_n)
+
+
+def _need(cond: bool, field: str, value, expected: str) -> None:
+    if not cond:
+        raise InputError(field, value, expected)
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_int(t: torch.Tensor, field: str, shape: tuple[int, ...], dtypes=_INTS) -> None:
+    _need(isinstance(t, torch.Tensor), field, type(t).__name__, "a torch.Tensor")
+    _need(t.dtype in dtypes, f"{field}.dtype", t.dtype, " or ".join(map(str, dtypes)))
+    _need(_shape(t) == shape, f"{field}.shape", _shape(t), str(list(shape)))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def paged_attention(
+    q: torch.Tensor,  # [B, R, H, D] dense or [T, H, D] packed (with cu_q_lens)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    num_q_rows: int,
+    scale: float,
+    *,
+    q_lens: torch.Tensor | None = None,  # [B] int32, dense ragged verify
+    cu_q_lens: torch.Tensor | None = None,  # [B + 1] int32, packed verify
+    tiling: tuple[torch.Tensor, torch.Tensor] | None = None,  # (num_splits [B], split_len [B])
+    plan: SplitPlan | None = None,
+    out: torch.Tensor | None = None,  # like q
+    backend: str | None = None,
+) -> torch.Tensor:  # like q
+    """Causal paged attention for decode (1 row) and verification (up to w+1 rows per request).
+
+    Query row ``i`` of request ``b`` sits at position ``seq_lens[b] - q_len[b] + i`` and attends
+    to KV ``[0, that position]``; ``q_len`` is ``num_q_rows`` (dense), ``q_lens[b]`` (dense,
+    ragged) or ``cu_q_lens[b+1] - cu_q_lens[b]`` (packed, where ``num_q_rows`` is the largest
+    per-request row count). Rows of no request give zeros. GQA: ``H`` a multiple of ``KVH``.
+    Split-KV: ``plan`` fixes ``max_splits``; ``tiling`` comes from ``attention_tiling_update``
+    (computed here, one more launch, when None). fp32 softmax and accumulation.
+    """
+    _need(k_cache.dim() == 4, "k_cache.shape", _shape(k_cache),
+          "[num_blocks, block_size, num_kv_heads, head_dim]")
+    _need(_shape(v_cache) == _shape(k_cache), "v_cache.shape", _shape(v_cache),
+          f"equal to k_cache.shape {_shape(k_cache)}")
+    _need(k_cache.dtype in _FLOATS and v_cache.dtype == k_cache.dtype, "k_cache.dtype",
+          (k_cache.dtype, v_cache.dtype), "one of float16/bfloat16/float32 for both caches")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _need(block_table.dim() == 2, "block_table.shape", _shape(block_table), "[B, max_blocks]")
+    batch = block_table.shape[0]
+    _check_int(block_table, "block_table", _shape(block_table), (torch.int32,))
+    _check_int(seq_lens, "seq_lens", (batch,), (torch.int32,))
+    _need(q.dtype == k_cache.dtype, "q.dtype", q.dtype, f"the cache dtype {k_cache.dtype}")
+    _need(isinstance(num_q_rows, int) and num_q_rows >= 1, "num_q_rows", num_q_rows, "an int >= 1")
+    packed = cu_q_lens is not None
+    if packed:
+        _need(q.dim() == 3 and q.shape[2] == head_dim, "q.shape", _shape(q),
+              f"[T, num_heads, {head_dim}] (packed, with cu_q_lens)")
+        _check_int(cu_q_lens, "cu_q_lens", (batch + 1,), (torch.int32,))
+        _need(q_lens is None, "q_lens", "given", "None when cu_q_lens is given")
+    else:
+        _need(q.dim() == 4 and q.shape[0] == batch and q.shape[1] == num_q_rows
+              and q.shape[3] == head_dim, "q.shape", _shape(q),
+              f"[{batch}, {num_q_rows}, num_heads, {head_dim}]")
+        if q_lens is not None:
+            _check_int(q_lens, "q_lens", (batch,), (torch.int32,))
+    num_heads = q.shape[-2]
+    _need(num_heads % num_kv_heads == 0, "num_heads", num_heads,
+          f"a multiple of num_kv_heads={num_kv_heads}")
+    _need(q.stride(-1) == 1 and q.is_contiguous(), "q", "non-contiguous", "a contiguous tensor")
+    _need(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "k_cache/v_cache", "strided",
+          "head_dim contiguous")
+    if out is not None:
+        _need(_shape(out) == _shape(q) and out.dtype == q.dtype and out.is_contiguous(), "out",
+              (_shape(out), out.dtype), f"contiguous {_shape(q)} {q.dtype}")
+    plan = plan or SplitPlan()
+    if tiling is None:
+        num_splits = torch.empty(batch, dtype=torch.int32, device=q.device)
+        split_len = torch.empty(batch, dtype=torch.int32, device=q.device)
+        attention_tiling_update(seq_lens, num_splits, split_len, plan, backend=backend)
+    else:
+        num_splits, split_len = tiling
+        _check_int(num_splits, "tiling[0] (num_splits)", (batch,), (torch.int32,))
+        _check_int(split_len, "tiling[1] (split_len)", (batch,), (torch.int32,))
+
+    if use_triton(q, backend):
+        from speccal.kernels.paged_attention import paged_attention_triton
+
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, num_splits, split_len,
+            plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
+        )
+    res = ref.paged_attention_ref(
+        q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, q_lens=q_lens,
+        cu_q_lens=cu_q_lens,
+        num_splits=num_splits if plan.max_splits > 1 else None,
+        split_len=split_len if plan.max_splits > 1 else None, max_splits=plan.max_splits,
+    )
+    if out is None:
+        return res
+    return out.copy_(res)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def verify_token_update(
+    base_tokens: torch.Tensor,  # [B] int
+    draft_tokens: torch.Tensor,  # [B, k_max] int
+    verify_lens: torch.Tensor,  # [B] int32
+    input_ids: torch.Tensor,  # [G] int, written
+    pad_id: int = -1,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:  # input_ids
+    """Write base token + first ``verify_lens[b]`` drafts of each request into ``input_ids``.
+
+    Packed rows (``reference`` module docstring); padding rows get ``pad_id``. ``verify_lens``
+    is clamped to ``[0, k_max]`` on device; the host must pick ``G >= sum(verify_lens + 1)``.
+    """
+    _need(draft_tokens.dim() == 2, "draft_tokens.shape", _shape(draft_tokens), "[B, k_max]")
+    batch = draft_tokens.shape[0]
+    _need(batch >= 1, "draft_tokens.shape", _shape(draft_tokens), "B >= 1")
+    _check_int(base_tokens, "base_tokens", (batch,))
+    _check_int(draft_tokens, "draft_tokens", _shape(draft_tokens))
+    _check_int(verify_lens, "verify_lens", (batch,))
+    _need(input_ids.dim() == 1 and input_ids.dtype in _INTS and input_ids.is_contiguous(),
+          "input_ids", (_shape(input_ids), input_ids.dtype), "a contiguous [G] int tensor")
+    _need(draft_tokens.stride(1) == 1 or draft_tokens.shape[1] <= 1, "draft_tokens", "strided",
+          "last dim contiguous")
+    if use_triton(input_ids, backend):
+        from speccal.kernels.verify_tokens import verify_token_update_triton
+
+        return verify_token_update_triton(base_tokens, draft_tokens, verify_lens, input_ids, pad_id)
+    return ref.verify_token_update_ref(base_tokens, draft_tokens, verify_lens, input_ids, pad_id)
+
+
+def verify_metadata_update(
+    verify_lens: torch.Tensor,  # [B] int32
+    context_lens: torch.Tensor,  # [B] int32
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    block_size: int,
+    positions: torch.Tensor,  # [G] int64, written
+    slot_mapping: torch.Tensor,  # [G] int64, written
+    seq_lens: torch.Tensor,  # [B] int32, written
+    cu_q_lens: torch.Tensor,  # [B + 1] int32, written
+    k_max: int,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Positions, slot mapping (padding -> slot 0), ``seq_lens`` and ``cu_q_lens`` on device."""
+    _need(verify_lens.dim() == 1 and verify_lens.shape[0] >= 1, "verify_lens.shape",
+          _shape(verify_lens), "[B], B >= 1")
+    batch = verify_lens.shape[0]
+    _check_int(verify_lens, "verify_lens", (batch,))
+    _check_int(context_lens, "context_lens", (batch,))
+    _need(block_table.dim() == 2 and block_table.shape[0] == batch, "block_table.shape",
+          _shape(block_table), f"[{batch}, max_blocks]")
+    _check_int(block_table, "block_table", _shape(block_table), (torch.int32,))
+    _need(isinstance(block_size, int) and block_size >= 1, "block_size", block_size, "an int >= 1")
+    _need(isinstance(k_max, int) and k_max >= 0, "k_max", k_max, "an int >= 0")
+    g = positions.shape[0] if positions.dim() == 1 else -1
+    _need(g >= 1, "positions.shape", _shape(positions), "[G], G >= 1")
+    _check_int(positions, "positions", (g,), (torch.int64,))
+    _check_int(slot_mapping, "slot_mapping", (g,), (torch.int64,))
+    _check_int(seq_lens, "seq_lens", (batch,), (torch.int32,))
+    _check_int(cu_q_lens, "cu_q_lens", (batch + 1,), (torch.int32,))
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping),
+                    ("seq_lens", seq_lens), ("cu_q_lens", cu_q_lens)):
+        _need(t.is_contiguous(), name, "non-contiguous", "contiguous")
+    if use_triton(positions, backend):
+        from speccal.kernels.verify_metadata import verify_metadata_update_triton
+
+        verify_metadata_update_triton(verify_lens, context_lens, block_table, block_size,
+                                      positions, slot_mapping, seq_lens, cu_q_lens, k_max)
+        return
+    ref.verify_metadata_update_ref(verify_lens, context_lens, block_table, block_size, positions,
+                                   slot_mapping, seq_lens, cu_q_lens, k_max)
+
+
+def attention_tiling_update(
+    seq_lens: torch.Tensor,  # [B] int32
+    num_splits: torch.Tensor,  # [B] int32, written
+    split_len: torch.Tensor,  # [B] int32, written
+    plan: SplitPlan,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Per-request split count and split length for ``paged_attention`` (see ``SplitPlan``)."""
+    _need(seq_lens.dim() == 1, "seq_lens.shape", _shape(seq_lens), "[B]")
+    batch = seq_lens.shape[0]
+    _check_int(seq_lens, "seq_lens", (batch,), (torch.int32,))
+    _check_int(num_splits, "num_splits", (batch,), (torch.int32,))
+    _check_int(split_len, "split_len", (batch,), (torch.int32,))
+    _need(isinstance(plan, SplitPlan), "plan", type(plan).__name__, "a SplitPlan")
+    if use_triton(seq_lens, backend):
+        from speccal.kernels.attention_tiling import attention_tiling_update_triton
+
+        attention_tiling_update_triton(seq_lens, num_splits, split_len, plan.max_splits,
+                                       plan.block_n, plan.min_split_len)
+        return
+    ref.attention_tiling_update_ref(seq_lens, num_splits, split_len, plan.max_splits,
+                                    plan.block_n, plan.min_split_len)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    *,
+    out: torch.Tensor | None = None,  # [M, N]
+    config=None,  # gemv.GemvConfig | None
+    backend: str | None = None,
+) -> torch.Tensor:  # [M, N]
+    """``x @ weight.T`` for small M (decode/verify rows): split-K Triton GEMV on CUDA."""
+    _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
+          (_shape(x), _shape(weight)), "[M, K] and [N, K]")
+    _need(x.dtype in _FLOATS and weight.dtype == x.dtype, "x/weight dtype", (x.dtype, weight.dtype),
+          "the same float dtype")
+    _need(x.stride(1) == 1 and weight.stride(1) == 1, "x/weight", "strided", "K contiguous")
+    m, n = x.shape[0], weight.shape[0]
+    if out is not None:
+        _need(_shape(out) == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "out",
+              (_shape(out), out.dtype), f"[{m}, {n}] {x.dtype}, N contiguous")
+    if use_triton(x, backend):
+        from speccal.kernels.gemv import linear_triton
+
+        return linear_triton(x, weight, out=out, config=config)
+    res = ref.linear_ref(x, weight)
+    return res if out is None else out.copy_(res)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [M, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,  # [M, N], becomes x + residual (in place)
+    out: torch.Tensor | None = None,  # [M, N]
+    backend: str | None = None,
+) -> torch.Tensor:  # [M, N]
+    """RMSNorm (fp32 math); with ``residual``: ``residual += x`` then norm of that sum."""
+    _need(x.dim() == 2 and x.stride(1) == 1, "x", _shape(x), "[M, N], N contiguous")
+    _need(_shape(weight) == (x.shape[1],), "weight.shape", _shape(weight), f"[{x.shape[1]}]")
+    _need(x.dtype in _FLOATS, "x.dtype", x.dtype, "a float dtype")
+    _need(eps > 0, "eps", eps, "> 0")
+    if residual is not None:
+        _need(_shape(residual) == _shape(x) and residual.dtype == x.dtype
+              and residual.stride(1) == 1, "residual", (_shape(residual), residual.dtype),
+              f"{_shape(x)} {x.dtype}, N contiguous")
+    if out is not None:
+        _need(_shape(out) == _shape(x) and out.dtype == x.dtype and out.stride(1) == 1, "out",
+              (_shape(out), out.dtype), f"{_shape(x)} {x.dtype}")
+    if use_triton(x, backend):
+        from speccal.kernels.rmsnorm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual=residual, out=out)
+    res = ref.rms_norm_ref(x, weight, eps, residual)
+    if residual is not None:
+        y, h = res
+        residual.copy_(h)
+    else:
+        y = res
+    return y if out is None else out.copy_(y)
+
+
+def rotary_kv_write(
+    q: torch.Tensor,  # [T, H, D], rotated in place
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]: cos | sin
+    slot_mapping: torch.Tensor,  # [T] int64
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:  # q
+    """Neox rotary on q (in place) and k; rotated k and v written to ``slot_mapping`` slots."""
+    _need(q.dim() == 3 and k.dim() == 3 and _shape(v) == _shape(k) and k.shape[0] == q.shape[0]
+          and k.shape[2] == q.shape[2], "q/k/v shapes", (_shape(q), _shape(k), _shape(v)),
+          "[T, H, D], [T, KVH, D], [T, KVH, D]")
+    t, _, d = q.shape
+    _need(d % 2 == 0, "head_dim", d, "even")
+    _need(k_cache.dim() == 4 and _shape(v_cache) == _shape(k_cache)
+          and k_cache.shape[2:] == k.shape[1:], "k_cache/v_cache shape", _shape(k_cache),
+          f"[num_blocks, block_size, {k.shape[1]}, {d}]")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _need(c.stride(0) == c.shape[1] * c.stride(1) and c.stride(-1) == 1, name, "strided",
+              "blocks and slots contiguous (slot = block * block_size + offset)")
+    _need(all(x.stride(-1) == 1 for x in (q, k, v)), "q/k/v", "strided", "head_dim contiguous")
+    _need(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d
+          and cos_sin_cache.stride(1) == 1, "cos_sin_cache.shape", _shape(cos_sin_cache),
+          f"[max_pos, {d}]")
+    _check_int(positions, "positions", (t,), (torch.int64,))
+    _check_int(slot_mapping, "slot_mapping", (t,), (torch.int64,))
+    _need(q.dtype == k.dtype == v.dtype and k_cache.dtype == v_cache.dtype, "dtypes",
+          (q.dtype, k.dtype, v.dtype, k_cache.dtype), "q, k, v alike; caches alike")
+    if use_triton(q, backend):
+        from speccal.kernels.rotary_kv import rotary_kv_write_triton
+
+        return rotary_kv_write_triton(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
+                                      v_cache)
+    return ref.rotary_kv_write_ref(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
+                                   v_cache)

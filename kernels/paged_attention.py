@@ -1,0 +1,237 @@
+"""Triton paged attention for decode and verification, split-KV (flash-decoding) with a reduce.
+
+Owns the kernel behind ``speccal.kernels.ops.paged_attention``; its pure-torch twin is
+``reference.paged_attention_ref`` (same arguments, same semantics, see that module's docstring
+for the layouts). One program handles one (request, KV head, KV split): its M tile stacks the
+query rows and the query heads of one GQA group (``m = row * group + head_in_group``), so each K/V
+tile is read once for all of them. Partial results ``[B, max_splits, R, H, D]`` fp32 and their
+log2-sum-exp ``[B, max_splits, R, H]`` go to a workspace; a second kernel merges the splits,
+one program per (request, row, head) loading every split at once (a serial loop over splits was
+the slow part of version 1, see bench/KERNEL_NOTES.md).
+With ``max_splits == 1`` the first kernel writes the normalised output directly (one launch).
+Grids depend only on static shapes and ``max_splits``; the per-request split counts and lengths
+are device tensors (``attention_tiling_update``), so the launch is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_attention_triton"]
+
+# q layout modes (constexpr)
+_DENSE, _DENSE_QLENS, _PACKED = 0, 1, 2
+
+
+@triton.jit
+def _row_layout(b, q_lens_ptr, cu_q_ptr, R, Q_MODE: tl.constexpr):
+    if Q_MODE == 2:
+        q_start = tl.load(cu_q_ptr + b)
+        q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    elif Q_MODE == 1:
+        q_start = b * R
+        q_len = tl.load(q_lens_ptr + b)
+    else:
+        q_start = b * R
+        q_len = R
+    return q_start, q_len
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, q_lens_ptr, cu_q_ptr, nsplit_ptr, split_len_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    R, max_splits, scale_log2,
+    NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_MODE: tl.constexpr, DIRECT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    b = pid // NUM_KV_HEADS
+    kvh = pid % NUM_KV_HEADS
+    q_start, q_len = _row_layout(b, q_lens_ptr, cu_q_ptr, R, Q_MODE)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_splits = tl.load(nsplit_ptr + b)
+    split_len = tl.load(split_len_ptr + b)
+    if DIRECT:
+        # one split covering everything; never skip, so unused dense rows still get zeros
+        start = 0
+        end = seq_len
+    else:
+        start = s * split_len
+        end = tl.minimum(start + split_len, seq_len)
+    if DIRECT:
+        live = s >= 0
+    else:
+        live = s < n_splits
+    if live:
+        offs_m = tl.arange(0, BLOCK_M)
+        r = offs_m // GROUP
+        h = kvh * GROUP + offs_m % GROUP
+        row_ok = (r < q_len) & (offs_m < R * GROUP)
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(
+            q_ptr + (q_start + r)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # [BLOCK_M, D_PAD]
+        pos = seq_len - q_len + r  # [BLOCK_M] position of each query row
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        offs_nb = tl.arange(0, BLOCK_N)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + offs_nb
+            n_ok = offs_n < end
+            page = tl.load(bt_ptr + b * stride_bt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            within = offs_n % PAGE
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_ptr + page[:, None] * stride_kb + within[:, None] * stride_ks + kvh * stride_kh
+                + offs_d[None, :],
+                mask=kv_mask, other=0.0,
+            )  # [BLOCK_N, D_PAD]
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+            ok = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :] & row_ok[:, None]
+            qk = tl.where(ok, qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_ptr + page[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh
+                + offs_d[None, :],
+                mask=kv_mask, other=0.0,
+            )  # [BLOCK_N, D_PAD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        if DIRECT:
+            if Q_MODE == 2:
+                st_ok = row_ok
+            else:
+                st_ok = offs_m < R * GROUP  # dense: rows past q_len get the zeros computed above
+            tl.store(
+                out_ptr + (q_start + r)[:, None] * stride_ot + h[:, None] * stride_oh
+                + offs_d[None, :],
+                o.to(out_ptr.dtype.element_ty), mask=st_ok[:, None] & d_ok[None, :],
+            )
+        else:
+            lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            base = ((b * max_splits + s) * R + r) * NUM_HEADS + h  # [BLOCK_M]
+            tl.store(part_lse_ptr + base, lse, mask=row_ok)
+            tl.store(
+                part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], o,
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+
+
+@triton.jit
+def _reduce_kernel(
+    part_o_ptr, part_lse_ptr, nsplit_ptr, q_lens_ptr, cu_q_ptr, out_ptr,
+    stride_ot, stride_oh, R, max_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    Q_MODE: tl.constexpr,
+):
+    # one program per (request, row, head); all splits loaded in one shot (no serial loop)
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = pid // R
+    r = pid % R
+    q_start, q_len = _row_layout(b, q_lens_ptr, cu_q_ptr, R, Q_MODE)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    out_ptrs = out_ptr + (q_start + r) * stride_ot + h * stride_oh + offs_d
+    if r < q_len:
+        n = tl.load(nsplit_ptr + b)
+        offs_s = tl.arange(0, S_PAD)
+        s_ok = offs_s < n
+        base = ((b * max_splits + offs_s) * R + r) * NUM_HEADS + h  # [S_PAD]
+        lse = tl.load(part_lse_ptr + base, mask=s_ok, other=float("-inf"))
+        top = tl.max(lse, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.math.exp2(lse - top)  # [S_PAD], 0 for absent splits
+        o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [S_PAD, D_PAD]
+        den = tl.sum(w, 0)
+        res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+        tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+    elif Q_MODE != 2:
+        tl.store(out_ptrs, tl.zeros([D_PAD], dtype=out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [B, R, H, D] dense or [T, H, D] packed
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    num_q_rows: int,
+    scale: float,
+    num_splits: torch.Tensor,  # [B] int32 (attention_tiling_update)
+    split_len: torch.Tensor,  # [B] int32
+    max_splits: int,
+    *,
+    q_lens: torch.Tensor | None = None,  # [B] int32, dense only
+    cu_q_lens: torch.Tensor | None = None,  # [B + 1] int32, packed only
+    out: torch.Tensor | None = None,  # like q
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Launch the split kernel (and the reduce when ``max_splits > 1``). Inputs are validated by
+    ``ops.paged_attention``; this function trusts them."""
+    batch = block_table.shape[0]
+    _, page, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[-2]
+    group = num_heads // num_kv_heads
+    q3 = q.reshape(-1, num_heads, head_dim)  # [rows, H, D] view (q is contiguous in its rows)
+    if out is None:
+        out = torch.empty_like(q)
+    o3 = out.reshape(-1, num_heads, head_dim)
+    if cu_q_lens is not None:
+        mode = _PACKED
+        o3.zero_()  # rows of no request
+    elif q_lens is not None:
+        mode = _DENSE_QLENS
+    else:
+        mode = _DENSE
+    dummy = seq_lens
+    block_m = max(16, triton.next_power_of_2(num_q_rows * group))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    direct = max_splits == 1
+    if direct:
+        part_o = part_lse = o3  # unused
+    else:
+        part_o = torch.empty(batch, max_splits, num_q_rows, num_heads, head_dim,
+                             dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, max_splits, num_q_rows, num_heads,
+                               dtype=torch.float32, device=q.device)
+    log2e = 1.4426950408889634
+    _split_kernel[(batch * num_kv_heads, max_splits)](
+        q3, k_cache, v_cache, block_table, seq_lens,
+        q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
+        num_splits, split_len, o3, part_o, part_lse,
+        q3.stride(0), q3.stride(1), o3.stride(0), o3.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        num_q_rows, max_splits, scale * log2e,
+        NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
+        D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, Q_MODE=mode, DIRECT=direct,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        _reduce_kernel[(batch * num_q_rows, num_heads)](
+            part_o, part_lse, num_splits,
+            q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
+            o3, o3.stride(0), o3.stride(1), num_q_rows, max_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+            S_PAD=triton.next_power_of_2(max_splits), Q_MODE=mode, num_warps=4,
+        )
+    return out

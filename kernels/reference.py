@@ -1,0 +1,300 @@
+"""Pure-torch references for every kernel in ``speccal.kernels``.
+
+This module owns the semantics: each Triton kernel next to it must compute the same function, and
+``speccal.kernels.ops`` falls back to these on CPU (what CI runs) or when Triton is absent. Every
+function is vectorised and free of host syncs (no ``.item()``, ``.tolist()``, ``nonzero()`` or
+Python ``if`` on tensor values), so the fallback can also be captured in a CUDA graph.
+
+Data layout (shared with ``speccal.runner``, see docs/ARCHITECTURE.md):
+
+- KV cache per layer: ``k_cache``, ``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+  block 0 is reserved, slot 0 is the sentinel that padded rows write to.
+- ``block_table [B, max_blocks] int32``, ``seq_lens [B] int32``: KV length including the rows
+  being written this step.
+- Query rows, two layouts. *Dense*: ``q [B, num_q_rows, num_heads, head_dim]``; request ``b`` uses
+  its first ``q_lens[b]`` rows (all rows when ``q_lens`` is None); unused rows give zeros.
+  *Packed* (the target's verify input): ``q [T, num_heads, head_dim]`` with request ``b`` on rows
+  ``cu_q_lens[b] .. cu_q_lens[b+1]``; rows past ``cu_q_lens[B]`` are padding and give zeros.
+  In both, query row ``i`` of request ``b`` sits at position ``seq_lens[b] - q_len[b] + i`` and
+  attends causally to KV ``[0, that position]``.
+- Verify rows (target input of one round): request ``b`` sends ``verify_lens[b] + 1`` rows, the
+  base token then its first ``verify_lens[b]`` drafted tokens, packed back to back from row 0 and
+  padded to the bucket's ``G`` rows with ``pad_id`` tokens, position 0 and slot 0.
+- Split-KV tiling: ``num_splits [B] int32``, ``split_len [B] int32``; split ``s`` of request ``b``
+  covers KV ``[s * split_len[b], min((s + 1) * split_len[b], seq_lens[b]))``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "attention_tiling_update_ref",
+    "linear_ref",
+    "paged_attention_ref",
+    "rms_norm_ref",
+    "rotary_kv_write_ref",
+    "verify_metadata_update_ref",
+    "verify_token_update_ref",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# paged attention
+
+
+def _query_layout(
+    q: torch.Tensor,  # [B, R, H, D] dense or [T, H, D] packed
+    batch: int,
+    num_q_rows: int,
+    q_lens: torch.Tensor | None,  # [B] int32
+    cu_q_lens: torch.Tensor | None,  # [B + 1] int32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (request, row) source row index into q viewed as ``[rows, H, D]``, row length, validity."""
+    dev = q.device
+    rows = torch.arange(num_q_rows, device=dev)
+    if cu_q_lens is not None:
+        start = cu_q_lens[:-1].long()  # [B]
+        lens = (cu_q_lens[1:] - cu_q_lens[:-1]).long()  # [B]
+    else:
+        start = torch.arange(batch, device=dev) * num_q_rows
+        lens = (
+            q_lens.long()
+            if q_lens is not None
+            else torch.full((batch,), num_q_rows, device=dev, dtype=torch.long)
+        )
+    valid = rows[None, :] < lens[:, None]  # [B, R]
+    total = q.shape[0] if q.dim() == 3 else q.shape[0] * q.shape[1]
+    src = (start[:, None] + rows[None, :]).clamp(max=total - 1)  # [B, R]
+    return src, lens, valid
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [B, R, H, D] or [T, H, D] (packed, with cu_q_lens)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    num_q_rows: int,
+    scale: float,
+    *,
+    q_lens: torch.Tensor | None = None,  # [B] int32, dense only
+    cu_q_lens: torch.Tensor | None = None,  # [B + 1] int32, packed only
+    num_splits: torch.Tensor | None = None,  # [B] int32
+    split_len: torch.Tensor | None = None,  # [B] int32
+    max_splits: int = 1,
+) -> torch.Tensor:  # same shape and dtype as q
+    """Causal paged attention over a block table, fp32 softmax.
+
+    With ``num_splits``/``split_len`` given, it computes flash-decoding partial results per KV
+    split (each normalised, with its log-sum-exp) and merges them, the way the split-KV kernel
+    does; the result equals the unsplit one up to fp32 rounding.
+    """
+    batch = block_table.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[-2]
+    group = num_heads // num_kv_heads
+    max_blocks = block_table.shape[1]
+    max_len = max_blocks * block_size
+    dev = q.device
+
+    q_flat = q.reshape(-1, num_heads, head_dim)  # [rows, H, D]
+    src, lens, valid = _query_layout(q, batch, num_q_rows, q_lens, cu_q_lens)
+    qb = q_flat[src].float()  # [B, R, H, D]
+
+    bt = block_table.long()
+    k = k_cache[bt].reshape(batch, max_len, num_kv_heads, head_dim).float()  # [B, L, KVH, D]
+    v = v_cache[bt].reshape(batch, max_len, num_kv_heads, head_dim).float()
+    # tokens past seq_len may be stale or uninitialised (NaN): never let them reach a product
+    live_tok = (torch.arange(max_len, device=dev)[None, :] < seq_lens.long()[:, None])  # [B, L]
+    k = k.masked_fill(~live_tok[:, :, None, None], 0.0).repeat_interleave(group, dim=2)
+    v = v.masked_fill(~live_tok[:, :, None, None], 0.0).repeat_interleave(group, dim=2)
+
+    scores = torch.einsum("brhd,blhd->bhrl", qb, k) * scale  # [B, H, R, L]
+    rows = torch.arange(num_q_rows, device=dev)
+    pos = seq_lens.long()[:, None] - lens[:, None] + rows[None, :]  # [B, R]
+    tok = torch.arange(max_len, device=dev)
+    allowed = (tok[None, None, :] <= pos[:, :, None]) & valid[:, :, None]  # [B, R, L]
+    allowed = allowed[:, None, :, :]  # [B, 1, R, L]
+
+    if num_splits is None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        m = scores.amax(dim=-1, keepdim=True).clamp(min=-1e30)
+        p = torch.exp(scores - m)
+        denom = p.sum(-1, keepdim=True)
+        out = torch.einsum("bhrl,blhd->brhd", p / denom.clamp(min=1e-30), v)  # [B, R, H, D]
+    else:
+        split_of = tok[None, :] // split_len.long().clamp(min=1)[:, None]  # [B, L]
+        live = split_of < num_splits.long()[:, None]  # [B, L]
+        m_all = torch.full((max_splits, batch, num_heads, num_q_rows), float("-inf"), device=dev)
+        o_all = torch.zeros(max_splits, batch, num_q_rows, num_heads, head_dim, device=dev)
+        for s in range(max_splits):  # static count: capture-safe
+            in_split = (split_of == s) & live  # [B, L]
+            mask = allowed & in_split[:, None, None, :]
+            sc = scores.masked_fill(~mask, float("-inf"))
+            m = sc.amax(dim=-1, keepdim=True).clamp(min=-1e30)
+            p = torch.exp(sc - m)
+            denom = p.sum(-1, keepdim=True)
+            lse = torch.where(denom > 0, m + torch.log(denom.clamp(min=1e-30)), float("-inf"))
+            m_all[s] = lse[..., 0]
+            o_all[s] = torch.einsum("bhrl,blhd->brhd", p / denom.clamp(min=1e-30), v)
+        top = m_all.amax(dim=0).clamp(min=-1e30)  # [B, H, R]
+        w = torch.exp(m_all - top)  # [S, B, H, R]
+        w = w / w.sum(0).clamp(min=1e-30)
+        out = torch.einsum("sbhr,sbrhd->brhd", w, o_all)
+
+    out = out * valid[:, :, None, None]
+    if cu_q_lens is None:
+        return out.to(q.dtype).reshape(q.shape)
+    # packed: scatter real rows back; rows of no request (and unused slots) land in a spill row
+    idx = torch.where(valid, src, q_flat.shape[0])  # [B, R]
+    spill = torch.zeros(q_flat.shape[0] + 1, num_heads, head_dim, device=dev)  # [T + 1, H, D]
+    spill.index_copy_(0, idx.reshape(-1), out.reshape(-1, num_heads, head_dim))
+    return spill[:-1].to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# in-graph verify input update
+
+
+def _verify_rows(verify_lens: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, ...]:
+    """Row -> (request, index within request, is_real) for the packed verify layout."""
+    dev = verify_lens.device
+    q_lens = verify_lens.long() + 1  # [B]
+    cu = torch.cumsum(q_lens, 0)  # [B], exclusive end
+    t = torch.arange(num_rows, device=dev)  # [G]
+    req = torch.searchsorted(cu, t, right=True)  # [G]
+    real = req < verify_lens.shape[0]
+    req_c = req.clamp(max=verify_lens.shape[0] - 1)
+    start = cu[req_c] - q_lens[req_c]
+    j = t - start
+    return req_c, j, real, cu
+
+
+def verify_token_update_ref(
+    base_tokens: torch.Tensor,  # [B] int
+    draft_tokens: torch.Tensor,  # [B, k_max] int
+    verify_lens: torch.Tensor,  # [B] int32, drafted tokens each request sends (0..k_max)
+    input_ids: torch.Tensor,  # [G] int, written
+    pad_id: int = -1,
+) -> torch.Tensor:  # input_ids
+    """Write each request's base token and its first ``verify_lens[b]`` drafts into ``input_ids``.
+
+    ``verify_lens`` is clamped to ``[0, k_max]``; rows past the last request get ``pad_id``;
+    requests that would run past ``G`` are cut at ``G`` (the host picks ``G`` large enough).
+    """
+    k_max = draft_tokens.shape[1]
+    vl = verify_lens.long().clamp(0, k_max)
+    req, j, real, _ = _verify_rows(vl, input_ids.shape[0])
+    drafts = draft_tokens[req, (j - 1).clamp(0, max(k_max - 1, 0))] if k_max else base_tokens[req]
+    tok = torch.where(j == 0, base_tokens[req], drafts)
+    tok = torch.where(real, tok, torch.full_like(tok, pad_id))
+    input_ids.copy_(tok.to(input_ids.dtype))
+    return input_ids
+
+
+def verify_metadata_update_ref(
+    verify_lens: torch.Tensor,  # [B] int32
+    context_lens: torch.Tensor,  # [B] int32, KV tokens cached before this round
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    block_size: int,
+    positions: torch.Tensor,  # [G] int64, written
+    slot_mapping: torch.Tensor,  # [G] int64, written
+    seq_lens: torch.Tensor,  # [B] int32, written
+    cu_q_lens: torch.Tensor,  # [B + 1] int32, written
+    k_max: int,
+) -> None:
+    """Positions, slot mapping, KV lengths and row offsets of the packed verify rows.
+
+    Row ``j`` of request ``b`` is at position ``context_lens[b] + j`` and writes KV slot
+    ``block_table[b, pos // block_size] * block_size + pos % block_size``; padded rows get
+    position 0 and the sentinel slot 0. ``seq_lens[b] = context_lens[b] + verify_lens[b] + 1``.
+    """
+    vl = verify_lens.long().clamp(0, k_max)
+    req, j, real, cu = _verify_rows(vl, positions.shape[0])
+    pos = context_lens.long()[req] + j
+    blk = (pos // block_size).clamp(0, block_table.shape[1] - 1)
+    slot = block_table.long()[req, blk] * block_size + pos % block_size
+    positions.copy_(torch.where(real, pos, torch.zeros_like(pos)))
+    slot_mapping.copy_(torch.where(real, slot, torch.zeros_like(slot)))
+    seq_lens.copy_((context_lens.long() + vl + 1).to(seq_lens.dtype))
+    cu_q_lens[:1].zero_()  # (a tensor op: ``cu_q_lens[0] = 0`` is a host copy, not capturable)
+    cu_q_lens[1:].copy_(cu.to(cu_q_lens.dtype))
+
+
+def attention_tiling_update_ref(
+    seq_lens: torch.Tensor,  # [B] int32
+    num_splits: torch.Tensor,  # [B] int32, written
+    split_len: torch.Tensor,  # [B] int32, written
+    max_splits: int,
+    block_n: int,
+    min_split_len: int,
+) -> None:
+    """Split-KV fields from the KV lengths.
+
+    ``n0 = clamp(ceil(seq_len / min_split_len), 1, max_splits)``;
+    ``split_len = max(block_n, ceil(ceil(seq_len / n0) / block_n) * block_n)`` (a whole number of
+    KV tiles); ``num_splits = ceil(seq_len / split_len)`` (0 for an empty request).
+    """
+    s = seq_lens.long().clamp(min=0)
+    n0 = ((s + min_split_len - 1) // min_split_len).clamp(1, max_splits)
+    per = (s + n0 - 1) // n0
+    sl = ((per + block_n - 1) // block_n * block_n).clamp(min=block_n)
+    split_len.copy_(sl.to(split_len.dtype))
+    num_splits.copy_(((s + sl - 1) // sl).to(num_splits.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# decode building blocks
+
+
+def linear_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] (nn.Linear layout)
+) -> torch.Tensor:  # [M, N], x.dtype
+    """``x @ weight.T`` with (at least) fp32 accumulation."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return (x.to(acc) @ weight.to(acc).t()).to(x.dtype)
+
+
+def rms_norm_ref(
+    x: torch.Tensor,  # [M, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [M, N]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm in fp32; with ``residual``: ``h = x + residual``, returns ``(norm(h), h)``."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(acc)
+    if residual is not None:
+        h = h + residual.to(acc)
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)
+    if residual is None:
+        return y.to(x.dtype)
+    return y.to(x.dtype), h.to(x.dtype)
+
+
+def rotary_kv_write_ref(
+    q: torch.Tensor,  # [T, H, D], rotated in place
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32: cos in [:D/2], sin in [D/2:]
+    slot_mapping: torch.Tensor,  # [T] int64
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written
+) -> torch.Tensor:  # q
+    """Neox-style rotary on q and k (fp32 math), q in place, rotated k and v into their slots."""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions].float()  # [T, D]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    q.copy_(rot(q).to(q.dtype))
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kvh, d)[slot_mapping] = rot(k).to(k_cache.dtype)
+    v_cache.view(-1, kvh, d)[slot_mapping] = v.to(v_cache.dtype)
+    return q

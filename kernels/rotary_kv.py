@@ -1,0 +1,91 @@
+"""Triton fused rotary embedding + KV-cache write.
+
+Owns the step between the QKV projection and attention: neox-style rotary on q (in place) and
+k, then rotated k and plain v written to their KV slots, one pass over q, k, v. One program per
+token row handles every head. Layout: ``q [T, H, D]``, ``k``/``v [T, KVH, D]`` (views of the
+fused QKV output are fine: any row and head stride, D contiguous); ``positions [T] int64``;
+``cos_sin_cache [max_pos, D]`` fp32, cos in ``[:D/2]`` and sin in ``[D/2:]``;
+``slot_mapping [T] int64`` (padded rows point at the sentinel slot 0); caches
+``[num_blocks, block_size, KVH, D]``. Reference: ``reference.rotary_kv_write_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rotary_kv_write_triton"]
+
+
+@triton.jit
+def _rope(x1, x2, cos, sin):
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rotary_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    H_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, HALF_PAD)
+    d_ok = offs_d < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+
+    offs_h = tl.arange(0, H_PAD)
+    qm = (offs_h < NUM_HEADS)[:, None] & d_ok[None, :]
+    qp = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    q1 = tl.load(qp, mask=qm, other=0.0).to(tl.float32)
+    q2 = tl.load(qp + HALF, mask=qm, other=0.0).to(tl.float32)
+    o1, o2 = _rope(q1, q2, cos[None, :], sin[None, :])
+    tl.store(qp, o1.to(q_ptr.dtype.element_ty), mask=qm)
+    tl.store(qp + HALF, o2.to(q_ptr.dtype.element_ty), mask=qm)
+
+    offs_kh = tl.arange(0, KV_PAD)
+    km = (offs_kh < NUM_KV_HEADS)[:, None] & d_ok[None, :]
+    kp = k_ptr + t * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :]
+    k1 = tl.load(kp, mask=km, other=0.0).to(tl.float32)
+    k2 = tl.load(kp + HALF, mask=km, other=0.0).to(tl.float32)
+    r1, r2 = _rope(k1, k2, cos[None, :], sin[None, :])
+    kcp = kc_ptr + slot * stride_kc_slot + offs_kh[:, None] * stride_kc_h + offs_d[None, :]
+    tl.store(kcp, r1.to(kc_ptr.dtype.element_ty), mask=km)
+    tl.store(kcp + HALF, r2.to(kc_ptr.dtype.element_ty), mask=km)
+
+    vp = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
+    vcp = vc_ptr + slot * stride_vc_slot + offs_kh[:, None] * stride_vc_h + offs_d[None, :]
+    tl.store(vcp, tl.load(vp, mask=km, other=0.0).to(vc_ptr.dtype.element_ty), mask=km)
+    tl.store(vcp + HALF, tl.load(vp + HALF, mask=km, other=0.0).to(vc_ptr.dtype.element_ty),
+             mask=km)
+
+
+def rotary_kv_write_triton(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+) -> torch.Tensor:  # q, rotated in place
+    """One launch; arguments validated by ``ops.rotary_kv_write``."""
+    t, num_heads, d = q.shape
+    num_kv_heads = k.shape[1]
+    half = d // 2
+    _rotary_kv_kernel[(t,)](
+        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        H_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+    )
+    return q

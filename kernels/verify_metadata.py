@@ -1,0 +1,76 @@
+"""Triton *verify metadata update*: positions, slot mapping, KV lengths and row offsets on device.
+
+Owns the second in-graph input-update family (xLLM's ``spec_verify_metadata_update``). Inputs are
+the per-request verify lengths (device, from the draft/acceptance step), the KV lengths cached
+before the round and the static block table (prepared on the host before the final draft: it
+does not depend on the drafted tokens). Outputs, all static graph buffers: ``positions [G]``,
+``slot_mapping [G]`` (padded rows: position 0, sentinel slot 0 in reserved block 0),
+``seq_lens [B]`` (KV length including this round's rows) and ``cu_q_lens [B + 1]``.
+Grid ``(B + 1,)`` like ``verify_tokens``. Reference: ``reference.verify_metadata_update_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["verify_metadata_update_triton"]
+
+
+@triton.jit
+def _verify_metadata_kernel(
+    vl_ptr, ctx_ptr, bt_ptr, pos_ptr, slot_ptr, seq_ptr, cu_ptr,
+    B, G, K_MAX, stride_bt, max_blocks, page,
+    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    lens = tl.minimum(tl.maximum(tl.load(vl_ptr + offs_b, mask=offs_b < B, other=0), 0), K_MAX)
+    rows = tl.where(offs_b < B, lens + 1, 0)
+    if b < B:
+        start = tl.sum(tl.where(offs_b < b, rows, 0), 0)
+        n = tl.sum(tl.where(offs_b == b, rows, 0), 0)
+        ctx = tl.load(ctx_ptr + b)
+        j = tl.arange(0, BLOCK_R)
+        pos = (ctx + j).to(tl.int64)
+        blk = tl.minimum(pos // page, max_blocks - 1)
+        ok = j < n
+        phys = tl.load(bt_ptr + b * stride_bt + blk, mask=ok, other=0).to(tl.int64)
+        slot = phys * page + pos % page
+        t = start + j
+        tl.store(pos_ptr + t, pos.to(pos_ptr.dtype.element_ty), mask=ok & (t < G))
+        tl.store(slot_ptr + t, slot.to(slot_ptr.dtype.element_ty), mask=ok & (t < G))
+        tl.store(seq_ptr + b, (ctx + n).to(seq_ptr.dtype.element_ty))
+        tl.store(cu_ptr + b + 1, (start + n).to(cu_ptr.dtype.element_ty))
+    else:
+        one = tl.arange(0, 1)
+        tl.store(cu_ptr + one, tl.zeros([1], dtype=cu_ptr.dtype.element_ty))
+        total = tl.sum(rows, 0)
+        for t0 in range(0, G, BLOCK_G):
+            t = t0 + tl.arange(0, BLOCK_G)
+            m = (t >= total) & (t < G)
+            tl.store(pos_ptr + t, tl.zeros([BLOCK_G], dtype=pos_ptr.dtype.element_ty), mask=m)
+            tl.store(slot_ptr + t, tl.zeros([BLOCK_G], dtype=slot_ptr.dtype.element_ty), mask=m)
+
+
+def verify_metadata_update_triton(
+    verify_lens: torch.Tensor,  # [B] int32
+    context_lens: torch.Tensor,  # [B] int32
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    block_size: int,
+    positions: torch.Tensor,  # [G] int64, written
+    slot_mapping: torch.Tensor,  # [G] int64, written
+    seq_lens: torch.Tensor,  # [B] int32, written
+    cu_q_lens: torch.Tensor,  # [B + 1] int32, written
+    k_max: int,
+) -> None:
+    """One launch; arguments validated by ``ops.verify_metadata_update``."""
+    batch = verify_lens.shape[0]
+    g = positions.shape[0]
+    _verify_metadata_kernel[(batch + 1,)](
+        verify_lens, context_lens, block_table, positions, slot_mapping, seq_lens, cu_q_lens,
+        batch, g, k_max, block_table.stride(0), block_table.shape[1], block_size,
+        BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=triton.next_power_of_2(k_max + 1),
+        BLOCK_G=min(1024, triton.next_power_of_2(g)), num_warps=1,
+    )

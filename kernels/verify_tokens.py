@@ -1,0 +1,65 @@
+"""Triton *verify token update*: the target's input ids for one round, written on device.
+
+Owns the first of the three in-graph input-update families (the xLLM MTP verify PR's
+``spec_verify_token_update``). It runs at the start of the captured target graph, reading the
+final draft's output buffer directly, so no host work sits between the last draft kernel and
+the target. Layout (packed verify rows, see ``reference``): request ``b`` owns rows
+``cu[b] .. cu[b] + verify_lens[b]`` (``cu`` = exclusive cumsum of ``verify_lens + 1``): its base
+token then its first ``verify_lens[b]`` drafts; rows ``cu[B] .. G`` get ``pad_id``.
+Grid ``(B + 1,)``: program ``b < B`` writes request ``b``'s rows (its offset is a masked sum over
+the lengths, no scan across programs); program ``B`` writes the padding.
+Reference: ``reference.verify_token_update_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["verify_token_update_triton"]
+
+
+@triton.jit
+def _verify_token_kernel(
+    base_ptr, draft_ptr, vl_ptr, ids_ptr, B, G, K_MAX, stride_d, pad_id,
+    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    lens = tl.minimum(tl.maximum(tl.load(vl_ptr + offs_b, mask=offs_b < B, other=0), 0), K_MAX)
+    rows = tl.where(offs_b < B, lens + 1, 0)
+    if b < B:
+        start = tl.sum(tl.where(offs_b < b, rows, 0), 0)
+        n = tl.sum(tl.where(offs_b == b, rows, 0), 0)
+        j = tl.arange(0, BLOCK_R)
+        draft = tl.load(draft_ptr + b * stride_d + (j - 1), mask=(j >= 1) & (j < n), other=0)
+        base = tl.load(base_ptr + b)
+        tok = tl.where(j == 0, base, draft)
+        t = start + j
+        tl.store(ids_ptr + t, tok.to(ids_ptr.dtype.element_ty), mask=(j < n) & (t < G))
+    else:
+        total = tl.sum(rows, 0)
+        for t0 in range(0, G, BLOCK_G):
+            t = t0 + tl.arange(0, BLOCK_G)
+            pad = tl.zeros([BLOCK_G], dtype=tl.int64) + pad_id
+            tl.store(ids_ptr + t, pad.to(ids_ptr.dtype.element_ty), mask=(t >= total) & (t < G))
+
+
+def verify_token_update_triton(
+    base_tokens: torch.Tensor,  # [B] int
+    draft_tokens: torch.Tensor,  # [B, k_max] int
+    verify_lens: torch.Tensor,  # [B] int32
+    input_ids: torch.Tensor,  # [G] int, written
+    pad_id: int = -1,
+) -> torch.Tensor:
+    """One launch; arguments validated by ``ops.verify_token_update``."""
+    batch, k_max = draft_tokens.shape
+    g = input_ids.shape[0]
+    _verify_token_kernel[(batch + 1,)](
+        base_tokens, draft_tokens, verify_lens, input_ids, batch, g, k_max,
+        draft_tokens.stride(0), pad_id,
+        BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=triton.next_power_of_2(k_max + 1),
+        BLOCK_G=min(1024, triton.next_power_of_2(g)), num_warps=1,
+    )
+    return input_ids

@@ -1,0 +1,149 @@
+"""Paged attention for the runner: KV writes, the pure-torch attention, the backend switch.
+
+This module owns the attention metadata of one forward (:class:`AttnMeta`) and the single entry
+point :func:`paged_attention` every layer calls, so that Triton kernels (``speccal.kernels``, same
+signature) can replace the pure-torch path by one switch (:func:`set_attention_backend`).
+
+Data layout (shared with ``speccal.kernels``, see docs/ARCHITECTURE.md):
+
+- ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer; block 0
+  is reserved: padded rows write to its slot 0 (the sentinel slot) and unused block-table entries
+  point at it.
+- A forward runs on ``N`` flat token rows (dense ops cost ``N``). For attention the rows are
+  scattered into a ``[B, R]`` grid (``R = num_q_rows``) by ``row_index [N]`` (into ``B * R``;
+  padded rows point at the extra trash row ``B * R``). Query row ``i`` of request ``b`` sits at
+  position ``seq_lens[b] - R + i`` and attends causally to KV ``[0, that position]``.
+- ``slot_mapping [N]`` int64: the KV slot (``block * block_size + offset``) each row writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from speccal.errors import InputError, UnsupportedError
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+@dataclass
+class AttnMeta:
+    """Attention metadata of one forward over ``N`` flat rows of ``B`` requests."""
+
+    slot_mapping: torch.Tensor  # [N] int64
+    row_index: torch.Tensor  # [N] int64 into B * num_q_rows (+1 trash row)
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    num_q_rows: int  # R
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k: torch.Tensor,  # [N, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [N, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [N] int64
+) -> None:
+    """Store the rows' K and V at their slots (padded rows hit the sentinel slot)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [B, R, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    num_q_rows: int,
+    scale: float,
+) -> torch.Tensor:  # [B, R, num_heads, head_dim]
+    """Reference paged attention: gather each request's KV by block table, causal softmax.
+
+    Keys past ``seq_lens[b]`` and past the query's position are masked; rows whose position is
+    negative (front padding) may attend to key 0 so that their (discarded) output stays finite.
+    """
+    num_b, num_r, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_keys = block_table.shape[1] * block_size
+    keys = k_cache[block_table.long()].view(num_b, max_keys, num_kv_heads, head_dim)
+    values = v_cache[block_table.long()].view(num_b, max_keys, num_kv_heads, head_dim)
+    q_pos = seq_lens.long()[:, None] - num_q_rows + torch.arange(num_r, device=q.device)  # [B, R]
+    key_pos = torch.arange(max_keys, device=q.device)
+    is_visible = key_pos[None, None, :] <= q_pos.clamp_min(0)[:, :, None]  # [B, R, T]
+    # [B, Hkv, group * R, D]: the heads of one KV group are stacked along the query axis.
+    qg = q.view(num_b, num_r, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(num_b, num_kv_heads, group * num_r, head_dim)
+    mask = is_visible[:, None, None].expand(num_b, 1, group, num_r, max_keys)
+    mask = mask.reshape(num_b, 1, group * num_r, max_keys)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qg,
+        keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype),
+        attn_mask=mask,
+        scale=scale,
+    )  # [B, Hkv, group * R, D]
+    out = out.view(num_b, num_kv_heads, group, num_r, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_b, num_r, num_heads, head_dim)
+
+
+_backend: dict[str, Callable] = {"fn": paged_attention_torch, "name": "torch"}
+
+
+def set_attention_backend(name: str) -> None:
+    """Route :func:`paged_attention` to ``torch`` (reference) or ``triton`` (``speccal.kernels``)."""
+    if name not in ATTENTION_BACKENDS:
+        raise InputError("attention_backend", name, f"one of {', '.join(ATTENTION_BACKENDS)}")
+    if name == "torch":
+        _backend.update(fn=paged_attention_torch, name="torch")
+        return
+    try:
+        from speccal.kernels import paged_attention as kernel  # noqa: PLC0415
+    except ImportError as exc:
+        raise UnsupportedError(f"attention_backend='triton' is unavailable: {exc}") from exc
+    _backend.update(fn=kernel, name="triton")
+
+
+def attention_backend() -> str:
+    return str(_backend["name"])
+
+
+def paged_attention(
+    q: torch.Tensor,  # [B, R, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    num_q_rows: int,
+    scale: float,
+) -> torch.Tensor:  # [B, R, num_heads, head_dim]
+    """The one attention entry point of the runner (backend chosen by :func:`set_attention_backend`)."""
+    return _backend["fn"](q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale)
+
+
+def attend_rows(
+    q: torch.Tensor,  # [N, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMeta,
+    scale: float,
+) -> torch.Tensor:  # [N, num_heads, head_dim]
+    """Scatter flat query rows into the ``[B, R]`` grid, attend, gather them back."""
+    num_b = meta.block_table.shape[0]
+    num_r = meta.num_q_rows
+    grid = q.new_zeros(num_b * num_r + 1, *q.shape[1:])
+    grid.index_copy_(0, meta.row_index, q)
+    out = paged_attention(
+        grid[: num_b * num_r].view(num_b, num_r, *q.shape[1:]),
+        k_cache,
+        v_cache,
+        meta.block_table,
+        meta.seq_lens,
+        num_r,
+        scale,
+    )
+    flat = torch.cat([out.reshape(num_b * num_r, *q.shape[1:]), grid[-1:]], dim=0)
+    return flat.index_select(0, meta.row_index)

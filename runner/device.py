@@ -1,0 +1,86 @@
+"""Device strings, backends and dtypes: validated, never a silent CPU fallback.
+
+This module owns the mapping from a user device string (``cpu``, ``cuda``, ``cuda:N``, ``npu``,
+``npu:N``) to a ``torch.device``, the lazy ``torch_npu`` import, the default dtype per backend,
+device synchronisation and the human-readable device name recorded in compatibility metadata.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import re
+
+import torch
+
+from speccal.errors import InputError, UnsupportedError
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda|npu)(?::(\d+))?$")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """Validate ``spec`` and return the device; refuse unavailable backends with the reason."""
+    m = _DEVICE_RE.match(spec.strip()) if isinstance(spec, str) else None
+    if m is None:
+        raise InputError("device", spec, "cpu, cuda, cuda:N, npu or npu:N")
+    kind, index = m.group(1), m.group(2)
+    if kind == "cpu":
+        if index not in (None, "0"):
+            raise InputError("device", spec, "cpu (there is one CPU device)")
+        return torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UnsupportedError(
+                f"device {spec!r}: CUDA is not available in this torch build / machine "
+                f"(torch {torch.__version__}); use --device cpu explicitly"
+            )
+        n = torch.cuda.device_count()
+        i = int(index or 0)
+        if i >= n:
+            raise InputError("device", spec, f"a CUDA index below {n}")
+        return torch.device("cuda", i)
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        raise UnsupportedError(
+            f"device {spec!r}: the npu backend needs torch_npu, which is not installed "
+            "(pip install speccal[npu] on an Ascend host)"
+        ) from None
+    if not (hasattr(torch, "npu") and torch.npu.is_available()):
+        raise UnsupportedError(f"device {spec!r}: torch_npu is installed but no NPU is available")
+    i = int(index or 0)
+    if i >= torch.npu.device_count():
+        raise InputError("device", spec, f"an NPU index below {torch.npu.device_count()}")
+    return torch.device("npu", i)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device`` (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "npu":
+        return str(torch.npu.get_device_name(device.index or 0))
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def default_dtype(device: torch.device) -> str:
+    return "float32" if device.type == "cpu" else "bfloat16"
+
+
+def is_pinnable(device: torch.device) -> bool:
+    """Whether host staging buffers should be pinned (device-side copies can be async)."""
+    return device.type in ("cuda", "npu")

@@ -1,0 +1,429 @@
+"""The embedded speculative-decoding engine: requests in, rounds out.
+
+This module owns :class:`EngineConfig` (frozen, validated), :class:`RoundPlan`,
+:class:`RoundResult` and :class:`Engine`, the API calibration and the CLI drive (see
+docs/ARCHITECTURE.md). ``Engine.step`` prefills newly admitted requests (chunked), then runs one
+round over the running batch through :class:`~speccal.runner.round.RoundRunner`
+(prepare -> execute -> collect) and applies stop rules on the host.
+
+Batching: at most ``max(request_buckets)`` requests run at once (others wait, admitted in
+arrival order as slots free up); the physical batch is ``geometry.bcap_for(B)``; target rows are
+``sum(verify + 1)`` padded to ``geometry.g_for(bcap, rows)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from speccal.errors import CapacityError, InputError, UnsupportedError
+from speccal.geometry import Geometry
+from speccal.runner.attention import set_attention_backend
+from speccal.runner.device import default_dtype, device_name, resolve_device, synchronize
+from speccal.runner.kv_cache import KVCache
+from speccal.runner.loader import LoadedModel, load_model
+from speccal.runner.prefill import prefill
+from speccal.runner.presets import PRESETS
+from speccal.runner.request import Request
+from speccal.runner.round import RoundRunner
+from speccal.runner.sampling import SamplingParams, check_supported
+from speccal.runner.stats import SpecStats
+
+ACCEPTANCE_MODES = ("greedy", "sample", "synthetic", "forced")
+GRAPH_MODES = ("eager",)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an :class:`Engine` is built from.
+
+    Attributes
+    ----------
+    model : a preset name (``tiny``, ``dense-0.5b``, ``dense-2b``, ``mimo-7b``) or an HF folder.
+    device : ``cpu``, ``cuda[:N]`` or ``npu[:N]``; validated, never a silent fallback.
+    dtype : ``float32`` / ``bfloat16`` / ``float16``; None = float32 on CPU, bfloat16 elsewhere.
+    draft_width : ``w``, the most draft tokens per round.
+    request_buckets : physical draft request buckets ``Bcap`` (ascending).
+    target_rows : optional ``{Bcap: (G, ...)}``; default ``Bcap * j`` for ``j = 1 .. w + 1``.
+    acceptance : ``greedy`` | ``sample`` | ``synthetic`` | ``forced``.
+    acceptance_profile : ``synthetic`` only: conditional acceptance per draft position (``w``).
+    seed : seeds the sampling generator and preset weights.
+    max_model_len : prompt + generated tokens per request; None = min(model limit, 4096).
+    block_size : tokens per KV block.
+    kv_capacity_tokens : KV slots for requests; None = ``max bucket * (max_model_len + w + 1)``.
+    prefill_chunk : most prompt tokens per prefill forward (chunked prefill).
+    speculative : False runs plain decoding (``k = 0`` rounds, no draft head loaded).
+    attention_backend : ``torch`` (reference) or ``triton`` (``speccal.kernels``).
+    graph_mode : ``eager`` (CUDA graphs come with the kernels issue).
+    draft_family : presets only: key layout of the random MTP head.
+    """
+
+    model: str = "tiny"
+    device: str = "cpu"
+    dtype: str | None = None
+    draft_width: int = 3
+    request_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    target_rows: Mapping[int, Sequence[int]] | None = None
+    acceptance: str = "greedy"
+    acceptance_profile: tuple[float, ...] | None = None
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_capacity_tokens: int | None = None
+    prefill_chunk: int = 512
+    speculative: bool = True
+    attention_backend: str = "torch"
+    graph_mode: str = "eager"
+    draft_family: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.draft_width, int) or self.draft_width < 1:
+            raise InputError("draft_width", self.draft_width, "an integer >= 1")
+        if self.acceptance not in ACCEPTANCE_MODES:
+            raise InputError("acceptance", self.acceptance, f"one of {', '.join(ACCEPTANCE_MODES)}")
+        if self.graph_mode not in GRAPH_MODES:
+            raise UnsupportedError(f"graph_mode={self.graph_mode!r}: only 'eager' is implemented in this runner")
+        object.__setattr__(self, "request_buckets", tuple(int(b) for b in self.request_buckets))
+        if self.acceptance == "synthetic":
+            prof = self.acceptance_profile
+            if prof is None or len(prof) != self.draft_width:
+                raise InputError(
+                    "acceptance_profile", prof, f"{self.draft_width} per-position acceptance probabilities (draft_width)"
+                )
+            for i, p in enumerate(prof):
+                if not 0.0 <= float(p) <= 1.0:
+                    raise InputError(f"acceptance_profile[{i}]", p, "a probability in [0, 1]")
+            object.__setattr__(self, "acceptance_profile", tuple(float(p) for p in prof))
+        elif self.acceptance_profile is not None:
+            raise InputError("acceptance_profile", self.acceptance_profile, "None unless acceptance='synthetic'")
+        for name in ("block_size", "prefill_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InputError(name, v, "an integer >= 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise InputError("max_model_len", self.max_model_len, "an integer >= 2")
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the next round runs: ``k`` draft steps and optional per-request verify lengths."""
+
+    num_draft_steps: int
+    verify_tokens: Sequence[int] | None = None
+
+
+@dataclass
+class RoundResult:
+    """Host-side results of one :meth:`Engine.step`.
+
+    Arrays are aligned with ``request_ids`` (the running batch of the round, in slot order).
+    ``emitted[i]`` holds request ``i``'s new tokens of this step (the prefill's first token, if
+    any, then ``accepted[i] + 1`` round tokens, truncated by stop rules).
+    """
+
+    num_requests: int
+    bcap: int
+    g: int
+    k: int
+    request_ids: list[int]
+    accepted: np.ndarray  # [B] int64
+    num_verify: np.ndarray  # [B] int64
+    emitted: list[list[int]]
+    finished: list[int]
+    draft_scores: np.ndarray  # [B, k] float32
+    accept_matrix: np.ndarray  # [B, k] bool
+    kv_lengths: np.ndarray  # [B] int64, after the round
+    num_prefill_tokens: int = 0
+    first_tokens: dict[int, int] = field(default_factory=dict)
+
+
+class Engine:
+    """Target model + MTP head + paged KV + batch of requests. See the module docstring."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        set_attention_backend(config.attention_backend)
+        preset = PRESETS.get(config.model)
+        dtype = config.dtype or (default_dtype(self.device) if preset is None or self.device.type != "cpu" else "float32")
+        self.dtype_name = dtype
+        w = config.draft_width
+        max_len = config.max_model_len or 4096
+        self.loaded: LoadedModel = load_model(
+            config.model,
+            device=self.device,
+            dtype=dtype,
+            seed=config.seed,
+            max_model_len=max_len,
+            max_positions=max_len + w + 2,
+            need_draft=config.speculative,
+            draft_family=config.draft_family,
+        )
+        mcfg = self.loaded.config
+        if config.max_model_len is None:
+            max_len = min(mcfg.max_position_embeddings, 4096)
+        elif config.max_model_len > mcfg.max_position_embeddings:
+            raise InputError(
+                "max_model_len", config.max_model_len, f"<= the model's max_position_embeddings={mcfg.max_position_embeddings}"
+            )
+        self.max_model_len = max_len
+        buckets = config.request_buckets
+        max_bucket = max(buckets) if buckets else 0
+        bs = config.block_size
+        cap = config.kv_capacity_tokens or max_bucket * (max_len + w + 1)
+        num_blocks = -(-cap // bs) + 1
+        self.geometry = Geometry(
+            draft_width=w,
+            request_buckets=buckets,
+            target_rows=dict(config.target_rows or {}),
+            kv_capacity_tokens=(num_blocks - 1) * bs,
+            max_model_len=max_len,
+            block_size=bs,
+        )
+        torch_dtype = next(self.loaded.target.parameters()).dtype
+        num_layers = mcfg.num_hidden_layers + (1 if self.loaded.draft is not None else 0)
+        self.kv = KVCache(num_layers, num_blocks, bs, mcfg.num_key_value_heads, mcfg.head_dim, torch_dtype, self.device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        profile = None
+        if config.acceptance_profile is not None:
+            profile = torch.tensor(config.acceptance_profile, dtype=torch.float32, device=self.device)
+        self.runner = RoundRunner(
+            self.loaded.target,
+            self.loaded.draft,
+            self.kv,
+            draft_width=w,
+            max_bucket=max_bucket,
+            max_blocks_per_seq=-(-(max_len + w + 2) // bs),
+            acceptance=config.acceptance,
+            profile=profile,
+            generator=self.generator,
+            device=self.device,
+            dtype=torch_dtype,
+        )
+        self.stats = SpecStats(w)
+        self._ids = itertools.count()
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._free_slots = list(range(max_bucket - 1, -1, -1))
+        self.requests: dict[int, Request] = {}
+        self._early_finished: list[int] = []
+
+    # ------------------------------------------------------------------ info
+
+    @property
+    def is_random_weights(self) -> bool:
+        return self.loaded.is_random
+
+    @property
+    def description(self) -> str:
+        return self.loaded.description
+
+    def compatibility(self) -> dict:
+        """Compatibility metadata (docs/ARCHITECTURE.md) of this engine."""
+        return {
+            "draft_width": self.config.draft_width,
+            "model": {
+                "architecture": self.loaded.architecture,
+                "fingerprint": self.loaded.fingerprint,
+                "dtype": self.dtype_name,
+                "quantization": "none",
+            },
+            "topology": {"tp": 1, "dp": 1},
+            "graph_mode": self.config.graph_mode,
+            "verification_mode": self.config.acceptance,
+            "device": {"kind": self.device.type, "name": device_name(self.device)},
+        }
+
+    def running_ids(self) -> list[int]:
+        return [r.rid for r in self._running]
+
+    def kv_lengths(self) -> np.ndarray:
+        """KV length (tokens in the target cache) of each running request, in :meth:`running_ids` order."""
+        return np.array([r.num_computed for r in self._running], dtype=np.int64)
+
+    @property
+    def num_free_kv_tokens(self) -> int:
+        return self.kv.allocator.num_free * self.kv.allocator.block_size
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Refuses bad ids, unsupported options, impossible sizes."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InputError("params", params, "a SamplingParams")
+        check_supported(params)
+        if self.config.acceptance == "greedy" and not params.is_greedy:
+            raise UnsupportedError(
+                f"temperature={params.temperature}: acceptance='greedy' verifies greedily; use acceptance='sample'"
+            )
+        prompt = [int(t) for t in prompt_ids]
+        vocab = self.loaded.config.vocab_size
+        if not prompt:
+            raise InputError("prompt_ids", prompt, "at least one token id")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InputError("prompt_ids", bad[:5], f"token ids in [0, {vocab})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise InputError(
+                "prompt length + max_tokens", total, f"<= max_model_len={self.max_model_len}"
+            )
+        need = total + self.config.draft_width + 1
+        if need > self.geometry.kv_capacity_tokens:
+            raise CapacityError(
+                f"request needs up to {need} KV slots but the cache holds {self.geometry.kv_capacity_tokens}; "
+                "raise kv_capacity_tokens"
+            )
+        rid = next(self._ids)
+        req = Request(rid, prompt, params, eos_token_ids=self.loaded.config.eos_token_ids)
+        self.requests[rid] = req
+        self._waiting.append(req)
+        return rid
+
+    def _finish(self, req: Request) -> None:
+        self.kv.allocator.free(req.blocks)
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
+        if req in self._running:
+            self._running.remove(req)
+        if req in self._waiting:
+            self._waiting.remove(req)
+
+    def release(self, rid: int) -> None:
+        """Drop a request (running or waiting) and free its KV blocks and slot."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            raise InputError("request id", rid, f"one of the engine's requests {sorted(self.requests)[:8]}")
+        if req.finish_reason is None:
+            req.finish_reason = "released"
+        self._finish(req)
+
+    def reset(self) -> None:
+        """Release every request (the KV cache and slots become free)."""
+        for rid in list(self.requests):
+            self.release(rid)
+        self._early_finished = []
+        self.stats = SpecStats(self.config.draft_width)
+
+    def synchronize(self) -> None:
+        synchronize(self.device)
+
+    # ------------------------------------------------------------------ the step
+
+    def prefill_pending(self) -> dict[int, int]:
+        """Admit waiting requests into free slots and prefill them now; returns their first tokens.
+
+        :meth:`step` does this itself; calling it first separates prefill from round timing.
+        """
+        first: dict[int, int] = {}
+        _, finished = self._admit(first)
+        self._early_finished.extend(finished)
+        return first
+
+    def _admit(self, result_first: dict[int, int]) -> tuple[int, list[int]]:
+        num_tokens = 0
+        finished = []
+        while self._waiting and self._free_slots:
+            req = self._waiting.pop(0)
+            req.slot = self._free_slots.pop()
+            self._running.append(req)
+            tok, hidden = prefill(
+                req,
+                self.runner.target,
+                self.runner.draft,
+                self.kv,
+                chunk=self.config.prefill_chunk,
+                generator=self.generator,
+                device=self.device,
+            )
+            num_tokens += len(req.prompt)
+            result_first[req.rid] = tok
+            self.runner.set_slot(req, tok, hidden)
+            req.append([tok])
+            if req.is_finished:
+                finished.append(req.rid)
+                self._finish(req)
+        return num_tokens, finished
+
+    def _check_plan(self, plan: RoundPlan, n: int) -> tuple[int, np.ndarray]:
+        k = plan.num_draft_steps
+        w = self.config.draft_width
+        if self.config.speculative:
+            if not isinstance(k, int) or not 1 <= k <= w:
+                raise InputError("num_draft_steps", k, f"an integer in [1, {w}] (draft_width)")
+        elif k != 0:
+            raise InputError("num_draft_steps", k, "0 (the engine was built with speculative=False)")
+        if plan.verify_tokens is None:
+            return k, np.full(n, k, dtype=np.int64)
+        nv = np.asarray(list(plan.verify_tokens), dtype=np.int64)
+        if nv.shape != (n,) or (nv < 0).any() or (nv > k).any():
+            raise InputError("verify_tokens", list(plan.verify_tokens), f"{n} integers in [0, {k}] (one per running request)")
+        return k, nv
+
+    def step(self, plan: RoundPlan) -> RoundResult:
+        """Admit and prefill waiting requests, then run one round over the running batch."""
+        first: dict[int, int] = {}
+        num_prefill, finished = self._admit(first)
+        finished = self._early_finished + finished
+        self._early_finished = []
+        batch = list(self._running)
+        n = len(batch)
+        k, nv = self._check_plan(plan, n)
+        if n == 0:
+            empty = np.zeros(0, dtype=np.int64)
+            return RoundResult(
+                0, 0, 0, k, [], empty, empty, [[first[r]] for r in first], finished,
+                np.zeros((0, k), np.float32), np.zeros((0, k), bool), empty, num_prefill, first,
+            )
+        bcap = self.geometry.bcap_for(n)
+        rows = int((nv + 1).sum())
+        g = self.geometry.g_for(bcap, rows) if k > 0 else self.geometry.g_for(bcap, bcap)
+        if bcap is None or g is None:
+            raise CapacityError(f"no captured bucket for {n} requests / {rows} target rows")
+        x = self.runner.prepare(batch, bcap, k, nv, g)
+        out = self.runner.execute(x)
+        accepted, out_tokens, scores = self.runner.collect(out, x)
+        emitted = []
+        num_emitted = 0
+        for b, req in enumerate(batch):
+            a = int(accepted[b])
+            req.num_computed += a + 1
+            req.num_extend = a + 1
+            kept = req.append([int(t) for t in out_tokens[b, : a + 1]])
+            num_emitted += len(kept)
+            emitted.append(([first[req.rid]] if req.rid in first else []) + kept)
+            if req.is_finished:
+                finished.append(req.rid)
+        kv_lens = np.array([r.num_computed for r in batch], dtype=np.int64)
+        for req in batch:
+            if req.is_finished:
+                self._finish(req)
+        if k > 0:
+            self.stats.add(nv, accepted, num_emitted)
+        pos = np.arange(k)
+        return RoundResult(
+            num_requests=n,
+            bcap=bcap,
+            g=g,
+            k=k,
+            request_ids=[r.rid for r in batch],
+            accepted=accepted,
+            num_verify=nv,
+            emitted=emitted,
+            finished=finished,
+            draft_scores=scores,
+            accept_matrix=pos[None, :] < accepted[:, None],
+            kv_lengths=kv_lens,
+            num_prefill_tokens=num_prefill,
+            first_tokens=first,
+        )

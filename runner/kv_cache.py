@@ -1,0 +1,83 @@
+"""Paged KV cache: block allocator, per-layer cache tensors, capacity accounting.
+
+This module owns the KV memory of the target layers and the MTP head's layer. Layout per layer:
+``k_cache``, ``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``. Block 0 is
+reserved: its slot 0 is the sentinel every padded row writes, and unused block-table entries
+point at it. A request owns a list of blocks; token position ``p`` lives at slot
+``blocks[p // block_size] * block_size + p % block_size`` in *every* layer (target and draft share
+block ids and positions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speccal.errors import CapacityError
+
+SENTINEL_SLOT = 0
+
+
+class BlockAllocator:
+    """Free list of KV blocks 1..num_blocks-1 (block 0 is the reserved sentinel block)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 2:
+            raise CapacityError(f"KV cache needs at least 2 blocks (1 reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Slots usable by requests (the reserved block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def grow(self, blocks: list[int], num_tokens: int) -> None:
+        """Append blocks to ``blocks`` until it holds ``num_tokens`` positions."""
+        need = self.blocks_for(num_tokens) - len(blocks)
+        if need <= 0:
+            return
+        if need > len(self._free):
+            raise CapacityError(
+                f"KV cache full: need {need} more blocks of {self.block_size} tokens, "
+                f"{len(self._free)} free (capacity {self.capacity_tokens} tokens); lower the "
+                "batch or prompt lengths, or raise kv_capacity_tokens"
+            )
+        for _ in range(need):
+            blocks.append(self._free.pop())
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+        blocks.clear()
+
+
+class KVCache:
+    """Cache tensors of ``num_layers`` layers (target layers then the draft layer)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        self.allocator = BlockAllocator(num_blocks, block_size)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

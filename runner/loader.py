@@ -1,0 +1,200 @@
+"""Build the target model and its MTP draft head from a checkpoint folder or a preset.
+
+This module owns loading: it reads the config, recognises the draft family from the tensor
+names (``speccal.runner.draft_families``), drops the draft's keys from the target load (same
+descriptor), builds both modules on the meta device, materialises them on the target device and
+fills every parameter from a :class:`~speccal.runner.checkpoint.TensorSource`, refusing missing
+tensors and shape mismatches by name. The result, :class:`LoadedModel`, also carries the model
+fingerprint used by cost-table compatibility.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from speccal.errors import InputError, UnsupportedError
+from speccal.runner.checkpoint import SafetensorsFolder, TensorSource
+from speccal.runner.config import ModelConfig, config_from_hf
+from speccal.runner.draft_families import REGISTRY, DraftFamily, is_any_draft_key, recognise
+from speccal.runner.model import ModelCapabilities, TargetModel
+from speccal.runner.mtp import MTPHead
+from speccal.runner.presets import PRESETS, RandomSource
+from speccal.runner.rope import RotaryTable
+
+
+@dataclass
+class LoadedModel:
+    """A loaded target (and draft head, when the checkpoint has one)."""
+
+    target: TargetModel
+    draft: MTPHead | None
+    config: ModelConfig
+    family: DraftFamily | None
+    fingerprint: str
+    architecture: str
+    is_random: bool
+    description: str
+    tokenizer_path: Path | None
+    capabilities: ModelCapabilities
+
+
+def _target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = TargetModel(cfg, 1, 1)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+
+
+def draft_config(cfg: ModelConfig, family: DraftFamily, keys: set[str] | None) -> ModelConfig:
+    """The draft layer's config: the target's shapes, bias / q-k norm read from the draft keys."""
+    if keys is None:
+        return cfg
+    layers = cfg.num_hidden_layers
+    return dataclasses.replace(
+        cfg,
+        is_qkv_bias=family.key_for("self_attn.q_proj.bias", layers) in keys,
+        is_qk_norm=family.key_for("self_attn.q_norm.weight", layers) in keys,
+    )
+
+
+def _draft_shapes(cfg: ModelConfig, family: DraftFamily) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        head = MTPHead(cfg, family)
+    shapes = dict(head.named_parameters())
+    return {key: tuple(shapes[name].shape) for name, key in head.param_key_map(cfg.num_hidden_layers).items()}
+
+
+def _fill(module: torch.nn.Module, key_map: dict[str, str], source: TensorSource, keys: set[str], dtype, device, what: str) -> None:
+    params = dict(module.named_parameters())
+    for name, key in key_map.items():
+        p = params[name]
+        if key not in keys:
+            raise InputError(f"checkpoint tensor {key}", "missing", f"a tensor of shape {tuple(p.shape)} for the {what}")
+        shape = tuple(source.shape(key))
+        if shape != tuple(p.shape):
+            raise InputError(f"checkpoint tensor {key}", shape, f"shape {tuple(p.shape)} for the {what}")
+        with torch.no_grad():
+            p.data = source.get(key, shape, dtype, device)
+
+
+def _materialise(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    module = module.to_empty(device=device)
+    return module
+
+
+def build(
+    cfg: ModelConfig,
+    source: TensorSource,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    max_positions: int,
+    need_draft: bool,
+) -> tuple[TargetModel, MTPHead | None, DraftFamily | None]:
+    """Build target and draft from ``source`` (see module docstring for the refusals)."""
+    keys = set(source.keys())
+    found = recognise(cfg.extra, keys, cfg.num_hidden_layers)
+    with torch.device("meta"):
+        target = TargetModel(cfg, 1, 1)
+    target = _materialise(target, device)
+    target_keys = {k for k in keys if not is_any_draft_key(k, cfg.num_hidden_layers)}
+    key_map = {name: name for name, _ in target.named_parameters()}
+    if cfg.tie_word_embeddings:
+        key_map.pop("lm_head.weight", None)
+    _fill(target, key_map, source, target_keys, dtype, device, "target")
+    if cfg.tie_word_embeddings:
+        target.lm_head.weight = target.model.embed_tokens.weight
+    target.rotary = RotaryTable(cfg, max_positions, max_model_len).to(device)
+    target.eval()
+    if found is None or not need_draft:
+        return target, None, found[0] if found else None
+    family, _ = found
+    dcfg = draft_config(cfg, family, keys)
+    with torch.device("meta"):
+        head = MTPHead(dcfg, family)
+    head = _materialise(head, device)
+    _fill(head, head.param_key_map(cfg.num_hidden_layers), source, keys, dtype, device, f"MTP head ({family.name})")
+    head.eval()
+    return target, head, family
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise InputError("dtype", name, f"one of {', '.join(table)}")
+    return table[name]
+
+
+def preset_fingerprint(name: str, seed: int, shapes: dict[str, tuple[int, ...]]) -> str:
+    h = hashlib.sha256(f"preset:{name}:seed={seed}".encode())
+    for key in sorted(shapes):
+        h.update(f"{key}:{shapes[key]}".encode())
+    return "preset:" + h.hexdigest()[:32]
+
+
+def load_model(
+    model: str,
+    *,
+    device: torch.device,
+    dtype: str,
+    seed: int = 0,
+    max_model_len: int,
+    max_positions: int,
+    need_draft: bool = True,
+    draft_family: str | None = None,
+) -> LoadedModel:
+    """Load ``model`` (a preset name or an HF checkpoint folder) onto ``device``.
+
+    Parameters
+    ----------
+    draft_family : str, optional
+        Presets only: key layout of the random MTP head (a :data:`REGISTRY` name); default the
+        preset's own.
+
+    Raises
+    ------
+    InputError
+        Unknown preset / folder, missing tensor, shape mismatch, bad dtype.
+    UnsupportedError
+        A refused draft family or depth count, or an unsupported target structure.
+    """
+    torch_dtype = _dtype(dtype)
+    if model in PRESETS:
+        preset = PRESETS[model]
+        fam_name = draft_family or preset.family
+        if fam_name not in REGISTRY:
+            raise InputError("draft_family", fam_name, f"one of {', '.join(REGISTRY)}")
+        family = REGISTRY[fam_name]
+        cfg = config_from_hf({**preset.config, "architectures": [f"preset:{preset.name}"]})
+        shapes = _target_shapes(cfg)
+        shapes.update(_draft_shapes(draft_config(cfg, family, None), family))
+        source = RandomSource(preset, shapes, seed, family, cfg.num_hidden_layers)
+        fingerprint = preset_fingerprint(f"{model}/{fam_name}", seed, shapes)
+        target, draft, fam = build(
+            cfg, source, device=device, dtype=torch_dtype, max_model_len=max_model_len,
+            max_positions=max_positions, need_draft=need_draft,
+        )
+        desc = f"preset {model!r} ({preset.description}); RANDOM weights (seed {seed}): text is meaningless"
+        return LoadedModel(target, draft, cfg, fam, fingerprint, cfg.architecture, True, desc, None, target.capabilities)
+    if not Path(model).exists():
+        raise InputError("model", model, f"a preset ({', '.join(PRESETS)}) or an existing checkpoint folder")
+    folder = SafetensorsFolder(model)
+    keys = folder.keys()
+    cfg = config_from_hf(folder.config, keys)
+    if need_draft and recognise(cfg.extra, keys, cfg.num_hidden_layers) is None:
+        raise UnsupportedError(
+            f"checkpoint {model} has no MTP head (no draft family's tensors found): speculative "
+            "decoding needs one; run plain decoding instead"
+        )
+    target, draft, fam = build(
+        cfg, folder, device=device, dtype=torch_dtype, max_model_len=max_model_len,
+        max_positions=max_positions, need_draft=need_draft,
+    )
+    desc = f"checkpoint {model} ({cfg.architecture})"
+    tok = folder.path if folder.has_tokenizer() else None
+    return LoadedModel(target, draft, cfg, fam, folder.fingerprint(), cfg.architecture, False, desc, tok, target.capabilities)

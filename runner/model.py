@@ -1,0 +1,75 @@
+"""The target model: a config-driven dense decoder and its declared capabilities.
+
+This module owns :class:`TargetModel` (HF parameter names: ``model.embed_tokens``,
+``model.layers.N.*``, ``model.norm``, ``lm_head``) and :class:`ModelCapabilities`, the data the
+runner asks instead of model names. Forwards run on ``N`` flat rows; the returned hidden states
+``[N, hidden]`` are *after* the final norm (what the MTP head consumes and the LM head reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from speccal.runner.attention import AttnMeta
+from speccal.runner.config import ModelConfig
+from speccal.runner.layers import DecoderLayer, RMSNorm
+from speccal.runner.rope import RotaryTable
+
+
+@dataclass(frozen=True)
+class ModelCapabilities:
+    """What a target declares about speculative verification (cached at load).
+
+    Attributes
+    ----------
+    requires_causal_chunked_prefill : bool
+        Verification rows must be processed as a causal chunk (true for every attention target).
+    supports_in_graph_input_update : bool
+        Token/metadata updates of the verify input may run inside the captured target graph.
+    has_recurrent_state : bool
+        The target keeps state that cannot roll back like KV (hybrid linear attention).
+    """
+
+    requires_causal_chunked_prefill: bool = True
+    supports_in_graph_input_update: bool = True
+    has_recurrent_state: bool = False
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    """Dense decoder-only LM (Qwen2 / Qwen3 / MiMo family) over a paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, max_model_len: int):
+        super().__init__()
+        self.config = cfg
+        self.model = _Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryTable(cfg, max_positions, max_model_len)
+        self.capabilities = ModelCapabilities()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N] int64
+        positions: torch.Tensor,  # [N] int64
+        meta: AttnMeta,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) per layer
+    ) -> torch.Tensor:  # [N, hidden], after the final norm
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, meta, kv, self.rotary)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        return self.lm_head(hidden).float()

@@ -1,0 +1,84 @@
+"""The MTP draft head (DeepSeek-V3 / MiMo form), structured by a draft-family descriptor.
+
+This module owns :class:`MTPHead`. One step over ``N`` flat rows takes the target's (or its own
+previous) hidden state ``[N, hidden]`` and the next token ``[N]``, and returns the hidden state to
+feed back ``[N, hidden]`` plus the vector the LM head reads. The head's single decoder layer keeps
+its own paged KV cache (same block table and positions as the target's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from speccal.runner.attention import AttnMeta
+from speccal.runner.config import ModelConfig
+from speccal.runner.draft_families import DraftFamily
+from speccal.runner.layers import DecoderLayer, RMSNorm
+from speccal.runner.model import TargetModel
+
+
+class MTPHead(nn.Module):
+    """One MTP depth: fusion of normed embedding and hidden state, one decoder layer, a head.
+
+    Parameters
+    ----------
+    cfg : ModelConfig
+        The draft layer's config (the target's shapes; bias / q-k norm from the draft's keys).
+    family : DraftFamily
+        Which optional parts (own final norm, LM head, embedding) exist and the concat order.
+    """
+
+    def __init__(self, cfg: ModelConfig, family: DraftFamily):
+        super().__init__()
+        h = cfg.hidden_size
+        self.family = family
+        self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.proj = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(cfg)
+        self.final_norm = RMSNorm(h, cfg.rms_norm_eps) if family.final_norm else None
+        self.head = nn.Linear(h, cfg.vocab_size, bias=False) if family.head else None
+        self.embed = nn.Embedding(cfg.vocab_size, h) if family.embed else None
+
+    def forward(
+        self,
+        target: TargetModel,
+        hidden: torch.Tensor,  # [N, hidden]: target hidden (or this head's previous output)
+        input_ids: torch.Tensor,  # [N] int64: the token after the hidden's position
+        positions: torch.Tensor,  # [N] int64: the hidden's position
+        meta: AttnMeta,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # feedback [N, hidden], normed [N, hidden]
+        embed = self.embed if self.embed is not None else target.model.embed_tokens
+        e = self.embed_norm(embed(input_ids))
+        h = self.hidden_norm(hidden)
+        parts = {"embed": e, "hidden": h}
+        x = self.proj(torch.cat([parts[name] for name in self.family.concat_order], dim=-1))
+        x = self.layer(x, positions, meta, kv, target.rotary)
+        norm = self.final_norm if self.final_norm is not None else target.model.norm
+        normed = norm(x)
+        return (normed if self.family.is_feedback_normed else x), normed
+
+    def logits(self, target: TargetModel, normed: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32 through the head's own or the target's LM head."""
+        head = self.head if self.head is not None else target.lm_head
+        return head(normed).float()
+
+    def param_key_map(self, num_target_layers: int) -> dict[str, str]:
+        """Module parameter name -> checkpoint key, from the family descriptor."""
+        fam = self.family
+        out = {}
+        for name, _ in self.named_parameters():
+            first, _, rest = name.partition(".")
+            stem = {
+                "embed_norm": fam.embed_norm,
+                "hidden_norm": fam.hidden_norm,
+                "proj": fam.proj,
+                "final_norm": fam.final_norm,
+                "head": fam.head,
+                "embed": fam.embed,
+            }.get(first)
+            key_stem = rest if first == "layer" else f"{stem}.{rest}"
+            out[name] = fam.key_for(key_stem, num_target_layers)
+        return out

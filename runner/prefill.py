@@ -1,0 +1,90 @@
+"""Chunked prefill of one request: target and draft KV for the prompt, then the first token.
+
+This module owns :func:`prefill`. The prompt ``t_0 .. t_{n-1}`` is processed in chunks of at
+most ``chunk`` tokens. Chunk ``[p0, p1)`` runs the target on positions ``p0 .. p1-1`` and the MTP
+head on positions ``p0-1 .. p1-2`` (row ``i`` pairs target hidden ``h_i`` with token ``t_{i+1}``;
+the last hidden of a chunk is carried to the next one). After the last chunk the first token
+``t_n`` is sampled from the last row; the pair ``(h_{n-1}, t_n)`` becomes the slot's single
+pending draft-extend row, consumed by the first round. Prefill is eager and not captured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from speccal.runner import sampling
+from speccal.runner.attention import AttnMeta
+from speccal.runner.kv_cache import KVCache
+from speccal.runner.model import TargetModel
+from speccal.runner.mtp import MTPHead
+from speccal.runner.request import Request
+
+
+def _meta(blocks: list[int], positions: np.ndarray, block_size: int, seq_len: int, device) -> tuple[torch.Tensor, AttnMeta]:
+    bt = np.asarray(blocks, dtype=np.int64)
+    slots = bt[positions // block_size] * block_size + positions % block_size
+    n = len(positions)
+    meta = AttnMeta(
+        slot_mapping=torch.as_tensor(slots, device=device),
+        row_index=torch.arange(n, device=device),
+        block_table=torch.as_tensor(bt[None, : -(-seq_len // block_size)].astype(np.int32), device=device),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+        num_q_rows=n,
+    )
+    return torch.as_tensor(positions, device=device), meta
+
+
+@torch.inference_mode()
+def prefill(
+    req: Request,
+    target: TargetModel,
+    draft: MTPHead | None,
+    kv: KVCache,
+    *,
+    chunk: int,
+    generator: torch.Generator,
+    device: torch.device,
+) -> tuple[int, torch.Tensor]:
+    """Fill the KV caches for ``req.prompt`` and sample the first token.
+
+    Returns
+    -------
+    token : int
+        The first generated token.
+    hidden : torch.Tensor
+        ``[hidden]`` target hidden state of the last prompt position.
+    """
+    prompt = req.prompt
+    n = len(prompt)
+    bs = kv.allocator.block_size
+    kv.allocator.grow(req.blocks, n)
+    num_layers = target.config.num_hidden_layers
+    ids = torch.as_tensor(prompt, dtype=torch.int64, device=device)
+    carry = None  # [1, hidden]: last hidden of the previous chunk
+    h = None
+    for p0 in range(0, n, chunk):
+        p1 = min(p0 + chunk, n)
+        pos, meta = _meta(req.blocks, np.arange(p0, p1), bs, p1, device)
+        h = target(ids[p0:p1], pos, meta, kv.layers[:num_layers])  # [p1 - p0, hidden]
+        if draft is None:
+            continue
+        hid = h[:-1] if carry is None else torch.cat([carry, h[:-1]], dim=0)
+        if hid.shape[0] > 0:
+            d0 = p0 if carry is None else p0 - 1
+            dpos, dmeta = _meta(req.blocks, np.arange(d0, p1 - 1), bs, p1 - 1, device)
+            draft(target, hid, ids[d0 + 1 : p1], dpos, dmeta, kv.layers[num_layers])
+        carry = h[-1:]
+    logits = target.logits(h[-1:])  # [1, V]
+    p = req.params
+    token = sampling.sample_plain(
+        logits,
+        torch.tensor([p.temperature], device=device),
+        torch.tensor([p.top_k], device=device),
+        torch.tensor([p.top_p], device=device),
+        torch.tensor([p.min_p], device=device),
+        generator,
+    )
+    req.num_computed = n
+    req.is_prefilled = True
+    return int(token.item()), h[-1]

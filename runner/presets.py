@@ -1,0 +1,190 @@
+"""Shape presets with seeded random weights (clearly random: for cost work, not for text).
+
+This module owns :data:`PRESETS` (HF-style config dictionaries of public shapes plus an MTP head
+in a registered family's key layout) and :class:`RandomSource`, a tensor source that produces
+every weight from ``(seed, key)`` alone, so a preset's weights do not depend on load order.
+
+Initialisation ("imitating draft", so that acceptance is non-trivial although the weights mean
+nothing): embeddings ``N(0, 1)``; linear weights ``N(0, init_scale^2 / fan_in)``; norms 1; biases
+0; an untied LM head copies the embedding; attention output projections are damped by
+``attn_scale`` and MLPs of layers >= 1 by ``deep_scale``, so the target is close to a bigram model
+of its first MLP; the MTP head's fusion projection is the identity on its embedding half and its
+MLP copies the target's first MLP. The tiny preset then accepts roughly 40% of drafts at w=3
+with varied output; ``attn_scale -> 0`` approaches 100%.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from speccal.runner.draft_families import DraftFamily
+
+_QWEN3_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named shape with random weights."""
+
+    name: str
+    description: str
+    config: dict[str, Any]
+    family: str = "mimo_mtp"
+    init_scale: float = 3.0
+    attn_scale: float = 0.05
+    deep_scale: float = 0.3
+    default_dtype: str = "float32"
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        name="tiny",
+        description="2-layer toy decoder (hidden 64, vocab 512) for CPU tests; runs in seconds",
+        config={
+            **_QWEN3_COMMON,
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "qk_norm": True,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": True,
+            "eos_token_id": 2,
+            "num_nextn_predict_layers": 1,
+        },
+    ),
+    "dense-0.5b": Preset(
+        name="dense-0.5b",
+        description="Qwen2.5-0.5B shapes (24 layers, hidden 896, GQA 14/2, qkv bias, tied)",
+        config={
+            **_QWEN3_COMMON,
+            "attention_bias": True,
+            "vocab_size": 151936,
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": True,
+            "eos_token_id": 151643,
+            "num_nextn_predict_layers": 1,
+        },
+        default_dtype="bfloat16",
+    ),
+    "dense-2b": Preset(
+        name="dense-2b",
+        description="Qwen3-1.7B shapes (28 layers, hidden 2048, GQA 16/8, q/k norm, tied; ~2B with MTP)",
+        config={
+            **_QWEN3_COMMON,
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "qk_norm": True,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": True,
+            "eos_token_id": 151645,
+            "num_nextn_predict_layers": 1,
+        },
+        default_dtype="bfloat16",
+    ),
+    "mimo-7b": Preset(
+        name="mimo-7b",
+        description="MiMo-7B-Base shapes (36 layers, hidden 4096, GQA 32/8, qkv bias, untied, 1 MTP layer)",
+        config={
+            **_QWEN3_COMMON,
+            "attention_bias": True,
+            "vocab_size": 151680,
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rope_theta": 640000.0,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": False,
+            "eos_token_id": 151643,
+            "num_nextn_predict_layers": 1,
+        },
+        default_dtype="bfloat16",
+    ),
+}
+
+
+class RandomSource:
+    """Seeded random weights for a preset: each tensor depends only on ``(seed, key)``."""
+
+    def __init__(
+        self,
+        preset: Preset,
+        shapes: dict[str, tuple[int, ...]],
+        seed: int,
+        family: DraftFamily,
+        num_target_layers: int,
+    ):
+        self.preset = preset
+        self.shapes = shapes
+        self.seed = seed
+        self.family = family
+        self.num_target_layers = num_target_layers
+
+    def keys(self) -> list[str]:
+        return sorted(self.shapes)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.shapes[key]
+
+    def _randn(self, key: str, shape, device: torch.device) -> torch.Tensor:
+        g = torch.Generator(device=device)
+        g.manual_seed((self.seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
+        return torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        p = self.preset
+        is_draft = self.family.is_draft_key(key, self.num_target_layers)
+        stem = key.rsplit(".", 2)[-2] if key.count(".") >= 1 else key
+        m = None if is_draft else re.search(r"layers\.(\d+)\.", key)
+        layer = int(m.group(1)) if m else 0
+        if "norm" in stem:
+            out = torch.ones(shape, device=device)
+        elif key.endswith(".bias"):
+            out = torch.zeros(shape, device=device)
+        elif key.endswith("embed_tokens.weight") or key.endswith("head.weight"):
+            out = self._randn("model.embed_tokens.weight", shape, device)
+        elif is_draft and key.endswith(f"{self.family.proj}.weight"):
+            h = shape[0]
+            out = self._randn(key, shape, device) * (0.02 / shape[1] ** 0.5)
+            eye = torch.eye(h, device=device)
+            if self.family.concat_order[0] == "embed":
+                out[:, :h] += eye
+            else:
+                out[:, h:] += eye
+        elif is_draft and ".mlp." in key:
+            # The head's MLP copies the target's first MLP: the draft imitates the target.
+            out = self._randn("model.layers.0.mlp." + key.split(".mlp.")[1], shape, device)
+            out = out * (p.init_scale / shape[1] ** 0.5)
+        else:
+            scale = p.init_scale / shape[1] ** 0.5
+            if key.endswith("o_proj.weight"):
+                scale *= p.attn_scale
+            if not is_draft and layer >= 1 and ".mlp." in key:
+                scale *= p.deep_scale
+            out = self._randn(key, shape, device) * scale
+        return out.to(dtype)

@@ -1,0 +1,131 @@
+"""Rotary position embedding: inverse frequencies (with scaling) and the cos/sin table.
+
+This module owns the RoPE math. :func:`inv_freq_and_scale` follows transformers'
+``ROPE_INIT_FUNCTIONS`` for ``default``, ``linear``, ``dynamic``, ``llama3`` and ``yarn``;
+:class:`RotaryTable` precomputes ``cos``/``sin`` ``[max_positions, rotary_dim]`` once at load,
+so a round only gathers rows by position (static shapes, no host work).
+
+``dynamic`` (NTK) is computed once for the engine's ``max_model_len`` instead of per forward as
+transformers does: when ``max_model_len`` exceeds the original context the base is scaled as
+transformers scales it for a sequence of that length; otherwise frequencies are unscaled. This is
+the static-shape choice a captured graph needs; it differs from transformers only for sequences
+shorter than ``max_model_len`` but longer than the original context.
+
+The rotation is the non-interleaved ``rotate_half`` layout of Llama / Qwen checkpoints; with
+``partial_rotary_factor < 1`` only the first ``rotary_dim`` channels of each head rotate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from speccal.runner.config import ModelConfig
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).double() / dim))
+
+
+def inv_freq_and_scale(cfg: ModelConfig, max_model_len: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[rotary_dim // 2]`` (float64) and the attention scaling factor."""
+    rope = cfg.rope
+    dim = int(cfg.head_dim * rope.partial_rotary_factor)
+    base = rope.theta
+    kind = rope.rope_type
+    if kind == "default":
+        return _default_inv_freq(base, dim), 1.0
+    factor = float(rope.get("factor"))
+    if kind == "linear":
+        return _default_inv_freq(base, dim) / factor, 1.0
+    if kind == "dynamic":
+        original = int(rope.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+        seq_len = max(max_model_len, original)
+        base = base * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
+        return _default_inv_freq(base, dim), 1.0
+    if kind == "llama3":
+        inv_freq = _default_inv_freq(base, dim)
+        low = float(rope.get("low_freq_factor"))
+        high = float(rope.get("high_freq_factor"))
+        old_len = float(rope.get("original_max_position_embeddings"))
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(cfg, dim, base, factor)
+    raise AssertionError(kind)  # ModelConfig validated the type
+
+
+def _yarn(cfg: ModelConfig, dim: int, base: float, factor: float) -> tuple[torch.Tensor, float]:
+    rope = cfg.rope
+    original = int(rope.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    attention_factor = rope.get("attention_factor")
+    mscale = rope.get("mscale")
+    mscale_all_dim = rope.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = rope.get("beta_fast") or 32
+    beta_slow = rope.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = correction_dim(beta_fast)
+    high = correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    extra_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extra_factor) + extrapolation * extra_factor
+    return inv_freq, float(attention_factor)
+
+
+class RotaryTable(torch.nn.Module):
+    """Precomputed ``cos``/``sin`` tables ``[max_positions, rotary_dim]`` for one model."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, max_model_len: int):
+        super().__init__()
+        inv_freq, scale = inv_freq_and_scale(cfg, max_model_len)
+        pos = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(pos, inv_freq)  # [P, rotary_dim // 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, rotary_dim]
+        self.rotary_dim = emb.shape[-1]
+        self.register_buffer("cos", (emb.cos() * scale).float(), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).float(), persistent=False)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [N, num_heads, head_dim]
+        k: torch.Tensor,  # [N, num_kv_heads, head_dim]
+        positions: torch.Tensor,  # [N] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions][:, None, :]  # [N, 1, rotary_dim]
+        sin = self.sin[positions][:, None, :]
+        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    out = (rot.float() * cos + rotated_half.float() * sin).to(x.dtype)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out

@@ -1,0 +1,805 @@
+"""Speculation policies shared by the live runner and the offline replay (pure numpy, no torch).
+
+Owns the decision rules of SPEC section 6 and the small objects the runner exchanges with them:
+
+- :class:`CostModel`: a vectorised full-round cost ``cost(bcap, g, kv_length) -> ms`` (NaN =
+  uncalibrated) plus the :class:`~speccal.geometry.Geometry` and table ``mode`` it belongs to.
+  ``CostModel.from_table(table)`` adapts a ``speccal.costmodel.table.CostTable``.
+- :class:`BatchState` (what the runner knows before a round), :class:`Decision` (the plan:
+  ``k`` draft forwards, padded target rows ``g``, optional per-request ``verify_tokens``) and
+  :class:`Feedback` (built from the runner's normal ``RoundResult``: accepted lengths, draft
+  scores; plain numpy).
+- Policies with one API, ``decide(state) -> Decision`` and ``observe(feedback)``:
+  :class:`FixedPolicy` (``fixed:K``), :class:`AdaptiveStepPolicy` (``adaptive-step``) and
+  :class:`AdaptiveVerifyPolicy` (``adaptive-verify``). :func:`make_policy` parses a spec string;
+  :func:`check_adaptive_modes` refuses the two adaptive modes together.
+- The pure decision functions both the live objects and the vectorised replay
+  (``speccal.replay``) call, so there is one implementation of each rule:
+  :func:`conditional_acceptance`, :func:`prefix_acceptance`, :func:`score_steps`,
+  :func:`choose_step`, :func:`survival_curve` / :func:`survival_curves`, :func:`choose_budget`,
+  :func:`allocate_prefixes`.
+
+Layouts: ``w`` is the draft width; per-position arrays are ``[w]`` indexed by draft position
+``i = 0..w-1``; step arrays ``[..., w]`` are indexed by ``k - 1`` for ``k = 1..w``; draft scores
+are ``[B, w]`` (draft probability of the selected token at each position).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from speccal.errors import InputError, UnsupportedError
+from speccal.geometry import Geometry
+
+MODES = ("draft_step", "target_verify")
+
+#: Relative slack on the min-gain test: a gain that equals ``switch_min_gain`` up to float
+#: rounding (e.g. 1.05 * x computed two ways) must not switch; "strictly above" is meant.
+GAIN_RTOL = 1e-9
+
+#: Resolution of survival curves: grid points per draft row per request (x = q / Q).
+CURVE_RESOLUTION = 8
+
+CostFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+# --------------------------------------------------------------------------------------------
+# Cost lookups
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A vectorised full-round cost with the geometry it was calibrated on.
+
+    Attributes
+    ----------
+    cost : ``f(bcap, g, kv_length) -> ndarray`` of ms per round; NaN where uncalibrated.
+    geometry : captured buckets; ``bcap_for`` / ``g_for`` pad logical sizes up.
+    mode : ``draft_step`` (``G = Bcap * (k + 1)`` means ``k`` draft forwards) or
+        ``target_verify`` (the draft always runs ``w`` steps; ``G`` is the trimmed verify budget).
+    """
+
+    cost: CostFn
+    geometry: Geometry
+    mode: str = "draft_step"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InputError("mode", self.mode, f"one of {list(MODES)}")
+        if not callable(self.cost):
+            raise InputError("cost", self.cost, "a callable f(bcap, g, kv_length) -> ndarray")
+
+    @classmethod
+    def from_table(cls, table: Any) -> CostModel:
+        """Adapt a ``speccal.costmodel.table.CostTable`` (its cost surface, geometry and mode)."""
+        return cls(cost=table.cost_surface(), geometry=table.geometry(), mode=str(table.mode))
+
+    @property
+    def draft_width(self) -> int:
+        return self.geometry.draft_width
+
+    def bcap(self, num_requests: np.ndarray) -> np.ndarray:
+        """Vectorised ``geometry.bcap_for``; 0 where no captured bucket holds the batch."""
+        buckets = np.asarray(self.geometry.request_buckets, dtype=np.int64)
+        b = np.asarray(num_requests, dtype=np.int64)
+        i = np.searchsorted(buckets, b, side="left")
+        ok = i < len(buckets)
+        return np.where(ok, buckets[np.minimum(i, len(buckets) - 1)], 0)
+
+    def g(self, bcap: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Vectorised ``geometry.g_for``; 0 where no captured target bucket holds the rows."""
+        bcap = np.asarray(bcap, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64)
+        bcap, rows = np.broadcast_arrays(bcap, rows)
+        out = np.zeros(bcap.shape, dtype=np.int64)
+        for b, gs in self.geometry.target_rows.items():
+            sel = bcap == b
+            if not sel.any():
+                continue
+            levels = np.asarray(gs, dtype=np.int64)
+            j = np.searchsorted(levels, rows[sel], side="left")
+            out[sel] = np.where(j < len(levels), levels[np.minimum(j, len(levels) - 1)], 0)
+        return out
+
+    def lookup(self, bcap: np.ndarray, g: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
+        """Cost in ms with NaN for a missing bucket (0) or an uncalibrated point."""
+        bcap, g, kv = np.broadcast_arrays(
+            np.asarray(bcap, dtype=np.int64),
+            np.asarray(g, dtype=np.int64),
+            np.asarray(kv_length, dtype=np.float64),
+        )
+        ok = (bcap > 0) & (g > 0)
+        out = np.full(bcap.shape, np.nan)
+        if ok.any():
+            out[ok] = np.asarray(self.cost(bcap[ok], g[ok], kv[ok]), dtype=np.float64)
+        return out
+
+    def step_costs(self, num_requests: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
+        """Cost of ``k = 1..w`` full-verify rounds, ``[..., w]``: G = g_for(Bcap, B * (k + 1))."""
+        b = np.asarray(num_requests, dtype=np.int64)[..., None]
+        kv = np.asarray(kv_length, dtype=np.float64)[..., None]
+        ks = np.arange(1, self.draft_width + 1)
+        bcap = self.bcap(b)
+        return self.lookup(bcap, self.g(bcap, b * (ks + 1)), kv)
+
+    def verify_candidates(
+        self, num_requests: np.ndarray, kv_length: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Target budgets of each batch's Bcap and their costs, ``([..., J], [..., J])``.
+
+        ``J`` is the most target buckets any Bcap has; missing entries have ``g = 0`` and NaN
+        cost. Budgets below ``B`` rows (not even the bonus rows fit) are dropped the same way.
+        """
+        b = np.asarray(num_requests, dtype=np.int64)
+        kv = np.asarray(kv_length, dtype=np.float64)
+        bcap = self.bcap(b)
+        width = max(len(gs) for gs in self.geometry.target_rows.values())
+        gs = np.zeros(b.shape + (width,), dtype=np.int64)
+        for cap, levels in self.geometry.target_rows.items():
+            gs[bcap == cap, : len(levels)] = levels
+        gs = np.where(gs >= b[..., None], gs, 0)
+        return gs, self.lookup(bcap[..., None], gs, kv[..., None])
+
+
+# --------------------------------------------------------------------------------------------
+# Runner-facing records
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchState:
+    """What the runner knows before a round: its index, the batch size and mean KV length."""
+
+    round_index: int
+    num_requests: int
+    kv_length: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The plan of one round.
+
+    Attributes
+    ----------
+    k : draft forwards to run (``1..w``).
+    g : padded target rows (a captured bucket of ``bcap``): the verify budget. 0 when the batch
+        has no captured bucket.
+    verify_tokens : ``[B]`` drafted tokens per request sent to the target (prefix-closed), or
+        None = all ``k``. Adaptive verify leaves it None; the device fills it with
+        :func:`allocate_prefixes` from the current round's scores inside ``g``.
+    reason : ``fixed``, ``warmup`` (no feedback yet), ``switch``, ``hold``, ``uncalibrated``
+        or ``scored`` (adaptive verify).
+    predicted_gain : predicted relative gain of the chosen plan over the previous one (NaN when
+        not scored).
+    """
+
+    k: int
+    g: int
+    verify_tokens: np.ndarray | None = None
+    reason: str = "fixed"
+    predicted_gain: float = math.nan
+
+
+@dataclass(frozen=True, eq=False)
+class Feedback:
+    """Per-round statistics the policies learn from; plain numpy, no torch.
+
+    Attributes
+    ----------
+    round_index : index of the round that produced it.
+    k : draft forwards that ran.
+    accepted : ``[B]`` accepted draft tokens per request (``0..k``).
+    draft_scores : ``[B, k]`` draft probability of each selected token, or None.
+    verify_tokens : ``[B]`` drafted tokens each request sent to the target, or None (= ``k``).
+    """
+
+    round_index: int
+    k: int
+    accepted: np.ndarray
+    draft_scores: np.ndarray | None = None
+    verify_tokens: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        acc = np.asarray(self.accepted, dtype=np.int64).reshape(-1)
+        if acc.size and (acc.min() < 0 or acc.max() > self.k):
+            raise InputError("accepted", acc.tolist(), f"values in 0..k={self.k}")
+        object.__setattr__(self, "accepted", acc)
+        if self.draft_scores is not None:
+            s = np.asarray(self.draft_scores, dtype=np.float64)
+            if s.ndim != 2 or s.shape[0] != acc.size:
+                raise InputError("draft_scores", s.shape, f"shape [B={acc.size}, k]")
+            object.__setattr__(self, "draft_scores", s)
+        if self.verify_tokens is not None:
+            object.__setattr__(
+                self, "verify_tokens", np.asarray(self.verify_tokens, dtype=np.int64).reshape(-1)
+            )
+
+    @classmethod
+    def from_round_result(cls, result: Any, round_index: int) -> Feedback:
+        """Build feedback from a runner ``RoundResult`` (fields collected anyway each round).
+
+        Uses ``accepted`` (``[B]``), ``k``, ``draft_scores`` (``[B, k]``) and ``num_verify``
+        (``[B]``, drafted tokens sent to the target) when present; arrays are converted with
+        ``numpy.asarray`` (no torch import here).
+        """
+        scores = getattr(result, "draft_scores", None)
+        verify = getattr(result, "num_verify", None)
+        return cls(
+            round_index=int(round_index),
+            k=int(result.k),
+            accepted=np.asarray(result.accepted),
+            draft_scores=None if scores is None else np.asarray(scores),
+            verify_tokens=None if verify is None else np.asarray(verify),
+        )
+
+
+class Policy(Protocol):
+    """The one API the live runner and the replay call."""
+
+    name: str
+
+    def decide(self, state: BatchState) -> Decision: ...
+
+    def observe(self, feedback: Feedback) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Adaptive draft step: pure rules
+# --------------------------------------------------------------------------------------------
+
+
+def position_counts(accepted: np.ndarray, k: int, draft_width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-position survival counts of one batch, ``([w], [w])``.
+
+    ``survived[i]`` = requests whose first ``i + 1`` drafts were accepted; ``reached[i]`` =
+    requests whose first ``i`` drafts were accepted (``B`` at ``i = 0``). Positions ``i >= k``
+    were not drafted: both are 0 there.
+    """
+    acc = np.asarray(accepted, dtype=np.int64)
+    i = np.arange(draft_width)
+    survived = (acc[:, None] >= i + 1).sum(axis=0).astype(np.float64)
+    reached = np.concatenate(([float(acc.size)], survived[:-1]))
+    drafted = i < k
+    return np.where(drafted, survived, 0.0), np.where(drafted, reached, 0.0)
+
+
+def conditional_acceptance(survived: np.ndarray, reached: np.ndarray) -> np.ndarray | None:
+    """Conditional acceptance ``c_i = survived_i / reached_i`` over a window, ``[w]``.
+
+    Positions never reached (not drafted in the window, or nobody survived to them) repeat the
+    deepest known value (geometric tail), so deeper steps can be scored from shallow feedback.
+    Returns None when position 0 has no data (no feedback yet).
+    """
+    # Plain floats: w is tiny and this runs once per re-scoring in a 10^6-round replay.
+    s, r = _floats(survived), _floats(reached)
+    if r[0] <= 0:
+        return None
+    c = []
+    last = 1.0
+    for si, ri in zip(s, r, strict=True):
+        if ri > 0:
+            last = si / ri
+        c.append(last)
+    return np.asarray(c)
+
+
+def prefix_acceptance(survived: np.ndarray, reached: np.ndarray) -> np.ndarray | None:
+    """Prefix acceptance ``p_i = prod_{j <= i} c_j`` (SPEC: requests whose first ``i + 1`` drafts
+    were all accepted), ``[w]``; None without feedback. Chained from conditional rates so that a
+    window mixing different ``k`` stays monotone."""
+    c = conditional_acceptance(survived, reached)
+    if c is None:
+        return None
+    out, acc = [], 1.0
+    for ci in c.tolist():
+        acc *= ci
+        out.append(acc)
+    return np.asarray(out)
+
+
+def _floats(x: Sequence[float] | np.ndarray) -> list[float]:
+    """Plain float list of a small vector (cheaper than numpy ops for w <= 16)."""
+    return x.tolist() if isinstance(x, np.ndarray) else [float(v) for v in x]
+
+
+def score_steps(prefix: np.ndarray, costs: np.ndarray, num_requests: np.ndarray | int) -> np.ndarray:
+    """Predicted tokens per ms of each ``k``: ``B * (1 + sum(p[:k])) / cost_ms(k)``.
+
+    ``prefix`` is ``[..., w]``, ``costs`` ``[..., w]`` (index ``k - 1``); NaN where uncalibrated.
+    """
+    prefix = np.asarray(prefix, dtype=np.float64)
+    b = np.asarray(num_requests, dtype=np.float64)[..., None]
+    return b * (1.0 + np.cumsum(prefix, axis=-1)) / np.asarray(costs, dtype=np.float64)
+
+
+def choose_step(
+    prefix: np.ndarray | None,
+    costs: np.ndarray,
+    num_requests: int,
+    current_k: int,
+    switch_min_gain: float,
+) -> tuple[int, str, float]:
+    """One re-scoring of the adaptive draft step: ``(k, reason, predicted_gain)``.
+
+    Scores are :func:`score_steps`: ``B * (1 + sum(p[:k])) / cost_ms(k)``.
+
+    - no feedback yet -> full width (``warmup``);
+    - every candidate uncalibrated -> full width (``uncalibrated``);
+    - the current ``k`` uncalibrated -> the best calibrated ``k`` (``switch``, gain inf);
+    - otherwise switch to the argmax only if ``score(best) / score(current) - 1`` is strictly
+      above ``switch_min_gain`` (``switch``), else keep ``current_k`` (``hold``).
+    Ties in the argmax go to the smaller ``k`` (less work for the same prediction).
+    """
+    w = len(costs)
+    if prefix is None:
+        return w, "warmup", math.nan
+    # Scalar loop (same formula as score_steps): w is tiny and this runs per re-scoring.
+    scores = []
+    total = 1.0
+    for p, c in zip(_floats(prefix), _floats(costs), strict=True):
+        total += p
+        scores.append(num_requests * total / c if c > 0 else math.nan)  # NaN > 0 is False
+    finite = [x for x in scores if math.isfinite(x)]
+    if not finite:
+        return w, "uncalibrated", math.nan
+    top = max(finite)
+    best = scores.index(top) + 1
+    cur = scores[current_k - 1]
+    if not math.isfinite(cur):
+        return best, "switch", math.inf
+    gain = top / cur - 1.0
+    if best != current_k and gain > switch_min_gain * (1.0 + GAIN_RTOL) + GAIN_RTOL:
+        return best, "switch", gain
+    return current_k, "hold", gain
+
+
+# --------------------------------------------------------------------------------------------
+# Adaptive target verify: pure rules
+# --------------------------------------------------------------------------------------------
+
+
+def survival(scores: np.ndarray) -> np.ndarray:
+    """Prefix survival ``prod_{j <= i} s_j`` per request and position (same shape as scores).
+
+    Scores are clipped to ``[0, 1]`` so survival never increases along a prefix; NaN (not
+    drafted) counts as 0.
+    """
+    s = np.clip(np.nan_to_num(np.asarray(scores, dtype=np.float64), nan=0.0), 0.0, 1.0)
+    return np.cumprod(s, axis=-1)
+
+
+def _tie_order(num_requests: int, width: int) -> np.ndarray:
+    """Flat index order ``[B * w]`` that visits position-major: all position-0 items first."""
+    return np.arange(num_requests * width).reshape(num_requests, width).T.reshape(-1)
+
+
+def allocate_prefixes(scores: np.ndarray, budget_rows: int) -> np.ndarray:
+    """Prefix-closed verify allocation inside a budget: ``verify_tokens`` ``[B]``.
+
+    The ``budget_rows`` draft rows (target rows minus the ``B`` bonus rows) go to the
+    (request, position) items of highest prefix survival first; ties go to the shallower
+    position, then the lower request index, which keeps every request's allocation a prefix
+    (survival never increases along a prefix). This is the reference of the device allocation.
+
+    Parameters
+    ----------
+    scores : ``[B, w]`` draft probabilities of the selected tokens.
+    budget_rows : draft rows the target may verify in total (``g - B``), clipped to ``[0, B*w]``.
+    """
+    s = survival(scores)
+    b, w = s.shape
+    m = int(min(max(budget_rows, 0), b * w))
+    order = _tie_order(b, w)
+    flat = s.reshape(-1)[order]
+    # Stable sort on -survival keeps position-major order among ties.
+    picked = order[np.argsort(-flat, kind="stable")[:m]]
+    verify = np.zeros(b, dtype=np.int64)
+    np.add.at(verify, picked // w, 1)
+    return verify
+
+
+def allocate_prefixes_batch(
+    scores: np.ndarray, num_requests: np.ndarray, budget_rows: np.ndarray
+) -> np.ndarray:
+    """Vectorised :func:`allocate_prefixes` over rounds: ``[R, Bmax, w]`` -> ``[R, Bmax]``.
+
+    Same rule and tie order (survival descending, then shallower position, then lower request);
+    rows ``>= num_requests[r]`` are padding and get 0. One sort per round, then a threshold: items
+    above the ``m``-th largest survival are taken, and the remaining ``m`` minus that count are
+    taken from the items equal to it in position-major order.
+    """
+    s = survival(scores)
+    r, bmax, w = s.shape
+    nreq = np.asarray(num_requests, dtype=np.int64)
+    m = np.clip(np.asarray(budget_rows, dtype=np.int64), 0, nreq * w)
+    pad = np.arange(bmax)[None, :, None] >= nreq[:, None, None]
+    s = np.where(pad, -1.0, s)
+    flat = s.transpose(0, 2, 1).reshape(r, w * bmax)  # position-major: index i * Bmax + b
+    top = -np.sort(-flat, axis=1)
+    thr = top[np.arange(r), np.maximum(m - 1, 0)][:, None]
+    take = m[:, None] > 0
+    above = (flat > thr) & take
+    need = m - above.sum(axis=1)
+    tie = (flat == thr) & take
+    chosen = above | (tie & (np.cumsum(tie, axis=1) <= need[:, None]))
+    return chosen.reshape(r, w, bmax).sum(axis=1)
+
+
+def survival_curve(scores: np.ndarray, resolution: int = CURVE_RESOLUTION) -> np.ndarray:
+    """Expected accepted drafts per request versus verified draft rows per request, ``[w*Q + 1]``.
+
+    ``f(x)`` = (sum of the top ``x * B`` prefix survivals) / ``B``, on the grid ``x = q / Q``
+    (``Q = resolution``), linear between whole items. This is what a budget buys if the scores
+    are calibrated acceptance probabilities.
+    """
+    s = survival(scores)
+    return survival_curves(s[None], np.array([s.shape[0]]), resolution, presurvived=True)[0]
+
+
+def survival_curves(
+    scores: np.ndarray,
+    num_requests: np.ndarray,
+    resolution: int = CURVE_RESOLUTION,
+    *,
+    presurvived: bool = False,
+) -> np.ndarray:
+    """Vectorised :func:`survival_curve` over rounds: ``[R, Bmax, w]`` -> ``[R, w*Q + 1]``.
+
+    Rows ``>= num_requests[r]`` of round ``r`` are padding and never counted.
+    """
+    s = np.asarray(scores, dtype=np.float64) if presurvived else survival(scores)
+    r, bmax, w = s.shape
+    nreq = np.asarray(num_requests, dtype=np.int64)
+    pad = np.arange(bmax)[None, :, None] >= nreq[:, None, None]
+    s = np.where(pad, 0.0, s).reshape(r, bmax * w)
+    top = -np.sort(-s, axis=1)
+    cs = np.concatenate([np.zeros((r, 1)), np.cumsum(top, axis=1)], axis=1)  # [R, Bmax*w + 1]
+    x = np.arange(w * resolution + 1) / resolution
+    items = x[None, :] * nreq[:, None]  # [R, n]
+    lo = np.floor(items).astype(np.int64)
+    hi = np.minimum(lo + 1, bmax * w)
+    frac = items - lo
+    rows = np.arange(r)[:, None]
+    val = cs[rows, lo] * (1 - frac) + cs[rows, hi] * frac
+    return val / np.maximum(nreq, 1)[:, None]
+
+
+def choose_budget(
+    curve: np.ndarray | None,
+    num_requests: np.ndarray,
+    budgets: np.ndarray,
+    costs: np.ndarray,
+    resolution: int = CURVE_RESOLUTION,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Padded target budget maximizing predicted tokens per ms; vectorised over batches.
+
+    Predicted tokens of budget ``g`` = ``B * (1 + f((g - B) / B))`` with ``f`` the (window-mean)
+    survival curve. Returns ``(g [...], predicted tokens/ms [...])``; full width (the largest
+    budget) where there is no curve or every candidate is uncalibrated.
+
+    Parameters
+    ----------
+    curve : ``[..., w*Q + 1]`` or None (no released feedback yet).
+    num_requests : ``[...]`` batch sizes ``B``.
+    budgets, costs : ``[..., J]`` from :meth:`CostModel.verify_candidates` (0 / NaN = missing).
+    """
+    b = np.asarray(num_requests, dtype=np.float64)
+    budgets = np.asarray(budgets)
+    costs = np.asarray(costs, dtype=np.float64)
+    full = budgets.max(axis=-1)
+    if curve is None:
+        return full, np.full(full.shape, np.nan)
+    curve = np.asarray(curve, dtype=np.float64)
+    n = curve.shape[-1]
+    w = (n - 1) / resolution
+    x = np.clip((budgets - b[..., None]) / np.maximum(b[..., None], 1), 0.0, w) * resolution
+    lo = np.minimum(np.floor(x).astype(np.int64), n - 1)
+    hi = np.minimum(lo + 1, n - 1)
+    frac = x - lo
+    f = np.take_along_axis(curve, lo, -1) * (1 - frac) + np.take_along_axis(curve, hi, -1) * frac
+    score = b[..., None] * (1.0 + f) / costs
+    score = np.where((budgets > 0) & np.isfinite(score), score, -np.inf)
+    best = np.argmax(score, axis=-1)
+    best_score = np.take_along_axis(score, best[..., None], -1)[..., 0]
+    chosen = np.take_along_axis(budgets, best[..., None], -1)[..., 0]
+    ok = np.isfinite(best_score)
+    return np.where(ok, chosen, full), np.where(ok, best_score, np.nan)
+
+
+# --------------------------------------------------------------------------------------------
+# Policy objects
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdaptiveStepConfig:
+    """Adaptive draft step settings (SPEC section 4 defaults)."""
+
+    window_size: int = 20
+    update_interval: int = 5
+    switch_min_gain: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.window_size < 1:
+            raise InputError("policy.window_size", self.window_size, "an integer >= 1")
+        if self.update_interval < 1:
+            raise InputError("policy.update_interval", self.update_interval, "an integer >= 1")
+        if not (self.switch_min_gain >= 0 and math.isfinite(self.switch_min_gain)):
+            raise InputError("policy.switch_min_gain", self.switch_min_gain, "a finite number >= 0")
+
+
+@dataclass(frozen=True)
+class AdaptiveVerifyConfig:
+    """Adaptive target verify settings.
+
+    ``window_size`` lagged rounds are averaged into the survival curve; ``feedback_lag`` is the
+    age a round's feedback must reach before the host may read it (2: round ``n`` sees ``n - 2``
+    and older, because ``n - 1`` is still in flight when ``n`` is planned).
+    """
+
+    window_size: int = 20
+    feedback_lag: int = 2
+    resolution: int = CURVE_RESOLUTION
+
+    def __post_init__(self) -> None:
+        if self.window_size < 1:
+            raise InputError("window_size", self.window_size, "an integer >= 1")
+        if self.feedback_lag < 2:
+            raise InputError("feedback_lag", self.feedback_lag, "an integer >= 2 (n-2 rule)")
+        if self.resolution < 1:
+            raise InputError("resolution", self.resolution, "an integer >= 1")
+
+
+class FixedPolicy:
+    """Baseline: ``k`` drafts every round (draft_step) or ``k`` verified drafts per request
+    (target_verify: the draft runs ``w``, the first ``k`` of each request are verified)."""
+
+    def __init__(self, cost: CostModel, k: int):
+        w = cost.draft_width
+        if not 1 <= k <= w:
+            raise InputError("policy", f"fixed:{k}", f"fixed:K with 1 <= K <= draft_width={w}")
+        self.cost = cost
+        self.k = int(k)
+        self.name = f"fixed:{k}"
+
+    def decide(self, state: BatchState) -> Decision:
+        b = state.num_requests
+        bcap = int(self.cost.bcap(b))
+        g = int(self.cost.g(bcap, b * (self.k + 1)))
+        if self.cost.mode == "target_verify":
+            tokens = np.full(b, self.k, dtype=np.int64)
+            return Decision(k=self.cost.draft_width, g=g, verify_tokens=tokens, reason="fixed")
+        return Decision(k=self.k, g=g, reason="fixed")
+
+    def observe(self, feedback: Feedback) -> None:
+        """Fixed policies learn nothing."""
+
+
+class AdaptiveStepPolicy:
+    """Adaptive draft step: one batch-wide ``k`` from windowed prefix acceptance and the table.
+
+    Bookkeeping: each observed batch adds its per-position counts to a window of the last
+    ``window_size`` batches. ``decide`` re-scores when ``update_interval`` batches have completed
+    since the last re-scoring (first at ``update_interval`` completed batches; full width
+    before), and otherwise holds ``k``. A round whose lookup at the held ``k`` is uncalibrated
+    runs full width without changing the held ``k``.
+    """
+
+    def __init__(self, cost: CostModel, config: AdaptiveStepConfig | None = None):
+        if cost.mode != "draft_step":
+            raise UnsupportedError(
+                f"adaptive-step needs a draft_step cost table; got mode {cost.mode!r}"
+            )
+        self.cost = cost
+        self.config = config or AdaptiveStepConfig()
+        self.name = "adaptive-step"
+        w = cost.draft_width
+        self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=self.config.window_size)
+        self._completed = 0
+        self._scored_at = 0
+        self._k = w
+        self._last_reason = "warmup"
+        self._last_gain = math.nan
+
+    @property
+    def completed(self) -> int:
+        """Batches observed so far."""
+        return self._completed
+
+    @property
+    def held_k(self) -> int:
+        return self._k
+
+    def window_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(survived [w], reached [w])`` summed over the window."""
+        w = self.cost.draft_width
+        if not self._window:
+            return np.zeros(w), np.zeros(w)
+        s = np.sum([x[0] for x in self._window], axis=0)
+        r = np.sum([x[1] for x in self._window], axis=0)
+        return s, r
+
+    def observe(self, feedback: Feedback) -> None:
+        self._window.append(position_counts(feedback.accepted, feedback.k, self.cost.draft_width))
+        self._completed += 1
+
+    def decide(self, state: BatchState) -> Decision:
+        costs = self.cost.step_costs(state.num_requests, state.kv_length)
+        interval = self.config.update_interval
+        if self._completed - self._scored_at >= interval:
+            self._scored_at = self._completed - self._completed % interval
+            k, reason, gain = choose_step(
+                prefix_acceptance(*self.window_counts()),
+                costs,
+                state.num_requests,
+                self._k,
+                self.config.switch_min_gain,
+            )
+            self._k, self._last_reason, self._last_gain = k, reason, gain
+            fresh = True
+        else:
+            fresh = False
+        w = self.cost.draft_width
+        k = self._k
+        reason = self._last_reason if fresh else ("warmup" if self._completed < interval else "hold")
+        if not np.isfinite(costs[k - 1]):
+            k, reason = w, "uncalibrated"
+        bcap = int(self.cost.bcap(state.num_requests))
+        g = int(self.cost.g(bcap, state.num_requests * (k + 1)))
+        return Decision(k=k, g=g, reason=reason, predicted_gain=self._last_gain if fresh else math.nan)
+
+
+class LaggedFeedback:
+    """Feedback queue that only releases entries at least ``lag`` rounds old.
+
+    The adaptive verify policy keeps its feedback here and nowhere else, and can only read it
+    through :meth:`release`, so planning round ``n`` cannot see round ``n - 1`` (or newer) even
+    when the runner has already delivered it.
+    """
+
+    def __init__(self, lag: int = 2):
+        if lag < 2:
+            raise InputError("feedback_lag", lag, "an integer >= 2 (n-2 rule)")
+        self.lag = lag
+        self.__pending: deque[Feedback] = deque()
+
+    def push(self, feedback: Feedback) -> None:
+        self.__pending.append(feedback)
+
+    def release(self, round_index: int) -> list[Feedback]:
+        """Pop and return queued feedback of rounds ``<= round_index - lag`` (oldest first)."""
+        out, keep = [], deque()
+        limit = round_index - self.lag
+        for fb in self.__pending:
+            (out if fb.round_index <= limit else keep).append(fb)
+        self.__pending = keep
+        return sorted(out, key=lambda fb: fb.round_index)
+
+    def __len__(self) -> int:
+        return len(self.__pending)
+
+
+class AdaptiveVerifyPolicy:
+    """Adaptive target verify: full-width draft, padded budget from n-2 feedback and the table.
+
+    ``decide`` releases feedback at least ``feedback_lag`` rounds old from its
+    :class:`LaggedFeedback`, folds each into a window of survival curves, and picks the budget
+    ``g`` maximizing ``B * (1 + f((g - B) / B)) / cost(Bcap, g, kv)``. The device then fills
+    ``verify_tokens`` with :func:`allocate_prefixes` on the current round's scores (the current
+    scores never reach the host before the target runs).
+    """
+
+    def __init__(self, cost: CostModel, config: AdaptiveVerifyConfig | None = None):
+        if cost.mode != "target_verify":
+            raise UnsupportedError(
+                f"adaptive-verify needs a target_verify cost table; got mode {cost.mode!r}"
+            )
+        self.cost = cost
+        self.config = config or AdaptiveVerifyConfig()
+        self.name = "adaptive-verify"
+        self._feedback = LaggedFeedback(self.config.feedback_lag)
+        self._curves: deque[np.ndarray] = deque(maxlen=self.config.window_size)
+        self.used_rounds: list[int] = []  # rounds whose feedback has been folded in (for tests)
+
+    def observe(self, feedback: Feedback) -> None:
+        if feedback.draft_scores is None:
+            raise InputError("feedback.draft_scores", None, "[B, w] draft scores (adaptive verify)")
+        self._feedback.push(feedback)
+
+    def decide(self, state: BatchState) -> Decision:
+        for fb in self._feedback.release(state.round_index):
+            self._curves.append(survival_curve(fb.draft_scores, self.config.resolution))
+            self.used_rounds.append(fb.round_index)
+        curve = np.mean(self._curves, axis=0) if self._curves else None
+        budgets, costs = self.cost.verify_candidates(state.num_requests, state.kv_length)
+        g, _ = choose_budget(curve, state.num_requests, budgets, costs, self.config.resolution)
+        reason = "warmup" if curve is None else "scored"
+        if curve is not None and not np.isfinite(costs).any():
+            reason = "uncalibrated"
+        return Decision(k=self.cost.draft_width, g=int(g), reason=reason)
+
+    def allocate(self, decision: Decision, scores: np.ndarray) -> np.ndarray:
+        """Host reference of the device step: ``verify_tokens`` for ``scores`` ``[B, w]``."""
+        return allocate_prefixes(scores, decision.g - np.asarray(scores).shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Specs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A parsed ``--policy`` value: ``kind`` in fixed / adaptive-step / adaptive-verify."""
+
+    kind: str
+    k: int | None = None
+    text: str = field(default="", compare=False)
+
+
+ADAPTIVE = ("adaptive-step", "adaptive-verify")
+
+
+def parse_policy(text: str) -> PolicySpec:
+    """Parse ``fixed:K``, ``adaptive-step`` or ``adaptive-verify``.
+
+    A combined spec (``adaptive-step+adaptive-verify``) is refused with ``UnsupportedError``.
+    """
+    t = str(text).strip().lower()
+    parts = [p.strip() for p in t.split("+")]
+    if len(parts) > 1:
+        check_adaptive_modes(adaptive_draft_step="adaptive-step" in parts,
+                             adaptive_target_verify="adaptive-verify" in parts)
+        raise InputError("policy", text, "one policy: fixed:K, adaptive-step or adaptive-verify")
+    if t in ADAPTIVE:
+        return PolicySpec(kind=t, text=t)
+    if t.startswith("fixed:"):
+        try:
+            k = int(t.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        if k >= 1:
+            return PolicySpec(kind="fixed", k=k, text=f"fixed:{k}")
+    raise InputError("policy", text, "fixed:K (K >= 1), adaptive-step or adaptive-verify")
+
+
+def check_adaptive_modes(*, adaptive_draft_step: bool, adaptive_target_verify: bool) -> None:
+    """Refuse enabling adaptive draft step and adaptive target verify together (SPEC 6)."""
+    if adaptive_draft_step and adaptive_target_verify:
+        raise UnsupportedError(
+            "adaptive draft step and adaptive target verify cannot be combined: enable one of them"
+        )
+
+
+def make_policy(
+    spec: str | PolicySpec,
+    cost: CostModel,
+    *,
+    step_config: AdaptiveStepConfig | None = None,
+    verify_config: AdaptiveVerifyConfig | None = None,
+) -> Policy:
+    """Build the policy object a spec names, for the given cost model."""
+    p = parse_policy(spec) if isinstance(spec, str) else spec
+    if p.kind == "fixed":
+        return FixedPolicy(cost, int(p.k))
+    if p.kind == "adaptive-step":
+        return AdaptiveStepPolicy(cost, step_config)
+    return AdaptiveVerifyPolicy(cost, verify_config)
+
+
+def make_policies(specs: Sequence[str], cost: CostModel, **kwargs: Any) -> list[Policy]:
+    """Build several policies; refuses duplicate specs."""
+    parsed = [parse_policy(s) for s in specs]
+    seen = set()
+    for p in parsed:
+        if p.text in seen:
+            raise InputError("policy", p.text, "each policy at most once")
+        seen.add(p.text)
+    return [make_policy(p, cost, **kwargs) for p in parsed]

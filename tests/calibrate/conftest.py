@@ -1,0 +1,91 @@
+"""Shared fixtures: real tiny-preset engines (built once per draft width) behind a step counter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from speccal.runner.engine import Engine, EngineConfig
+
+# A short model context keeps the tiny preset's rounds cheap on a 2-core CI machine.
+MAX_MODEL_LEN = 256
+BUCKETS = (1, 2, 4)
+
+# A small explicit config: Bcap 1 at G {2, 4}, Bcap 2 at G {4, 8} (connected through G=4).
+SMALL = {
+    "request_buckets": [1, 2],
+    "target_graph_rows": {"1": [2], "2": [4]},
+    "contexts": [{"prefill_tokens": 32, "min_kv_length": 1, "max_kv_length": 128}],
+    "warmup_steps": 1,
+    "window_steps": 2,
+    "windows_per_point": 2,
+}
+
+
+class CountingEngine:
+    """A real Engine whose ``step`` calls are counted (to prove that nothing was sampled)."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self.steps = 0
+
+    def step(self, plan):
+        self.steps += 1
+        return self._engine.step(plan)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+_ENGINES: dict[int, Engine] = {}
+
+
+def real_engine(draft_width: int = 3) -> Engine:
+    if draft_width not in _ENGINES:
+        _ENGINES[draft_width] = Engine(
+            EngineConfig(
+                model="tiny",
+                acceptance="forced",
+                draft_width=draft_width,
+                request_buckets=BUCKETS,
+                max_model_len=MAX_MODEL_LEN,
+            )
+        )
+    return _ENGINES[draft_width]
+
+
+@pytest.fixture
+def engine_factory():
+    """``factory(opts) -> CountingEngine`` honouring ``opts.draft_width``; ``.last`` is the last one."""
+
+    def factory(opts):
+        eng = CountingEngine(real_engine(opts.draft_width or 3))
+        factory.last = eng
+        return eng
+
+    factory.last = None
+    return factory
+
+
+@pytest.fixture
+def small_config(tmp_path):
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(SMALL))
+    return path
+
+
+@pytest.fixture
+def small():
+    """A fresh copy of the small explicit config (dict)."""
+    return json.loads(json.dumps(SMALL))
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    def write(obj, name="cfg.json"):
+        path = tmp_path / name
+        path.write_text(json.dumps(obj))
+        return path
+
+    return write

@@ -1,0 +1,156 @@
+"""``speccal calibrate`` through the CLI: effective-config printout, --json, table reuse refusals,
+and a real SIGKILL of a calibrating process followed by --resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from speccal.cli import app
+from speccal.costmodel.table import load_table
+
+ENV = {"COLUMNS": "120"}
+
+
+@pytest.fixture
+def patched(monkeypatch, engine_factory):
+    monkeypatch.setattr("speccal.calibrate.pipeline.make_engine", engine_factory)
+    return engine_factory
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, ["calibrate", *map(str, args)], env=ENV)
+
+
+def test_effective_configuration_printed_with_sources_and_geometry(tmp_path, small, write_config, patched):
+    small.pop("warmup_steps")  # left to its default
+    res = invoke("--config", write_config(small), "--out", tmp_path / "t.json", "--window-steps", 3, "--json")
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["points_done"] == 4
+    sources = summary["effective_config"]["sources"]
+    assert (sources["warmup_steps"], sources["window_steps"], sources["contexts"], sources["draft_width"]) == (
+        "default",
+        "flag",
+        "file",
+        "run",
+    )
+    err = res.stderr
+    assert "effective calibration configuration" in err
+    assert "captured graph geometry" in err
+    assert "warmup_steps" in err and "default" in err and "flag" in err
+    assert "target rows G per Bcap" in err
+    assert "leave-one-point-out" in err  # fit report
+
+
+def test_bad_config_exits_2_with_one_line(tmp_path, write_config, patched):
+    res = invoke("--config", write_config({"calibration": {"windows": 3}, "version": 1}), "--out", tmp_path / "t.json")
+    assert res.exit_code == 2
+    assert "calibration.windows" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.fixture
+def table_w3(tmp_path, small, write_config, patched):
+    out = tmp_path / "w3.json"
+    res = invoke("--config", write_config(small), "--out", out)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_reuse_compatible_table_skips_sampling(table_w3, patched):
+    res = invoke("--cost-table", table_w3, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["status"] == "reused"
+    assert patched.last.steps == 0
+    assert "sampling and fitting skipped" in res.stderr
+
+
+def _edit(path, dest, fn):
+    doc = json.loads(path.read_text())
+    fn(doc)
+    dest.write_text(json.dumps(doc))
+    return dest
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda d: d["compatibility"]["topology"].update(dp=2), "topology.dp"),
+        (lambda d: d["compatibility"].update(graph_mode="unified"), "graph_mode"),
+    ],
+)
+def test_table_of_another_topology_or_graph_mode_refused(tmp_path, table_w3, patched, edit, field):
+    other = _edit(table_w3, tmp_path / "other.json", edit)
+    res = invoke("--cost-table", other)
+    assert res.exit_code == 2
+    assert field in res.stderr
+    assert patched.last.steps == 0
+
+
+def test_table_of_another_draft_width_refused(tmp_path, small, write_config, patched):
+    out = tmp_path / "w2.json"
+    res = invoke("--config", write_config(small), "--out", out, "--draft-width", 2)
+    assert res.exit_code == 0, res.output
+    assert load_table(out).calibration.draft_width == 2
+    res = invoke("--cost-table", out, "--draft-width", 3)
+    assert res.exit_code == 2
+    assert "draft_width" in res.stderr
+
+
+def test_sigkill_mid_calibration_then_resume(tmp_path, small, write_config):
+    small.update(
+        request_buckets=[1, 2],
+        target_graph_rows=None,
+        contexts=[{"prefill_tokens": 32, "min_kv_length": 1, "max_kv_length": 255}],
+        window_steps=16,
+        windows_per_point=3,
+    )
+    small = {k: v for k, v in small.items() if v is not None}
+    cfg = write_config(small)
+    out = tmp_path / "table.json"
+    journal = tmp_path / "table.json.journal.jsonl"
+    previous = b'{"previous": "table"}\n'
+    out.write_bytes(previous)
+    args = ["calibrate", "--config", cfg, "--out", out, "--max-model-len", 256, "--request-buckets", "1,2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "speccal", *map(str, args)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **ENV},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if journal.exists() and journal.read_text().count('"kind":"window"') >= 2:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "calibration ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert out.read_bytes() == previous  # no partial table, the previous one untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.json", "table.json", "table.json.journal.jsonl"]
+    before = journal.read_bytes()
+    complete = before[: before.rfind(b"\n") + 1].count(b'"kind":"window"')
+    assert 2 <= complete < 24
+
+    res = CliRunner().invoke(app, [*map(str, args), "--resume", "--json"], env=ENV)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["points_total"] == summary["points_done"] == 8
+    assert summary["windows"] == 24
+    assert summary["windows_measured"] == 24 - complete
+    after = journal.read_bytes()
+    assert after.startswith(before[: before.rfind(b"\n") + 1])  # finished windows kept as they were
+    table = load_table(out)
+    assert len(table.fits[0].windows) == 24

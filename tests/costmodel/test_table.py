@@ -1,0 +1,341 @@
+"""Cost tables: build, lookup, save/load, migration, refusal, compatibility, schema drift."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from speccal.costmodel.compat import CompatibilityWarning
+from speccal.costmodel.synthetic import make_measurements
+from speccal.costmodel.table import (
+    SCHEMA_VERSION,
+    CostTable,
+    build_table,
+    json_schema,
+    load_table,
+    parse_table,
+    refit_table,
+    save_table,
+)
+from speccal.errors import CompatibilityError, GridError, InputError, SchemaError
+
+from .helpers import ALPHA, BIAS, COMPAT, THETA, compat, measurements
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SCHEMA_FILE = Path(__file__).parents[2] / "tables" / "schema" / "cost_table.v1.schema.json"
+
+
+@pytest.fixture(scope="module")
+def two_context_df():
+    return measurements(contexts=((512, 1, 1024), (2048, 1025, 4096)), context_offsets_ms=(0.0, 2.0))
+
+
+@pytest.fixture(scope="module")
+def additive(two_context_df):
+    return build_table(two_context_df, model="additive", compatibility=COMPAT)
+
+
+@pytest.fixture(scope="module")
+def sps(two_context_df):
+    return build_table(two_context_df, model="sps", compatibility=COMPAT)
+
+
+# ------------------------------------------------------------------------ lookup
+
+
+def test_additive_lookup_per_context(additive):
+    truth = BIAS + ALPHA[4] + THETA[12]
+    assert additive.cost_ms(4, 12, 10) == (pytest.approx(truth), True, None)
+    assert additive.cost_ms(4, 12, 1025).cost_ms == pytest.approx(truth + 2.0)
+    assert additive.mode == "draft_step" and additive.model == "additive"
+    assert additive.geometry().draft_width == 3
+
+
+@pytest.mark.parametrize(
+    ("bcap", "g", "kv", "reason"),
+    [
+        (4, 12, 0, "outside every calibrated context interval"),
+        (4, 12, 4097, "outside every calibrated context interval"),
+        (3, 12, 10, "bcap 3 is not a calibrated request bucket"),
+        (1, 16, 10, "not a captured target bucket of bcap 1"),
+    ],
+)
+@pytest.mark.parametrize("which", ["additive", "sps"])
+def test_uncalibrated_answers_say_why(request, which, bcap, g, kv, reason):
+    table = request.getfixturevalue(which)
+    out = table.cost_ms(bcap, g, kv)
+    assert not out.calibrated and math.isnan(out.cost_ms) and reason in out.reason
+
+
+def test_additive_refuses_an_unmeasured_g_level(two_context_df):
+    df = two_context_df[two_context_df.g != 6]
+    table = build_table(df, compatibility=COMPAT)
+    out = table.cost_ms(2, 6, 10)  # a captured bucket of Bcap 2, but G=6 was never measured
+    assert not out.calibrated and "not a calibrated target bucket" in out.reason
+
+
+def test_sps_interpolates_inside_and_refuses_outside_the_measured_range(two_context_df):
+    df = two_context_df[two_context_df.g <= 16]
+    table = build_table(df.query("g != 6"), model="sps", compatibility=COMPAT)
+    inside = table.cost_ms(2, 6, 10)
+    cost = dict(zip(table.fits[0].sps.g_levels, table.fits[0].sps.cost_ms, strict=True))
+    assert inside.calibrated and inside.cost_ms == pytest.approx((cost[4] + cost[8]) / 2)
+    geom_rows = table.geometry().target_rows
+    assert 24 in geom_rows[8] and 24 > max(cost)
+    out = table.cost_ms(8, 24, 10)
+    assert not out.calibrated and "outside the calibrated range" in out.reason
+
+
+@pytest.mark.parametrize("which", ["additive", "sps"])
+def test_cost_surface_agrees_with_cost_ms_everywhere(request, which):
+    table = request.getfixturevalue(which)
+    b, g, kv = np.meshgrid([1, 2, 3, 4, 8], np.arange(0, 36), [0, 10, 1024, 1025, 5000], indexing="ij")
+    surf = table.cost_surface()(b, g, kv)
+    assert surf.shape == b.shape
+    scalar = np.array([table.cost_ms(int(x), int(y), int(z)).cost_ms for x, y, z in zip(b.ravel(), g.ravel(), kv.ravel(), strict=True)])
+    np.testing.assert_array_equal(surf.ravel(), scalar)
+    assert np.isfinite(surf).sum() > 20
+
+
+# ------------------------------------------------------------------------ build refusals
+
+
+def test_disconnected_grid_is_refused_at_build():
+    pts = [(1, 1), (1, 2), (4, 8), (4, 12)]
+    df = make_measurements(bias_ms=1.0, alpha_ms={1: 0.0, 4: 1.0}, theta_ms={1: 0, 2: 0.1, 8: 0.4, 12: 0.6}, points=pts)
+    with pytest.raises(GridError, match="bcap=\\[4\\] g=\\[8, 12\\]"):
+        build_table(df, compatibility=COMPAT)
+    assert build_table(df, model="sps", compatibility=COMPAT).model == "sps"
+
+
+def test_k_beyond_draft_width_is_refused():
+    with pytest.raises(InputError, match="k <= draft_width = 1"):
+        build_table(measurements(), compatibility=compat(draft_width=1))
+
+
+def test_bad_compatibility_names_the_key():
+    with pytest.raises(InputError, match="compatibility.topology.dp"):
+        build_table(measurements(), compatibility=compat(**{"topology.dp": 0}))
+
+
+# ------------------------------------------------------------------------ save / load
+
+
+def test_save_load_is_byte_identical_and_refittable(tmp_path, additive):
+    path = save_table(additive, tmp_path / "t.json")
+    loaded = load_table(path)
+    assert save_table(loaded, tmp_path / "t2.json").read_bytes() == path.read_bytes()
+    again = refit_table(loaded, provenance=loaded.provenance)
+    assert again.to_json() == additive.to_json()
+    as_sps = refit_table(loaded, model="sps")
+    assert as_sps.model == "sps" and as_sps.calibration.sources["model"] == "cli"
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"", "empty file"),
+        (b"   \n", "empty file"),
+        (b'{"schema_version": 1, "calib', "invalid JSON at line 1"),
+        (b"\x89PNG\r\n\x1a\n garbage", "invalid JSON"),
+        (b"[1, 2, 3]", "a JSON object"),
+    ],
+)
+def test_unreadable_documents_are_schema_errors(tmp_path, content, match):
+    (tmp_path / "t.json").write_bytes(content)
+    with pytest.raises(SchemaError, match=match):
+        load_table(tmp_path / "t.json")
+
+
+def test_truncated_table_is_a_schema_error(tmp_path, additive):
+    text = additive.to_json()
+    (tmp_path / "t.json").write_text(text[: len(text) // 2])
+    with pytest.raises(SchemaError, match="invalid JSON"):
+        load_table(tmp_path / "t.json")
+
+
+def test_missing_file_is_a_schema_error(tmp_path):
+    with pytest.raises(SchemaError, match="readable cost table"):
+        load_table(tmp_path / "absent.json")
+
+
+@pytest.mark.parametrize("where", ["", "calibration", "fits.0.additive", "compatibility.model"])
+def test_unknown_keys_are_refused_with_their_path(additive, where):
+    doc = additive.to_json_dict()
+    node = doc
+    for part in filter(None, where.split(".")):
+        node = node[int(part)] if part.isdigit() else node[part]
+    node["surprise"] = 1
+    with pytest.raises(SchemaError, match="surprise.*unknown key"):
+        parse_table(json.dumps(doc))
+
+
+def test_missing_key_is_named(additive):
+    doc = additive.to_json_dict()
+    del doc["fits"][0]["additive"]["theta_ms"]
+    with pytest.raises(SchemaError, match="fits.0.additive.theta_ms.*required"):
+        parse_table(json.dumps(doc))
+
+
+def test_newer_schema_is_refused(additive):
+    doc = additive.to_json_dict()
+    doc["schema_version"] = SCHEMA_VERSION + 1
+    with pytest.raises(SchemaError, match="newer speccal; upgrade"):
+        parse_table(json.dumps(doc))
+
+
+def test_inconsistent_draft_widths_are_refused(additive):
+    doc = additive.to_json_dict()
+    doc["calibration"]["draft_width"] = 5
+    with pytest.raises(SchemaError, match="calibration.draft_width"):
+        parse_table(json.dumps(doc))
+
+
+def test_overlapping_fits_in_a_file_are_refused(additive):
+    doc = additive.to_json_dict()
+    doc["fits"][1]["min_kv_length"] = 1000
+    with pytest.raises(SchemaError, match="non-overlapping"):
+        parse_table(json.dumps(doc))
+
+
+# ------------------------------------------------------------------------ compatibility
+
+
+SEMANTIC = [
+    ("draft_width", 5),
+    ("model.architecture", "other"),
+    ("model.fingerprint", "sha256:fff"),
+    ("model.dtype", "bfloat16"),
+    ("model.quantization", "fp8"),
+    ("topology.tp", 2),
+    ("topology.dp", 2),
+    ("graph_mode", "unified"),
+    ("device.kind", "cuda"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), SEMANTIC)
+def test_semantic_mismatch_is_refused_naming_expected_and_found(tmp_path, additive, field, value):
+    path = save_table(additive, tmp_path / "t.json")
+    with pytest.raises(CompatibilityError) as info:
+        load_table(path, expect=compat(**{field: value}))
+    msg = str(info.value)
+    assert field in msg and repr(value) in msg
+    found = additive.compatibility
+    for part in field.split("."):
+        found = getattr(found, part)
+    assert repr(found) in msg
+
+
+@pytest.mark.parametrize(
+    ("expect", "versions", "field"),
+    [
+        (compat(**{"device.name": "other-cpu"}), None, "device.name"),
+        (compat(verification_mode="greedy"), None, "verification_mode"),
+        (COMPAT, {"speccal_version": "9.9.9"}, "provenance.speccal_version"),
+        (COMPAT, {"torch_version": "0.0.1"}, "provenance.torch_version"),
+    ],
+)
+def test_performance_only_mismatch_warns_and_loads(tmp_path, additive, expect, versions, field):
+    path = save_table(additive, tmp_path / "t.json")
+    with pytest.warns(CompatibilityWarning, match=field):
+        table = load_table(path, expect=expect, runtime_versions=versions)
+    assert table.cost_ms(4, 12, 10).calibrated
+
+
+def test_matching_config_loads_silently(tmp_path, additive):
+    path = save_table(additive, tmp_path / "t.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_table(path, expect=COMPAT, runtime_versions=additive.provenance.versions())
+
+
+# ------------------------------------------------------------------------ golden files, schema
+
+
+@pytest.mark.parametrize("name", ["table_v1_additive.json", "table_v1_sps.json"])
+def test_golden_v1_files_load_and_resave_byte_identically(name):
+    raw = (FIXTURES / name).read_bytes()
+    table = parse_table(raw)
+    assert table.to_json().encode() == raw
+    assert table.draft_width == 3 and table.provenance.migrated_from is None
+
+
+def test_golden_additive_lookup_values():
+    table = load_table(FIXTURES / "table_v1_additive.json")
+    fit = table.fits[1]
+    p = fit.additive
+    expected = p.bias_ms + p.alpha_ms[p.bcap_levels.index(2)] + p.theta_ms[p.g_levels.index(8)]
+    assert table.cost_ms(2, 8, 3000).cost_ms == expected
+    # Truth of the fixture: 4.0 + 0.3 + 0.05 * 8 + 1.5 ms, noise 0.02 ms per window.
+    assert expected == pytest.approx(6.2, abs=0.05)
+
+
+def test_legacy_table_without_draft_width_reads_as_width_7(tmp_path):
+    table = load_table(FIXTURES / "table_legacy_no_draft_width.json")
+    assert table.draft_width == 7 == table.calibration.draft_width == table.geometry().draft_width
+    assert table.provenance.migrated_from == "legacy"
+    golden = load_table(FIXTURES / "table_v1_additive.json")
+    assert table.fits == golden.fits
+    assert table.cost_ms(2, 8, 3000) == golden.cost_ms(2, 8, 3000)
+    with pytest.raises(CompatibilityError, match="draft_width"):
+        load_table(FIXTURES / "table_legacy_no_draft_width.json", expect=compat(draft_width=5))
+    # Saving writes the latest version.
+    resaved = json.loads(save_table(table, tmp_path / "t.json").read_text())
+    assert resaved["schema_version"] == 1 and resaved["compatibility"]["draft_width"] == 7
+
+
+def test_committed_json_schema_matches_the_models():
+    committed = json.loads(SCHEMA_FILE.read_text())
+    assert committed == json_schema(), (
+        "cost table models changed: bump schema_version if old readers break, then run "
+        "python3 -c 'from speccal.costmodel.table import write_json_schema; write_json_schema()'"
+    )
+
+
+def test_saved_tables_validate_against_the_committed_schema(additive):
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(additive.to_json_dict(), json.loads(SCHEMA_FILE.read_text()))
+
+
+# ------------------------------------------------------------------------ round trip property
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    model=st.sampled_from(["additive", "sps"]),
+    width=st.integers(1, 7),
+    bcaps=st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=4, unique=True),
+    bias=st.floats(0.01, 1e4, allow_subnormal=False),
+    noise=st.floats(0.0, 1.0),
+    windows=st.integers(1, 3),
+    split=st.integers(2, 4096),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_generated_tables_round_trip_byte_identically(model, width, bcaps, bias, noise, windows, split, seed):
+    bcaps = sorted(bcaps)
+    # Powers of two with j in 1..w+1 always share G = 2*Bcap with the next bucket: connected.
+    gs = sorted({b * j for b in bcaps for j in range(1, width + 2)})
+    rng = np.random.default_rng(seed)
+    df = make_measurements(
+        bias_ms=bias,
+        alpha_ms={b: float(rng.uniform(0, 5)) for b in bcaps},
+        theta_ms={g: float(rng.uniform(0, 5)) for g in gs},
+        draft_width=width,
+        contexts=((128, 1, split - 1), (4096, split, 8192)) if split > 2 else ((128, 1, 8192),),
+        windows_per_point=windows,
+        noise_ms=noise,
+        seed=seed,
+    )
+    table = build_table(df, model=model, compatibility=compat(draft_width=width))
+    text = table.to_json()
+    back = parse_table(text)
+    assert back.to_json() == text
+    assert isinstance(back, CostTable) and back == table

@@ -1,0 +1,69 @@
+"""Builders and loop-based oracles shared by the kernel tests (float64, written for clarity)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_kv(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen):
+    """Random K/V caches; block 0 (reserved) is poisoned with NaN so a read of it shows."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen, device="cpu").to(dtype=dtype, device=device)
+    v = torch.randn(shape, generator=gen, device="cpu").to(dtype=dtype, device=device)
+    k[0] = float("nan")
+    v[0] = float("nan")
+    return k, v
+
+
+def block_table_for(seq_lens, block_size, max_blocks, num_blocks, gen, device):
+    """[B, max_blocks] int32 of distinct random blocks >= 1; unused entries point at block 0."""
+    batch = len(seq_lens)
+    perm = torch.randperm(num_blocks - 1, generator=gen)[: batch * max_blocks] + 1
+    bt = perm.view(batch, max_blocks).clone()
+    for b, n in enumerate(seq_lens):
+        bt[b, -(-n // block_size):] = 0
+    return bt.to(torch.int32).to(device)
+
+
+def attention_oracle(q_rows, k_cache, v_cache, block_table, seq_lens, scale):
+    """q_rows[b]: [q_len_b, H, D]; returns list of [q_len_b, H, D] float64 outputs."""
+    outs = []
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    for b, qb in enumerate(q_rows):
+        n = int(seq_lens[b])
+        toks = [int(block_table[b, t // bs]) * bs + t % bs for t in range(n)]
+        k = k_cache.reshape(-1, kvh, k_cache.shape[3])[toks].double()  # [n, KVH, D]
+        v = v_cache.reshape(-1, kvh, v_cache.shape[3])[toks].double()
+        group = qb.shape[1] // kvh
+        k = k.repeat_interleave(group, 1)
+        v = v.repeat_interleave(group, 1)
+        rows = []
+        for i in range(qb.shape[0]):
+            pos = n - qb.shape[0] + i
+            s = torch.einsum("hd,nhd->hn", qb[i].double(), k[: pos + 1]) * scale
+            rows.append(torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v[: pos + 1]))
+        outs.append(torch.stack(rows) if rows else qb.new_zeros(qb.shape).double())
+    return outs
+
+
+def verify_oracle(base, drafts, verify_lens, ctx_lens, block_table, block_size, g, pad_id=-1):
+    """Loop version of the packed verify rows: (ids, positions, slots, seq_lens, cu)."""
+    ids, pos, slots, cu = [], [], [], [0]
+    k_max = drafts.shape[1]
+    seq = []
+    for b in range(len(base)):
+        n = min(max(int(verify_lens[b]), 0), k_max)
+        for j in range(n + 1):
+            ids.append(int(base[b]) if j == 0 else int(drafts[b, j - 1]))
+            p = int(ctx_lens[b]) + j
+            pos.append(p)
+            slots.append(int(block_table[b, p // block_size]) * block_size + p % block_size)
+        cu.append(cu[-1] + n + 1)
+        seq.append(int(ctx_lens[b]) + n + 1)
+    pad = g - len(ids)
+    return (ids + [pad_id] * pad, pos + [0] * pad, slots + [0] * pad, seq, cu)
+
+
+def rel_err(out, ref):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()

@@ -1,0 +1,116 @@
+"""CPU tests of the dispatcher: validation errors, reference fallback, lazy triton import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from speccal.errors import InputError
+from speccal.kernels import ops
+from speccal.kernels import reference as ref
+
+
+def test_kernels_import_without_triton_and_cpu_uses_reference():
+    code = (
+        "import sys; import speccal.kernels.ops as o; import torch;"
+        "x = torch.randn(2, 8); w = torch.randn(3, 8);"
+        "y = o.linear(x, w); assert y.shape == (2, 3);"
+        "print('triton' in sys.modules)"
+    )
+    env_code = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True)
+    assert env_code.stdout.strip() == "False"
+
+
+def _attn_inputs(batch=2, rows=3, heads=4, kvh=2, d=16, bs=8, max_blocks=4):
+    kc = torch.randn(10, bs, kvh, d)
+    vc = torch.randn(10, bs, kvh, d)
+    bt = torch.arange(1, 1 + batch * max_blocks, dtype=torch.int32).view(batch, max_blocks) % 10
+    seq = torch.tensor([5, 20][:batch], dtype=torch.int32)
+    q = torch.randn(batch, rows, heads, d)
+    return q, kc, vc, bt, seq
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda a: a.update(q=a["q"].to(torch.float16)), "q.dtype"),
+        (lambda a: a.update(q=a["q"][:, :2]), "q.shape"),
+        (lambda a: a.update(block_table=a["block_table"].long()), "block_table.dtype"),
+        (lambda a: a.update(seq_lens=a["seq_lens"][:1]), "seq_lens.shape"),
+        (lambda a: a.update(v_cache=a["v_cache"][:, :4]), "v_cache.shape"),
+        (lambda a: a.update(q=torch.randn(2, 3, 3, 16)), "num_heads"),
+    ],
+)
+def test_paged_attention_rejects_bad_input(mutate, field):
+    q, kc, vc, bt, seq = _attn_inputs()
+    args = dict(q=q, k_cache=kc, v_cache=vc, block_table=bt, seq_lens=seq)
+    mutate(args)
+    with pytest.raises(InputError) as err:
+        ops.paged_attention(num_q_rows=3, scale=0.25, **args)
+    assert err.value.field == field
+
+
+def test_paged_attention_dispatch_matches_reference_and_fills_out():
+    q, kc, vc, bt, seq = _attn_inputs()
+    out = torch.full_like(q, float("nan"))
+    plan = ops.SplitPlan(max_splits=3, block_n=16, min_split_len=16)
+    got = ops.paged_attention(q, kc, vc, bt, seq, 3, 0.25, plan=plan, out=out)
+    assert got is out
+    assert torch.allclose(out, ref.paged_attention_ref(q, kc, vc, bt, seq, 3, 0.25), atol=1e-5)
+
+
+def test_split_plan_validation_and_planning():
+    with pytest.raises(InputError):
+        ops.SplitPlan(max_splits=0)
+    with pytest.raises(InputError):
+        ops.SplitPlan(block_n=48)
+    assert ops.plan_splits(1, 8, num_sms=132).max_splits == 64
+    assert ops.plan_splits(4, 8, num_sms=132).max_splits == 17
+    assert ops.plan_splits(128, 8, num_sms=132).max_splits == 1
+    assert ops.plan_splits(1, 8, num_sms=132, max_len=128).max_splits == 2
+
+
+def test_update_ops_reject_bad_buffers():
+    base = torch.tensor([1, 2])
+    drafts = torch.tensor([[3, 4], [5, 6]])
+    vl = torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(InputError):
+        ops.verify_token_update(base, drafts, vl, torch.zeros(8, dtype=torch.float32))
+    with pytest.raises(InputError):
+        ops.verify_token_update(base[:1], drafts, vl, torch.zeros(8, dtype=torch.int64))
+    ctx = torch.tensor([3, 4], dtype=torch.int32)
+    bt = torch.ones(2, 4, dtype=torch.int32)
+    pos, slots = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+    seq, cu = torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(InputError) as err:
+        ops.verify_metadata_update(vl, ctx, bt, 16, pos, slots.int(), seq, cu, 2)
+    assert err.value.field == "slot_mapping.dtype"
+    with pytest.raises(InputError) as err:
+        ops.verify_metadata_update(vl, ctx, bt, 16, pos, slots, seq, cu[:2], 2)
+    assert err.value.field == "cu_q_lens.shape"
+    ops.verify_metadata_update(vl, ctx, bt, 16, pos, slots, seq, cu, 2)
+    assert seq.tolist() == [5, 7] and cu.tolist() == [0, 2, 5]
+
+
+def test_small_ops_reject_bad_input_and_run_reference():
+    x = torch.randn(2, 8)
+    with pytest.raises(InputError):
+        ops.linear(x, torch.randn(3, 7))
+    with pytest.raises(InputError):
+        ops.rms_norm(x, torch.randn(7), 1e-6)
+    res = torch.randn(2, 8)
+    h = x + res
+    y = ops.rms_norm(x, torch.ones(8), 1e-6, residual=res)
+    assert torch.allclose(res, h)
+    assert torch.allclose(y, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    q = torch.randn(3, 4, 8)
+    kv = torch.randn(3, 2, 8)
+    kc = torch.zeros(4, 4, 2, 8)
+    with pytest.raises(InputError) as err:
+        ops.rotary_kv_write(q, kv, kv, torch.zeros(3, dtype=torch.int64), torch.randn(9, 8),
+                            torch.zeros(3, dtype=torch.int32), kc, kc.clone())
+    assert err.value.field == "slot_mapping.dtype"

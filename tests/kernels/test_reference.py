@@ -1,0 +1,157 @@
+"""CPU tests of the pure-torch references against loop oracles (what CI runs)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_builders import (
+    attention_oracle,
+    block_table_for,
+    paged_kv,
+    rel_err,
+    verify_oracle,
+)
+
+from speccal.kernels import reference as ref
+
+
+def _attn_case(seed, seq_lens, rows, heads=(8, 2), head_dim=32, block_size=16):
+    gen = torch.Generator().manual_seed(seed)
+    h, kvh = heads
+    max_blocks = max(-(-n // block_size) for n in seq_lens) + 1
+    nb = len(seq_lens) * max_blocks + 2
+    kc, vc = paged_kv(nb, block_size, kvh, head_dim, torch.float32, "cpu", gen)
+    bt = block_table_for(seq_lens, block_size, max_blocks, nb, gen, "cpu")
+    q = torch.randn(len(seq_lens), rows, h, head_dim, generator=gen)
+    return q, kc, vc, bt, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_paged_attention_ref_dense_matches_oracle(heads, rows):
+    q, kc, vc, bt, seq = _attn_case(1, [rows, 37, 64, 130], rows, heads)
+    scale = 1 / math.sqrt(q.shape[-1])
+    out = ref.paged_attention_ref(q, kc, vc, bt, seq, rows, scale)
+    want = attention_oracle(list(q), kc, vc, bt, seq, scale)
+    assert out.shape == q.shape
+    assert rel_err(out, torch.stack(want)) < 1e-5
+
+
+def test_paged_attention_ref_ragged_rows_and_zero_padding():
+    q, kc, vc, bt, seq = _attn_case(2, [3, 50, 17], 4)
+    q_lens = torch.tensor([1, 4, 2], dtype=torch.int32)
+    out = ref.paged_attention_ref(q, kc, vc, bt, seq, 4, 0.3, q_lens=q_lens)
+    want = attention_oracle([q[b, : int(q_lens[b])] for b in range(3)], kc, vc, bt, seq, 0.3)
+    for b in range(3):
+        n = int(q_lens[b])
+        assert rel_err(out[b, :n], want[b]) < 1e-5
+        assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
+
+
+def test_paged_attention_ref_packed_matches_dense_rows():
+    q, kc, vc, bt, seq = _attn_case(3, [9, 70, 33], 6)
+    lens = [2, 6, 1]
+    cu = torch.tensor([0, 2, 8, 9], dtype=torch.int32)
+    packed = torch.cat([q[b, : lens[b]] for b in range(3)] + [q[0, :3]])  # 3 padding rows
+    out = ref.paged_attention_ref(packed, kc, vc, bt, seq, 6, 0.2, cu_q_lens=cu)
+    want = attention_oracle([q[b, : lens[b]] for b in range(3)], kc, vc, bt, seq, 0.2)
+    assert rel_err(out[:9], torch.cat(want)) < 1e-5
+    assert torch.equal(out[9:], torch.zeros_like(out[9:]))
+
+
+@pytest.mark.parametrize("max_splits", [2, 5])
+def test_paged_attention_ref_split_kv_equals_unsplit(max_splits):
+    q, kc, vc, bt, seq = _attn_case(4, [6, 100, 257], 6)
+    ns = torch.empty(3, dtype=torch.int32)
+    sl = torch.empty(3, dtype=torch.int32)
+    ref.attention_tiling_update_ref(seq, ns, sl, max_splits, 16, 16)
+    assert int(ns.max()) > 1  # the case really splits
+    whole = ref.paged_attention_ref(q, kc, vc, bt, seq, 6, 0.25)
+    split = ref.paged_attention_ref(q, kc, vc, bt, seq, 6, 0.25, num_splits=ns, split_len=sl,
+                                    max_splits=max_splits)
+    assert rel_err(split, whole) < 1e-5
+
+
+def test_attention_tiling_ref_covers_each_kv_range_once():
+    seq = torch.tensor([0, 1, 15, 16, 17, 64, 1000, 4097, 32768], dtype=torch.int32)
+    for max_splits, block_n, min_len in [(1, 64, 64), (8, 64, 64), (16, 32, 256), (64, 16, 16)]:
+        ns = torch.full_like(seq, -1)
+        sl = torch.full_like(seq, -1)
+        ref.attention_tiling_update_ref(seq, ns, sl, max_splits, block_n, min_len)
+        for n, k, length in zip(seq.tolist(), ns.tolist(), sl.tolist(), strict=True):
+            assert length % block_n == 0 and length >= block_n
+            assert 0 <= k <= max_splits
+            assert k * length >= n > (k - 1) * length or (n == 0 and k == 0)
+            if n >= min_len * max_splits:
+                assert k == max_splits or k == -(-n // length)
+
+
+def test_verify_updates_ref_match_loop_oracle():
+    gen = torch.Generator().manual_seed(5)
+    b, k_max, bs, g = 5, 4, 8, 30
+    base = torch.randint(0, 50000, (b,), generator=gen)
+    drafts = torch.randint(0, 50000, (b, k_max), generator=gen)
+    vl = torch.tensor([4, 0, 2, 9, -3], dtype=torch.int32)  # 9 and -3 are clamped
+    ctx = torch.tensor([0, 7, 31, 100, 5], dtype=torch.int32)
+    bt = torch.randint(1, 500, (b, 20), generator=gen).to(torch.int32)
+    ids = torch.full((g,), 77, dtype=torch.int64)
+    ref.verify_token_update_ref(base, drafts, vl, ids, pad_id=-1)
+    pos = torch.full((g,), -5, dtype=torch.int64)
+    slots = torch.full((g,), -5, dtype=torch.int64)
+    seq = torch.full((b,), -5, dtype=torch.int32)
+    cu = torch.full((b + 1,), -5, dtype=torch.int32)
+    ref.verify_metadata_update_ref(vl, ctx, bt, bs, pos, slots, seq, cu, k_max)
+    w_ids, w_pos, w_slots, w_seq, w_cu = verify_oracle(base, drafts, vl, ctx, bt, bs, g)
+    assert ids.tolist() == w_ids
+    assert pos.tolist() == w_pos
+    assert slots.tolist() == w_slots
+    assert seq.tolist() == w_seq
+    assert cu.tolist() == w_cu
+
+
+def test_verify_token_ref_cuts_rows_past_g():
+    base = torch.tensor([1, 2])
+    drafts = torch.tensor([[10, 11, 12], [20, 21, 22]])
+    ids = torch.zeros(5, dtype=torch.int64)
+    ref.verify_token_update_ref(base, drafts, torch.tensor([3, 3], dtype=torch.int32), ids)
+    assert ids.tolist() == [1, 10, 11, 12, 2]
+
+
+def test_linear_rms_norm_rotary_refs():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 64, generator=gen, dtype=torch.float64)
+    w = torch.randn(40, 64, generator=gen, dtype=torch.float64)
+    assert torch.allclose(ref.linear_ref(x, w), x @ w.T)
+
+    r = torch.randn(3, 64, generator=gen, dtype=torch.float64)
+    g = torch.randn(64, generator=gen, dtype=torch.float64)
+    y, h = ref.rms_norm_ref(x, g, 1e-6, r)
+    s = x + r
+    assert torch.allclose(h, s)
+    assert torch.allclose(y, s / torch.sqrt((s * s).mean(-1, keepdim=True) + 1e-6) * g)
+
+    # rotary against the complex-number form: (x1 + i x2) * e^{i theta}
+    t, hq, hk, d = 4, 3, 1, 8
+    q = torch.randn(t, hq, d, generator=gen)
+    k = torch.randn(t, hk, d, generator=gen)
+    v = torch.randn(t, hk, d, generator=gen)
+    theta = torch.rand(16, d // 2, generator=gen) * 6
+    cs = torch.cat([theta.cos(), theta.sin()], -1)
+    pos = torch.tensor([3, 0, 15, 7])
+    slots = torch.tensor([5, 9, 2, 11])
+    kc = torch.zeros(4, 4, hk, d)
+    vc = torch.zeros(4, 4, hk, d)
+    q0 = q.clone()
+    ref.rotary_kv_write_ref(q, k, v, pos, cs, slots, kc, vc)
+
+    def crot(x):
+        z = torch.complex(x[..., : d // 2].double(), x[..., d // 2:].double())
+        z = z * torch.polar(torch.ones_like(theta[pos]).double(), theta[pos].double())[:, None]
+        return torch.cat([z.real, z.imag], -1)
+
+    assert torch.allclose(q.double(), crot(q0), atol=1e-5)
+    assert torch.allclose(kc.view(-1, hk, d)[slots].double(), crot(k), atol=1e-5)
+    assert torch.equal(vc.view(-1, hk, d)[slots], v)
+    assert torch.equal(kc.view(-1, hk, d)[0], torch.zeros(hk, d))  # untouched slot

@@ -1,0 +1,258 @@
+"""Triton kernels against their pure-torch references, on the GPU (``cuda`` marker).
+
+Fresh random inputs per case, outputs poisoned with NaN before each launch, bf16/fp16 compared by
+relative Frobenius error against the reference run on fp32 upcasts (bf16 operands: < 1e-2).
+``SPECCAL_KERNEL_TEST_DEVICE=cpu`` with ``TRITON_INTERPRET=1`` runs the same checks through
+Triton's interpreter on fp32 (debugging without a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from kernel_builders import block_table_for, paged_kv, rel_err, verify_oracle
+
+from speccal.kernels import ops
+from speccal.kernels import reference as ref
+
+pytestmark = pytest.mark.cuda
+DEV = os.environ.get("SPECCAL_KERNEL_TEST_DEVICE", "cuda")
+DTYPES = [torch.float32] if DEV == "cpu" else [torch.bfloat16, torch.float16]
+TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+
+
+def _attention_case(seed, seq_lens, rows, heads, head_dim, block_size, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    h, kvh = heads
+    max_blocks = max(-(-n // block_size) for n in seq_lens) + 2
+    nb = len(seq_lens) * max_blocks + 3
+    kc, vc = paged_kv(nb, block_size, kvh, head_dim, dtype, DEV, gen)
+    bt = block_table_for(seq_lens, block_size, max_blocks, nb, gen, DEV)
+    q = torch.randn(len(seq_lens), rows, h, head_dim, generator=gen).to(dtype=dtype, device=DEV)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    return q, kc, vc, bt, seq
+
+
+ATTN_CASES = [
+    # (seq_lens, rows, (heads, kv_heads), head_dim, block_size)
+    ([1024], 1, (16, 8), 128, 16),  # ~2B preset decode, B=1
+    ([7, 300, 1024, 2049], 1, (16, 8), 128, 16),
+    ([6, 100, 1030, 5000], 6, (16, 8), 128, 16),  # full-width verify, w=5
+    ([64, 513], 6, (32, 4), 64, 32),  # group 8 -> M tile 48
+    ([33, 900], 3, (8, 8), 128, 64),  # MHA
+    ([257], 2, (12, 2), 96, 16),  # head_dim not a power of two
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
+@pytest.mark.parametrize("splits", ["one", "auto", "many"])
+def test_paged_attention_dense(dtype, case, splits):
+    seq_lens, rows, heads, d, bs = ATTN_CASES[case]
+    q, kc, vc, bt, seq = _attention_case(case, seq_lens, rows, heads, d, bs, dtype)
+    plan = {"one": ops.SplitPlan(1), "auto": ops.plan_splits(len(seq_lens), heads[1]),
+            "many": ops.SplitPlan(max_splits=16, block_n=32, min_split_len=32)}[splits]
+    scale = 1 / math.sqrt(d)
+    out = torch.full_like(q, float("nan"))
+    ops.paged_attention(q, kc, vc, bt, seq, rows, scale, plan=plan, out=out, backend="triton")
+    want = ref.paged_attention_ref(q.float(), kc.float(), vc.float(), bt, seq, rows, scale)
+    assert not out.isnan().any()
+    assert rel_err(out, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("max_splits", [1, 8])
+def test_paged_attention_ragged_and_packed(dtype, max_splits):
+    seq_lens, rows = [6, 40, 700, 1500, 3], 6
+    q, kc, vc, bt, seq = _attention_case(11, seq_lens, rows, (16, 8), 128, 16, dtype)
+    plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=64)
+    q_lens = torch.tensor([1, 6, 3, 5, 2], dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    ops.paged_attention(q, kc, vc, bt, seq, rows, 0.1, q_lens=q_lens, plan=plan, out=out,
+                        backend="triton")
+    want = ref.paged_attention_ref(q.float(), kc.float(), vc.float(), bt, seq, rows, 0.1,
+                                   q_lens=q_lens)
+    assert rel_err(out, want) < TOL[dtype]
+    assert torch.equal(out[0, 1:], torch.zeros_like(out[0, 1:]))  # unused rows are zeros
+
+    lens = q_lens.tolist()
+    packed = torch.cat([q[b, : lens[b]] for b in range(5)] + [q[0, :4]])  # 4 padding rows
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    pout = torch.full_like(packed, float("nan"))
+    ops.paged_attention(packed, kc, vc, bt, seq, rows, 0.1, cu_q_lens=cu, plan=plan, out=pout,
+                        backend="triton")
+    pwant = ref.paged_attention_ref(packed.float(), kc.float(), vc.float(), bt, seq, rows, 0.1,
+                                    cu_q_lens=cu)
+    assert rel_err(pout, pwant) < TOL[dtype]
+    assert torch.equal(pout[-4:], torch.zeros_like(pout[-4:]))
+
+
+def _verify_inputs(seed, batch, k_max, g, block_size=16, max_blocks=40):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 151936, (batch,), generator=gen)
+    drafts = torch.randint(0, 151936, (batch, k_max), generator=gen)
+    vl = torch.randint(-1, k_max + 2, (batch,), generator=gen).to(torch.int32)  # some clamped
+    ctx = torch.randint(0, max_blocks * block_size - k_max - 2, (batch,), generator=gen).int()
+    bt = torch.randint(1, 4000, (batch, max_blocks), generator=gen).to(torch.int32)
+    return base, drafts, vl, ctx, bt
+
+
+@pytest.mark.parametrize("batch, k_max, g", [(1, 5, 6), (3, 5, 18), (8, 3, 40), (37, 5, 256)])
+def test_verify_updates_and_tiling_match_oracle(batch, k_max, g):
+    base, drafts, vl, ctx, bt = _verify_inputs(batch, batch, k_max, g)
+    w_ids, w_pos, w_slots, w_seq, w_cu = verify_oracle(base, drafts, vl, ctx, bt, 16, g)
+    w_ids, w_pos, w_slots = w_ids[:g], w_pos[:g], w_slots[:g]
+    d = dict(base=base.to(DEV), drafts=drafts.to(DEV), vl=vl.to(DEV), ctx=ctx.to(DEV),
+             bt=bt.to(DEV))
+    ids = torch.full((g,), 99, dtype=torch.int64, device=DEV)
+    ops.verify_token_update(d["base"], d["drafts"], d["vl"], ids, pad_id=-1, backend="triton")
+    pos = torch.full((g,), -9, dtype=torch.int64, device=DEV)
+    slots = torch.full((g,), -9, dtype=torch.int64, device=DEV)
+    seq = torch.full((batch,), -9, dtype=torch.int32, device=DEV)
+    cu = torch.full((batch + 1,), -9, dtype=torch.int32, device=DEV)
+    ops.verify_metadata_update(d["vl"], d["ctx"], d["bt"], 16, pos, slots, seq, cu, k_max,
+                               backend="triton")
+    if len(w_cu) - 1 == batch and w_cu[-1] <= g:
+        assert ids.tolist() == w_ids
+        assert pos.tolist() == w_pos and slots.tolist() == w_slots
+    assert seq.tolist() == w_seq and cu.tolist() == w_cu
+    plan = ops.plan_splits(batch, 8)
+    ns = torch.full((batch,), -1, dtype=torch.int32, device=DEV)
+    sl = torch.full((batch,), -1, dtype=torch.int32, device=DEV)
+    ops.attention_tiling_update(seq, ns, sl, plan, backend="triton")
+    ns_r, sl_r = ns.clone(), sl.clone()
+    ops.attention_tiling_update(seq, ns_r, sl_r, plan, backend="reference")
+    assert torch.equal(ns, ns_r) and torch.equal(sl, sl_r)
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="CUDA graphs need a GPU")
+def test_verify_round_in_cuda_graph_matches_reference():
+    """Token/metadata/tiling updates + attention captured once, replayed on three new rounds."""
+    batch, k_max, g, bs, heads, kvh, d = 4, 5, 24, 16, 16, 8, 128
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    kc, vc = paged_kv(600, bs, kvh, d, dtype, DEV, gen)
+    s = {  # static buffers, stable addresses
+        "base": torch.zeros(batch, dtype=torch.int64, device=DEV),
+        "drafts": torch.zeros(batch, k_max, dtype=torch.int64, device=DEV),
+        "vl": torch.zeros(batch, dtype=torch.int32, device=DEV),
+        "ctx": torch.zeros(batch, dtype=torch.int32, device=DEV),
+        "bt": torch.zeros(batch, 40, dtype=torch.int32, device=DEV),
+        "q": torch.zeros(g, heads, d, dtype=dtype, device=DEV),
+        "ids": torch.zeros(g, dtype=torch.int64, device=DEV),
+        "pos": torch.zeros(g, dtype=torch.int64, device=DEV),
+        "slots": torch.zeros(g, dtype=torch.int64, device=DEV),
+        "seq": torch.zeros(batch, dtype=torch.int32, device=DEV),
+        "cu": torch.zeros(batch + 1, dtype=torch.int32, device=DEV),
+        "ns": torch.zeros(batch, dtype=torch.int32, device=DEV),
+        "sl": torch.zeros(batch, dtype=torch.int32, device=DEV),
+        "out": torch.zeros(g, heads, d, dtype=dtype, device=DEV),
+    }
+    plan = ops.plan_splits(batch, kvh)
+
+    def round_():
+        ops.verify_token_update(s["base"], s["drafts"], s["vl"], s["ids"], backend="triton")
+        ops.verify_metadata_update(s["vl"], s["ctx"], s["bt"], bs, s["pos"], s["slots"], s["seq"],
+                                   s["cu"], k_max, backend="triton")
+        ops.attention_tiling_update(s["seq"], s["ns"], s["sl"], plan, backend="triton")
+        ops.paged_attention(s["q"], kc, vc, s["bt"], s["seq"], k_max + 1, 0.088,
+                            cu_q_lens=s["cu"], tiling=(s["ns"], s["sl"]), plan=plan,
+                            out=s["out"], backend="triton")
+
+    def load(seed):
+        base, drafts, vl, ctx, bt = _verify_inputs(seed, batch, k_max, g, bs, 40)
+        bt = torch.randperm(599, generator=gen)[: batch * 40].view(batch, 40).int() + 1
+        for key, val in (("base", base), ("drafts", drafts), ("vl", vl), ("ctx", ctx),
+                         ("bt", bt), ("q", torch.randn(g, heads, d, generator=gen))):
+            s[key].copy_(val.to(s[key].dtype))
+        return base, drafts, vl, ctx, bt
+
+    load(100)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        round_()  # warm-up compiles every kernel outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        round_()
+    for seed in (7, 8, 9):
+        base, drafts, vl, ctx, bt = load(seed)
+        s["out"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        w_ids, w_pos, w_slots, w_seq, w_cu = verify_oracle(base, drafts, vl, ctx, bt, bs, g)
+        assert s["ids"].tolist() == w_ids and s["pos"].tolist() == w_pos
+        assert s["slots"].tolist() == w_slots and s["seq"].tolist() == w_seq
+        want = ref.paged_attention_ref(s["q"].float(), kc.float(), vc.float(), s["bt"], s["seq"],
+                                       k_max + 1, 0.088, cu_q_lens=s["cu"])
+        assert rel_err(s["out"], want) < 1e-2
+
+
+GEMV_SHAPES = [(2048, 2048), (4096, 2048), (2048, 6144), (1000, 2100), (151936 // 16, 2048)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 48])
+@pytest.mark.parametrize("shape", GEMV_SHAPES)
+def test_linear_matches_reference(dtype, m, shape):
+    from speccal.kernels.gemv import GemvConfig
+
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k + m)
+    x = torch.randn(m, k, generator=gen).to(dtype=dtype, device=DEV)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype=dtype, device=DEV)
+    want = ref.linear_ref(x.float(), w.float())
+    configs = [None, GemvConfig(block_n=64, block_k=128, split_k=4),
+               GemvConfig(block_n=128, block_k=64, split_k=1)]
+    if m <= 4:
+        configs.append(GemvConfig(block_n=32, block_k=128, split_k=2, fma=True))
+    for cfg in configs:
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+        ops.linear(x, w, out=out, config=cfg, backend="triton")
+        assert rel_err(out, want) < TOL[dtype] / 2, cfg
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n", [(1, 2048), (48, 2048), (7, 1000)])
+def test_rms_norm_matches_reference(dtype, m, n):
+    gen = torch.Generator().manual_seed(m * n)
+    x, r = (torch.randn(2, m, n, generator=gen) * 3).to(dtype=dtype, device=DEV)
+    w = torch.randn(n, generator=gen).to(dtype=dtype, device=DEV)
+    y0, h0 = ref.rms_norm_ref(x, w, 1e-6, r)
+    res = r.clone()
+    out = torch.full_like(x, float("nan"))
+    ops.rms_norm(x, w, 1e-6, residual=res, out=out, backend="triton")
+    assert rel_err(out, y0) < TOL[dtype] and rel_err(res, h0) < TOL[dtype]
+    out2 = ops.rms_norm(x, w, 1e-6, backend="triton")
+    assert rel_err(out2, ref.rms_norm_ref(x, w, 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, heads, kvh, d", [(1, 16, 8, 128), (48, 16, 8, 128), (5, 12, 2, 64)])
+def test_rotary_kv_write_matches_reference(dtype, t, heads, kvh, d):
+    gen = torch.Generator().manual_seed(t * heads)
+    qkv = torch.randn(t, (heads + 2 * kvh) * d, generator=gen).to(dtype=dtype, device=DEV)
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(4096).float()[:, None] * inv[None, :]
+    cs = torch.cat([ang.cos(), ang.sin()], -1).to(DEV)
+    pos = torch.randint(0, 4096, (t,), generator=gen).to(DEV)
+    slots = (torch.randperm(64 * 16 - 16, generator=gen)[:t] + 16).to(DEV)  # never slot 0
+    results = []
+    for backend in ("triton", "reference"):
+        buf = qkv.clone()
+        q = buf[:, : heads * d].view(t, heads, d)
+        k = buf[:, heads * d: (heads + kvh) * d].view(t, kvh, d)
+        v = buf[:, (heads + kvh) * d:].view(t, kvh, d)
+        kc = torch.full((64, 16, kvh, d), float("nan"), dtype=dtype, device=DEV)
+        vc = kc.clone()
+        ops.rotary_kv_write(q, k, v, pos, cs, slots, kc, vc, backend=backend)
+        results.append((q.clone(), kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots],
+                        kc.isnan().sum()))
+    (q1, k1, v1, n1), (q2, k2, v2, n2) = results
+    assert rel_err(q1, q2) < TOL[dtype] / 4 and rel_err(k1, k2) < TOL[dtype] / 4
+    assert torch.equal(v1, v2)
+    assert n1 == n2  # exactly the same slots written

@@ -1,0 +1,104 @@
+"""Trace format (speccal.trace): validation, derived counts, parquet / JSONL round trips."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from speccal.errors import InputError, SchemaError
+from speccal.trace import (
+    RoundTrace,
+    RoundTraceBuilder,
+    TokenTrace,
+    TokenTraceBuilder,
+    load_trace,
+    save_trace,
+)
+
+
+def small_round_trace(w: int = 3) -> RoundTrace:
+    b = RoundTraceBuilder(w)
+    b.add(w, [0, 3, 1], [[0.2, 0.5, 0.5], [0.9, 0.8, 0.7], [0.6, 0.1, 0.4]], [10, 12, 14])
+    b.add(w, [2, 2], [[0.7, 0.7, 0.2], [1.0, 1.0, 0.0]], [11, 13])
+    b.add(2, [2], [[0.5, 0.5]], [40])  # a censored round (k < w): scores NaN at position 2
+    return b.build({"source": "test", "phases": ["a"]})
+
+
+def small_token_trace(w: int = 3) -> TokenTrace:
+    b = TokenTraceBuilder(w)
+    for t, m in enumerate([3, 0, 1, 2, 0]):
+        b.add(0, t, 20 + t, m, np.full(w, 0.5))
+    for t, m in enumerate([1, 1]):
+        b.add(1, t, 8 + t, m, np.full(w, 0.25))
+    return b.build({"source": "test"})
+
+
+def test_round_trace_layout_and_counts():
+    tr = small_round_trace()
+    assert tr.num_rounds == 3 and not tr.full_width
+    np.testing.assert_array_equal(tr.cu_requests, [0, 3, 5, 6])
+    np.testing.assert_allclose(tr.kv_length, [12, 12, 40])
+    # H[r, i] = requests with accepted >= i + 1
+    np.testing.assert_array_equal(tr.survival_counts(), [[2, 1, 1], [2, 2, 0], [1, 1, 0]])
+    acc, sc = tr.padded(0, 2)
+    np.testing.assert_array_equal(acc, [[0, 3, 1], [2, 2, 0]])
+    assert sc.shape == (2, 3, 3) and sc[1, 2].sum() == 0
+    assert np.isnan(tr.draft_scores[5, 2])
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_round_trip(tmp_path, suffix):
+    tr = small_round_trace()
+    back = load_trace(save_trace(tr, tmp_path / f"t{suffix}"))
+    assert isinstance(back, RoundTrace)
+    for f in ("num_requests", "kv_length", "k", "accepted", "phase"):
+        np.testing.assert_array_equal(getattr(back, f), getattr(tr, f))
+    np.testing.assert_array_equal(np.isnan(back.draft_scores), np.isnan(tr.draft_scores))
+    np.testing.assert_allclose(np.nan_to_num(back.draft_scores), np.nan_to_num(tr.draft_scores))
+    assert back.meta == tr.meta
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_token_trace_round_trip(tmp_path, suffix):
+    tr = small_token_trace()
+    back = load_trace(save_trace(tr, tmp_path / f"t{suffix}"))
+    assert isinstance(back, TokenTrace)
+    np.testing.assert_array_equal(back.accept, tr.accept)
+    np.testing.assert_array_equal(back.match_length, [3, 0, 1, 2, 0, 1, 1])
+    np.testing.assert_allclose(back.draft_scores, tr.draft_scores)
+
+
+def test_round_trace_validation_names_the_field():
+    base = dict(draft_width=2, num_requests=[2], kv_length=[5.0], k=[2], accepted=[1, 2])
+    RoundTrace(**base)
+    with pytest.raises(SchemaError, match="accepted"):
+        RoundTrace(**{**base, "accepted": [3, 0]})
+    with pytest.raises(SchemaError, match="k"):
+        RoundTrace(**{**base, "k": [3]})
+    with pytest.raises(SchemaError, match="accepted"):
+        RoundTrace(**{**base, "accepted": [1]})
+    with pytest.raises(SchemaError, match="draft_scores"):
+        RoundTrace(**base, draft_scores=[[0.5, 1.5], [0.1, 0.1]])
+    with pytest.raises(SchemaError, match="kv_length"):
+        RoundTrace(**{**base, "kv_length": [np.nan]})
+
+
+def test_token_trace_positions_must_be_contiguous():
+    with pytest.raises(SchemaError, match="position"):
+        TokenTrace(draft_width=1, request=[0, 0], position=[0, 2], kv_length=[1, 2], accept=[[1], [0]])
+
+
+def test_files_refuse_bad_headers(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"speccal_trace": {"schema_version": 99, "kind": "rounds", "draft_width": 2}}) + "\n")
+    with pytest.raises(SchemaError, match="schema_version"):
+        load_trace(p)
+    p.write_text('{"something": 1}\n')
+    with pytest.raises(SchemaError):
+        load_trace(p)
+    with pytest.raises(InputError, match="trace"):
+        load_trace(tmp_path / "missing.parquet")
+    with pytest.raises(InputError, match=".parquet or .jsonl"):
+        save_trace(small_round_trace(), tmp_path / "t.csv")
