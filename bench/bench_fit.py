@@ -34,7 +34,12 @@ HERE = Path(__file__).resolve().parent
 DEVICE = "cpu (2-core dev machine)"
 COMPAT = {
     "draft_width": 7,
-    "model": {"architecture": "bench", "fingerprint": "bench", "dtype": "float32", "quantization": "none"},
+    "model": {
+        "architecture": "bench",
+        "fingerprint": "bench",
+        "dtype": "float32",
+        "quantization": "none",
+    },
     "topology": {"tp": 1, "dp": 1},
     "graph_mode": "split",
     "verification_mode": "forced",
@@ -68,7 +73,8 @@ def speed(repeats: int) -> dict[str, float]:
     assert len(df) == 1000
     X, y = df[["bcap", "g"]].to_numpy(float), df["step_ms"].to_numpy()
     return {
-        "fit_additive_1000_points_ms": 1000 * median_time(lambda: AdditiveCostModel().fit(X, y), repeats),
+        "fit_additive_1000_points_ms": 1000
+        * median_time(lambda: AdditiveCostModel().fit(X, y), repeats),
         "fit_sps_1000_points_ms": 1000 * median_time(lambda: SPSCostModel().fit(X, y), repeats),
         "build_table_additive_1000_points_ms": 1000
         * median_time(lambda: build_table(df, model="additive", compatibility=COMPAT), repeats),
@@ -105,7 +111,9 @@ def held_out() -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--record", action="store_true", help="append JSON lines to bench/results.jsonl")
+    ap.add_argument(
+        "--record", action="store_true", help="append JSON lines to bench/results.jsonl"
+    )
     args = ap.parse_args()
     results = {**speed(args.repeats), **held_out()}
     commit = subprocess.run(

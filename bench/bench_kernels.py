@@ -89,7 +89,8 @@ def copy_bandwidth():
 
 def _configs(m, n, k):
     out = []
-    tiles = [(64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 3, 4), (32, 256, 4, 4), (128, 64, 5, 4)]
+    tiles = [(64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 3, 4), (32, 256, 4, 4), (128, 64, 5, 4),
+             (16, 512, 4, 4), (32, 512, 3, 4), (64, 256, 4, 8), (128, 128, 6, 8), (32, 128, 6, 4)]
     for bn, bk, st, wp in tiles:
         nt = triton.cdiv(n, bn)
         for split in (1, 2, 4, 8, 16):
@@ -99,7 +100,7 @@ def _configs(m, n, k):
                 out.append(GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=wp,
                                       num_stages=st))
     if m <= 2:
-        for bn, bk, split in ((32, 128, 1), (16, 256, 1), (64, 64, 1), (32, 128, 4), (16, 128, 8)):
+        for bn, bk, split in ((32, 128, 1), (16, 128, 4)):
             if split == 1 or triton.cdiv(n, bn) * split <= 10 * 132:
                 out.append(GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4,
                                       num_stages=3, fma=True))
@@ -219,7 +220,9 @@ def bench_attention(copy_bw):
         nbytes = kvbytes + 2 * q.numel() * 2
         floor_us = nbytes / (copy_bw * 1e9) * 1e6
         res = {}
+        plan_v1 = ops.SplitPlan(max_splits=min(64, -(-2 * 132 // (batch * KV_HEADS))))
         for label, plan in (("triton_1split", ops.SplitPlan(1)),
+                            ("triton_splitkv_v1plan", plan_v1),
                             ("triton_splitkv", ops.plan_splits(batch, KV_HEADS))):
             ns = torch.empty(batch, dtype=torch.int32, device="cuda")
             sl = torch.empty_like(ns)

@@ -9,7 +9,7 @@ Three layers, each the single source of the values it holds:
   ``extra="forbid"``, strict types).
 - ``UserConfig`` holds only what the user gave explicitly, each value tagged with where it came from
   (``file`` or ``flag``; a flag overrides the file).
-- ``resolve_config(user, geometry, draft_width)`` fills every missing value from the documented
+- ``resolve_config(user, geometry)`` fills every missing value from the documented
   defaults (SPEC section 4 and the xLLM adaptive speculative decoding document) against the warmed
   runner's geometry and returns a frozen ``CalibrationConfig`` whose ``sources`` say, per key, whether
   the value is a ``default``, came from the ``file``, a ``flag`` or the ``run`` (draft width). A

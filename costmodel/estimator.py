@@ -71,7 +71,9 @@ def combine_points(X: np.ndarray, y: np.ndarray, combine: str, key_cols: tuple[i
     """
     if combine not in COMBINE:
         raise InputError("combine", combine, f"one of {list(COMBINE)}")
-    keys, inverse, count = np.unique(X[:, key_cols], axis=0, return_inverse=True, return_counts=True)
+    keys, inverse, count = np.unique(
+        X[:, key_cols], axis=0, return_inverse=True, return_counts=True
+    )
     # pandas' grouped median/mean is vectorised (a Python loop per group costs ~20 us each).
     grouped = pd.Series(y).groupby(inverse.reshape(-1), sort=True)
     value = (grouped.median() if combine == "median" else grouped.mean()).to_numpy(np.float64)

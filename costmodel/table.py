@@ -86,7 +86,9 @@ class CalibrationConfig(_Strict):
     """The effective calibration config a table was measured with (defaults filled in).
 
     ``sources`` maps each key to where its value came from: ``default``, ``config`` (user JSON),
-    ``runner`` (captured geometry), ``measurements`` (read back from the rows) or ``cli``.
+    ``runner`` (captured geometry), ``measurements`` (read back from the rows), ``compatibility``
+    (the run's metadata) or ``caller`` (an argument of ``build_table``/``refit_table``, e.g. a
+    CLI option).
     """
 
     model: Literal["additive", "sps"] = "additive"
@@ -520,7 +522,7 @@ def refit_table(
     """Refit a table from its stored raw windows (optionally with the other model)."""
     cal = table.calibration.model_copy(update={"model": model or table.calibration.model})
     if model and model != table.calibration.model:
-        cal = cal.model_copy(update={"sources": {**cal.sources, "model": "cli"}})
+        cal = cal.model_copy(update={"sources": {**cal.sources, "model": "caller"}})
     return build_table(
         table.measurements(),
         compatibility=table.compatibility,
@@ -581,9 +583,10 @@ def _calibration(df: pd.DataFrame, calibration, model: str | None, w: int) -> Ca
             if cal.sources.get("model", "default") != "default":
                 raise InputError("model", model, f"calibration.model = {cal.model!r}")
             cal = cal.model_copy(
-                update={"model": model, "sources": {**cal.sources, "model": "cli"}}
+                update={"model": model, "sources": {**cal.sources, "model": "caller"}}
             )
         return cal
+    model_source = "caller" if model else "default"
     model = model or "additive"
     if model not in MODELS:
         raise InputError("model", model, f"one of {list(MODELS)}")
@@ -617,7 +620,7 @@ def _calibration(df: pd.DataFrame, calibration, model: str | None, w: int) -> Ca
         token_seed=1,
         policy=None,
         sources={
-            "model": "cli" if model else "default",
+            "model": model_source,
             "draft_width": "compatibility",
             "mode": "measurements" if "mode" in df.columns else "default",
             "request_buckets": "measurements",

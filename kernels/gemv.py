@@ -94,14 +94,14 @@ def _cfg(bn: int, bk: int, split: int, stages: int = 4) -> GemvConfig:
 
 
 # (N, K) -> [(max_m, config)], first max_m >= m wins. The ~2B preset's shapes, tuned on an H200
-# (bench/bench_kernels.py --sweep, run "v1" in bench/KERNEL_NOTES.md); other shapes use the
-# heuristic, which encodes the same pattern.
+# (bench/bench_kernels.py --sweep; runs v1 and v2 in bench/KERNEL_NOTES.md: qkv and o come from
+# the wider v2 sweep); other shapes use the heuristic, which encodes the same pattern.
 _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
     (12288, 2048): [(64, _cfg(128, 128, 1))],  # gate_up
     (2048, 6144): [(64, _cfg(64, 128, 4))],  # down
     (151936, 2048): [(8, _cfg(64, 256, 1, 3)), (64, _cfg(128, 128, 1))],  # lm_head
-    (4096, 2048): [(64, _cfg(32, 256, 1))],  # qkv
-    (2048, 2048): [(8, _cfg(64, 128, 4)), (64, _cfg(32, 256, 1))],  # o
+    (4096, 2048): [(64, _cfg(32, 128, 1, 6))],  # qkv
+    (2048, 2048): [(1, _cfg(64, 128, 4)), (64, _cfg(32, 128, 1, 6))],  # o
 }
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -24,15 +23,15 @@ err_console = Console(stderr=True)
 class _SpeccalGroup(TyperGroup):
     """Root group: turns domain errors into one line on stderr and an exit code, no traceback."""
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
         except SpeccalError as exc:
             err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
-            raise click.exceptions.Exit(exc.exit_code) from None
+            raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
-            raise click.exceptions.Exit(130) from None
+            raise typer.Exit(130) from None
 
 
 app = typer.Typer(

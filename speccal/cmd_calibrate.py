@@ -141,7 +141,9 @@ def register(app: typer.Typer) -> None:
             _err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
-            _err.print("[bold red]interrupted[/]: finished windows are in the journal; rerun with --resume")
+            _err.print(
+                "[bold red]interrupted[/]: finished windows are in the journal; rerun with --resume"
+            )
             raise typer.Exit(130) from None
         if as_json:
             typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))

@@ -16,7 +16,12 @@ import typer
 from speccal.errors import InputError
 
 BARE_COMPAT = {
-    "model": {"architecture": "unknown", "fingerprint": "unknown", "dtype": "unknown", "quantization": "unknown"},
+    "model": {
+        "architecture": "unknown",
+        "fingerprint": "unknown",
+        "dtype": "unknown",
+        "quantization": "unknown",
+    },
     "topology": {"tp": 1, "dp": 1},
     "graph_mode": "split",
     "verification_mode": "forced",
@@ -36,23 +41,41 @@ def _read_json(path: Path, option: str) -> dict:
 
 
 def fit(
-    measurements: Annotated[Path, typer.Argument(help="Measurement rows (.csv or .parquet).", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", help="Cost table JSON to write (atomically).", show_default=False)],
+    measurements: Annotated[
+        Path, typer.Argument(help="Measurement rows (.csv or .parquet).", show_default=False)
+    ],
+    out: Annotated[
+        Path,
+        typer.Option("--out", help="Cost table JSON to write (atomically).", show_default=False),
+    ],
     model: Annotated[str, typer.Option("--model", help="additive or sps.")] = "additive",
     draft_width: Annotated[
         int | None,
-        typer.Option("--draft-width", help="Draft width w. Default: from --compat, else 7.", show_default=False),
+        typer.Option(
+            "--draft-width",
+            help="Draft width w. Default: from --compat, else 7.",
+            show_default=False,
+        ),
     ] = None,
     compat: Annotated[
         Path | None,
-        typer.Option("--compat", help="Compatibility JSON (Engine.compatibility()). Default: bare, unknown model."),
+        typer.Option(
+            "--compat",
+            help="Compatibility JSON (Engine.compatibility()). Default: bare, unknown model.",
+        ),
     ] = None,
     calibration: Annotated[
         Path | None,
-        typer.Option("--calibration", help="Effective calibration config JSON. Default: read from the rows."),
+        typer.Option(
+            "--calibration", help="Effective calibration config JSON. Default: read from the rows."
+        ),
     ] = None,
-    combine: Annotated[str, typer.Option("--combine", help="Combine repeated windows: median or mean.")] = "median",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the fit summary as JSON on stdout.")] = False,
+    combine: Annotated[
+        str, typer.Option("--combine", help="Combine repeated windows: median or mean.")
+    ] = "median",
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the fit summary as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Fit an SPS or additive cost model per context interval and write a cost table."""
     from speccal.cmd_table import _echo_json, err_console, fit_report
@@ -69,7 +92,11 @@ def fit(
     if compat is not None:
         comp = _read_json(compat, "--compat")
         if draft_width is not None and comp.get("draft_width") != draft_width:
-            raise InputError("--draft-width", draft_width, f"the --compat draft_width ({comp.get('draft_width')!r})")
+            raise InputError(
+                "--draft-width",
+                draft_width,
+                f"the --compat draft_width ({comp.get('draft_width')!r})",
+            )
     else:
         comp = {**BARE_COMPAT, "draft_width": draft_width or DEFAULT_DRAFT_WIDTH}
     cal = _read_json(calibration, "--calibration") if calibration is not None else None

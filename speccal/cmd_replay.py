@@ -29,14 +29,25 @@ err_console = Console(stderr=True)
 def _step_config(window_size: int, update_interval: int, switch_min_gain: float):
     from speccal.policy import AdaptiveStepConfig
 
-    return AdaptiveStepConfig(window_size=window_size, update_interval=update_interval, switch_min_gain=switch_min_gain)
+    return AdaptiveStepConfig(
+        window_size=window_size, update_interval=update_interval, switch_min_gain=switch_min_gain
+    )
 
 
-def _scenario_trace(scenario: str, rounds: int, draft_width: int, num_requests: int, kv_length: float, seed: int):
+def _scenario_trace(
+    scenario: str, rounds: int, draft_width: int, num_requests: int, kv_length: float, seed: int
+):
     from speccal.scenarios import generate, make_scenario
 
     return generate(
-        make_scenario(scenario, rounds=rounds, draft_width=draft_width, num_requests=num_requests, kv_length=kv_length, seed=seed)
+        make_scenario(
+            scenario,
+            rounds=rounds,
+            draft_width=draft_width,
+            num_requests=num_requests,
+            kv_length=kv_length,
+            seed=seed,
+        )
     )
 
 
@@ -46,7 +57,16 @@ def _print_report(d: dict[str, Any]) -> None:
         title=f"replay: {d['rounds']:,} rounds, mode {d['mode']}, w={d['draft_width']}, best fixed {d['best_fixed']}",
         title_justify="left",
     )
-    for col in ("policy", "tokens/s", "TPOT ms", "accept rate", "mean accepted", "mean G" if verify else "mean k", "switches", "gain vs best fixed %"):
+    for col in (
+        "policy",
+        "tokens/s",
+        "TPOT ms",
+        "accept rate",
+        "mean accepted",
+        "mean G" if verify else "mean k",
+        "switches",
+        "gain vs best fixed %",
+    ):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for p in d["policies"]:
         if not p["priced"]:
@@ -67,21 +87,70 @@ def _print_report(d: dict[str, Any]) -> None:
 
 
 def replay_cmd(
-    table: Annotated[Path | None, typer.Option("--table", help="Cost table JSON; default: the synthetic table (speccal.scenarios.synthetic_table).")] = None,
-    trace: Annotated[Path | None, typer.Option("--trace", help="Trace file (.parquet / .jsonl, see docs/TRACES.md).")] = None,
-    scenario: Annotated[str | None, typer.Option("--scenario", help="Synthetic trace instead of --trace: steady, transition, batch_change, decay.")] = None,
-    policy: Annotated[list[str] | None, typer.Option("--policy", help="adaptive-step, adaptive-verify or fixed:K (repeatable); fixed:1..w always run.")] = None,
-    mode: Annotated[str, typer.Option("--mode", help="Synthetic table mode (no --table): draft_step or target_verify.")] = "draft_step",
+    table: Annotated[
+        Path | None,
+        typer.Option(
+            "--table",
+            help="Cost table JSON; default: the synthetic table (speccal.scenarios.synthetic_table).",
+        ),
+    ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option("--trace", help="Trace file (.parquet / .jsonl, see docs/TRACES.md)."),
+    ] = None,
+    scenario: Annotated[
+        str | None,
+        typer.Option(
+            "--scenario",
+            help="Synthetic trace instead of --trace: steady, transition, batch_change, decay.",
+        ),
+    ] = None,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--policy",
+            help="adaptive-step, adaptive-verify or fixed:K (repeatable); fixed:1..w always run.",
+        ),
+    ] = None,
+    mode: Annotated[
+        str | None,
+        typer.Option(
+            "--mode",
+            help="Synthetic table mode (no --table): draft_step (default) or target_verify.",
+        ),
+    ] = None,
     rounds: Annotated[int, typer.Option("--rounds", help="Scenario rounds.")] = 20_000,
-    draft_width: Annotated[int | None, typer.Option("--draft-width", help="Scenario draft width (default: the table's, else 5).")] = None,
+    draft_width: Annotated[
+        int | None,
+        typer.Option("--draft-width", help="Scenario draft width (default: the table's, else 5)."),
+    ] = None,
     num_requests: Annotated[int, typer.Option("--num-requests", help="Scenario batch size B.")] = 8,
-    kv_length: Annotated[float, typer.Option("--kv-length", help="Scenario mean KV length (tokens).")] = 1024.0,
+    kv_length: Annotated[
+        float, typer.Option("--kv-length", help="Scenario mean KV length (tokens).")
+    ] = 1024.0,
     seed: Annotated[int, typer.Option("--seed", help="Scenario seed.")] = 0,
-    window_size: Annotated[int, typer.Option("--window-size", help="Adaptive step: completed batches in the acceptance window.")] = 20,
-    update_interval: Annotated[int, typer.Option("--update-interval", help="Adaptive step: batches between re-scorings.")] = 5,
-    switch_min_gain: Annotated[float, typer.Option("--switch-min-gain", help="Adaptive step: predicted relative gain a switch must exceed.")] = 0.05,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Directory for replay_timeline.png and replay_throughput.png.")] = None,
+    window_size: Annotated[
+        int,
+        typer.Option(
+            "--window-size", help="Adaptive step: completed batches in the acceptance window."
+        ),
+    ] = 20,
+    update_interval: Annotated[
+        int, typer.Option("--update-interval", help="Adaptive step: batches between re-scorings.")
+    ] = 5,
+    switch_min_gain: Annotated[
+        float,
+        typer.Option(
+            "--switch-min-gain", help="Adaptive step: predicted relative gain a switch must exceed."
+        ),
+    ] = 0.05,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the report as JSON on stdout.")
+    ] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", help="Directory for replay_timeline.png and replay_throughput.png."),
+    ] = None,
 ) -> None:
     """Replay speculation policies against a cost table and report predicted throughput."""
     from speccal.policy import AdaptiveVerifyConfig, CostModel, parse_policy
@@ -90,7 +159,11 @@ def replay_cmd(
     from speccal.trace import RoundTrace, load_trace
 
     if (trace is None) == (scenario is None):
-        raise InputError("--trace/--scenario", None if trace is None else f"{trace} and {scenario}", "exactly one of --trace PATH or --scenario NAME")
+        raise InputError(
+            "--trace/--scenario",
+            None if trace is None else f"{trace} and {scenario}",
+            "exactly one of --trace PATH or --scenario NAME",
+        )
     specs = [parse_policy(p) for p in (policy or [])]  # refuses a combined adaptive spec first
     cost_table = None
     if table is not None:
@@ -98,6 +171,8 @@ def replay_cmd(
 
         cost_table = load_table(table)
         w = cost_table.draft_width
+        if mode is not None and mode != cost_table.mode:
+            raise InputError("--mode", mode, f"the table's mode {cost_table.mode!r} (or no --mode)")
         if draft_width is not None and draft_width != w:
             raise InputError("--draft-width", draft_width, f"the table's draft_width = {w}")
     else:
@@ -107,9 +182,14 @@ def replay_cmd(
     else:
         tr = _scenario_trace(scenario, rounds, w, num_requests, kv_length, seed)
     if cost_table is None:
+        mode = mode or "draft_step"
         if mode not in ("draft_step", "target_verify"):
             raise InputError("--mode", mode, "draft_step or target_verify")
-        nmax = int(tr.num_requests.max()) if isinstance(tr, RoundTrace) else int(np.unique(tr.request).size)
+        nmax = (
+            int(tr.num_requests.max())
+            if isinstance(tr, RoundTrace)
+            else int(np.unique(tr.request).size)
+        )
         cost_table = synthetic_table(scenario_geometry(tr.draft_width, nmax), mode)
     cost = CostModel.from_table(cost_table)
     if not specs:
@@ -122,11 +202,23 @@ def replay_cmd(
     from speccal.replay import check_replayable
 
     check_replayable(tr, cost, specs)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True) as prog:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    ) as prog:
         task = prog.add_task("replay", total=None)
-        report = replay(tr, cost, cfg, on_step=lambda s: prog.update(task, description=f"replay: {s}"))
+        report = replay(
+            tr, cost, cfg, on_step=lambda s: prog.update(task, description=f"replay: {s}")
+        )
     d = report.to_dict()
-    d["table"] = {"path": str(table) if table else None, "mode": cost.mode, "synthetic": table is None}
+    d["table"] = {
+        "path": str(table) if table else None,
+        "mode": cost.mode,
+        "synthetic": table is None,
+    }
     if plot is not None:
         from speccal.plots_replay import write_plots
 
@@ -141,32 +233,80 @@ def replay_cmd(
 
 def trace_cmd(
     out: Annotated[Path, typer.Option("--out", help="Trace file to write (.parquet or .jsonl).")],
-    scenario: Annotated[str | None, typer.Option("--scenario", help="Write a synthetic scenario trace instead of recording.")] = None,
-    kind: Annotated[str, typer.Option("--kind", help="rounds (per-round acceptance) or tokens (per-token acceptance matrix, greedy).")] = "rounds",
-    model: Annotated[str, typer.Option("--model", help="Runner model preset or HF folder.")] = "tiny",
+    scenario: Annotated[
+        str | None,
+        typer.Option("--scenario", help="Write a synthetic scenario trace instead of recording."),
+    ] = None,
+    kind: Annotated[
+        str,
+        typer.Option(
+            "--kind",
+            help="rounds (per-round acceptance) or tokens (per-token acceptance matrix, greedy).",
+        ),
+    ] = "rounds",
+    model: Annotated[
+        str, typer.Option("--model", help="Runner model preset or HF folder.")
+    ] = "tiny",
     device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
-    dtype: Annotated[str | None, typer.Option("--dtype", help="float32 / bfloat16 / float16 (default per device).")] = None,
-    draft_width: Annotated[int, typer.Option("--draft-width", help="Draft width w (every round drafts w).")] = 3,
-    num_requests: Annotated[int, typer.Option("--num-requests", help="Concurrent requests (batch size B).")] = 4,
-    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Random prompt tokens per request.")] = 32,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generated tokens per request.")] = 64,
-    acceptance: Annotated[str, typer.Option("--acceptance", help="greedy or synthetic (rounds only).")] = "greedy",
-    acceptance_profile: Annotated[str | None, typer.Option("--acceptance-profile", help="Synthetic: comma-separated conditional acceptance per position.")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option("--dtype", help="float32 / bfloat16 / float16 (default per device)."),
+    ] = None,
+    draft_width: Annotated[
+        int, typer.Option("--draft-width", help="Draft width w (every round drafts w).")
+    ] = 3,
+    num_requests: Annotated[
+        int, typer.Option("--num-requests", help="Concurrent requests (batch size B).")
+    ] = 4,
+    prompt_len: Annotated[
+        int, typer.Option("--prompt-len", help="Random prompt tokens per request.")
+    ] = 32,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="Generated tokens per request.")
+    ] = 64,
+    acceptance: Annotated[
+        str, typer.Option("--acceptance", help="greedy or synthetic (rounds only).")
+    ] = "greedy",
+    acceptance_profile: Annotated[
+        str | None,
+        typer.Option(
+            "--acceptance-profile",
+            help="Synthetic: comma-separated conditional acceptance per position.",
+        ),
+    ] = None,
     rounds: Annotated[int, typer.Option("--rounds", help="Scenario rounds.")] = 20_000,
-    kv_length: Annotated[float, typer.Option("--kv-length", help="Scenario mean KV length.")] = 1024.0,
+    kv_length: Annotated[
+        float, typer.Option("--kv-length", help="Scenario mean KV length.")
+    ] = 1024.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of prompts / scenario / runner.")] = 0,
-    json_out: Annotated[bool, typer.Option("--json", help="Print a summary as JSON on stdout.")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print a summary as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Record an acceptance trace with the embedded runner (or write a synthetic scenario)."""
     from speccal.trace import save_trace
 
     if kind not in ("rounds", "tokens"):
         raise InputError("--kind", kind, "rounds or tokens")
+    if scenario is not None and kind != "rounds":
+        raise InputError("--kind", kind, "rounds with --scenario (scenarios are round traces)")
     t0 = time.perf_counter()
     if scenario is not None:
         tr = _scenario_trace(scenario, rounds, draft_width, num_requests, kv_length, seed)
     else:
-        tr = _record(kind, model, device, dtype, draft_width, num_requests, prompt_len, max_tokens, acceptance, acceptance_profile, seed)
+        tr = _record(
+            kind,
+            model,
+            device,
+            dtype,
+            draft_width,
+            num_requests,
+            prompt_len,
+            max_tokens,
+            acceptance,
+            acceptance_profile,
+            seed,
+        )
     path = save_trace(tr, out)
     summary = {
         "path": str(path),
@@ -179,37 +319,72 @@ def trace_cmd(
     if json_out:
         typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))
     else:
-        err_console.print(f"wrote {summary['kind']} trace {path}: {summary['records']:,} records, w={tr.draft_width} ({summary['elapsed_s']} s)")
+        err_console.print(
+            f"wrote {summary['kind']} trace {path}: {summary['records']:,} records, w={tr.draft_width} ({summary['elapsed_s']} s)"
+        )
 
 
-def _record(kind, model, device, dtype, w, num_requests, prompt_len, max_tokens, acceptance, profile_text, seed):
+def _record(
+    kind,
+    model,
+    device,
+    dtype,
+    w,
+    num_requests,
+    prompt_len,
+    max_tokens,
+    acceptance,
+    profile_text,
+    seed,
+):
     """Drive the runner: full-width rounds; for ``tokens``, one extra round from every position."""
     from speccal.runner.engine import Engine, EngineConfig, RoundPlan
     from speccal.runner.sampling import SamplingParams
     from speccal.trace import RoundTraceBuilder, TokenTraceBuilder
 
     if kind == "tokens" and acceptance != "greedy":
-        raise InputError("--acceptance", acceptance, "greedy for --kind tokens (the matrix is only exact for greedy)")
+        raise InputError(
+            "--acceptance",
+            acceptance,
+            "greedy for --kind tokens (the matrix is only exact for greedy)",
+        )
     profile = None
     if profile_text is not None:
         try:
             profile = tuple(float(x) for x in profile_text.split(","))
         except ValueError:
-            raise InputError("--acceptance-profile", profile_text, "comma-separated probabilities") from None
+            raise InputError(
+                "--acceptance-profile", profile_text, "comma-separated probabilities"
+            ) from None
     buckets = tuple(sorted({1, 2, 4, 8, num_requests}))
     cfg = EngineConfig(
-        model=model, device=device, dtype=dtype, draft_width=w, request_buckets=buckets,
-        acceptance=acceptance, acceptance_profile=profile, seed=seed,
+        model=model,
+        device=device,
+        dtype=dtype,
+        draft_width=w,
+        request_buckets=buckets,
+        acceptance=acceptance,
+        acceptance_profile=profile,
+        seed=seed,
     )
     eng = Engine(cfg)
     rng = np.random.default_rng(seed)
     vocab = eng.loaded.config.vocab_size
     prompts = [rng.integers(0, vocab, size=prompt_len).tolist() for _ in range(num_requests)]
-    meta = {"source": "runner", "compatibility": eng.compatibility(), "num_requests": num_requests,
-            "prompt_len": prompt_len, "max_tokens": max_tokens, "seed": seed, "phases": ["run"]}
+    meta = {
+        "source": "runner",
+        "compatibility": eng.compatibility(),
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "phases": ["run"],
+    }
     rounds = RoundTraceBuilder(w)
     outputs: dict[int, list[int]] = {}
-    rids = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    rids = [
+        eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts
+    ]
     with _progress("recording rounds") as (prog, task):
         while eng.has_unfinished():
             res = eng.step(RoundPlan(num_draft_steps=w))
@@ -224,8 +399,9 @@ def _record(kind, model, device, dtype, w, num_requests, prompt_len, max_tokens,
         return rounds.build(meta)
     # Drafting from every position t: a request whose prompt is prompt + y[:t] prefills y[t] and
     # runs one full-width round from there, whose accepted length is the match length at t.
+    # Positions 0 .. len(y) - 2 are the ones a round can start from (the last token ends the run).
     tokens = TokenTraceBuilder(w)
-    jobs = [(i, t) for i, rid in enumerate(rids) for t in range(len(outputs[rid]))]
+    jobs = [(i, t) for i, rid in enumerate(rids) for t in range(len(outputs[rid]) - 1)]
     cap = max(buckets)
     with _progress("drafting from every position") as (prog, task):
         for j0 in range(0, len(jobs), cap):
@@ -233,7 +409,11 @@ def _record(kind, model, device, dtype, w, num_requests, prompt_len, max_tokens,
             ids = {}
             for i, t in batch:
                 y = outputs[rids[i]]
-                ids[eng.add_request(prompts[i] + y[:t], SamplingParams(max_tokens=w + 2, ignore_eos=True))] = (i, t)
+                ids[
+                    eng.add_request(
+                        prompts[i] + y[:t], SamplingParams(max_tokens=w + 2, ignore_eos=True)
+                    )
+                ] = (i, t)
             res = eng.step(RoundPlan(num_draft_steps=w))
             for b, rid in enumerate(res.request_ids):
                 i, t = ids[rid]
@@ -248,7 +428,14 @@ class _progress:
     """Rich progress bar on stderr as a context manager yielding ``(progress, task)``."""
 
     def __init__(self, label: str):
-        self.prog = Progress(SpinnerColumn(), TextColumn(label), TextColumn("{task.completed}"), TimeElapsedColumn(), console=err_console, transient=True)
+        self.prog = Progress(
+            SpinnerColumn(),
+            TextColumn(label),
+            TextColumn("{task.completed}"),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
+        )
 
     def __enter__(self):
         self.prog.__enter__()

@@ -102,6 +102,8 @@ def generate(
         stop_token_ids=tuple(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else (),
         ignore_eos=ignore_eos,
     )
+    if k is not None and not (plain or 1 <= k <= draft_width):
+        raise InputError("--k", k, f"an integer in [1, {draft_width}] (--draft-width)")
     cfg = _engine_config(model, device, dtype, draft_width, acceptance, profile, seed, max_model_len, not plain)
     engine = Engine(cfg)
     tokenizer = None
@@ -116,7 +118,7 @@ def generate(
         prompts += [tokenizer.encode(p) for p in prompt]
     num_k = 0 if plain else (k if k is not None else draft_width)
     if engine.is_random_weights:
-        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}")
+        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}", soft_wrap=True)
     with Progress(
         TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=err_console, transient=True,
@@ -189,8 +191,10 @@ def bench(
     for name, value in (("--num-requests", num_requests), ("--prompt-len", prompt_len), ("--max-tokens", max_tokens), ("--repeats", repeats)):
         if value < 1:
             raise InputError(name, value, "an integer >= 1")
-    cfg = _engine_config(model, device, dtype, draft_width, acceptance, profile, seed, None, True)
     num_k = k if k is not None else draft_width
+    if not 1 <= num_k <= draft_width:
+        raise InputError("--k", num_k, f"an integer in [1, {draft_width}] (--draft-width)")
+    cfg = _engine_config(model, device, dtype, draft_width, acceptance, profile, seed, None, True)
     with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task("loading")
         res = run_bench(
@@ -209,7 +213,7 @@ def bench(
         return
     eng = res["engine"]["spec"]
     if eng["is_random_weights"]:
-        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {eng['description']}")
+        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {eng['description']}", soft_wrap=True)
     else:
         err_console.print(eng["description"])
     table = Table(title=f"{model} on {eng['compatibility']['device']['name']}, k={num_k}, {num_requests} requests")

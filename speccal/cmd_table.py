@@ -35,9 +35,24 @@ def fit_report(table, console: Console = err_console) -> None:
         f"{s['draft_width']}, schema v{s['schema_version']}"
     )
     t = Table(title="fit report (ms; % of measured cost)", title_justify="left")
-    for col in ("context", "KV", "points", "windows", "error", "n", "MAE ms", "max ms", "mean %", "max %"):
+    for col in (
+        "context",
+        "KV",
+        "points",
+        "windows",
+        "error",
+        "n",
+        "MAE ms",
+        "max ms",
+        "mean %",
+        "max %",
+    ):
         t.add_column(col, justify="right" if col not in ("context", "KV", "error") else "left")
-    labels = {"residuals": "residual", "leave_one_point_out": "leave-1-point-out", "leave_one_g_out": "leave-1-G-out"}
+    labels = {
+        "residuals": "residual",
+        "leave_one_point_out": "leave-1-point-out",
+        "leave_one_g_out": "leave-1-G-out",
+    }
     for f in s["fits"]:
         for i, key in enumerate(labels):
             e = f[key]
@@ -60,7 +75,10 @@ def _params_tables(table, console: Console) -> None:
     for f in table.fits:
         if f.model == "additive":
             p = f.additive
-            t = Table(title=f"context {f.context_index}: bias {p.bias_ms:.4f} ms (reference Bcap {p.bcap_levels[0]}, G {p.g_levels[0]})", title_justify="left")
+            t = Table(
+                title=f"context {f.context_index}: bias {p.bias_ms:.4f} ms (reference Bcap {p.bcap_levels[0]}, G {p.g_levels[0]})",
+                title_justify="left",
+            )
             t.add_column("level")
             t.add_column("value", justify="right")
             t.add_column("offset ms", justify="right")
@@ -70,7 +88,10 @@ def _params_tables(table, console: Console) -> None:
                 t.add_row("theta(G)", str(g), f"{th:.4f}")
         else:
             p = f.sps
-            t = Table(title=f"context {f.context_index}: SPS over G (Bcaps {p.bcap_levels})", title_justify="left")
+            t = Table(
+                title=f"context {f.context_index}: SPS over G (Bcaps {p.bcap_levels})",
+                title_justify="left",
+            )
             for col in ("G", "cost ms", "steps/s"):
                 t.add_column(col, justify="right")
             for g, c in zip(p.g_levels, p.cost_ms, strict=True):
@@ -88,13 +109,19 @@ def _read_compat(path: Path | None) -> dict | None:
     try:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise InputError("--expect", str(path), f"a readable JSON compatibility file ({exc})") from None
+        raise InputError(
+            "--expect", str(path), f"a readable JSON compatibility file ({exc})"
+        ) from None
 
 
 def show(
     table_path: Annotated[Path, typer.Argument(help="Cost table JSON file.", show_default=False)],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
-    params: Annotated[bool, typer.Option("--params/--no-params", help="Also print fitted parameters.")] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the summary as JSON on stdout.")
+    ] = False,
+    params: Annotated[
+        bool, typer.Option("--params/--no-params", help="Also print fitted parameters.")
+    ] = True,
 ) -> None:
     """Show a table: identity, compatibility, provenance, fit report and parameters."""
     from speccal.costmodel.report import summary
@@ -128,7 +155,9 @@ def validate(
         Path | None,
         typer.Option("--expect", help="Compatibility JSON of the running config to check against."),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON on stdout.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the verdict as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Validate a table (schema, consistency and, with --expect, compatibility). Exit 2 if refused."""
     from speccal.costmodel.table import load_table
@@ -138,7 +167,14 @@ def validate(
         table = load_table(table_path, expect=_read_compat(expect))
     notes = [str(w.message) for w in caught]
     if as_json:
-        _echo_json({"path": str(table_path), "valid": True, "schema_version": table.schema_version, "warnings": notes})
+        _echo_json(
+            {
+                "path": str(table_path),
+                "valid": True,
+                "schema_version": table.schema_version,
+                "warnings": notes,
+            }
+        )
         return
     for n in notes:
         err_console.print(f"[yellow]warning:[/] {n}", soft_wrap=True)
@@ -148,7 +184,9 @@ def validate(
 def diff(
     a: Annotated[Path, typer.Argument(help="First table.", show_default=False)],
     b: Annotated[Path, typer.Argument(help="Second table.", show_default=False)],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the differences as JSON on stdout.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the differences as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Compare two tables: metadata fields and costs at grid cells calibrated in both."""
     from speccal.costmodel.report import diff_tables
@@ -169,7 +207,13 @@ def diff(
     for col in ("context", "Bcap", "G", "a", "b", "delta", "delta %"):
         t.add_column(col, justify="right")
     for c in d["costs"]:
-        t.add_row(*(str(c[k]) for k in ("context_index", "bcap", "g")), f"{c['a_ms']:.4f}", f"{c['b_ms']:.4f}", f"{c['delta_ms']:+.4f}", f"{c['delta_pct']:+.2f}")
+        t.add_row(
+            *(str(c[k]) for k in ("context_index", "bcap", "g")),
+            f"{c['a_ms']:.4f}",
+            f"{c['b_ms']:.4f}",
+            f"{c['delta_ms']:+.4f}",
+            f"{c['delta_pct']:+.2f}",
+        )
     err_console.print(t)
     err_console.print(
         f"{len(d['metadata'])} metadata difference(s); {len(d['costs'])} common cells, max |delta| "
@@ -180,7 +224,9 @@ def diff(
 def export(
     table_path: Annotated[Path, typer.Argument(help="Cost table JSON file.", show_default=False)],
     fmt: Annotated[str, typer.Option("--format", help="csv or markdown.")] = "csv",
-    out: Annotated[Path | None, typer.Option("--out", help="Write here (atomically) instead of stdout.")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Write here (atomically) instead of stdout.")
+    ] = None,
 ) -> None:
     """Export the cost of every captured (Bcap, G) per context interval as CSV or markdown."""
     from speccal.costmodel.report import cost_grid, to_markdown
@@ -199,7 +245,9 @@ def export(
 
 def register(app: typer.Typer) -> None:
     """Attach ``speccal table ...`` to the root app."""
-    sub = typer.Typer(name="table", help="Show, validate, diff and export cost tables.", no_args_is_help=True)
+    sub = typer.Typer(
+        name="table", help="Show, validate, diff and export cost tables.", no_args_is_help=True
+    )
     sub.command("show")(show)
     sub.command("validate")(validate)
     sub.command("diff")(diff)

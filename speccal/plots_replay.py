@@ -65,7 +65,12 @@ def plot_throughput(report: ReplayReport, path: str | Path) -> Path:
     names = [r.name for r in runs]
     tps = [r.totals()["tokens_per_s"] for r in runs]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(runs) + 1.2))
-    colors = ["tab:orange" if n == report.best_fixed else ("tab:blue" if not n.startswith("fixed") else "tab:grey") for n in names]
+    colors = [
+        "tab:orange"
+        if n == report.best_fixed
+        else ("tab:blue" if not n.startswith("fixed") else "tab:grey")
+        for n in names
+    ]
     ax.barh(names, tps, color=colors)
     for yi, v in enumerate(tps):
         ax.text(v, yi, f" {v:,.0f}", va="center", fontsize=8)
@@ -81,4 +86,7 @@ def write_plots(report: ReplayReport, directory: str | Path) -> list[Path]:
     """Write ``replay_timeline.png`` and ``replay_throughput.png`` into ``directory``."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    return [plot_timeline(report, d / "replay_timeline.png"), plot_throughput(report, d / "replay_throughput.png")]
+    return [
+        plot_timeline(report, d / "replay_timeline.png"),
+        plot_throughput(report, d / "replay_throughput.png"),
+    ]

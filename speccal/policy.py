@@ -44,7 +44,7 @@ MODES = ("draft_step", "target_verify")
 GAIN_RTOL = 1e-9
 
 #: Resolution of survival curves: grid points per draft row per request (x = q / Q).
-CURVE_RESOLUTION = 8
+CURVE_RESOLUTION = 4
 
 CostFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
@@ -123,11 +123,11 @@ class CostModel:
 
     def step_costs(self, num_requests: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
         """Cost of ``k = 1..w`` full-verify rounds, ``[..., w]``: G = g_for(Bcap, B * (k + 1))."""
-        b = np.asarray(num_requests, dtype=np.int64)[..., None]
-        kv = np.asarray(kv_length, dtype=np.float64)[..., None]
+        b, kv, inv = _unique_states(num_requests, kv_length)
         ks = np.arange(1, self.draft_width + 1)
-        bcap = self.bcap(b)
-        return self.lookup(bcap, self.g(bcap, b * (ks + 1)), kv)
+        bcap = self.bcap(b)[:, None]
+        out = self.lookup(bcap, self.g(bcap, b[:, None] * (ks + 1)), kv[:, None])
+        return out[inv].reshape(np.shape(num_requests) + (self.draft_width,))
 
     def verify_candidates(
         self, num_requests: np.ndarray, kv_length: np.ndarray
@@ -137,15 +137,33 @@ class CostModel:
         ``J`` is the most target buckets any Bcap has; missing entries have ``g = 0`` and NaN
         cost. Budgets below ``B`` rows (not even the bonus rows fit) are dropped the same way.
         """
-        b = np.asarray(num_requests, dtype=np.int64)
-        kv = np.asarray(kv_length, dtype=np.float64)
+        b, kv, inv = _unique_states(num_requests, kv_length)
         bcap = self.bcap(b)
         width = max(len(gs) for gs in self.geometry.target_rows.values())
         gs = np.zeros(b.shape + (width,), dtype=np.int64)
         for cap, levels in self.geometry.target_rows.items():
             gs[bcap == cap, : len(levels)] = levels
-        gs = np.where(gs >= b[..., None], gs, 0)
-        return gs, self.lookup(bcap[..., None], gs, kv[..., None])
+        gs = np.where(gs >= b[:, None], gs, 0)
+        costs = self.lookup(bcap[:, None], gs, kv[:, None])
+        shape = np.shape(num_requests) + (width,)
+        return gs[inv].reshape(shape), costs[inv].reshape(shape)
+
+
+def _unique_states(
+    num_requests: np.ndarray, kv_length: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct ``(B, kv)`` pairs of (broadcast) inputs: ``(b [U], kv [U], inverse [N])``.
+
+    Traces repeat a few batch states over 10^6 rounds; looking each state up once keeps the
+    table's cost surface off the hot path. Pairs are keyed as complex numbers (B + i * kv), which
+    numpy sorts lexicographically.
+    """
+    b, kv = np.broadcast_arrays(
+        np.asarray(num_requests, dtype=np.int64), np.asarray(kv_length, dtype=np.float64)
+    )
+    key = b.reshape(-1).astype(np.float64) + 1j * kv.reshape(-1)
+    uniq, inv = np.unique(key, return_inverse=True)
+    return uniq.real.astype(np.int64), uniq.imag.copy(), inv.reshape(-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,7 +273,9 @@ class Policy(Protocol):
 # --------------------------------------------------------------------------------------------
 
 
-def position_counts(accepted: np.ndarray, k: int, draft_width: int) -> tuple[np.ndarray, np.ndarray]:
+def position_counts(
+    accepted: np.ndarray, k: int, draft_width: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-position survival counts of one batch, ``([w], [w])``.
 
     ``survived[i]`` = requests whose first ``i + 1`` drafts were accepted; ``reached[i]`` =
@@ -277,8 +297,33 @@ def conditional_acceptance(survived: np.ndarray, reached: np.ndarray) -> np.ndar
     deepest known value (geometric tail), so deeper steps can be scored from shallow feedback.
     Returns None when position 0 has no data (no feedback yet).
     """
-    # Plain floats: w is tiny and this runs once per re-scoring in a 10^6-round replay.
-    s, r = _floats(survived), _floats(reached)
+    c = _conditional(_floats(survived), _floats(reached))
+    return None if c is None else np.asarray(c)
+
+
+def prefix_acceptance(survived: np.ndarray, reached: np.ndarray) -> np.ndarray | None:
+    """Prefix acceptance ``p_i = prod_{j <= i} c_j`` (SPEC: requests whose first ``i + 1`` drafts
+    were all accepted), ``[w]``; None without feedback. Chained from conditional rates so that a
+    window mixing different ``k`` stays monotone."""
+    p = prefix_acceptance_list(_floats(survived), _floats(reached))
+    return None if p is None else np.asarray(p)
+
+
+def prefix_acceptance_list(survived: list[float], reached: list[float]) -> list[float] | None:
+    """:func:`prefix_acceptance` on plain float lists (the replay's per-re-scoring hot path)."""
+    c = _conditional(survived, reached)
+    if c is None:
+        return None
+    out, acc = [], 1.0
+    for ci in c:
+        acc *= ci
+        out.append(acc)
+    return out
+
+
+def _conditional(s: list[float], r: list[float]) -> list[float] | None:
+    # Plain floats: w is tiny and this runs once per re-scoring in a 10^6-round replay, where
+    # numpy's per-call overhead would dominate.
     if r[0] <= 0:
         return None
     c = []
@@ -287,29 +332,19 @@ def conditional_acceptance(survived: np.ndarray, reached: np.ndarray) -> np.ndar
         if ri > 0:
             last = si / ri
         c.append(last)
-    return np.asarray(c)
-
-
-def prefix_acceptance(survived: np.ndarray, reached: np.ndarray) -> np.ndarray | None:
-    """Prefix acceptance ``p_i = prod_{j <= i} c_j`` (SPEC: requests whose first ``i + 1`` drafts
-    were all accepted), ``[w]``; None without feedback. Chained from conditional rates so that a
-    window mixing different ``k`` stays monotone."""
-    c = conditional_acceptance(survived, reached)
-    if c is None:
-        return None
-    out, acc = [], 1.0
-    for ci in c.tolist():
-        acc *= ci
-        out.append(acc)
-    return np.asarray(out)
+    return c
 
 
 def _floats(x: Sequence[float] | np.ndarray) -> list[float]:
-    """Plain float list of a small vector (cheaper than numpy ops for w <= 16)."""
-    return x.tolist() if isinstance(x, np.ndarray) else [float(v) for v in x]
+    """Plain float list of a small vector."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64).tolist()
+    return x if isinstance(x, list) else [float(v) for v in x]
 
 
-def score_steps(prefix: np.ndarray, costs: np.ndarray, num_requests: np.ndarray | int) -> np.ndarray:
+def score_steps(
+    prefix: np.ndarray, costs: np.ndarray, num_requests: np.ndarray | int
+) -> np.ndarray:
     """Predicted tokens per ms of each ``k``: ``B * (1 + sum(p[:k])) / cost_ms(k)``.
 
     ``prefix`` is ``[..., w]``, ``costs`` ``[..., w]`` (index ``k - 1``); NaN where uncalibrated.
@@ -406,16 +441,21 @@ def allocate_prefixes(scores: np.ndarray, budget_rows: int) -> np.ndarray:
 
 
 def allocate_prefixes_batch(
-    scores: np.ndarray, num_requests: np.ndarray, budget_rows: np.ndarray
+    scores: np.ndarray,
+    num_requests: np.ndarray,
+    budget_rows: np.ndarray,
+    *,
+    presurvived: bool = False,
 ) -> np.ndarray:
     """Vectorised :func:`allocate_prefixes` over rounds: ``[R, Bmax, w]`` -> ``[R, Bmax]``.
 
     Same rule and tie order (survival descending, then shallower position, then lower request);
     rows ``>= num_requests[r]`` are padding and get 0. One sort per round, then a threshold: items
     above the ``m``-th largest survival are taken, and the remaining ``m`` minus that count are
-    taken from the items equal to it in position-major order.
+    taken from the items equal to it in position-major order. ``presurvived``: ``scores`` already
+    hold :func:`survival` values.
     """
-    s = survival(scores)
+    s = np.asarray(scores, dtype=np.float64) if presurvived else survival(scores)
     r, bmax, w = s.shape
     nreq = np.asarray(num_requests, dtype=np.int64)
     m = np.clip(np.asarray(budget_rows, dtype=np.int64), 0, nreq * w)
@@ -459,8 +499,9 @@ def survival_curves(
     nreq = np.asarray(num_requests, dtype=np.int64)
     pad = np.arange(bmax)[None, :, None] >= nreq[:, None, None]
     s = np.where(pad, 0.0, s).reshape(r, bmax * w)
-    top = -np.sort(-s, axis=1)
-    cs = np.concatenate([np.zeros((r, 1)), np.cumsum(top, axis=1)], axis=1)  # [R, Bmax*w + 1]
+    top = np.sort(s, axis=1)[:, ::-1]
+    cs = np.zeros((r, bmax * w + 1))
+    np.cumsum(top, axis=1, out=cs[:, 1:])  # [R, Bmax*w + 1]: sum of the top-m survivals
     x = np.arange(w * resolution + 1) / resolution
     items = x[None, :] * nreq[:, None]  # [R, n]
     lo = np.floor(items).astype(np.int64)
@@ -648,12 +689,16 @@ class AdaptiveStepPolicy:
             fresh = False
         w = self.cost.draft_width
         k = self._k
-        reason = self._last_reason if fresh else ("warmup" if self._completed < interval else "hold")
+        reason = (
+            self._last_reason if fresh else ("warmup" if self._completed < interval else "hold")
+        )
         if not np.isfinite(costs[k - 1]):
             k, reason = w, "uncalibrated"
         bcap = int(self.cost.bcap(state.num_requests))
         g = int(self.cost.g(bcap, state.num_requests * (k + 1)))
-        return Decision(k=k, g=g, reason=reason, predicted_gain=self._last_gain if fresh else math.nan)
+        return Decision(
+            k=k, g=g, reason=reason, predicted_gain=self._last_gain if fresh else math.nan
+        )
 
 
 class LaggedFeedback:
@@ -755,8 +800,10 @@ def parse_policy(text: str) -> PolicySpec:
     t = str(text).strip().lower()
     parts = [p.strip() for p in t.split("+")]
     if len(parts) > 1:
-        check_adaptive_modes(adaptive_draft_step="adaptive-step" in parts,
-                             adaptive_target_verify="adaptive-verify" in parts)
+        check_adaptive_modes(
+            adaptive_draft_step="adaptive-step" in parts,
+            adaptive_target_verify="adaptive-verify" in parts,
+        )
         raise InputError("policy", text, "one policy: fixed:K, adaptive-step or adaptive-verify")
     if t in ADAPTIVE:
         return PolicySpec(kind=t, text=t)

@@ -43,7 +43,8 @@ from speccal.policy import (
     choose_step,
     make_policy,
     parse_policy,
-    prefix_acceptance,
+    prefix_acceptance_list,
+    survival,
     survival_curves,
 )
 from speccal.trace import RoundTrace, TokenTrace
@@ -83,7 +84,9 @@ class PolicyRun:
         reqs = float(np.sum(self.num_requests[s]))
         return {
             "tokens_per_s": 1000.0 * tok / t_ms if t_ms > 0 else math.nan,
-            "tpot_ms": float(np.sum(self.cost_ms[s] * self.num_requests[s])) / tok if tok else math.nan,
+            "tpot_ms": float(np.sum(self.cost_ms[s] * self.num_requests[s])) / tok
+            if tok
+            else math.nan,
             "acceptance_rate": acc / ver if ver else math.nan,
             "mean_accepted_length": acc / reqs if reqs else math.nan,
             "total_tokens": tok,
@@ -95,7 +98,10 @@ class PolicyRun:
         key = self.k.astype(np.int64) * (1 << 32) + self.g.astype(np.int64)
         starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
         stops = np.concatenate((starts[1:], [key.size]))
-        segs = [[int(a), int(b), int(self.k[a]), int(self.g[a])] for a, b in zip(starts[:max_segments], stops[:max_segments], strict=True)]
+        segs = [
+            [int(a), int(b), int(self.k[a]), int(self.g[a])]
+            for a, b in zip(starts[:max_segments], stops[:max_segments], strict=True)
+        ]
         return segs, max(int(starts.size) - max_segments, 0)
 
 
@@ -114,7 +120,9 @@ class ReplayConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def check_replayable(trace: RoundTrace | TokenTrace, cost: CostModel, specs: Sequence[PolicySpec]) -> None:
+def check_replayable(
+    trace: RoundTrace | TokenTrace, cost: CostModel, specs: Sequence[PolicySpec]
+) -> None:
     """Refuse before running: width mismatch, censored traces, missing scores, wrong mode,
     batches without a bucket, and rounds the table cannot price even at full width."""
     w = cost.draft_width
@@ -122,33 +130,49 @@ def check_replayable(trace: RoundTrace | TokenTrace, cost: CostModel, specs: Seq
         raise InputError("trace.draft_width", trace.draft_width, f"the table's draft_width = {w}")
     for p in specs:
         if p.kind == "adaptive-step" and cost.mode != "draft_step":
-            raise UnsupportedError("adaptive-step replay needs a draft_step table (mode is target_verify)")
+            raise UnsupportedError(
+                "adaptive-step replay needs a draft_step table (mode is target_verify)"
+            )
         if p.kind == "adaptive-verify" and cost.mode != "target_verify":
-            raise UnsupportedError("adaptive-verify replay needs a target_verify table (mode is draft_step)")
+            raise UnsupportedError(
+                "adaptive-verify replay needs a target_verify table (mode is draft_step)"
+            )
         if p.kind == "fixed" and p.k > w:
             raise InputError("policy", p.text, f"fixed:K with K <= draft_width = {w}")
         if p.kind == "adaptive-verify" and trace.draft_scores is None:
-            raise InputError("trace.draft_scores", None, "per-request draft scores for adaptive-verify")
+            raise InputError(
+                "trace.draft_scores", None, "per-request draft scores for adaptive-verify"
+            )
     if isinstance(trace, RoundTrace):
         if not trace.full_width:
             n = int((trace.k < w).sum())
             raise InputError(
-                "trace.k", f"{n} rounds with k < {w}", f"every round drafted at full width k = {w}",
+                "trace.k",
+                f"{n} rounds with k < {w}",
+                f"every round drafted at full width k = {w}",
                 hint="accepted lengths beyond a recorded k are unknown; record with k = w",
             )
         b, kv = trace.num_requests, trace.kv_length
     else:
-        b, kv = np.array([np.unique(trace.request).size]), np.array([float(np.mean(trace.kv_length))])
+        b, kv = (
+            np.array([np.unique(trace.request).size]),
+            np.array([float(np.mean(trace.kv_length))]),
+        )
     bcap = cost.bcap(b)
     if (bcap == 0).any():
         i = int(np.argmax(bcap == 0))
-        raise InputError("trace.num_requests", int(b[i]), f"<= the largest request bucket {cost.geometry.request_buckets[-1]}")
+        raise InputError(
+            "trace.num_requests",
+            int(b[i]),
+            f"<= the largest request bucket {cost.geometry.request_buckets[-1]}",
+        )
     if isinstance(trace, RoundTrace):
         full = cost.step_costs(b, kv)[:, -1]
         if not np.isfinite(full).all():
             i = int(np.argmax(~np.isfinite(full)))
             raise InputError(
-                "table", f"round {i}: B={int(b[i])}, kv_length={kv[i]:g}",
+                "table",
+                f"round {i}: B={int(b[i])}, kv_length={kv[i]:g}",
                 "a table calibrated at every round's full-width point (bucket and KV interval)",
             )
 
@@ -184,7 +208,9 @@ def _fixed_runs(trace: RoundTrace, cost: CostModel, H: np.ndarray) -> list[Polic
     return runs
 
 
-def _adaptive_step_run(trace: RoundTrace, cost: CostModel, H: np.ndarray, cfg: AdaptiveStepConfig) -> PolicyRun:
+def _adaptive_step_run(
+    trace: RoundTrace, cost: CostModel, H: np.ndarray, cfg: AdaptiveStepConfig
+) -> PolicyRun:
     """Vectorised twin of :class:`~speccal.policy.AdaptiveStepPolicy` with lag-0 feedback.
 
     Round ``r`` sees the feedback of rounds ``< r``; re-scoring happens at rounds ``start`` =
@@ -218,7 +244,9 @@ def _adaptive_step_run(trace: RoundTrace, cost: CostModel, H: np.ndarray, cfg: A
     qr: list[list[float]] = [[0.0] * w]
     k_block = np.empty(nblocks, dtype=np.int64)
     why_block = np.empty(nblocks, dtype=np.int8)
-    irregular: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # block -> (ks, cum_s, cum_r)
+    irregular: dict[
+        int, tuple[np.ndarray, np.ndarray, np.ndarray]
+    ] = {}  # block -> (ks, cum_s, cum_r)
     code = {name: i for i, name in enumerate(REASONS)}
 
     def q_at(r: int) -> tuple[list[float], list[float]]:
@@ -228,7 +256,9 @@ def _adaptive_step_run(trace: RoundTrace, cost: CostModel, H: np.ndarray, cfg: A
             return qs[j], qr[j]
         if j in irregular:
             _, cs_, cr_ = irregular[j]
-            return (np.asarray(qs[j]) + cs_[off - 1]).tolist(), (np.asarray(qr[j]) + cr_[off - 1]).tolist()
+            return (np.asarray(qs[j]) + cs_[off - 1]).tolist(), (
+                np.asarray(qr[j]) + cr_[off - 1]
+            ).tolist()
         k = int(k_block[j])
         st = int(starts[j])
         ds = (ch_s[r, :k] - ch_s[st, :k]).tolist()
@@ -245,7 +275,7 @@ def _adaptive_step_run(trace: RoundTrace, cost: CostModel, H: np.ndarray, cfg: A
         else:
             lo_s, lo_r = q_at(max(0, j * interval - window))
             qs_j, qr_j = qs[j], qr[j]
-            prefix = prefix_acceptance(
+            prefix = prefix_acceptance_list(
                 [x - y for x, y in zip(qs_j, lo_s, strict=True)],
                 [x - y for x, y in zip(qr_j, lo_r, strict=True)],
             )
@@ -267,7 +297,9 @@ def _adaptive_step_run(trace: RoundTrace, cost: CostModel, H: np.ndarray, cfg: A
             qr.append((np.asarray(qr[j]) + cr_[-1]).tolist())
     sizes = stops - starts
     k_round = np.repeat(k_block, sizes)
-    reason = np.repeat(np.where(why_block == code["warmup"], code["warmup"], code["hold"]).astype(np.int8), sizes)
+    reason = np.repeat(
+        np.where(why_block == code["warmup"], code["warmup"], code["hold"]).astype(np.int8), sizes
+    )
     reason[starts] = why_block
     for j, (ks, _, _) in irregular.items():
         k_round[starts[j] : stops[j]] = ks
@@ -292,43 +324,48 @@ def _adaptive_step_run(trace: RoundTrace, cost: CostModel, H: np.ndarray, cfg: A
     )
 
 
-def _adaptive_verify_run(trace: RoundTrace, cost: CostModel, cfg: AdaptiveVerifyConfig) -> PolicyRun:
-    """Vectorised twin of :class:`~speccal.policy.AdaptiveVerifyPolicy`."""
+def _adaptive_verify_run(
+    trace: RoundTrace, cost: CostModel, cfg: AdaptiveVerifyConfig
+) -> PolicyRun:
+    """Vectorised twin of :class:`~speccal.policy.AdaptiveVerifyPolicy`.
+
+    One pass over chunks of rounds: survival of the current scores -> survival curves -> running
+    sums ``cs [R + 1, n]`` of curves -> window mean over rounds ``[r - lag - W + 1, r - lag]``
+    (all already summed, as ``lag >= 2``) -> budget -> prefix allocation of the current scores.
+    """
     r_total, w = trace.num_rounds, trace.draft_width
     b = trace.num_requests
-    kv = trace.kv_length
     res = cfg.resolution
     n = w * res + 1
-    curves = np.empty((r_total, n))
-    for c0 in range(0, r_total, CHUNK):
-        c1 = min(c0 + CHUNK, r_total)
-        _, sc = trace.padded(c0, c1)
-        curves[c0:c1] = survival_curves(sc, b[c0:c1], res)
-    cs = np.concatenate((np.zeros((1, n)), np.cumsum(curves, axis=0)))
-    del curves
-    rounds = np.arange(r_total)
-    hi = rounds - cfg.feedback_lag + 1  # exclusive end: rounds <= r - lag
-    lo = np.maximum(hi - cfg.window_size, 0)
-    have = hi > 0
-    hi_c = np.maximum(hi, 0)
-    count = np.maximum(hi_c - lo, 1)[:, None]
-    mean = (cs[hi_c] - cs[lo]) / count
-    del cs
-    budgets, costs = cost.verify_candidates(b, kv)
-    g, _ = choose_budget(mean, b, budgets, costs, res)
+    lag, window = cfg.feedback_lag, cfg.window_size
+    budgets, costs = cost.verify_candidates(b, trace.kv_length)
     full = budgets.max(axis=1)
-    g = np.where(have, g, full)
-    reasons = np.where(have, REASONS.index("scored"), REASONS.index("warmup"))
-    reasons = np.where(have & ~np.isfinite(costs).any(axis=1), REASONS.index("uncalibrated"), reasons)
+    cs = np.zeros((r_total + 1, n))
+    g = np.empty(r_total, dtype=np.int64)
     accepted = np.empty(r_total)
     verified = np.empty(r_total)
     for c0 in range(0, r_total, CHUNK):
         c1 = min(c0 + CHUNK, r_total)
         acc_full, sc = trace.padded(c0, c1)
-        v = allocate_prefixes_batch(sc, b[c0:c1], g[c0:c1] - b[c0:c1])
+        surv = survival(sc)
+        cs[c0 + 1 : c1 + 1] = cs[c0] + np.cumsum(
+            survival_curves(surv, b[c0:c1], res, presurvived=True), axis=0
+        )
+        rounds = np.arange(c0, c1)
+        hi = np.maximum(rounds - lag + 1, 0)  # exclusive end: rounds <= r - lag
+        lo = np.maximum(hi - window, 0)
+        mean = (cs[hi] - cs[lo]) / np.maximum(hi - lo, 1)[:, None]
+        gc, _ = choose_budget(mean, b[c0:c1], budgets[c0:c1], costs[c0:c1], res)
+        g[c0:c1] = np.where(hi > 0, gc, full[c0:c1])
+        v = allocate_prefixes_batch(surv, b[c0:c1], g[c0:c1] - b[c0:c1], presurvived=True)
         accepted[c0:c1] = np.minimum(acc_full, v).sum(axis=1)
         verified[c0:c1] = v.sum(axis=1)
-    bcap = cost.bcap(b)
+    have = np.arange(r_total) - lag + 1 > 0
+    reasons = np.where(have, REASONS.index("scored"), REASONS.index("warmup"))
+    reasons = np.where(
+        have & ~np.isfinite(costs).any(axis=1), REASONS.index("uncalibrated"), reasons
+    )
+    g_cost = np.take_along_axis(costs, np.argmax(budgets == g[:, None], axis=1)[:, None], 1)[:, 0]
     return PolicyRun(
         name="adaptive-verify",
         kind="adaptive-verify",
@@ -337,17 +374,22 @@ def _adaptive_verify_run(trace: RoundTrace, cost: CostModel, cfg: AdaptiveVerify
         tokens=b + accepted,
         accepted=accepted,
         verified=verified,
-        cost_ms=cost.lookup(bcap, g, kv),
+        cost_ms=np.where(g > 0, g_cost, np.nan),
         num_requests=b,
         phase=trace.phase,
-        reasons={n_: int((reasons == i).sum()) for i, n_ in enumerate(REASONS) if (reasons == i).any()},
+        reasons={
+            n_: int((reasons == i).sum()) for i, n_ in enumerate(REASONS) if (reasons == i).any()
+        },
     )
 
 
 def _phase_oracle(fixed: list[PolicyRun], phase: np.ndarray) -> tuple[PolicyRun, dict[int, str]]:
     """Per-phase best fixed ``k`` in hindsight, stitched into one run."""
     priced = [r for r in fixed if r.priced]
-    out = {f: np.array(getattr(priced[0], f), dtype=np.float64, copy=True) for f in ("k", "g", "tokens", "accepted", "verified", "cost_ms")}
+    out = {
+        f: np.array(getattr(priced[0], f), dtype=np.float64, copy=True)
+        for f in ("k", "g", "tokens", "accepted", "verified", "cost_ms")
+    }
     choice = {}
     for ph in np.unique(phase):
         sel = phase == ph
@@ -375,7 +417,13 @@ def _phase_oracle(fixed: list[PolicyRun], phase: np.ndarray) -> tuple[PolicyRun,
 # --------------------------------------------------------------------------------------------
 
 
-def run_sequential(trace: RoundTrace | TokenTrace, cost: CostModel, policy: Policy, *, max_rounds: int | None = None) -> PolicyRun:
+def run_sequential(
+    trace: RoundTrace | TokenTrace,
+    cost: CostModel,
+    policy: Policy,
+    *,
+    max_rounds: int | None = None,
+) -> PolicyRun:
     """Drive a policy object through a trace as the live runner would (decide, run, observe).
 
     Round traces: round ``r`` of the trace is the batch of round ``r``; accepted length under the
@@ -383,9 +431,14 @@ def run_sequential(trace: RoundTrace | TokenTrace, cost: CostModel, policy: Poli
     first round, advances by ``a + 1`` positions per round and leaves when it runs past its
     last recorded position (exact counterfactual greedy replay).
     """
-    rec: dict[str, list] = {f: [] for f in ("k", "g", "tokens", "accepted", "verified", "cost_ms", "b", "phase", "reason")}
+    rec: dict[str, list] = {
+        f: []
+        for f in ("k", "g", "tokens", "accepted", "verified", "cost_ms", "b", "phase", "reason")
+    }
 
-    def step(r: int, acc_full: np.ndarray, scores: np.ndarray | None, kv: float, phase: int) -> np.ndarray:
+    def step(
+        r: int, acc_full: np.ndarray, scores: np.ndarray | None, kv: float, phase: int
+    ) -> np.ndarray:
         nb = acc_full.size
         d = policy.decide(BatchState(round_index=r, num_requests=nb, kv_length=kv))
         if d.verify_tokens is not None:
@@ -406,8 +459,15 @@ def run_sequential(trace: RoundTrace | TokenTrace, cost: CostModel, policy: Poli
         rec["b"].append(nb)
         rec["phase"].append(phase)
         rec["reason"].append(d.reason)
-        policy.observe(Feedback(round_index=r, k=d.k, accepted=np.minimum(a, d.k),
-                                draft_scores=None if scores is None else scores[:, : d.k], verify_tokens=v))
+        policy.observe(
+            Feedback(
+                round_index=r,
+                k=d.k,
+                accepted=np.minimum(a, d.k),
+                draft_scores=None if scores is None else scores[:, : d.k],
+                verify_tokens=v,
+            )
+        )
         return a
 
     if isinstance(trace, RoundTrace):
@@ -415,7 +475,11 @@ def run_sequential(trace: RoundTrace | TokenTrace, cost: CostModel, policy: Poli
         n = trace.num_rounds if max_rounds is None else min(max_rounds, trace.num_rounds)
         for r in range(n):
             sl = slice(cu[r], cu[r + 1])
-            sc = None if trace.draft_scores is None else np.nan_to_num(trace.draft_scores[sl].astype(np.float64))
+            sc = (
+                None
+                if trace.draft_scores is None
+                else np.nan_to_num(trace.draft_scores[sl].astype(np.float64))
+            )
             step(r, trace.accepted[sl], sc, float(trace.kv_length[r]), int(trace.phase[r]))
     else:
         match = trace.match_length
@@ -490,10 +554,14 @@ class ReplayReport:
                     "kind": r.kind,
                     "priced": r.priced,
                     **{k: _f(v) for k, v in t.items()},
-                    "gain_vs_best_fixed_pct": _f(100.0 * (t["tokens_per_s"] / best - 1.0)) if t else None,
+                    "gain_vs_best_fixed_pct": _f(100.0 * (t["tokens_per_s"] / best - 1.0))
+                    if t
+                    else None,
                     "mean_k": float(np.mean(r.k)),
                     "mean_g": float(np.mean(r.g)),
-                    "switches": int(np.count_nonzero(np.diff(r.k))) if r.kind != "adaptive-verify" else int(np.count_nonzero(np.diff(r.g))),
+                    "switches": int(np.count_nonzero(np.diff(r.k)))
+                    if r.kind != "adaptive-verify"
+                    else int(np.count_nonzero(np.diff(r.g))),
                     "reasons": r.reasons,
                     "per_phase": phases,
                     "timeline": segs,
@@ -505,7 +573,10 @@ class ReplayReport:
             "draft_width": self.draft_width,
             "rounds": int(self.runs[0].k.size),
             "best_fixed": self.best_fixed,
-            "oracle_per_phase": {self.phase_names[p] if p < len(self.phase_names) else str(p): n for p, n in self.phase_choice.items()},
+            "oracle_per_phase": {
+                self.phase_names[p] if p < len(self.phase_names) else str(p): n
+                for p, n in self.phase_choice.items()
+            },
             "policies": policies,
             "trace": self.trace_meta,
             "config": {
@@ -570,11 +641,21 @@ def replay(
         for p in specs:
             if p.kind != "fixed":
                 note(p.text)
-                runs.append(run_sequential(trace, cost, make_policy(p, cost, step_config=cfg.step, verify_config=cfg.verify)))
+                runs.append(
+                    run_sequential(
+                        trace,
+                        cost,
+                        make_policy(p, cost, step_config=cfg.step, verify_config=cfg.verify),
+                    )
+                )
         phase = np.zeros(1, dtype=np.int64)
     priced = [r for r in fixed if r.priced]
     if not priced:
-        raise InputError("table", "no fixed k priced on every round", "a table covering the trace's buckets and KV lengths")
+        raise InputError(
+            "table",
+            "no fixed k priced on every round",
+            "a table covering the trace's buckets and KV lengths",
+        )
     best = max(priced, key=lambda r: r.totals()["tokens_per_s"])
     if isinstance(trace, RoundTrace):
         oracle, choice = _phase_oracle(fixed, phase)

@@ -46,7 +46,9 @@ class Phase:
         if self.rounds < 1:
             raise InputError(f"phase {self.name}.rounds", self.rounds, "an integer >= 1")
         if self.num_requests < 1:
-            raise InputError(f"phase {self.name}.num_requests", self.num_requests, "an integer >= 1")
+            raise InputError(
+                f"phase {self.name}.num_requests", self.num_requests, "an integer >= 1"
+            )
         acc = tuple(float(a) for a in self.acceptance)
         if not acc or any(not 0.0 <= a <= 1.0 for a in acc):
             raise InputError(f"phase {self.name}.acceptance", acc, "probabilities in [0, 1]")
@@ -115,7 +117,11 @@ def generate(scenario: Scenario) -> RoundTrace:
         accepted=np.concatenate(acc_parts),
         draft_scores=np.concatenate(score_parts),
         phase=np.concatenate(phase),
-        meta={"source": "scenario", "scenario": scenario.to_dict(), "phases": [p.name for p in scenario.phases]},
+        meta={
+            "source": "scenario",
+            "scenario": scenario.to_dict(),
+            "phases": [p.name for p in scenario.phases],
+        },
     )
 
 
@@ -216,8 +222,17 @@ def synthetic_cost(
         key = bcap * (1 << 32) + g
         ok = np.isin(key, legal_arr[:, 0] * (1 << 32) + legal_arr[:, 1])
         ok &= (kv >= p.min_kv_length) & (kv <= p.max_kv_length)
-        k = np.full(bcap.shape, float(w)) if mode == "target_verify" else np.maximum(g // np.maximum(bcap, 1) - 1, 0)
-        ms = p.base_ms + k * (p.draft_ms + p.draft_ms_per_req * bcap) + p.target_ms + p.target_ms_per_row * g
+        k = (
+            np.full(bcap.shape, float(w))
+            if mode == "target_verify"
+            else np.maximum(g // np.maximum(bcap, 1) - 1, 0)
+        )
+        ms = (
+            p.base_ms
+            + k * (p.draft_ms + p.draft_ms_per_req * bcap)
+            + p.target_ms
+            + p.target_ms_per_row * g
+        )
         return np.where(ok, ms, np.nan)
 
     return CostModel(cost=cost, geometry=geometry, mode=mode)
@@ -244,7 +259,9 @@ class SyntheticTableTruth:
     seed: int = 0
 
 
-def synthetic_table(geometry: Geometry, mode: str = "draft_step", truth: SyntheticTableTruth | None = None):
+def synthetic_table(
+    geometry: Geometry, mode: str = "draft_step", truth: SyntheticTableTruth | None = None
+):
     """A real ``CostTable`` fitted (additive) on synthetic measurement rows over ``geometry``.
 
     Rows come from ``speccal.costmodel.synthetic.make_measurements`` with the
@@ -277,7 +294,12 @@ def synthetic_table(geometry: Geometry, mode: str = "draft_step", truth: Synthet
     )
     compat = {
         "draft_width": w,
-        "model": {"architecture": "synthetic", "fingerprint": "synthetic", "dtype": "float32", "quantization": "none"},
+        "model": {
+            "architecture": "synthetic",
+            "fingerprint": "synthetic",
+            "dtype": "float32",
+            "quantization": "none",
+        },
         "topology": {"tp": 1, "dp": 1},
         "graph_mode": "split",
         "verification_mode": "synthetic",
@@ -288,7 +310,9 @@ def synthetic_table(geometry: Geometry, mode: str = "draft_step", truth: Synthet
 
 def scenario_geometry(draft_width: int, max_requests: int) -> Geometry:
     """Default split-graph geometry covering ``max_requests`` (power-of-two request buckets)."""
-    return Geometry(draft_width=draft_width, request_buckets=default_request_buckets(max(max_requests, 1)))
+    return Geometry(
+        draft_width=draft_width, request_buckets=default_request_buckets(max(max_requests, 1))
+    )
 
 
 def max_batch(trace: RoundTrace) -> int:

@@ -69,8 +69,10 @@ class RoundTrace:
         if (acc > kk).any():
             i = int(np.argmax(acc > kk))
             raise SchemaError("accepted", int(acc[i]), f"<= k={int(kk[i])} (request row {i})")
-        phase = np.zeros(r, dtype=np.int64) if self.phase is None else _int_array(
-            "phase", self.phase, 0, size=r
+        phase = (
+            np.zeros(r, dtype=np.int64)
+            if self.phase is None
+            else _int_array("phase", self.phase, 0, size=r)
         )
         object.__setattr__(self, "draft_width", w)
         object.__setattr__(self, "num_requests", nreq)
@@ -86,7 +88,9 @@ class RoundTrace:
             bad = drafted & ~((s >= 0) & (s <= 1))
             if bad.any():
                 i = int(np.argmax(bad.any(axis=1)))
-                raise SchemaError("draft_scores", s[i].tolist(), "probabilities in [0, 1] at drafted positions")
+                raise SchemaError(
+                    "draft_scores", s[i].tolist(), "probabilities in [0, 1] at drafted positions"
+                )
             object.__setattr__(self, "draft_scores", s)
         object.__setattr__(self, "meta", dict(self.meta))
 
@@ -108,8 +112,10 @@ class RoundTrace:
         """``H [R, w]``: requests of each round whose first ``i + 1`` drafts were accepted."""
         w = self.draft_width
         rid = np.repeat(np.arange(self.num_rounds), self.num_requests)
-        hist = np.zeros((self.num_rounds, w + 1), dtype=np.int64)
-        np.add.at(hist, (rid, np.minimum(self.accepted, w)), 1)
+        flat = rid * (w + 1) + np.minimum(self.accepted, w)
+        hist = np.bincount(flat, minlength=self.num_rounds * (w + 1)).reshape(
+            self.num_rounds, w + 1
+        )
         # requests with a >= i + 1 = reverse cumulative sum of the histogram from a = i + 1.
         return np.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]
 
@@ -119,7 +125,9 @@ class RoundTrace:
         Padding rows have ``accepted = 0`` and score 0. Scores are NaN-free (NaN -> 0).
         """
         if self.draft_scores is None:
-            raise InputError("trace.draft_scores", None, "per-request draft scores (adaptive verify replay)")
+            raise InputError(
+                "trace.draft_scores", None, "per-request draft scores (adaptive verify replay)"
+            )
         stop = self.num_rounds if stop is None else stop
         nreq = self.num_requests[start:stop]
         cu = self.cu_requests
@@ -164,14 +172,18 @@ class TokenTrace:
         expect = np.arange(t) - np.maximum.accumulate(np.where(first, np.arange(t), 0))
         if (pos != expect).any():
             i = int(np.argmax(pos != expect))
-            raise SchemaError("position", int(pos[i]), f"{int(expect[i])} (positions 0, 1, 2, ... per request)")
+            raise SchemaError(
+                "position", int(pos[i]), f"{int(expect[i])} (positions 0, 1, 2, ... per request)"
+            )
         for name, arr in (("request", req), ("position", pos), ("kv_length", kv), ("accept", acc)):
             object.__setattr__(self, name, arr)
         object.__setattr__(self, "draft_width", w)
         if self.draft_scores is not None:
             s = np.asarray(self.draft_scores, dtype=np.float32)
             if s.shape != (t, w) or not ((s >= 0) & (s <= 1)).all():
-                raise SchemaError("draft_scores", s.shape, f"[T={t}, w={w}] probabilities in [0, 1]")
+                raise SchemaError(
+                    "draft_scores", s.shape, f"[T={t}, w={w}] probabilities in [0, 1]"
+                )
             object.__setattr__(self, "draft_scores", s)
         object.__setattr__(self, "meta", dict(self.meta))
 
@@ -224,7 +236,9 @@ class RoundTraceBuilder:
             kv_length=np.asarray(self._kv, dtype=np.float64),
             k=np.asarray(self._k, dtype=np.int64),
             accepted=np.concatenate(self._acc) if self._acc else np.zeros(0, dtype=np.int64),
-            draft_scores=np.concatenate(self._scores) if self._scores else np.zeros((0, w), np.float32),
+            draft_scores=np.concatenate(self._scores)
+            if self._scores
+            else np.zeros((0, w), np.float32),
             meta=meta or {},
         )
 
@@ -236,7 +250,9 @@ class TokenTraceBuilder:
         self.draft_width = int(draft_width)
         self._rows: list[tuple[int, int, int, int, np.ndarray]] = []
 
-    def add(self, request: int, position: int, kv_length: int, match_length: int, draft_scores: Any) -> None:
+    def add(
+        self, request: int, position: int, kv_length: int, match_length: int, draft_scores: Any
+    ) -> None:
         """Depths ``< match_length`` matched the target; depth ``match_length`` did not (if ``< w``)."""
         sc = np.asarray(draft_scores, dtype=np.float32).reshape(self.draft_width)
         self._rows.append((int(request), int(position), int(kv_length), int(match_length), sc))
@@ -292,7 +308,9 @@ def load_trace(path: str | os.PathLike) -> Trace:
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, InputError):
             raise
-        raise SchemaError("trace", str(path), f"a valid speccal trace ({type(exc).__name__}: {exc})") from None
+        raise SchemaError(
+            "trace", str(path), f"a valid speccal trace ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def _format(path: Path) -> str:
@@ -336,7 +354,8 @@ def _to_parquet(trace: Trace) -> bytes:
         }
         if trace.draft_scores is not None:
             cols["draft_scores"] = pa.LargeListArray.from_arrays(
-                pa.array(offsets.to_numpy() * w), pa.array(trace.draft_scores.reshape(-1), from_pandas=False)
+                pa.array(offsets.to_numpy() * w),
+                pa.array(trace.draft_scores.reshape(-1), from_pandas=False),
             )
     else:
         offsets = pa.array(np.arange(trace.request.size + 1, dtype=np.int64) * w)
@@ -350,7 +369,9 @@ def _to_parquet(trace: Trace) -> bytes:
             cols["draft_scores"] = pa.LargeListArray.from_arrays(
                 offsets, pa.array(trace.draft_scores.reshape(-1))
             )
-    table = pa.table(cols).replace_schema_metadata({META_KEY: json.dumps(header(trace), allow_nan=False)})
+    table = pa.table(cols).replace_schema_metadata(
+        {META_KEY: json.dumps(header(trace), allow_nan=False)}
+    )
     buf = io.BytesIO()
     pq.write_table(table, buf)
     return buf.getvalue()
@@ -454,7 +475,11 @@ def _from_jsonl(path: Path) -> Trace:
     def scores_of(rs: list[dict]) -> np.ndarray | None:
         if not h["has_scores"]:
             return None
-        vals = [[np.nan if v is None else v for v in row] for r in rs for row in _rows(r["draft_scores"])]
+        vals = [
+            [np.nan if v is None else v for v in row]
+            for r in rs
+            for row in _rows(r["draft_scores"])
+        ]
         return np.asarray(vals, dtype=np.float32).reshape(-1, w)
 
     if h["kind"] == "rounds":
@@ -474,9 +499,9 @@ def _from_jsonl(path: Path) -> Trace:
         position=np.array([r["position"] for r in rows], dtype=np.int64),
         kv_length=np.array([r["kv_length"] for r in rows], dtype=np.int64),
         accept=np.array([r["accept"] for r in rows], dtype=bool).reshape(-1, w),
-        draft_scores=None if not h["has_scores"] else np.array(
-            [r["draft_scores"] for r in rows], dtype=np.float32
-        ).reshape(-1, w),
+        draft_scores=None
+        if not h["has_scores"]
+        else np.array([r["draft_scores"] for r in rows], dtype=np.float32).reshape(-1, w),
         meta=h.get("meta", {}),
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from speccal.runner.engine import Engine, EngineConfig
 
@@ -21,6 +22,16 @@ SMALL = {
     "window_steps": 2,
     "windows_per_point": 2,
 }
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a shared 2-core CI box OpenMP spin-waiting under contention makes
+    the tiny model's rounds 10-25x slower than single-threaded ones."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 class CountingEngine:

@@ -13,6 +13,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from speccal.calibrate.config import KEYS
 from speccal.cli import app
 from speccal.costmodel.table import load_table
 
@@ -29,14 +30,23 @@ def invoke(*args):
     return CliRunner().invoke(app, ["calibrate", *map(str, args)], env=ENV)
 
 
-def test_effective_configuration_printed_with_sources_and_geometry(tmp_path, small, write_config, patched):
+def test_effective_configuration_printed_with_sources_and_geometry(
+    tmp_path, small, write_config, patched
+):
     small.pop("warmup_steps")  # left to its default
-    res = invoke("--config", write_config(small), "--out", tmp_path / "t.json", "--window-steps", 3, "--json")
+    res = invoke(
+        "--config", write_config(small), "--out", tmp_path / "t.json", "--window-steps", 3, "--json"
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     assert summary["points_done"] == 4
     sources = summary["effective_config"]["sources"]
-    assert (sources["warmup_steps"], sources["window_steps"], sources["contexts"], sources["draft_width"]) == (
+    assert (
+        sources["warmup_steps"],
+        sources["window_steps"],
+        sources["contexts"],
+        sources["draft_width"],
+    ) == (
         "default",
         "flag",
         "file",
@@ -45,13 +55,22 @@ def test_effective_configuration_printed_with_sources_and_geometry(tmp_path, sma
     err = res.stderr
     assert "effective calibration configuration" in err
     assert "captured graph geometry" in err
-    assert "warmup_steps" in err and "default" in err and "flag" in err
+    for key in KEYS:  # every key printed with its source
+        line = next(ln for ln in err.splitlines() if f" {key} " in ln)
+        assert sources[key] in line, line
     assert "target rows G per Bcap" in err
     assert "leave-one-point-out" in err  # fit report
+    check = CliRunner().invoke(app, ["table", "validate", str(tmp_path / "t.json")], env=ENV)
+    assert check.exit_code == 0, check.output
 
 
 def test_bad_config_exits_2_with_one_line(tmp_path, write_config, patched):
-    res = invoke("--config", write_config({"calibration": {"windows": 3}, "version": 1}), "--out", tmp_path / "t.json")
+    res = invoke(
+        "--config",
+        write_config({"calibration": {"windows": 3}, "version": 1}),
+        "--out",
+        tmp_path / "t.json",
+    )
     assert res.exit_code == 2
     assert "calibration.windows" in res.stderr and "Traceback" not in res.stderr
 
@@ -96,6 +115,7 @@ def test_table_of_another_topology_or_graph_mode_refused(tmp_path, table_w3, pat
 
 def test_table_of_another_draft_width_refused(tmp_path, small, write_config, patched):
     out = tmp_path / "w2.json"
+    small["target_graph_rows"] = {"1": [2], "2": [2]}  # connected through G=2 at w=2
     res = invoke("--config", write_config(small), "--out", out, "--draft-width", 2)
     assert res.exit_code == 0, res.output
     assert load_table(out).calibration.draft_width == 2
@@ -118,12 +138,22 @@ def test_sigkill_mid_calibration_then_resume(tmp_path, small, write_config):
     journal = tmp_path / "table.json.journal.jsonl"
     previous = b'{"previous": "table"}\n'
     out.write_bytes(previous)
-    args = ["calibrate", "--config", cfg, "--out", out, "--max-model-len", 256, "--request-buckets", "1,2"]
+    args = [
+        "calibrate",
+        "--config",
+        cfg,
+        "--out",
+        out,
+        "--max-model-len",
+        256,
+        "--request-buckets",
+        "1,2",
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "speccal", *map(str, args)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, **ENV},
+        env={**os.environ, **ENV, "OMP_NUM_THREADS": "1"},
     )
     try:
         deadline = time.monotonic() + 120
@@ -139,7 +169,11 @@ def test_sigkill_mid_calibration_then_resume(tmp_path, small, write_config):
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
     assert out.read_bytes() == previous  # no partial table, the previous one untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.json", "table.json", "table.json.journal.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cfg.json",
+        "table.json",
+        "table.json.journal.jsonl",
+    ]
     before = journal.read_bytes()
     complete = before[: before.rfind(b"\n") + 1].count(b'"kind":"window"')
     assert 2 <= complete < 24

@@ -70,10 +70,21 @@ def test_every_default_applied_with_its_source():
     assert cfg.draft_width == 5
     assert cfg.request_buckets == geo.request_buckets
     # every legal captured target bucket, full width included
-    assert cfg.target_graph_rows == {b: tuple(b * j for j in range(1, 7)) for b in geo.request_buckets}
+    assert cfg.target_graph_rows == {
+        b: tuple(b * j for j in range(1, 7)) for b in geo.request_buckets
+    }
     assert cfg.contexts == (ContextInterval(DEFAULT_PREFILL_TOKENS, 1, DEFAULT_MAX_KV_LENGTH),)
-    assert (cfg.warmup_steps, cfg.window_steps, cfg.windows_per_point, cfg.token_seed) == (8, 32, 3, 1)
-    assert cfg.policy.to_dict() == {"window_size": 20, "update_interval": 5, "switch_min_gain": 0.05}
+    assert (cfg.warmup_steps, cfg.window_steps, cfg.windows_per_point, cfg.token_seed) == (
+        8,
+        32,
+        3,
+        1,
+    )
+    assert cfg.policy.to_dict() == {
+        "window_size": 20,
+        "update_interval": 5,
+        "switch_min_gain": 0.05,
+    }
     expected = {k: "default" for k in cfg.sources}
     expected["draft_width"] = "run"
     assert cfg.sources == expected
@@ -107,7 +118,9 @@ def test_bare_file_accepted_unchanged():
 
 def test_flag_overrides_file():
     parsed = parse_config_obj({"window_steps": 16, "warmup_steps": 2})
-    cfg = resolve_config(UserConfig.build(parsed, {"window_steps": 4, "mode": "draft_step"}), big_geometry())
+    cfg = resolve_config(
+        UserConfig.build(parsed, {"window_steps": 4, "mode": "draft_step"}), big_geometry()
+    )
     assert (cfg.window_steps, cfg.sources["window_steps"]) == (4, "flag")
     assert (cfg.warmup_steps, cfg.sources["warmup_steps"]) == (2, "file")
     assert cfg.sources["mode"] == "flag"
@@ -119,7 +132,10 @@ def test_flag_overrides_file():
         ({"modle": "additive"}, "modle"),
         ({"version": 1, "calibration": {"window_stepz": 3}}, "calibration.window_stepz"),
         ({"version": 1, "policy": {"window": 3}}, "policy.window"),
-        ({"contexts": [{"prefill_tokens": 8, "min_kv_length": 1, "max_kv_length": 9, "x": 1}]}, "contexts.0.x"),
+        (
+            {"contexts": [{"prefill_tokens": 8, "min_kv_length": 1, "max_kv_length": 9, "x": 1}]},
+            "contexts.0.x",
+        ),
         ({"version": 1, "model": "additive"}, "model"),  # bare key mixed into the wrapped shape
         ({"window_steps": "32"}, "window_steps"),
         ({"window_steps": 32.0}, "window_steps"),
@@ -158,7 +174,9 @@ def test_draft_width_in_file_must_match_run():
 
 
 def test_short_model_context_shrinks_default_prefill():
-    geo = Geometry(draft_width=3, request_buckets=(1, 2), kv_capacity_tokens=1 << 20, max_model_len=1024)
+    geo = Geometry(
+        draft_width=3, request_buckets=(1, 2), kv_capacity_tokens=1 << 20, max_model_len=1024
+    )
     cfg = resolve_config(UserConfig.build(), geo)
     reserve = reserve_tokens(8, 32, 3, 3)
     assert cfg.contexts == (ContextInterval(1024 - reserve, 1, 1024),)
@@ -169,7 +187,9 @@ def test_short_model_context_shrinks_default_prefill():
 
 def test_kv_capacity_shrinks_default_interval():
     # 2 slots of the largest bucket share 4096 tokens: 2048 each.
-    geo = Geometry(draft_width=3, request_buckets=(1, 2), kv_capacity_tokens=4096, max_model_len=8192)
+    geo = Geometry(
+        draft_width=3, request_buckets=(1, 2), kv_capacity_tokens=4096, max_model_len=8192
+    )
     cfg = resolve_config(UserConfig.build(), geo)
     assert cfg.contexts[0].max_kv_length == 2048
     assert cfg.contexts[0].prefill_tokens == 2048 - reserve_tokens(8, 32, 3, 3)
@@ -177,7 +197,9 @@ def test_kv_capacity_shrinks_default_interval():
 
 
 def test_default_that_cannot_fit_asks_for_smaller_config():
-    geo = Geometry(draft_width=3, request_buckets=(1, 2), kv_capacity_tokens=1 << 20, max_model_len=256)
+    geo = Geometry(
+        draft_width=3, request_buckets=(1, 2), kv_capacity_tokens=1 << 20, max_model_len=256
+    )
     with pytest.raises(InputError) as exc:
         resolve_config(UserConfig.build(), geo)
     assert exc.value.field == "contexts"
@@ -197,7 +219,12 @@ def test_default_that_cannot_fit_asks_for_smaller_config():
     ],
 )
 def test_bad_contexts_refused(contexts, field):
-    obj = {"contexts": [dict(zip(("prefill_tokens", "min_kv_length", "max_kv_length"), c)) for c in contexts]}
+    obj = {
+        "contexts": [
+            dict(zip(("prefill_tokens", "min_kv_length", "max_kv_length"), c, strict=True))
+            for c in contexts
+        ]
+    }
     with pytest.raises(InputError) as exc:
         resolve_config(UserConfig.build(parse_config_obj(obj)), big_geometry())
     assert exc.value.field == field
@@ -205,7 +232,9 @@ def test_bad_contexts_refused(contexts, field):
 
 def test_target_graph_rows_forms():
     geo = big_geometry(w=3, buckets=(1, 2, 4))
-    as_map = parse_config_obj({"request_buckets": [1, 2], "target_graph_rows": {"1": [2], "2": [4]}})
+    as_map = parse_config_obj(
+        {"request_buckets": [1, 2], "target_graph_rows": {"1": [2], "2": [4]}}
+    )
     cfg = resolve_config(UserConfig.build(as_map), geo)
     assert cfg.target_graph_rows == {1: (2, 4), 2: (4, 8)}  # full width always added
     as_list = parse_config_obj({"request_buckets": [1, 2], "target_graph_rows": [2, 3]})

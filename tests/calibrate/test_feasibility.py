@@ -11,7 +11,9 @@ from speccal.calibrate.grid import build_grid, split_rows
 from speccal.errors import GridError, InputError
 from speccal.geometry import Geometry
 
-GEO = Geometry(draft_width=3, request_buckets=(1, 2, 4), kv_capacity_tokens=4 * 4096, max_model_len=4096)
+GEO = Geometry(
+    draft_width=3, request_buckets=(1, 2, 4), kv_capacity_tokens=4 * 4096, max_model_len=4096
+)
 
 
 def cfg_of(obj, geo=GEO, **flags):
@@ -26,7 +28,11 @@ def test_default_config_is_feasible():
     "obj, field, words",
     [
         ({"request_buckets": [3]}, "request_buckets", "captured request bucket"),
-        ({"request_buckets": [1], "target_graph_rows": {"1": [5]}}, "target_graph_rows", "captured"),
+        (
+            {"request_buckets": [1], "target_graph_rows": {"1": [5]}},
+            "target_graph_rows",
+            "captured",
+        ),
         (
             {"contexts": [{"prefill_tokens": 4000, "min_kv_length": 1, "max_kv_length": 4096}]},
             "contexts[0].prefill_tokens",
@@ -47,11 +53,17 @@ def test_infeasible_explicit_config_refused(obj, field, words):
 
 
 def test_kv_capacity_reserves_every_in_flight_slot():
-    geo = Geometry(draft_width=3, request_buckets=(1, 2, 4), kv_capacity_tokens=4 * 1024, max_model_len=4096)
+    geo = Geometry(
+        draft_width=3, request_buckets=(1, 2, 4), kv_capacity_tokens=4 * 1024, max_model_len=4096
+    )
     reserve = reserve_tokens(8, 32, 3, 3)
-    fits_one = {"contexts": [{"prefill_tokens": 1024 - reserve, "min_kv_length": 1, "max_kv_length": 4096}]}
+    fits_one = {
+        "contexts": [{"prefill_tokens": 1024 - reserve, "min_kv_length": 1, "max_kv_length": 4096}]
+    }
     check_feasible(cfg_of(fits_one, geo), geo)  # 4 slots x 1024 tokens
-    too_big = {"contexts": [{"prefill_tokens": 1025 - reserve, "min_kv_length": 1, "max_kv_length": 4096}]}
+    too_big = {
+        "contexts": [{"prefill_tokens": 1025 - reserve, "min_kv_length": 1, "max_kv_length": 4096}]
+    }
     with pytest.raises(InputError, match="KV capacity"):
         check_feasible(cfg_of(too_big, geo), geo)
     # the same prompt fits when fewer slots are in flight
@@ -59,7 +71,9 @@ def test_kv_capacity_reserves_every_in_flight_slot():
 
 
 def test_disconnected_additive_grid_refused_but_sps_accepted():
-    geo = Geometry(draft_width=1, request_buckets=(1, 4), kv_capacity_tokens=8 * 4096, max_model_len=4096)
+    geo = Geometry(
+        draft_width=1, request_buckets=(1, 4), kv_capacity_tokens=8 * 4096, max_model_len=4096
+    )
     # Bcap 1: G in {1, 2}; Bcap 4: G in {4, 8}: no shared G.
     with pytest.raises(GridError) as exc:
         check_feasible(cfg_of({}, geo), geo)

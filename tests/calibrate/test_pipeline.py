@@ -51,7 +51,9 @@ def test_small_calibration_writes_a_valid_table(tmp_path, small_config, engine_f
     assert json.loads(journal[0])["kind"] == "header"
 
 
-def test_draft_step_mode_measures_each_k_on_its_own_points(tmp_path, small, write_config, engine_factory):
+def test_draft_step_mode_measures_each_k_on_its_own_points(
+    tmp_path, small, write_config, engine_factory
+):
     small.pop("target_graph_rows")
     small["request_buckets"] = [2]
     summary = run(
@@ -70,7 +72,11 @@ def test_draft_step_mode_measures_each_k_on_its_own_points(tmp_path, small, writ
     "patch, error, words",
     [
         ({"request_buckets": [3]}, InputError, "captured request bucket"),
-        ({"request_buckets": [1], "target_graph_rows": {"1": [5]}}, InputError, "captured target bucket"),
+        (
+            {"request_buckets": [1], "target_graph_rows": {"1": [5]}},
+            InputError,
+            "captured target bucket",
+        ),
         (
             {"contexts": [{"prefill_tokens": 120, "min_kv_length": 1, "max_kv_length": 128}]},
             InputError,
@@ -92,11 +98,17 @@ def test_draft_step_mode_measures_each_k_on_its_own_points(tmp_path, small, writ
             "non-overlapping",
         ),
         ({"draft_width": 5}, InputError, "num_speculative_tokens=3"),
-        ({"request_buckets": [1, 4], "target_graph_rows": {"1": [2], "4": [8]}}, GridError, "disconnected"),
+        (
+            {"request_buckets": [1, 4], "target_graph_rows": {"1": [2], "4": [8]}},
+            GridError,
+            "disconnected",
+        ),
         ({"window_steps": 0}, InputError, "window_steps"),
     ],
 )
-def test_infeasible_config_refused_before_any_round(tmp_path, small, write_config, engine_factory, patch, error, words):
+def test_infeasible_config_refused_before_any_round(
+    tmp_path, small, write_config, engine_factory, patch, error, words
+):
     small.update(patch)
     out = tmp_path / "t.json"
     with pytest.raises(error) as exc:
@@ -122,7 +134,9 @@ def test_short_context_shrinks_default_prefill(tmp_path, engine_factory):
     summary = run(engine_factory, out=tmp_path / "t.json", flags=flags)
     eff = summary["effective_config"]
     reserve = (2 + 1 + 2) * 4
-    assert eff["config"]["contexts"] == [{"prefill_tokens": 256 - reserve, "min_kv_length": 1, "max_kv_length": 256}]
+    assert eff["config"]["contexts"] == [
+        {"prefill_tokens": 256 - reserve, "min_kv_length": 1, "max_kv_length": 256}
+    ]
     assert "model context 256" in eff["notes"]["contexts"]
     assert eff["sources"]["contexts"] == "default"
     assert eff["config"]["request_buckets"] == [1, 2, 4]

@@ -8,7 +8,12 @@ from speccal.costmodel.synthetic import make_measurements
 
 COMPAT = {
     "draft_width": 3,
-    "model": {"architecture": "tiny-mtp", "fingerprint": "sha256:abc", "dtype": "float32", "quantization": "none"},
+    "model": {
+        "architecture": "tiny-mtp",
+        "fingerprint": "sha256:abc",
+        "dtype": "float32",
+        "quantization": "none",
+    },
     "topology": {"tp": 1, "dp": 1},
     "graph_mode": "split",
     "verification_mode": "forced",
@@ -37,6 +42,8 @@ def compat(**changes) -> dict:
 
 
 def measurements(**kw):
-    args = dict(bias_ms=BIAS, alpha_ms=ALPHA, theta_ms=THETA, draft_width=W, window_steps=16, seed=0)
+    args = dict(
+        bias_ms=BIAS, alpha_ms=ALPHA, theta_ms=THETA, draft_width=W, window_steps=16, seed=0
+    )
     args.update(kw)
     return make_measurements(**args)

@@ -55,7 +55,11 @@ def test_noise_free_additive_has_zero_residuals_and_exact_logo_on_linear_theta()
     bcaps, gs = (1, 2, 4), (2, 4, 6, 8, 10, 12)
     pts = [(b, g) for b in bcaps for g in gs]
     df = make_measurements(
-        bias_ms=3.0, alpha_ms={b: 0.1 * b for b in bcaps}, theta_ms={g: 0.05 * g for g in gs}, points=pts, windows_per_point=1
+        bias_ms=3.0,
+        alpha_ms={b: 0.1 * b for b in bcaps},
+        theta_ms={g: 0.05 * g for g in gs},
+        points=pts,
+        windows_per_point=1,
     )
     d = diagnose(_fit(AdditiveCostModel, df), df)
     assert d.residuals.max_abs_ms == pytest.approx(0.0, abs=1e-9)

@@ -64,7 +64,9 @@ def test_from_params_rebuilds_the_same_predictions():
     df = measurements(noise_ms=0.1)
     X, y = _xy(df)
     a = AdditiveCostModel().fit(X, y)
-    a2 = AdditiveCostModel.from_params(a.bias_ms_, a.bcap_levels_, a.alpha_ms_, a.g_levels_, a.theta_ms_)
+    a2 = AdditiveCostModel.from_params(
+        a.bias_ms_, a.bcap_levels_, a.alpha_ms_, a.g_levels_, a.theta_ms_
+    )
     assert np.array_equal(a.predict(X), a2.predict(X))
     s = SPSCostModel().fit(X, y)
     s2 = SPSCostModel.from_params(s.g_levels_, s.cost_ms_)

@@ -34,7 +34,9 @@ SCHEMA_FILE = Path(__file__).parents[2] / "tables" / "schema" / "cost_table.v1.s
 
 @pytest.fixture(scope="module")
 def two_context_df():
-    return measurements(contexts=((512, 1, 1024), (2048, 1025, 4096)), context_offsets_ms=(0.0, 2.0))
+    return measurements(
+        contexts=((512, 1, 1024), (2048, 1025, 4096)), context_offsets_ms=(0.0, 2.0)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +98,17 @@ def test_sps_interpolates_inside_and_refuses_outside_the_measured_range(two_cont
 @pytest.mark.parametrize("which", ["additive", "sps"])
 def test_cost_surface_agrees_with_cost_ms_everywhere(request, which):
     table = request.getfixturevalue(which)
-    b, g, kv = np.meshgrid([1, 2, 3, 4, 8], np.arange(0, 36), [0, 10, 1024, 1025, 5000], indexing="ij")
+    b, g, kv = np.meshgrid(
+        [1, 2, 3, 4, 8], np.arange(0, 36), [0, 10, 1024, 1025, 5000], indexing="ij"
+    )
     surf = table.cost_surface()(b, g, kv)
     assert surf.shape == b.shape
-    scalar = np.array([table.cost_ms(int(x), int(y), int(z)).cost_ms for x, y, z in zip(b.ravel(), g.ravel(), kv.ravel(), strict=True)])
+    scalar = np.array(
+        [
+            table.cost_ms(int(x), int(y), int(z)).cost_ms
+            for x, y, z in zip(b.ravel(), g.ravel(), kv.ravel(), strict=True)
+        ]
+    )
     np.testing.assert_array_equal(surf.ravel(), scalar)
     assert np.isfinite(surf).sum() > 20
 
@@ -109,7 +118,9 @@ def test_cost_surface_agrees_with_cost_ms_everywhere(request, which):
 
 def test_disconnected_grid_is_refused_at_build():
     pts = [(1, 1), (1, 2), (4, 8), (4, 12)]
-    df = make_measurements(bias_ms=1.0, alpha_ms={1: 0.0, 4: 1.0}, theta_ms={1: 0, 2: 0.1, 8: 0.4, 12: 0.6}, points=pts)
+    df = make_measurements(
+        bias_ms=1.0, alpha_ms={1: 0.0, 4: 1.0}, theta_ms={1: 0, 2: 0.1, 8: 0.4, 12: 0.6}, points=pts
+    )
     with pytest.raises(GridError, match="bcap=\\[4\\] g=\\[8, 12\\]"):
         build_table(df, compatibility=COMPAT)
     assert build_table(df, model="sps", compatibility=COMPAT).model == "sps"
@@ -135,7 +146,7 @@ def test_save_load_is_byte_identical_and_refittable(tmp_path, additive):
     again = refit_table(loaded, provenance=loaded.provenance)
     assert again.to_json() == additive.to_json()
     as_sps = refit_table(loaded, model="sps")
-    assert as_sps.model == "sps" and as_sps.calibration.sources["model"] == "cli"
+    assert as_sps.model == "sps" and as_sps.calibration.sources["model"] == "caller"
 
 
 @pytest.mark.parametrize(
@@ -308,20 +319,23 @@ def test_saved_tables_validate_against_the_committed_schema(additive):
 # ------------------------------------------------------------------------ round trip property
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     model=st.sampled_from(["additive", "sps"]),
     width=st.integers(1, 7),
-    bcaps=st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=4, unique=True),
+    first=st.integers(0, 3),
+    count=st.integers(1, 4),
     bias=st.floats(0.01, 1e4, allow_subnormal=False),
     noise=st.floats(0.0, 1.0),
     windows=st.integers(1, 3),
     split=st.integers(2, 4096),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_generated_tables_round_trip_byte_identically(model, width, bcaps, bias, noise, windows, split, seed):
-    bcaps = sorted(bcaps)
-    # Powers of two with j in 1..w+1 always share G = 2*Bcap with the next bucket: connected.
+def test_generated_tables_round_trip_byte_identically(
+    model, width, first, count, bias, noise, windows, split, seed
+):
+    # Consecutive powers of two with j in 1..w+1 share G = 2*Bcap with the next bucket: connected.
+    bcaps = [1, 2, 4, 8][first : first + count]
     gs = sorted({b * j for b in bcaps for j in range(1, width + 2)})
     rng = np.random.default_rng(seed)
     df = make_measurements(

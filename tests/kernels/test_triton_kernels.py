@@ -129,8 +129,12 @@ def test_verify_updates_and_tiling_match_oracle(batch, k_max, g):
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="CUDA graphs need a GPU")
-def test_verify_round_in_cuda_graph_matches_reference():
-    """Token/metadata/tiling updates + attention captured once, replayed on three new rounds."""
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_verify_round_in_cuda_graph_matches_reference(backend):
+    """Token/metadata/tiling updates + attention captured once, replayed on three new rounds.
+
+    Both backends: the reference is the fallback inside captured graphs when Triton is absent.
+    """
     batch, k_max, g, bs, heads, kvh, d = 4, 5, 24, 16, 16, 8, 128
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(3)
@@ -154,13 +158,13 @@ def test_verify_round_in_cuda_graph_matches_reference():
     plan = ops.plan_splits(batch, kvh)
 
     def round_():
-        ops.verify_token_update(s["base"], s["drafts"], s["vl"], s["ids"], backend="triton")
+        ops.verify_token_update(s["base"], s["drafts"], s["vl"], s["ids"], backend=backend)
         ops.verify_metadata_update(s["vl"], s["ctx"], s["bt"], bs, s["pos"], s["slots"], s["seq"],
-                                   s["cu"], k_max, backend="triton")
-        ops.attention_tiling_update(s["seq"], s["ns"], s["sl"], plan, backend="triton")
+                                   s["cu"], k_max, backend=backend)
+        ops.attention_tiling_update(s["seq"], s["ns"], s["sl"], plan, backend=backend)
         ops.paged_attention(s["q"], kc, vc, s["bt"], s["seq"], k_max + 1, 0.088,
                             cu_q_lens=s["cu"], tiling=(s["ns"], s["sl"]), plan=plan,
-                            out=s["out"], backend="triton")
+                            out=s["out"], backend=backend)
 
     def load(seed):
         base, drafts, vl, ctx, bt = _verify_inputs(seed, batch, k_max, g, bs, 40)

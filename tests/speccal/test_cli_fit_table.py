@@ -16,7 +16,12 @@ from speccal.costmodel.synthetic import make_measurements
 ENV = {"COLUMNS": "120", "NO_COLOR": "1"}
 COMPAT = {
     "draft_width": 3,
-    "model": {"architecture": "tiny-mtp", "fingerprint": "sha256:abc", "dtype": "float32", "quantization": "none"},
+    "model": {
+        "architecture": "tiny-mtp",
+        "fingerprint": "sha256:abc",
+        "dtype": "float32",
+        "quantization": "none",
+    },
     "topology": {"tp": 1, "dp": 1},
     "graph_mode": "split",
     "verification_mode": "forced",
@@ -47,7 +52,16 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tables(files):
-    a = run("fit", files / "m.parquet", "--model", "additive", "--compat", files / "compat.json", "--out", files / "a.json")
+    a = run(
+        "fit",
+        files / "m.parquet",
+        "--model",
+        "additive",
+        "--compat",
+        files / "compat.json",
+        "--out",
+        files / "a.json",
+    )
     assert a.exit_code == 0, a.output
     s = run("fit", files / "m.csv", "--model", "sps", "--draft-width", 3, "--out", files / "s.json")
     assert s.exit_code == 0, s.output
@@ -55,7 +69,9 @@ def tables(files):
 
 
 def test_fit_prints_the_report_and_writes_a_loadable_table(files, tables):
-    result = run("fit", files / "m.csv", "--compat", files / "compat.json", "--out", files / "again.json")
+    result = run(
+        "fit", files / "m.csv", "--compat", files / "compat.json", "--out", files / "again.json"
+    )
     assert result.exit_code == 0
     assert "leave-1-point-out" in result.stderr and "leave-1-G-out" in result.stderr
     assert result.stdout == ""
@@ -65,7 +81,17 @@ def test_fit_prints_the_report_and_writes_a_loadable_table(files, tables):
 
 
 def test_fit_json_goes_to_stdout(files):
-    result = run("fit", files / "m.csv", "--model", "sps", "--draft-width", 3, "--out", files / "j.json", "--json")
+    result = run(
+        "fit",
+        files / "m.csv",
+        "--model",
+        "sps",
+        "--draft-width",
+        3,
+        "--out",
+        files / "j.json",
+        "--json",
+    )
     assert result.exit_code == 0
     out = json.loads(result.stdout)
     assert out["model"] == "sps" and out["draft_width"] == 3
@@ -95,7 +121,9 @@ def test_validate_with_expect(files, tables):
     refused = run("table", "validate", s, "--expect", files / "compat.json")
     assert refused.exit_code == 2
     assert "model.architecture" in refused.stderr and "Traceback" not in refused.output
-    (files / "other_gpu.json").write_text(json.dumps({**COMPAT, "device": {"kind": "cpu", "name": "other"}}))
+    (files / "other_gpu.json").write_text(
+        json.dumps({**COMPAT, "device": {"kind": "cpu", "name": "other"}})
+    )
     warned = run("table", "validate", a, "--expect", files / "other_gpu.json", "--json")
     assert warned.exit_code == 0
     assert any("device.name" in w for w in json.loads(warned.stdout)["warnings"])
@@ -118,7 +146,9 @@ def test_export(tables, fmt, tmp_path):
     if fmt == "csv":
         rows = list(csv.DictReader(io.StringIO(result.stdout)))
         cell = next(r for r in rows if r["bcap"] == "2" and r["g"] == "8")
-        assert cell["calibrated"] == "True" and float(cell["cost_ms"]) == pytest.approx(4.7, abs=0.05)
+        assert cell["calibrated"] == "True" and float(cell["cost_ms"]) == pytest.approx(
+            4.7, abs=0.05
+        )
     else:
         assert result.stdout.startswith("| context_index |")
     to_file = run("table", "export", a, "--format", fmt, "--out", tmp_path / f"x.{fmt}")
@@ -131,7 +161,19 @@ def test_export(tables, fmt, tmp_path):
         (["fit", "{d}/m.csv", "--model", "cubic", "--out", "{d}/x.json"], "--model"),
         (["fit", "{d}/missing.csv", "--out", "{d}/x.json"], "measurements"),
         (["fit", "{d}/m.csv", "--draft-width", "1", "--out", "{d}/x.json"], "k <= draft_width"),
-        (["fit", "{d}/m.csv", "--draft-width", "5", "--compat", "{d}/compat.json", "--out", "{d}/x.json"], "--draft-width"),
+        (
+            [
+                "fit",
+                "{d}/m.csv",
+                "--draft-width",
+                "5",
+                "--compat",
+                "{d}/compat.json",
+                "--out",
+                "{d}/x.json",
+            ],
+            "--draft-width",
+        ),
         (["table", "show", "{d}/m.csv"], "invalid JSON"),
         (["table", "export", "{d}/a.json", "--format", "xlsx"], "--format"),
     ],

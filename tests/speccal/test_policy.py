@@ -40,12 +40,16 @@ def geom(w: int = 4, buckets=(1, 2, 4, 8)) -> Geometry:
     return Geometry(draft_width=w, request_buckets=buckets)
 
 
-def table_cost(per_k: dict[int, float], w: int = 4, mode: str = "draft_step", max_kv: float = 4096.0) -> CostModel:
+def table_cost(
+    per_k: dict[int, float], w: int = 4, mode: str = "draft_step", max_kv: float = 4096.0
+) -> CostModel:
     """Cost depending only on G / Bcap (= k + 1); NaN above ``max_kv``."""
 
     def f(bcap, g, kv):
         j = np.asarray(g) // np.asarray(bcap)
-        out = np.array([per_k.get(int(x) - 1, np.nan) for x in np.ravel(j)], dtype=float).reshape(np.shape(j))
+        out = np.array([per_k.get(int(x) - 1, np.nan) for x in np.ravel(j)], dtype=float).reshape(
+            np.shape(j)
+        )
         return np.where(np.asarray(kv) <= max_kv, out, np.nan)
 
     return CostModel(cost=f, geometry=geom(w), mode=mode)
@@ -324,7 +328,9 @@ def test_fixed_policy_plans_in_both_modes():
 
 
 def test_feedback_from_round_result_uses_plain_numpy():
-    res = SimpleNamespace(k=3, accepted=[1, 3], draft_scores=[[0.5, 0.4, 0.3], [0.9, 0.9, 0.9]], num_verify=[3, 3])
+    res = SimpleNamespace(
+        k=3, accepted=[1, 3], draft_scores=[[0.5, 0.4, 0.3], [0.9, 0.9, 0.9]], num_verify=[3, 3]
+    )
     fb = Feedback.from_round_result(res, round_index=7)
     assert fb.round_index == 7 and fb.k == 3
     assert isinstance(fb.accepted, np.ndarray) and fb.draft_scores.shape == (2, 3)

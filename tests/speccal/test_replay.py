@@ -88,7 +88,9 @@ def test_vectorised_adaptive_verify_equals_live_policy():
     tr = mixed_trace(900)
     cost = patchy_cost("target_verify")
     cfg = AdaptiveVerifyConfig(window_size=6)
-    vec = replay(tr, cost, ReplayConfig(policies=("adaptive-verify",), verify=cfg)).run("adaptive-verify")
+    vec = replay(tr, cost, ReplayConfig(policies=("adaptive-verify",), verify=cfg)).run(
+        "adaptive-verify"
+    )
     seq = run_sequential(tr, cost, make_policy("adaptive-verify", cost, verify_config=cfg))
     np.testing.assert_array_equal(vec.g, seq.g)
     np.testing.assert_allclose(vec.tokens, seq.tokens)
@@ -126,7 +128,9 @@ def test_transition_adaptive_step_beats_best_fixed_and_tracks_the_phase_oracle()
 
 
 def test_metrics_are_the_documented_ratios():
-    tr = RoundTrace(draft_width=2, num_requests=[2, 1], kv_length=[10.0, 10.0], k=[2, 2], accepted=[2, 0, 1])
+    tr = RoundTrace(
+        draft_width=2, num_requests=[2, 1], kv_length=[10.0, 10.0], k=[2, 2], accepted=[2, 0, 1]
+    )
     cost = synthetic_cost(scenario_geometry(2, 2), "draft_step")
     run = replay(tr, cost, ReplayConfig(policies=())).run("fixed:2")
     t = run.totals()
@@ -159,7 +163,11 @@ def test_refusals_happen_before_simulating():
     with pytest.raises(InputError, match="draft_width"):
         replay(tr, synthetic_cost(scenario_geometry(5, 8)))
     with pytest.raises(UnsupportedError):
-        replay(tr, synthetic_cost(scenario_geometry(4, 8), "target_verify"), ReplayConfig(policies=("adaptive-step",)))
+        replay(
+            tr,
+            synthetic_cost(scenario_geometry(4, 8), "target_verify"),
+            ReplayConfig(policies=("adaptive-step",)),
+        )
     with pytest.raises(InputError, match="num_requests"):
         replay(tr, synthetic_cost(scenario_geometry(4, 4)))
     far = generate(make_scenario("steady", rounds=100, draft_width=4, kv_length=10_000))
@@ -173,7 +181,16 @@ def test_refusals_happen_before_simulating():
 def test_cli_replay_scenario_json_and_plots(tmp_path):
     r = CliRunner().invoke(
         app,
-        ["replay", "--scenario", "transition", "--rounds", "2000", "--json", "--plot", str(tmp_path)],
+        [
+            "replay",
+            "--scenario",
+            "transition",
+            "--rounds",
+            "2000",
+            "--json",
+            "--plot",
+            str(tmp_path),
+        ],
         env=ENV,
     )
     assert r.exit_code == 0, r.output
@@ -188,11 +205,19 @@ def test_cli_replay_scenario_json_and_plots(tmp_path):
 
 
 def test_cli_replay_trace_file_and_refusals(tmp_path):
-    path = save_trace(generate(make_scenario("steady", rounds=300, draft_width=3)), tmp_path / "t.parquet")
-    r = CliRunner().invoke(app, ["replay", "--trace", str(path), "--mode", "target_verify"], env=ENV)
+    path = save_trace(
+        generate(make_scenario("steady", rounds=300, draft_width=3)), tmp_path / "t.parquet"
+    )
+    r = CliRunner().invoke(
+        app, ["replay", "--trace", str(path), "--mode", "target_verify"], env=ENV
+    )
     assert r.exit_code == 0, r.output
     assert "adaptive-verify" in r.output
-    r = CliRunner().invoke(app, ["replay", "--scenario", "steady", "--policy", "adaptive-step+adaptive-verify"], env=ENV)
+    r = CliRunner().invoke(
+        app,
+        ["replay", "--scenario", "steady", "--policy", "adaptive-step+adaptive-verify"],
+        env=ENV,
+    )
     assert_exit_2(r, "cannot be combined")
     r = CliRunner().invoke(app, ["replay", "--scenario", "nope"], env=ENV)
     assert_exit_2(r, "scenario")
@@ -202,7 +227,62 @@ def test_cli_replay_trace_file_and_refusals(tmp_path):
 
 def test_cli_trace_writes_a_scenario_trace(tmp_path):
     out = tmp_path / "s.jsonl"
-    r = CliRunner().invoke(app, ["trace", "--scenario", "decay", "--rounds", "40", "--out", str(out), "--json"], env=ENV)
+    r = CliRunner().invoke(
+        app,
+        ["trace", "--scenario", "decay", "--rounds", "40", "--out", str(out), "--json"],
+        env=ENV,
+    )
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["records"] == 40 and d["meta"]["phases"] == ["q=0.95", "q=0.8", "q=0.6", "q=0.4"]
+
+
+@pytest.mark.slow
+def test_cli_trace_records_tokens_consistent_with_the_live_run(tmp_path):
+    """Greedy: replaying the token matrix with fixed:w reproduces the recorded rounds exactly."""
+    from speccal.trace import load_trace
+
+    rounds_path, tokens_path = tmp_path / "r.parquet", tmp_path / "t.parquet"
+    common = [
+        "--draft-width",
+        "2",
+        "--num-requests",
+        "2",
+        "--prompt-len",
+        "6",
+        "--max-tokens",
+        "10",
+    ]
+    r = CliRunner().invoke(app, ["trace", "--out", str(rounds_path), *common], env=ENV)
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(
+        app, ["trace", "--out", str(tokens_path), "--kind", "tokens", *common], env=ENV
+    )
+    assert r.exit_code == 0, r.output
+    rt, tt = load_trace(rounds_path), load_trace(tokens_path)
+    assert rt.full_width and tt.request.size == 2 * 9
+    cost = synthetic_cost(scenario_geometry(2, 2), "draft_step")
+    sim = run_sequential(tt, cost, make_policy("fixed:2", cost))
+    per_round = np.add.reduceat(rt.accepted, rt.cu_requests[:-1])
+    assert per_round.sum() > 0  # the seeded tiny model accepts some drafts: not a trivial match
+    np.testing.assert_array_equal(sim.num_requests, rt.num_requests)
+    np.testing.assert_array_equal(sim.accepted, per_round)
+
+
+def test_cli_replay_with_a_saved_table(tmp_path):
+    from speccal.costmodel.table import save_table
+    from speccal.scenarios import synthetic_table
+
+    path = save_table(
+        synthetic_table(scenario_geometry(3, 8), "target_verify"), tmp_path / "t.json"
+    )
+    args = ["replay", "--table", str(path), "--scenario", "steady", "--rounds", "400"]
+    r = CliRunner().invoke(app, [*args, "--json"], env=ENV)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["mode"] == "target_verify" and d["draft_width"] == 3
+    assert d["policies"][0]["name"] == "adaptive-verify" and d["table"]["synthetic"] is False
+    assert_exit_2(CliRunner().invoke(app, [*args, "--mode", "draft_step"], env=ENV), "--mode")
+    assert_exit_2(
+        CliRunner().invoke(app, [*args, "--policy", "adaptive-step"], env=ENV), "draft_step table"
+    )

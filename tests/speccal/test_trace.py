@@ -87,12 +87,17 @@ def test_round_trace_validation_names_the_field():
 
 def test_token_trace_positions_must_be_contiguous():
     with pytest.raises(SchemaError, match="position"):
-        TokenTrace(draft_width=1, request=[0, 0], position=[0, 2], kv_length=[1, 2], accept=[[1], [0]])
+        TokenTrace(
+            draft_width=1, request=[0, 0], position=[0, 2], kv_length=[1, 2], accept=[[1], [0]]
+        )
 
 
 def test_files_refuse_bad_headers(tmp_path):
     p = tmp_path / "t.jsonl"
-    p.write_text(json.dumps({"speccal_trace": {"schema_version": 99, "kind": "rounds", "draft_width": 2}}) + "\n")
+    p.write_text(
+        json.dumps({"speccal_trace": {"schema_version": 99, "kind": "rounds", "draft_width": 2}})
+        + "\n"
+    )
     with pytest.raises(SchemaError, match="schema_version"):
         load_trace(p)
     p.write_text('{"something": 1}\n')

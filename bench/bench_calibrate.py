@@ -1,0 +1,120 @@
+"""Wall time of ``speccal calibrate`` on the default grid, split into warmup/capture, sampling and
+fitting.
+
+Run: ``python3 bench/bench_calibrate.py [--model tiny] [--device cpu] [--threads N] [--record]``
+(on the H200: ``--model dense-2b --device cuda --metric calibration_wall_s_2b_h200``).
+
+One calibration with no config file (every documented default: additive model, all captured
+request buckets, every legal captured target bucket, one context prefill 2048 / KV 1..4096 shrunk to
+fit, 8 warmup rounds, 3 windows of 32 rounds per point), run in-process through the same library
+call as the CLI, into a temporary directory. Reported:
+
+- ``warmup_capture_s``: building and warming the runner (model load, graph capture when any);
+- ``sampling_s``: driving the grid: transitions (fresh requests + prefill round), warmup rounds and
+  timed windows (``windows_s`` is the timed part alone);
+- ``fit_s``: ``build_table`` (fit + diagnostics);
+- ``total_s``: the whole call, including printing and the atomic table write.
+
+``--record`` appends ``calibration_wall_s_<model>_<device>`` (or ``--metric``) to
+``bench/results.jsonl`` as ``{metric, value, unit, device, commit, date, command}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="runner preset or checkpoint folder")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--draft-width", type=int, default=None)
+    ap.add_argument("--request-buckets", default=None, help="captured buckets, e.g. 1,2,4,8")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    ap.add_argument(
+        "--metric", default=None, help="metric name (default calibration_wall_s_<model>_<device>)"
+    )
+    ap.add_argument("--device-label", default=None, help="device text for results.jsonl")
+    ap.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
+    args = ap.parse_args(argv)
+
+    import torch
+    from rich.console import Console
+
+    from speccal.calibrate.pipeline import CalibrateOptions, calibrate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    buckets = (
+        tuple(int(b) for b in args.request_buckets.split(",")) if args.request_buckets else None
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = CalibrateOptions(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            draft_width=args.draft_width,
+            request_buckets=buckets,
+            out=Path(tmp) / "table.json",
+        )
+        summary = calibrate(opts, console=Console(stderr=True))
+    t = summary["timings"]
+    result = {
+        "warmup_capture_s": t["warmup_capture_s"],
+        "sampling_s": t["transition_s"] + t["warmup_s"] + t["sampling_s"],
+        "windows_s": t["sampling_s"],
+        "fit_s": t["fit_s"],
+        "total_s": t["total_s"],
+        "points": summary["points_done"],
+        "rounds": summary["rounds"],
+        "torch_threads": torch.get_num_threads(),
+        "geometry": summary["effective_config"]["geometry"],
+        "contexts": summary["effective_config"]["config"]["contexts"],
+        "heldout_lopo": summary["fit"][0]["leave_one_point_out"],
+    }
+    print(json.dumps(result, indent=2, sort_keys=True))
+    if args.record:
+        kind = args.device.split(":")[0]
+        metric = args.metric or f"calibration_wall_s_{Path(args.model).name}_{kind}"
+        default_label = (
+            f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+            if kind == "cpu"
+            else args.device
+        )
+        line = {
+            "metric": metric,
+            "value": round(t["total_s"], 3),
+            "unit": "s",
+            "device": args.device_label or default_label,
+            "commit": commit(),
+            "date": date.today().isoformat(),
+            "command": "python3 bench/bench_calibrate.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+        }
+        with open(HERE / "results.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(line, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
