@@ -39,15 +39,28 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, draft_width=args.draft_width,
-                       request_buckets=(1, 2, 4, 8, 16, 32))
-    res = bench(cfg, num_requests=args.num_requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
-                num_draft_steps=args.k or args.draft_width, repeats=args.repeats)
+    cfg = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        draft_width=args.draft_width,
+        request_buckets=(1, 2, 4, 8, 16, 32),
+    )
+    res = bench(
+        cfg,
+        num_requests=args.num_requests,
+        prompt_len=args.prompt_len,
+        max_tokens=args.max_tokens,
+        num_draft_steps=args.k or args.draft_width,
+        repeats=args.repeats,
+    )
     print(json.dumps({k: v for k, v in res.items() if k != "engine"}, indent=1, default=str))
     if not args.record:
         return
     root = Path(__file__).resolve().parent
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root
+    ).stdout.strip()
     device = res["engine"]["spec"]["compatibility"]["device"]["name"]
     command = "python3 bench/bench_runner.py " + shlex.join(sys.argv[1:])
     date = datetime.date.today().isoformat()
@@ -61,8 +74,20 @@ def main() -> None:
     ]
     with open(root / "results.jsonl", "a") as fh:
         for metric, value, unit in rows:
-            fh.write(json.dumps({"metric": metric, "value": value, "unit": unit, "device": device,
-                                 "commit": commit, "date": date, "command": command}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "metric": metric,
+                        "value": value,
+                        "unit": unit,
+                        "device": device,
+                        "commit": commit,
+                        "date": date,
+                        "command": command,
+                    }
+                )
+                + "\n"
+            )
 
 
 if __name__ == "__main__":

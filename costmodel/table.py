@@ -85,10 +85,9 @@ class PolicyConfig(_Strict):
 class CalibrationConfig(_Strict):
     """The effective calibration config a table was measured with (defaults filled in).
 
-    ``sources`` maps each key to where its value came from: ``default``, ``config`` (user JSON),
-    ``runner`` (captured geometry), ``measurements`` (read back from the rows), ``compatibility``
-    (the run's metadata) or ``caller`` (an argument of ``build_table``/``refit_table``, e.g. a
-    CLI option).
+    ``sources`` maps each key to where its value came from (free-form; ``speccal.calibrate``
+    writes ``default``/``file``/``flag``/``run``; a table built from bare rows writes
+    ``default``, ``measurements``, ``compatibility`` or ``caller``).
     """
 
     model: Literal["additive", "sps"] = "additive"

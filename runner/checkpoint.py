@@ -31,7 +31,9 @@ class TensorSource(Protocol):
 
     def shape(self, key: str) -> tuple[int, ...]: ...
 
-    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+    def get(
+        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor: ...
 
 
 class SafetensorsFolder:
@@ -86,11 +88,16 @@ class SafetensorsFolder:
             self._shapes[key] = tuple(self._open(self.key_to_file[key]).get_slice(key).get_shape())
         return self._shapes[key]
 
-    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(
+        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return self._open(self.key_to_file[key]).get_tensor(key).to(device=device, dtype=dtype)
 
     def has_tokenizer(self) -> bool:
-        return any((self.path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        return any(
+            (self.path / n).is_file()
+            for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        )
 
     def fingerprint(self) -> str:
         """Hash of the safetensors files (whole files when small, else headers + sampled chunks)."""

@@ -161,7 +161,9 @@ def config_from_hf(cfg: Mapping[str, Any], key_names: Iterable[str] | None = Non
         cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise UnsupportedError(f"config.json:hidden_act={act!r}: only SwiGLU (silu) MLPs are supported")
+        raise UnsupportedError(
+            f"config.json:hidden_act={act!r}: only SwiGLU (silu) MLPs are supported"
+        )
     for moe_field in ("num_experts", "n_routed_experts", "num_local_experts"):
         if cfg.get(moe_field):
             raise UnsupportedError(
@@ -176,7 +178,9 @@ def config_from_hf(cfg: Mapping[str, Any], key_names: Iterable[str] | None = Non
             "supported (hybrid linear-attention targets are not)"
         )
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        raise UnsupportedError("config.json:use_sliding_window=true: sliding-window attention is not supported")
+        raise UnsupportedError(
+            "config.json:use_sliding_window=true: sliding-window attention is not supported"
+        )
     names = set(key_names) if key_names is not None else None
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
@@ -191,7 +195,9 @@ def config_from_hf(cfg: Mapping[str, Any], key_names: Iterable[str] | None = Non
     else:
         is_qk_norm = bool(cfg.get("qk_norm", False))
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
+    eos_ids = tuple(
+        int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None
+    )
     depths = 0
     for f in MTP_DEPTH_FIELDS:
         if cfg.get(f):

@@ -170,7 +170,9 @@ def recognise(
     published = published_depths(cfg)
     if not found:
         if published:
-            looked = ", ".join(f.prefix.format(depth="N", layer="L+N") + "*" for f in REGISTRY.values())
+            looked = ", ".join(
+                f.prefix.format(depth="N", layer="L+N") + "*" for f in REGISTRY.values()
+            )
             raise InputError(
                 f"config.json:{published[0]}",
                 published[1],
@@ -185,7 +187,9 @@ def recognise(
         )
     fam, depths = found[0]
     if fam.refusal:
-        raise UnsupportedError(f"draft family {fam.name!r} is recognised but refused: {fam.refusal}")
+        raise UnsupportedError(
+            f"draft family {fam.name!r} is recognised but refused: {fam.refusal}"
+        )
     num_depths = max(len(depths), published[1] if published else 0)
     if num_depths > fam.max_composed_depths:
         where = f"config.json:{published[0]}={published[1]}, " if published else ""

@@ -86,25 +86,33 @@ class EngineConfig:
         if self.acceptance not in ACCEPTANCE_MODES:
             raise InputError("acceptance", self.acceptance, f"one of {', '.join(ACCEPTANCE_MODES)}")
         if self.graph_mode not in GRAPH_MODES:
-            raise UnsupportedError(f"graph_mode={self.graph_mode!r}: only 'eager' is implemented in this runner")
+            raise UnsupportedError(
+                f"graph_mode={self.graph_mode!r}: only 'eager' is implemented in this runner"
+            )
         object.__setattr__(self, "request_buckets", tuple(int(b) for b in self.request_buckets))
         if self.acceptance == "synthetic":
             prof = self.acceptance_profile
             if prof is None or len(prof) != self.draft_width:
                 raise InputError(
-                    "acceptance_profile", prof, f"{self.draft_width} per-position acceptance probabilities (draft_width)"
+                    "acceptance_profile",
+                    prof,
+                    f"{self.draft_width} per-position acceptance probabilities (draft_width)",
                 )
             for i, p in enumerate(prof):
                 if not 0.0 <= float(p) <= 1.0:
                     raise InputError(f"acceptance_profile[{i}]", p, "a probability in [0, 1]")
             object.__setattr__(self, "acceptance_profile", tuple(float(p) for p in prof))
         elif self.acceptance_profile is not None:
-            raise InputError("acceptance_profile", self.acceptance_profile, "None unless acceptance='synthetic'")
+            raise InputError(
+                "acceptance_profile", self.acceptance_profile, "None unless acceptance='synthetic'"
+            )
         for name in ("block_size", "prefill_chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise InputError(name, v, "an integer >= 1")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
             raise InputError("max_model_len", self.max_model_len, "an integer >= 2")
 
 
@@ -149,7 +157,9 @@ class Engine:
         self.device = resolve_device(config.device)
         set_attention_backend(config.attention_backend)
         preset = PRESETS.get(config.model)
-        dtype = config.dtype or (default_dtype(self.device) if preset is None or self.device.type != "cpu" else "float32")
+        dtype = config.dtype or (
+            default_dtype(self.device) if preset is None or self.device.type != "cpu" else "float32"
+        )
         self.dtype_name = dtype
         w = config.draft_width
         max_len = config.max_model_len or 4096
@@ -168,7 +178,9 @@ class Engine:
             max_len = min(mcfg.max_position_embeddings, 4096)
         elif config.max_model_len > mcfg.max_position_embeddings:
             raise InputError(
-                "max_model_len", config.max_model_len, f"<= the model's max_position_embeddings={mcfg.max_position_embeddings}"
+                "max_model_len",
+                config.max_model_len,
+                f"<= the model's max_position_embeddings={mcfg.max_position_embeddings}",
             )
         self.max_model_len = max_len
         buckets = config.request_buckets
@@ -186,12 +198,22 @@ class Engine:
         )
         torch_dtype = next(self.loaded.target.parameters()).dtype
         num_layers = mcfg.num_hidden_layers + (1 if self.loaded.draft is not None else 0)
-        self.kv = KVCache(num_layers, num_blocks, bs, mcfg.num_key_value_heads, mcfg.head_dim, torch_dtype, self.device)
+        self.kv = KVCache(
+            num_layers,
+            num_blocks,
+            bs,
+            mcfg.num_key_value_heads,
+            mcfg.head_dim,
+            torch_dtype,
+            self.device,
+        )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         profile = None
         if config.acceptance_profile is not None:
-            profile = torch.tensor(config.acceptance_profile, dtype=torch.float32, device=self.device)
+            profile = torch.tensor(
+                config.acceptance_profile, dtype=torch.float32, device=self.device
+            )
         self.runner = RoundRunner(
             self.loaded.target,
             self.loaded.draft,
@@ -303,7 +325,9 @@ class Engine:
         """Drop a request (running or waiting) and free its KV blocks and slot."""
         req = self.requests.pop(rid, None)
         if req is None:
-            raise InputError("request id", rid, f"one of the engine's requests {sorted(self.requests)[:8]}")
+            raise InputError(
+                "request id", rid, f"one of the engine's requests {sorted(self.requests)[:8]}"
+            )
         if req.finish_reason is None:
             req.finish_reason = "released"
         self._finish(req)
@@ -362,12 +386,18 @@ class Engine:
             if not isinstance(k, int) or not 1 <= k <= w:
                 raise InputError("num_draft_steps", k, f"an integer in [1, {w}] (draft_width)")
         elif k != 0:
-            raise InputError("num_draft_steps", k, "0 (the engine was built with speculative=False)")
+            raise InputError(
+                "num_draft_steps", k, "0 (the engine was built with speculative=False)"
+            )
         if plan.verify_tokens is None:
             return k, np.full(n, k, dtype=np.int64)
         nv = np.asarray(list(plan.verify_tokens), dtype=np.int64)
         if nv.shape != (n,) or (nv < 0).any() or (nv > k).any():
-            raise InputError("verify_tokens", list(plan.verify_tokens), f"{n} integers in [0, {k}] (one per running request)")
+            raise InputError(
+                "verify_tokens",
+                list(plan.verify_tokens),
+                f"{n} integers in [0, {k}] (one per running request)",
+            )
         return k, nv
 
     def step(self, plan: RoundPlan) -> RoundResult:
@@ -382,8 +412,20 @@ class Engine:
         if n == 0:
             empty = np.zeros(0, dtype=np.int64)
             return RoundResult(
-                0, 0, 0, k, [], empty, empty, [[first[r]] for r in first], finished,
-                np.zeros((0, k), np.float32), np.zeros((0, k), bool), empty, num_prefill, first,
+                0,
+                0,
+                0,
+                k,
+                [],
+                empty,
+                empty,
+                [[first[r]] for r in first],
+                finished,
+                np.zeros((0, k), np.float32),
+                np.zeros((0, k), bool),
+                empty,
+                num_prefill,
+                first,
             )
         bcap = self.geometry.bcap_for(n)
         rows = int((nv + 1).sum())

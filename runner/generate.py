@@ -52,7 +52,9 @@ class RunTiming:
     tpot_ms: float
 
 
-def timed_run(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, k: int) -> tuple[RunTiming, list[list[int]]]:
+def timed_run(
+    engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, k: int
+) -> tuple[RunTiming, list[list[int]]]:
     """One timed generation: prefill (synced), then rounds until every request finishes."""
     rids = [engine.add_request(p, params) for p in prompts]
     engine.synchronize()
@@ -102,7 +104,13 @@ def bench(
     results = {}
     outputs = {}
     for name, cfg, k in (
-        ("plain", dataclasses.replace(config, speculative=False, acceptance="greedy", acceptance_profile=None), 0),
+        (
+            "plain",
+            dataclasses.replace(
+                config, speculative=False, acceptance="greedy", acceptance_profile=None
+            ),
+            0,
+        ),
         ("spec", config, num_draft_steps),
     ):
         engine = Engine(cfg)

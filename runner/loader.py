@@ -46,7 +46,11 @@ class LoadedModel:
 def _target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = TargetModel(cfg, 1, 1)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items() if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+    return {
+        k: tuple(v.shape)
+        for k, v in model.state_dict().items()
+        if not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+    }
 
 
 def draft_config(cfg: ModelConfig, family: DraftFamily, keys: set[str] | None) -> ModelConfig:
@@ -65,18 +69,35 @@ def _draft_shapes(cfg: ModelConfig, family: DraftFamily) -> dict[str, tuple[int,
     with torch.device("meta"):
         head = MTPHead(cfg, family)
     shapes = dict(head.named_parameters())
-    return {key: tuple(shapes[name].shape) for name, key in head.param_key_map(cfg.num_hidden_layers).items()}
+    return {
+        key: tuple(shapes[name].shape)
+        for name, key in head.param_key_map(cfg.num_hidden_layers).items()
+    }
 
 
-def _fill(module: torch.nn.Module, key_map: dict[str, str], source: TensorSource, keys: set[str], dtype, device, what: str) -> None:
+def _fill(
+    module: torch.nn.Module,
+    key_map: dict[str, str],
+    source: TensorSource,
+    keys: set[str],
+    dtype,
+    device,
+    what: str,
+) -> None:
     params = dict(module.named_parameters())
     for name, key in key_map.items():
         p = params[name]
         if key not in keys:
-            raise InputError(f"checkpoint tensor {key}", "missing", f"a tensor of shape {tuple(p.shape)} for the {what}")
+            raise InputError(
+                f"checkpoint tensor {key}",
+                "missing",
+                f"a tensor of shape {tuple(p.shape)} for the {what}",
+            )
         shape = tuple(source.shape(key))
         if shape != tuple(p.shape):
-            raise InputError(f"checkpoint tensor {key}", shape, f"shape {tuple(p.shape)} for the {what}")
+            raise InputError(
+                f"checkpoint tensor {key}", shape, f"shape {tuple(p.shape)} for the {what}"
+            )
         with torch.no_grad():
             p.data = source.get(key, shape, dtype, device)
 
@@ -118,7 +139,15 @@ def build(
     with torch.device("meta"):
         head = MTPHead(dcfg, family)
     head = _materialise(head, device)
-    _fill(head, head.param_key_map(cfg.num_hidden_layers), source, keys, dtype, device, f"MTP head ({family.name})")
+    _fill(
+        head,
+        head.param_key_map(cfg.num_hidden_layers),
+        source,
+        keys,
+        dtype,
+        device,
+        f"MTP head ({family.name})",
+    )
     head.eval()
     return target, head, family
 
@@ -176,13 +205,31 @@ def load_model(
         source = RandomSource(preset, shapes, seed, family, cfg.num_hidden_layers)
         fingerprint = preset_fingerprint(f"{model}/{fam_name}", seed, shapes)
         target, draft, fam = build(
-            cfg, source, device=device, dtype=torch_dtype, max_model_len=max_model_len,
-            max_positions=max_positions, need_draft=need_draft,
+            cfg,
+            source,
+            device=device,
+            dtype=torch_dtype,
+            max_model_len=max_model_len,
+            max_positions=max_positions,
+            need_draft=need_draft,
         )
         desc = f"preset {model!r} ({preset.description}); RANDOM weights (seed {seed}): text is meaningless"
-        return LoadedModel(target, draft, cfg, fam, fingerprint, cfg.architecture, True, desc, None, target.capabilities)
+        return LoadedModel(
+            target,
+            draft,
+            cfg,
+            fam,
+            fingerprint,
+            cfg.architecture,
+            True,
+            desc,
+            None,
+            target.capabilities,
+        )
     if not Path(model).exists():
-        raise InputError("model", model, f"a preset ({', '.join(PRESETS)}) or an existing checkpoint folder")
+        raise InputError(
+            "model", model, f"a preset ({', '.join(PRESETS)}) or an existing checkpoint folder"
+        )
     folder = SafetensorsFolder(model)
     keys = folder.keys()
     cfg = config_from_hf(folder.config, keys)
@@ -192,9 +239,25 @@ def load_model(
             "decoding needs one; run plain decoding instead"
         )
     target, draft, fam = build(
-        cfg, folder, device=device, dtype=torch_dtype, max_model_len=max_model_len,
-        max_positions=max_positions, need_draft=need_draft,
+        cfg,
+        folder,
+        device=device,
+        dtype=torch_dtype,
+        max_model_len=max_model_len,
+        max_positions=max_positions,
+        need_draft=need_draft,
     )
     desc = f"checkpoint {model} ({cfg.architecture})"
     tok = folder.path if folder.has_tokenizer() else None
-    return LoadedModel(target, draft, cfg, fam, folder.fingerprint(), cfg.architecture, False, desc, tok, target.capabilities)
+    return LoadedModel(
+        target,
+        draft,
+        cfg,
+        fam,
+        folder.fingerprint(),
+        cfg.architecture,
+        False,
+        desc,
+        tok,
+        target.capabilities,
+    )

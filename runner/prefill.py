@@ -21,14 +21,18 @@ from speccal.runner.mtp import MTPHead
 from speccal.runner.request import Request
 
 
-def _meta(blocks: list[int], positions: np.ndarray, block_size: int, seq_len: int, device) -> tuple[torch.Tensor, AttnMeta]:
+def _meta(
+    blocks: list[int], positions: np.ndarray, block_size: int, seq_len: int, device
+) -> tuple[torch.Tensor, AttnMeta]:
     bt = np.asarray(blocks, dtype=np.int64)
     slots = bt[positions // block_size] * block_size + positions % block_size
     n = len(positions)
     meta = AttnMeta(
         slot_mapping=torch.as_tensor(slots, device=device),
         row_index=torch.arange(n, device=device),
-        block_table=torch.as_tensor(bt[None, : -(-seq_len // block_size)].astype(np.int32), device=device),
+        block_table=torch.as_tensor(
+            bt[None, : -(-seq_len // block_size)].astype(np.int32), device=device
+        ),
         seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
         num_q_rows=n,
     )

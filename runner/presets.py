@@ -156,7 +156,9 @@ class RandomSource:
         g.manual_seed((self.seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
         return torch.randn(shape, generator=g, device=device, dtype=torch.float32)
 
-    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(
+        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         p = self.preset
         is_draft = self.family.is_draft_key(key, self.num_target_layers)
         stem = key.rsplit(".", 2)[-2] if key.count(".") >= 1 else key

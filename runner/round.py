@@ -127,7 +127,9 @@ class RoundRunner:
         )
         pin = is_pinnable(device)
         self._host_tokens = torch.zeros(max_bucket * (w1 + 1), dtype=i64, pin_memory=pin)
-        self._host_scores = torch.zeros(max_bucket * draft_width, dtype=torch.float32, pin_memory=pin)
+        self._host_scores = torch.zeros(
+            max_bucket * draft_width, dtype=torch.float32, pin_memory=pin
+        )
 
     # ------------------------------------------------------------------ slot state
 
@@ -145,7 +147,9 @@ class RoundRunner:
 
     # ------------------------------------------------------------------ prepare
 
-    def prepare(self, batch: list[Request], bcap: int, k: int, num_verify: np.ndarray, g: int) -> RoundInputs:
+    def prepare(
+        self, batch: list[Request], bcap: int, k: int, num_verify: np.ndarray, g: int
+    ) -> RoundInputs:
         """Host phase: allocate KV, compute positions / slots / indices, stage them (async)."""
         bs = self.block_size
         w1 = self.w + 1
@@ -181,8 +185,12 @@ class RoundRunner:
             t["ext_index"] = self.inputs.put("ext_index", slots[b_idx] * w1 + i_idx)
             t["ext_pos"] = self.inputs.put("ext_pos", np.maximum(pos, 0))
             t["ext_slot"] = self.inputs.put("ext_slot", slot_of(b_idx, np.maximum(pos, 0), real))
-            t["ext_row"] = self.inputs.put("ext_row", b_idx * r_ext + (r_ext - num_ext[b_idx]) + i_idx)
-            t["ext_seq"] = self.inputs.put("ext_seq", np.where(is_req, lens, r_ext).astype(np.int32))
+            t["ext_row"] = self.inputs.put(
+                "ext_row", b_idx * r_ext + (r_ext - num_ext[b_idx]) + i_idx
+            )
+            t["ext_seq"] = self.inputs.put(
+                "ext_seq", np.where(is_req, lens, r_ext).astype(np.int32)
+            )
             t["ext_last"] = self.inputs.put("ext_last", cu[1:] - 1)
             if k > 1:
                 j = np.arange(1, k)[:, None]  # draft step j + 1 writes position L + j - 1
@@ -191,7 +199,9 @@ class RoundRunner:
                 real = np.broadcast_to(is_req, spos.shape)
                 t["step_pos"] = self.inputs.put("step_pos", np.where(real, spos, j - 1))
                 t["step_slot"] = self.inputs.put("step_slot", slot_of(bb, spos, real))
-                t["step_seq"] = self.inputs.put("step_seq", np.where(real, spos + 1, j).astype(np.int32))
+                t["step_seq"] = self.inputs.put(
+                    "step_seq", np.where(real, spos + 1, j).astype(np.int32)
+                )
         # target verify rows: request b has nv[b] + 1 rows (padding requests: none)
         nrows = np.where(is_req, nv + 1, 0)
         b_idx = np.repeat(np.arange(bcap), nrows)
@@ -205,21 +215,29 @@ class RoundRunner:
         t["ver_grid"] = self.inputs.put("ver_grid", grid)
         t["ver_pos"] = self.inputs.put("ver_pos", pos)
         t["ver_slot"] = self.inputs.put("ver_slot", slot_of(bpad, pos, real))
-        t["ver_row"] = self.inputs.put("ver_row", np.where(np.arange(g) < len(b_idx), grid, bcap * (k + 1)))
-        t["ver_seq"] = self.inputs.put("ver_seq", np.where(is_req, lens + k + 1, k + 1).astype(np.int32))
+        t["ver_row"] = self.inputs.put(
+            "ver_row", np.where(np.arange(g) < len(b_idx), grid, bcap * (k + 1))
+        )
+        t["ver_seq"] = self.inputs.put(
+            "ver_seq", np.where(is_req, lens + k + 1, k + 1).astype(np.int32)
+        )
         t["num_verify"] = self.inputs.put("num_verify", nv)
         return RoundInputs(n, bcap, k, g, r_ext, nv[:n].copy(), t)
 
     # ------------------------------------------------------------------ execute
 
-    def _accept(self, draft_tokens, logits, nv, slot_index):  # [bcap,k], [bcap,k+1,V], [bcap], [bcap]
+    def _accept(
+        self, draft_tokens, logits, nv, slot_index
+    ):  # [bcap,k], [bcap,k+1,V], [bcap], [bcap]
         mode = self.acceptance
         if mode == "greedy":
             return sampling.verify_greedy(draft_tokens, logits, num_verify=nv)
         if mode == "forced":
             return sampling.verify_forced(draft_tokens, logits, num_verify=nv)
         if mode == "synthetic":
-            return sampling.verify_synthetic(draft_tokens, logits, self.profile, self.generator, num_verify=nv)
+            return sampling.verify_synthetic(
+                draft_tokens, logits, self.profile, self.generator, num_verify=nv
+            )
         return sampling.verify_rejection(
             draft_tokens,
             logits,
@@ -247,7 +265,9 @@ class RoundRunner:
             fb, normed = fb[t["ext_last"]], normed[t["ext_last"]]
             for j in range(k):
                 if j > 0:
-                    meta = AttnMeta(t["step_slot"][j - 1], self.step_rows[:bcap], bt, t["step_seq"][j - 1], 1)
+                    meta = AttnMeta(
+                        t["step_slot"][j - 1], self.step_rows[:bcap], bt, t["step_seq"][j - 1], 1
+                    )
                     fb, normed = draft(target, fb, tok, t["step_pos"][j - 1], meta, self.draft_kv)
                 logits = draft.logits(target, normed)  # [bcap, V]
                 tok = logits.argmax(dim=-1)
@@ -284,7 +304,9 @@ class RoundRunner:
 
     # ------------------------------------------------------------------ collect
 
-    def collect(self, out: RoundOutputs, x: RoundInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def collect(
+        self, out: RoundOutputs, x: RoundInputs
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The one sync: accepted ``[B]``, out tokens ``[B, k + 1]``, draft scores ``[B, k]``."""
         bcap, k = x.bcap, x.k
         packed = torch.cat([out.num_accepted[:, None], out.out_tokens], dim=1).view(-1)

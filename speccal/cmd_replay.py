@@ -282,6 +282,13 @@ def trace_cmd(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print a summary as JSON on stdout.")
     ] = False,
+    rounds_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--rounds-out",
+            help="With --kind tokens: also write the round trace of the full-width run.",
+        ),
+    ] = None,
 ) -> None:
     """Record an acceptance trace with the embedded runner (or write a synthetic scenario)."""
     from speccal.trace import save_trace
@@ -291,10 +298,11 @@ def trace_cmd(
     if scenario is not None and kind != "rounds":
         raise InputError("--kind", kind, "rounds with --scenario (scenarios are round traces)")
     t0 = time.perf_counter()
+    round_trace = None
     if scenario is not None:
         tr = _scenario_trace(scenario, rounds, draft_width, num_requests, kv_length, seed)
     else:
-        tr = _record(
+        tr, round_trace = _record(
             kind,
             model,
             device,
@@ -308,6 +316,10 @@ def trace_cmd(
             seed,
         )
     path = save_trace(tr, out)
+    if rounds_out is not None:
+        if scenario is not None or kind != "tokens":
+            raise InputError("--rounds-out", str(rounds_out), "only with --kind tokens (recording)")
+        save_trace(round_trace, rounds_out)
     summary = {
         "path": str(path),
         "kind": "rounds" if hasattr(tr, "num_rounds") else "tokens",
@@ -396,7 +408,7 @@ def _record(
             rounds.add(res.k, res.accepted, res.draft_scores, res.kv_lengths)
             prog.advance(task)
     if kind == "rounds":
-        return rounds.build(meta)
+        return rounds.build(meta), None
     # Drafting from every position t: a request whose prompt is prompt + y[:t] prefills y[t] and
     # runs one full-width round from there, whose accepted length is the match length at t.
     # Positions 0 .. len(y) - 2 are the ones a round can start from (the last token ends the run).
@@ -421,7 +433,7 @@ def _record(
             eng.reset()
             prog.advance(task, len(batch))
     meta["round_trace_rounds"] = len(rounds)
-    return tokens.build(meta)
+    return tokens.build(meta), rounds.build({**meta, "round_trace_rounds": len(rounds)})
 
 
 class _progress:

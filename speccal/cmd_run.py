@@ -41,7 +41,9 @@ def _parse_floats(text: str | None, field: str) -> tuple[float, ...] | None:
         raise InputError(field, text, "comma-separated probabilities") from None
 
 
-def _engine_config(model, device, dtype, draft_width, acceptance, profile, seed, max_model_len, speculative):
+def _engine_config(
+    model, device, dtype, draft_width, acceptance, profile, seed, max_model_len, speculative
+):
     from speccal.runner.engine import EngineConfig
 
     return EngineConfig(
@@ -61,30 +63,71 @@ def _engine_config(model, device, dtype, draft_width, acceptance, profile, seed,
 def generate(
     prompt_ids: Annotated[
         list[str] | None,
-        typer.Option("--prompt-ids", help="Prompt token ids, e.g. '1,2,3'; repeat for a batch.", show_default=False),
+        typer.Option(
+            "--prompt-ids",
+            help="Prompt token ids, e.g. '1,2,3'; repeat for a batch.",
+            show_default=False,
+        ),
     ] = None,
     prompt: Annotated[
         list[str] | None,
-        typer.Option("--prompt", help="Prompt text (needs a checkpoint folder with a tokenizer); repeatable.", show_default=False),
+        typer.Option(
+            "--prompt",
+            help="Prompt text (needs a checkpoint folder with a tokenizer); repeatable.",
+            show_default=False,
+        ),
     ] = None,
-    model: Annotated[str, typer.Option("--model", help="Preset (tiny, dense-0.5b, dense-2b, mimo-7b) or HF folder.")] = "tiny",
+    model: Annotated[
+        str,
+        typer.Option("--model", help="Preset (tiny, dense-0.5b, dense-2b, mimo-7b) or HF folder."),
+    ] = "tiny",
     device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
-    dtype: Annotated[str | None, typer.Option("--dtype", help="float32, bfloat16 or float16. Default: float32 on CPU, else bfloat16.", show_default=False)] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="float32, bfloat16 or float16. Default: float32 on CPU, else bfloat16.",
+            show_default=False,
+        ),
+    ] = None,
     draft_width: Annotated[int, typer.Option("--draft-width", help="Draft width w.")] = 3,
-    k: Annotated[int | None, typer.Option("--k", help="Draft steps per round (1..w). Default: w.", show_default=False)] = None,
-    acceptance: Annotated[str, typer.Option("--acceptance", help="greedy, sample, synthetic or forced.")] = "greedy",
-    profile: Annotated[str | None, typer.Option("--profile", help="Synthetic acceptance profile, w values.", show_default=False)] = None,
+    k: Annotated[
+        int | None,
+        typer.Option("--k", help="Draft steps per round (1..w). Default: w.", show_default=False),
+    ] = None,
+    acceptance: Annotated[
+        str, typer.Option("--acceptance", help="greedy, sample, synthetic or forced.")
+    ] = "greedy",
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            "--profile", help="Synthetic acceptance profile, w values.", show_default=False
+        ),
+    ] = None,
     plain: Annotated[bool, typer.Option("--plain", help="Plain decoding (no draft head).")] = False,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate per prompt.")] = 32,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="Tokens to generate per prompt.")
+    ] = 32,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
     top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = 1.0,
     min_p: Annotated[float, typer.Option("--min-p", help="0 = off.")] = 0.0,
-    stop_ids: Annotated[str | None, typer.Option("--stop-ids", help="Extra stop token ids.", show_default=False)] = None,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past EOS.")] = False,
+    stop_ids: Annotated[
+        str | None, typer.Option("--stop-ids", help="Extra stop token ids.", show_default=False)
+    ] = None,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Keep generating past EOS.")
+    ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Sampling / preset-weight seed.")] = 0,
-    max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="Context limit. Default: min(model, 4096).", show_default=False)] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print results as JSON on stdout.")] = False,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            "--max-model-len", help="Context limit. Default: min(model, 4096).", show_default=False
+        ),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print results as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Generate tokens with the embedded speculative runner (token ids in and out)."""
     from speccal.runner.engine import Engine
@@ -104,7 +147,9 @@ def generate(
     )
     if k is not None and not (plain or 1 <= k <= draft_width):
         raise InputError("--k", k, f"an integer in [1, {draft_width}] (--draft-width)")
-    cfg = _engine_config(model, device, dtype, draft_width, acceptance, profile, seed, max_model_len, not plain)
+    cfg = _engine_config(
+        model, device, dtype, draft_width, acceptance, profile, seed, max_model_len, not plain
+    )
     engine = Engine(cfg)
     tokenizer = None
     if engine.loaded.tokenizer_path is not None:
@@ -114,14 +159,20 @@ def generate(
     prompts = [_parse_ids(p, "--prompt-ids") for p in (prompt_ids or [])]
     if prompt:
         if tokenizer is None:
-            raise InputError("--prompt", prompt[0], "token ids (--prompt-ids): the model has no tokenizer")
+            raise InputError(
+                "--prompt", prompt[0], "token ids (--prompt-ids): the model has no tokenizer"
+            )
         prompts += [tokenizer.encode(p) for p in prompt]
     num_k = 0 if plain else (k if k is not None else draft_width)
     if engine.is_random_weights:
         err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}", soft_wrap=True)
     with Progress(
-        TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err_console, transient=True,
+        TextColumn("generate"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
     ) as bar:
         task = bar.add_task("tokens", total=max_tokens * len(prompts))
         outs = run_generate(engine, prompts, params, num_k, on_step=lambda n: bar.advance(task, n))
@@ -169,33 +220,66 @@ def _clean(obj):
 
 
 def bench(
-    model: Annotated[str, typer.Option("--model", help="Preset (tiny, dense-0.5b, dense-2b, mimo-7b) or HF folder.")] = "tiny",
+    model: Annotated[
+        str,
+        typer.Option("--model", help="Preset (tiny, dense-0.5b, dense-2b, mimo-7b) or HF folder."),
+    ] = "tiny",
     device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
-    dtype: Annotated[str | None, typer.Option("--dtype", help="Default: float32 on CPU, else bfloat16.", show_default=False)] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option("--dtype", help="Default: float32 on CPU, else bfloat16.", show_default=False),
+    ] = None,
     draft_width: Annotated[int, typer.Option("--draft-width", help="Draft width w.")] = 3,
-    k: Annotated[int | None, typer.Option("--k", help="Draft steps per round. Default: w.", show_default=False)] = None,
-    acceptance: Annotated[str, typer.Option("--acceptance", help="greedy, synthetic or forced.")] = "greedy",
-    profile: Annotated[str | None, typer.Option("--profile", help="Synthetic acceptance profile, w values.", show_default=False)] = None,
-    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests decoded together.")] = 4,
+    k: Annotated[
+        int | None,
+        typer.Option("--k", help="Draft steps per round. Default: w.", show_default=False),
+    ] = None,
+    acceptance: Annotated[
+        str, typer.Option("--acceptance", help="greedy, synthetic or forced.")
+    ] = "greedy",
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            "--profile", help="Synthetic acceptance profile, w values.", show_default=False
+        ),
+    ] = None,
+    num_requests: Annotated[
+        int, typer.Option("--num-requests", help="Requests decoded together.")
+    ] = 4,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Random prompt length.")] = 32,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens generated per request.")] = 64,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per side (median reported).")] = 3,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="Tokens generated per request.")
+    ] = 64,
+    repeats: Annotated[
+        int, typer.Option("--repeats", help="Timed runs per side (median reported).")
+    ] = 3,
     seed: Annotated[int, typer.Option("--seed", help="Prompt / weight seed.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print results as JSON on stdout.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print results as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Speculative vs plain decoding in one process: tokens/s, TPOT, acceptance, speed-up."""
     from speccal.runner.generate import bench as run_bench
 
     if acceptance == "sample":
-        raise InputError("--acceptance", acceptance, "greedy, synthetic or forced (bench uses greedy requests)")
-    for name, value in (("--num-requests", num_requests), ("--prompt-len", prompt_len), ("--max-tokens", max_tokens), ("--repeats", repeats)):
+        raise InputError(
+            "--acceptance", acceptance, "greedy, synthetic or forced (bench uses greedy requests)"
+        )
+    for name, value in (
+        ("--num-requests", num_requests),
+        ("--prompt-len", prompt_len),
+        ("--max-tokens", max_tokens),
+        ("--repeats", repeats),
+    ):
         if value < 1:
             raise InputError(name, value, "an integer >= 1")
     num_k = k if k is not None else draft_width
     if not 1 <= num_k <= draft_width:
         raise InputError("--k", num_k, f"an integer in [1, {draft_width}] (--draft-width)")
     cfg = _engine_config(model, device, dtype, draft_width, acceptance, profile, seed, None, True)
-    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True
+    ) as bar:
         task = bar.add_task("loading")
         res = run_bench(
             cfg,
@@ -216,7 +300,9 @@ def bench(
         err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {eng['description']}", soft_wrap=True)
     else:
         err_console.print(eng["description"])
-    table = Table(title=f"{model} on {eng['compatibility']['device']['name']}, k={num_k}, {num_requests} requests")
+    table = Table(
+        title=f"{model} on {eng['compatibility']['device']['name']}, k={num_k}, {num_requests} requests"
+    )
     for col in ("mode", "tokens/s", "decode tok/s", "TPOT ms", "acceptance", "mean accepted"):
         table.add_column(col)
     for name in ("plain", "spec"):

@@ -14,6 +14,9 @@ per context interval (KV range) so a reader never mixes costs of different conte
   the reference level (smallest Bcap, smallest G: fixed at 0) marked. Additive tables only.
 - :func:`write_table_plots`: the applicable figures into one directory.
 
+Each ``plot_*`` writes the figure its ``*_figure`` twin builds (the figure functions let tests
+and notebooks inspect what is drawn).
+
 Replay figures (decision timeline, throughput per policy) live in ``speccal.plots_replay``.
 Pure matplotlib/numpy on a ``speccal.costmodel.table.CostTable``: no torch. PNGs are rendered
 to memory and written atomically (``speccal.atomic``).
@@ -101,17 +104,12 @@ def _panels(n: int, width: float, height: float, ncols: int = 1):
     return fig, axes
 
 
-def plot_fit(table: CostTable, path: str | Path) -> Path:
-    """Measured vs fitted full-step cost by G, one line per Bcap, one panel per context.
+def fit_figure(table: CostTable):
+    """Figure of measured vs fitted full-step cost by G, one line per Bcap, one panel per context.
 
-    Parameters
-    ----------
-    table : the cost table.
-    path : PNG file to write (atomically).
-
-    Returns
-    -------
-    The written path.
+    Each panel holds, per Bcap, a line labelled ``Bcap <b>`` through the table's cost at every
+    captured G of that Bcap (NaN where uncalibrated), a scatter of the measured windows and a
+    scatter of the point medians. Returns a ``matplotlib.figure.Figure``.
     """
     geom = table.geometry()
     surface = table.cost_surface()
@@ -151,7 +149,12 @@ def plot_fit(table: CostTable, path: str | Path) -> Path:
         ax.legend(handles, labels, loc="upper left", fontsize=8, ncol=2, frameon=True)
     fig.suptitle(f"Measured vs fitted cost by G\n{table_title(table)}", fontsize=11)
     fig.tight_layout()
-    return _save(fig, path)
+    return fig
+
+
+def plot_fit(table: CostTable, path: str | Path) -> Path:
+    """Write :func:`fit_figure` as a PNG at ``path`` (atomically); returns the path."""
+    return _save(fit_figure(table), path)
 
 
 def _residual_grid(fit: ContextFit) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
@@ -170,9 +173,8 @@ def _heatmap(fig, ax, data: np.ndarray, bcaps: list[int], gs: list[int], unit: s
     plt = _pyplot()
     lim = float(np.nanmax(np.abs(data))) if np.isfinite(data).any() else 1.0
     lim = lim if lim > 0 else 1.0
-    cmap = plt.get_cmap("RdBu_r").copy()
     # Unmeasured cells in a mid grey: a near-white "0.0" and "not measured" must not look alike.
-    cmap.set_bad("#b0b0b0")
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#b0b0b0")
     im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto",
                    origin="lower")
     ax.set_xticks(range(len(gs)), [str(g) for g in gs], rotation=90 if len(gs) > 10 else 0)
@@ -197,11 +199,12 @@ def _signed(v: float, fmt: str) -> str:
     return "0" if float(text) == 0.0 else text
 
 
-def plot_residuals(table: CostTable, path: str | Path) -> Path:
+def residuals_figure(table: CostTable):
     """Residual map: Bcap x G heatmaps of ``measured - fitted`` in ms and in %, per context.
 
-    Grey cells were not measured. Values are written in the cells when there are at most
-    :data:`MAX_ANNOTATED_COLUMNS` G levels.
+    One row of two panels (ms, %) per context interval; image rows are Bcap levels, columns G
+    levels. Grey cells were not measured. Values are written in the cells when there are at
+    most :data:`MAX_ANNOTATED_COLUMNS` G levels. Returns a ``matplotlib.figure.Figure``.
     """
     fig, axes = _panels(len(table.fits), 13.0, 3.8, ncols=2)
     for row, fit in zip(axes, table.fits, strict=True):
@@ -214,14 +217,20 @@ def plot_residuals(table: CostTable, path: str | Path) -> Path:
         row[1].set_title(f"residual (%); leave-one-point-out mean |error| {held}", fontsize=10)
     fig.suptitle(f"Residual map (measured \u2212 fitted)\n{table_title(table)}", fontsize=11)
     fig.tight_layout()
-    return _save(fig, path)
+    return fig
 
 
-def plot_components(table: CostTable, path: str | Path) -> Path:
+def plot_residuals(table: CostTable, path: str | Path) -> Path:
+    """Write :func:`residuals_figure` as a PNG at ``path`` (atomically); returns the path."""
+    return _save(residuals_figure(table), path)
+
+
+def components_figure(table: CostTable):
     """Additive components ``alpha(Bcap)`` and ``theta(G)`` (ms), reference level marked.
 
-    One line per context interval in each panel; the legend gives each context's bias (the
-    cost of the reference cell: smallest Bcap, smallest G).
+    Two panels (alpha by Bcap, theta by G), one line per context interval in each; the legend
+    gives each context's bias (the cost of the reference cell: smallest Bcap, smallest G), and
+    a red ring marks the reference level fixed at 0 ms. Returns a ``matplotlib.figure.Figure``.
 
     Raises
     ------
@@ -263,7 +272,15 @@ def plot_components(table: CostTable, path: str | Path) -> Path:
         fontsize=11,
     )
     fig.tight_layout()
-    return _save(fig, path)
+    return fig
+
+
+def plot_components(table: CostTable, path: str | Path) -> Path:
+    """Write :func:`components_figure` as a PNG at ``path`` (atomically); returns the path.
+
+    Raises ``InputError`` for a table that is not additive.
+    """
+    return _save(components_figure(table), path)
 
 
 def write_table_plots(table: CostTable, directory: str | Path) -> list[Path]:

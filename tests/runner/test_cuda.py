@@ -24,7 +24,9 @@ MAX_TOKENS = 64
 def _top2_margin(eng: Engine, tokens: list[int]) -> tuple[float, int, int]:
     """Plain target logits after ``tokens``: top-1 minus top-2, and the two token ids."""
     req = Request(-1, tokens, SamplingParams())
-    _, hidden = prefill(req, eng.loaded.target, None, eng.kv, chunk=512, generator=eng.generator, device=eng.device)
+    _, hidden = prefill(
+        req, eng.loaded.target, None, eng.kv, chunk=512, generator=eng.generator, device=eng.device
+    )
     logits = eng.loaded.target.logits(hidden[None])[0]
     eng.kv.allocator.free(req.blocks)
     top = logits.topk(2)
@@ -43,13 +45,22 @@ def _report(lines: list[str]) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("model", ["tiny", "dense-0.5b"])
 def test_bf16_greedy_k1_identical_and_divergences_reported(model):
-    cfg = dict(model=model, device="cuda", dtype="bfloat16", draft_width=5, request_buckets=(1,), max_model_len=512)
+    cfg = dict(
+        model=model,
+        device="cuda",
+        dtype="bfloat16",
+        draft_width=5,
+        request_buckets=(1,),
+        max_model_len=512,
+    )
     plain_eng = Engine(EngineConfig(**cfg, speculative=False))
     spec_eng = Engine(EngineConfig(**cfg))
     vocab = plain_eng.loaded.config.vocab_size
     prompts = [np.random.default_rng(s).integers(0, vocab, 24 + 8 * s).tolist() for s in range(3)]
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    lines = [f"== {model} bf16 on {torch.cuda.get_device_name()} (batch 1, {MAX_TOKENS} tokens, 3 prompts)"]
+    lines = [
+        f"== {model} bf16 on {torch.cuda.get_device_name()} (batch 1, {MAX_TOKENS} tokens, 3 prompts)"
+    ]
     k1_identical = True
     for k in range(1, 6):
         spec_eng.reset()
@@ -59,7 +70,7 @@ def test_bf16_greedy_k1_identical_and_divergences_reported(model):
             if spec == plain:
                 lines.append(f"K={k} prompt {pi}: identical")
                 continue
-            i = next(j for j, (a, b) in enumerate(zip(spec, plain)) if a != b)
+            i = next(j for j, (a, b) in enumerate(zip(spec, plain, strict=False)) if a != b)
             margin, t1, t2 = _top2_margin(plain_eng, prompt + plain[:i])
             lines.append(
                 f"K={k} prompt {pi}: DIVERGES at token {i}: spec={spec[i]} plain={plain[i]}; plain-path "
@@ -68,6 +79,8 @@ def test_bf16_greedy_k1_identical_and_divergences_reported(model):
             if k == 1:
                 k1_identical = False
         s = spec_eng.stats
-        lines.append(f"K={k}: acceptance {s.acceptance_rate:.3f}, mean accepted length {s.mean_accepted_length:.3f}")
+        lines.append(
+            f"K={k}: acceptance {s.acceptance_rate:.3f}, mean accepted length {s.mean_accepted_length:.3f}"
+        )
     _report(lines)
     assert k1_identical, "K=1 batch-1 bf16 greedy must equal plain greedy"

@@ -19,11 +19,13 @@ from speccal.errors import InputError, UnsupportedError
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.sampling import SamplingParams
 
-V, H, I, L, NH, NKV, D = 96, 32, 64, 2, 4, 2, 8
+V, H, FF, L, NH, NKV, D = 96, 32, 64, 2, 4, 2, 8
 THETA = 10000.0
 
 
-def _layer_tensors(g: torch.Generator, prefix: str, bias: bool, qk_norm: bool) -> dict[str, torch.Tensor]:
+def _layer_tensors(
+    g: torch.Generator, prefix: str, bias: bool, qk_norm: bool
+) -> dict[str, torch.Tensor]:
     def w(*shape, s=0.3):
         return torch.randn(*shape, generator=g) * s
 
@@ -34,20 +36,37 @@ def _layer_tensors(g: torch.Generator, prefix: str, bias: bool, qk_norm: bool) -
         "self_attn.k_proj.weight": w(NKV * D, H),
         "self_attn.v_proj.weight": w(NKV * D, H),
         "self_attn.o_proj.weight": w(H, NH * D),
-        "mlp.gate_proj.weight": w(I, H),
-        "mlp.up_proj.weight": w(I, H),
-        "mlp.down_proj.weight": w(H, I),
+        "mlp.gate_proj.weight": w(FF, H),
+        "mlp.up_proj.weight": w(FF, H),
+        "mlp.down_proj.weight": w(H, FF),
     }
     if bias:
-        t |= {"self_attn.q_proj.bias": w(NH * D), "self_attn.k_proj.bias": w(NKV * D), "self_attn.v_proj.bias": w(NKV * D)}
+        t |= {
+            "self_attn.q_proj.bias": w(NH * D),
+            "self_attn.k_proj.bias": w(NKV * D),
+            "self_attn.v_proj.bias": w(NKV * D),
+        }
     if qk_norm:
-        t |= {"self_attn.q_norm.weight": 1 + w(D, s=0.1), "self_attn.k_norm.weight": 1 + w(D, s=0.1)}
+        t |= {
+            "self_attn.q_norm.weight": 1 + w(D, s=0.1),
+            "self_attn.k_norm.weight": 1 + w(D, s=0.1),
+        }
     return {prefix + k: v for k, v in t.items()}
 
 
-def make_checkpoint(path, layout: str, *, depths: int = 1, config_depths: int | None = None, bias: bool = False,
-                    qk_norm: bool = True, sharded: bool = False, drop: str | None = None,
-                    reshape: str | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_checkpoint(
+    path,
+    layout: str,
+    *,
+    depths: int = 1,
+    config_depths: int | None = None,
+    bias: bool = False,
+    qk_norm: bool = True,
+    sharded: bool = False,
+    drop: str | None = None,
+    reshape: str | None = None,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
     """Write a tiny HF-style checkpoint with an MTP head in ``layout``; returns its tensors."""
     g = torch.Generator().manual_seed(seed)
     t = {
@@ -61,32 +80,53 @@ def make_checkpoint(path, layout: str, *, depths: int = 1, config_depths: int | 
         if layout == "mimo":
             p = f"model.mtp_layers.{d}."
             t |= _layer_tensors(g, p, bias, qk_norm)
-            t |= {p + "token_layernorm.weight": 1 + torch.randn(H, generator=g) * 0.1,
-                  p + "hidden_layernorm.weight": 1 + torch.randn(H, generator=g) * 0.1,
-                  p + "input_proj.weight": torch.randn(H, 2 * H, generator=g) * 0.3,
-                  p + "final_layernorm.weight": 1 + torch.randn(H, generator=g) * 0.1}
+            t |= {
+                p + "token_layernorm.weight": 1 + torch.randn(H, generator=g) * 0.1,
+                p + "hidden_layernorm.weight": 1 + torch.randn(H, generator=g) * 0.1,
+                p + "input_proj.weight": torch.randn(H, 2 * H, generator=g) * 0.3,
+                p + "final_layernorm.weight": 1 + torch.randn(H, generator=g) * 0.1,
+            }
         elif layout == "deepseek":
             p = f"model.layers.{L + d}."
             t |= _layer_tensors(g, p, bias, qk_norm)
-            t |= {p + "enorm.weight": 1 + torch.randn(H, generator=g) * 0.1,
-                  p + "hnorm.weight": 1 + torch.randn(H, generator=g) * 0.1,
-                  p + "eh_proj.weight": torch.randn(H, 2 * H, generator=g) * 0.3,
-                  p + "shared_head.norm.weight": 1 + torch.randn(H, generator=g) * 0.1,
-                  p + "shared_head.head.weight": torch.randn(V, H, generator=g) * 0.3,
-                  p + "embed_tokens.weight": torch.randn(V, H, generator=g)}
+            t |= {
+                p + "enorm.weight": 1 + torch.randn(H, generator=g) * 0.1,
+                p + "hnorm.weight": 1 + torch.randn(H, generator=g) * 0.1,
+                p + "eh_proj.weight": torch.randn(H, 2 * H, generator=g) * 0.3,
+                p + "shared_head.norm.weight": 1 + torch.randn(H, generator=g) * 0.1,
+                p + "shared_head.head.weight": torch.randn(V, H, generator=g) * 0.3,
+                p + "embed_tokens.weight": torch.randn(V, H, generator=g),
+            }
         elif layout == "qwen3_5":
             t |= _layer_tensors(g, f"mtp.layers.{d}.", bias, qk_norm)
-            t |= {"mtp.fc.weight": torch.randn(H, 2 * H, generator=g), "mtp.norm.weight": torch.ones(H),
-                  "mtp.pre_fc_norm_embedding.weight": torch.ones(H), "mtp.pre_fc_norm_hidden.weight": torch.ones(H)}
+            t |= {
+                "mtp.fc.weight": torch.randn(H, 2 * H, generator=g),
+                "mtp.norm.weight": torch.ones(H),
+                "mtp.pre_fc_norm_embedding.weight": torch.ones(H),
+                "mtp.pre_fc_norm_hidden.weight": torch.ones(H),
+            }
     if drop:
         del t[drop]
     if reshape:
         t[reshape] = torch.zeros(t[reshape].shape[0] + 1, *t[reshape].shape[1:])
-    cfg = {"architectures": ["TestForCausalLM"], "model_type": "test", "vocab_size": V, "hidden_size": H,
-           "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": NH, "num_key_value_heads": NKV,
-           "head_dim": D, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": THETA,
-           "max_position_embeddings": 512, "tie_word_embeddings": False, "eos_token_id": 0,
-           "attention_bias": bias}
+    cfg = {
+        "architectures": ["TestForCausalLM"],
+        "model_type": "test",
+        "vocab_size": V,
+        "hidden_size": H,
+        "intermediate_size": FF,
+        "num_hidden_layers": L,
+        "num_attention_heads": NH,
+        "num_key_value_heads": NKV,
+        "head_dim": D,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": THETA,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "eos_token_id": 0,
+        "attention_bias": bias,
+    }
     if depths or config_depths:
         cfg["num_nextn_predict_layers"] = depths if config_depths is None else config_depths
     path.mkdir(parents=True, exist_ok=True)
@@ -94,7 +134,10 @@ def make_checkpoint(path, layout: str, *, depths: int = 1, config_depths: int | 
     if sharded:
         keys = sorted(t)
         half = len(keys) // 2
-        shards = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+        shards = {
+            "model-00001-of-00002.safetensors": keys[:half],
+            "model-00002-of-00002.safetensors": keys[half:],
+        }
         for fname, ks in shards.items():
             save_file({k: t[k].contiguous() for k in ks}, str(path / fname))
         index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
@@ -106,6 +149,7 @@ def make_checkpoint(path, layout: str, *, depths: int = 1, config_depths: int | 
 
 # ---------------------------------------------------------------------------- dense reference
 
+
 def _rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -114,7 +158,7 @@ def _rope(x, pos):  # x [T, heads, D]
     inv = 1.0 / THETA ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
     ang = pos[:, None].double() * inv[None]
     cos, sin = torch.cos(ang).float()[:, None], torch.sin(ang).float()[:, None]
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
@@ -138,7 +182,9 @@ def _ref_layer(W, p, x, pos):
     o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(T, NH * D)
     x = x + o @ W[p + "self_attn.o_proj.weight"].T
     m = _rms(x, W[p + "post_attention_layernorm.weight"])
-    mlp = (torch.nn.functional.silu(m @ W[p + "mlp.gate_proj.weight"].T) * (m @ W[p + "mlp.up_proj.weight"].T))
+    mlp = torch.nn.functional.silu(m @ W[p + "mlp.gate_proj.weight"].T) * (
+        m @ W[p + "mlp.up_proj.weight"].T
+    )
     return x + mlp @ W[p + "mlp.down_proj.weight"].T
 
 
@@ -193,18 +239,33 @@ def ref_round(W, layout, seq, k):
 
 # ---------------------------------------------------------------------------- tests
 
+
 def _engine(path, **kw):
-    base = dict(model=str(path), draft_width=3, request_buckets=(1, 2), acceptance="forced", block_size=4,
-                prefill_chunk=4, max_model_len=128)
+    base = dict(
+        model=str(path),
+        draft_width=3,
+        request_buckets=(1, 2),
+        acceptance="forced",
+        block_size=4,
+        prefill_chunk=4,
+        max_model_len=128,
+    )
     return Engine(EngineConfig(**(base | kw)))
 
 
 @pytest.mark.parametrize(
     "layout,bias,qk_norm,sharded",
-    [("mimo", True, False, False), ("mimo", False, True, True), ("deepseek", False, True, False), ("deepseek", True, True, True)],
+    [
+        ("mimo", True, False, False),
+        ("mimo", False, True, True),
+        ("deepseek", False, True, False),
+        ("deepseek", True, True, True),
+    ],
 )
 def test_draft_forward_matches_reference(tmp_path, layout, bias, qk_norm, sharded):
-    W = make_checkpoint(tmp_path / "ckpt", layout, bias=bias, qk_norm=qk_norm, sharded=sharded, seed=3)
+    W = make_checkpoint(
+        tmp_path / "ckpt", layout, bias=bias, qk_norm=qk_norm, sharded=sharded, seed=3
+    )
     eng = _engine(tmp_path / "ckpt")
     assert eng.loaded.family.name == {"mimo": "mimo_mtp", "deepseek": "deepseek_mtp"}[layout]
     prompt = [5, 17, 33, 2, 90, 41, 7, 64, 12, 3, 77]  # 11 tokens: 3 prefill chunks, 3 blocks
@@ -219,9 +280,11 @@ def test_draft_forward_matches_reference(tmp_path, layout, bias, qk_norm, sharde
         if round_index == 0:
             assert res.emitted[0][0] == seq[-1]  # first token from prefill
         assert emitted == drafts + [bonus], f"round {round_index}"
-        torch.testing.assert_close(torch.tensor(res.draft_scores[0]), torch.tensor(probs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(res.draft_scores[0]), torch.tensor(probs), atol=1e-4, rtol=0
+        )
         seq += drafts + [bonus]
-    assert eng.requests[rid].output == seq[len(prompt):]
+    assert eng.requests[rid].output == seq[len(prompt) :]
 
 
 def test_reference_discriminates_layouts(tmp_path):
@@ -252,7 +315,9 @@ def test_target_loader_drops_draft_keys_and_plain_matches_spec(tmp_path):
 
 def test_qwen3_5_layout_is_recognised_and_refused(tmp_path):
     make_checkpoint(tmp_path / "q", "qwen3_5")
-    with pytest.raises(UnsupportedError, match="qwen3_5_mtp.*recognised but refused.*linear-attention"):
+    with pytest.raises(
+        UnsupportedError, match="qwen3_5_mtp.*recognised but refused.*linear-attention"
+    ):
         _engine(tmp_path / "q")
 
 
@@ -269,18 +334,28 @@ def test_config_publishing_more_depths_than_keys_is_refused(tmp_path):
         _engine(tmp_path / "d")
 
 
-@pytest.mark.parametrize("key", ["model.mtp_layers.0.input_proj.weight", "model.mtp_layers.0.mlp.up_proj.weight",
-                                 "model.layers.1.self_attn.k_proj.weight"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.mtp_layers.0.input_proj.weight",
+        "model.mtp_layers.0.mlp.up_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+    ],
+)
 def test_missing_tensor_is_refused_by_name(tmp_path, key):
     make_checkpoint(tmp_path / "m", "mimo", drop=key)
     with pytest.raises(InputError, match=f"checkpoint tensor {key}: got 'missing'"):
         _engine(tmp_path / "m")
 
 
-@pytest.mark.parametrize("key", ["model.layers.2.eh_proj.weight", "model.layers.0.mlp.down_proj.weight"])
+@pytest.mark.parametrize(
+    "key", ["model.layers.2.eh_proj.weight", "model.layers.0.mlp.down_proj.weight"]
+)
 def test_shape_mismatch_is_refused_by_name(tmp_path, key):
     make_checkpoint(tmp_path / "s", "deepseek", reshape=key)
-    with pytest.raises(InputError, match=rf"checkpoint tensor {key}: got \(\d+, \d+\), expected shape"):
+    with pytest.raises(
+        InputError, match=rf"checkpoint tensor {key}: got \(\d+, \d+\), expected shape"
+    ):
         _engine(tmp_path / "s")
 
 

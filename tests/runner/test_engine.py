@@ -14,7 +14,9 @@ from speccal.runner.sampling import SamplingParams
 
 
 def _cfg(**kw):
-    base = dict(model="tiny", draft_width=3, request_buckets=(1, 2, 4), max_model_len=128, block_size=8)
+    base = dict(
+        model="tiny", draft_width=3, request_buckets=(1, 2, 4), max_model_len=128, block_size=8
+    )
     return EngineConfig(**(base | kw))
 
 
@@ -25,7 +27,9 @@ def test_geometry_and_compatibility():
     assert g.request_buckets == (1, 2, 4) and g.target_rows[4] == (4, 8, 12, 16)
     assert g.kv_capacity_tokens >= 4 * 128 and g.max_model_len == 128 and g.block_size == 8
     c = eng.compatibility()
-    assert c["draft_width"] == 3 and c["graph_mode"] == "eager" and c["verification_mode"] == "greedy"
+    assert (
+        c["draft_width"] == 3 and c["graph_mode"] == "eager" and c["verification_mode"] == "greedy"
+    )
     assert c["device"]["kind"] == "cpu" and c["topology"] == {"tp": 1, "dp": 1}
     assert c["model"]["dtype"] == "float32" and c["model"]["architecture"] == "preset:tiny"
     assert Engine(_cfg(seed=1)).compatibility()["model"]["fingerprint"] != c["model"]["fingerprint"]
@@ -46,13 +50,20 @@ def test_forced_rounds_have_grid_shapes_and_kv_lengths():
     assert eng.kv_lengths().tolist() == res.kv_lengths.tolist()
     res = eng.step(RoundPlan(3, verify_tokens=[0, 1, 3, 2]))
     assert res.g == 12 and res.accepted.tolist() == [0, 1, 3, 2]
-    assert res.draft_scores.shape == (4, 3) and ((res.draft_scores > 0) & (res.draft_scores <= 1)).all()
-    assert eng.kv_lengths().tolist() == [n + 3 + a + 1 for n, a in zip((5, 9, 17, 30), [0, 1, 3, 2])]
+    assert (
+        res.draft_scores.shape == (4, 3)
+        and ((res.draft_scores > 0) & (res.draft_scores <= 1)).all()
+    )
+    assert eng.kv_lengths().tolist() == [
+        n + 3 + a + 1 for n, a in zip((5, 9, 17, 30), [0, 1, 3, 2], strict=False)
+    ]
 
 
 def test_padded_bucket_and_release():
     eng = Engine(_cfg())
-    rids = [eng.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)) for _ in range(3)]
+    rids = [
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)) for _ in range(3)
+    ]
     res = eng.step(RoundPlan(1))
     assert res.bcap == 4 and res.num_requests == 3
     free = eng.num_free_kv_tokens
@@ -68,8 +79,12 @@ def test_more_requests_than_buckets_wait():
     eng = Engine(_cfg(request_buckets=(1, 2)))
     prompts = [[i + 1, i + 2] for i in range(5)]
     outs = generate(eng, prompts, SamplingParams(max_tokens=6, ignore_eos=True), 3)
-    plain = generate(Engine(_cfg(request_buckets=(1, 2), speculative=False)), prompts,
-                     SamplingParams(max_tokens=6, ignore_eos=True), 0)
+    plain = generate(
+        Engine(_cfg(request_buckets=(1, 2), speculative=False)),
+        prompts,
+        SamplingParams(max_tokens=6, ignore_eos=True),
+        0,
+    )
     assert outs == plain and all(len(o) == 6 for o in outs)
 
 
@@ -94,7 +109,11 @@ def test_capacity_errors():
         ({"draft_width": 0}, InputError, "draft_width"),
         ({"acceptance": "typical"}, InputError, "acceptance"),
         ({"acceptance": "synthetic"}, InputError, "acceptance_profile"),
-        ({"acceptance": "synthetic", "acceptance_profile": (0.5, 1.2, 0.1)}, InputError, r"acceptance_profile\[1\]"),
+        (
+            {"acceptance": "synthetic", "acceptance_profile": (0.5, 1.2, 0.1)},
+            InputError,
+            r"acceptance_profile\[1\]",
+        ),
         ({"graph_mode": "split"}, UnsupportedError, "graph_mode"),
         ({"model": "nonexistent-preset"}, InputError, "preset"),
         ({"dtype": "int8"}, InputError, "dtype"),
@@ -105,7 +124,9 @@ def test_config_refusals(kw, exc, match):
         Engine(_cfg(**kw))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA"
+)
 def test_cuda_refused_without_gpu():
     with pytest.raises(UnsupportedError, match="CUDA is not available"):
         Engine(_cfg(device="cuda"))
@@ -135,7 +156,9 @@ def test_synthetic_mean_accepted_length():
     ~0.045; tolerance 0.15 (> 3 standard errors), seeded.
     """
     profile = (0.9, 0.6, 0.5)
-    eng = Engine(_cfg(acceptance="synthetic", acceptance_profile=profile, seed=5, max_model_len=1024))
+    eng = Engine(
+        _cfg(acceptance="synthetic", acceptance_profile=profile, seed=5, max_model_len=1024)
+    )
     for i in range(4):
         eng.add_request([i + 1] * 4, SamplingParams(max_tokens=900, ignore_eos=True))
     for _ in range(150):
@@ -151,7 +174,9 @@ def test_synthetic_mean_accepted_length():
 def test_sample_mode_mixed_temperatures_keeps_greedy_rows_exact():
     prompts = [[5, 6, 7], [9, 10, 11, 12], [1, 2], [3, 3, 3, 3, 3]]
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
-    hot = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.5, top_k=20, top_p=0.9, min_p=0.01)
+    hot = SamplingParams(
+        max_tokens=16, ignore_eos=True, temperature=1.5, top_k=20, top_p=0.9, min_p=0.01
+    )
     plain = generate(Engine(_cfg(speculative=False, seed=11)), prompts, greedy, 0)
     eng = Engine(_cfg(acceptance="sample", seed=11))  # seed: preset weights and sampling
     outs = generate(eng, prompts, [greedy, hot, greedy, hot], 3)
@@ -168,4 +193,9 @@ def test_stats_per_position():
     assert (np.diff(s.accepted_at) <= 0).all()  # prefix-closed
     assert s.hist.sum() == s.num_rounds and (s.hist * np.arange(4)).sum() == s.num_accepted
     d = s.to_dict()
-    assert set(d) >= {"acceptance_rate", "mean_accepted_length", "accepted_length_hist", "accepted_at"}
+    assert set(d) >= {
+        "acceptance_rate",
+        "mean_accepted_length",
+        "accepted_length_hist",
+        "accepted_at",
+    }

@@ -22,7 +22,14 @@ PROMPT_LENS = (3, 23, 9, 14)
 
 
 def _config(**kw) -> EngineConfig:
-    base = dict(model="tiny", draft_width=W, request_buckets=(1, 2, 4), block_size=4, prefill_chunk=5, max_model_len=256)
+    base = dict(
+        model="tiny",
+        draft_width=W,
+        request_buckets=(1, 2, 4),
+        block_size=4,
+        prefill_chunk=5,
+        max_model_len=256,
+    )
     base.update(kw)
     return EngineConfig(**base)
 
@@ -68,7 +75,9 @@ def test_trimmed_verify_is_still_lossless():
     eng = _spec_engine()
     eng.reset()
     prompts = _prompts(4)
-    rids = [eng.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in prompts]
+    rids = [
+        eng.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in prompts
+    ]
     rng = np.random.default_rng(0)
     seen_g = set()
     while eng.has_unfinished():
@@ -92,7 +101,7 @@ def test_stop_token_inside_accepted_prefix():
     chunks = []
     while eng.has_unfinished():
         res = eng.step(RoundPlan(W))
-        chunks += [e for r, e in zip(res.request_ids, res.emitted) if r == rid]
+        chunks += [e for r, e in zip(res.request_ids, res.emitted, strict=False) if r == rid]
     eng.release(rid)
     # a token that first occurs strictly inside a multi-token round, not at its end
     out, stop = [], None
@@ -107,7 +116,7 @@ def test_stop_token_inside_accepted_prefix():
     dropped = 0
     while eng.has_unfinished():
         res = eng.step(RoundPlan(W))
-        for r, e, a in zip(res.request_ids, res.emitted, res.accepted):
+        for r, e, a in zip(res.request_ids, res.emitted, res.accepted, strict=False):
             if r == rid and r in res.finished:
                 dropped = int(a) + 1 - len(e) + (1 if res.first_tokens.get(rid) is not None else 0)
     req = eng.requests[rid]
