@@ -174,6 +174,11 @@ class Engine:
             draft_family=config.draft_family,
         )
         mcfg = self.loaded.config
+        if self.loaded.capabilities.has_recurrent_state:
+            raise UnsupportedError(
+                f"{self.loaded.architecture}: targets with recurrent state need a state-rollback verify path, "
+                "which this runner does not have"
+            )
         if config.max_model_len is None:
             max_len = min(mcfg.max_position_embeddings, 4096)
         elif config.max_model_len > mcfg.max_position_embeddings:

@@ -69,8 +69,11 @@ def plot_cmd(
             err_console.print(f"wrote {p}")
         if "replay" in summary:
             r = summary["replay"]
-            err_console.print(f"replay: best fixed {r['best_fixed']}; gain vs best fixed: "
-                              + ", ".join(f"{k} {v:+.2f}%" for k, v in r["gain_vs_best_fixed_pct"].items()))
+            gains = ", ".join(
+                f"{k} " + ("n/a (not priced on every round)" if v is None else f"{v:+.2f}%")
+                for k, v in r["gain_vs_best_fixed_pct"].items()
+            )
+            err_console.print(f"replay: best fixed {r['best_fixed']}; gain vs best fixed: {gains}")
 
 
 def _plot(table_path: Path, out: Path, trace: Path | None, scenario: str | None, rounds: int,
@@ -96,10 +99,9 @@ def _plot(table_path: Path, out: Path, trace: Path | None, scenario: str | None,
         summary["replay"] = {
             "best_fixed": d["best_fixed"],
             "rounds": d["rounds"],
+            # None: the policy hit a point the table cannot price (no tokens/s to compare).
             "gain_vs_best_fixed_pct": {
-                p["name"]: p["gain_vs_best_fixed_pct"]
-                for p in d["policies"]
-                if p["kind"] != "fixed" and p["gain_vs_best_fixed_pct"] is not None
+                p["name"]: p["gain_vs_best_fixed_pct"] for p in d["policies"] if p["kind"] != "fixed"
             },
         }
     summary["plots"] = [str(p) for p in paths]
