@@ -13,6 +13,8 @@ import math
 import numpy as np
 import pytest
 import torch
+
+from speccal.errors import InputError, UnsupportedError
 from speccal.runner.sampling import (
     GREEDY_TEMPERATURE,
     SamplingParams,
@@ -26,8 +28,6 @@ from speccal.runner.sampling import (
     verify_rejection,
     verify_synthetic,
 )
-
-from speccal.errors import InputError, UnsupportedError
 
 SIGMAS = 5.0
 VOCAB = 16
