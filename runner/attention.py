@@ -30,13 +30,28 @@ ATTENTION_BACKENDS = ("torch", "triton")
 
 @dataclass
 class AttnMeta:
-    """Attention metadata of one forward over ``N`` flat rows of ``B`` requests."""
+    """Attention metadata of one forward over ``N`` flat rows of ``B`` requests.
+
+    Two layouts: the ``[B, R]`` grid (``row_index``, any backend) and the *packed* verify layout
+    (``cu_q_lens``, written on device by ``speccal.kernels.ops.verify_metadata_update``): rows
+    of request ``b`` are ``cu_q_lens[b] .. cu_q_lens[b + 1]``, attended by
+    ``speccal.kernels.ops.paged_attention`` directly (no scatter), with the split-KV ``tiling``
+    from ``attention_tiling_update`` and the bucket's static ``plan``.
+    """
 
     slot_mapping: torch.Tensor  # [N] int64
-    row_index: torch.Tensor  # [N] int64 into B * num_q_rows (+1 trash row)
+    row_index: torch.Tensor | None  # [N] int64 into B * num_q_rows (+1 trash row); None: packed
     block_table: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32
-    num_q_rows: int  # R
+    num_q_rows: int  # R (packed: the most rows of one request)
+    cu_q_lens: torch.Tensor | None = None  # [B + 1] int32 (packed layout)
+    tiling: tuple[torch.Tensor, torch.Tensor] | None = None  # (num_splits [B], split_len [B])
+    plan: object | None = None  # speccal.kernels.ops.SplitPlan of the bucket
+
+
+def fused_kernels(x: torch.Tensor) -> bool:
+    """True when layers should use the fused Triton ops (``triton`` backend, CUDA tensor)."""
+    return _backend["name"] == "triton" and x.is_cuda
 
 
 def write_kv(
@@ -101,7 +116,7 @@ def set_attention_backend(name: str) -> None:
         _backend.update(fn=paged_attention_torch, name="torch")
         return
     try:
-        from speccal.kernels import paged_attention as kernel  # noqa: PLC0415
+        from speccal.kernels.ops import paged_attention as kernel  # noqa: PLC0415
     except ImportError as exc:
         raise UnsupportedError(f"attention_backend='triton' is unavailable: {exc}") from exc
     _backend.update(fn=kernel, name="triton")
@@ -131,12 +146,33 @@ def attend_rows(
     meta: AttnMeta,
     scale: float,
 ) -> torch.Tensor:  # [N, num_heads, head_dim]
-    """Scatter flat query rows into the ``[B, R]`` grid, attend, gather them back."""
+    """Scatter flat query rows into the ``[B, R]`` grid, attend, gather them back.
+
+    Packed metadata (``meta.cu_q_lens``) skips the scatter: the kernel reads the rows in place.
+    """
+    if meta.cu_q_lens is not None:
+        from speccal.kernels import ops  # noqa: PLC0415
+
+        return ops.paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.block_table,
+            meta.seq_lens,
+            meta.num_q_rows,
+            scale,
+            cu_q_lens=meta.cu_q_lens,
+            tiling=meta.tiling,
+            plan=meta.plan,
+        )
     num_b = meta.block_table.shape[0]
     num_r = meta.num_q_rows
     grid = q.new_zeros(num_b * num_r + 1, *q.shape[1:])
     grid.index_copy_(0, meta.row_index, q)
-    out = paged_attention(
+    extra = {}
+    if meta.plan is not None and _backend["name"] == "triton":
+        extra = {"plan": meta.plan, "tiling": meta.tiling}
+    out = _backend["fn"](
         grid[: num_b * num_r].view(num_b, num_r, *q.shape[1:]),
         k_cache,
         v_cache,
@@ -144,6 +180,7 @@ def attend_rows(
         meta.seq_lens,
         num_r,
         scale,
+        **extra,
     )
     flat = torch.cat([out.reshape(num_b * num_r, *q.shape[1:]), grid[-1:]], dim=0)
     return flat.index_select(0, meta.row_index)

@@ -14,7 +14,7 @@ arrival order as slots free up); the physical batch is ``geometry.bcap_for(B)``;
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +34,8 @@ from speccal.runner.sampling import SamplingParams, check_supported
 from speccal.runner.stats import SpecStats
 
 ACCEPTANCE_MODES = ("greedy", "sample", "synthetic", "forced")
-GRAPH_MODES = ("eager",)
+GRAPH_MODES = ("eager", "split")
+INPUT_UPDATES = ("auto", "in_graph", "host")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,11 @@ class EngineConfig:
     prefill_chunk : most prompt tokens per prefill forward (chunked prefill).
     speculative : False runs plain decoding (``k = 0`` rounds, no draft head loaded).
     attention_backend : ``torch`` (reference) or ``triton`` (``speccal.kernels``).
-    graph_mode : ``eager`` (CUDA graphs come with the kernels issue).
+    graph_mode : ``eager`` or ``split`` (CUDA graphs: a draft graph per (Bcap, k), a target graph
+        per (Bcap, k, G), captured at construction; cuda/npu only, see ``runner/graphs.py``).
+    input_update : ``auto`` | ``in_graph`` | ``host``: how the target's verify inputs are built
+        (device update kernels inside the target graph, or host-prepared; ``auto`` follows the
+        capability contract in ``RoundRunner.resolve_update``).
     draft_family : presets only: key layout of the random MTP head.
     """
 
@@ -79,6 +84,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     graph_mode: str = "eager"
     draft_family: str | None = None
+    input_update: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_width, int) or self.draft_width < 1:
@@ -87,7 +93,13 @@ class EngineConfig:
             raise InputError("acceptance", self.acceptance, f"one of {', '.join(ACCEPTANCE_MODES)}")
         if self.graph_mode not in GRAPH_MODES:
             raise UnsupportedError(
-                f"graph_mode={self.graph_mode!r}: only 'eager' is implemented in this runner"
+                f"graph_mode={self.graph_mode!r}: one of {', '.join(GRAPH_MODES)}"
+            )
+        if self.input_update not in INPUT_UPDATES:
+            raise InputError("input_update", self.input_update, f"one of {', '.join(INPUT_UPDATES)}")
+        if self.graph_mode == "split" and not self.device.startswith(("cuda", "npu")):
+            raise UnsupportedError(
+                f"graph_mode='split' captures CUDA/NPU graphs; device {self.device!r} runs 'eager'"
             )
         object.__setattr__(self, "request_buckets", tuple(int(b) for b in self.request_buckets))
         if self.acceptance == "synthetic":
@@ -118,10 +130,37 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """What the next round runs: ``k`` draft steps and optional per-request verify lengths."""
+    """What the next round runs: ``k`` draft steps and optional per-request verify lengths.
+
+    ``verify_budget`` (adaptive target verify): padded target rows ``G`` the round may use; the
+    engine then sends each request a prefix of its drafts chosen by the rule of
+    ``speccal.policy.allocate_prefixes`` (highest prefix survival first, prefix-closed, at most
+    ``G - B`` draft rows) and reports it in ``RoundResult.num_verify``. Exclusive with
+    ``verify_tokens``. The survival scores are each request's draft scores of its previous round
+    (already on the host from the normal result collection; a request without one gets zeros, so
+    ties go position-major): the runner has no device-side allocation between draft and verify yet.
+    """
 
     num_draft_steps: int
     verify_tokens: Sequence[int] | None = None
+    verify_budget: int | None = None
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """What a plan callback sees after admission, before the round is planned.
+
+    ``round_index`` counts rounds over a non-empty batch, consecutively from 0 (reset by
+    :meth:`Engine.reset`); ``kv_length`` is the batch's mean target KV length before the round.
+    """
+
+    round_index: int
+    num_requests: int
+    kv_length: float
+    request_ids: tuple[int, ...]
+
+
+PlanFn = Callable[[RoundState], RoundPlan]
 
 
 @dataclass
@@ -147,6 +186,7 @@ class RoundResult:
     kv_lengths: np.ndarray  # [B] int64, after the round
     num_prefill_tokens: int = 0
     first_tokens: dict[int, int] = field(default_factory=dict)
+    round_index: int = -1  # -1: no round ran (empty batch)
 
 
 class Engine:
@@ -231,7 +271,17 @@ class Engine:
             generator=self.generator,
             device=self.device,
             dtype=torch_dtype,
+            graph_mode=config.graph_mode,
+            input_update=config.input_update,
+            max_model_len=max_len,
         )
+        if config.attention_backend == "triton" and self.device.type == "cuda":
+            self.loaded.target.fuse_weights()
+            if self.loaded.draft is not None:
+                self.loaded.draft.layer.self_attn.fuse_weights()
+                self.loaded.draft.layer.mlp.fuse_weights()
+        if config.graph_mode == "split":
+            self._capture_graphs()
         self.stats = SpecStats(w)
         self._ids = itertools.count()
         self._waiting: list[Request] = []
@@ -239,6 +289,30 @@ class Engine:
         self._free_slots = list(range(max_bucket - 1, -1, -1))
         self.requests: dict[int, Request] = {}
         self._early_finished: list[int] = []
+        self._round_index = 0
+        self._last_scores: dict[int, np.ndarray] = {}  # rid -> [k] draft scores of its last round
+
+    def _capture_graphs(self) -> None:
+        """Capture every (Bcap, k[, G]) graph the geometry allows, largest first (one pool)."""
+        from speccal.runner.graphs import GraphKey  # noqa: PLC0415
+
+        runner = self.runner
+        ks = range(1, self.config.draft_width + 1) if self.config.speculative else [0]
+        keys = []
+        for bcap in self.geometry.request_buckets:
+            for k in ks:
+                if k > 0:
+                    keys.append(GraphKey("draft", bcap, k))
+                legal = {self.geometry.g_for(bcap, r) for r in range(1, bcap * (k + 1) + 1)}
+                for g in sorted(x for x in legal if x is not None):
+                    keys.append(GraphKey("target", bcap, k, g, runner.resolve_update(bcap, k, g)))
+
+        def make_inputs(key):
+            x = runner.prepare([], key.bcap, key.k, np.zeros(0, np.int64), key.g or key.bcap)
+            x.update = key.update or x.update
+            return x
+
+        runner.capture(keys, make_inputs)
 
     # ------------------------------------------------------------------ info
 
@@ -335,6 +409,7 @@ class Engine:
             )
         if req.finish_reason is None:
             req.finish_reason = "released"
+        self._last_scores.pop(rid, None)
         self._finish(req)
 
     def reset(self) -> None:
@@ -342,7 +417,27 @@ class Engine:
         for rid in list(self.requests):
             self.release(rid)
         self._early_finished = []
+        self._round_index = 0
+        self._last_scores = {}
         self.stats = SpecStats(self.config.draft_width)
+
+    def set_acceptance_profile(self, profile: Sequence[float]) -> None:
+        """``synthetic`` only: replace the per-position acceptance profile (``w`` values) in place
+        (phase changes of a synthetic workload)."""
+        if self.config.acceptance != "synthetic":
+            raise UnsupportedError(
+                f"set_acceptance_profile: acceptance={self.config.acceptance!r} (needs 'synthetic')"
+            )
+        w = self.config.draft_width
+        vals = [float(p) for p in profile]
+        if len(vals) != w or not all(0.0 <= p <= 1.0 for p in vals):
+            raise InputError("acceptance_profile", list(profile), f"{w} probabilities in [0, 1]")
+        self.runner.profile.copy_(torch.tensor(vals, dtype=torch.float32))
+
+    @property
+    def round_index(self) -> int:
+        """Index the next round over a non-empty batch will get."""
+        return self._round_index
 
     def synchronize(self) -> None:
         synchronize(self.device)
@@ -394,6 +489,8 @@ class Engine:
             raise InputError(
                 "num_draft_steps", k, "0 (the engine was built with speculative=False)"
             )
+        if plan.verify_budget is not None:
+            return k, self._allocate_verify(plan, k, n)
         if plan.verify_tokens is None:
             return k, np.full(n, k, dtype=np.int64)
         nv = np.asarray(list(plan.verify_tokens), dtype=np.int64)
@@ -405,14 +502,50 @@ class Engine:
             )
         return k, nv
 
-    def step(self, plan: RoundPlan) -> RoundResult:
-        """Admit and prefill waiting requests, then run one round over the running batch."""
+    def _allocate_verify(self, plan: RoundPlan, k: int, n: int) -> np.ndarray:
+        """``verify_tokens`` inside ``plan.verify_budget`` (see :class:`RoundPlan`)."""
+        budget = plan.verify_budget
+        if plan.verify_tokens is not None:
+            raise InputError(
+                "verify_budget", budget, "None when verify_tokens is given (one or the other)"
+            )
+        if not isinstance(budget, (int, np.integer)) or budget < n:
+            raise InputError(
+                "verify_budget", budget, f"an integer >= {n} target rows (one per request)"
+            )
+        scores = np.zeros((n, k), dtype=np.float64)
+        for i, req in enumerate(self._running):
+            last = self._last_scores.get(req.rid)
+            if last is not None:
+                m = min(k, last.size)
+                scores[i, :m] = last[:m]
+        # The one implementation of the rule (pure numpy; the replay uses it too).
+        from speccal.policy import allocate_prefixes
+
+        return allocate_prefixes(scores, int(budget) - n)
+
+    def step(self, plan: RoundPlan | PlanFn) -> RoundResult:
+        """Admit and prefill waiting requests, then run one round over the running batch.
+
+        ``plan`` is a :class:`RoundPlan` or a callback ``plan(RoundState) -> RoundPlan`` called
+        after admission (so a policy sees the round's batch size and mean KV length); it is not
+        called when the batch is empty.
+        """
         first: dict[int, int] = {}
         num_prefill, finished = self._admit(first)
         finished = self._early_finished + finished
         self._early_finished = []
         batch = list(self._running)
         n = len(batch)
+        if callable(plan):
+            if n == 0:
+                plan = RoundPlan(self.config.draft_width if self.config.speculative else 0)
+            else:
+                kv = float(np.mean([r.num_computed for r in batch]))
+                state = RoundState(self._round_index, n, kv, tuple(r.rid for r in batch))
+                plan = plan(state)
+                if not isinstance(plan, RoundPlan):
+                    raise InputError("plan callback result", plan, "a RoundPlan")
         k, nv = self._check_plan(plan, n)
         if n == 0:
             empty = np.zeros(0, dtype=np.int64)
@@ -452,11 +585,16 @@ class Engine:
             if req.is_finished:
                 finished.append(req.rid)
         kv_lens = np.array([r.num_computed for r in batch], dtype=np.int64)
-        for req in batch:
+        for b, req in enumerate(batch):
             if req.is_finished:
                 self._finish(req)
+                self._last_scores.pop(req.rid, None)
+            elif k > 0:
+                self._last_scores[req.rid] = scores[b]
         if k > 0:
             self.stats.add(nv, accepted, num_emitted)
+        round_index = self._round_index
+        self._round_index += 1
         pos = np.arange(k)
         return RoundResult(
             num_requests=n,
@@ -473,4 +611,5 @@ class Engine:
             kv_lengths=kv_lens,
             num_prefill_tokens=num_prefill,
             first_tokens=first,
+            round_index=round_index,
         )

@@ -1,8 +1,10 @@
 """Library entry points of ``speccal generate`` and ``speccal bench``.
 
-This module owns :func:`generate` (run requests to completion on an engine) and :func:`bench`
+This module owns :func:`generate` (run requests to completion on an engine), :func:`bench`
 (speculative vs plain decoding of the same prompts in one process, with timing and acceptance
-statistics). Timing edges are device-synchronised; prefill is timed apart from decoding.
+statistics) and :func:`bench_policies` (``speccal bench --policy``: the same workload under each
+policy object through ``speccal.runner.live``). Timing edges are device-synchronised; prefill is
+timed apart from decoding.
 """
 
 from __future__ import annotations
@@ -158,3 +160,76 @@ def bench(
         "repeats": repeats,
     }
     return results
+
+
+def workload_prompts(
+    vocab_size: int, num_requests: int, prompt_len: int, seed: int
+) -> list[list[int]]:
+    """Random prompts of ``prompt_len`` tokens (deterministic in ``seed``; same for every policy)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, prompt_len).tolist() for _ in range(num_requests)]
+
+
+def bench_policies(
+    engine: Engine,
+    policies: Sequence,
+    cost,
+    *,
+    num_requests: int,
+    prompt_len: int,
+    max_tokens: int,
+    phases: Sequence = (),
+    seed: int = 0,
+    warmup_tokens: int = 8,
+    on_progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Live runs of the same workload under each policy object, one engine, one process.
+
+    ``policies`` are fresh ``speccal.policy`` objects built on ``cost`` (a
+    ``speccal.policy.CostModel``); a short warm-up run at every ``k`` precedes the timed runs.
+    Returns ``{"policies": [summary...], "runs": {name: LiveRun}, "best_fixed", "setup"}`` with
+    each summary's ``gain_vs_best_fixed_pct`` (``round_tokens_per_s``) and, when the cost model
+    prices the run, its ``replay`` prediction (a fresh twin replayed on the run's own trace).
+    """
+    from speccal.policy import make_policy
+    from speccal.runner.live import replay_prediction, run_live
+
+    prompts = workload_prompts(engine.loaded.config.vocab_size, num_requests, prompt_len, seed)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    w = engine.config.draft_width
+    if on_progress:
+        on_progress("warm-up")
+    warm = SamplingParams(max_tokens=min(warmup_tokens, max_tokens), ignore_eos=True)
+    for k in range(1, w + 1):
+        run_live(
+            engine, make_policy(f"fixed:{k}", cost), "draft_step", prompts, warm, phases=phases
+        )
+    summaries, runs = [], {}
+    meta = {
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "max_tokens": max_tokens,
+        "seed": seed,
+    }
+    for pol in policies:
+        if on_progress:
+            on_progress(f"live {pol.name}")
+        engine.stats = type(engine.stats)(w)
+        run = run_live(engine, pol, cost.mode, prompts, params, phases=phases, meta=meta)
+        runs[pol.name] = run
+        s = run.summary()
+        pred = replay_prediction(run, cost, make_policy(pol.name, cost))
+        s["replay"] = {k: v for k, v in pred.items() if not isinstance(v, np.ndarray)}
+        summaries.append(s)
+    fixed = [s for s in summaries if s["policy"].startswith("fixed:")]
+    best = max(fixed, key=lambda s: s["round_tokens_per_s"]) if fixed else None
+    for s in summaries:
+        s["gain_vs_best_fixed_pct"] = (
+            100.0 * (s["round_tokens_per_s"] / best["round_tokens_per_s"] - 1.0) if best else None
+        )
+    return {
+        "policies": summaries,
+        "runs": runs,
+        "best_fixed": best["policy"] if best else None,
+        "setup": {**meta, "phases": [p.name for p in phases], "mode": cost.mode},
+    }

@@ -12,9 +12,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speccal.runner.attention import AttnMeta, attend_rows, write_kv
+from speccal.runner.attention import AttnMeta, attend_rows, fused_kernels, write_kv
 from speccal.runner.config import ModelConfig
 from speccal.runner.rope import RotaryTable
+
+
+def _ops():
+    from speccal.kernels import ops  # noqa: PLC0415  (lazy: CPU runs never need it)
+
+    return ops
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` through the split-K Triton GEMV when fused kernels are on."""
+    if not fused_kernels(x):
+        return nn.functional.linear(x, weight, bias)
+    y = _ops().linear(x.contiguous(), weight)
+    return y if bias is None else y + bias
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +40,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if fused_kernels(x) and x.is_contiguous():
+            return _ops().rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -51,6 +67,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse_weights (views, not copies)
+        self.qkv_bias: torch.Tensor | None = None
 
     def forward(
         self,
@@ -61,16 +79,43 @@ class Attention(nn.Module):
         rotary: RotaryTable,
     ) -> torch.Tensor:  # [N, hidden]
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is not None and fused_kernels(x):
+            qkv = _linear(x, self.qkv_weight, self.qkv_bias)  # [N, (hq + 2 hk) d]
+            q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+            q, k, v = q.reshape(n, hq, d), k.reshape(n, hk, d), v.reshape(n, hk, d)
+        else:
+            q = _linear(x, self.q_proj.weight, self.q_proj.bias).view(n, hq, d)
+            k = _linear(x, self.k_proj.weight, self.k_proj.bias).view(n, hk, d)
+            v = _linear(x, self.v_proj.weight, self.v_proj.bias).view(n, hk, d)
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = rotary(q, k, positions)
-        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+            q = self.q_norm(q.contiguous())
+            k = self.k_norm(k.contiguous())
+        cos_sin = rotary.cos_sin_cache if fused_kernels(x) else None
+        if cos_sin is not None:  # rotary on q in place; rotated k and v straight into the cache
+            _ops().rotary_kv_write(q, k, v, positions, cos_sin, meta.slot_mapping, kv[0], kv[1])
+        else:
+            q, k = rotary(q, k, positions)
+            write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
         out = attend_rows(q, kv[0], kv[1], meta, self.scale)  # [N, heads, head_dim]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return _linear(out.reshape(n, hq * d), self.o_proj.weight, None)
+
+    def fuse_weights(self) -> None:
+        """Make q/k/v weights views of one ``[(hq + 2 hk) d, hidden]`` matrix (one GEMV launch)."""
+        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        qkv = torch.cat([w.data for w in ws], dim=0)
+        offs = 0
+        for w in ws:
+            w.data = qkv[offs : offs + w.shape[0]]
+            offs += w.shape[0]
+        self.qkv_weight = qkv
+        if self.q_proj.bias is not None:
+            bs = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
+            self.qkv_bias = torch.cat([b.data for b in bs])
+            offs = 0
+            for b in bs:
+                b.data = self.qkv_bias[offs : offs + b.shape[0]]
+                offs += b.shape[0]
 
 
 class MLP(nn.Module):
@@ -81,9 +126,22 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is not None and fused_kernels(x):
+            gate, up = _linear(x, self.gate_up_weight, None).chunk(2, dim=-1)
+        else:
+            gate = _linear(x, self.gate_proj.weight, None)
+            up = _linear(x, self.up_proj.weight, None)
+        return _linear(nn.functional.silu(gate) * up, self.down_proj.weight, None)
+
+    def fuse_weights(self) -> None:
+        """Make gate/up weights views of one ``[2 inter, hidden]`` matrix."""
+        ws = [self.gate_proj.weight, self.up_proj.weight]
+        gu = torch.cat([w.data for w in ws], dim=0)
+        ws[0].data, ws[1].data = gu[: ws[0].shape[0]], gu[ws[0].shape[0] :]
+        self.gate_up_weight = gu
 
 
 class DecoderLayer(nn.Module):
@@ -104,5 +162,30 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         rotary: RotaryTable,
     ) -> torch.Tensor:  # [N, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out, residual = self.forward_residual(x, None, positions, meta, kv, rotary)
+        return out + residual
+
+    def forward_residual(
+        self,
+        x: torch.Tensor,  # [N, hidden]: last layer's MLP output (or the embedding)
+        residual: torch.Tensor | None,  # [N, hidden]: the running sum before x (None: first layer)
+        positions: torch.Tensor,  # [N] int64
+        meta: AttnMeta,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryTable,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp output, residual); hidden = their sum
+        """vLLM-style residual stream: the add of each sub-block folds into the next norm."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if fused_kernels(x):
+            ops = _ops()
+            if residual is None:
+                residual = x.clone()
+                h = ops.rms_norm(x, ln1.weight, ln1.eps)
+            else:
+                h = ops.rms_norm(x, ln1.weight, ln1.eps, residual=residual)  # residual += x
+            a = self.self_attn(h, positions, meta, kv, rotary)
+            h = ops.rms_norm(a, ln2.weight, ln2.eps, residual=residual)  # residual += a
+            return self.mlp(h), residual
+        residual = x if residual is None else residual + x
+        residual = residual + self.self_attn(ln1(residual), positions, meta, kv, rotary)
+        return self.mlp(ln2(residual)), residual

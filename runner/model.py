@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from speccal.runner.attention import AttnMeta
+from speccal.runner.attention import AttnMeta, fused_kernels
 from speccal.runner.config import ModelConfig
 from speccal.runner.layers import DecoderLayer, RMSNorm
 from speccal.runner.rope import RotaryTable
@@ -67,9 +67,25 @@ class TargetModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) per layer
     ) -> torch.Tensor:  # [N, hidden], after the final norm
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, meta, kv, self.rotary)
-        return self.model.norm(x)
+            x, residual = layer.forward_residual(x, residual, positions, meta, kv, self.rotary)
+        norm = self.model.norm
+        if fused_kernels(x):
+            from speccal.kernels import ops  # noqa: PLC0415
+
+            return ops.rms_norm(x, norm.weight, norm.eps, residual=residual)
+        return norm(x + residual)
+
+    def fuse_weights(self) -> None:
+        """Concatenate q/k/v and gate/up weights (views keep the parameters): fewer launches."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_weights()
+            layer.mlp.fuse_weights()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        if fused_kernels(hidden):
+            from speccal.kernels import ops  # noqa: PLC0415
+
+            return ops.linear(hidden.contiguous(), self.lm_head.weight).float()
         return self.lm_head(hidden).float()

@@ -111,6 +111,12 @@ class RotaryTable(torch.nn.Module):
         self.rotary_dim = emb.shape[-1]
         self.register_buffer("cos", (emb.cos() * scale).float(), persistent=False)
         self.register_buffer("sin", (emb.sin() * scale).float(), persistent=False)
+        half = self.rotary_dim // 2
+        full = self.rotary_dim == cfg.head_dim
+        # ``[P, head_dim]`` cos | sin halves: the fused rotary + KV write kernel's table (full
+        # rotary only; partial rotary keeps the torch path).
+        cos_sin = torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=-1) if full else None
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(
         self,

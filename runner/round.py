@@ -26,10 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from speccal.errors import UnsupportedError
 from speccal.runner import sampling
-from speccal.runner.attention import AttnMeta
+from speccal.runner.attention import AttnMeta, attention_backend
 from speccal.runner.buffers import StaticInputs
 from speccal.runner.device import is_pinnable, synchronize
+from speccal.runner.graphs import GraphKey, GraphSet
 from speccal.runner.kv_cache import SENTINEL_SLOT, KVCache
 from speccal.runner.model import TargetModel
 from speccal.runner.mtp import MTPHead
@@ -47,6 +49,7 @@ class RoundInputs:
     num_ext_rows: int  # R of the draft-extend grid
     num_verify: np.ndarray  # [B] int64 (host copy)
     t: dict  # name -> device tensor
+    update: str = "host"  # target input update: "in_graph" (device kernels) | "host"
 
 
 @dataclass
@@ -75,6 +78,9 @@ class RoundRunner:
         generator: torch.Generator,
         device: torch.device,
         dtype: torch.dtype,
+        graph_mode: str = "eager",
+        input_update: str = "auto",
+        max_model_len: int = 4096,
     ):
         self.target = target
         self.draft = draft
@@ -100,6 +106,13 @@ class RoundRunner:
         self.slot_top_p = torch.ones(self.num_slots, device=device)
         self.slot_min_p = torch.zeros(self.num_slots, device=device)
         self.step_rows = torch.arange(max_bucket, device=device)
+        self.step_cu = torch.arange(max_bucket + 1, dtype=torch.int32, device=device)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.graph_mode = graph_mode
+        self.static = graph_mode == "split"
+        self.input_update = input_update
+        self.max_model_len = max_model_len
+        self._plans: dict[int, object] = {}
         rows = max_bucket * w1
         i64, i32 = torch.int64, torch.int32
         self.inputs = StaticInputs(
@@ -122,6 +135,10 @@ class RoundRunner:
                 "num_verify": (max_bucket, i64),
                 "slot_index": (max_bucket, i64),
                 "block_table": (max_bucket * max_blocks_per_seq, i32),
+                "ext_cu": (max_bucket + 1, i32),
+                "ctx_lens": (max_bucket, i32),
+                "nv32": (max_bucket, i32),
+                "ver_drafts": (max_bucket * draft_width, i64),
             },
             device,
         )
@@ -130,6 +147,47 @@ class RoundRunner:
         self._host_scores = torch.zeros(
             max_bucket * draft_width, dtype=torch.float32, pin_memory=pin
         )
+        self._host_drafts = torch.zeros(max_bucket * draft_width, dtype=i64, pin_memory=pin)
+        self.graphs = GraphSet(device, generator) if self.static else None
+
+    # ------------------------------------------------------------------ capabilities
+
+    def resolve_update(self, bcap: int, k: int, g: int) -> str:
+        """Which target input path a round takes (the capability contract).
+
+        ``in_graph`` only when the model declares ``supports_in_graph_input_update`` and
+        ``requires_causal_chunked_prefill`` (causal packed verify rows), the kernels can run the
+        packed layout (the ``triton`` backend; ``input_update="in_graph"`` forces the reference
+        kernels elsewhere), and the shape is inside the validated ones (``g`` rows hold every
+        request's ``k + 1`` rows or fewer, ``k <= w``, ``bcap <= max bucket``). Otherwise the
+        host prepares the verify inputs.
+        """
+        caps = self.target.capabilities
+        declared = caps.supports_in_graph_input_update and caps.requires_causal_chunked_prefill
+        inside = 0 <= k <= self.w and 1 <= bcap <= self.max_bucket and 1 <= g <= bcap * (k + 1)
+        mode = self.input_update
+        if mode == "host" or not declared or not inside:
+            if mode == "in_graph" and not (declared and inside):
+                raise UnsupportedError(
+                    f"input_update='in_graph' is outside the contract (declared={declared}, "
+                    f"bcap={bcap}, k={k}, g={g}); use 'auto' to fall back"
+                )
+            return "host"
+        if mode == "in_graph" or attention_backend() == "triton":
+            return "in_graph"
+        return "host"
+
+    def plan(self, bcap: int):
+        """Static split-KV plan of a request bucket (triton backend only; None otherwise)."""
+        if attention_backend() != "triton" or self.device.type != "cuda":
+            return None
+        if bcap not in self._plans:
+            from speccal.kernels.ops import plan_splits  # noqa: PLC0415
+
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            heads = self.target.config.num_key_value_heads
+            self._plans[bcap] = plan_splits(bcap, heads, sms, max_len=self.max_model_len)
+        return self._plans[bcap]
 
     # ------------------------------------------------------------------ slot state
 
@@ -150,7 +208,13 @@ class RoundRunner:
     def prepare(
         self, batch: list[Request], bcap: int, k: int, num_verify: np.ndarray, g: int
     ) -> RoundInputs:
-        """Host phase: allocate KV, compute positions / slots / indices, stage them (async)."""
+        """Host phase: allocate KV, compute positions / slots / indices, stage them (async).
+
+        The block table is trimmed to the blocks the batch uses this round (eager; the torch
+        attention gathers every column) or kept at ``max_blocks_per_seq`` columns (graphs: one
+        shape per bucket; the kernels read only ``seq_lens`` worth). Captured graphs also pad
+        the draft-extend rows to ``bcap * (w + 1)`` (``R = w + 1``).
+        """
         bs = self.block_size
         w1 = self.w + 1
         n = len(batch)
@@ -162,6 +226,8 @@ class RoundRunner:
         for r in batch:
             self.kv.allocator.grow(r.blocks, r.num_computed + k + 1)
         width = max(1, -(-int(lens.max() + k + 1) // bs))
+        if self.static:
+            width = self.max_blocks_per_seq
         bt = np.zeros((bcap, width), dtype=np.int32)
         for b, r in enumerate(batch):
             bt[b, : len(r.blocks)] = r.blocks[:width]
@@ -175,19 +241,30 @@ class RoundRunner:
         t["slot_index"] = self.inputs.put("slot_index", slots)
         t["pending_index"] = self.inputs.put("pending_index", slots * w1 + num_ext - 1)
         r_ext = 1
+        t["ctx_lens"] = self.inputs.put("ctx_lens", lens.astype(np.int32))
+        t["nv32"] = self.inputs.put("nv32", nv.astype(np.int32))
         if self.draft is not None and k > 0:
-            r_ext = int(num_ext.max())
+            r_ext = w1 if self.static else int(num_ext.max())
             b_idx = np.repeat(np.arange(bcap), num_ext)
             cu = np.concatenate([[0], np.cumsum(num_ext)])
             i_idx = np.arange(cu[-1]) - cu[b_idx]
             pos = lens[b_idx] - num_ext[b_idx] + i_idx
             real = is_req[b_idx]
-            t["ext_index"] = self.inputs.put("ext_index", slots[b_idx] * w1 + i_idx)
-            t["ext_pos"] = self.inputs.put("ext_pos", np.maximum(pos, 0))
-            t["ext_slot"] = self.inputs.put("ext_slot", slot_of(b_idx, np.maximum(pos, 0), real))
-            t["ext_row"] = self.inputs.put(
-                "ext_row", b_idx * r_ext + (r_ext - num_ext[b_idx]) + i_idx
-            )
+            ext_slot = slot_of(b_idx, np.maximum(pos, 0), real)
+            ext_row = b_idx * r_ext + (r_ext - num_ext[b_idx]) + i_idx
+            ext_index = slots[b_idx] * w1 + i_idx
+            pos = np.maximum(pos, 0)
+            if self.static:  # pad to bcap * (w + 1) rows: trash state, sentinel slot, trash row
+                pad = bcap * w1 - len(b_idx)
+                ext_index = np.concatenate([ext_index, np.full(pad, self.trash_slot * w1)])
+                pos = np.concatenate([pos, np.zeros(pad, np.int64)])
+                ext_slot = np.concatenate([ext_slot, np.full(pad, SENTINEL_SLOT, np.int64)])
+                ext_row = np.concatenate([ext_row, np.full(pad, bcap * r_ext, np.int64)])
+            t["ext_cu"] = self.inputs.put("ext_cu", cu.astype(np.int32))
+            t["ext_index"] = self.inputs.put("ext_index", ext_index)
+            t["ext_pos"] = self.inputs.put("ext_pos", pos)
+            t["ext_slot"] = self.inputs.put("ext_slot", ext_slot)
+            t["ext_row"] = self.inputs.put("ext_row", ext_row)
             t["ext_seq"] = self.inputs.put(
                 "ext_seq", np.where(is_req, lens, r_ext).astype(np.int32)
             )
@@ -222,7 +299,9 @@ class RoundRunner:
             "ver_seq", np.where(is_req, lens + k + 1, k + 1).astype(np.int32)
         )
         t["num_verify"] = self.inputs.put("num_verify", nv)
-        return RoundInputs(n, bcap, k, g, r_ext, nv[:n].copy(), t)
+        t["ver_drafts"] = self.inputs.dev["ver_drafts"][: bcap * k].view(bcap, k)
+        update = self.resolve_update(bcap, k, g)
+        return RoundInputs(n, bcap, k, g, r_ext, nv[:n].copy(), t, update)
 
     # ------------------------------------------------------------------ execute
 
@@ -249,41 +328,97 @@ class RoundRunner:
             num_verify=nv,
         )
 
-    @torch.inference_mode()
-    def execute(self, x: RoundInputs) -> RoundOutputs:
-        """Device phase: draft extend + k - 1 draft steps + verify + acceptance + state update."""
+    def _tiling(self, seq: torch.Tensor, plan):  # [B] int32 -> (num_splits, split_len) | None
+        if plan is None:
+            return None
+        from speccal.kernels import ops  # noqa: PLC0415
+
+        num_splits = torch.empty_like(seq)
+        split_len = torch.empty_like(seq)
+        ops.attention_tiling_update(seq, num_splits, split_len, plan)
+        return num_splits, split_len
+
+    def _draft_meta(self, slot, row, bt, seq, num_r, cu, plan) -> AttnMeta:
+        if plan is None:  # torch backend: the [B, R] grid
+            return AttnMeta(slot, row, bt, seq, num_r)
+        return AttnMeta(slot, None, bt, seq, num_r, cu, self._tiling(seq, plan), plan)
+
+    def draft_part(self, x: RoundInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft extend + ``k - 1`` steps: drafted tokens ``[bcap, k]`` and scores ``[bcap, k]``."""
         t, bcap, k = x.t, x.bcap, x.k
         target, draft = self.target, self.draft
         hidden = self.ext_hidden.shape[-1]
         bt = t["block_table"]
+        plan = self.plan(bcap)
+        tok = self.ext_tokens.view(-1)[t["ext_index"]]
+        hid = self.ext_hidden.view(-1, hidden)[t["ext_index"]]
+        meta = self._draft_meta(
+            t["ext_slot"], t["ext_row"], bt, t["ext_seq"], x.num_ext_rows, t["ext_cu"], plan
+        )
+        fb, normed = draft(target, hid, tok, t["ext_pos"], meta, self.draft_kv)
+        fb, normed = fb[t["ext_last"]], normed[t["ext_last"]]
         drafts, scores = [], []
-        if draft is not None and k > 0:
-            tok = self.ext_tokens.view(-1)[t["ext_index"]]
-            hid = self.ext_hidden.view(-1, hidden)[t["ext_index"]]
-            meta = AttnMeta(t["ext_slot"], t["ext_row"], bt, t["ext_seq"], x.num_ext_rows)
-            fb, normed = draft(target, hid, tok, t["ext_pos"], meta, self.draft_kv)
-            fb, normed = fb[t["ext_last"]], normed[t["ext_last"]]
-            for j in range(k):
-                if j > 0:
-                    meta = AttnMeta(
-                        t["step_slot"][j - 1], self.step_rows[:bcap], bt, t["step_seq"][j - 1], 1
-                    )
-                    fb, normed = draft(target, fb, tok, t["step_pos"][j - 1], meta, self.draft_kv)
-                logits = draft.logits(target, normed)  # [bcap, V]
-                tok = logits.argmax(dim=-1)
-                drafts.append(tok)
-                scores.append(sampling.draft_token_probability(logits, tok))
-        draft_tokens = torch.stack(drafts, 1) if drafts else self.ext_tokens.new_zeros(bcap, 0)
+        for j in range(k):
+            if j > 0:
+                seq = t["step_seq"][j - 1]
+                meta = self._draft_meta(
+                    t["step_slot"][j - 1], self.step_rows[:bcap], bt, seq, 1,
+                    self.step_cu[: bcap + 1], plan,
+                )
+                fb, normed = draft(target, fb, tok, t["step_pos"][j - 1], meta, self.draft_kv)
+            logits = draft.logits(target, normed)  # [bcap, V]
+            tok = logits.argmax(dim=-1)
+            drafts.append(tok)
+            scores.append(sampling.draft_token_probability(logits, tok))
+        return torch.stack(drafts, 1), torch.stack(scores, 1)
+
+    def target_part(self, x: RoundInputs, draft_tokens: torch.Tensor) -> RoundOutputs:
+        """Verify input update, target forward, acceptance, slot-state update (no host sync).
+
+        ``draft_tokens [bcap, k]``: the draft's output buffer (``in_graph``) or the host-staged
+        copy ``t["ver_drafts"]`` (``host``).
+        """
+        t, bcap, k, g = x.t, x.bcap, x.k, x.g
+        target = self.target
+        hidden = self.ext_hidden.shape[-1]
+        bt = t["block_table"]
         pending = self.ext_tokens.view(-1)[t["pending_index"]]  # [bcap]
-        grid_tokens = torch.cat([pending[:, None], draft_tokens], dim=1).view(-1)
-        meta = AttnMeta(t["ver_slot"], t["ver_row"], bt, t["ver_seq"], k + 1)
-        h = target(grid_tokens[t["ver_grid"]], t["ver_pos"], meta, self.target_kv)  # [G, hidden]
-        logits = target.logits(h)  # [G, V]
-        grid_logits = logits.new_zeros(bcap * (k + 1) + 1, logits.shape[-1])
-        grid_logits.index_copy_(0, t["ver_row"], logits)
-        grid_h = h.new_zeros(bcap * (k + 1) + 1, hidden)
-        grid_h.index_copy_(0, t["ver_row"], h)
-        grid_logits = grid_logits[:-1].view(bcap, k + 1, -1)
+        if x.update == "in_graph":
+            from speccal.kernels import ops  # noqa: PLC0415
+
+            dev = self.device
+            ids = torch.empty(g, dtype=torch.int64, device=dev)
+            pos = torch.empty(g, dtype=torch.int64, device=dev)
+            slot = torch.empty(g, dtype=torch.int64, device=dev)
+            seq = torch.empty(bcap, dtype=torch.int32, device=dev)
+            cu = torch.empty(bcap + 1, dtype=torch.int32, device=dev)
+            nv32 = t["nv32"]
+            ops.verify_token_update(pending, draft_tokens, nv32, ids, pad_id=0)
+            ops.verify_metadata_update(nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq,
+                                       cu, k)
+            cu.clamp_(max=g)  # padding requests past G get no rows
+            plan = self.plan(bcap)
+            meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
+            h = target(ids, pos, meta, self.target_kv)  # [G, hidden]
+            logits = target.logits(h)  # [G, V]
+            offs = torch.arange(k + 1, device=dev)
+            src = (cu[:-1, None].long() + offs).clamp(max=g - 1).view(-1)  # [bcap * (k + 1)]
+            grid_logits = logits[src].view(bcap, k + 1, -1)  # rows past num_verify: ignored
+            grid_h = h[src].view(bcap, k + 1, hidden)
+        else:
+            grid_tokens = torch.cat([pending[:, None], draft_tokens], dim=1).view(-1)
+            plan = self.plan(bcap)
+            seq = t["ver_seq"]
+            meta = AttnMeta(t["ver_slot"], t["ver_row"], bt, seq, k + 1, None,
+                            self._tiling(seq, plan), plan)
+            h = target(grid_tokens[t["ver_grid"]], t["ver_pos"], meta, self.target_kv)
+            logits = target.logits(h)  # [G, V]
+            gl = logits.new_zeros(bcap * (k + 1) + 1, logits.shape[-1])
+            gl.index_copy_(0, t["ver_row"], logits)
+            gh = h.new_zeros(bcap * (k + 1) + 1, hidden)
+            gh.index_copy_(0, t["ver_row"], h)
+            grid_logits = gl[:-1].view(bcap, k + 1, -1)
+            grid_h = gh[:-1].view(bcap, k + 1, hidden)
         slot_index = t["slot_index"]
         if k == 0:
             out = sampling.sample_plain(
@@ -298,9 +433,60 @@ class RoundRunner:
         else:
             num_accepted, out = self._accept(draft_tokens, grid_logits, t["num_verify"], slot_index)
         self.ext_tokens[slot_index, : k + 1] = out
-        self.ext_hidden[slot_index, : k + 1] = grid_h[:-1].view(bcap, k + 1, hidden)
-        score = torch.stack(scores, 1) if scores else torch.zeros(bcap, 0, device=self.device)
-        return RoundOutputs(num_accepted, out, score)
+        self.ext_hidden[slot_index, : k + 1] = grid_h
+        return RoundOutputs(num_accepted, out, None)
+
+    def _stage_drafts(self, x: RoundInputs, draft_tokens: torch.Tensor) -> None:
+        """Fallback boundary: drafted tokens to the host (a sync), back into the target's input."""
+        n = x.bcap * x.k
+        host = self._host_drafts[:n]
+        host.copy_(draft_tokens.reshape(-1), non_blocking=True)
+        synchronize(self.device)
+        self.inputs.put("ver_drafts", host.numpy().copy())
+
+    def capture(self, keys: list[GraphKey], make_inputs) -> None:
+        """Capture every key, largest first; ``make_inputs(key)`` stages warm-up inputs."""
+        with torch.inference_mode():
+            # drafts first (target graphs read their outputs), each part largest first
+            order = sorted(keys, key=lambda q: (q.part != "draft", [-v for v in q.size]))
+            for key in order:
+                if key in self.graphs:
+                    continue
+                x = make_inputs(key)
+                if key.part == "draft":
+                    self.graphs.capture(key, lambda x=x: self.draft_part(x))
+                else:
+                    drafts = x.t["ver_drafts"]
+                    if key.update == "in_graph" and key.k > 0:
+                        drafts = self.graphs.outputs[GraphKey("draft", key.bcap, key.k)][0]
+                    self.graphs.capture(key, lambda x=x, d=drafts: self.target_part(x, d))
+        synchronize(self.device)
+
+    @torch.inference_mode()
+    def execute(self, x: RoundInputs) -> RoundOutputs:
+        """Device phase: draft extend + k - 1 draft steps + verify + acceptance + state update."""
+        bcap, k = x.bcap, x.k
+        if self.graphs is not None:
+            scores = torch.zeros(bcap, 0, device=self.device)
+            if k > 0:
+                drafts, scores = self.graphs.replay(GraphKey("draft", bcap, k))
+                if x.update == "host":
+                    self._stage_drafts(x, drafts)
+            key = GraphKey("target", bcap, k, x.g, x.update)
+            if key not in self.graphs:
+                raise UnsupportedError(f"no captured target graph for {key}")
+            out = self.graphs.replay(key)
+            return RoundOutputs(out.num_accepted, out.out_tokens, scores)
+        if self.draft is not None and k > 0:
+            drafts, scores = self.draft_part(x)
+        else:
+            drafts = self.ext_tokens.new_zeros(bcap, 0)
+            scores = torch.zeros(bcap, 0, device=self.device)
+        if x.update == "host" and k > 0:
+            self._stage_drafts(x, drafts)
+            drafts = x.t["ver_drafts"]
+        out = self.target_part(x, drafts)
+        return RoundOutputs(out.num_accepted, out.out_tokens, scores)
 
     # ------------------------------------------------------------------ collect
 

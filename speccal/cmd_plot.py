@@ -15,15 +15,21 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
-from speccal.errors import InputError, SpeccalError
+from speccal.errors import InputError
 
 err_console = Console(stderr=True)
 
 
-def _replay_report(table, trace: Path | None, scenario: str | None, rounds: int,
-                   num_requests: int, kv_length: float | None, seed: int):
+def _replay_report(
+    table,
+    trace: Path | None,
+    scenario: str | None,
+    rounds: int,
+    num_requests: int,
+    kv_length: float | None,
+    seed: int,
+):
     """Replay the table's adaptive policy (by mode) and the fixed-k baselines on a trace."""
     from speccal.policy import CostModel
     from speccal.replay import ReplayConfig, replay
@@ -36,32 +42,62 @@ def _replay_report(table, trace: Path | None, scenario: str | None, rounds: int,
         if kv_length is None:  # a KV length the table is calibrated at
             f = table.fits[0]
             kv_length = (f.min_kv_length + f.max_kv_length) / 2.0
-        tr = generate(make_scenario(scenario, rounds=rounds, draft_width=table.draft_width,
-                                    num_requests=num_requests, kv_length=kv_length, seed=seed))
+        tr = generate(
+            make_scenario(
+                scenario,
+                rounds=rounds,
+                draft_width=table.draft_width,
+                num_requests=num_requests,
+                kv_length=kv_length,
+                seed=seed,
+            )
+        )
     cost = CostModel.from_table(table)
     policy = "adaptive-step" if cost.mode == "draft_step" else "adaptive-verify"
     return replay(tr, cost, ReplayConfig(policies=(policy,)))
 
 
 def plot_cmd(
-    table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="Cost table JSON file.", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", help="Directory for the PNG files (created if missing).", show_default=False)],
-    trace: Annotated[Path | None, typer.Option("--trace", help="Also replay this trace (.parquet / .jsonl) and plot the timeline and throughput per policy.")] = None,
-    scenario: Annotated[str | None, typer.Option("--scenario", help="Also replay a synthetic scenario: steady, transition, batch_change, decay.")] = None,
+    table_path: Annotated[
+        Path, typer.Argument(metavar="TABLE", help="Cost table JSON file.", show_default=False)
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", help="Directory for the PNG files (created if missing).", show_default=False
+        ),
+    ],
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace",
+            help="Also replay this trace (.parquet / .jsonl) and plot the timeline and throughput per policy.",
+        ),
+    ] = None,
+    scenario: Annotated[
+        str | None,
+        typer.Option(
+            "--scenario",
+            help="Also replay a synthetic scenario: steady, transition, batch_change, decay.",
+        ),
+    ] = None,
     rounds: Annotated[int, typer.Option("--rounds", help="Scenario rounds.")] = 4000,
     num_requests: Annotated[int, typer.Option("--num-requests", help="Scenario batch size B.")] = 8,
-    kv_length: Annotated[float | None, typer.Option("--kv-length", help="Scenario mean KV length (default: middle of the table's first context interval).", show_default=False)] = None,
+    kv_length: Annotated[
+        float | None,
+        typer.Option(
+            "--kv-length",
+            help="Scenario mean KV length (default: middle of the table's first context interval).",
+            show_default=False,
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Scenario seed.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the written paths as JSON on stdout.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the written paths as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Plot a cost table: measured vs fitted cost by G, residual map, additive components."""
-    try:
-        summary = _plot(table_path, out, trace, scenario, rounds, num_requests, kv_length, seed)
-    except SpeccalError as exc:
-        # speccal.cli maps these as well, but raises click's Exit, which typer >= 0.29 (vendored
-        # click) does not recognise; typer.Exit keeps the one-line message and exit code.
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
-        raise typer.Exit(exc.exit_code) from None
+    summary = _plot(table_path, out, trace, scenario, rounds, num_requests, kv_length, seed)
     if as_json:
         typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))
     else:
@@ -76,8 +112,16 @@ def plot_cmd(
             err_console.print(f"replay: best fixed {r['best_fixed']}; gain vs best fixed: {gains}")
 
 
-def _plot(table_path: Path, out: Path, trace: Path | None, scenario: str | None, rounds: int,
-          num_requests: int, kv_length: float | None, seed: int) -> dict[str, Any]:
+def _plot(
+    table_path: Path,
+    out: Path,
+    trace: Path | None,
+    scenario: str | None,
+    rounds: int,
+    num_requests: int,
+    kv_length: float | None,
+    seed: int,
+) -> dict[str, Any]:
     from speccal.costmodel.table import load_table
     from speccal.plots_table import write_table_plots
 
@@ -101,7 +145,9 @@ def _plot(table_path: Path, out: Path, trace: Path | None, scenario: str | None,
             "rounds": d["rounds"],
             # None: the policy hit a point the table cannot price (no tokens/s to compare).
             "gain_vs_best_fixed_pct": {
-                p["name"]: p["gain_vs_best_fixed_pct"] for p in d["policies"] if p["kind"] != "fixed"
+                p["name"]: p["gain_vs_best_fixed_pct"]
+                for p in d["policies"]
+                if p["kind"] != "fixed"
             },
         }
     summary["plots"] = [str(p) for p in paths]

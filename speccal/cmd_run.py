@@ -3,17 +3,26 @@
 ``generate`` runs prompts (token ids, or text when the checkpoint folder has a tokenizer) through
 the speculative engine and prints the generated ids (and text); ``bench`` compares speculative
 and plain decoding of the same random prompts in one process (tokens/s, TPOT, acceptance rate,
-mean accepted length, speed-up). Human output goes to stderr through Rich, ``--json`` to stdout.
-Random-weight presets are labelled as such in both outputs.
+mean accepted length, speed-up). ``bench --policy P`` (repeatable or comma list: ``fixed:K``,
+``adaptive-step``, ``adaptive-verify``; the two adaptive modes together are refused before
+anything runs) instead runs the same workload live under each policy (``speccal.runner.live``)
+with ``--cost-table`` (loaded against the engine's compatibility; required by adaptive
+policies), reports tokens/s, TPOT, acceptance, decisions, gain over the best fixed ``k`` and the
+replay prediction of each run from its own trace; ``--trace-out`` writes the run traces.
+Human output goes to stderr through Rich, ``--json`` to stdout. Random-weight presets are
+labelled as such in both outputs.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -41,8 +50,20 @@ def _parse_floats(text: str | None, field: str) -> tuple[float, ...] | None:
         raise InputError(field, text, "comma-separated probabilities") from None
 
 
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
 def _engine_config(
-    model, device, dtype, draft_width, acceptance, profile, seed, max_model_len, speculative
+    model,
+    device,
+    dtype,
+    draft_width,
+    acceptance,
+    profile,
+    seed,
+    max_model_len,
+    speculative,
+    request_buckets=DEFAULT_BUCKETS,
 ):
     from speccal.runner.engine import EngineConfig
 
@@ -51,7 +72,7 @@ def _engine_config(
         device=device,
         dtype=dtype,
         draft_width=draft_width,
-        request_buckets=(1, 2, 4, 8, 16, 32),
+        request_buckets=tuple(request_buckets),
         acceptance=acceptance,
         acceptance_profile=_parse_floats(profile, "--profile"),
         seed=seed,
@@ -254,13 +275,87 @@ def bench(
         int, typer.Option("--repeats", help="Timed runs per side (median reported).")
     ] = 3,
     seed: Annotated[int, typer.Option("--seed", help="Prompt / weight seed.")] = 0,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--policy",
+            help="Run live under policies instead of spec vs plain: fixed:K, adaptive-step, "
+            "adaptive-verify (repeatable or comma list).",
+            show_default=False,
+        ),
+    ] = None,
+    cost_table: Annotated[
+        Path | None,
+        typer.Option(
+            "--cost-table",
+            help="Cost table for --policy (checked against the engine); adaptive policies need one.",
+            show_default=False,
+        ),
+    ] = None,
+    phase: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--phase",
+            help="With --policy and synthetic acceptance: 'FRACTION:p1,..,pw' switches the profile "
+            "once that fraction of the workload's tokens is out (repeatable).",
+            show_default=False,
+        ),
+    ] = None,
+    request_buckets: Annotated[
+        str | None,
+        typer.Option(
+            "--request-buckets",
+            help="Captured request buckets, e.g. 1,2,4,8 (default 1,2,4,8,16,32).",
+            show_default=False,
+        ),
+    ] = None,
+    trace_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace-out",
+            help="With --policy: write each run's round trace (.jsonl/.parquet; several "
+            "policies add '.<policy>' before the suffix).",
+            show_default=False,
+        ),
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print results as JSON on stdout.")
     ] = False,
 ) -> None:
-    """Speculative vs plain decoding in one process: tokens/s, TPOT, acceptance, speed-up."""
+    """Speculative vs plain decoding in one process: tokens/s, TPOT, acceptance, speed-up.
+
+    With --policy: the same workload live under each policy (one engine), with the replay
+    prediction of every run from its own trace."""
     from speccal.runner.generate import bench as run_bench
 
+    if policy:
+        _bench_policies(
+            policy,
+            cost_table,
+            phase,
+            request_buckets,
+            trace_out,
+            model=model,
+            device=device,
+            dtype=dtype,
+            draft_width=draft_width,
+            acceptance=acceptance,
+            profile=profile,
+            num_requests=num_requests,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            seed=seed,
+            as_json=as_json,
+        )
+        return
+    for name, given in (
+        ("--cost-table", cost_table),
+        ("--phase", phase),
+        ("--trace-out", trace_out),
+        ("--request-buckets", request_buckets),
+    ):
+        if given:
+            raise InputError(name, str(given), "only together with --policy")
     if acceptance == "sample":
         raise InputError(
             "--acceptance", acceptance, "greedy, synthetic or forced (bench uses greedy requests)"
@@ -322,6 +417,221 @@ def bench(
         f"speed-up {res['speedup']:.2f}x tokens/s, {res['tpot_speedup']:.2f}x TPOT; "
         f"outputs equal: {res['outputs_equal']}"
     )
+
+
+def _parse_policies(values: list[str]) -> list[str]:
+    from speccal.policy import check_adaptive_modes, parse_policy
+
+    specs = [parse_policy(t).text for v in values for t in v.split(",") if t.strip()]
+    if not specs:
+        raise InputError(
+            "--policy", values, "at least one of fixed:K, adaptive-step, adaptive-verify"
+        )
+    check_adaptive_modes(
+        adaptive_draft_step="adaptive-step" in specs,
+        adaptive_target_verify="adaptive-verify" in specs,
+    )
+    if len(set(specs)) != len(specs):
+        raise InputError("--policy", ",".join(specs), "each policy at most once")
+    return specs
+
+
+def _parse_phases(values: list[str] | None, draft_width: int, acceptance: str) -> list:
+    from speccal.runner.live import Phase
+
+    if not values:
+        return []
+    if acceptance != "synthetic":
+        raise InputError("--phase", values[0], "only with --acceptance synthetic")
+    out = []
+    for v in values:
+        frac, _, prof = v.partition(":")
+        try:
+            f = float(frac)
+        except ValueError:
+            raise InputError("--phase", v, "FRACTION:p1,..,pw, e.g. 0.5:0.4,0.3,0.2") from None
+        probs = _parse_floats(prof, "--phase") or ()
+        if len(probs) != draft_width or not all(0.0 <= p <= 1.0 for p in probs):
+            raise InputError("--phase", v, f"{draft_width} probabilities in [0, 1] after the ':'")
+        out.append(Phase(f, probs))
+    if min(p.start_fraction for p in out) != 0.0:
+        out.append(Phase(0.0, ()))  # placeholder replaced below with the engine's profile
+    return out
+
+
+def _bench_policies(
+    policy_values,
+    cost_table,
+    phase_values,
+    request_buckets,
+    trace_out,
+    *,
+    model,
+    device,
+    dtype,
+    draft_width,
+    acceptance,
+    profile,
+    num_requests,
+    prompt_len,
+    max_tokens,
+    seed,
+    as_json,
+) -> None:
+    from speccal.policy import CostModel, make_policy
+
+    specs = _parse_policies(policy_values)  # refusals come before anything is built
+    if any(s.startswith("adaptive") for s in specs) and cost_table is None:
+        raise InputError(
+            "--cost-table", None, "a cost table path (adaptive policies price rounds with it)"
+        )
+    if cost_table is not None and not cost_table.is_file():
+        raise InputError("--cost-table", str(cost_table), "an existing cost table file")
+    if acceptance == "sample":
+        raise InputError("--acceptance", acceptance, "greedy, synthetic or forced")
+    for name, value in (
+        ("--num-requests", num_requests),
+        ("--prompt-len", prompt_len),
+        ("--max-tokens", max_tokens),
+    ):
+        if value < 1:
+            raise InputError(name, value, "an integer >= 1")
+    phases = _parse_phases(phase_values, draft_width, acceptance)
+    buckets = DEFAULT_BUCKETS
+    if request_buckets:
+        try:
+            buckets = tuple(int(b) for b in request_buckets.replace(",", " ").split())
+        except ValueError:
+            raise InputError(
+                "--request-buckets", request_buckets, "integers, e.g. 1,2,4,8"
+            ) from None
+    from speccal.runner.engine import Engine
+    from speccal.runner.generate import bench_policies
+
+    cfg = _engine_config(
+        model, device, dtype, draft_width, acceptance, profile, seed, None, True, buckets
+    )
+    if phases and any(not p.profile for p in phases):
+        from speccal.runner.live import Phase
+
+        phases = [Phase(0.0, cfg.acceptance_profile)] + [p for p in phases if p.profile]
+    engine = Engine(cfg)
+    table_warnings: list[str] = []
+    if cost_table is not None:
+        from speccal.costmodel.table import load_table
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            table = load_table(cost_table, expect=engine.compatibility())
+        table_warnings = [str(w.message) for w in caught]
+        cost = CostModel.from_table(table)
+    else:
+        import numpy as np
+
+        def nan_cost(bcap, g, kv):
+            return np.full(np.broadcast(bcap, g, kv).shape, np.nan)
+
+        cost = CostModel(cost=nan_cost, geometry=engine.geometry, mode="draft_step")
+    if cost.draft_width != draft_width:
+        raise InputError("--cost-table", str(cost_table), f"a table of draft_width={draft_width}")
+    policies = [make_policy(s, cost) for s in specs]
+    with Progress(
+        TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True
+    ) as bar:
+        task = bar.add_task("running")
+        res = bench_policies(
+            engine,
+            policies,
+            cost,
+            num_requests=num_requests,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            phases=phases,
+            seed=seed,
+            on_progress=lambda msg: bar.update(task, description=msg),
+        )
+    runs = res.pop("runs")
+    written = {}
+    if trace_out is not None:
+        from speccal.trace import save_trace
+
+        for name, run in runs.items():
+            path = trace_out
+            if len(runs) > 1:
+                tag = name.replace(":", "")
+                path = trace_out.with_name(f"{trace_out.stem}.{tag}{trace_out.suffix}")
+            written[name] = str(save_trace(run.trace, path))
+    doc = _clean(
+        {
+            **res,
+            "cost_table": None if cost_table is None else str(cost_table),
+            "table_mode": cost.mode,
+            "table_warnings": table_warnings,
+            "traces": written,
+            "engine": {
+                "description": engine.description,
+                "is_random_weights": engine.is_random_weights,
+                "compatibility": engine.compatibility(),
+            },
+            "setup": {
+                **res["setup"],
+                "model": model,
+                "device": device,
+                "dtype": engine.dtype_name,
+                "draft_width": draft_width,
+                "acceptance": acceptance,
+                "request_buckets": list(buckets),
+            },
+        }
+    )
+    if as_json:
+        typer.echo(json.dumps(doc, allow_nan=False, sort_keys=True))
+        return
+    if engine.is_random_weights:
+        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}", soft_wrap=True)
+    for msg in table_warnings:
+        err_console.print(f"[yellow]warning[/]: {msg}", soft_wrap=True)
+    table = Table(title=f"{model} live policies, {num_requests} requests x {max_tokens} tokens")
+    for col in (
+        "policy",
+        "tokens/s",
+        "TPOT ms",
+        "acceptance",
+        "mean accepted",
+        "mean k",
+        "vs best fixed",
+        "replay tok/s",
+    ):
+        table.add_column(col)
+    for s in doc["policies"]:
+        gain = s.get("gain_vs_best_fixed_pct")
+        pred = (s.get("replay") or {}).get("predicted_tokens_per_s")
+        table.add_row(
+            s["policy"],
+            f"{s['round_tokens_per_s']:.1f}",
+            f"{s['tpot_ms']:.2f}",
+            _fmt(s["acceptance_rate"], ".3f"),
+            _fmt(s["mean_accepted_length"], ".3f"),
+            f"{s['mean_k']:.2f}",
+            "-" if gain is None else f"{gain:+.1f}%",
+            _fmt(pred, ".1f"),
+        )
+    err_console.print(table)
+    for s in doc["policies"]:
+        if s["policy"].startswith("adaptive"):
+            err_console.print(
+                escape(
+                    f"{s['policy']} timeline [start, stop, k, g]: {s['timeline'][:12]}"
+                    + (" ..." if len(s["timeline"]) > 12 else "")
+                ),
+                soft_wrap=True,
+            )
+    for name, path in written.items():
+        err_console.print(f"trace of {name}: {path}")
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def register(app: typer.Typer) -> None:

@@ -2,9 +2,10 @@
 
 A runner captures one draft graph per physical request bucket ``Bcap`` and, for each ``Bcap``,
 target graphs at a set of physical row counts ``G``. In the split-graph layout speccal uses, the
-legal target buckets of ``Bcap`` are ``Bcap * j`` for ``j = 1 .. w + 1``: ``j = k + 1`` is the
-full verification of ``k`` draft tokens per request, so every adaptive draft step ``k`` and every
-trimmed verify budget between ``Bcap`` and ``Bcap * (w + 1)`` has a captured shape.
+runner prepares the global target buckets ``{Bcap * j : j = 1 .. w + 1}`` over all request
+buckets, and the legal target buckets of ``Bcap`` are those between ``Bcap`` and
+``Bcap * (w + 1)``: full verification of ``k`` drafts for ``B`` requests pads ``B * (k + 1)`` rows
+up to the next legal bucket, and every trimmed verify budget has a captured shape.
 
 Pure Python: no torch, no numpy.
 """
@@ -34,8 +35,19 @@ def default_request_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 def default_target_rows(request_buckets: Iterable[int], draft_width: int) -> dict[int, tuple[int, ...]]:
-    """Legal target row buckets per request bucket: ``Bcap * j`` for ``j = 1 .. w + 1``."""
-    return {b: tuple(b * j for j in range(1, draft_width + 2)) for b in request_buckets}
+    """Legal target row buckets per request bucket.
+
+    The runner prepares one global set of target row buckets: every ``Bcap * j`` for
+    ``j = 1 .. w + 1`` over all request buckets. A request bucket may use every prepared bucket
+    between ``Bcap`` (one row per request) and ``Bcap * (w + 1)`` (full width). Sharing G levels
+    across request buckets is what makes the additive model over-determined: a G level measured
+    under several Bcap values pins theta(G) independently of alpha(Bcap).
+    """
+    buckets = sorted(set(request_buckets))
+    prepared = sorted({b * j for b in buckets for j in range(1, draft_width + 2)})
+    return {
+        b: tuple(g for g in prepared if b <= g <= b * (draft_width + 1)) for b in buckets
+    }
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ def fit_figure(table: CostTable):
     geom = table.geometry()
     surface = table.cost_surface()
     all_windows = table.measurements()
-    fig, axes = _panels(len(table.fits), 9.5, 4.6)
+    fig, axes = _panels(len(table.fits), 11.0, 4.6)
     for ax, fit in zip(axes[:, 0], table.fits, strict=True):
         windows = all_windows[all_windows["context_index"] == fit.context_index]
         points = {(p.bcap, p.g): p for p in fit.diagnostics.points}
@@ -127,8 +127,14 @@ def fit_figure(table: CostTable):
             ax.scatter(w["g"], w["step_ms"], s=9, color=col, alpha=0.35, linewidths=0)
             pts = sorted((g, p.step_ms) for (bb, g), p in points.items() if bb == b)
             if pts:
-                ax.scatter(*zip(*pts, strict=True), s=36, color=col, edgecolors="black",
-                           linewidths=0.5, zorder=3)
+                ax.scatter(
+                    *zip(*pts, strict=True),
+                    s=36,
+                    color=col,
+                    edgecolors="black",
+                    linewidths=0.5,
+                    zorder=3,
+                )
             gs = np.asarray(geom.target_rows.get(b, ()), dtype=np.float64)
             fitted = surface(b, gs, kv) if gs.size else gs
             ax.plot(gs, fitted, color=col, linewidth=1.6, label=f"Bcap {b}")
@@ -142,11 +148,21 @@ def fit_figure(table: CostTable):
 
         handles += [
             Line2D([], [], marker="o", linestyle="", color="grey", alpha=0.5, markersize=4),
-            Line2D([], [], marker="o", linestyle="", color="grey", markeredgecolor="black",
-                   markersize=7),
+            Line2D(
+                [],
+                [],
+                marker="o",
+                linestyle="",
+                color="grey",
+                markeredgecolor="black",
+                markersize=7,
+            ),
         ]
         labels += ["measured window", "point median (fitted on)"]
-        ax.legend(handles, labels, loc="upper left", fontsize=8, ncol=2, frameon=True)
+        # Outside the axes: small-G points sit top left, where an inside legend would hide them.
+        ax.legend(
+            handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
+        )
     fig.suptitle(f"Measured vs fitted cost by G\n{table_title(table)}", fontsize=11)
     fig.tight_layout()
     return fig
@@ -175,8 +191,9 @@ def _heatmap(fig, ax, data: np.ndarray, bcaps: list[int], gs: list[int], unit: s
     lim = lim if lim > 0 else 1.0
     # Unmeasured cells in a mid grey: a near-white "0.0" and "not measured" must not look alike.
     cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#b0b0b0")
-    im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto",
-                   origin="lower")
+    im = ax.imshow(
+        np.ma.masked_invalid(data), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto", origin="lower"
+    )
     ax.set_xticks(range(len(gs)), [str(g) for g in gs], rotation=90 if len(gs) > 10 else 0)
     ax.set_yticks(range(len(bcaps)), [str(b) for b in bcaps])
     ax.set_xlabel("target rows G (rows); grey cell: not measured")
@@ -189,14 +206,20 @@ def _heatmap(fig, ax, data: np.ndarray, bcaps: list[int], gs: list[int], unit: s
                 v = data[i, j]
                 if math.isfinite(v):
                     dark = abs(v) > 0.6 * lim
-                    ax.text(j, i, _signed(v, fmt), ha="center", va="center", fontsize=7,
-                            color="white" if dark else "black")
+                    ax.text(
+                        j,
+                        i,
+                        _signed(v, fmt),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if dark else "black",
+                    )
 
 
 def _signed(v: float, fmt: str) -> str:
-    """``v`` formatted with its sign, but a value that rounds to zero as a plain ``0``."""
-    text = format(v, fmt)
-    return "0" if float(text) == 0.0 else text
+    """``v`` with its sign; an exact zero (up to float round-off) as a plain ``0``."""
+    return "0" if abs(v) < 1e-9 else format(v, fmt)
 
 
 def residuals_figure(table: CostTable):
@@ -217,6 +240,17 @@ def residuals_figure(table: CostTable):
         row[1].set_title(f"residual (%); leave-one-point-out mean |error| {held}", fontsize=10)
     fig.suptitle(f"Residual map (measured \u2212 fitted)\n{table_title(table)}", fontsize=11)
     fig.tight_layout()
+    # A residual of exactly 0 is not luck: the point is the only evidence for one of its levels,
+    # so the fit passes through it (and leave-one-point-out cannot evaluate it).
+    fig.text(
+        0.01,
+        -0.01,
+        "0 (exactly): the point alone determines its Bcap or G level, so the "
+        "fit passes through it and no held-out error exists for it.",
+        fontsize=8,
+        ha="left",
+        va="top",
+    )
     return fig
 
 
@@ -255,10 +289,19 @@ def components_figure(table: CostTable):
     ref_b, ref_g = min(all_b), min(all_g)
     for ax, ref, name in ((ax_a, ref_b, "Bcap"), (ax_t, ref_g, "G")):
         ax.axhline(0.0, color="grey", linewidth=0.8)
-        ax.scatter([ref], [0.0], s=160, facecolors="none", edgecolors="red", linewidths=1.5,
-                   zorder=4, label=f"reference level: {name} = {ref} fixed at 0 ms")
+        ax.scatter(
+            [ref],
+            [0.0],
+            s=160,
+            facecolors="none",
+            edgecolors="red",
+            linewidths=1.5,
+            zorder=4,
+            label=f"reference level: {name} = {ref} fixed at 0 ms",
+        )
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)
+        # Below the axes: the reference level sits at the top left corner of each panel.
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, frameon=False)
     _g_axis(ax_a, sorted(all_b))
     _g_axis(ax_t, sorted(all_g))
     ax_a.set_xlabel("request bucket Bcap (requests, log scale)")

@@ -70,8 +70,9 @@ def test_every_default_applied_with_its_source():
     assert cfg.draft_width == 5
     assert cfg.request_buckets == geo.request_buckets
     # every legal captured target bucket, full width included
+    prepared = {b * j for b in geo.request_buckets for j in range(1, 7)}
     assert cfg.target_graph_rows == {
-        b: tuple(b * j for j in range(1, 7)) for b in geo.request_buckets
+        b: tuple(sorted(g for g in prepared if b <= g <= 6 * b)) for b in geo.request_buckets
     }
     assert cfg.contexts == (ContextInterval(DEFAULT_PREFILL_TOKENS, 1, DEFAULT_MAX_KV_LENGTH),)
     assert (cfg.warmup_steps, cfg.window_steps, cfg.windows_per_point, cfg.token_seed) == (
@@ -239,7 +240,7 @@ def test_target_graph_rows_forms():
     assert cfg.target_graph_rows == {1: (2, 4), 2: (4, 8)}  # full width always added
     as_list = parse_config_obj({"request_buckets": [1, 2], "target_graph_rows": [2, 3]})
     cfg = resolve_config(UserConfig.build(as_list), geo)
-    assert cfg.target_graph_rows == {1: (2, 3, 4), 2: (2, 8)}
+    assert cfg.target_graph_rows == {1: (2, 3, 4), 2: (2, 3, 8)}
     with pytest.raises(InputError, match="captured for at least one"):
         resolve_config(UserConfig.build(parse_config_obj({"target_graph_rows": [7]})), geo)
     with pytest.raises(InputError, match="every request bucket"):

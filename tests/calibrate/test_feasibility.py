@@ -84,7 +84,7 @@ def test_disconnected_additive_grid_refused_but_sps_accepted():
 def test_grid_target_verify_trims_rows_exactly():
     cfg = cfg_of({"request_buckets": [4]})
     pts = build_grid(cfg)
-    assert [p.g for p in pts] == [4, 8, 12, 16]
+    assert [p.g for p in pts] == [4, 6, 8, 12, 16]  # prepared buckets in [Bcap, Bcap*(w+1)]
     for p in pts:
         assert p.k == 3
         assert sum(v + 1 for v in p.verify_tokens) == p.g

@@ -140,4 +140,4 @@ def test_short_context_shrinks_default_prefill(tmp_path, engine_factory):
     assert "model context 256" in eff["notes"]["contexts"]
     assert eff["sources"]["contexts"] == "default"
     assert eff["config"]["request_buckets"] == [1, 2, 4]
-    assert summary["points_done"] == 12  # every captured G of every captured Bcap
+    assert summary["points_done"] == 4 + 5 + 5  # every captured G of every captured Bcap

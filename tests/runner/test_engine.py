@@ -24,7 +24,7 @@ def test_geometry_and_compatibility():
     eng = Engine(_cfg())
     g = eng.geometry
     assert isinstance(g, Geometry)
-    assert g.request_buckets == (1, 2, 4) and g.target_rows[4] == (4, 8, 12, 16)
+    assert g.request_buckets == (1, 2, 4) and g.target_rows[4] == (4, 6, 8, 12, 16)
     assert g.kv_capacity_tokens >= 4 * 128 and g.max_model_len == 128 and g.block_size == 8
     c = eng.compatibility()
     assert (

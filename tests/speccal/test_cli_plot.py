@@ -17,8 +17,12 @@ ENV = {"COLUMNS": "120", "NO_COLOR": "1"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 COMPAT = {
     "draft_width": 3,
-    "model": {"architecture": "tiny-mtp", "fingerprint": "sha256:abc", "dtype": "float32",
-              "quantization": "none"},
+    "model": {
+        "architecture": "tiny-mtp",
+        "fingerprint": "sha256:abc",
+        "dtype": "float32",
+        "quantization": "none",
+    },
     "topology": {"tp": 1, "dp": 1},
     "graph_mode": "split",
     "verification_mode": "forced",
@@ -60,8 +64,9 @@ def test_plot_writes_table_figures(table_path, tmp_path):
 
 
 def test_plot_with_scenario_adds_replay_figures(table_path, tmp_path):
-    r = run("plot", table_path, "--out", tmp_path, "--scenario", "transition", "--rounds", 600,
-            "--json")
+    r = run(
+        "plot", table_path, "--out", tmp_path, "--scenario", "transition", "--rounds", 600, "--json"
+    )
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     names = {p.rsplit("/", 1)[-1] for p in d["plots"]}

@@ -28,8 +28,12 @@ CONTEXTS = ((512, 1, 1024), (2048, 1025, 4096))
 def compat(w: int = 3) -> dict:
     return {
         "draft_width": w,
-        "model": {"architecture": "tiny-mtp", "fingerprint": FINGERPRINT, "dtype": "float32",
-                  "quantization": "none"},
+        "model": {
+            "architecture": "tiny-mtp",
+            "fingerprint": FINGERPRINT,
+            "dtype": "float32",
+            "quantization": "none",
+        },
         "topology": {"tp": 1, "dp": 1},
         "graph_mode": "split",
         "verification_mode": "forced",
@@ -143,7 +147,11 @@ def test_components_refused_for_sps_table(table):
 
 def test_write_table_plots_writes_pngs(table, tmp_path):
     paths = write_table_plots(table, tmp_path / "figs")
-    assert [p.name for p in paths] == ["table_fit.png", "table_residuals.png", "table_components.png"]
+    assert [p.name for p in paths] == [
+        "table_fit.png",
+        "table_residuals.png",
+        "table_components.png",
+    ]
     for p in paths:
         assert p.read_bytes()[:8] == PNG_MAGIC
     sps_paths = write_table_plots(refit_table(table, model="sps"), tmp_path / "sps")

@@ -1,0 +1,281 @@
+"""The live policy loop: a policy object (``speccal.policy``) plans every round of a workload.
+
+This module owns :func:`run_live` (one workload under one policy on a warmed
+:class:`~speccal.runner.engine.Engine`), :class:`Phase` (a synthetic acceptance profile that takes
+over once a fraction of the workload's tokens has been emitted), :class:`LiveRun` (what one run
+measured) and :func:`replay_prediction` (the same policy replayed on the run's own trace).
+
+Per round: the engine admits and prefills waiting requests (``Engine.prefill_pending``, timed
+apart, device-synchronised), then ``Engine.step`` calls the plan callback with the round's
+``RoundState`` (index, batch size, mean KV length before the round); the callback asks
+``policy.decide`` and turns the :class:`~speccal.policy.Decision` into a ``RoundPlan``
+(``verify_tokens`` when the decision has them, ``verify_budget = g`` for a ``target_verify``
+decision without them, else ``k`` drafts). After the round, ``policy.observe`` gets
+``Feedback.from_round_result`` of the normal result collection (no extra device reads) and the
+round goes into a :class:`~speccal.trace.RoundTrace` (the format ``speccal trace`` writes).
+
+Round wall time is ``perf_counter`` around ``Engine.step`` (its result collection is the round's
+one device sync), so decode time excludes prefill. Metrics follow ``speccal.replay``:
+``round_tokens_per_s`` = sum over rounds of ``B + accepted`` over decode time (what a replay
+predicts); ``tokens_per_s`` = output tokens over prefill + decode time; TPOT =
+``sum(round_ms * B) / round tokens``; acceptance rate = accepted / verified drafts; mean accepted
+length = accepted drafts per request-round.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from speccal.errors import InputError
+from speccal.policy import BatchState, CostModel, Decision, Feedback, Policy
+from speccal.runner.engine import Engine, RoundPlan, RoundState
+from speccal.runner.sampling import SamplingParams
+from speccal.trace import RoundTrace, RoundTraceBuilder
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A synthetic acceptance profile in force once ``start_fraction`` of the workload's tokens
+    (``sum(max_tokens)``) have been emitted. Token-based, so every policy sees the same text."""
+
+    start_fraction: float
+    profile: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= float(self.start_fraction) < 1.0:
+            raise InputError("phase start fraction", self.start_fraction, "a number in [0, 1)")
+
+    @property
+    def name(self) -> str:
+        return f"from {self.start_fraction:g}: " + ",".join(f"{p:g}" for p in self.profile)
+
+
+@dataclass(eq=False)
+class LiveRun:
+    """What one live run measured (arrays are per round)."""
+
+    policy: str
+    k: np.ndarray
+    g: np.ndarray  # the decision's padded target rows
+    g_run: np.ndarray  # target rows the engine ran
+    num_requests: np.ndarray
+    accepted: np.ndarray  # accepted drafts per round (sum over requests)
+    verified: np.ndarray  # drafted tokens sent to the target per round
+    round_ms: np.ndarray
+    reasons: list[str]
+    trace: RoundTrace
+    prefill_s: float
+    output_tokens: int
+    phase: np.ndarray
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def round_tokens(self) -> np.ndarray:
+        return self.num_requests + self.accepted
+
+    @property
+    def decode_s(self) -> float:
+        return float(self.round_ms.sum()) / 1000.0
+
+    def summary(self) -> dict[str, Any]:
+        tok = float(self.round_tokens.sum())
+        ms = float(self.round_ms.sum())
+        ver = float(self.verified.sum())
+        reqs = float(self.num_requests.sum())
+        reasons: dict[str, int] = {}
+        for r in self.reasons:
+            reasons[r] = reasons.get(r, 0) + 1
+        return {
+            "policy": self.policy,
+            "rounds": int(self.k.size),
+            "round_tokens_per_s": 1000.0 * tok / ms if ms > 0 else math.nan,
+            "tokens_per_s": self.output_tokens / (self.prefill_s + ms / 1000.0)
+            if ms > 0
+            else math.nan,
+            "tpot_ms": float(np.sum(self.round_ms * self.num_requests)) / tok if tok else math.nan,
+            "acceptance_rate": float(self.accepted.sum()) / ver if ver else math.nan,
+            "mean_accepted_length": float(self.accepted.sum()) / reqs if reqs else math.nan,
+            "mean_k": float(np.mean(self.k)) if self.k.size else math.nan,
+            "mean_round_ms": ms / max(self.k.size, 1),
+            "decode_s": ms / 1000.0,
+            "prefill_s": self.prefill_s,
+            "output_tokens": self.output_tokens,
+            "round_tokens": tok,
+            "switches": int(np.count_nonzero(np.diff(self.k))),
+            "reasons": reasons,
+            "timeline": self.timeline(),
+        }
+
+    def timeline(self, max_segments: int = 200) -> list[list[int]]:
+        """Run-length segments ``[start, stop, k, g]`` of the decisions."""
+        key = self.k.astype(np.int64) * (1 << 32) + self.g.astype(np.int64)
+        if key.size == 0:
+            return []
+        starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+        stops = np.concatenate((starts[1:], [key.size]))
+        return [
+            [int(a), int(b), int(self.k[a]), int(self.g[a])]
+            for a, b in zip(starts[:max_segments], stops[:max_segments], strict=True)
+        ]
+
+
+def to_plan(decision: Decision, mode: str) -> RoundPlan:
+    """The ``RoundPlan`` of a policy decision (see the module docstring)."""
+    if decision.verify_tokens is not None:
+        return RoundPlan(int(decision.k), verify_tokens=[int(v) for v in decision.verify_tokens])
+    if mode == "target_verify":
+        return RoundPlan(int(decision.k), verify_budget=int(decision.g))
+    return RoundPlan(int(decision.k))
+
+
+def run_live(
+    engine: Engine,
+    policy: Policy,
+    mode: str,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    phases: Sequence[Phase] = (),
+    meta: dict[str, Any] | None = None,
+) -> LiveRun:
+    """Run ``prompts`` to completion with ``policy`` planning each round.
+
+    Parameters
+    ----------
+    engine : a warmed engine with no unfinished requests (speculative).
+    policy : a fresh policy object (``decide`` / ``observe``).
+    mode : the cost table's mode (``draft_step`` / ``target_verify``): how decisions become plans.
+    phases : synthetic acceptance profiles by emitted-token fraction (``acceptance="synthetic"``).
+    meta : extra trace metadata (the run's setup); ``source``, ``compatibility``, ``policy`` and
+        ``phases`` are filled in.
+    """
+    if engine.has_unfinished():
+        raise InputError("engine", "unfinished requests", "an idle engine (no waiting/running)")
+    if not engine.config.speculative:
+        raise InputError("engine.speculative", False, "a speculative engine (policies plan k)")
+    phases = sorted(phases, key=lambda p: p.start_fraction)
+    if phases and phases[0].start_fraction != 0.0:
+        raise InputError("phases", phases[0].name, "a first phase starting at fraction 0")
+    w = engine.config.draft_width
+    base = engine.round_index
+    rids = [engine.add_request(p, params) for p in prompts]
+    total_target = params.max_tokens * len(rids)
+    builder = RoundTraceBuilder(w)
+    rec: dict[str, list] = {f: [] for f in ("k", "g", "g_run", "b", "acc", "ver", "ms", "why")}
+    phase_of_round: list[int] = []
+    current_phase = -1
+    emitted = 0
+    prefill_s = 0.0
+    decisions: list[Decision] = []
+
+    def plan_fn(state: RoundState) -> RoundPlan:
+        d = policy.decide(
+            BatchState(
+                round_index=state.round_index - base,
+                num_requests=state.num_requests,
+                kv_length=state.kv_length,
+            )
+        )
+        decisions.append(d)
+        return to_plan(d, mode)
+
+    while engine.has_unfinished():
+        want = 0
+        for i, ph in enumerate(phases):
+            if emitted >= ph.start_fraction * total_target:
+                want = i
+        if phases and want != current_phase:
+            engine.set_acceptance_profile(phases[want].profile)
+            current_phase = want
+        t0 = time.perf_counter()
+        first = engine.prefill_pending()
+        if first:
+            engine.synchronize()
+            prefill_s += time.perf_counter() - t0
+            emitted += len(first)
+        n_dec = len(decisions)
+        t0 = time.perf_counter()
+        res = engine.step(plan_fn)
+        ms = 1000.0 * (time.perf_counter() - t0)
+        emitted += sum(len(e) for e in res.emitted)
+        if res.num_requests == 0:
+            continue
+        if len(decisions) != n_dec + 1:
+            raise RuntimeError("engine.step ran a round without calling the plan callback")
+        d = decisions[-1]
+        r = res.round_index - base
+        policy.observe(Feedback.from_round_result(res, r))
+        builder.add(res.k, res.accepted, res.draft_scores, res.kv_lengths)
+        rec["k"].append(res.k)
+        rec["g"].append(d.g)
+        rec["g_run"].append(res.g)
+        rec["b"].append(res.num_requests)
+        rec["acc"].append(int(res.accepted.sum()))
+        rec["ver"].append(int(res.num_verify.sum()))
+        rec["ms"].append(ms)
+        rec["why"].append(d.reason)
+        phase_of_round.append(max(current_phase, 0))
+    outputs = sum(len(engine.requests[r].output) for r in rids)
+    for r in rids:
+        engine.release(r)
+    name = getattr(policy, "name", "policy")
+    phase_arr = np.asarray(phase_of_round, dtype=np.int64)
+    trace_meta = {
+        **(meta or {}),
+        "source": "runner",
+        "compatibility": engine.compatibility(),
+        "policy": name,
+        "phases": [p.name for p in phases] or ["run"],
+    }
+    trace = builder.build(trace_meta)
+    if phase_arr.size:
+        trace = replace(trace, phase=phase_arr)
+    return LiveRun(
+        policy=name,
+        k=np.asarray(rec["k"], dtype=np.int64),
+        g=np.asarray(rec["g"], dtype=np.int64),
+        g_run=np.asarray(rec["g_run"], dtype=np.int64),
+        num_requests=np.asarray(rec["b"], dtype=np.int64),
+        accepted=np.asarray(rec["acc"], dtype=np.int64),
+        verified=np.asarray(rec["ver"], dtype=np.int64),
+        round_ms=np.asarray(rec["ms"], dtype=np.float64),
+        reasons=rec["why"],
+        trace=trace,
+        prefill_s=prefill_s,
+        output_tokens=int(outputs),
+        phase=phase_arr,
+        stats=engine.stats.to_dict(),
+    )
+
+
+def replay_prediction(run: LiveRun, cost: CostModel, policy: Policy) -> dict[str, Any]:
+    """Replay a fresh ``policy`` on the run's own trace (``speccal.replay.run_sequential``).
+
+    Returns the predicted metrics, whether every decision ``k`` / ``g`` matches the live run, and
+    ``error_pct`` = ``|predicted - live| / live`` of ``round_tokens_per_s``.
+    """
+    from speccal.replay import run_sequential
+
+    pred = run_sequential(run.trace, cost, policy)
+    totals = pred.totals() if pred.priced else {}
+    live = run.summary()["round_tokens_per_s"]
+    predicted = totals.get("tokens_per_s", math.nan)
+    same_k = bool(np.array_equal(pred.k, run.k))
+    same_g = bool(np.array_equal(pred.g, run.g))
+    return {
+        "priced": pred.priced,
+        "predicted_tokens_per_s": predicted,
+        "live_round_tokens_per_s": live,
+        "error_pct": 100.0 * abs(predicted - live) / live if live and pred.priced else math.nan,
+        "predicted_tpot_ms": totals.get("tpot_ms", math.nan),
+        "decisions_match": same_k and same_g,
+        "k_match": same_k,
+        "predicted_round_ms": pred.cost_ms,
+        "predicted_k": pred.k,
+    }

@@ -1,0 +1,110 @@
+"""Captured round graphs and the in-graph verify input update.
+
+CPU: the in-graph update path (reference kernels, packed verify rows) emits exactly the host
+path's tokens; split graphs are refused off CUDA; the eager block table is trimmed to the
+batch's blocks. CUDA (``cuda`` marker): graph output equals eager output and the fast path
+equals the fallback, token for token, over several greedy rounds (fp32 and bf16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from speccal.errors import UnsupportedError
+from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+from speccal.runner.sampling import SamplingParams
+
+
+def _run(eng: Engine, rounds: int, k: int, verify=None) -> list[list[int]]:
+    vocab = eng.loaded.config.vocab_size
+    rng = np.random.default_rng(7)
+    for n in (5, 17, 30):
+        eng.add_request(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=60, ignore_eos=True))
+    out: dict[int, list[int]] = {rid: [tok] for rid, tok in eng.prefill_pending().items()}
+    for i in range(rounds):
+        nv = None if verify is None else verify[i % len(verify)][: len(eng.running_ids())]
+        res = eng.step(RoundPlan(num_draft_steps=k, verify_tokens=nv))
+        for rid, toks in zip(res.request_ids, res.emitted, strict=True):
+            out.setdefault(rid, []).extend(toks)
+    return [out[r] for r in sorted(out)]
+
+
+def _cfg(**kw) -> EngineConfig:
+    base = dict(model="tiny", draft_width=3, request_buckets=(1, 2, 4), max_model_len=128)
+    return EngineConfig(**(base | kw))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_in_graph_update_matches_host_path_cpu(k):
+    verify = [[k, 0, k], [1 if k > 1 else 0, k, k]]
+    host = _run(Engine(_cfg(input_update="host")), 6, k, verify)
+    fast_eng = Engine(_cfg(input_update="in_graph"))
+    fast = _run(fast_eng, 6, k, verify)
+    assert host == fast
+    assert fast_eng.runner.resolve_update(4, k, 4 * (k + 1)) == "in_graph"
+
+
+def test_auto_falls_back_to_host_without_triton_backend():
+    eng = Engine(_cfg())
+    assert eng.runner.resolve_update(4, 3, 16) == "host"
+    # outside the validated shapes: G larger than every row the bucket can hold
+    forced = Engine(_cfg(input_update="in_graph"))
+    with pytest.raises(UnsupportedError, match="outside the contract"):
+        forced.runner.resolve_update(4, 3, 17)
+
+
+def test_capability_not_declared_falls_back():
+    eng = Engine(_cfg(input_update="auto"))
+    caps = eng.loaded.target.capabilities
+    eng.loaded.target.capabilities = type(caps)(supports_in_graph_input_update=False)
+    assert eng.runner.resolve_update(4, 3, 16) == "host"
+
+
+def test_split_graphs_refused_on_cpu():
+    with pytest.raises(UnsupportedError, match="eager"):
+        _cfg(graph_mode="split")
+
+
+def test_eager_block_table_trimmed_to_batch_blocks():
+    eng = Engine(_cfg(block_size=8))
+    eng.add_request(list(range(1, 20)), SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.prefill_pending()
+    batch = list(eng._running)
+    x = eng.runner.prepare(batch, 1, 3, np.array([3]), 4)
+    # 19 cached tokens + 3 drafts + 1: 23 tokens -> 3 blocks of 8, not max_model_len's 17
+    assert tuple(x.t["block_table"].shape) == (1, 3)
+    assert eng.runner.max_blocks_per_seq > 3
+
+
+# ------------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_split_graphs_equal_eager_cuda(dtype, backend):
+    """Same tokens, graph vs eager, same kernels (bf16 too: identical kernels, identical order)."""
+    kw = dict(device="cuda", dtype=dtype, attention_backend=backend)
+    verify = [[3, 1, 2], [0, 3, 3]]
+    eager = _run(Engine(_cfg(**kw)), 8, 3, verify)
+    graph = _run(Engine(_cfg(graph_mode="split", **kw)), 8, 3, verify)
+    assert eager == graph
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph_mode", ["eager", "split"])
+def test_fast_path_equals_fallback_cuda(graph_mode):
+    kw = dict(device="cuda", dtype="float32", attention_backend="triton", graph_mode=graph_mode)
+    verify = [[2, 2, 0], [3, 1, 3]]
+    host = _run(Engine(_cfg(input_update="host", **kw)), 8, 3, verify)
+    fast = _run(Engine(_cfg(input_update="in_graph", **kw)), 8, 3, verify)
+    assert host == fast
+
+
+@pytest.mark.cuda
+def test_plain_decode_graphs_equal_eager_cuda():
+    kw = dict(device="cuda", dtype="float32", attention_backend="triton", speculative=False)
+    eager = _run(Engine(_cfg(**kw)), 10, 0)
+    graph = _run(Engine(_cfg(graph_mode="split", **kw)), 10, 0)
+    assert eager == graph

@@ -1,0 +1,203 @@
+"""Live policy loop (``speccal.runner.live``) and the engine's plan hook, on the tiny CPU preset.
+
+The live adaptive-step policy must make exactly the decisions its twin makes when replayed on
+the run's own recorded trace; adaptive-verify plans must stay inside the budget, prefix-closed,
+by the rule of ``speccal.policy.allocate_prefixes``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from speccal.errors import InputError, UnsupportedError
+from speccal.geometry import Geometry
+from speccal.policy import (
+    AdaptiveStepConfig,
+    AdaptiveStepPolicy,
+    CostModel,
+    allocate_prefixes,
+    make_policy,
+)
+from speccal.runner.engine import Engine, EngineConfig, RoundPlan, RoundState
+from speccal.runner.live import Phase, replay_prediction, run_live
+from speccal.runner.sampling import SamplingParams
+from speccal.trace import load_trace, save_trace
+
+W = 3
+
+
+def _engine(profile=(0.9, 0.9, 0.9), buckets=(1, 2, 4)) -> Engine:
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            draft_width=W,
+            request_buckets=buckets,
+            acceptance="synthetic",
+            acceptance_profile=profile,
+            seed=0,
+        )
+    )
+
+
+def _cost(geometry: Geometry, mode: str = "draft_step", per_row: float = 1.0) -> CostModel:
+    """Known costs: a fixed part plus ``per_row`` ms per target row (draft forwards are free in
+    target_verify; in draft_step, ``k`` adds 0.4 ms per draft step of G = Bcap * (k + 1))."""
+
+    def f(bcap, g, kv):
+        bcap, g = np.asarray(bcap, float), np.asarray(g, float)
+        k = g / bcap - 1.0
+        return 4.0 + per_row * g + (0.4 * k if mode == "draft_step" else 0.0) + 0 * kv
+
+    return CostModel(cost=f, geometry=geometry, mode=mode)
+
+
+def _prompts(eng: Engine, n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    vocab = eng.loaded.config.vocab_size
+    return [rng.integers(0, vocab, int(m)).tolist() for m in rng.integers(3, 20, n)]
+
+
+PHASES = [Phase(0.0, (0.95, 0.95, 0.95)), Phase(0.5, (0.1, 0.1, 0.1))]
+
+
+def test_live_adaptive_step_decisions_equal_replay_of_its_own_trace(tmp_path):
+    eng = _engine()
+    cost = _cost(eng.geometry)
+    cfg = AdaptiveStepConfig(window_size=8, update_interval=3, switch_min_gain=0.05)
+    run = run_live(
+        eng,
+        AdaptiveStepPolicy(cost, cfg),
+        "draft_step",
+        _prompts(eng, 6),
+        SamplingParams(max_tokens=40, ignore_eos=True),
+        phases=PHASES,
+    )
+    # The transition makes the policy move: full width while acceptance is high, then lower.
+    assert run.k.size > 20 and set(run.k.tolist()) >= {3} and run.k.min() < 3
+    assert run.phase[0] == 0 and run.phase[-1] == 1
+    assert run.trace.num_rounds == run.k.size and (run.trace.k == run.k).all()
+    assert (run.trace.num_requests == run.num_requests).all()
+    # Round trip through the trace file, then replay a fresh twin policy on it.
+    path = save_trace(run.trace, tmp_path / "live.jsonl")
+    back = load_trace(path)
+    assert back.meta["policy"] == "adaptive-step" and back.meta["source"] == "runner"
+    run.trace = back
+    pred = replay_prediction(run, cost, AdaptiveStepPolicy(cost, cfg))
+    assert pred["decisions_match"] and pred["priced"]
+    assert (pred["predicted_k"] == run.k).all()
+    # Predicted time = the known cost of each round's (Bcap, G): replay prices the same rounds.
+    bcap = cost.bcap(run.num_requests)
+    want = cost.lookup(bcap, cost.g(bcap, run.num_requests * (run.k + 1)), 0.0)
+    np.testing.assert_allclose(pred["predicted_round_ms"], want)
+    tokens = float(run.round_tokens.sum())
+    assert pred["predicted_tokens_per_s"] == pytest.approx(1000.0 * tokens / want.sum())
+    # A twin that sees a different history decides differently: the check can fail.
+    other = run_live(
+        eng,
+        AdaptiveStepPolicy(cost, cfg),
+        "draft_step",
+        _prompts(eng, 6),
+        SamplingParams(max_tokens=40, ignore_eos=True),
+        phases=[Phase(0.0, (0.1, 0.1, 0.1))],
+    )
+    run.trace = other.trace
+    assert not replay_prediction(run, cost, AdaptiveStepPolicy(cost, cfg))["decisions_match"]
+
+
+def test_plan_callback_sees_batch_after_admission_and_consecutive_rounds():
+    eng = _engine(buckets=(1, 2, 4))
+    for p in _prompts(eng, 6):  # 6 requests, 4 slots: admission happens mid-run
+        eng.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True))
+    seen: list[RoundState] = []
+
+    def plan(state: RoundState) -> RoundPlan:
+        seen.append(state)
+        return RoundPlan(1 + state.round_index % W)
+
+    results = []
+    while eng.has_unfinished():
+        results.append(eng.step(plan))
+    ran = [r for r in results if r.num_requests]
+    assert [s.round_index for s in seen] == list(range(len(ran)))
+    assert [r.round_index for r in ran] == list(range(len(ran)))
+    for s, r in zip(seen, ran, strict=True):
+        assert s.num_requests == r.num_requests and list(s.request_ids) == r.request_ids
+        assert r.k == 1 + s.round_index % W
+        # mean KV before the round = KV after minus the round's accepted + 1 per request
+        assert s.kv_length == pytest.approx(float(np.mean(r.kv_lengths - r.accepted - 1)))
+    assert seen[0].num_requests == 4 and any(s.num_requests < 4 for s in seen)
+
+
+def test_verify_budget_is_respected_prefix_closed_and_follows_the_rule():
+    eng = _engine(profile=(0.8, 0.6, 0.4))
+    for p in _prompts(eng, 4, seed=1):
+        eng.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True))
+    res = eng.step(RoundPlan(W))  # first round: scores for every request
+    prev = {rid: res.draft_scores[i] for i, rid in enumerate(res.request_ids)}
+    for budget in (4, 5, 7, 9, 12, 16, 6, 8):
+        b = len(eng.running_ids())
+        res = eng.step(RoundPlan(W, verify_budget=budget))
+        scores = np.stack([prev[r] for r in res.request_ids])
+        want = allocate_prefixes(scores, budget - b)
+        np.testing.assert_array_equal(res.num_verify, want)
+        assert res.num_verify.sum() <= budget - b and res.g <= budget
+        assert int((res.num_verify + 1).sum()) <= res.g
+        assert (res.accepted <= res.num_verify).all()  # only verified prefixes can be accepted
+        prev = {rid: res.draft_scores[i] for i, rid in enumerate(res.request_ids)}
+    with pytest.raises(InputError, match="verify_budget"):
+        eng.step(RoundPlan(W, verify_budget=1))
+    with pytest.raises(InputError, match="verify_budget"):
+        eng.step(RoundPlan(W, verify_tokens=[1, 1, 1, 1], verify_budget=8))
+
+
+def test_live_adaptive_verify_stays_inside_its_budgets():
+    eng = _engine(profile=(0.9, 0.5, 0.2))
+    cost = _cost(eng.geometry, mode="target_verify", per_row=3.0)
+    run = run_live(
+        eng,
+        make_policy("adaptive-verify", cost),
+        "target_verify",
+        _prompts(eng, 4, seed=2),
+        SamplingParams(max_tokens=30, ignore_eos=True),
+    )
+    assert (run.k == W).all() and (run.g_run <= run.g).all()
+    assert (run.verified <= run.g - run.num_requests).all()
+    assert run.reasons[:2] == ["warmup", "warmup"] and "scored" in run.reasons
+    assert run.g.min() < run.g.max()  # costly rows: the budget shrinks once scored
+    pred = replay_prediction(run, cost, make_policy("adaptive-verify", cost))
+    assert pred["decisions_match"]  # budgets depend on n-2 feedback only
+
+
+def test_uncalibrated_points_run_full_width():
+    eng = _engine(profile=(0.1, 0.1, 0.1))
+
+    def nan_cost(bcap, g, kv):
+        return np.full(np.broadcast(bcap, g, kv).shape, np.nan)
+
+    cost = CostModel(cost=nan_cost, geometry=eng.geometry)
+    run = run_live(
+        eng,
+        make_policy("adaptive-step", cost),
+        "draft_step",
+        _prompts(eng, 3),
+        SamplingParams(max_tokens=20, ignore_eos=True),
+    )
+    assert (run.k == W).all() and "uncalibrated" in run.reasons
+    assert not replay_prediction(run, cost, make_policy("adaptive-step", cost))["priced"]
+
+
+def test_live_loop_refusals():
+    eng = _engine()
+    cost = _cost(eng.geometry)
+    with pytest.raises(InputError, match="phases"):
+        run_live(eng, make_policy("fixed:1", cost), "draft_step", [[1, 2]],
+                 SamplingParams(max_tokens=2), phases=[Phase(0.5, (1, 1, 1))])  # fmt: skip
+    with pytest.raises(InputError, match="acceptance_profile"):
+        eng.set_acceptance_profile((0.5, 0.5))
+    plain = Engine(EngineConfig(model="tiny", draft_width=W, request_buckets=(1, 2)))
+    with pytest.raises(UnsupportedError, match="synthetic"):
+        plain.set_acceptance_profile((0.5, 0.5, 0.5))
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(InputError, match="idle engine"):
+        run_live(eng, make_policy("fixed:1", cost), "draft_step", [[1]], SamplingParams())
