@@ -135,7 +135,8 @@ class RoundPlan:
     ``verify_budget`` (adaptive target verify): padded target rows ``G`` the round may use; the
     engine then sends each request a prefix of its drafts chosen by the rule of
     ``speccal.policy.allocate_prefixes`` (highest prefix survival first, prefix-closed, at most
-    ``G - B`` draft rows) and reports it in ``RoundResult.num_verify``. Exclusive with
+    ``G - B`` draft rows, ``G`` taken down to the largest captured target bucket of the batch's
+    ``Bcap`` that fits) and reports it in ``RoundResult.num_verify``. Exclusive with
     ``verify_tokens``. The survival scores are each request's draft scores of its previous round
     (already on the host from the normal result collection; a request without one gets zeros, so
     ties go position-major): the runner has no device-side allocation between draft and verify yet.
@@ -513,6 +514,10 @@ class Engine:
             raise InputError(
                 "verify_budget", budget, f"an integer >= {n} target rows (one per request)"
             )
+        # The padded target rows must fit the budget: use the largest captured level <= budget.
+        bcap = self.geometry.bcap_for(n)
+        levels = [g for g in self.geometry.target_rows.get(bcap, ()) if n <= g <= budget]
+        budget = max(levels) if levels else n
         scores = np.zeros((n, k), dtype=np.float64)
         for i, req in enumerate(self._running):
             last = self._last_scores.get(req.rid)

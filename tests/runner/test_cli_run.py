@@ -118,3 +118,174 @@ def test_bench_human_table():
     assert (
         "RANDOM WEIGHTS" in r.stderr and "speed-up" in r.stderr and "1.000" in r.stderr
     )  # acceptance 1
+
+
+# ------------------------------------------------------------------ bench --policy (live policies)
+
+
+@pytest.fixture(scope="module")
+def tiny_table(tmp_path_factory):
+    """A real draft_step calibration of the tiny preset (small grid, CPU, about a second)."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from speccal.calibrate.pipeline import CalibrateOptions, calibrate
+
+    d = tmp_path_factory.mktemp("table")
+    cfg = d / "cfg.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "policy": {"window_size": 20, "update_interval": 5, "switch_min_gain": 0.05},
+                "calibration": {
+                    "request_buckets": [1, 2, 4],
+                    "contexts": [{"prefill_tokens": 32, "min_kv_length": 1, "max_kv_length": 256}],
+                    "warmup_steps": 1,
+                    "window_steps": 4,
+                    "windows_per_point": 2,
+                },
+            }
+        )
+    )
+    out = Path(d) / "tiny-draft-step.json"
+    calibrate(
+        CalibrateOptions(
+            model="tiny", request_buckets=(1, 2, 4), config_path=cfg, out=out, progress=False
+        ),
+        console=Console(stderr=True, quiet=True),
+    )
+    return out
+
+
+POLICY_ARGS = ["--acceptance", "synthetic", "--profile", "0.95,0.95,0.95", "--prompt-len", "8"]
+
+
+def test_bench_policies_json_live_vs_replay(tiny_table, tmp_path):
+    from speccal.trace import load_trace
+
+    r = _run(
+        "bench",
+        "--policy",
+        "fixed:1,fixed:3",
+        "--policy",
+        "adaptive-step",
+        "--cost-table",
+        str(tiny_table),
+        "--request-buckets",
+        "1,2,4",
+        "--phase",
+        "0.5:0.1,0.1,0.1",
+        "--num-requests",
+        "4",
+        "--max-tokens",
+        "40",
+        "--trace-out",
+        str(tmp_path / "run.jsonl"),
+        "--json",
+        *POLICY_ARGS,
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    pols = {p["policy"]: p for p in doc["policies"]}
+    assert list(pols) == ["fixed:1", "fixed:3", "adaptive-step"]
+    assert doc["best_fixed"] in ("fixed:1", "fixed:3") and doc["table_mode"] == "draft_step"
+    assert pols[doc["best_fixed"]]["gain_vs_best_fixed_pct"] == 0.0
+    assert doc["setup"]["phases"] == ["from 0: 0.95,0.95,0.95", "from 0.5: 0.1,0.1,0.1"]
+    assert any("verification_mode" in w for w in doc["table_warnings"])  # forced vs synthetic
+    for name, p in pols.items():
+        assert p["round_tokens_per_s"] > 0 and p["output_tokens"] == 4 * 40
+        assert p["replay"]["priced"] and p["replay"]["decisions_match"], name
+        assert p["replay"]["predicted_tokens_per_s"] > 0
+    assert pols["fixed:1"]["mean_k"] == 1 and pols["fixed:3"]["mean_k"] == 3
+    ad = pols["adaptive-step"]
+    assert ad["reasons"]["warmup"] == 5 and ad["timeline"][0][2] == 3 and ad["timeline"][0][1] >= 5
+    tr = load_trace(doc["traces"]["adaptive-step"])
+    assert tr.num_rounds == ad["rounds"] and tr.meta["policy"] == "adaptive-step"
+    assert tr.meta["phases"] == doc["setup"]["phases"]
+
+
+def test_bench_policy_uncalibrated_bucket_runs_full_width(tiny_table):
+    r = _run(
+        "bench",
+        "--policy",
+        "adaptive-step",
+        "--cost-table",
+        str(tiny_table),
+        "--request-buckets",
+        "1,2,4,8",
+        "--num-requests",
+        "8",
+        "--max-tokens",
+        "16",
+        "--json",
+        *POLICY_ARGS,
+    )
+    assert r.exit_code == 0, r.output
+    (ad,) = json.loads(r.stdout)["policies"]
+    assert ad["mean_k"] == 3 and ad["reasons"].get("uncalibrated", 0) > 0
+    assert ad["replay"]["priced"] is False
+
+
+def test_bench_policy_human_table(tiny_table):
+    r = _run(
+        "bench",
+        "--policy",
+        "fixed:2,adaptive-step",
+        "--cost-table",
+        str(tiny_table),
+        "--request-buckets",
+        "1,2,4",
+        "--num-requests",
+        "2",
+        "--max-tokens",
+        "12",
+        *POLICY_ARGS,
+    )
+    assert r.exit_code == 0, r.output
+    assert "live policies" in r.stderr and "adaptive-step timeline [start, stop, k, g]" in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--policy", "adaptive-step,adaptive-verify"], "cannot be combined"),
+        (["--policy", "adaptive-verify", "--policy", "adaptive-step"], "cannot be combined"),
+        (["--policy", "adaptive-step+adaptive-verify"], "cannot be combined"),
+        (["--policy", "adaptive-step"], "--cost-table"),
+        (["--policy", "fixed:0"], "policy: got 'fixed:0'"),
+        (["--policy", "fixed:1,fixed:1"], "each policy at most once"),
+        (["--phase", "0.5:1,1,1"], "only together with --policy"),
+        (["--policy", "fixed:1", "--phase", "0.5:1,1"], "--phase"),
+    ],
+)
+def test_bench_policy_refusals(args, match, monkeypatch):
+    import speccal.runner.engine as engine_mod
+
+    def no_engine(*a, **k):
+        raise AssertionError("refusal must come before the engine is built")
+
+    monkeypatch.setattr(engine_mod, "Engine", no_engine)
+    r = _run("bench", *args, "--acceptance", "synthetic", "--profile", "0.5,0.5,0.5")
+    assert 2 in (r.exit_code, getattr(r.exception, "exit_code", None)), r.output
+    assert match in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_policy_table_of_another_width_refused(tiny_table):
+    r = _run(
+        "bench",
+        "--policy",
+        "adaptive-step",
+        "--cost-table",
+        str(tiny_table),
+        "--draft-width",
+        "2",
+        "--acceptance",
+        "synthetic",
+        "--profile",
+        "0.5,0.5",
+    )
+    assert 2 in (r.exit_code, getattr(r.exception, "exit_code", None)), r.output
+    assert "draft_width" in r.stderr and "Traceback" not in r.stderr

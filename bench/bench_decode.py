@@ -1,0 +1,169 @@
+"""Decode / verify speed of the captured runner vs the HBM floor, and the draft->target gap.
+
+Usage (H200): python3 bench/bench_decode.py --out DIR [--quick]
+
+One run measures, on the dense-2b preset (bf16, triton backend, graph_mode="split"):
+- copy bandwidth (1 GiB bf16 copy; read + write bytes / median time);
+- decode step (B=1, KV 1024): target graph replay time (forward + LM head + sampling + state
+  update) vs floor = (every weight matrix incl. LM head, not the embedding; KV attended) / bw
+  [decode_step_floor_ratio];
+- full-width verify (w=5, 6 rows/request) vs the B-matched decode step, B = 1 and 8
+  [verify_full_width_ratio: the larger of the two];
+- draft->target gap from torch.profiler kernel timestamps, fast path (in-graph update) vs
+  fallback (host-prepared inputs) [draft_target_gap_us_fast, draft_target_gap_us_fallback].
+Prints a table and writes ``DIR/decode.json`` (metric lines). Speed goals live here only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+from speccal.runner.graphs import GraphKey
+from speccal.runner.sampling import SamplingParams
+
+KV = 1024
+
+
+def _events_ms(fn, iters: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean time of ``iters`` calls (CUDA events), in ms."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB bf16 device copy (read + write counted)."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = _events_ms(lambda: dst.copy_(src), 10, 5)
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+def floor_bytes(eng: Engine, kv_tokens: int) -> int:
+    t = eng.loaded.target
+    emb = t.model.embed_tokens.weight
+    n = sum(p.numel() * p.element_size() for p in t.parameters() if p.dim() == 2 and p is not emb)
+    n += t.lm_head.weight.numel() * t.lm_head.weight.element_size() if t.lm_head.weight is emb else 0
+    c = eng.loaded.config
+    n += c.num_hidden_layers * 2 * kv_tokens * c.num_key_value_heads * c.head_dim * emb.element_size()
+    return n
+
+
+def fill(eng: Engine, batch: int, k: int) -> None:
+    """``batch`` requests at KV ~1024, one real round of ``k`` drafts (stages every buffer)."""
+    eng.reset()
+    vocab = eng.loaded.config.vocab_size
+    rng = np.random.default_rng(0)
+    for _ in range(batch):
+        eng.add_request(rng.integers(0, vocab, KV - 1).tolist(),
+                        SamplingParams(max_tokens=512, ignore_eos=True))
+    eng.prefill_pending()
+    eng.step(RoundPlan(num_draft_steps=k))
+    eng.synchronize()
+
+
+def target_ms(eng: Engine, batch: int, k: int, g: int, update: str, repeats: int) -> float:
+    key = GraphKey("target", batch, k, g, update)
+    return _events_ms(lambda: eng.runner.graphs.replay(key), 50, repeats)
+
+
+def kernels_of(prof) -> list[tuple[float, float]]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        prof.export_chrome_trace(fh.name)
+        trace = json.loads(Path(fh.name).read_text())
+    ev = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    return sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ev)
+
+
+def gap_us(eng: Engine, k: int, rounds: int) -> float:
+    """Median gap (us) between the last draft kernel and the target's first kernel of a round."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    fill(eng, 1, k)
+    key = GraphKey("draft", 1, k)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.runner.graphs.replay(key)
+        torch.cuda.synchronize()
+    n_draft = len(kernels_of(prof))
+    gaps = []
+    for _ in range(rounds):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.step(RoundPlan(num_draft_steps=k))
+            torch.cuda.synchronize()
+        ks = kernels_of(prof)
+        gaps.append(ks[n_draft][0] - ks[n_draft - 1][1])
+    return statistics.median(gaps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--model", default="dense-2b")
+    args = ap.parse_args()
+    out = Path(args.out)
+    res: dict[str, float] = {}
+    bw = copy_bandwidth()
+    res["copy_bandwidth_gbs"] = bw / 1e9
+    common = dict(model=args.model, device="cuda", dtype="bfloat16", attention_backend="triton",
+                  graph_mode="split", max_model_len=KV + 512, block_size=16)
+    t0 = time.time()
+    plain = Engine(EngineConfig(**common, speculative=False, request_buckets=(1, 8),
+                                kv_capacity_tokens=8 * (KV + 520)))
+    res["capture_s_plain"] = time.time() - t0
+    dec = {}
+    for b in (1, 8):
+        fill(plain, b, 0)
+        dec[b] = target_ms(plain, b, 0, b, plain.runner.resolve_update(b, 0, b), args.repeats)
+    fb = floor_bytes(plain, KV)
+    res["decode_step_ms_b1"] = dec[1]
+    res["decode_step_ms_b8"] = dec[8]
+    res["decode_floor_ms"] = fb / bw * 1e3
+    res["decode_step_floor_ratio"] = dec[1] / res["decode_floor_ms"]
+    del plain
+    torch.cuda.empty_cache()
+    t0 = time.time()
+    spec = Engine(EngineConfig(**common, draft_width=5, request_buckets=(1, 8),
+                               target_rows={1: (6,), 8: (48,)}, acceptance="forced",
+                               kv_capacity_tokens=8 * (KV + 520)))
+    res["capture_s_spec"] = time.time() - t0
+    ratios = []
+    for b in (1, 8):
+        fill(spec, b, 5)
+        v = target_ms(spec, b, 5, 6 * b, "in_graph", args.repeats)
+        res[f"verify_ms_b{b}"] = v
+        res[f"verify_full_width_ratio_b{b}"] = v / dec[b]
+        ratios.append(v / dec[b])
+    res["verify_full_width_ratio"] = max(ratios)
+    res["draft_target_gap_us_fast"] = gap_us(spec, 5, 9)
+    del spec
+    torch.cuda.empty_cache()
+    host = Engine(EngineConfig(**common, draft_width=5, request_buckets=(1,),
+                               target_rows={1: (6,)}, acceptance="forced", input_update="host",
+                               kv_capacity_tokens=KV + 520))
+    res["draft_target_gap_us_fallback"] = gap_us(host, 5, 9)
+    (out / "decode.json").write_text(json.dumps(res, indent=1))
+    for name, v in res.items():
+        print(f"{name:36s} {v:10.4f}")
+
+
+if __name__ == "__main__":
+    main()
