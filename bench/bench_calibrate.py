@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--device-label", default=None, help="device text for results.jsonl")
     ap.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
+    ap.add_argument("--table-out", default=None, help="also keep the calibrated table here")
+    ap.add_argument("--graph-mode", default=None, help="EngineConfig.graph_mode (default: eager)")
+    ap.add_argument("--attention-backend", default=None, help="torch (default) or triton")
+    ap.add_argument("--json-out", default=None, help="also write the result JSON here")
     args = ap.parse_args(argv)
 
     import torch
@@ -77,7 +81,28 @@ def main(argv: list[str] | None = None) -> int:
             request_buckets=buckets,
             out=Path(tmp) / "table.json",
         )
-        summary = calibrate(opts, console=Console(stderr=True))
+        factory = None
+        if args.graph_mode or args.attention_backend:
+            from speccal.runner.engine import Engine, EngineConfig
+
+            def factory(o: CalibrateOptions) -> Engine:
+                # make_engine's settings (forced acceptance) plus the graph mode / backend.
+                kwargs = {"model": o.model, "device": o.device, "acceptance": "forced"}
+                kwargs["seed"] = o.seed
+                for name in ("dtype", "draft_width", "request_buckets"):
+                    if getattr(o, name) is not None:
+                        kwargs[name] = getattr(o, name)
+                if args.graph_mode:
+                    kwargs["graph_mode"] = args.graph_mode
+                if args.attention_backend:
+                    kwargs["attention_backend"] = args.attention_backend
+                return Engine(EngineConfig(**kwargs))
+
+        summary = calibrate(opts, console=Console(stderr=True), engine_factory=factory)
+        if args.table_out:
+            import shutil
+
+            shutil.copyfile(Path(tmp) / "table.json", args.table_out)
     t = summary["timings"]
     result = {
         "warmup_capture_s": t["warmup_capture_s"],
@@ -93,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_lopo": summary["fit"][0]["leave_one_point_out"],
     }
     print(json.dumps(result, indent=2, sort_keys=True))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2, sort_keys=True))
     if args.record:
         kind = args.device.split(":")[0]
         metric = args.metric or f"calibration_wall_s_{Path(args.model).name}_{kind}"

@@ -1,7 +1,7 @@
 """Plain-data views of a cost table for the CLI and notebooks (no Rich, no printing).
 
 - :func:`summary`: a JSON-ready dict (identity, compatibility, provenance, one entry per fit
-  with its parameters and error summaries);
+  with its parameters, error summaries and the cells where it predicts a non-positive cost);
 - :func:`cost_grid`: one row per (context, Bcap, captured G) with the looked-up cost, so a
   table can be exported to CSV/markdown or plotted;
 - :func:`diff_tables`: what differs between two tables (metadata fields and costs at common
@@ -22,7 +22,12 @@ ERROR_KEYS = ("residuals", "leave_one_point_out", "leave_one_g_out")
 
 
 def summary(table: CostTable) -> dict[str, Any]:
-    """JSON-ready overview of ``table`` (no raw windows, no per-point diagnostics)."""
+    """JSON-ready overview of ``table`` (no raw windows, no per-point diagnostics).
+
+    Each fit lists ``nonpositive_cells`` (``[{bcap, g, cost_ms, measured}]``): calibrated cells
+    where the fit predicts a step cost ``<= 0`` ms, which lookups treat as uncalibrated.
+    """
+    bad = table.nonpositive_cells()
     fits = []
     for f in table.fits:
         params = f.additive if f.model == "additive" else f.sps
@@ -37,6 +42,11 @@ def summary(table: CostTable) -> dict[str, Any]:
                 "n_windows": len(f.windows),
                 "params": params.model_dump(mode="json"),
                 **{k: getattr(f.diagnostics, k).model_dump(mode="json") for k in ERROR_KEYS},
+                "nonpositive_cells": [
+                    {k: c[k] for k in ("bcap", "g", "cost_ms", "measured")}
+                    for c in bad
+                    if c["context_index"] == f.context_index
+                ],
             }
         )
     return {

@@ -33,6 +33,7 @@ import math
 import os
 import platform
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,7 +46,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from speccal import __version__
 from speccal.atomic import dumps_json, write_json_atomic
 from speccal.costmodel.additive import AdditiveCostModel, level_lookup
-from speccal.costmodel.compat import Compatibility, as_compatibility, check_compatibility
+from speccal.costmodel.compat import (
+    Compatibility,
+    SpeccalWarning,
+    as_compatibility,
+    check_compatibility,
+)
 from speccal.costmodel.diagnostics import diagnose
 from speccal.costmodel.grid import check_contexts
 from speccal.costmodel.measurements import context_intervals, validate_measurements
@@ -59,6 +65,18 @@ MODELS = ("additive", "sps")
 SCHEMA_PATH = (
     Path(__file__).resolve().parent.parent / "tables" / "schema" / "cost_table.v1.schema.json"
 )
+#: Reason a lookup gives for a cell whose fitted cost is zero or negative (not a physical cost).
+NOT_POSITIVE = "fitted cost not positive"
+#: Cells listed by name in a :class:`NonPositiveCostWarning` before "... and N more".
+MAX_LISTED_CELLS = 12
+
+
+class NonPositiveCostWarning(SpeccalWarning):
+    """A fit predicts a zero or negative step cost at a calibrated cell (listed in the message).
+
+    Such cells are uncalibrated at lookup (:meth:`CostTable.cost_ms` says
+    ``"fitted cost not positive"``; :meth:`CostTable.cost_surface` is NaN there).
+    """
 
 
 class _Strict(BaseModel):
@@ -258,6 +276,7 @@ class CostTable(_Strict):
     provenance: Provenance
 
     _surface: Callable | None = PrivateAttr(default=None)
+    _raw_surface: Callable | None = PrivateAttr(default=None)
 
     # -- identity
     @property
@@ -290,23 +309,69 @@ class CostTable(_Strict):
 
         Arguments broadcast against each other. Built once per table and cached; it captures
         plain numpy arrays only (no pydantic objects) so replay can call it 10^6 times cheaply.
+        A cell whose fitted cost is not positive is NaN (uncalibrated): a step cost is physical,
+        and a policy dividing by a negative cost would prefer exactly the cell the fit got wrong.
         """
         if self._surface is None:
-            self._surface = _build_surface(self)
+            self._surface = _build_surface(self, positive_only=True)
         return self._surface
+
+    def _fitted_surface(self) -> Callable[[Any, Any, Any], np.ndarray]:
+        """:meth:`cost_surface` without the positivity mask (what the fits predict)."""
+        if self._raw_surface is None:
+            self._raw_surface = _build_surface(self, positive_only=False)
+        return self._raw_surface
 
     def cost_ms(self, bcap: int, g: int, kv_length: float) -> CostLookup:
         """Full-step cost in ms at ``(bcap, g)`` and ``kv_length``, or an explicit uncalibrated answer.
 
         Reasons: KV length outside every context interval; Bcap not a calibrated request bucket;
         G not a captured target bucket of that Bcap; G not a calibrated level (additive) or
-        outside the measured G range (sps).
+        outside the measured G range (sps); the fitted cost is not positive (``"fitted cost
+        not positive"``, with the predicted value).
         """
         reason = self._uncalibrated_reason(bcap, g, kv_length)
         if reason is not None:
             return CostLookup(math.nan, False, reason)
-        value = float(self.cost_surface()(bcap, g, kv_length))
+        value = float(self._fitted_surface()(bcap, g, kv_length))
+        if not value > 0:
+            return CostLookup(
+                math.nan,
+                False,
+                f"{NOT_POSITIVE} ({value:.3f} ms at bcap {bcap}, g {g}): the {self.model} fit "
+                "is not physical here",
+            )
         return CostLookup(value, True, None)
+
+    def nonpositive_cells(self) -> list[dict[str, Any]]:
+        """Calibrated cells where a fit predicts a step cost ``<= 0`` ms, per context interval.
+
+        Every captured ``(bcap, g)`` of the geometry that would otherwise be calibrated is
+        checked (a fit is constant over its KV interval). Returns one dict per cell:
+        ``context_index, min_kv_length, max_kv_length, bcap, g, cost_ms, measured``.
+        """
+        raw = self._fitted_surface()
+        cells = []
+        for f in self.fits:
+            measured = {(p.bcap, p.g) for p in f.diagnostics.points}
+            for b in f.bcap_levels():
+                for g in self.geometry_block.target_rows.get(b, []):
+                    if self._uncalibrated_reason(b, g, f.min_kv_length) is not None:
+                        continue
+                    value = float(raw(b, g, f.min_kv_length))
+                    if not value > 0:
+                        cells.append(
+                            {
+                                "context_index": f.context_index,
+                                "min_kv_length": f.min_kv_length,
+                                "max_kv_length": f.max_kv_length,
+                                "bcap": b,
+                                "g": g,
+                                "cost_ms": value,
+                                "measured": (b, g) in measured,
+                            }
+                        )
+        return cells
 
     def _uncalibrated_reason(self, bcap: int, g: int, kv_length: float) -> str | None:
         fit = self.fit_for(kv_length)
@@ -357,7 +422,9 @@ class CostTable(_Strict):
         return dumps_json(self.to_json_dict())
 
 
-def _build_surface(table: CostTable) -> Callable[[Any, Any, Any], np.ndarray]:
+def _build_surface(
+    table: CostTable, *, positive_only: bool
+) -> Callable[[Any, Any, Any], np.ndarray]:
     geom = table.geometry_block
     gmax = max((max(v) for v in geom.target_rows.values() if v), default=0) + 1
     legal = np.array(
@@ -419,6 +486,8 @@ def _build_surface(table: CostTable) -> Callable[[Any, Any, Any], np.ndarray]:
         idx = np.clip(np.searchsorted(legal, key), 0, max(len(legal) - 1, 0))
         is_legal = (legal[idx] == key) if len(legal) else np.zeros(b.shape, dtype=bool)
         out[~is_legal] = np.nan
+        if positive_only:
+            out[~(out > 0)] = np.nan  # NaN stays NaN; zero and negative fitted costs join it
         return out if out.ndim else out[()]
 
     return surface
@@ -447,7 +516,7 @@ def build_table(
     calibration : the effective calibration config; default: read back from the rows
         (``sources`` say ``measurements`` or ``default``).
     geometry : the captured geometry; default: the measured Bcaps, each with its measured G plus
-        its split-graph legal buckets ``Bcap * j``, ``j = 1..w+1``.
+        its default legal buckets (``speccal.geometry.default_target_rows``).
     provenance : default: :meth:`Provenance.now`.
     combine : how repeated windows are combined (``median``, ``mean``).
 
@@ -455,6 +524,13 @@ def build_table(
     ------
     InputError, GridError
         Bad rows, overlapping contexts, a disconnected additive grid, inconsistent draft widths.
+
+    Warns
+    -----
+    NonPositiveCostWarning
+        A fit predicts a zero or negative step cost at calibrated cells (listed; see
+        :meth:`CostTable.nonpositive_cells`). The table is still built; those cells look up
+        as uncalibrated.
     """
     df = validate_measurements(measurements)
     compat = as_compatibility(compatibility)
@@ -510,8 +586,29 @@ def build_table(
                 **params,
             )
         )
-    return CostTable(
+    table = CostTable(
         calibration=cal, compatibility=compat, geometry_block=geom, fits=fits, provenance=prov
+    )
+    cells = table.nonpositive_cells()
+    if cells:
+        warnings.warn(NonPositiveCostWarning(nonpositive_message(cells, model)), stacklevel=2)
+    return table
+
+
+def nonpositive_message(cells: list[dict[str, Any]], model: str) -> str:
+    """The text of a :class:`NonPositiveCostWarning` naming each cell (up to a limit)."""
+    listed = "; ".join(
+        f"context {c['context_index']} (KV {c['min_kv_length']}-{c['max_kv_length']}) "
+        f"Bcap {c['bcap']} G {c['g']}: {c['cost_ms']:.3f} ms"
+        + (" (measured)" if c["measured"] else "")
+        for c in cells[:MAX_LISTED_CELLS]
+    )
+    more = f"; and {len(cells) - MAX_LISTED_CELLS} more" if len(cells) > MAX_LISTED_CELLS else ""
+    return (
+        f"the {model} fit predicts a non-positive step cost at {len(cells)} cell(s): "
+        f"{listed}{more}. Lookups treat these cells as uncalibrated ({NOT_POSITIVE}), so "
+        "policies fall back to full width there; check the measurements (noise, outliers) "
+        "or refit with another model."
     )
 
 

@@ -26,6 +26,7 @@ import torch
 from speccal.errors import InputError, UnsupportedError
 
 ATTENTION_BACKENDS = ("torch", "triton")
+MAX_KERNEL_Q_ROWS = 64  # query rows per request the Triton kernel serves (decode / verify)
 
 
 @dataclass
@@ -170,9 +171,12 @@ def attend_rows(
     grid = q.new_zeros(num_b * num_r + 1, *q.shape[1:])
     grid.index_copy_(0, meta.row_index, q)
     extra = {}
-    if meta.plan is not None and _backend["name"] == "triton":
+    fn = _backend["fn"]
+    if num_r > MAX_KERNEL_Q_ROWS:  # prefill chunks: the kernel is built for decode/verify rows
+        fn = paged_attention_torch
+    elif meta.plan is not None and _backend["name"] == "triton":
         extra = {"plan": meta.plan, "tiling": meta.tiling}
-    out = _backend["fn"](
+    out = fn(
         grid[: num_b * num_r].view(num_b, num_r, *q.shape[1:]),
         k_cache,
         v_cache,

@@ -139,7 +139,8 @@ class RoundPlan:
     ``Bcap`` that fits) and reports it in ``RoundResult.num_verify``. Exclusive with
     ``verify_tokens``. The survival scores are each request's draft scores of its previous round
     (already on the host from the normal result collection; a request without one gets zeros, so
-    ties go position-major): the runner has no device-side allocation between draft and verify yet.
+    ties go position-major). The device twin for the current round's scores, to run between the
+    draft and target parts, is ``speccal.runner.verify_alloc.allocate_prefixes_device`` (not wired).
     """
 
     num_draft_steps: int

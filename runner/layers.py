@@ -16,6 +16,8 @@ from speccal.runner.attention import AttnMeta, attend_rows, fused_kernels, write
 from speccal.runner.config import ModelConfig
 from speccal.runner.rope import RotaryTable
 
+SKINNY_ROWS = 64  # the split-K GEMV's tuned range (decode / verify rows)
+
 
 def _ops():
     from speccal.kernels import ops  # noqa: PLC0415  (lazy: CPU runs never need it)
@@ -25,7 +27,7 @@ def _ops():
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` through the split-K Triton GEMV when fused kernels are on."""
-    if not fused_kernels(x):
+    if not fused_kernels(x) or x.shape[0] > SKINNY_ROWS:  # prefill chunks: cuBLAS
         return nn.functional.linear(x, weight, bias)
     y = _ops().linear(x.contiguous(), weight)
     return y if bias is None else y + bias

@@ -3,7 +3,9 @@
 This module owns :func:`run_live` (one workload under one policy on a warmed
 :class:`~speccal.runner.engine.Engine`), :class:`Phase` (a synthetic acceptance profile that takes
 over once a fraction of the workload's tokens has been emitted), :class:`LiveRun` (what one run
-measured) and :func:`replay_prediction` (the same policy replayed on the run's own trace).
+measured), :func:`replay_prediction` (the same policy replayed on the run's own trace) and
+:func:`live_cost_model` (a table's :class:`~speccal.policy.CostModel` with scalar lookups cached
+per batch size and context interval, so planning a round costs microseconds; same values).
 
 Per round: the engine admits and prefills waiting requests (``Engine.prefill_pending``, timed
 apart, device-synchronised), then ``Engine.step`` calls the plan callback with the round's
@@ -18,7 +20,8 @@ Round wall time is ``perf_counter`` around ``Engine.step`` (its result collectio
 one device sync), so decode time excludes prefill. Metrics follow ``speccal.replay``:
 ``round_tokens_per_s`` = sum over rounds of ``B + accepted`` over decode time (what a replay
 predicts); ``tokens_per_s`` = output tokens over prefill + decode time; TPOT =
-``sum(round_ms * B) / round tokens``; acceptance rate = accepted / verified drafts; mean accepted
+``sum(round_ms * B) / round tokens``; ``loop_tokens_per_s`` counts the whole loop's wall time
+(policy feedback and trace bookkeeping between rounds too, prefill excluded); acceptance rate = accepted / verified drafts; mean accepted
 length = accepted drafts per request-round.
 """
 
@@ -74,6 +77,7 @@ class LiveRun:
     output_tokens: int
     phase: np.ndarray
     stats: dict[str, Any] = field(default_factory=dict)
+    loop_s: float = math.nan  # wall time of the whole round loop minus prefill (bookkeeping too)
 
     @property
     def round_tokens(self) -> np.ndarray:
@@ -104,6 +108,8 @@ class LiveRun:
             "mean_k": float(np.mean(self.k)) if self.k.size else math.nan,
             "mean_round_ms": ms / max(self.k.size, 1),
             "decode_s": ms / 1000.0,
+            "loop_tokens_per_s": tok / self.loop_s if self.loop_s > 0 else math.nan,
+            "loop_s": self.loop_s,
             "prefill_s": self.prefill_s,
             "output_tokens": self.output_tokens,
             "round_tokens": tok,
@@ -123,6 +129,68 @@ class LiveRun:
             [int(a), int(b), int(self.k[a]), int(self.g[a])]
             for a, b in zip(starts[:max_segments], stops[:max_segments], strict=True)
         ]
+
+
+@dataclass(frozen=True)
+class _CachedCostModel(CostModel):
+    """A table's cost model whose scalar lookups are memoised.
+
+    A table's cost depends on the KV length only through which context intervals hold it (see
+    ``speccal.costmodel.table``), so ``(B, intervals holding kv)`` keys the answer exactly.
+    """
+
+    intervals: tuple[tuple[float, float], ...] = ()
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def _key(self, name: str, b: Any, kv: Any) -> tuple | None:
+        if np.ndim(b) or np.ndim(kv):
+            return None
+        kv = float(kv)
+        return (name, int(b), tuple(lo <= kv <= hi for lo, hi in self.intervals))
+
+    def step_costs(self, num_requests: Any, kv_length: Any) -> np.ndarray:
+        key = self._key("step", num_requests, kv_length)
+        if key is None:
+            return super().step_costs(num_requests, kv_length)
+        if key not in self.memo:
+            self.memo[key] = super().step_costs(num_requests, kv_length)
+        return self.memo[key].copy()
+
+    def verify_candidates(self, num_requests: Any, kv_length: Any) -> tuple[np.ndarray, np.ndarray]:
+        key = self._key("verify", num_requests, kv_length)
+        if key is None:
+            return super().verify_candidates(num_requests, kv_length)
+        if key not in self.memo:
+            self.memo[key] = super().verify_candidates(num_requests, kv_length)
+        gs, cs = self.memo[key]
+        return gs.copy(), cs.copy()
+
+    def bcap(self, num_requests: Any) -> Any:
+        if np.ndim(num_requests):
+            return super().bcap(num_requests)
+        key = ("bcap", int(num_requests))
+        if key not in self.memo:
+            self.memo[key] = super().bcap(num_requests)
+        return self.memo[key]
+
+    def g(self, bcap: Any, rows: Any) -> Any:
+        if np.ndim(bcap) or np.ndim(rows):
+            return super().g(bcap, rows)
+        key = ("g", int(bcap), int(rows))
+        if key not in self.memo:
+            self.memo[key] = super().g(bcap, rows)
+        return self.memo[key]
+
+
+def live_cost_model(table: Any) -> CostModel:
+    """``CostModel.from_table(table)`` with cached scalar lookups (identical values)."""
+    base = CostModel.from_table(table)
+    return _CachedCostModel(
+        cost=base.cost,
+        geometry=base.geometry,
+        mode=base.mode,
+        intervals=tuple((float(f.min_kv_length), float(f.max_kv_length)) for f in table.fits),
+    )
 
 
 def to_plan(decision: Decision, mode: str) -> RoundPlan:
@@ -185,6 +253,7 @@ def run_live(
         decisions.append(d)
         return to_plan(d, mode)
 
+    t_loop = time.perf_counter()
     while engine.has_unfinished():
         want = 0
         for i, ph in enumerate(phases):
@@ -221,6 +290,7 @@ def run_live(
         rec["ms"].append(ms)
         rec["why"].append(d.reason)
         phase_of_round.append(max(current_phase, 0))
+    loop_s = time.perf_counter() - t_loop - prefill_s
     outputs = sum(len(engine.requests[r].output) for r in rids)
     for r in rids:
         engine.release(r)
@@ -251,6 +321,7 @@ def run_live(
         output_tokens=int(outputs),
         phase=phase_arr,
         stats=engine.stats.to_dict(),
+        loop_s=loop_s,
     )
 
 

@@ -137,8 +137,9 @@ def _plot(
     summary: dict[str, Any] = {"table": str(table_path), "out": str(out)}
     if report is not None:
         from speccal.plots_replay import write_plots
+        from speccal.plots_table import table_title
 
-        paths += write_plots(report, out)
+        paths += write_plots(report, out, title=table_title(table))
         d = report.to_dict()
         summary["replay"] = {
             "best_fixed": d["best_fixed"],

@@ -524,7 +524,9 @@ def _bench_policies(
             warnings.simplefilter("always")
             table = load_table(cost_table, expect=engine.compatibility())
         table_warnings = [str(w.message) for w in caught]
-        cost = CostModel.from_table(table)
+        from speccal.runner.live import live_cost_model
+
+        cost = live_cost_model(table)
     else:
         import numpy as np
 

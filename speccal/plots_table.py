@@ -39,6 +39,7 @@ MAX_ANNOTATED_COLUMNS = 16
 FIT_PNG = "table_fit.png"
 RESIDUALS_PNG = "table_residuals.png"
 COMPONENTS_PNG = "table_components.png"
+BCAP_LINESTYLES = ("-", (0, (6, 2)), (0, (2, 1.5)), (0, (6, 2, 1.5, 2)))
 
 
 def _pyplot():
@@ -58,8 +59,15 @@ def _save(fig, path: str | Path) -> Path:
 
 
 def short_fingerprint(fingerprint: str, keep: int = 12) -> str:
-    """``fingerprint`` cut to ``keep`` characters (an ellipsis marks the cut)."""
-    return fingerprint if len(fingerprint) <= keep else fingerprint[:keep] + "\u2026"
+    """``fingerprint`` cut to ``keep`` characters of its digest (an ellipsis marks the cut).
+
+    A scheme prefix (``sha256:``, ``preset:``) is kept whole and not counted, so the title
+    shows ``keep`` characters that tell two weights apart, not mostly the scheme name.
+    """
+    scheme, sep, digest = fingerprint.partition(":")
+    if not (sep and digest and scheme.isalnum() and len(scheme) <= 16):
+        scheme, sep, digest = "", "", fingerprint
+    return fingerprint if len(digest) <= keep else f"{scheme}{sep}{digest[:keep]}\u2026"
 
 
 def table_title(table: CostTable) -> str:
@@ -121,7 +129,7 @@ def fit_figure(table: CostTable):
         bcaps = sorted(fit.bcap_levels())
         colors = _bcap_colors(bcaps)
         kv = float(fit.min_kv_length)
-        for b in bcaps:
+        for i, b in enumerate(bcaps):
             col = colors[b]
             w = windows[windows["bcap"] == b]
             ax.scatter(w["g"], w["step_ms"], s=9, color=col, alpha=0.35, linewidths=0)
@@ -137,7 +145,16 @@ def fit_figure(table: CostTable):
                 )
             gs = np.asarray(geom.target_rows.get(b, ()), dtype=np.float64)
             fitted = surface(b, gs, kv) if gs.size else gs
-            ax.plot(gs, fitted, color=col, linewidth=1.6, label=f"Bcap {b}")
+            # Own dash pattern per Bcap: nearly equal alpha(Bcap) puts two lines on top of
+            # each other, and colour alone does not show the one underneath.
+            ax.plot(
+                gs,
+                fitted,
+                color=col,
+                linewidth=1.6,
+                linestyle=BCAP_LINESTYLES[i % len(BCAP_LINESTYLES)],
+                label=f"Bcap {b}",
+            )
         _g_axis(ax, sorted({g for b in bcaps for g in geom.target_rows.get(b, ())}))
         ax.set_xlabel("target rows G (rows, log scale)")
         ax.set_ylabel("full-step cost (ms)")

@@ -202,3 +202,64 @@ def test_live_loop_refusals():
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=4))
     with pytest.raises(InputError, match="idle engine"):
         run_live(eng, make_policy("fixed:1", cost), "draft_step", [[1]], SamplingParams())
+
+
+@pytest.mark.parametrize("model", ["additive", "sps"])
+def test_live_cost_model_equals_the_table_cost_model(model):
+    from speccal.costmodel.synthetic import make_measurements
+    from speccal.costmodel.table import build_table
+    from speccal.runner.live import live_cost_model
+
+    df = make_measurements(
+        bias_ms=5.0,
+        alpha_ms={1: 0.0, 2: 0.5, 4: 1.5},
+        theta_ms={2: 0.0, 3: 0.2, 4: 0.4, 6: 0.9, 8: 1.3, 12: 2.0, 16: 2.9},
+        draft_width=W,
+        contexts=((32, 1, 100), (160, 101, 300)),
+        context_offsets_ms=(0.0, 2.0),
+        noise_ms=0.05,
+    )
+    compat = _engine(buckets=(1, 2, 4)).compatibility()
+    table = build_table(df, model=model, compatibility=compat)
+    live, ref = live_cost_model(table), CostModel.from_table(table)
+    for b in range(1, 6):  # 5: no bucket
+        for kv in (0.0, 1.0, 50.5, 100.0, 100.5, 101.0, 299.9, 300.0, 301.0):
+            for _ in range(2):  # second call hits the memo
+                np.testing.assert_array_equal(live.step_costs(b, kv), ref.step_costs(b, kv))
+                for x, y in zip(
+                    live.verify_candidates(b, kv), ref.verify_candidates(b, kv), strict=True
+                ):
+                    np.testing.assert_array_equal(x, y)
+            assert int(live.bcap(b)) == int(ref.bcap(b))
+            assert int(live.g(ref.bcap(b), 2 * b)) == int(ref.g(ref.bcap(b), 2 * b))
+    # the two contexts really differ (the memo must key on the interval)
+    assert live.step_costs(4, 50.0)[0] != live.step_costs(4, 200.0)[0]
+    vec = live.step_costs(np.array([1, 2, 4]), np.array([10.0, 150.0, 250.0]))
+    np.testing.assert_array_equal(
+        vec, ref.step_costs(np.array([1, 2, 4]), np.array([10.0, 150.0, 250.0]))
+    )
+
+
+def test_device_allocation_equals_the_policy_rule():
+    import torch
+
+    from speccal.runner.verify_alloc import allocate_prefixes_device
+
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        bcap = int(rng.choice([1, 2, 4, 8]))
+        n = int(rng.integers(1, bcap + 1))
+        k = int(rng.integers(1, 5))
+        s = (
+            rng.choice([0.0, 0.25, 0.5, 1.0, np.nan], size=(bcap, k))
+            if trial % 2
+            else rng.random((bcap, k))
+        )
+        budget = int(rng.integers(-1, n * k + 3))
+        got = allocate_prefixes_device(torch.tensor(s, dtype=torch.float32), n, budget)
+        want = allocate_prefixes(s[:n].astype(np.float32).astype(np.float64), budget)
+        np.testing.assert_array_equal(got.numpy()[:n], want)
+        assert (got.numpy()[n:] == 0).all()
+    out = torch.full((4,), -1, dtype=torch.int64)
+    allocate_prefixes_device(torch.ones(4, 3), 4, 5, out=out)
+    assert out.tolist() == [2, 1, 1, 1]  # position-major ties: all first drafts, then request 0

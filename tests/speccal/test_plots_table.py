@@ -68,7 +68,10 @@ def test_title_names_device_and_shortened_fingerprint(table):
     assert short_fingerprint(FINGERPRINT) in title
     assert FINGERPRINT not in title  # shortened
     assert short_fingerprint("abc") == "abc"
-    assert short_fingerprint(FINGERPRINT, keep=8) == FINGERPRINT[:8] + "\u2026"
+    assert short_fingerprint(FINGERPRINT, keep=8) == "sha256:01234567\u2026"
+    # The scheme is not counted: the digest characters are what tell two weights apart.
+    assert short_fingerprint("preset:de8984fbac9cf423eb4d") == "preset:de8984fbac9c\u2026"
+    assert short_fingerprint("0123456789abcdef", keep=4) == "0123\u2026"
 
 
 def test_fit_figure_draws_table_costs_and_every_window(table):

@@ -274,3 +274,79 @@ def test_cli_replay_with_a_saved_table(tmp_path):
     assert_exit_2(
         CliRunner().invoke(app, [*args, "--policy", "adaptive-step"], env=ENV), "draft_step table"
     )
+
+
+# ------------------------------------------------------------------------ unpriced baselines
+
+
+def negative_k1_cost(rounds: str) -> CostModel:
+    """Synthetic cost whose k = 1 cell (G = 2 * Bcap) is negative: on every round (``all``) or
+    only for Bcap 2 (``some``: phase ``c`` of :func:`mixed_trace`, B = 2)."""
+    geo = scenario_geometry(4, 8)
+    base = synthetic_cost(geo, "draft_step")
+
+    def f(bcap, g, kv):
+        bcap, g = np.asarray(bcap), np.asarray(g)
+        out = base.cost(bcap, g, np.minimum(kv, 4096.0))
+        hit = (g == 2 * bcap) & ((bcap == 2) if rounds == "some" else True)
+        return np.where(hit, -60.0, out)
+
+    return CostModel(cost=f, geometry=geo, mode="draft_step")
+
+
+@pytest.mark.parametrize("rounds", ["all", "some"])
+def test_a_baseline_with_non_positive_cost_is_never_best_and_reports_unpriced(rounds):
+    # "all": fixed:1 totals a negative time (tokens/s NaN), and max() kept the NaN first entry;
+    # "some": a few -60 ms rounds shrink its total time, inflating tokens/s past every k.
+    tr = mixed_trace()
+    rep = replay(tr, negative_k1_cost(rounds), ReplayConfig(policies=("adaptive-step",)))
+    assert not rep.run("fixed:1").priced
+    assert rep.best_fixed != "fixed:1"
+    assert "fixed:1" not in rep.phase_choice.values()
+    d = rep.to_dict()
+    pol = {p["name"]: p for p in d["policies"]}
+    assert pol["fixed:1"]["priced"] is False and pol["fixed:1"]["gain_vs_best_fixed_pct"] is None
+    best = pol[d["best_fixed"]]
+    assert best["priced"] and best["tokens_per_s"] > 0 and best["gain_vs_best_fixed_pct"] == 0.0
+    json.dumps(d, allow_nan=False)
+
+
+def test_a_non_positive_full_width_cost_is_refused_before_replay():
+    geo = scenario_geometry(4, 8)
+    base = synthetic_cost(geo, "draft_step")
+    cost = CostModel(
+        cost=lambda b, g, kv: -base.cost(b, g, np.minimum(kv, 4096.0)),
+        geometry=geo,
+        mode="draft_step",
+    )
+    with pytest.raises(InputError, match="calibrated at every round's full-width point"):
+        replay(mixed_trace(), cost)
+
+
+def test_cli_replay_prints_na_for_a_missing_gain(monkeypatch):
+    # A report whose comparison has no value (gain None, e.g. no priced fixed baseline to
+    # compare with) used to crash the table printer with a TypeError.
+    from speccal.replay import ReplayReport
+
+    to_dict = ReplayReport.to_dict
+
+    def without_gain(self):
+        d = to_dict(self)
+        for p in d["policies"]:
+            p["gain_vs_best_fixed_pct"] = None
+        d["policies"][0]["tokens_per_s"] = None
+        return d
+
+    monkeypatch.setattr(ReplayReport, "to_dict", without_gain)
+    r = CliRunner().invoke(
+        app, ["replay", "--scenario", "steady", "--rounds", "300"], env={"COLUMNS": "200"}
+    )
+    assert r.exit_code == 0, r.output
+    cells = {
+        c[0]: c
+        for ln in r.output.splitlines()
+        if (c := [x.strip() for x in ln.strip("│ ").split("│")])[0] in ("adaptive-step", "fixed:2")
+    }
+    assert cells["adaptive-step"][1] == "n/a", r.output  # tokens/s
+    assert cells["adaptive-step"][-1] == "n/a" and cells["fixed:2"][-1] == "n/a"
+    assert cells["fixed:2"][1] != "n/a"  # the values that exist are still printed

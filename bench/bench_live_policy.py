@@ -1,0 +1,333 @@
+"""Live adaptive draft step vs fixed k, and the replay prediction of the live run, in one process.
+
+Run: ``python3 bench/bench_live_policy.py [--model tiny] [--device cpu] [--table PATH]
+[--table-out PATH] [--json-out PATH] [--record]`` (on the H200: ``--model dense-2b --device cuda
+--dtype bfloat16``).
+
+Steps, all in this process on one machine:
+
+1. calibrate a ``draft_step`` cost table of the preset (``speccal.calibrate.pipeline.calibrate``,
+   the library call of ``speccal calibrate``; forced acceptance, the explicit small grid printed
+   in the output) and write it to ``--table-out``, or load ``--table``;
+2. build the live engine (same model, seed, buckets; synthetic acceptance) and load the table
+   against its compatibility (``load_table(expect=...)``);
+3. run the same workload live under ``fixed:1..w`` and ``adaptive-step``
+   (``speccal.runner.live.run_live``): ``--num-requests`` random prompts (lengths spread over
+   ``[--prompt-min, --prompt-max]``) of ``--max-tokens`` tokens each, at most the largest bucket
+   in flight, acceptance profile ``--profile`` switching to ``--phase`` profiles at emitted-token
+   fractions (default: the ``transition`` scenario shape, easy then hard);
+4. replay a fresh adaptive-step policy on the adaptive run's own recorded trace against the table
+   (``speccal.replay.run_sequential``) and compare.
+
+Reported: ``replay_vs_live_error_pct`` = |predicted - live| / live decode tokens/s of the adaptive
+run (tokens = ``B + accepted`` per round, time = the rounds' wall time; prefill excluded, as the
+table prices rounds only), ``decisions_match`` (replayed k per round == live k), and
+``adaptive_step_gain_vs_best_fixed_pct`` (live tokens/s of adaptive-step over the best live fixed
+k, same workload, same process). ``--record`` appends both metrics to ``bench/results.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def floats(text: str) -> tuple[float, ...]:
+    return tuple(float(t) for t in text.replace(",", " ").split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--draft-width", type=int, default=3)
+    ap.add_argument("--request-buckets", default="1,2,4,8")
+    ap.add_argument("--graph-mode", default="eager", help="EngineConfig.graph_mode (both engines)")
+    ap.add_argument("--attention-backend", default="torch", help="torch or triton (both engines)")
+    ap.add_argument("--table", default=None, help="load this draft_step table (skip calibration)")
+    ap.add_argument("--table-out", default=None, help="write the calibrated table here")
+    ap.add_argument("--prefill-tokens", type=int, default=256, help="calibration context")
+    ap.add_argument("--max-kv-length", type=int, default=1024, help="calibration context")
+    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--window-steps", type=int, default=16)
+    ap.add_argument("--windows-per-point", type=int, default=2)
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--prompt-min", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--profile", default="0.9,0.9,0.9", help="phase 0 acceptance profile")
+    ap.add_argument(
+        "--phase",
+        action="append",
+        default=None,
+        help="FRACTION:p1,..,pw (repeatable); default 0.5:0.2,0.2,0.2",
+    )
+    ap.add_argument("--window-size", type=int, default=20)
+    ap.add_argument("--update-interval", type=int, default=5)
+    ap.add_argument("--switch-min-gain", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    ap.add_argument("--json-out", default=None, help="write the full result JSON here")
+    ap.add_argument("--device-label", default=None)
+    ap.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    import torch
+    from rich.console import Console
+
+    from speccal.calibrate.pipeline import CalibrateOptions, calibrate
+    from speccal.costmodel.table import load_table
+    from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel, make_policy
+    from speccal.runner.engine import Engine, EngineConfig
+    from speccal.runner.live import Phase, live_cost_model, replay_prediction, run_live
+    from speccal.runner.sampling import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    console = Console(stderr=True)
+    t_start = time.perf_counter()
+    w = args.draft_width
+    buckets = tuple(int(b) for b in args.request_buckets.split(","))
+    step_cfg = AdaptiveStepConfig(args.window_size, args.update_interval, args.switch_min_gain)
+    calib_cfg = {
+        "version": 1,
+        "policy": {
+            "window_size": args.window_size,
+            "update_interval": args.update_interval,
+            "switch_min_gain": args.switch_min_gain,
+        },
+        "calibration": {
+            "model": "additive",
+            "request_buckets": list(buckets),
+            "contexts": [
+                {
+                    "prefill_tokens": args.prefill_tokens,
+                    "min_kv_length": 1,
+                    "max_kv_length": args.max_kv_length,
+                }
+            ],
+            "warmup_steps": args.warmup_steps,
+            "window_steps": args.window_steps,
+            "windows_per_point": args.windows_per_point,
+        },
+    }
+    common = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "draft_width": w,
+        "request_buckets": buckets,
+        "seed": args.seed,
+        "graph_mode": args.graph_mode,
+        "attention_backend": args.attention_backend,
+    }
+
+    # 1. table
+    calib_summary = None
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.table:
+            table_path = Path(args.table)
+        else:
+            table_path = Path(args.table_out or Path(tmp) / "table.json")
+            cfg_path = Path(tmp) / "calibration.json"
+            cfg_path.write_text(json.dumps(calib_cfg))
+            opts = CalibrateOptions(
+                model=args.model,
+                device=args.device,
+                dtype=args.dtype,
+                draft_width=w,
+                request_buckets=buckets,
+                config_path=cfg_path,
+                out=table_path,
+                journal=Path(tmp) / "journal.jsonl",
+                seed=args.seed,
+            )
+
+            def factory(o: CalibrateOptions) -> Engine:
+                return Engine(EngineConfig(**common, acceptance="forced"))
+
+            calib_summary = calibrate(opts, console=console, engine_factory=factory)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        calibrate_s = time.perf_counter() - t0
+
+        # 2. live engine + table checked against it
+        engine = Engine(
+            EngineConfig(**common, acceptance="synthetic", acceptance_profile=floats(args.profile))
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            table = load_table(table_path, expect=engine.compatibility())
+        table_warnings = [str(x.message) for x in caught]
+        table_doc = json.loads(table_path.read_text())
+    cost = live_cost_model(table)  # the policies' lookups, cached (same values)
+    replay_cost = CostModel.from_table(table)  # the replay's own, uncached
+    if cost.mode != "draft_step":
+        raise SystemExit(f"{table_path}: adaptive-step needs a draft_step table, got {cost.mode}")
+
+    # 3. workload and live runs
+    phases = [Phase(0.0, floats(args.profile))]
+    for text in args.phase or ["0.5:0.2,0.2,0.2"]:
+        frac, _, prof = text.partition(":")
+        phases.append(Phase(float(frac), floats(prof)))
+    rng = np.random.default_rng(args.seed)
+    vocab = engine.loaded.config.vocab_size
+    lengths = rng.integers(args.prompt_min, args.prompt_max + 1, args.num_requests)
+    prompts = [rng.integers(0, vocab, int(n)).tolist() for n in lengths]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    meta = {
+        "num_requests": args.num_requests,
+        "prompt_len": [args.prompt_min, args.prompt_max],
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+    }
+    t0 = time.perf_counter()
+    warm = SamplingParams(max_tokens=8, ignore_eos=True)
+    for k in range(1, w + 1):  # every shape once before timing
+        run_live(engine, make_policy(f"fixed:{k}", cost), "draft_step", prompts, warm)
+    warmup_s = time.perf_counter() - t0
+    runs = {}
+    for spec in [f"fixed:{k}" for k in range(1, w + 1)] + ["adaptive-step"]:
+        pol = (
+            AdaptiveStepPolicy(cost, step_cfg)
+            if spec == "adaptive-step"
+            else make_policy(spec, cost)
+        )
+        console.print(f"live {spec} ...")
+        runs[spec] = run_live(engine, pol, "draft_step", prompts, params, phases=phases, meta=meta)
+        s = runs[spec].summary()
+        console.print(
+            f"  {s['round_tokens_per_s']:.1f} tok/s, {s['rounds']} rounds, mean k {s['mean_k']:.2f}, "
+            f"acceptance {s['acceptance_rate']:.3f}, mean round {s['mean_round_ms']:.2f} ms"
+        )
+    live_s = time.perf_counter() - t0
+
+    # 4. replay of the adaptive run on its own trace
+    ad = runs["adaptive-step"]
+    pred = replay_prediction(ad, replay_cost, AdaptiveStepPolicy(replay_cost, step_cfg))
+    summaries = {name: r.summary() for name, r in runs.items()}
+    fixed = {n: s for n, s in summaries.items() if n.startswith("fixed:")}
+    best = max(fixed, key=lambda n: fixed[n]["round_tokens_per_s"])
+    gain = 100.0 * (
+        summaries["adaptive-step"]["round_tokens_per_s"] / fixed[best]["round_tokens_per_s"] - 1.0
+    )
+    # Per-round detail of the prediction: where the error comes from.
+    live_ms = ad.round_ms
+    pred_ms = pred["predicted_round_ms"]
+    by_shape = {}
+    bcap = cost.bcap(ad.num_requests)
+    for key in sorted(set(zip(bcap.tolist(), ad.k.tolist(), strict=True))):
+        sel = (bcap == key[0]) & (ad.k == key[1])
+        by_shape[f"bcap{key[0]}_k{key[1]}"] = {
+            "rounds": int(sel.sum()),
+            "live_ms_median": float(np.median(live_ms[sel])),
+            "live_ms_mean": float(np.mean(live_ms[sel])),
+            "table_ms": float(np.mean(pred_ms[sel])),
+        }
+    # Fixed runs priced by the table as well (replay of each fixed run on its own trace).
+    fixed_pred = {
+        n: replay_prediction(runs[n], replay_cost, make_policy(n, replay_cost))["error_pct"]
+        for n in fixed
+    }
+    result = {
+        "replay_vs_live_error_pct": pred["error_pct"],
+        "adaptive_step_gain_vs_best_fixed_pct": gain,
+        "decisions_match": pred["decisions_match"],
+        "best_fixed": best,
+        "live_round_tokens_per_s": {n: s["round_tokens_per_s"] for n, s in summaries.items()},
+        "predicted_adaptive_tokens_per_s": pred["predicted_tokens_per_s"],
+        "replay_vs_live_loop_error_pct": 100.0
+        * abs(pred["predicted_tokens_per_s"] - summaries["adaptive-step"]["loop_tokens_per_s"])
+        / summaries["adaptive-step"]["loop_tokens_per_s"],
+        "fixed_replay_vs_live_error_pct": fixed_pred,
+        "adaptive_timeline": summaries["adaptive-step"]["timeline"],
+        "adaptive_by_shape": by_shape,
+        "summaries": {
+            n: {k: v for k, v in s.items() if k != "timeline"} for n, s in summaries.items()
+        },
+        "table_warnings": table_warnings,
+        "table_path": str(args.table_out or args.table or ""),
+        "table_calibration": table_doc.get("calibration"),
+        "compatibility": engine.compatibility(),
+        "engine": engine.description,
+        "setup": {
+            **meta,
+            "profile": floats(args.profile),
+            "phases": [p.name for p in phases],
+            "policy": {
+                "window_size": args.window_size,
+                "update_interval": args.update_interval,
+                "switch_min_gain": args.switch_min_gain,
+            },
+            "calibration_config": None if args.table else calib_cfg,
+            "graph_mode": args.graph_mode,
+            "attention_backend": args.attention_backend,
+        },
+        "timings_s": {
+            "calibrate": calibrate_s,
+            "live_warmup": warmup_s,
+            "live_runs": live_s,
+            "total": time.perf_counter() - t_start,
+        },
+        "calibration_timings": None if calib_summary is None else calib_summary["timings"],
+        "command": "python3 bench/bench_live_policy.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
+    }
+    text = json.dumps(result, indent=1, sort_keys=True, default=float)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text)
+    if args.record:
+        label = args.device_label or (
+            f"cpu ({os.cpu_count()} cores)"
+            if args.device == "cpu"
+            else engine.compatibility()["device"]["name"]
+        )
+        with open(HERE / "results.jsonl", "a", encoding="utf-8") as fh:
+            for metric, unit in (
+                ("replay_vs_live_error_pct", "%"),
+                ("adaptive_step_gain_vs_best_fixed_pct", "%"),
+            ):
+                line = {
+                    "metric": metric,
+                    "value": round(float(result[metric]), 3),
+                    "unit": unit,
+                    "device": label,
+                    "commit": result["commit"],
+                    "date": result["date"][:10],
+                    "command": result["command"],
+                    "model": args.model,
+                    "decisions_match": result["decisions_match"],
+                    "best_fixed": best,
+                }
+                fh.write(json.dumps(line, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
