@@ -4,14 +4,17 @@ Usage (H200): python3 bench/bench_decode.py --out DIR [--quick]
 
 One run measures, on the dense-2b preset (bf16, triton backend, graph_mode="split"):
 - copy bandwidth (1 GiB bf16 copy; read + write bytes / median time);
-- decode step (B=1, KV 1024): target graph replay time (forward + LM head + sampling + state
-  update) vs floor = (every weight matrix incl. LM head, not the embedding; KV attended) / bw
-  [decode_step_floor_ratio];
+- decode step (B=1, KV 1024): target graph replay time of the greedy fast path (forward + LM
+  head + argmax + state update; every request greedy) vs floor = (every weight matrix incl. LM
+  head, not the embedding; KV attended) / bw [decode_step_floor_ratio]; the general-path graph
+  (``sample_plain``: filters and sorts) of the same engine is timed too (``*_general``), and a
+  kernel breakdown of one fast-path B=1 step (``breakdown_b1``, from torch.profiler);
 - full-width verify (w=5, 6 rows/request) vs the B-matched decode step, B = 1 and 8
   [verify_full_width_ratio: the larger of the two];
 - draft->target gap from torch.profiler kernel timestamps, fast path (in-graph update) vs
   fallback (host-prepared inputs) [draft_target_gap_us_fast, draft_target_gap_us_fallback].
-Prints a table and writes ``DIR/decode.json`` (metric lines). Speed goals live here only.
+Prints a table and writes ``DIR/decode.json`` after every stage (partial results survive a
+timeout). Speed goals live here only.
 """
 
 from __future__ import annotations
@@ -61,9 +64,18 @@ def floor_bytes(eng: Engine, kv_tokens: int) -> int:
     t = eng.loaded.target
     emb = t.model.embed_tokens.weight
     n = sum(p.numel() * p.element_size() for p in t.parameters() if p.dim() == 2 and p is not emb)
-    n += t.lm_head.weight.numel() * t.lm_head.weight.element_size() if t.lm_head.weight is emb else 0
+    n += (
+        t.lm_head.weight.numel() * t.lm_head.weight.element_size() if t.lm_head.weight is emb else 0
+    )
     c = eng.loaded.config
-    n += c.num_hidden_layers * 2 * kv_tokens * c.num_key_value_heads * c.head_dim * emb.element_size()
+    n += (
+        c.num_hidden_layers
+        * 2
+        * kv_tokens
+        * c.num_key_value_heads
+        * c.head_dim
+        * emb.element_size()
+    )
     return n
 
 
@@ -73,16 +85,48 @@ def fill(eng: Engine, batch: int, k: int) -> None:
     vocab = eng.loaded.config.vocab_size
     rng = np.random.default_rng(0)
     for _ in range(batch):
-        eng.add_request(rng.integers(0, vocab, KV - 1).tolist(),
-                        SamplingParams(max_tokens=512, ignore_eos=True))
+        eng.add_request(
+            rng.integers(0, vocab, KV - 1).tolist(), SamplingParams(max_tokens=512, ignore_eos=True)
+        )
     eng.prefill_pending()
     eng.step(RoundPlan(num_draft_steps=k))
     eng.synchronize()
 
 
-def target_ms(eng: Engine, batch: int, k: int, g: int, update: str, repeats: int) -> float:
-    key = GraphKey("target", batch, k, g, update)
+def target_ms(
+    eng: Engine, batch: int, k: int, g: int, update: str, repeats: int, sampling: str = "greedy"
+) -> float:
+    key = GraphKey("target", batch, k, g, update, sampling)
     return _events_ms(lambda: eng.runner.graphs.replay(key), 50, repeats)
+
+
+def breakdown(eng: Engine, key: GraphKey, replays: int = 5, top: int = 12) -> list:
+    """Kernel time per step of one graph: ``[name, us per step, launches per step]``, largest
+    first, then ``["(all kernels)", ...]`` and ``["(span incl. gaps)", ...]``."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    eng.runner.graphs.replay(key)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            eng.runner.graphs.replay(key)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        prof.export_chrome_trace(fh.name)
+        trace = json.loads(Path(fh.name).read_text())
+    ev = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    agg: dict[str, list[float]] = {}
+    for e in ev:
+        a = agg.setdefault(str(e["name"])[:80], [0.0, 0])
+        a[0] += float(e["dur"]) / replays
+        a[1] += 1 / replays
+    rows = sorted(([n, round(t, 2), round(c, 2)] for n, (t, c) in agg.items()), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    span = max(float(e["ts"]) + float(e["dur"]) for e in ev) - min(float(e["ts"]) for e in ev)
+    return rows[:top] + [
+        ["(all kernels)", round(total, 2), round(len(ev) / replays, 2)],
+        ["(span incl. gaps)", round(span / replays, 2), 0],
+    ]
 
 
 def kernels_of(prof) -> list[tuple[float, float]]:
@@ -120,30 +164,63 @@ def main() -> None:
     ap.add_argument("--model", default="dense-2b")
     args = ap.parse_args()
     out = Path(args.out)
-    res: dict[str, float] = {}
+    res: dict[str, object] = {}
+
+    def save() -> None:
+        (out / "decode.json").write_text(json.dumps(res, indent=1))
+
     bw = copy_bandwidth()
     res["copy_bandwidth_gbs"] = bw / 1e9
-    common = dict(model=args.model, device="cuda", dtype="bfloat16", attention_backend="triton",
-                  graph_mode="split", max_model_len=KV + 512, block_size=16)
+    common = dict(
+        model=args.model,
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend="triton",
+        graph_mode="split",
+        max_model_len=KV + 512,
+        block_size=16,
+    )
     t0 = time.time()
-    plain = Engine(EngineConfig(**common, speculative=False, request_buckets=(1, 8),
-                                kv_capacity_tokens=8 * (KV + 520)))
+    # acceptance="sample": both plain graphs (greedy fast path, general sampler) are captured
+    plain = Engine(
+        EngineConfig(
+            **common,
+            speculative=False,
+            request_buckets=(1, 8),
+            acceptance="sample",
+            kv_capacity_tokens=8 * (KV + 520),
+        )
+    )
     res["capture_s_plain"] = time.time() - t0
+    fb = floor_bytes(plain, KV)
+    res["decode_floor_ms"] = fb / bw * 1e3
     dec = {}
     for b in (1, 8):
-        fill(plain, b, 0)
-        dec[b] = target_ms(plain, b, 0, b, plain.runner.resolve_update(b, 0, b), args.repeats)
-    fb = floor_bytes(plain, KV)
-    res["decode_step_ms_b1"] = dec[1]
-    res["decode_step_ms_b8"] = dec[8]
-    res["decode_floor_ms"] = fb / bw * 1e3
-    res["decode_step_floor_ratio"] = dec[1] / res["decode_floor_ms"]
+        fill(plain, b, 0)  # greedy requests: the host picks the fast path
+        upd = plain.runner.resolve_update(b, 0, b)
+        dec[b] = target_ms(plain, b, 0, b, upd, args.repeats)
+        res[f"decode_step_ms_b{b}"] = dec[b]
+        res[f"decode_step_ms_b{b}_general"] = target_ms(plain, b, 0, b, upd, args.repeats, "sample")
+        if b == 1:
+            res["decode_step_floor_ratio"] = dec[1] / res["decode_floor_ms"]
+            res["decode_step_floor_ratio_general"] = (
+                res["decode_step_ms_b1_general"] / res["decode_floor_ms"]
+            )
+            res["breakdown_b1"] = breakdown(plain, GraphKey("target", 1, 0, 1, upd, "greedy"))
+        save()
     del plain
     torch.cuda.empty_cache()
     t0 = time.time()
-    spec = Engine(EngineConfig(**common, draft_width=5, request_buckets=(1, 8),
-                               target_rows={1: (6,), 8: (48,)}, acceptance="forced",
-                               kv_capacity_tokens=8 * (KV + 520)))
+    spec = Engine(
+        EngineConfig(
+            **common,
+            draft_width=5,
+            request_buckets=(1, 8),
+            target_rows={1: (6,), 8: (48,)},
+            acceptance="forced",
+            kv_capacity_tokens=8 * (KV + 520),
+        )
+    )
     res["capture_s_spec"] = time.time() - t0
     ratios = []
     for b in (1, 8):
@@ -152,17 +229,32 @@ def main() -> None:
         res[f"verify_ms_b{b}"] = v
         res[f"verify_full_width_ratio_b{b}"] = v / dec[b]
         ratios.append(v / dec[b])
+        save()
     res["verify_full_width_ratio"] = max(ratios)
     res["draft_target_gap_us_fast"] = gap_us(spec, 5, 9)
+    save()
     del spec
     torch.cuda.empty_cache()
-    host = Engine(EngineConfig(**common, draft_width=5, request_buckets=(1,),
-                               target_rows={1: (6,)}, acceptance="forced", input_update="host",
-                               kv_capacity_tokens=KV + 520))
+    host = Engine(
+        EngineConfig(
+            **common,
+            draft_width=5,
+            request_buckets=(1,),
+            target_rows={1: (6,)},
+            acceptance="forced",
+            input_update="host",
+            kv_capacity_tokens=KV + 520,
+        )
+    )
     res["draft_target_gap_us_fallback"] = gap_us(host, 5, 9)
-    (out / "decode.json").write_text(json.dumps(res, indent=1))
+    save()
     for name, v in res.items():
-        print(f"{name:36s} {v:10.4f}")
+        if isinstance(v, list):
+            print(name)
+            for row in v:
+                print(f"    {row[1]:9.2f} us  x{row[2]:<6} {row[0]}")
+        else:
+            print(f"{name:36s} {v:10.4f}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ k, same workload, same process). ``--record`` appends both metrics to ``bench/re
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 return Engine(EngineConfig(**common, acceptance="forced"))
 
             calib_summary = calibrate(opts, console=console, engine_factory=factory)
+            gc.collect()  # the calibration engine (and its graphs) before the live one
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         calibrate_s = time.perf_counter() - t0

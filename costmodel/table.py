@@ -350,7 +350,9 @@ class CostTable(_Strict):
         checked (a fit is constant over its KV interval). Returns one dict per cell:
         ``context_index, min_kv_length, max_kv_length, bcap, g, cost_ms, measured``.
         """
-        raw = self._fitted_surface()
+        # A fresh surface, not the cache: build_table calls this, and a cached callable would
+        # make the new table compare unequal to the same table parsed back from its JSON.
+        raw = _build_surface(self, positive_only=False)
         cells = []
         for f in self.fits:
             measured = {(p.bcap, p.g) for p in f.diagnostics.points}

@@ -4,10 +4,16 @@ This module owns :class:`GraphKey` (the one dispatcher key of a captured forward
 :class:`GraphSet`, which captures a callable over static buffers after one warm-up call and
 replays it. A round in ``graph_mode="split"`` replays two graphs: the draft graph of
 ``GraphKey("draft", bcap, k)`` (draft extend + ``k - 1`` steps, drafted tokens and scores in
-its output buffers) and the target graph of ``GraphKey("target", bcap, k, g, update)`` (the
-in-graph verify input update when ``update == "in_graph"``, the target forward, acceptance and
-the slot-state update). The target graph reads the draft graph's output tensors in place, so
+its output buffers) and the target graph of ``GraphKey("target", bcap, k, g, update, sampling)``
+(the in-graph verify input update when ``update == "in_graph"``, the target forward, acceptance
+and the slot-state update). The target graph reads the draft graph's output tensors in place, so
 between the two replays there is no host work on the fast path.
+
+``sampling`` is the host's per-round choice of token selection (``RoundRunner.sampling_kind``):
+``greedy`` when every request of the batch is greedy (argmax only: no filters, no sort over the
+vocabulary), ``sample`` otherwise (the normal sampler / rejection sampler). Both variants of a
+target key are captured at warmup where the choice changes the graph (plain decoding, and
+``acceptance="sample"``); elsewhere only ``greedy`` (``RoundRunner.sampling_kinds``).
 
 NPU: ``torch_npu.npu.NPUGraph`` / ``torch_npu.npu.graph`` are used the same way when the device
 is ``npu``. That path is thin and **untested** here (no NPU on the CI or bench machines).
@@ -25,13 +31,15 @@ from speccal.errors import UnsupportedError
 
 @dataclass(frozen=True, order=True)
 class GraphKey:
-    """One captured forward: ``part`` is ``draft`` or ``target``; ``g``/``update`` target only."""
+    """One captured forward: ``part`` is ``draft`` or ``target``; ``g``/``update``/``sampling``
+    target only (``sampling``: ``greedy`` | ``sample``; ``""`` = not chosen, expanded at capture)."""
 
     part: str
     bcap: int
     k: int
     g: int = 0
     update: str = ""
+    sampling: str = ""
 
     @property
     def size(self) -> tuple[int, int, int]:
@@ -74,8 +82,10 @@ class GraphSet:
         torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
         graph = self._graph_cls()
         gen = self.generator
-        if gen is not None and gen.device.type == self.device.type and hasattr(
-            graph, "register_generator_state"
+        if (
+            gen is not None
+            and gen.device.type == self.device.type
+            and hasattr(graph, "register_generator_state")
         ):
             graph.register_generator_state(gen)
         with self._graph_ctx(graph, pool=self.pool):

@@ -17,11 +17,22 @@ Device state per slot (``num_slots = max bucket + 1``; the last is the trash slo
 ``ext_tokens [num_slots, w + 1]``, ``ext_hidden [num_slots, w + 1, hidden]``. Everything inside
 :meth:`RoundRunner.execute` uses static shapes chosen on the host, masks and index tensors; no
 ``.item()``, ``.tolist()``, ``nonzero()`` or branch on tensor values.
+
+Greedy fast path: :meth:`RoundRunner.sampling_kind` decides on the host at prepare time
+(``RoundInputs.sampling``) whether every request of the batch is greedy (temperature below
+``sampling.GREEDY_TEMPERATURE``). Then plain decoding and ``sample`` verification take the
+argmax of the packed target rows and gather only tokens (no temperature / filters / sort, no
+``[bcap, k + 1, V]`` logits grid); the tokens equal the general path's (a greedy row's filtered
+distribution is a point mass on the argmax). ``greedy`` / ``forced`` / ``synthetic``
+verification emit argmax tokens whatever the batch, so they always take the token path. The
+choice is a host flag that selects a different captured graph (the ``sampling`` field of the
+target :class:`GraphKey`), never a device read. One difference: the fast path draws no random
+numbers, so a later mixed batch sees another generator state than after general-path rounds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -50,6 +61,7 @@ class RoundInputs:
     num_verify: np.ndarray  # [B] int64 (host copy)
     t: dict  # name -> device tensor
     update: str = "host"  # target input update: "in_graph" (device kernels) | "host"
+    sampling: str = "greedy"  # token selection: "greedy" (argmax only) | "sample" (host choice)
 
 
 @dataclass
@@ -189,6 +201,38 @@ class RoundRunner:
             self._plans[bcap] = plan_splits(bcap, heads, sms, max_len=self.max_model_len)
         return self._plans[bcap]
 
+    # ------------------------------------------------------------------ sampling kind
+
+    def _kind_matters(self, k: int) -> bool:
+        """Whether token selection differs between an all-greedy and a mixed batch at ``k``."""
+        return k == 0 or self.acceptance == "sample"
+
+    def argmax_only(self, k: int, kind: str) -> bool:
+        """Whether a round selects tokens from the target's argmax alone (the fast path).
+
+        Plain decoding and ``sample`` verification when the batch is all greedy; ``greedy``,
+        ``forced`` and ``synthetic`` verification always (they emit argmax tokens anyway).
+        """
+        return kind == "greedy" or not self._kind_matters(k)
+
+    def sampling_kinds(self, k: int) -> tuple[str, ...]:
+        """The target graph variants captured for ``k`` draft steps.
+
+        ``("greedy", "sample")`` where the choice changes the graph and a non-greedy request can
+        be admitted; ``("greedy",)`` where every round is argmax-only anyway (``greedy`` /
+        ``forced`` / ``synthetic`` verification) or where the engine refuses non-greedy requests
+        (``acceptance="greedy"``).
+        """
+        if self._kind_matters(k) and self.acceptance != "greedy":
+            return ("greedy", "sample")
+        return ("greedy",)
+
+    def sampling_kind(self, batch: list[Request], k: int) -> str:
+        """Host choice for one round: ``greedy`` (argmax only) if every request is greedy."""
+        if not self._kind_matters(k):
+            return "greedy"
+        return "greedy" if sampling.batch_is_greedy([r.params for r in batch]) else "sample"
+
     # ------------------------------------------------------------------ slot state
 
     def set_slot(self, req: Request, token: int, hidden: torch.Tensor) -> None:
@@ -301,7 +345,8 @@ class RoundRunner:
         t["num_verify"] = self.inputs.put("num_verify", nv)
         t["ver_drafts"] = self.inputs.dev["ver_drafts"][: bcap * k].view(bcap, k)
         update = self.resolve_update(bcap, k, g)
-        return RoundInputs(n, bcap, k, g, r_ext, nv[:n].copy(), t, update)
+        kind = self.sampling_kind(batch, k)
+        return RoundInputs(n, bcap, k, g, r_ext, nv[:n].copy(), t, update, kind)
 
     # ------------------------------------------------------------------ execute
 
@@ -327,6 +372,17 @@ class RoundRunner:
             self.generator,
             num_verify=nv,
         )
+
+    def _accept_tokens(self, draft_tokens, grid_tok, nv):  # [bcap,k], [bcap,k+1], [bcap]
+        """Acceptance from the target's argmax tokens (the argmax-only modes)."""
+        if self.acceptance == "forced":
+            return sampling.verify_forced_tokens(draft_tokens, grid_tok, num_verify=nv)
+        if self.acceptance == "synthetic":
+            return sampling.verify_synthetic_tokens(
+                draft_tokens, grid_tok, self.profile, self.generator, num_verify=nv
+            )
+        # greedy, or sample over an all-greedy batch: point masses on the argmax
+        return sampling.verify_greedy_tokens(draft_tokens, grid_tok, num_verify=nv)
 
     def _tiling(self, seq: torch.Tensor, plan):  # [B] int32 -> (num_splits, split_len) | None
         if plan is None:
@@ -362,8 +418,13 @@ class RoundRunner:
             if j > 0:
                 seq = t["step_seq"][j - 1]
                 meta = self._draft_meta(
-                    t["step_slot"][j - 1], self.step_rows[:bcap], bt, seq, 1,
-                    self.step_cu[: bcap + 1], plan,
+                    t["step_slot"][j - 1],
+                    self.step_rows[:bcap],
+                    bt,
+                    seq,
+                    1,
+                    self.step_cu[: bcap + 1],
+                    plan,
                 )
                 fb, normed = draft(target, fb, tok, t["step_pos"][j - 1], meta, self.draft_kv)
             logits = draft.logits(target, normed)  # [bcap, V]
@@ -383,6 +444,9 @@ class RoundRunner:
         hidden = self.ext_hidden.shape[-1]
         bt = t["block_table"]
         pending = self.ext_tokens.view(-1)[t["pending_index"]]  # [bcap]
+        # Greedy fast path (host flag): argmax of the packed rows, tokens gathered, no logits grid.
+        fast = self.argmax_only(k, x.sampling)
+        grid_tok = grid_logits = None
         if x.update == "in_graph":
             from speccal.kernels import ops  # noqa: PLC0415
 
@@ -394,8 +458,9 @@ class RoundRunner:
             cu = torch.empty(bcap + 1, dtype=torch.int32, device=dev)
             nv32 = t["nv32"]
             ops.verify_token_update(pending, draft_tokens, nv32, ids, pad_id=0)
-            ops.verify_metadata_update(nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq,
-                                       cu, k)
+            ops.verify_metadata_update(
+                nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq, cu, k
+            )
             cu.clamp_(max=g)  # padding requests past G get no rows
             plan = self.plan(bcap)
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
@@ -403,24 +468,40 @@ class RoundRunner:
             logits = target.logits(h)  # [G, V]
             offs = torch.arange(k + 1, device=dev)
             src = (cu[:-1, None].long() + offs).clamp(max=g - 1).view(-1)  # [bcap * (k + 1)]
-            grid_logits = logits[src].view(bcap, k + 1, -1)  # rows past num_verify: ignored
+            if fast:
+                grid_tok = logits.argmax(dim=-1)[src].view(bcap, k + 1)
+            else:
+                grid_logits = logits[src].view(bcap, k + 1, -1)  # rows past num_verify: ignored
             grid_h = h[src].view(bcap, k + 1, hidden)
         else:
             grid_tokens = torch.cat([pending[:, None], draft_tokens], dim=1).view(-1)
             plan = self.plan(bcap)
             seq = t["ver_seq"]
-            meta = AttnMeta(t["ver_slot"], t["ver_row"], bt, seq, k + 1, None,
-                            self._tiling(seq, plan), plan)
+            meta = AttnMeta(
+                t["ver_slot"], t["ver_row"], bt, seq, k + 1, None, self._tiling(seq, plan), plan
+            )
             h = target(grid_tokens[t["ver_grid"]], t["ver_pos"], meta, self.target_kv)
             logits = target.logits(h)  # [G, V]
-            gl = logits.new_zeros(bcap * (k + 1) + 1, logits.shape[-1])
-            gl.index_copy_(0, t["ver_row"], logits)
+            if fast:
+                row_tok = logits.argmax(dim=-1)  # [G]
+                gt = row_tok.new_zeros(bcap * (k + 1) + 1)
+                gt.index_copy_(0, t["ver_row"], row_tok)
+                grid_tok = gt[:-1].view(bcap, k + 1)
+            else:
+                gl = logits.new_zeros(bcap * (k + 1) + 1, logits.shape[-1])
+                gl.index_copy_(0, t["ver_row"], logits)
+                grid_logits = gl[:-1].view(bcap, k + 1, -1)
             gh = h.new_zeros(bcap * (k + 1) + 1, hidden)
             gh.index_copy_(0, t["ver_row"], h)
-            grid_logits = gl[:-1].view(bcap, k + 1, -1)
             grid_h = gh[:-1].view(bcap, k + 1, hidden)
         slot_index = t["slot_index"]
-        if k == 0:
+        if fast:
+            if k == 0:
+                out = grid_tok.long()
+                num_accepted = torch.zeros(bcap, dtype=torch.int64, device=self.device)
+            else:
+                num_accepted, out = self._accept_tokens(draft_tokens, grid_tok, t["num_verify"])
+        elif k == 0:
             out = sampling.sample_plain(
                 grid_logits[:, 0],
                 self.slot_temperature[slot_index],
@@ -445,14 +526,26 @@ class RoundRunner:
         self.inputs.put("ver_drafts", host.numpy().copy())
 
     def capture(self, keys: list[GraphKey], make_inputs) -> None:
-        """Capture every key, largest first; ``make_inputs(key)`` stages warm-up inputs."""
+        """Capture every key, largest first; ``make_inputs(key)`` stages warm-up inputs.
+
+        A target key whose ``sampling`` is ``""`` stands for every variant of
+        :meth:`sampling_kinds` (each captured, with ``RoundInputs.sampling`` set to it).
+        """
+        expanded = []
+        for key in keys:
+            if key.part == "target" and not key.sampling:
+                expanded += [replace(key, sampling=s) for s in self.sampling_kinds(key.k)]
+            else:
+                expanded.append(key)
         with torch.inference_mode():
             # drafts first (target graphs read their outputs), each part largest first
-            order = sorted(keys, key=lambda q: (q.part != "draft", [-v for v in q.size]))
+            order = sorted(expanded, key=lambda q: (q.part != "draft", [-v for v in q.size]))
             for key in order:
                 if key in self.graphs:
                     continue
                 x = make_inputs(key)
+                if key.part == "target":
+                    x.sampling = key.sampling
                 if key.part == "draft":
                     self.graphs.capture(key, lambda x=x: self.draft_part(x))
                 else:
@@ -472,7 +565,7 @@ class RoundRunner:
                 drafts, scores = self.graphs.replay(GraphKey("draft", bcap, k))
                 if x.update == "host":
                     self._stage_drafts(x, drafts)
-            key = GraphKey("target", bcap, k, x.g, x.update)
+            key = GraphKey("target", bcap, k, x.g, x.update, x.sampling)
             if key not in self.graphs:
                 raise UnsupportedError(f"no captured target graph for {key}")
             out = self.graphs.replay(key)

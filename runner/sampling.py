@@ -6,7 +6,9 @@ the one target filter shared by the plain sampler and the rejection sampler
 (:func:`filtered_probs`), the plain sampler (:func:`sample_plain`), the four acceptance modes of
 a speculative round (``greedy``, ``sample``, ``synthetic``, ``forced``: the ``verify_*``
 functions) and the draft-probability score used by adaptive verification
-(:func:`draft_token_probability`).
+(:func:`draft_token_probability`). The greedy fast path: :func:`batch_is_greedy` (the host's
+per-batch choice) and the ``verify_*_tokens`` twins of the argmax-only acceptance modes, which take
+the target's argmax tokens ``[B, k + 1]`` instead of its logits grid.
 
 Data layout of a verification (``B`` requests, ``k`` drafted tokens each, vocabulary ``V``):
 
@@ -146,6 +148,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Whether this request decodes greedily (temperature below :data:`GREEDY_TEMPERATURE`)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def batch_is_greedy(params: Sequence[SamplingParams]) -> bool:
+    """Whether every request of a batch decodes greedily (a host decision, made at prepare time).
+
+    True selects the runner's greedy fast path (argmax only: no filters, no sort); an empty
+    batch counts as greedy.
+    """
+    return all(p.is_greedy for p in params)
 
 
 def check_supported(params: SamplingParams) -> None:
@@ -386,6 +397,47 @@ def verify_greedy(
     return num_accepted, _emit(draft_tokens, num_accepted, target)
 
 
+def verify_greedy_tokens(
+    draft_tokens: torch.Tensor,  # [B, k] int
+    target_tokens: torch.Tensor,  # [B, k + 1] int: the target's argmax of each verify row
+    *,
+    num_verify: torch.Tensor | None = None,  # [B] int, drafts verified per request
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B] int64, [B, k + 1] int64
+    """:func:`verify_greedy` from the target's argmax tokens instead of its logits.
+
+    Same result as ``verify_greedy(draft_tokens, logits)`` with
+    ``target_tokens = logits.argmax(-1)``; the caller can take the argmax over the packed verify
+    rows and gather only the tokens (the runner's greedy fast path), never the ``[B, k + 1, V]``
+    logits grid.
+    """
+    b, k = _check_verify_tokens(draft_tokens, target_tokens)
+    nv = _verify_lengths(num_verify, b, k, target_tokens.device)
+    target = target_tokens.long()
+    num_accepted = _accepted_length(target[:, :k] == draft_tokens.long(), nv)
+    return num_accepted, _emit(draft_tokens, num_accepted, target)
+
+
+def _check_verify_tokens(
+    draft_tokens: torch.Tensor, target_tokens: torch.Tensor
+) -> tuple[int, int]:
+    if (
+        not isinstance(draft_tokens, torch.Tensor)
+        or draft_tokens.dim() != 2
+        or draft_tokens.is_floating_point()
+    ):
+        shape = tuple(draft_tokens.shape) if isinstance(draft_tokens, torch.Tensor) else None
+        raise InputError("draft_tokens", shape, "an integer tensor of shape [batch, k]")
+    b, k = draft_tokens.shape
+    if (
+        not isinstance(target_tokens, torch.Tensor)
+        or tuple(target_tokens.shape) != (b, k + 1)
+        or target_tokens.is_floating_point()
+    ):
+        shape = tuple(target_tokens.shape) if isinstance(target_tokens, torch.Tensor) else None
+        raise InputError("target_tokens", shape, f"an integer tensor of shape [{b}, {k + 1}]")
+    return b, k
+
+
 def verify_rejection(
     draft_tokens: torch.Tensor,  # [B, k] int
     target_logits: torch.Tensor,  # [B, k + 1, V]
@@ -537,6 +589,35 @@ def verify_forced(
     b, k, _ = _check_verify(draft_tokens, target_logits)
     num_accepted = _verify_lengths(num_verify, b, k, target_logits.device)
     return num_accepted, _emit(draft_tokens, num_accepted, target_logits.argmax(dim=-1))
+
+
+def verify_synthetic_tokens(
+    draft_tokens: torch.Tensor,  # [B, k] int
+    target_tokens: torch.Tensor,  # [B, k + 1] int: the target's argmax of each verify row
+    profile: Sequence[float] | torch.Tensor,
+    generator: torch.Generator | None,
+    *,
+    num_verify: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B] int64, [B, k + 1] int64
+    """:func:`verify_synthetic` from argmax tokens (same draws from ``generator``, same result)."""
+    b, k = _check_verify_tokens(draft_tokens, target_tokens)
+    nv = _verify_lengths(num_verify, b, k, target_tokens.device)
+    prof = _profile_tensor(profile, k, target_tokens.device)
+    u = torch.rand((b, k), generator=generator, device=target_tokens.device)
+    num_accepted = _accepted_length(u < prof[None, :], nv)
+    return num_accepted, _emit(draft_tokens, num_accepted, target_tokens.long())
+
+
+def verify_forced_tokens(
+    draft_tokens: torch.Tensor,  # [B, k] int
+    target_tokens: torch.Tensor,  # [B, k + 1] int: the target's argmax of each verify row
+    *,
+    num_verify: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B] int64, [B, k + 1] int64
+    """:func:`verify_forced` from argmax tokens (same result)."""
+    b, k = _check_verify_tokens(draft_tokens, target_tokens)
+    num_accepted = _verify_lengths(num_verify, b, k, target_tokens.device)
+    return num_accepted, _emit(draft_tokens, num_accepted, target_tokens.long())
 
 
 def draft_token_probability(

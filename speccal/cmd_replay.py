@@ -51,6 +51,11 @@ def _scenario_trace(
     )
 
 
+def _num(v: float | None, spec: str) -> str:
+    """``v`` formatted with ``spec``; ``n/a`` when the report has no value (None)."""
+    return "n/a" if v is None else format(v, spec)
+
+
 def _print_report(d: dict[str, Any]) -> None:
     verify = d["mode"] == "target_verify"
     t = Table(
@@ -72,15 +77,16 @@ def _print_report(d: dict[str, Any]) -> None:
         if not p["priced"]:
             t.add_row(p["name"], "uncalibrated", "-", "-", "-", "-", "-", "-")
             continue
+        # Any metric may be None (no finite value, e.g. no priced baseline to compare with).
         t.add_row(
             p["name"],
-            f"{p['tokens_per_s']:,.1f}",
-            f"{p['tpot_ms']:.3f}",
-            f"{p['acceptance_rate']:.3f}",
-            f"{p['mean_accepted_length']:.3f}",
-            f"{p['mean_g' if verify else 'mean_k']:.2f}",
+            _num(p.get("tokens_per_s"), ",.1f"),
+            _num(p.get("tpot_ms"), ".3f"),
+            _num(p.get("acceptance_rate"), ".3f"),
+            _num(p.get("mean_accepted_length"), ".3f"),
+            _num(p.get("mean_g" if verify else "mean_k"), ".2f"),
             str(p["switches"]),
-            f"{p['gain_vs_best_fixed_pct']:+.2f}",
+            _num(p.get("gain_vs_best_fixed_pct"), "+.2f"),
         )
     err_console.print(t)
     err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}")
@@ -221,8 +227,10 @@ def replay_cmd(
     }
     if plot is not None:
         from speccal.plots_replay import write_plots
+        from speccal.plots_table import table_title
 
-        d["plots"] = [str(p) for p in write_plots(report, plot)]
+        # The synthetic table is a real CostTable too: its title says it is synthetic.
+        d["plots"] = [str(p) for p in write_plots(report, plot, title=table_title(cost_table))]
     if json_out:
         typer.echo(json.dumps(d, sort_keys=True, allow_nan=False))
     else:

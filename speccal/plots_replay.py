@@ -204,18 +204,11 @@ def throughput_figure(report: ReplayReport, title: str | None = None):
             )
         )
     ax.invert_yaxis()
-    ax.set_xlim(0, max(tps) * 1.02)
-    # Widen the x axis until every label ends inside the axes (text size is in points, so it
-    # is measured on the rendered figure rather than guessed in data units).
-    fig.canvas.draw()
-    inv = ax.transData.inverted()
-    right = max(inv.transform(t.get_window_extent().get_points())[1, 0] for t in labels)
-    ax.set_xlim(0, max(right, max(tps)) * 1.04)
     ax.set_xlabel("predicted throughput (output tokens/s)")
     ax.set_ylabel("policy")
     ax.set_title(_title(f"Throughput by policy ({report.mode})", title), fontsize=11)
     ax.grid(axis="x", alpha=0.3)
-    kinds = {_style(report, r)[0]: r for r in runs}
+    kinds = {_style(report, r)[0] for r in runs}
     names = {
         STYLE["adaptive-step"][0]: "adaptive policy",
         STYLE["oracle"][0]: "per-phase oracle (hindsight)",
@@ -229,7 +222,18 @@ def throughput_figure(report: ReplayReport, title: str | None = None):
         fontsize=8,
         frameon=False,
     )
+    # Widen the x axis so every label ends inside the axes. A label is a fixed number of pixels
+    # wide whatever the limits, so with the axes W pixels wide, a bar ending at v fits its
+    # label when v * W / x_max + label_px <= W / 1.03 (3% air), i.e. x_max >= v * W / (W / 1.03
+    # - label_px). Measured after tight_layout, which fixes W.
     fig.tight_layout()
+    fig.canvas.draw()
+    axes_px = ax.get_window_extent().width
+    need = [
+        v * axes_px / max(axes_px / 1.03 - t.get_window_extent().width, 1.0)
+        for v, t in zip(tps, labels, strict=True)
+    ]
+    ax.set_xlim(0, max(max(need), max(tps) * 1.02))
     return fig
 
 

@@ -73,7 +73,16 @@ class PolicyRun:
 
     @property
     def priced(self) -> bool:
-        return bool(np.isfinite(self.cost_ms).all())
+        """Every round has a finite, positive cost and the predicted tokens/s is finite and > 0.
+
+        A cost table can only price a round with a positive cost; a run with any other round has
+        no meaningful throughput and must never be compared (nor be the best fixed ``k``).
+        """
+        c = self.cost_ms
+        if c.size == 0 or not bool((np.isfinite(c) & (c > 0)).all()):
+            return False
+        tps = self.totals()["tokens_per_s"]
+        return math.isfinite(tps) and tps > 0
 
     def totals(self, sel: np.ndarray | None = None) -> dict[str, float]:
         s = slice(None) if sel is None else sel
@@ -168,8 +177,9 @@ def check_replayable(
         )
     if isinstance(trace, RoundTrace):
         full = cost.step_costs(b, kv)[:, -1]
-        if not np.isfinite(full).all():
-            i = int(np.argmax(~np.isfinite(full)))
+        unpriced = ~(np.isfinite(full) & (full > 0))  # a non-positive cost is no price either
+        if unpriced.any():
+            i = int(np.argmax(unpriced))
             raise InputError(
                 "table",
                 f"round {i}: B={int(b[i])}, kv_length={kv[i]:g}",
@@ -649,11 +659,11 @@ def replay(
                     )
                 )
         phase = np.zeros(1, dtype=np.int64)
-    priced = [r for r in fixed if r.priced]
+    priced = [r for r in fixed if r.priced]  # finite, positive costs and tokens/s only
     if not priced:
         raise InputError(
             "table",
-            "no fixed k priced on every round",
+            "no fixed k priced on every round (finite, positive cost and tokens/s)",
             "a table covering the trace's buckets and KV lengths",
         )
     best = max(priced, key=lambda r: r.totals()["tokens_per_s"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
+
 from speccal.costmodel.synthetic import make_measurements
 
 COMPAT = {
@@ -47,3 +49,31 @@ def measurements(**kw):
     )
     args.update(kw)
     return make_measurements(**args)
+
+
+#: Context 1 medians (Bcap, G) -> ms of :func:`nonadditive_measurements`. The one cycle of the
+#: grid, (1, 2) - (1, 4) - (2, 2) + (2, 4) = 39 ms, is 0 for any additive cost, so least squares
+#: spreads 39 / 4 ms over those four points: the fit predicts 1 - 9.75 = -8.75 ms at (1, 2).
+NONADDITIVE_MS = {(1, 1): 5.0, (1, 2): 1.0, (1, 3): 5.0, (1, 4): 1.0}
+NONADDITIVE_MS |= {(2, 2): 1.0, (2, 4): 40.0, (2, 6): 5.0, (2, 8): 5.0}
+NONADDITIVE_PREDICTED_12 = -8.75
+
+
+def nonadditive_measurements():
+    """Rows (w = 3, Bcaps 1 and 2) whose additive fit is physical in context 0 (KV 1-1024:
+    ``2 + 0.5 * G`` ms) and predicts a negative cost at (Bcap 1, G 2) in context 1 (KV
+    1025-4096, medians :data:`NONADDITIVE_MS`)."""
+    gs = (1, 2, 3, 4, 6, 8)
+    df = make_measurements(
+        bias_ms=1.0,
+        alpha_ms={1: 0.0, 2: 0.0},
+        theta_ms={g: 0.0 for g in gs},
+        draft_width=W,
+        contexts=((512, 1, 1024), (2048, 1025, 4096)),
+        window_steps=16,
+    )
+    clean = 2.0 + 0.5 * df["g"]
+    cycle = [NONADDITIVE_MS[(b, g)] for b, g in zip(df["bcap"], df["g"], strict=True)]
+    df["step_ms"] = np.where(df["context_index"] == 0, clean, cycle)
+    df["elapsed_s"] = df["step_ms"] * df["window_steps"] / 1000.0
+    return df

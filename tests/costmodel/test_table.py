@@ -12,11 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from speccal.costmodel.compat import CompatibilityWarning
+from speccal.costmodel.compat import CompatibilityWarning, SpeccalWarning
 from speccal.costmodel.synthetic import make_measurements
 from speccal.costmodel.table import (
     SCHEMA_VERSION,
     CostTable,
+    NonPositiveCostWarning,
     build_table,
     json_schema,
     load_table,
@@ -26,7 +27,16 @@ from speccal.costmodel.table import (
 )
 from speccal.errors import CompatibilityError, GridError, InputError, SchemaError
 
-from .helpers import ALPHA, BIAS, COMPAT, THETA, compat, measurements
+from .helpers import (
+    ALPHA,
+    BIAS,
+    COMPAT,
+    NONADDITIVE_PREDICTED_12,
+    THETA,
+    compat,
+    measurements,
+    nonadditive_measurements,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SCHEMA_FILE = Path(__file__).parents[2] / "tables" / "schema" / "cost_table.v1.schema.json"
@@ -353,3 +363,87 @@ def test_generated_tables_round_trip_byte_identically(
     back = parse_table(text)
     assert back.to_json() == text
     assert isinstance(back, CostTable) and back == table
+
+
+# ------------------------------------------------------------------------ non-positive fitted costs
+
+
+@pytest.fixture(scope="module")
+def nonphysical():
+    with pytest.warns(NonPositiveCostWarning) as caught:
+        table = build_table(nonadditive_measurements(), compatibility=COMPAT)
+    return table, caught
+
+
+def test_build_warns_and_lists_cells_with_non_positive_fitted_cost(nonphysical):
+    table, caught = nonphysical
+    (w,) = [c for c in caught if c.category is NonPositiveCostWarning]
+    assert issubclass(w.category, SpeccalWarning)
+    msg = str(w.message)
+    assert "1 cell(s)" in msg and "context 1 (KV 1025-4096) Bcap 1 G 2: -8.750 ms (measured)" in msg
+    assert table.nonpositive_cells() == [
+        {
+            "context_index": 1,
+            "min_kv_length": 1025,
+            "max_kv_length": 4096,
+            "bcap": 1,
+            "g": 2,
+            "cost_ms": pytest.approx(NONADDITIVE_PREDICTED_12),
+            "measured": True,
+        }
+    ]
+
+
+def test_fit_report_summary_lists_non_positive_cells(nonphysical):
+    from speccal.costmodel.report import cost_grid, summary
+
+    fits = summary(nonphysical[0])["fits"]
+    assert fits[0]["nonpositive_cells"] == []
+    assert fits[1]["nonpositive_cells"] == [
+        {"bcap": 1, "g": 2, "cost_ms": pytest.approx(NONADDITIVE_PREDICTED_12), "measured": True}
+    ]
+    row = cost_grid(nonphysical[0]).query("context_index == 1 and bcap == 1 and g == 2").iloc[0]
+    assert not row.calibrated and "fitted cost not positive" in row.reason
+
+
+def test_non_positive_fitted_cost_looks_up_as_uncalibrated(nonphysical):
+    table, _ = nonphysical
+    out = table.cost_ms(1, 2, 2000)
+    assert not out.calibrated and math.isnan(out.cost_ms)
+    assert "fitted cost not positive" in out.reason and "-8.750 ms" in out.reason
+    assert table.cost_ms(1, 2, 10) == (pytest.approx(3.0), True, None)  # context 0 is physical
+    assert table.cost_ms(1, 4, 2000).calibrated  # other cells of context 1 stay calibrated
+    surf = table.cost_surface()
+    assert np.isnan(surf(1, 2, 2000)) and surf(1, 2, 10) == pytest.approx(3.0)
+    b, g, kv = np.meshgrid([1, 2], np.arange(0, 10), [10, 2000], indexing="ij")
+    scalar = [
+        table.cost_ms(int(x), int(y), int(z)).cost_ms
+        for x, y, z in zip(b.ravel(), g.ravel(), kv.ravel(), strict=True)
+    ]
+    np.testing.assert_array_equal(surf(b, g, kv).ravel(), scalar)
+    assert (surf(b, g, kv)[np.isfinite(surf(b, g, kv))] > 0).all()
+
+
+def test_policy_falls_back_to_full_width_at_a_non_positive_cost(nonphysical):
+    # k = 1 (G = 2) is the cheapest step in context 0, so the policy switches to it; the batch
+    # then moves into context 1, where k = 1 is fitted at -8.75 ms. Holding it there would run
+    # (and score) a round at a negative cost: the policy must run full width instead.
+    from speccal.policy import AdaptiveStepConfig, BatchState, CostModel, Feedback, make_policy
+
+    cost = CostModel.from_table(nonphysical[0])
+    cfg = AdaptiveStepConfig(window_size=4, update_interval=2, switch_min_gain=0.0)
+    policy = make_policy("adaptive-step", cost, step_config=cfg)
+    decisions = []
+    for r, kv in enumerate((10.0, 10.0, 10.0, 2000.0)):
+        d = policy.decide(BatchState(round_index=r, num_requests=1, kv_length=kv))
+        decisions.append((d.k, d.reason))
+        policy.observe(Feedback(round_index=r, k=d.k, accepted=np.zeros(1, dtype=np.int64)))
+    assert decisions[2] == (1, "switch")
+    assert decisions[3] == (3, "uncalibrated")
+
+
+def test_physical_fit_builds_without_a_warning(two_context_df):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SpeccalWarning)
+        table = build_table(two_context_df, compatibility=COMPAT)
+    assert table.nonpositive_cells() == []
