@@ -69,6 +69,17 @@ def fit_report(table, console: Console = err_console) -> None:
                 _fmt(e["max_abs_pct"], ".2f"),
             )
     console.print(t)
+    for f in s["fits"]:
+        cells = f.get("nonpositive_cells") or []
+        if cells:
+            shown = ", ".join(
+                f"Bcap {c['bcap']} G {c['g']}: {c['cost_ms']:.3f} ms" for c in cells[:8]
+            )
+            more = f" (+{len(cells) - 8} more)" if len(cells) > 8 else ""
+            console.print(
+                f"[bold yellow]warning:[/] context {f['context_index']}: fitted cost not positive "
+                f"at {shown}{more}; these cells are uncalibrated (policies fall back to full width)"
+            )
 
 
 def _params_tables(table, console: Console) -> None:

@@ -447,3 +447,16 @@ def test_physical_fit_builds_without_a_warning(two_context_df):
         warnings.simplefilter("error", SpeccalWarning)
         table = build_table(two_context_df, compatibility=COMPAT)
     assert table.nonpositive_cells() == []
+
+
+def test_table_show_warns_about_non_positive_cells(nonphysical, tmp_path):
+    from typer.testing import CliRunner
+
+    from speccal.cli import app
+
+    table, _ = nonphysical
+    path = tmp_path / "t.json"
+    save_table(table, path)
+    res = CliRunner().invoke(app, ["table", "show", str(path)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "fitted cost not positive at Bcap 1 G 2: -8.750 ms" in res.output
