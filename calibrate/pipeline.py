@@ -68,6 +68,8 @@ class CalibrateOptions:
     flags: Mapping[str, Any] = field(default_factory=dict)
     progress: bool = True
     seed: int = 0
+    graph_mode: str | None = None
+    attention_backend: str | None = None
 
     @property
     def journal_path(self) -> Path:
@@ -92,6 +94,13 @@ def make_engine(opts: CalibrateOptions) -> Any:
         kwargs["request_buckets"] = tuple(opts.request_buckets)
     if opts.max_model_len is not None:
         kwargs["max_model_len"] = opts.max_model_len
+    # Calibrate the path a deployment serves with: captured graphs (and Triton attention on CUDA)
+    # unless asked otherwise; a table records graph_mode, so an eager table cannot serve graphs.
+    accelerated = opts.device.startswith(("cuda", "npu"))
+    kwargs["graph_mode"] = opts.graph_mode or ("split" if accelerated else "eager")
+    kwargs["attention_backend"] = opts.attention_backend or (
+        "triton" if opts.device.startswith("cuda") else "torch"
+    )
     return Engine(EngineConfig(**kwargs))
 
 

@@ -12,9 +12,8 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
-from speccal.errors import InputError, SpeccalError
+from speccal.errors import InputError
 
 _err = Console(stderr=True)
 
@@ -107,6 +106,22 @@ def register(app: typer.Typer) -> None:
         windows_per_point: Annotated[
             int | None, typer.Option("--windows-per-point", help="Override windows_per_point.")
         ] = None,
+        graph_mode: Annotated[
+            str | None,
+            typer.Option(
+                "--graph-mode",
+                help="eager or split (captured CUDA/NPU round graphs). Default: split on cuda/npu, "
+                "eager on cpu: calibrate the execution path you serve with.",
+            ),
+        ] = None,
+        attention_backend: Annotated[
+            str | None,
+            typer.Option(
+                "--attention-backend",
+                help="torch (reference) or triton (speccal.kernels). Default: triton on cuda, "
+                "torch elsewhere.",
+            ),
+        ] = None,
         as_json: Annotated[
             bool, typer.Option("--json", help="Print the summary as JSON on stdout.")
         ] = False,
@@ -126,6 +141,8 @@ def register(app: typer.Typer) -> None:
             journal=journal,
             resume=resume,
             cost_table=cost_table,
+            graph_mode=graph_mode,
+            attention_backend=attention_backend,
             flags={
                 "mode": mode,
                 "warmup_steps": warmup_steps,
@@ -135,11 +152,6 @@ def register(app: typer.Typer) -> None:
         )
         try:
             summary = calibrate(opts)
-        except SpeccalError as exc:
-            # speccal.cli maps these too, but it raises click's Exit, which typer >= 0.29 (vendored
-            # click) does not recognise; typer.Exit keeps the one-line message and exit code here.
-            _err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
-            raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             _err.print(
                 "[bold red]interrupted[/]: finished windows are in the journal; rerun with --resume"

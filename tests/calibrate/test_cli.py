@@ -189,3 +189,27 @@ def test_sigkill_mid_calibration_then_resume(tmp_path, small, write_config):
     assert after.startswith(before[: before.rfind(b"\n") + 1])  # finished windows kept as they were
     table = load_table(out)
     assert len(table.fits[0].windows) == 27
+
+
+@pytest.mark.parametrize(
+    "flag, value, reason",
+    [
+        ("--graph-mode", "split", "captures CUDA/NPU graphs"),
+        ("--graph-mode", "bogus", "one of eager, split"),
+        ("--attention-backend", "bogus", "one of torch, triton"),
+    ],
+)
+def test_execution_path_flags_are_validated_before_sampling(tmp_path, flag, value, reason):
+    out = tmp_path / "t.json"
+    res = CliRunner().invoke(app, ["calibrate", flag, value, "--out", str(out)], env=ENV)
+    assert res.exit_code == 2, res.output
+    assert reason in res.output
+    assert not out.exists() and not (tmp_path / "t.json.journal.jsonl").exists()
+
+
+def test_default_execution_path_follows_the_device():
+    from speccal.calibrate.pipeline import CalibrateOptions, make_engine
+
+    eng = make_engine(CalibrateOptions(model="tiny", device="cpu"))
+    assert eng.compatibility()["graph_mode"] == "eager"
+    assert eng.config.attention_backend == "torch"
