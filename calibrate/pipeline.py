@@ -78,6 +78,7 @@ class CalibrateOptions:
 
 def make_engine(opts: CalibrateOptions) -> Any:
     """Build and warm the runner for calibration (forced full acceptance: shapes == grid)."""
+    from speccal.runner.device import default_execution_path
     from speccal.runner.engine import Engine, EngineConfig
 
     kwargs: dict[str, Any] = {
@@ -94,13 +95,11 @@ def make_engine(opts: CalibrateOptions) -> Any:
         kwargs["request_buckets"] = tuple(opts.request_buckets)
     if opts.max_model_len is not None:
         kwargs["max_model_len"] = opts.max_model_len
-    # Calibrate the path a deployment serves with: captured graphs (and Triton attention on CUDA)
-    # unless asked otherwise; a table records graph_mode, so an eager table cannot serve graphs.
-    accelerated = opts.device.startswith(("cuda", "npu"))
-    kwargs["graph_mode"] = opts.graph_mode or ("split" if accelerated else "eager")
-    kwargs["attention_backend"] = opts.attention_backend or (
-        "triton" if opts.device.startswith("cuda") else "torch"
-    )
+    # Calibrate the path a deployment serves with unless asked otherwise; a table records
+    # graph_mode, so an eager table cannot serve graphs.
+    graph_mode, attention_backend = default_execution_path(opts.device)
+    kwargs["graph_mode"] = opts.graph_mode or graph_mode
+    kwargs["attention_backend"] = opts.attention_backend or attention_backend
     return Engine(EngineConfig(**kwargs))
 
 

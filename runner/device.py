@@ -84,3 +84,18 @@ def default_dtype(device: torch.device) -> str:
 def is_pinnable(device: torch.device) -> bool:
     """Whether host staging buffers should be pinned (device-side copies can be async)."""
     return device.type in ("cuda", "npu")
+
+
+def default_execution_path(spec: str) -> tuple[str, str]:
+    """``(graph_mode, attention_backend)`` a deployment on device ``spec`` would serve with.
+
+    CUDA: captured split graphs and Triton attention; NPU: captured graphs (torch_npu) and the
+    torch attention; CPU: eager and the torch attention. Calibration and benchmarks default to
+    this so that a cost table describes the fast path, not a debugging configuration.
+    """
+    kind = spec.strip().split(":", 1)[0] if isinstance(spec, str) else ""
+    if kind == "cuda":
+        return "split", "triton"
+    if kind == "npu":
+        return "split", "torch"
+    return "eager", "torch"

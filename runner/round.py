@@ -47,6 +47,7 @@ from speccal.runner.kv_cache import SENTINEL_SLOT, KVCache
 from speccal.runner.model import TargetModel
 from speccal.runner.mtp import MTPHead
 from speccal.runner.request import Request
+from speccal.runner.verify_alloc import allocate_prefixes_device
 
 
 @dataclass
@@ -58,10 +59,13 @@ class RoundInputs:
     k: int  # draft steps (0 = plain decoding)
     g: int  # target rows
     num_ext_rows: int  # R of the draft-extend grid
-    num_verify: np.ndarray  # [B] int64 (host copy)
+    num_verify: np.ndarray | None  # [B] int64 host copy; None = allocated on device (budget)
     t: dict  # name -> device tensor
     update: str = "host"  # target input update: "in_graph" (device kernels) | "host"
     sampling: str = "greedy"  # token selection: "greedy" (argmax only) | "sample" (host choice)
+    budget_rows: int | None = None  # adaptive verify: draft rows inside G (``G - B``)
+    host_lens: np.ndarray | None = None  # [bcap] int64 KV length before the round (L)
+    host_bt: np.ndarray | None = None  # [bcap, width] int32 block table (host copy)
 
 
 @dataclass
@@ -70,7 +74,8 @@ class RoundOutputs:
 
     num_accepted: torch.Tensor  # [bcap] int64
     out_tokens: torch.Tensor  # [bcap, k + 1] int64
-    draft_scores: torch.Tensor  # [bcap, k] float32
+    draft_scores: torch.Tensor | None  # [bcap, k] float32
+    num_verify: torch.Tensor | None = None  # [bcap] int64, drafts each request sent to the target
 
 
 class RoundRunner:
@@ -155,7 +160,8 @@ class RoundRunner:
             device,
         )
         pin = is_pinnable(device)
-        self._host_tokens = torch.zeros(max_bucket * (w1 + 1), dtype=i64, pin_memory=pin)
+        self._host_tokens = torch.zeros(max_bucket * (w1 + 2), dtype=i64, pin_memory=pin)
+        self._host_nv = torch.zeros(max_bucket, dtype=i64, pin_memory=pin)
         self._host_scores = torch.zeros(
             max_bucket * draft_width, dtype=torch.float32, pin_memory=pin
         )
@@ -250,9 +256,21 @@ class RoundRunner:
     # ------------------------------------------------------------------ prepare
 
     def prepare(
-        self, batch: list[Request], bcap: int, k: int, num_verify: np.ndarray, g: int
+        self,
+        batch: list[Request],
+        bcap: int,
+        k: int,
+        num_verify: np.ndarray | None,
+        g: int,
+        budget_rows: int | None = None,
     ) -> RoundInputs:
         """Host phase: allocate KV, compute positions / slots / indices, stage them (async).
+
+        ``num_verify [B]``: drafts each request sends to the target (host-chosen). With
+        ``budget_rows`` (adaptive verify) ``num_verify`` must be None: :meth:`execute` allocates
+        it on the device from the round's own draft scores inside ``budget_rows = G - B`` draft
+        rows; the verify rows staged here are then placeholders (every request 0 drafts) that
+        the in-graph update ignores and the host update re-stages after its one sync.
 
         The block table is trimmed to the blocks the batch uses this round (eager; the torch
         attention gathers every column) or kept at ``max_blocks_per_seq`` columns (graphs: one
@@ -265,8 +283,11 @@ class RoundRunner:
         lens = np.array([r.num_computed for r in batch] + [0] * (bcap - n), dtype=np.int64)  # L
         num_ext = np.array([r.num_extend for r in batch] + [1] * (bcap - n), dtype=np.int64)
         slots = np.array([r.slot for r in batch] + [self.trash_slot] * (bcap - n), dtype=np.int64)
+        if (num_verify is None) == (budget_rows is None):
+            raise ValueError("prepare: exactly one of num_verify / budget_rows")
         nv = np.zeros(bcap, dtype=np.int64)
-        nv[:n] = num_verify
+        if num_verify is not None:
+            nv[:n] = num_verify
         for r in batch:
             self.kv.allocator.grow(r.blocks, r.num_computed + k + 1)
         width = max(1, -(-int(lens.max() + k + 1) // bs))
@@ -286,7 +307,6 @@ class RoundRunner:
         t["pending_index"] = self.inputs.put("pending_index", slots * w1 + num_ext - 1)
         r_ext = 1
         t["ctx_lens"] = self.inputs.put("ctx_lens", lens.astype(np.int32))
-        t["nv32"] = self.inputs.put("nv32", nv.astype(np.int32))
         if self.draft is not None and k > 0:
             r_ext = w1 if self.static else int(num_ext.max())
             b_idx = np.repeat(np.arange(bcap), num_ext)
@@ -323,7 +343,30 @@ class RoundRunner:
                 t["step_seq"] = self.inputs.put(
                     "step_seq", np.where(real, spos + 1, j).astype(np.int32)
                 )
-        # target verify rows: request b has nv[b] + 1 rows (padding requests: none)
+        t["ver_seq"] = self.inputs.put(
+            "ver_seq", np.where(is_req, lens + k + 1, k + 1).astype(np.int32)
+        )
+        t["ver_drafts"] = self.inputs.dev["ver_drafts"][: bcap * k].view(bcap, k)
+        update = self.resolve_update(bcap, k, g)
+        kind = self.sampling_kind(batch, k)
+        host_nv = None if num_verify is None else nv[:n].copy()
+        x = RoundInputs(n, bcap, k, g, r_ext, host_nv, t, update, kind, budget_rows, lens, bt)
+        self.stage_verify(x, nv[:n])
+        return x
+
+    def stage_verify(self, x: RoundInputs, num_verify: np.ndarray) -> None:
+        """Stage the verify lengths and the host path's packed verify rows for ``num_verify [B]``.
+
+        Request ``b`` gets ``num_verify[b] + 1`` rows (padding requests: none), padded to ``G``
+        rows that write the sentinel slot and land in the trash grid row. The buffers keep their
+        addresses (a captured target graph reads them), so re-staging after the host path's
+        sync (adaptive verify) changes only their contents.
+        """
+        bs, bcap, k, g, n = self.block_size, x.bcap, x.k, x.g, x.num_requests
+        lens, bt, t = x.host_lens, x.host_bt, x.t
+        nv = np.zeros(bcap, dtype=np.int64)
+        nv[:n] = num_verify
+        is_req = np.arange(bcap) < n
         nrows = np.where(is_req, nv + 1, 0)
         b_idx = np.repeat(np.arange(bcap), nrows)
         cu = np.concatenate([[0], np.cumsum(nrows)])
@@ -333,20 +376,26 @@ class RoundRunner:
         grid = np.concatenate([b_idx * (k + 1) + i_idx, np.zeros(pad, np.int64)])
         pos = np.concatenate([lens[b_idx] + i_idx, np.zeros(pad, np.int64)])
         bpad = np.concatenate([b_idx, np.zeros(pad, np.int64)])
+        slot = bt[bpad, pos // bs].astype(np.int64) * bs + pos % bs
         t["ver_grid"] = self.inputs.put("ver_grid", grid)
         t["ver_pos"] = self.inputs.put("ver_pos", pos)
-        t["ver_slot"] = self.inputs.put("ver_slot", slot_of(bpad, pos, real))
+        t["ver_slot"] = self.inputs.put("ver_slot", np.where(real, slot, SENTINEL_SLOT))
         t["ver_row"] = self.inputs.put(
             "ver_row", np.where(np.arange(g) < len(b_idx), grid, bcap * (k + 1))
         )
-        t["ver_seq"] = self.inputs.put(
-            "ver_seq", np.where(is_req, lens + k + 1, k + 1).astype(np.int32)
-        )
         t["num_verify"] = self.inputs.put("num_verify", nv)
-        t["ver_drafts"] = self.inputs.dev["ver_drafts"][: bcap * k].view(bcap, k)
-        update = self.resolve_update(bcap, k, g)
-        kind = self.sampling_kind(batch, k)
-        return RoundInputs(n, bcap, k, g, r_ext, nv[:n].copy(), t, update, kind)
+        t["nv32"] = self.inputs.put("nv32", nv.astype(np.int32))
+
+    def allocate_verify(self, x: RoundInputs, scores: torch.Tensor) -> None:
+        """Adaptive verify, on the device: ``num_verify`` / ``nv32`` from ``scores [bcap, k]``.
+
+        The rule of ``speccal.policy.allocate_prefixes`` inside ``x.budget_rows`` draft rows
+        (:func:`~speccal.runner.verify_alloc.allocate_prefixes_device`), written in place into
+        the static inputs the target part reads. No host sync, no branch on tensor values.
+        """
+        nv = x.t["num_verify"]
+        allocate_prefixes_device(scores, x.num_requests, x.budget_rows, out=nv)
+        x.t["nv32"].copy_(nv)
 
     # ------------------------------------------------------------------ execute
 
@@ -515,15 +564,24 @@ class RoundRunner:
             num_accepted, out = self._accept(draft_tokens, grid_logits, t["num_verify"], slot_index)
         self.ext_tokens[slot_index, : k + 1] = out
         self.ext_hidden[slot_index, : k + 1] = grid_h
-        return RoundOutputs(num_accepted, out, None)
+        return RoundOutputs(num_accepted, out, None, t["num_verify"])
 
     def _stage_drafts(self, x: RoundInputs, draft_tokens: torch.Tensor) -> None:
-        """Fallback boundary: drafted tokens to the host (a sync), back into the target's input."""
+        """Fallback boundary: drafted tokens to the host (a sync), back into the target's input.
+
+        With a verify budget the device allocation comes back in the same sync and the packed
+        verify rows are re-staged from it (:meth:`stage_verify`).
+        """
         n = x.bcap * x.k
         host = self._host_drafts[:n]
         host.copy_(draft_tokens.reshape(-1), non_blocking=True)
+        host_nv = self._host_nv[: x.bcap]
+        if x.budget_rows is not None:
+            host_nv.copy_(x.t["num_verify"], non_blocking=True)
         synchronize(self.device)
         self.inputs.put("ver_drafts", host.numpy().copy())
+        if x.budget_rows is not None:
+            self.stage_verify(x, host_nv.numpy()[: x.num_requests].copy())
 
     def capture(self, keys: list[GraphKey], make_inputs) -> None:
         """Capture every key, largest first; ``make_inputs(key)`` stages warm-up inputs.
@@ -557,43 +615,49 @@ class RoundRunner:
 
     @torch.inference_mode()
     def execute(self, x: RoundInputs) -> RoundOutputs:
-        """Device phase: draft extend + k - 1 draft steps + verify + acceptance + state update."""
+        """Device phase: draft extend + k - 1 draft steps + verify + acceptance + state update.
+
+        Eager and ``split`` graphs share the sequence: draft part, then (adaptive verify) the
+        device allocation of :meth:`allocate_verify` on this round's scores, then (host update
+        only) the fallback boundary's one sync, then the target part.
+        """
         bcap, k = x.bcap, x.k
-        if self.graphs is not None:
-            scores = torch.zeros(bcap, 0, device=self.device)
-            if k > 0:
-                drafts, scores = self.graphs.replay(GraphKey("draft", bcap, k))
-                if x.update == "host":
-                    self._stage_drafts(x, drafts)
-            key = GraphKey("target", bcap, k, x.g, x.update, x.sampling)
-            if key not in self.graphs:
-                raise UnsupportedError(f"no captured target graph for {key}")
-            out = self.graphs.replay(key)
-            return RoundOutputs(out.num_accepted, out.out_tokens, scores)
-        if self.draft is not None and k > 0:
+        if self.graphs is not None and k > 0:
+            drafts, scores = self.graphs.replay(GraphKey("draft", bcap, k))
+        elif self.draft is not None and k > 0:
             drafts, scores = self.draft_part(x)
         else:
             drafts = self.ext_tokens.new_zeros(bcap, 0)
             scores = torch.zeros(bcap, 0, device=self.device)
+        if x.budget_rows is not None:
+            self.allocate_verify(x, scores)
         if x.update == "host" and k > 0:
             self._stage_drafts(x, drafts)
             drafts = x.t["ver_drafts"]
-        out = self.target_part(x, drafts)
-        return RoundOutputs(out.num_accepted, out.out_tokens, scores)
+        if self.graphs is not None:
+            key = GraphKey("target", bcap, k, x.g, x.update, x.sampling)
+            if key not in self.graphs:
+                raise UnsupportedError(f"no captured target graph for {key}")
+            out = self.graphs.replay(key)
+        else:
+            out = self.target_part(x, drafts)
+        return RoundOutputs(out.num_accepted, out.out_tokens, scores, out.num_verify)
 
     # ------------------------------------------------------------------ collect
 
     def collect(
         self, out: RoundOutputs, x: RoundInputs
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The one sync: accepted ``[B]``, out tokens ``[B, k + 1]``, draft scores ``[B, k]``."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The one sync: accepted ``[B]``, verify lengths ``[B]`` (the device allocation under
+        a budget), out tokens ``[B, k + 1]``, draft scores ``[B, k]``."""
         bcap, k = x.bcap, x.k
-        packed = torch.cat([out.num_accepted[:, None], out.out_tokens], dim=1).view(-1)
+        cols = [out.num_accepted[:, None], out.num_verify[:, None], out.out_tokens]
+        packed = torch.cat(cols, dim=1).view(-1)
         host_tok = self._host_tokens[: packed.numel()]
         host_tok.copy_(packed, non_blocking=True)
         host_sc = self._host_scores[: bcap * k]
         host_sc.copy_(out.draft_scores.reshape(-1).float(), non_blocking=True)
         synchronize(self.device)
-        tok = host_tok.numpy().reshape(bcap, k + 2)[: x.num_requests].copy()
+        tok = host_tok.numpy().reshape(bcap, k + 3)[: x.num_requests].copy()
         sc = host_sc.numpy().reshape(bcap, k)[: x.num_requests].copy()
-        return tok[:, 0], tok[:, 1:], sc
+        return tok[:, 0], tok[:, 1], tok[:, 2:], sc

@@ -4,10 +4,13 @@ This module owns :func:`allocate_prefixes_device`, the torch twin of
 ``speccal.policy.allocate_prefixes`` (the rule's reference): inside a budget of ``G - B`` draft
 rows, the (request, position) items of highest prefix survival (cumulative product of the draft
 scores) go first; ties go to the shallower position, then the lower request, which keeps every
-request's allocation a prefix. Static shapes, no ``.item()`` / ``nonzero()``: it can run between
-the draft and the target part of a round (or inside a captured graph) on the current round's
-scores. The engine's ``RoundPlan(verify_budget=G)`` uses the numpy rule on the host today (previous
-round's scores) until the round runner calls this between its two parts.
+request's allocation a prefix. Static shapes, no ``.item()`` / ``nonzero()`` / branch on tensor
+values: ``RoundRunner.execute`` runs it between the draft and the target part of a round that
+carries a verify budget (``RoundPlan(verify_budget=G)``), on the current round's draft scores, and
+the target part reads the result in place (``num_verify`` / ``nv32`` static inputs).
+
+Survival is computed in float64 (float32 on NPU), like the numpy rule, so the device picks the
+same items as the host rule applied to the collected (float32) scores.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def allocate_prefixes_device(
     out : optional ``[bcap]`` int64 buffer written in place (a graph's static input).
     """
     bcap, k = scores.shape
-    s = torch.nan_to_num(scores.float(), nan=0.0).clamp(0.0, 1.0).cumprod(dim=1)
+    dtype = torch.float32 if scores.device.type == "npu" else torch.float64
+    s = torch.nan_to_num(scores.to(dtype), nan=0.0).clamp(0.0, 1.0).cumprod(dim=1)
     pad = torch.arange(bcap, device=scores.device) >= num_requests
     s = s.masked_fill(pad[:, None], -1.0)
     m = max(0, min(int(budget_rows), int(num_requests) * k))

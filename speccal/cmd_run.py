@@ -52,6 +52,46 @@ def _parse_floats(text: str | None, field: str) -> tuple[float, ...] | None:
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 
+# Options shared by ``generate`` and ``bench``.
+ModelOpt = Annotated[
+    str, typer.Option("--model", help="Preset (tiny, dense-0.5b, dense-2b, mimo-7b) or HF folder.")
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")]
+DtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dtype",
+        help="float32, bfloat16 or float16. Default: float32 on CPU, else bfloat16.",
+        show_default=False,
+    ),
+]
+DraftWidthOpt = Annotated[int, typer.Option("--draft-width", help="Draft width w.")]
+KOpt = Annotated[
+    int | None,
+    typer.Option("--k", help="Draft steps per round (1..w). Default: w.", show_default=False),
+]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option("--profile", help="Synthetic acceptance profile, w values.", show_default=False),
+]
+GraphModeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--graph-mode",
+        help="eager or split (captured CUDA/NPU round graphs). Default: split on cuda/npu, "
+        "eager on cpu.",
+        show_default=False,
+    ),
+]
+AttentionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--attention-backend",
+        help="torch or triton. Default: triton on cuda, torch elsewhere.",
+        show_default=False,
+    ),
+]
+
 
 def _engine_config(
     model,
@@ -64,10 +104,16 @@ def _engine_config(
     max_model_len,
     speculative,
     request_buckets=DEFAULT_BUCKETS,
+    graph_mode=None,
+    attention_backend=None,
 ):
+    from speccal.runner.device import default_execution_path
     from speccal.runner.engine import EngineConfig
 
+    default_graph, default_attention = default_execution_path(device)
     return EngineConfig(
+        graph_mode=graph_mode or default_graph,
+        attention_backend=attention_backend or default_attention,
         model=model,
         device=device,
         dtype=dtype,
@@ -98,33 +144,17 @@ def generate(
             show_default=False,
         ),
     ] = None,
-    model: Annotated[
-        str,
-        typer.Option("--model", help="Preset (tiny, dense-0.5b, dense-2b, mimo-7b) or HF folder."),
-    ] = "tiny",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            "--dtype",
-            help="float32, bfloat16 or float16. Default: float32 on CPU, else bfloat16.",
-            show_default=False,
-        ),
-    ] = None,
-    draft_width: Annotated[int, typer.Option("--draft-width", help="Draft width w.")] = 3,
-    k: Annotated[
-        int | None,
-        typer.Option("--k", help="Draft steps per round (1..w). Default: w.", show_default=False),
-    ] = None,
+    model: ModelOpt = "tiny",
+    device: DeviceOpt = "cpu",
+    graph_mode: GraphModeOpt = None,
+    attention_backend: AttentionOpt = None,
+    dtype: DtypeOpt = None,
+    draft_width: DraftWidthOpt = 3,
+    k: KOpt = None,
     acceptance: Annotated[
         str, typer.Option("--acceptance", help="greedy, sample, synthetic or forced.")
     ] = "greedy",
-    profile: Annotated[
-        str | None,
-        typer.Option(
-            "--profile", help="Synthetic acceptance profile, w values.", show_default=False
-        ),
-    ] = None,
+    profile: ProfileOpt = None,
     plain: Annotated[bool, typer.Option("--plain", help="Plain decoding (no draft head).")] = False,
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", help="Tokens to generate per prompt.")
@@ -169,7 +199,17 @@ def generate(
     if k is not None and not (plain or 1 <= k <= draft_width):
         raise InputError("--k", k, f"an integer in [1, {draft_width}] (--draft-width)")
     cfg = _engine_config(
-        model, device, dtype, draft_width, acceptance, profile, seed, max_model_len, not plain
+        model,
+        device,
+        dtype,
+        draft_width,
+        acceptance,
+        profile,
+        seed,
+        max_model_len,
+        not plain,
+        graph_mode=graph_mode,
+        attention_backend=attention_backend,
     )
     engine = Engine(cfg)
     tokenizer = None
@@ -241,29 +281,17 @@ def _clean(obj):
 
 
 def bench(
-    model: Annotated[
-        str,
-        typer.Option("--model", help="Preset (tiny, dense-0.5b, dense-2b, mimo-7b) or HF folder."),
-    ] = "tiny",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
-    dtype: Annotated[
-        str | None,
-        typer.Option("--dtype", help="Default: float32 on CPU, else bfloat16.", show_default=False),
-    ] = None,
-    draft_width: Annotated[int, typer.Option("--draft-width", help="Draft width w.")] = 3,
-    k: Annotated[
-        int | None,
-        typer.Option("--k", help="Draft steps per round. Default: w.", show_default=False),
-    ] = None,
+    model: ModelOpt = "tiny",
+    device: DeviceOpt = "cpu",
+    graph_mode: GraphModeOpt = None,
+    attention_backend: AttentionOpt = None,
+    dtype: DtypeOpt = None,
+    draft_width: DraftWidthOpt = 3,
+    k: KOpt = None,
     acceptance: Annotated[
         str, typer.Option("--acceptance", help="greedy, synthetic or forced.")
     ] = "greedy",
-    profile: Annotated[
-        str | None,
-        typer.Option(
-            "--profile", help="Synthetic acceptance profile, w values.", show_default=False
-        ),
-    ] = None,
+    profile: ProfileOpt = None,
     num_requests: Annotated[
         int, typer.Option("--num-requests", help="Requests decoded together.")
     ] = 4,
@@ -337,6 +365,8 @@ def bench(
             trace_out,
             model=model,
             device=device,
+            graph_mode=graph_mode,
+            attention_backend=attention_backend,
             dtype=dtype,
             draft_width=draft_width,
             acceptance=acceptance,
@@ -371,7 +401,19 @@ def bench(
     num_k = k if k is not None else draft_width
     if not 1 <= num_k <= draft_width:
         raise InputError("--k", num_k, f"an integer in [1, {draft_width}] (--draft-width)")
-    cfg = _engine_config(model, device, dtype, draft_width, acceptance, profile, seed, None, True)
+    cfg = _engine_config(
+        model,
+        device,
+        dtype,
+        draft_width,
+        acceptance,
+        profile,
+        seed,
+        None,
+        True,
+        graph_mode=graph_mode,
+        attention_backend=attention_backend,
+    )
     with Progress(
         TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True
     ) as bar:
@@ -468,6 +510,8 @@ def _bench_policies(
     *,
     model,
     device,
+    graph_mode,
+    attention_backend,
     dtype,
     draft_width,
     acceptance,
@@ -509,7 +553,18 @@ def _bench_policies(
     from speccal.runner.generate import bench_policies
 
     cfg = _engine_config(
-        model, device, dtype, draft_width, acceptance, profile, seed, None, True, buckets
+        model,
+        device,
+        dtype,
+        draft_width,
+        acceptance,
+        profile,
+        seed,
+        None,
+        True,
+        buckets,
+        graph_mode=graph_mode,
+        attention_backend=attention_backend,
     )
     if phases and any(not p.profile for p in phases):
         from speccal.runner.live import Phase
