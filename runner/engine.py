@@ -132,15 +132,18 @@ class EngineConfig:
 class RoundPlan:
     """What the next round runs: ``k`` draft steps and optional per-request verify lengths.
 
-    ``verify_budget`` (adaptive target verify): padded target rows ``G`` the round may use; the
-    engine then sends each request a prefix of its drafts chosen by the rule of
-    ``speccal.policy.allocate_prefixes`` (highest prefix survival first, prefix-closed, at most
-    ``G - B`` draft rows, ``G`` taken down to the largest captured target bucket of the batch's
-    ``Bcap`` that fits) and reports it in ``RoundResult.num_verify``. Exclusive with
-    ``verify_tokens``. The survival scores are each request's draft scores of its previous round
-    (already on the host from the normal result collection; a request without one gets zeros, so
-    ties go position-major). The device twin for the current round's scores, to run between the
-    draft and target parts, is ``speccal.runner.verify_alloc.allocate_prefixes_device`` (not wired).
+    ``verify_tokens [B]``: drafts each request sends to the target (host-chosen, prefix-closed);
+    None = all ``k``. The target runs ``geometry.g_for(bcap, sum(verify_tokens + 1))`` rows.
+
+    ``verify_budget`` (adaptive target verify, exclusive with ``verify_tokens``; needs
+    ``num_draft_steps == draft_width``): padded target rows ``G`` the round may use. The target
+    runs at ``G`` taken down to the largest target bucket of the batch's ``Bcap`` that fits (the
+    smallest bucket when none does; then no draft row is verified). The draft runs full width;
+    then, on the device and without a host wait, each request gets a prefix of its drafts by the
+    rule of ``speccal.policy.allocate_prefixes`` applied to this round's draft scores (highest
+    prefix survival first, prefix-closed, at most ``min(G, verify_budget) - B`` draft rows);
+    rows past the allocation pad to the sentinel slot. ``RoundResult.num_verify`` reports the
+    allocation (collected with the round's results). There is no host fallback.
     """
 
     num_draft_steps: int
@@ -292,7 +295,6 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._early_finished: list[int] = []
         self._round_index = 0
-        self._last_scores: dict[int, np.ndarray] = {}  # rid -> [k] draft scores of its last round
 
     def _capture_graphs(self) -> None:
         """Capture every (Bcap, k[, G]) graph the geometry allows, largest first (one pool)."""
@@ -411,7 +413,6 @@ class Engine:
             )
         if req.finish_reason is None:
             req.finish_reason = "released"
-        self._last_scores.pop(rid, None)
         self._finish(req)
 
     def reset(self) -> None:
@@ -420,7 +421,6 @@ class Engine:
             self.release(rid)
         self._early_finished = []
         self._round_index = 0
-        self._last_scores = {}
         self.stats = SpecStats(self.config.draft_width)
 
     def set_acceptance_profile(self, profile: Sequence[float]) -> None:
@@ -481,7 +481,8 @@ class Engine:
                 self._finish(req)
         return num_tokens, finished
 
-    def _check_plan(self, plan: RoundPlan, n: int) -> tuple[int, np.ndarray]:
+    def _check_plan(self, plan: RoundPlan, n: int) -> tuple[int, np.ndarray | None]:
+        """``(k, verify_tokens [B])``; verify_tokens is None under a verify budget (device)."""
         k = plan.num_draft_steps
         w = self.config.draft_width
         if self.config.speculative:
@@ -492,7 +493,8 @@ class Engine:
                 "num_draft_steps", k, "0 (the engine was built with speculative=False)"
             )
         if plan.verify_budget is not None:
-            return k, self._allocate_verify(plan, k, n)
+            self._check_budget(plan, k, n)
+            return k, None
         if plan.verify_tokens is None:
             return k, np.full(n, k, dtype=np.int64)
         nv = np.asarray(list(plan.verify_tokens), dtype=np.int64)
@@ -504,8 +506,7 @@ class Engine:
             )
         return k, nv
 
-    def _allocate_verify(self, plan: RoundPlan, k: int, n: int) -> np.ndarray:
-        """``verify_tokens`` inside ``plan.verify_budget`` (see :class:`RoundPlan`)."""
+    def _check_budget(self, plan: RoundPlan, k: int, n: int) -> None:
         budget = plan.verify_budget
         if plan.verify_tokens is not None:
             raise InputError(
@@ -515,20 +516,18 @@ class Engine:
             raise InputError(
                 "verify_budget", budget, f"an integer >= {n} target rows (one per request)"
             )
-        # The padded target rows must fit the budget: use the largest captured level <= budget.
-        bcap = self.geometry.bcap_for(n)
-        levels = [g for g in self.geometry.target_rows.get(bcap, ()) if n <= g <= budget]
-        budget = max(levels) if levels else n
-        scores = np.zeros((n, k), dtype=np.float64)
-        for i, req in enumerate(self._running):
-            last = self._last_scores.get(req.rid)
-            if last is not None:
-                m = min(k, last.size)
-                scores[i, :m] = last[:m]
-        # The one implementation of the rule (pure numpy; the replay uses it too).
-        from speccal.policy import allocate_prefixes
+        w = self.config.draft_width
+        if k != w:
+            raise InputError(
+                "num_draft_steps", k, f"{w} (draft_width) with verify_budget: the draft runs full width"
+            )
 
-        return allocate_prefixes(scores, int(budget) - n)
+    def _budget_rows(self, budget: int, n: int, bcap: int) -> tuple[int | None, int]:
+        """``(G, draft rows)`` of a verify budget: the largest target bucket of ``bcap`` that
+        fits ``budget`` (else the smallest holding the ``n`` bonus rows) and ``min(G, budget) - n``."""
+        levels = [g for g in self.geometry.target_rows.get(bcap, ()) if n <= g <= budget]
+        g = max(levels) if levels else self.geometry.g_for(bcap, n)
+        return g, (min(g, int(budget)) - n if g is not None else 0)
 
     def step(self, plan: RoundPlan | PlanFn) -> RoundResult:
         """Admit and prefill waiting requests, then run one round over the running batch.
@@ -572,13 +571,20 @@ class Engine:
                 first,
             )
         bcap = self.geometry.bcap_for(n)
-        rows = int((nv + 1).sum())
-        g = self.geometry.g_for(bcap, rows) if k > 0 else self.geometry.g_for(bcap, bcap)
-        if bcap is None or g is None:
-            raise CapacityError(f"no captured bucket for {n} requests / {rows} target rows")
-        x = self.runner.prepare(batch, bcap, k, nv, g)
+        if bcap is None:
+            raise CapacityError(f"no captured request bucket for {n} requests")
+        budget_rows = None
+        if nv is None:  # verify budget: allocated on the device from this round's scores
+            g, budget_rows = self._budget_rows(plan.verify_budget, n, bcap)
+            rows = n
+        else:
+            rows = int((nv + 1).sum())
+            g = self.geometry.g_for(bcap, rows) if k > 0 else self.geometry.g_for(bcap, bcap)
+        if g is None:
+            raise CapacityError(f"no captured target bucket for {n} requests / {rows} target rows")
+        x = self.runner.prepare(batch, bcap, k, nv, g, budget_rows)
         out = self.runner.execute(x)
-        accepted, out_tokens, scores = self.runner.collect(out, x)
+        accepted, nv, out_tokens, scores = self.runner.collect(out, x)
         emitted = []
         num_emitted = 0
         for b, req in enumerate(batch):
@@ -591,12 +597,9 @@ class Engine:
             if req.is_finished:
                 finished.append(req.rid)
         kv_lens = np.array([r.num_computed for r in batch], dtype=np.int64)
-        for b, req in enumerate(batch):
+        for req in batch:
             if req.is_finished:
                 self._finish(req)
-                self._last_scores.pop(req.rid, None)
-            elif k > 0:
-                self._last_scores[req.rid] = scores[b]
         if k > 0:
             self.stats.add(nv, accepted, num_emitted)
         round_index = self._round_index
