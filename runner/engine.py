@@ -8,7 +8,9 @@ round over the running batch through :class:`~speccal.runner.round.RoundRunner`
 
 Batching: at most ``max(request_buckets)`` requests run at once (others wait, admitted in
 arrival order as slots free up); the physical batch is ``geometry.bcap_for(B)``; target rows are
-``sum(verify + 1)`` padded to ``geometry.g_for(bcap, rows)``.
+``sum(verify + 1)`` padded to ``geometry.g_for(bcap, rows)``, or, under
+``RoundPlan.verify_budget``, the budget's bucket ``G`` with the verify lengths allocated on the
+device from the round's own draft scores (see :class:`RoundPlan`).
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ class EngineConfig:
                 f"graph_mode={self.graph_mode!r}: one of {', '.join(GRAPH_MODES)}"
             )
         if self.input_update not in INPUT_UPDATES:
-            raise InputError("input_update", self.input_update, f"one of {', '.join(INPUT_UPDATES)}")
+            raise InputError(
+                "input_update", self.input_update, f"one of {', '.join(INPUT_UPDATES)}"
+            )
         if self.graph_mode == "split" and not self.device.startswith(("cuda", "npu")):
             raise UnsupportedError(
                 f"graph_mode='split' captures CUDA/NPU graphs; device {self.device!r} runs 'eager'"
@@ -519,7 +523,9 @@ class Engine:
         w = self.config.draft_width
         if k != w:
             raise InputError(
-                "num_draft_steps", k, f"{w} (draft_width) with verify_budget: the draft runs full width"
+                "num_draft_steps",
+                k,
+                f"{w} (draft_width) with verify_budget: the draft runs full width",
             )
 
     def _budget_rows(self, budget: int, n: int, bcap: int) -> tuple[int | None, int]:

@@ -7,7 +7,10 @@ replays it. A round in ``graph_mode="split"`` replays two graphs: the draft grap
 its output buffers) and the target graph of ``GraphKey("target", bcap, k, g, update, sampling)``
 (the in-graph verify input update when ``update == "in_graph"``, the target forward, acceptance
 and the slot-state update). The target graph reads the draft graph's output tensors in place, so
-between the two replays there is no host work on the fast path.
+between the two replays there is no host work on the fast path. Under a verify budget (adaptive
+target verify) the device allocation of the verify lengths runs eagerly between the two replays
+(a few small kernels on the same stream, no host sync), writing the ``num_verify`` / ``nv32``
+static inputs the target graph reads; the captured graphs do not change.
 
 ``sampling`` is the host's per-round choice of token selection (``RoundRunner.sampling_kind``):
 ``greedy`` when every request of the batch is greedy (argmax only: no filters, no sort over the

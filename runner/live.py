@@ -12,7 +12,9 @@ apart, device-synchronised), then ``Engine.step`` calls the plan callback with t
 ``RoundState`` (index, batch size, mean KV length before the round); the callback asks
 ``policy.decide`` and turns the :class:`~speccal.policy.Decision` into a ``RoundPlan``
 (``verify_tokens`` when the decision has them, ``verify_budget = g`` for a ``target_verify``
-decision without them, else ``k`` drafts). After the round, ``policy.observe`` gets
+decision without them, else ``k`` drafts). Under ``verify_budget`` the engine drafts full width
+and allocates each request's verified prefix on the device from the round's own draft scores;
+``RoundResult.num_verify`` (collected with the round) is what ``verified`` records. After the round, ``policy.observe`` gets
 ``Feedback.from_round_result`` of the normal result collection (no extra device reads) and the
 round goes into a :class:`~speccal.trace.RoundTrace` (the format ``speccal trace`` writes).
 
@@ -328,7 +330,9 @@ def run_live(
 def replay_prediction(run: LiveRun, cost: CostModel, policy: Policy) -> dict[str, Any]:
     """Replay a fresh ``policy`` on the run's own trace (``speccal.replay.run_sequential``).
 
-    Returns the predicted metrics, whether every decision ``k`` / ``g`` matches the live run, and
+    Returns the predicted metrics, whether every decision ``k`` / ``g`` matches the live run,
+    whether the drafts sent to the target match per round (``verified_match``; under adaptive
+    verify this checks the device allocation against the host rule on the recorded scores), and
     ``error_pct`` = ``|predicted - live| / live`` of ``round_tokens_per_s``.
     """
     from speccal.replay import run_sequential
@@ -339,6 +343,9 @@ def replay_prediction(run: LiveRun, cost: CostModel, policy: Policy) -> dict[str
     predicted = totals.get("tokens_per_s", math.nan)
     same_k = bool(np.array_equal(pred.k, run.k))
     same_g = bool(np.array_equal(pred.g, run.g))
+    # Adaptive verify: the replay allocates with the host rule on the trace's (current-round)
+    # scores; the live round allocated on the device from the same scores.
+    same_verified = bool(np.array_equal(pred.verified, run.verified))
     return {
         "priced": pred.priced,
         "predicted_tokens_per_s": predicted,
@@ -347,6 +354,7 @@ def replay_prediction(run: LiveRun, cost: CostModel, policy: Policy) -> dict[str
         "predicted_tpot_ms": totals.get("tpot_ms", math.nan),
         "decisions_match": same_k and same_g,
         "k_match": same_k,
+        "verified_match": same_verified,
         "predicted_round_ms": pred.cost_ms,
         "predicted_k": pred.k,
     }

@@ -13,6 +13,18 @@ round over a physical batch of ``bcap`` request rows (``B`` real, the rest paddi
    draft context update: the emitted tokens and the target hidden states of the verify rows
    become the slot's next extend rows (valid ``accepted + 1``, known on the host after collect).
 
+Verify lengths ``num_verify [bcap]`` (int64, with an int32 twin ``nv32``) are static inputs.
+Either the host chooses them at prepare (``RoundPlan.verify_tokens``), or, under a verify
+budget (``RoundInputs.budget_rows = G - B``, adaptive target verify), :meth:`RoundRunner.execute`
+writes them on the device between the draft and the target part
+(:meth:`RoundRunner.allocate_verify`, the rule of ``speccal.policy.allocate_prefixes`` on this
+round's draft scores), eager and captured graphs alike. The in-graph update reads them on the
+device (token / metadata update kernels); the host update brings them back in the one sync it
+already makes for the drafted tokens and re-stages its packed verify rows
+(:meth:`RoundRunner.stage_verify`). The target always runs ``G`` rows; rows past the allocation
+are padding (sentinel KV slot, trash grid row). ``collect`` returns the allocation with the
+round's other results.
+
 Device state per slot (``num_slots = max bucket + 1``; the last is the trash slot of padding):
 ``ext_tokens [num_slots, w + 1]``, ``ext_hidden [num_slots, w + 1, hidden]``. Everything inside
 :meth:`RoundRunner.execute` uses static shapes chosen on the host, masks and index tensors; no

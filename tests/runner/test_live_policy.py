@@ -133,6 +133,7 @@ def test_verify_budget_is_respected_prefix_closed_and_follows_the_rule():
     eng = _engine(profile=(0.8, 0.6, 0.4))
     for p in _prompts(eng, 4, seed=1):
         eng.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.prefill_pending()  # admit now: the batch size is known before the first round
     for budget in (4, 5, 7, 9, 12, 16, 6, 8):
         b = len(eng.running_ids())
         res = eng.step(RoundPlan(W, verify_budget=budget))
