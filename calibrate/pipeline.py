@@ -144,7 +144,9 @@ def calibrate(
     )
 
     if opts.cost_table is not None:
-        table = load_table(opts.cost_table, expect=compat)
+        table = load_table(
+            opts.cost_table, expect=compat, runtime_versions=engine.runtime_versions()
+        )
         report.print_reused_table(console, table, opts.cost_table)
         return {
             "status": "reused",
@@ -217,6 +219,7 @@ def calibrate(
         rows = pd.DataFrame(journal.rows)
 
     t_fit = time.perf_counter()
+    versions = engine.runtime_versions()
     table = build_table(
         rows,
         model=cfg.model,
@@ -224,7 +227,9 @@ def calibrate(
         calibration={**cfg.to_dict(), "sources": dict(cfg.sources)},
         geometry=geometry,
         provenance=Provenance.now(
-            command=" ".join(["speccal", *sys.argv[1:]]) if sys.argv else None
+            command=" ".join(["speccal", *sys.argv[1:]]) if sys.argv else None,
+            torch_version=versions["torch_version"],
+            driver_version=versions["driver_version"],
         ),
     )
     fit_s = time.perf_counter() - t_fit

@@ -99,3 +99,31 @@ def default_execution_path(spec: str) -> tuple[str, str]:
     if kind == "npu":
         return "split", "torch"
     return "eager", "torch"
+
+
+def driver_version(device: torch.device) -> str | None:
+    """Accelerator driver/runtime versions for table provenance; None on CPU.
+
+    CUDA: the NVIDIA driver (through NVML when ``nvidia-ml-py`` is installed) and the CUDA runtime
+    torch was built with; NPU: the torch_npu version. Performance-only metadata: a mismatch on
+    reuse warns, never refuses.
+    """
+    if device.type == "cuda":
+        parts = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                drv = pynvml.nvmlSystemGetDriverVersion()
+                parts.append(f"driver {drv.decode() if isinstance(drv, bytes) else drv}")
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # NVML absent or unusable: the runtime version still identifies the stack
+            pass
+        parts.append(f"cuda {torch.version.cuda}")
+        return ", ".join(parts)
+    if device.type == "npu":
+        npu = importlib.import_module("torch_npu")
+        return f"torch_npu {getattr(npu, '__version__', 'unknown')}"
+    return None

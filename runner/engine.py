@@ -25,7 +25,13 @@ import torch
 from speccal.errors import CapacityError, InputError, UnsupportedError
 from speccal.geometry import Geometry
 from speccal.runner.attention import set_attention_backend
-from speccal.runner.device import default_dtype, device_name, resolve_device, synchronize
+from speccal.runner.device import (
+    default_dtype,
+    device_name,
+    driver_version,
+    resolve_device,
+    synchronize,
+)
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.loader import LoadedModel, load_model
 from speccal.runner.prefill import prefill
@@ -346,6 +352,16 @@ class Engine:
             "graph_mode": self.config.graph_mode,
             "verification_mode": self.config.acceptance,
             "device": {"kind": self.device.type, "name": device_name(self.device)},
+        }
+
+    def runtime_versions(self) -> dict[str, str | None]:
+        """speccal/torch/driver versions of this process (performance-only table metadata)."""
+        from speccal import __version__
+
+        return {
+            "speccal_version": __version__,
+            "torch_version": torch.__version__,
+            "driver_version": driver_version(self.device),
         }
 
     def running_ids(self) -> list[int]:

@@ -577,7 +577,11 @@ def _bench_policies(
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            table = load_table(cost_table, expect=engine.compatibility())
+            table = load_table(
+                cost_table,
+                expect=engine.compatibility(),
+                runtime_versions=engine.runtime_versions(),
+            )
         table_warnings = [str(w.message) for w in caught]
         from speccal.runner.live import live_cost_model
 
