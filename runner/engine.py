@@ -150,7 +150,7 @@ class RoundPlan:
     runs at ``G`` taken down to the largest target bucket of the batch's ``Bcap`` that fits (the
     smallest bucket when none does; then no draft row is verified). The draft runs full width;
     then, on the device and without a host wait, each request gets a prefix of its drafts by the
-    rule of ``speccal.policy.allocate_prefixes`` applied to this round's draft scores (highest
+    rule of ``speccal.policy_rules.allocate_prefixes`` applied to this round's draft scores (highest
     prefix survival first, prefix-closed, at most ``min(G, verify_budget) - B`` draft rows);
     rows past the allocation pad to the sentinel slot. ``RoundResult.num_verify`` reports the
     allocation (collected with the round's results). There is no host fallback.

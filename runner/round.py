@@ -17,7 +17,7 @@ Verify lengths ``num_verify [bcap]`` (int64, with an int32 twin ``nv32``) are st
 Either the host chooses them at prepare (``RoundPlan.verify_tokens``), or, under a verify
 budget (``RoundInputs.budget_rows = G - B``, adaptive target verify), :meth:`RoundRunner.execute`
 writes them on the device between the draft and the target part
-(:meth:`RoundRunner.allocate_verify`, the rule of ``speccal.policy.allocate_prefixes`` on this
+(:meth:`RoundRunner.allocate_verify`, the rule of ``speccal.policy_rules.allocate_prefixes`` on this
 round's draft scores), eager and captured graphs alike. The in-graph update reads them on the
 device (token / metadata update kernels); the host update brings them back in the one sync it
 already makes for the drafted tokens and re-stages its packed verify rows
@@ -401,7 +401,7 @@ class RoundRunner:
     def allocate_verify(self, x: RoundInputs, scores: torch.Tensor) -> None:
         """Adaptive verify, on the device: ``num_verify`` / ``nv32`` from ``scores [bcap, k]``.
 
-        The rule of ``speccal.policy.allocate_prefixes`` inside ``x.budget_rows`` draft rows
+        The rule of ``speccal.policy_rules.allocate_prefixes`` inside ``x.budget_rows`` draft rows
         (:func:`~speccal.runner.verify_alloc.allocate_prefixes_device`), written in place into
         the static inputs the target part reads. No host sync, no branch on tensor values.
         """

@@ -1,9 +1,9 @@
 """Device-side prefix-closed verify allocation (adaptive target verify), torch only, no host sync.
 
 This module owns :func:`allocate_prefixes_device`, the torch twin of
-``speccal.policy.allocate_prefixes`` (the rule's reference): inside a budget of ``G - B`` draft
-rows, the (request, position) items of highest prefix survival (cumulative product of the draft
-scores) go first; ties go to the shallower position, then the lower request, which keeps every
+``speccal.policy_rules.allocate_prefixes`` (the rule's reference): inside a budget of ``G - B``
+draft rows, the (request, position) items of highest prefix survival (cumulative product of the
+draft scores) go first; ties go to the shallower position, then the lower request, which keeps every
 request's allocation a prefix. Static shapes, no ``.item()`` / ``nonzero()`` / branch on tensor
 values: ``RoundRunner.execute`` runs it between the draft and the target part of a round that
 carries a verify budget (``RoundPlan(verify_budget=G)``), on the current round's draft scores, and

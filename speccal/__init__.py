@@ -1,7 +1,8 @@
 """speccal: calibration and cost modelling for speculative decoding with MTP draft heads.
 
 The top-level package stays import-light (no torch, no CLI): ``speccal.costmodel``,
-``speccal.policy`` and ``speccal.replay`` must run in a notebook without a GPU stack.
+``speccal.policy``, ``speccal.policy_rules`` and ``speccal.replay`` must run in a notebook
+without a GPU stack.
 """
 
 from importlib.metadata import PackageNotFoundError, version

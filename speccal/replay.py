@@ -1,13 +1,15 @@
 """Replay: simulate speculation policies against a cost table, round by round, from traces.
 
-Owns the simulation and the report. Two engines, one set of decision rules (``speccal.policy``):
+Owns the simulation and the report. Two engines, one set of decision rules
+(``speccal.policy_rules``):
 
 - **vectorised** (:func:`replay`, round traces): fixed ``k`` for every ``k`` at once; adaptive
   draft step as a loop over re-scoring points only (every ``update_interval`` rounds), with the
   window held as running sums ``Q [R + 1, w]`` of per-position survival counts; adaptive target
   verify fully vectorised because its budget depends only on lagged draft scores (never on past
   decisions): survival curves per round, a lagged window mean by cumulative sums, one batched
-  :func:`~speccal.policy.choose_budget` and :func:`~speccal.policy.allocate_prefixes_batch`.
+  :func:`~speccal.policy_rules.choose_budget` and
+  :func:`~speccal.policy_rules.allocate_prefixes_batch`.
 - **sequential** (:func:`run_sequential`): drives a live policy object (``decide`` /
   ``observe``) exactly as the runner does; used for token traces (exact counterfactual greedy
   replay: positions advance by ``a + 1``) and to cross-check the vectorised engine in tests.
@@ -37,12 +39,14 @@ from speccal.policy import (
     Feedback,
     Policy,
     PolicySpec,
+    make_policy,
+    parse_policy,
+)
+from speccal.policy_rules import (
     allocate_prefixes,
     allocate_prefixes_batch,
     choose_budget,
     choose_step,
-    make_policy,
-    parse_policy,
     prefix_acceptance_list,
     survival,
     survival_curves,

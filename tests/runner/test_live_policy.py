@@ -2,7 +2,7 @@
 
 The live adaptive-step policy must make exactly the decisions its twin makes when replayed on
 the run's own recorded trace; adaptive-verify plans must stay inside the budget, prefix-closed,
-by the rule of ``speccal.policy.allocate_prefixes``.
+by the rule of ``speccal.policy_rules.allocate_prefixes``.
 """
 
 from __future__ import annotations
@@ -12,13 +12,8 @@ import pytest
 
 from speccal.errors import InputError, UnsupportedError
 from speccal.geometry import Geometry
-from speccal.policy import (
-    AdaptiveStepConfig,
-    AdaptiveStepPolicy,
-    CostModel,
-    allocate_prefixes,
-    make_policy,
-)
+from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel, make_policy
+from speccal.policy_rules import allocate_prefixes
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan, RoundState
 from speccal.runner.live import Phase, replay_prediction, run_live
 from speccal.runner.sampling import SamplingParams

@@ -2,7 +2,7 @@
 
 The draft runs full width; the device allocates each request's verified prefix from the
 round's own draft scores (``RoundResult.draft_scores``) by the rule of
-``speccal.policy.allocate_prefixes`` inside ``G - B`` draft rows, between the draft and the
+``speccal.policy_rules.allocate_prefixes`` inside ``G - B`` draft rows, between the draft and the
 target part with no host read; both input-update paths run the same allocation.
 """
 
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from speccal.policy import CostModel, allocate_prefixes, make_policy
+from speccal.policy import CostModel, make_policy
+from speccal.policy_rules import allocate_prefixes
 from speccal.runner import round as round_mod
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.generate import generate

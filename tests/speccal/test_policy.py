@@ -1,4 +1,4 @@
-"""Decision rules of the speculation policies (speccal.policy): pinned by small exact cases."""
+"""Speculation policies (speccal.policy_rules, speccal.policy): pinned by small exact cases."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 from speccal.errors import InputError, UnsupportedError
 from speccal.geometry import Geometry
 from speccal.policy import (
-    CURVE_RESOLUTION,
     AdaptiveStepConfig,
     AdaptiveStepPolicy,
     AdaptiveVerifyConfig,
@@ -21,13 +20,16 @@ from speccal.policy import (
     Feedback,
     FixedPolicy,
     LaggedFeedback,
-    allocate_prefixes,
-    allocate_prefixes_batch,
     check_adaptive_modes,
-    choose_budget,
-    choose_step,
     make_policy,
     parse_policy,
+)
+from speccal.policy_rules import (
+    CURVE_RESOLUTION,
+    allocate_prefixes,
+    allocate_prefixes_batch,
+    choose_budget,
+    choose_step,
     position_counts,
     prefix_acceptance,
     score_steps,
@@ -353,8 +355,8 @@ def test_policy_replay_trace_modules_do_not_import_torch():
     import sys
 
     code = (
-        "import sys, speccal.policy, speccal.replay, speccal.trace, speccal.scenarios, "
-        "speccal.plots_replay\nprint('torch' in sys.modules)\n"
+        "import sys, speccal.policy, speccal.policy_rules, speccal.replay, speccal.trace, "
+        "speccal.scenarios, speccal.plots_replay\nprint('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
