@@ -24,23 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from datetime import date
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+from results import append_results, git_commit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,13 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             "value": round(t["total_s"], 3),
             "unit": "s",
             "device": args.device_label or default_label,
-            "commit": commit(),
+            "commit": git_commit(),
             "date": date.today().isoformat(),
             "command": "python3 bench/bench_calibrate.py "
             + " ".join(argv if argv is not None else sys.argv[1:]),
         }
-        with open(HERE / "results.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(line, sort_keys=True) + "\n")
+        append_results([line])
     return 0
 
 

@@ -17,20 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from datetime import date
-from pathlib import Path
 
 import numpy as np
+from results import append_results, git_commit
 
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.sps import SPSCostModel
 from speccal.costmodel.synthetic import make_measurements
 from speccal.costmodel.table import build_table
 
-HERE = Path(__file__).resolve().parent
 DEVICE = "cpu (2-core dev machine)"
 COMPAT = {
     "draft_width": 7,
@@ -116,9 +114,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     results = {**speed(args.repeats), **held_out()}
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-    ).stdout.strip()
+    commit = git_commit()
     command = "python3 bench/bench_fit.py " + " ".join(sys.argv[1:])
     lines = []
     for metric, value in results.items():
@@ -137,9 +133,7 @@ def main() -> None:
     for line in lines:
         print(json.dumps(line, sort_keys=True))
     if args.record:
-        with open(HERE / "results.jsonl", "a", encoding="utf-8") as fh:
-            for line in lines:
-                fh.write(json.dumps(line, sort_keys=True) + "\n")
+        append_results(lines)
 
 
 if __name__ == "__main__":

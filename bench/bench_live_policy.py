@@ -32,7 +32,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,17 +39,7 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+from results import append_results, git_commit
 
 
 def floats(text: str) -> tuple[float, ...]:
@@ -298,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python3 bench/bench_live_policy.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(),
+        "commit": git_commit(),
     }
     text = json.dumps(result, indent=1, sort_keys=True, default=float)
     print(text)
@@ -310,24 +299,21 @@ def main(argv: list[str] | None = None) -> int:
             if args.device == "cpu"
             else engine.compatibility()["device"]["name"]
         )
-        with open(HERE / "results.jsonl", "a", encoding="utf-8") as fh:
-            for metric, unit in (
-                ("replay_vs_live_error_pct", "%"),
-                ("adaptive_step_gain_vs_best_fixed_pct", "%"),
-            ):
-                line = {
-                    "metric": metric,
-                    "value": round(float(result[metric]), 3),
-                    "unit": unit,
-                    "device": label,
-                    "commit": result["commit"],
-                    "date": result["date"][:10],
-                    "command": result["command"],
-                    "model": args.model,
-                    "decisions_match": result["decisions_match"],
-                    "best_fixed": best,
-                }
-                fh.write(json.dumps(line, sort_keys=True) + "\n")
+        append_results(
+            {
+                "metric": metric,
+                "value": round(float(result[metric]), 3),
+                "unit": "%",
+                "device": label,
+                "commit": result["commit"],
+                "date": result["date"][:10],
+                "command": result["command"],
+                "model": args.model,
+                "decisions_match": result["decisions_match"],
+                "best_fixed": best,
+            }
+            for metric in ("replay_vs_live_error_pct", "adaptive_step_gain_vs_best_fixed_pct")
+        )
     return 0
 
 

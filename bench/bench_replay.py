@@ -28,6 +28,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from results import append_results, git_commit
+
 from speccal.policy import CostModel
 from speccal.replay import ReplayConfig, replay
 from speccal.scenarios import generate, make_scenario, scenario_geometry, synthetic_table
@@ -96,9 +98,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     res = run(args.rounds, args.repeats)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-    ).stdout.strip()
+    commit = git_commit()
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--", "speccal", "bench/bench_replay.py"],
         capture_output=True,
@@ -123,9 +123,7 @@ def main() -> None:
     for line in lines:
         print(json.dumps(line, sort_keys=True))
     if args.record:
-        with open(HERE / "results.jsonl", "a", encoding="utf-8") as fh:
-            for line in lines:
-                fh.write(json.dumps(line, sort_keys=True) + "\n")
+        append_results(lines)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ import argparse
 import datetime
 import json
 import shlex
-import subprocess
 import sys
-from pathlib import Path
+
+from results import append_results, git_commit
 
 from speccal.runner.engine import EngineConfig
 from speccal.runner.generate import bench
@@ -57,10 +57,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in res.items() if k != "engine"}, indent=1, default=str))
     if not args.record:
         return
-    root = Path(__file__).resolve().parent
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root
-    ).stdout.strip()
+    commit = git_commit()
     device = res["engine"]["spec"]["compatibility"]["device"]["name"]
     command = "python3 bench/bench_runner.py " + shlex.join(sys.argv[1:])
     date = datetime.date.today().isoformat()
@@ -72,22 +69,18 @@ def main() -> None:
         (f"{tag}.acceptance_rate", res["spec"]["acceptance_rate"], "fraction"),
         (f"{tag}.mean_accepted_length", res["spec"]["mean_accepted_length"], "tokens"),
     ]
-    with open(root / "results.jsonl", "a") as fh:
-        for metric, value, unit in rows:
-            fh.write(
-                json.dumps(
-                    {
-                        "metric": metric,
-                        "value": value,
-                        "unit": unit,
-                        "device": device,
-                        "commit": commit,
-                        "date": date,
-                        "command": command,
-                    }
-                )
-                + "\n"
-            )
+    append_results(
+        {
+            "metric": metric,
+            "value": value,
+            "unit": unit,
+            "device": device,
+            "commit": commit,
+            "date": date,
+            "command": command,
+        }
+        for metric, value, unit in rows
+    )
 
 
 if __name__ == "__main__":

@@ -13,20 +13,9 @@ from speccal.cli import app
 from speccal.costmodel.measurements import write_measurements
 from speccal.costmodel.synthetic import make_measurements
 
+from ..costmodel.helpers import COMPAT
+
 ENV = {"COLUMNS": "120", "NO_COLOR": "1"}
-COMPAT = {
-    "draft_width": 3,
-    "model": {
-        "architecture": "tiny-mtp",
-        "fingerprint": "sha256:abc",
-        "dtype": "float32",
-        "quantization": "none",
-    },
-    "topology": {"tp": 1, "dp": 1},
-    "graph_mode": "split",
-    "verification_mode": "forced",
-    "device": {"kind": "cpu", "name": "test-cpu"},
-}
 
 
 def run(*args):

@@ -13,21 +13,10 @@ from speccal.costmodel.table import build_table, save_table
 from speccal.scenarios import generate, make_scenario
 from speccal.trace import save_trace
 
+from ..costmodel.helpers import COMPAT
+
 ENV = {"COLUMNS": "120", "NO_COLOR": "1"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-COMPAT = {
-    "draft_width": 3,
-    "model": {
-        "architecture": "tiny-mtp",
-        "fingerprint": "sha256:abc",
-        "dtype": "float32",
-        "quantization": "none",
-    },
-    "topology": {"tp": 1, "dp": 1},
-    "graph_mode": "split",
-    "verification_mode": "forced",
-    "device": {"kind": "cpu", "name": "test-cpu"},
-}
 
 
 def run(*args):

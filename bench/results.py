@@ -1,0 +1,44 @@
+"""The shared record of the bench scripts: ``bench/results.jsonl``, one JSON object per line.
+
+Every line holds ``metric, value, unit, device, commit, date, command`` plus any context fields a
+script adds (model, workload, ...), written with sorted keys. The scripts import this module as
+``results`` (``python3 bench/x.py`` puts ``bench/`` first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results.jsonl"
+REQUIRED = ("metric", "value", "unit", "device", "commit", "date", "command")
+
+
+def git_commit() -> str:
+    """Short hash of the checked-out commit, or ``"unknown"`` outside git."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def append_results(lines: Iterable[dict], path: Path = RESULTS) -> None:
+    """Append ``lines`` to ``path``, one sorted-key JSON object each.
+
+    Every line is checked for the required keys before anything is written, so a bad line never
+    leaves half a record behind.
+    """
+    lines = list(lines)
+    for line in lines:
+        missing = [k for k in REQUIRED if k not in line]
+        if missing:
+            raise ValueError(f"result line {line.get('metric', '?')!r} lacks {', '.join(missing)}")
+    with open(path, "a", encoding="utf-8") as fh:
+        for line in lines:
+            fh.write(json.dumps(line, sort_keys=True) + "\n")
