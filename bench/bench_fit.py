@@ -27,7 +27,7 @@ from results import append_results, git_commit
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.sps import SPSCostModel
 from speccal.costmodel.synthetic import make_measurements
-from speccal.costmodel.table import build_table
+from speccal.costmodel.table_build import build_table
 
 DEVICE = "cpu (2-core dev machine)"
 COMPAT = {

@@ -1,7 +1,7 @@
 """Live adaptive draft step vs fixed k, and the replay prediction of the live run, in one process.
 
 Run: ``python3 bench/bench_live_policy.py [--model tiny] [--device cpu] [--table PATH]
-[--table-out PATH] [--json-out PATH] [--record]`` (on the H200: ``--model dense-2b --device cuda
+[--table-out PATH] [--json-out PATH] [--repeats N] [--record]`` (on the H200: ``--model dense-2b --device cuda
 --dtype bfloat16``).
 
 Steps, all in this process on one machine:
@@ -15,15 +15,24 @@ Steps, all in this process on one machine:
    (``speccal.runner.live.run_live``): ``--num-requests`` random prompts (lengths spread over
    ``[--prompt-min, --prompt-max]``) of ``--max-tokens`` tokens each, at most the largest bucket
    in flight, acceptance profile ``--profile`` switching to ``--phase`` profiles at emitted-token
-   fractions (default: the ``transition`` scenario shape, easy then hard);
-4. replay a fresh adaptive-step policy on the adaptive run's own recorded trace against the table
+   fractions (default: the ``transition`` scenario shape, easy then hard); with ``--repeats N``
+   each policy runs ``N`` times, interleaved (``speccal.runner.live.run_interleaved``): cycle
+   ``c`` is the policy list rotated left by ``c`` (``fixed:1 fixed:2 fixed:3 adaptive-step``,
+   ``fixed:2 fixed:3 adaptive-step fixed:1``, ...), so drift over the sequence does not always
+   land on one policy; ``N = 1`` is the single pass in that order;
+4. replay a fresh twin policy on every run's own recorded trace against the table
    (``speccal.replay.run_sequential``) and compare.
 
 Reported: ``replay_vs_live_error_pct`` = |predicted - live| / live decode tokens/s of the adaptive
 run (tokens = ``B + accepted`` per round, time = the rounds' wall time; prefill excluded, as the
 table prices rounds only), ``decisions_match`` (replayed k per round == live k), and
 ``adaptive_step_gain_vs_best_fixed_pct`` (live tokens/s of adaptive-step over the best live fixed
-k, same workload, same process). ``--record`` appends both metrics to ``bench/results.jsonl``.
+k, same workload, same process). With ``N > 1`` both are computed from per-policy medians (the
+median of the adaptive runs' replay errors; the gain from median tokens/s), ``adaptive_timeline``
+and ``adaptive_by_shape`` are the first adaptive run's, and the JSON adds ``repeats``, ``order``
+(scheme and sequence), ``run_log`` (per run: cycle, position, UTC start/end, seconds since the
+first run, tokens/s, replay error; for plotting drift) and ``spread`` (min-max per policy).
+``--record`` appends both metrics to ``bench/results.jsonl``.
 """
 
 from __future__ import annotations
@@ -77,11 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--update-interval", type=int, default=5)
     ap.add_argument("--switch-min-gain", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per policy, interleaved")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     ap.add_argument("--json-out", default=None, help="write the full result JSON here")
     ap.add_argument("--device-label", default=None)
     ap.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats: got {args.repeats}, expected an integer >= 1")
 
     import numpy as np
     import torch
@@ -91,7 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     from speccal.costmodel.table import load_table
     from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel, make_policy
     from speccal.runner.engine import Engine, EngineConfig
-    from speccal.runner.live import Phase, live_cost_model, replay_prediction, run_live
+    from speccal.runner.live import (
+        Phase,
+        live_cost_model,
+        median_summary,
+        replay_prediction,
+        run_interleaved,
+        run_live,
+    )
     from speccal.runner.sampling import SamplingParams
 
     if args.threads:
@@ -200,31 +219,61 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(1, w + 1):  # every shape once before timing
         run_live(engine, make_policy(f"fixed:{k}", cost), "draft_step", prompts, warm)
     warmup_s = time.perf_counter() - t0
-    runs = {}
-    for spec in [f"fixed:{k}" for k in range(1, w + 1)] + ["adaptive-step"]:
-        pol = (
-            AdaptiveStepPolicy(cost, step_cfg)
-            if spec == "adaptive-step"
-            else make_policy(spec, cost)
-        )
-        console.print(f"live {spec} ...")
-        runs[spec] = run_live(engine, pol, "draft_step", prompts, params, phases=phases, meta=meta)
-        s = runs[spec].summary()
-        console.print(
-            f"  {s['round_tokens_per_s']:.1f} tok/s, {s['rounds']} rounds, mean k {s['mean_k']:.2f}, "
-            f"acceptance {s['acceptance_rate']:.3f}, mean round {s['mean_round_ms']:.2f} ms"
-        )
-    live_s = time.perf_counter() - t0
+    names = [f"fixed:{k}" for k in range(1, w + 1)] + ["adaptive-step"]
 
-    # 4. replay of the adaptive run on its own trace
-    ad = runs["adaptive-step"]
+    def fresh(spec, c):
+        if spec == "adaptive-step":
+            return lambda: AdaptiveStepPolicy(c, step_cfg)
+        return lambda: make_policy(spec, c)
+
+    def announce(i, total, spec):
+        console.print(f"live {spec} ({i + 1}/{total}) ...")
+
+    timed = run_interleaved(
+        engine,
+        {n: fresh(n, cost) for n in names},
+        "draft_step",
+        prompts,
+        params,
+        repeats=args.repeats,
+        phases=phases,
+        meta=meta,
+        on_run=announce,
+    )
+    live_s = time.perf_counter() - t0
+    for tr in timed:
+        s = tr.run.summary()
+        console.print(
+            f"  {tr.policy}: {s['round_tokens_per_s']:.1f} tok/s, {s['rounds']} rounds, mean k "
+            f"{s['mean_k']:.2f}, acceptance {s['acceptance_rate']:.3f}, mean round "
+            f"{s['mean_round_ms']:.2f} ms"
+        )
+
+    # 4. replay of every run on its own trace (fresh twin, uncached table cost model)
+    per_policy: dict[str, list[dict]] = {n: [] for n in names}
+    run_log = []
+    for i, tr in enumerate(timed):
+        p = replay_prediction(tr.run, replay_cost, fresh(tr.policy, replay_cost)())
+        s = tr.run.summary()
+        s["replay"] = {k: v for k, v in p.items() if not isinstance(v, np.ndarray)}
+        per_policy[tr.policy].append(s)
+        run_log.append(
+            {
+                **tr.record(i),
+                "replay_error_pct": p["error_pct"],
+                "replay_vs_live_loop_error_pct": 100.0
+                * abs(p["predicted_tokens_per_s"] - s["loop_tokens_per_s"])
+                / s["loop_tokens_per_s"],
+                "decisions_match": p["decisions_match"],
+            }
+        )
+    summaries = {n: median_summary(per_policy[n]) for n in names}
+    ad = next(tr.run for tr in timed if tr.policy == "adaptive-step")  # the first adaptive run
     pred = replay_prediction(ad, replay_cost, AdaptiveStepPolicy(replay_cost, step_cfg))
-    summaries = {name: r.summary() for name, r in runs.items()}
+    ad_sum = summaries["adaptive-step"]
     fixed = {n: s for n, s in summaries.items() if n.startswith("fixed:")}
     best = max(fixed, key=lambda n: fixed[n]["round_tokens_per_s"])
-    gain = 100.0 * (
-        summaries["adaptive-step"]["round_tokens_per_s"] / fixed[best]["round_tokens_per_s"] - 1.0
-    )
+    gain = 100.0 * (ad_sum["round_tokens_per_s"] / fixed[best]["round_tokens_per_s"] - 1.0)
     # Per-round detail of the prediction: where the error comes from.
     live_ms = ad.round_ms
     pred_ms = pred["predicted_round_ms"]
@@ -239,25 +288,22 @@ def main(argv: list[str] | None = None) -> int:
             "table_ms": float(np.mean(pred_ms[sel])),
         }
     # Fixed runs priced by the table as well (replay of each fixed run on its own trace).
-    fixed_pred = {
-        n: replay_prediction(runs[n], replay_cost, make_policy(n, replay_cost))["error_pct"]
-        for n in fixed
-    }
+    fixed_pred = {n: summaries[n]["replay"]["error_pct"] for n in fixed}
+    loop_err = [x["replay_vs_live_loop_error_pct"] for x in run_log if x["policy"] == ad.policy]
     result = {
-        "replay_vs_live_error_pct": pred["error_pct"],
+        "replay_vs_live_error_pct": ad_sum["replay"]["error_pct"],
         "adaptive_step_gain_vs_best_fixed_pct": gain,
-        "decisions_match": pred["decisions_match"],
+        "decisions_match": ad_sum["replay"]["decisions_match"],
         "best_fixed": best,
         "live_round_tokens_per_s": {n: s["round_tokens_per_s"] for n, s in summaries.items()},
-        "predicted_adaptive_tokens_per_s": pred["predicted_tokens_per_s"],
-        "replay_vs_live_loop_error_pct": 100.0
-        * abs(pred["predicted_tokens_per_s"] - summaries["adaptive-step"]["loop_tokens_per_s"])
-        / summaries["adaptive-step"]["loop_tokens_per_s"],
+        "predicted_adaptive_tokens_per_s": ad_sum["replay"]["predicted_tokens_per_s"],
+        "replay_vs_live_loop_error_pct": float(np.median(loop_err)),
         "fixed_replay_vs_live_error_pct": fixed_pred,
-        "adaptive_timeline": summaries["adaptive-step"]["timeline"],
+        "adaptive_timeline": ad_sum["timeline"],
         "adaptive_by_shape": by_shape,
         "summaries": {
-            n: {k: v for k, v in s.items() if k != "timeline"} for n, s in summaries.items()
+            n: {k: v for k, v in s.items() if k not in ("timeline", "replay", "repeats", "spread")}
+            for n, s in summaries.items()
         },
         "table_warnings": table_warnings,
         "table_path": str(args.table_out or args.table or ""),
@@ -289,6 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
     }
+    if args.repeats > 1:
+        result["repeats"] = args.repeats
+        result["order"] = {
+            "scheme": "round-robin over the policies, each cycle rotated left by its index",
+            "sequence": [tr.policy for tr in timed],
+        }
+        result["run_log"] = run_log
+        result["spread"] = {n: s["spread"] for n, s in summaries.items()}
     text = json.dumps(result, indent=1, sort_keys=True, default=float)
     print(text)
     if args.json_out:
@@ -311,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 "model": args.model,
                 "decisions_match": result["decisions_match"],
                 "best_fixed": best,
+                **({"repeats": args.repeats} if args.repeats > 1 else {}),
             }
             for metric in ("replay_vs_live_error_pct", "adaptive_step_gain_vs_best_fixed_pct")
         )

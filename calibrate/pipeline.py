@@ -10,7 +10,7 @@ Order (nothing is sampled before every check has passed):
    feasibility, build the grid;
 5. open the journal (``--resume`` keeps finished windows of the same run), drive the grid with a
    progress bar, appending each window (fsync) - ``sampling_s``;
-6. fit (``speccal.costmodel.table.build_table``), print the fit report, write the table atomically
+6. fit (``speccal.costmodel.table_build.build_table``), print the fit report, write the table atomically
    at ``--out`` - ``fit_s``. A crash before this leaves the previous table untouched.
 
 Returns a JSON-able summary (``--json``).
@@ -126,7 +126,9 @@ def calibrate(
 
     ``engine_factory(opts)`` builds the warmed runner (default ``make_engine``).
     """
-    from speccal.costmodel.table import Provenance, build_table, load_table, save_table
+    from speccal.costmodel.table import load_table, save_table
+    from speccal.costmodel.table_build import build_table
+    from speccal.costmodel.table_schema import Provenance
 
     console = console or Console(stderr=True)
     t_start = time.perf_counter()

@@ -3,23 +3,17 @@
 Modules (one job each): ``measurements`` (row schema, IO, window combining), ``grid`` (context
 overlap, additive connectivity), ``estimator`` (shared X/y handling), ``sps`` and ``additive``
 (sklearn estimators), ``diagnostics`` (residuals, held-out errors), ``compat`` (compatibility
-metadata and checks), ``table`` (the versioned table: build, save, load, lookup), ``synthetic``
+metadata and checks), ``table_schema`` (the versioned table document and its lookups), ``table_build`` (build and
+refit a table from measurements), ``table`` (save, load, migrate, JSON Schema), ``synthetic``
 (measurements from a known truth).
 """
 
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.compat import Compatibility, CompatibilityWarning, SpeccalWarning
 from speccal.costmodel.sps import SPSCostModel
-from speccal.costmodel.table import (
-    CalibrationConfig,
-    CostLookup,
-    CostTable,
-    NonPositiveCostWarning,
-    Provenance,
-    build_table,
-    load_table,
-    save_table,
-)
+from speccal.costmodel.table import load_table, save_table
+from speccal.costmodel.table_build import NonPositiveCostWarning, build_table
+from speccal.costmodel.table_schema import CalibrationConfig, CostLookup, CostTable, Provenance
 
 __all__ = [
     "AdditiveCostModel",

@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from speccal.costmodel.table import CostTable
+from speccal.costmodel.table_schema import CostTable
 
 ERROR_KEYS = ("residuals", "leave_one_point_out", "leave_one_g_out")
 

@@ -3,7 +3,8 @@
 This module owns :func:`generate` (run requests to completion on an engine), :func:`bench`
 (speculative vs plain decoding of the same prompts in one process, with timing and acceptance
 statistics) and :func:`bench_policies` (``speccal bench --policy``: the same workload under each
-policy object through ``speccal.runner.live``). Timing edges are device-synchronised; prefill is
+policy object through ``speccal.runner.live``, each policy ``repeats`` times in an interleaved,
+rotated order with per-policy medians). Timing edges are device-synchronised; prefill is
 timed apart from decoding.
 """
 
@@ -172,7 +173,7 @@ def workload_prompts(
 
 def bench_policies(
     engine: Engine,
-    policies: Sequence,
+    policies: Sequence[str],
     cost,
     *,
     num_requests: int,
@@ -180,20 +181,33 @@ def bench_policies(
     max_tokens: int,
     phases: Sequence = (),
     seed: int = 0,
+    repeats: int = 1,
     warmup_tokens: int = 8,
     on_progress: Callable[[str], None] | None = None,
 ) -> dict:
-    """Live runs of the same workload under each policy object, one engine, one process.
+    """Live runs of the same workload under each policy, one engine, one process.
 
-    ``policies`` are fresh ``speccal.policy`` objects built on ``cost`` (a
-    ``speccal.policy.CostModel``); a short warm-up run at every ``k`` precedes the timed runs.
-    Returns ``{"policies": [summary...], "runs": {name: LiveRun}, "best_fixed", "setup"}`` with
-    each summary's ``gain_vs_best_fixed_pct`` (``round_tokens_per_s``) and, when the cost model
-    prices the run, its ``replay`` prediction (a fresh twin replayed on the run's own trace).
+    ``policies`` are policy specs (``fixed:K``, ``adaptive-step``, ``adaptive-verify``); every run
+    builds a fresh object on ``cost`` (a ``speccal.policy.CostModel``). A short warm-up run at
+    every ``k`` precedes the timed runs. Each policy runs ``repeats`` times, interleaved
+    (``speccal.runner.live.interleaved_order``). Returns ``{"policies": [summary...], "runs":
+    [TimedRun...], "best_fixed", "setup"}``: one summary per policy (``median_summary`` of its
+    runs), each with ``gain_vs_best_fixed_pct`` (median ``round_tokens_per_s``) and, when the cost
+    model prices the run, its ``replay`` prediction (a fresh twin replayed on each run's own
+    trace). With ``repeats > 1`` the result also holds ``repeats``, ``order`` (the scheme and the
+    policy sequence) and ``run_log`` (per run: cycle, position, UTC start/end, tokens/s, replay
+    error).
     """
     from speccal.policy import make_policy
-    from speccal.runner.live import replay_prediction, run_live
+    from speccal.runner.live import (
+        interleaved_order,
+        median_summary,
+        replay_prediction,
+        run_interleaved,
+        run_live,
+    )
 
+    interleaved_order(policies, repeats)  # refuses a bad repeats before anything runs
     prompts = workload_prompts(engine.loaded.config.vocab_size, num_requests, prompt_len, seed)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     w = engine.config.draft_width
@@ -204,32 +218,61 @@ def bench_policies(
         run_live(
             engine, make_policy(f"fixed:{k}", cost), "draft_step", prompts, warm, phases=phases
         )
-    summaries, runs = [], {}
     meta = {
         "num_requests": num_requests,
         "prompt_len": prompt_len,
         "max_tokens": max_tokens,
         "seed": seed,
     }
-    for pol in policies:
+
+    def progress(i: int, total: int, name: str) -> None:
         if on_progress:
-            on_progress(f"live {pol.name}")
-        engine.stats = type(engine.stats)(w)
-        run = run_live(engine, pol, cost.mode, prompts, params, phases=phases, meta=meta)
-        runs[pol.name] = run
-        s = run.summary()
-        pred = replay_prediction(run, cost, make_policy(pol.name, cost))
+            on_progress(f"live {name}" if repeats == 1 else f"live {name} ({i + 1}/{total})")
+
+    factories = {name: (lambda name=name: make_policy(name, cost)) for name in policies}
+    runs = run_interleaved(
+        engine,
+        factories,
+        cost.mode,
+        prompts,
+        params,
+        repeats=repeats,
+        phases=phases,
+        meta=meta,
+        on_run=progress,
+    )
+    per_policy: dict[str, list[dict]] = {name: [] for name in policies}
+    log = []
+    for i, tr in enumerate(runs):
+        s = tr.run.summary()
+        pred = replay_prediction(tr.run, cost, make_policy(tr.policy, cost))
         s["replay"] = {k: v for k, v in pred.items() if not isinstance(v, np.ndarray)}
-        summaries.append(s)
+        per_policy[tr.policy].append(s)
+        log.append(
+            {
+                **tr.record(i),
+                "replay_error_pct": pred["error_pct"],
+                "decisions_match": pred["decisions_match"],
+            }
+        )
+    summaries = [median_summary(per_policy[name]) for name in policies]
     fixed = [s for s in summaries if s["policy"].startswith("fixed:")]
     best = max(fixed, key=lambda s: s["round_tokens_per_s"]) if fixed else None
     for s in summaries:
         s["gain_vs_best_fixed_pct"] = (
             100.0 * (s["round_tokens_per_s"] / best["round_tokens_per_s"] - 1.0) if best else None
         )
-    return {
+    out = {
         "policies": summaries,
         "runs": runs,
         "best_fixed": best["policy"] if best else None,
         "setup": {**meta, "phases": [p.name for p in phases], "mode": cost.mode},
     }
+    if repeats > 1:
+        out["repeats"] = repeats
+        out["order"] = {
+            "scheme": "round-robin over the policies, each cycle rotated left by its index",
+            "sequence": [tr.policy for tr in runs],
+        }
+        out["run_log"] = log
+    return out

@@ -25,14 +25,26 @@ predicts); ``tokens_per_s`` = output tokens over prefill + decode time; TPOT =
 ``sum(round_ms * B) / round tokens``; ``loop_tokens_per_s`` counts the whole loop's wall time
 (policy feedback and trace bookkeeping between rounds too, prefill excluded); acceptance rate = accepted / verified drafts; mean accepted
 length = accepted drafts per request-round.
+
+Repeats (:func:`run_interleaved`, used by ``speccal bench --policy --repeats N`` and
+``bench/bench_live_policy.py --repeats N``): every policy runs ``N`` times on the same workload in
+the order of :func:`interleaved_order`: ``N`` round-robin cycles over the policies, cycle ``c``
+rotated left by ``c`` (A B C, B C A, C A B, A B C, ...), so drift over the sequence (clocks, heat,
+host state) does not always land on the same policy and no policy is always first or last (with
+``N`` a multiple of the number of policies each holds every position equally often). Each run gets
+a fresh policy object and records its cycle, position and UTC start/end times
+(:class:`TimedRun`); :func:`median_summary` folds a policy's run summaries into one (numbers are
+medians over the runs, with the min-max ``spread``). ``N = 1`` is the single run of each policy in
+the given order, and its summary is the run's own.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
@@ -358,3 +370,138 @@ def replay_prediction(run: LiveRun, cost: CostModel, policy: Policy) -> dict[str
         "predicted_round_ms": pred.cost_ms,
         "predicted_k": pred.k,
     }
+
+
+def interleaved_order(names: Sequence[str], repeats: int) -> list[tuple[int, int, str]]:
+    """The run order of ``repeats`` cycles over ``names``: ``(cycle, position, name)`` per run.
+
+    Cycle ``c`` is ``names`` rotated left by ``c`` (round-robin, rotated each cycle; see the
+    module docstring). ``repeats = 1`` is ``names`` in the given order.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise InputError("--repeats", repeats, "an integer >= 1 (runs per policy)")
+    names = list(names)
+    n = len(names)
+    out = []
+    for c in range(repeats):
+        for pos in range(n):
+            out.append((c, pos, names[(c + pos) % n]))
+    return out
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+@dataclass(eq=False)
+class TimedRun:
+    """One run of an interleaved sequence: where it sat in the order and when it ran."""
+
+    policy: str
+    cycle: int  # 0-based repeat
+    position: int  # 0-based place within its cycle
+    started_at: str  # UTC, ISO 8601
+    ended_at: str
+    start_s: float  # perf_counter seconds since the first run of the sequence started
+    end_s: float
+    run: LiveRun
+
+    def record(self, index: int) -> dict[str, Any]:
+        """The run's place, times and headline numbers (JSON-ready; no arrays)."""
+        s = self.run.summary()
+        return {
+            "index": index,
+            "policy": self.policy,
+            "cycle": self.cycle,
+            "position": self.position,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "start_s": self.start_s,
+            "end_s": self.end_s,
+            "round_tokens_per_s": s["round_tokens_per_s"],
+            "tokens_per_s": s["tokens_per_s"],
+            "loop_tokens_per_s": s["loop_tokens_per_s"],
+            "mean_round_ms": s["mean_round_ms"],
+            "mean_k": s["mean_k"],
+        }
+
+
+def run_interleaved(
+    engine: Engine,
+    factories: Mapping[str, Callable[[], Policy]],
+    mode: str,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    repeats: int = 1,
+    phases: Sequence[Phase] = (),
+    meta: dict[str, Any] | None = None,
+    on_run: Callable[[int, int, str], None] | None = None,
+) -> list[TimedRun]:
+    """Run each policy ``repeats`` times in :func:`interleaved_order` (same ``prompts`` each time).
+
+    Parameters
+    ----------
+    factories : policy name -> a callable building a fresh policy object (one per run), in the
+        order of the first cycle.
+    on_run : ``on_run(index, total, name)`` before each run (progress).
+
+    The engine's statistics are reset before every run, so ``LiveRun.stats`` is the run's own.
+    """
+    order = interleaved_order(list(factories), repeats)
+    w = engine.config.draft_width
+    out: list[TimedRun] = []
+    t_first = time.perf_counter()
+    for i, (cycle, pos, name) in enumerate(order):
+        if on_run is not None:
+            on_run(i, len(order), name)
+        engine.stats = type(engine.stats)(w)
+        policy = factories[name]()
+        started, t0 = _utc_now(), time.perf_counter()
+        run = run_live(engine, policy, mode, prompts, params, phases=phases, meta=meta)
+        t1, ended = time.perf_counter(), _utc_now()
+        out.append(TimedRun(name, cycle, pos, started, ended, t0 - t_first, t1 - t_first, run))
+    return out
+
+
+SPREAD_KEYS = ("round_tokens_per_s", "tokens_per_s", "loop_tokens_per_s")
+
+
+def _median(values: Sequence[Any]) -> float:
+    return float(np.median(np.asarray(values, dtype=np.float64)))
+
+
+def median_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's run summaries (``LiveRun.summary()``, optionally with a ``replay`` dict) as one.
+
+    A single summary comes back as it is. Otherwise every number is the median over the runs
+    (in ``replay`` too; its flags are true only when true in every run), ``timeline`` and
+    ``reasons`` are the first run's, and ``repeats`` and ``spread`` (``[min, max]`` of the
+    tokens/s metrics and of the replay ``error_pct``) are added.
+    """
+    if not summaries:
+        raise ValueError("median_summary needs at least one summary")
+    if len(summaries) == 1:
+        return dict(summaries[0])
+
+    def fold(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        out = dict(items[0])
+        for key, v in items[0].items():
+            if isinstance(v, bool):
+                out[key] = all(bool(x[key]) for x in items)
+            elif isinstance(v, int | float):
+                out[key] = _median([x[key] for x in items])
+        return out
+
+    out = fold(summaries)
+    spread = {
+        key: [float(min(s[key] for s in summaries)), float(max(s[key] for s in summaries))]
+        for key in SPREAD_KEYS
+    }
+    if "replay" in summaries[0]:
+        out["replay"] = fold([s["replay"] for s in summaries])
+        err = np.asarray([s["replay"]["error_pct"] for s in summaries], dtype=np.float64)
+        spread["replay_error_pct"] = [float(err.min()), float(err.max())]
+    out["repeats"] = len(summaries)
+    out["spread"] = spread
+    return out

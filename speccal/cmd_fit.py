@@ -81,7 +81,9 @@ def fit(
     from speccal.cmd_table import _echo_json, err_console, fit_report
     from speccal.costmodel.measurements import read_measurements
     from speccal.costmodel.report import summary
-    from speccal.costmodel.table import Provenance, build_table, save_table
+    from speccal.costmodel.table import save_table
+    from speccal.costmodel.table_build import build_table
+    from speccal.costmodel.table_schema import Provenance
 
     if model not in ("additive", "sps"):
         raise InputError("--model", model, "additive or sps")

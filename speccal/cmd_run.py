@@ -9,6 +9,12 @@ anything runs) instead runs the same workload live under each policy (``speccal.
 with ``--cost-table`` (loaded against the engine's compatibility; required by adaptive
 policies), reports tokens/s, TPOT, acceptance, decisions, gain over the best fixed ``k`` and the
 replay prediction of each run from its own trace; ``--trace-out`` writes the run traces.
+``bench --policy ... --repeats N`` runs each policy ``N`` times on the same workload in an
+interleaved order (round-robin, rotated each cycle: A B C, B C A, C A B, ...;
+``speccal.runner.live.interleaved_order``) and reports per policy the median tokens/s with its
+min-max spread, the median replay error and the gain over the best fixed ``k`` from medians;
+``--json`` adds ``repeats``, ``order`` and ``run_log`` (per-run cycle, position, UTC start/end).
+``N = 1`` (the ``--policy`` default) is one run per policy, output as before.
 Human output goes to stderr through Rich, ``--json`` to stdout. Random-weight presets are
 labelled as such in both outputs.
 """
@@ -300,8 +306,14 @@ def bench(
         int, typer.Option("--max-tokens", help="Tokens generated per request.")
     ] = 64,
     repeats: Annotated[
-        int, typer.Option("--repeats", help="Timed runs per side (median reported).")
-    ] = 3,
+        int | None,
+        typer.Option(
+            "--repeats",
+            help="Timed runs per side (median reported); with --policy, runs per policy, "
+            "interleaved in a rotated round-robin. Default: 3, or 1 with --policy.",
+            show_default=False,
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Prompt / weight seed.")] = 0,
     policy: Annotated[
         list[str] | None,
@@ -356,6 +368,8 @@ def bench(
     prediction of every run from its own trace."""
     from speccal.runner.generate import bench as run_bench
 
+    if repeats is not None and repeats < 1:
+        raise InputError("--repeats", repeats, "an integer >= 1")
     if policy:
         _bench_policies(
             policy,
@@ -375,9 +389,11 @@ def bench(
             prompt_len=prompt_len,
             max_tokens=max_tokens,
             seed=seed,
+            repeats=1 if repeats is None else repeats,
             as_json=as_json,
         )
         return
+    repeats = 3 if repeats is None else repeats
     for name, given in (
         ("--cost-table", cost_table),
         ("--phase", phase),
@@ -394,7 +410,6 @@ def bench(
         ("--num-requests", num_requests),
         ("--prompt-len", prompt_len),
         ("--max-tokens", max_tokens),
-        ("--repeats", repeats),
     ):
         if value < 1:
             raise InputError(name, value, "an integer >= 1")
@@ -520,9 +535,10 @@ def _bench_policies(
     prompt_len,
     max_tokens,
     seed,
+    repeats,
     as_json,
 ) -> None:
-    from speccal.policy import CostModel, make_policy
+    from speccal.policy import CostModel
 
     specs = _parse_policies(policy_values)  # refusals come before anything is built
     if any(s.startswith("adaptive") for s in specs) and cost_table is None:
@@ -595,20 +611,20 @@ def _bench_policies(
         cost = CostModel(cost=nan_cost, geometry=engine.geometry, mode="draft_step")
     if cost.draft_width != draft_width:
         raise InputError("--cost-table", str(cost_table), f"a table of draft_width={draft_width}")
-    policies = [make_policy(s, cost) for s in specs]
     with Progress(
         TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True
     ) as bar:
         task = bar.add_task("running")
         res = bench_policies(
             engine,
-            policies,
+            specs,
             cost,
             num_requests=num_requests,
             prompt_len=prompt_len,
             max_tokens=max_tokens,
             phases=phases,
             seed=seed,
+            repeats=repeats,
             on_progress=lambda msg: bar.update(task, description=msg),
         )
     runs = res.pop("runs")
@@ -616,12 +632,16 @@ def _bench_policies(
     if trace_out is not None:
         from speccal.trace import save_trace
 
-        for name, run in runs.items():
+        for tr in runs:
+            # one file per run: '.<policy>' with several policies, '.r<cycle>' with repeats
+            tag = tr.policy.replace(":", "") if len(specs) > 1 else ""
+            if repeats > 1:
+                tag = f"{tag}.r{tr.cycle + 1}" if tag else f"r{tr.cycle + 1}"
+            key = tr.policy if repeats == 1 else f"{tr.policy}#{tr.cycle + 1}"
             path = trace_out
-            if len(runs) > 1:
-                tag = name.replace(":", "")
+            if tag:
                 path = trace_out.with_name(f"{trace_out.stem}.{tag}{trace_out.suffix}")
-            written[name] = str(save_trace(run.trace, path))
+            written[key] = str(save_trace(tr.run.trace, path))
     doc = _clean(
         {
             **res,
@@ -652,32 +672,45 @@ def _bench_policies(
         err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}", soft_wrap=True)
     for msg in table_warnings:
         err_console.print(f"[yellow]warning[/]: {msg}", soft_wrap=True)
-    table = Table(title=f"{model} live policies, {num_requests} requests x {max_tokens} tokens")
+    title = f"{model} live policies, {num_requests} requests x {max_tokens} tokens"
+    if repeats > 1:
+        title += f", median of {repeats} interleaved runs"
+    table = Table(title=title)
+    cols = ["policy", "tokens/s"] + (["min-max"] if repeats > 1 else [])
     for col in (
-        "policy",
-        "tokens/s",
+        *cols,
         "TPOT ms",
         "acceptance",
         "mean accepted",
         "mean k",
         "vs best fixed",
         "replay tok/s",
+        *(["replay err % (median)"] if repeats > 1 else []),
     ):
         table.add_column(col)
     for s in doc["policies"]:
         gain = s.get("gain_vs_best_fixed_pct")
         pred = (s.get("replay") or {}).get("predicted_tokens_per_s")
+        spread = s.get("spread", {}).get("round_tokens_per_s")
+        extra = [f"{spread[0]:.1f}-{spread[1]:.1f}"] if repeats > 1 else []
         table.add_row(
             s["policy"],
             f"{s['round_tokens_per_s']:.1f}",
+            *extra,
             f"{s['tpot_ms']:.2f}",
             _fmt(s["acceptance_rate"], ".3f"),
             _fmt(s["mean_accepted_length"], ".3f"),
             f"{s['mean_k']:.2f}",
             "-" if gain is None else f"{gain:+.1f}%",
             _fmt(pred, ".1f"),
+            *([_fmt((s.get("replay") or {}).get("error_pct"), ".1f")] if repeats > 1 else []),
         )
     err_console.print(table)
+    if repeats > 1:
+        err_console.print(
+            "run order (" + doc["order"]["scheme"] + "): " + " ".join(doc["order"]["sequence"]),
+            soft_wrap=True,
+        )
     for s in doc["policies"]:
         if s["policy"].startswith("adaptive"):
             err_console.print(

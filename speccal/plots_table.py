@@ -18,7 +18,7 @@ Each ``plot_*`` writes the figure its ``*_figure`` twin builds (the figure funct
 and notebooks inspect what is drawn).
 
 Replay figures (decision timeline, throughput per policy) live in ``speccal.plots_replay``.
-Pure matplotlib/numpy on a ``speccal.costmodel.table.CostTable``: no torch. PNGs are rendered
+Pure matplotlib/numpy on a ``speccal.costmodel.table_schema.CostTable``: no torch. PNGs are rendered
 to memory and written atomically (``speccal.atomic``).
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from speccal.atomic import write_bytes_atomic
-from speccal.costmodel.table import ContextFit, CostTable
+from speccal.costmodel.table_schema import ContextFit, CostTable
 from speccal.errors import InputError
 
 #: Residual maps annotate each cell with its value up to this many G columns.

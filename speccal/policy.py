@@ -5,7 +5,7 @@ pure decision rules they apply live in :mod:`speccal.policy_rules`:
 
 - :class:`CostModel`: a vectorised full-round cost ``cost(bcap, g, kv_length) -> ms`` (NaN =
   uncalibrated) plus the :class:`~speccal.geometry.Geometry` and table ``mode`` it belongs to.
-  ``CostModel.from_table(table)`` adapts a ``speccal.costmodel.table.CostTable``.
+  ``CostModel.from_table(table)`` adapts a ``speccal.costmodel.table_schema.CostTable``.
 - :class:`BatchState` (what the runner knows before a round), :class:`Decision` (the plan:
   ``k`` draft forwards, padded target rows ``g``, optional per-request ``verify_tokens``) and
   :class:`Feedback` (built from the runner's normal ``RoundResult``: accepted lengths, draft
@@ -73,7 +73,7 @@ class CostModel:
 
     @classmethod
     def from_table(cls, table: Any) -> CostModel:
-        """Adapt a ``speccal.costmodel.table.CostTable`` (its cost surface, geometry and mode)."""
+        """Adapt a ``speccal.costmodel.table_schema.CostTable`` (its cost surface, geometry and mode)."""
         return cls(cost=table.cost_surface(), geometry=table.geometry(), mode=str(table.mode))
 
     @property

@@ -266,11 +266,11 @@ def synthetic_table(
 
     Rows come from ``speccal.costmodel.synthetic.make_measurements`` with the
     :class:`SyntheticTableTruth`, three windows per captured point and Gaussian noise, then
-    ``speccal.costmodel.table.build_table`` fits them, so replay exercises the same code path
+    ``speccal.costmodel.table_build.build_table`` fits them, so replay exercises the same code path
     as with a calibrated table. Compatibility metadata says ``synthetic``.
     """
     from speccal.costmodel.synthetic import make_measurements
-    from speccal.costmodel.table import build_table
+    from speccal.costmodel.table_build import build_table
 
     t = truth or SyntheticTableTruth()
     w = geometry.draft_width

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "analysis.ipynb"
 #: Library calls the notebook must share with the CLI (``speccal table``, ``plot``, ``replay``).
 SHARED_CALLS = (
-    "from speccal.costmodel.table import load_table, refit_table",
+    "from speccal.costmodel.table import load_table",
+    "from speccal.costmodel.table_build import refit_table",
     "from speccal.costmodel.report import cost_grid, diff_tables, summary",
     "from speccal.plots_table import write_table_plots",
     "from speccal.plots_replay import write_plots",

@@ -14,17 +14,9 @@ from hypothesis import strategies as st
 
 from speccal.costmodel.compat import CompatibilityWarning, SpeccalWarning
 from speccal.costmodel.synthetic import make_measurements
-from speccal.costmodel.table import (
-    SCHEMA_VERSION,
-    CostTable,
-    NonPositiveCostWarning,
-    build_table,
-    json_schema,
-    load_table,
-    parse_table,
-    refit_table,
-    save_table,
-)
+from speccal.costmodel.table import json_schema, load_table, parse_table, save_table
+from speccal.costmodel.table_build import NonPositiveCostWarning, build_table, refit_table
+from speccal.costmodel.table_schema import SCHEMA_VERSION, CostTable
 from speccal.errors import CompatibilityError, GridError, InputError, SchemaError
 
 from .helpers import (

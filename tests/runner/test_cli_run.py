@@ -289,3 +289,86 @@ def test_bench_policy_table_of_another_width_refused(tiny_table):
     )
     assert 2 in (r.exit_code, getattr(r.exception, "exit_code", None)), r.output
     assert "draft_width" in r.stderr and "Traceback" not in r.stderr
+
+
+# The top-level and per-policy keys of a single-run ``bench --policy --json`` (as before repeats).
+N1_KEYS = {"policies", "best_fixed", "setup", "cost_table", "table_mode", "table_warnings",
+           "traces", "engine"}  # fmt: skip
+N1_POLICY_KEYS = {
+    "policy", "rounds", "round_tokens_per_s", "tokens_per_s", "tpot_ms", "acceptance_rate",
+    "mean_accepted_length", "mean_k", "mean_round_ms", "decode_s", "loop_tokens_per_s", "loop_s",
+    "prefill_s", "output_tokens", "round_tokens", "switches", "reasons", "timeline", "replay",
+    "gain_vs_best_fixed_pct",
+}  # fmt: skip
+REPEAT_ARGS = ["--request-buckets", "1,2,4", "--num-requests", "2", "--max-tokens", "8", "--json"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--repeats", "1"]])
+def test_bench_policy_single_run_keys_unchanged(tiny_table, extra):
+    r = _run("bench", "--policy", "fixed:1,adaptive-step", "--cost-table", str(tiny_table),
+             *extra, *REPEAT_ARGS, *POLICY_ARGS)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert set(doc) == N1_KEYS
+    for p in doc["policies"]:
+        assert set(p) == N1_POLICY_KEYS
+
+
+def test_bench_policy_repeats_interleaved_medians(tiny_table, tmp_path):
+    from datetime import datetime
+    from statistics import median
+
+    r = _run("bench", "--policy", "fixed:1,fixed:3,adaptive-step", "--cost-table",
+             str(tiny_table), "--repeats", "3", "--trace-out", str(tmp_path / "t.jsonl"),
+             *REPEAT_ARGS, *POLICY_ARGS)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["repeats"] == 3 and "rotated" in doc["order"]["scheme"]
+    a, b, c = "fixed:1", "fixed:3", "adaptive-step"
+    assert doc["order"]["sequence"] == [a, b, c, b, c, a, c, a, b]
+    log = doc["run_log"]
+    assert [x["policy"] for x in log] == doc["order"]["sequence"]
+    assert [x["index"] for x in log] == list(range(9))
+    for x, y in zip(log, log[1:], strict=False):
+        assert x["start_s"] < x["end_s"] <= y["start_s"]
+        assert datetime.fromisoformat(x["ended_at"]) <= datetime.fromisoformat(y["started_at"])
+    pols = {p["policy"]: p for p in doc["policies"]}
+    assert list(pols) == [a, b, c]
+    for name, p in pols.items():
+        mine = [x for x in log if x["policy"] == name]
+        tps = [x["round_tokens_per_s"] for x in mine]
+        assert p["repeats"] == 3 and p["round_tokens_per_s"] == pytest.approx(median(tps))
+        assert p["spread"]["round_tokens_per_s"] == pytest.approx([min(tps), max(tps)])
+        err = [x["replay_error_pct"] for x in mine]
+        assert p["replay"]["error_pct"] == pytest.approx(median(err))
+        assert p["output_tokens"] == 2 * 8
+    fixed = {n: pols[n]["round_tokens_per_s"] for n in (a, b)}
+    best = max(fixed, key=fixed.get)
+    assert doc["best_fixed"] == best
+    assert pols[c]["gain_vs_best_fixed_pct"] == pytest.approx(
+        100.0 * (pols[c]["round_tokens_per_s"] / fixed[best] - 1.0)
+    )
+    assert len(doc["traces"]) == 9 and "adaptive-step#3" in doc["traces"]
+    assert doc["traces"]["fixed:1#2"].endswith("t.fixed1.r2.jsonl")
+
+
+def test_bench_policy_repeats_human_table(tiny_table):
+    r = _run("bench", "--policy", "fixed:1,fixed:2", "--cost-table", str(tiny_table),
+             "--repeats", "2", *REPEAT_ARGS[:-1], *POLICY_ARGS)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "median of 2 interleaved runs" in r.stderr and "min-max" in r.stderr
+    assert "fixed:1 fixed:2 fixed:2 fixed:1" in r.stderr
+
+
+@pytest.mark.parametrize("policy", [["--policy", "fixed:1"], []])
+@pytest.mark.parametrize("n", ["0", "-2"])
+def test_bench_bad_repeats_refused(policy, n, monkeypatch):
+    import speccal.runner.engine as engine_mod
+
+    def no_engine(*a, **k):
+        raise AssertionError("refusal must come before the engine is built")
+
+    monkeypatch.setattr(engine_mod, "Engine", no_engine)
+    r = _run("bench", *policy, "--repeats", n)
+    assert 2 in (r.exit_code, getattr(r.exception, "exit_code", None)), r.output
+    assert f"--repeats: got {n}" in r.stderr and "Traceback" not in r.stderr

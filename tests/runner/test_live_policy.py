@@ -202,7 +202,7 @@ def test_live_loop_refusals():
 @pytest.mark.parametrize("model", ["additive", "sps"])
 def test_live_cost_model_equals_the_table_cost_model(model):
     from speccal.costmodel.synthetic import make_measurements
-    from speccal.costmodel.table import build_table
+    from speccal.costmodel.table_build import build_table
     from speccal.runner.live import live_cost_model
 
     df = make_measurements(
@@ -258,3 +258,90 @@ def test_device_allocation_equals_the_policy_rule():
     out = torch.full((4,), -1, dtype=torch.int64)
     allocate_prefixes_device(torch.ones(4, 3), 4, 5, out=out)
     assert out.tolist() == [2, 1, 1, 1]  # position-major ties: all first drafts, then request 0
+
+
+# ------------------------------------------------------------------ repeats, interleaved
+
+
+def test_interleaved_order_is_round_robin_rotated_each_cycle():
+    from speccal.runner.live import interleaved_order
+
+    order = interleaved_order(["A", "B", "C"], 4)
+    assert "".join(n for _, _, n in order) == "ABCBCACABABC"
+    assert [c for c, _, _ in order] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    assert [p for _, p, _ in order] == [0, 1, 2] * 4
+    # a multiple of the number of policies: every policy holds every position equally often
+    full = interleaved_order(["A", "B", "C"], 3)
+    for name in "ABC":
+        assert sorted(p for _, p, n in full if n == name) == [0, 1, 2]
+    assert interleaved_order(["B", "A"], 1) == [(0, 0, "B"), (0, 1, "A")]  # N = 1: as given
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(InputError, match="--repeats"):
+            interleaved_order(["A"], bad)
+
+
+def test_run_interleaved_fresh_policy_per_run_and_timestamps():
+    from datetime import datetime
+
+    from speccal.runner.live import run_interleaved
+
+    eng = _engine(profile=(1.0, 1.0, 1.0))
+    cost = _cost(eng.geometry)
+    built = []
+
+    def factory(name):
+        def make():
+            pol = make_policy(name, cost)
+            built.append(pol)
+            return pol
+
+        return make
+
+    runs = run_interleaved(
+        eng,
+        {"fixed:1": factory("fixed:1"), "fixed:3": factory("fixed:3")},
+        "draft_step",
+        _prompts(eng, 2),
+        SamplingParams(max_tokens=6, ignore_eos=True),
+        repeats=3,
+    )
+    order = ["fixed:1", "fixed:3", "fixed:3", "fixed:1", "fixed:1", "fixed:3"]  # rotated cycles
+    assert [r.policy for r in runs] == order
+    assert len(built) == 6 and len({id(p) for p in built}) == 6
+    assert [(r.cycle, r.position) for r in runs] == [(c, p) for c in range(3) for p in range(2)]
+    for r in runs:
+        assert r.run.output_tokens == 12 and (r.run.k == int(r.policy[-1])).all()
+        assert r.start_s < r.end_s
+        assert datetime.fromisoformat(r.started_at) <= datetime.fromisoformat(r.ended_at)
+        assert r.run.stats["drafted"] == int(r.run.verified.sum())  # stats reset per run
+    for a, b in zip(runs, runs[1:], strict=False):
+        assert a.end_s <= b.start_s
+    rec = runs[1].record(1)
+    assert rec["index"] == 1 and rec["cycle"] == 0 and rec["position"] == 1
+    assert rec["round_tokens_per_s"] == runs[1].run.summary()["round_tokens_per_s"]
+
+
+def test_median_summary_takes_medians_over_the_runs():
+    from speccal.runner.live import median_summary
+
+    def summ(tps, err, match=True):
+        return {
+            "policy": "fixed:2",
+            "rounds": 10,
+            "round_tokens_per_s": tps,
+            "tokens_per_s": tps / 2,
+            "loop_tokens_per_s": tps / 4,
+            "timeline": [[0, 10, 2, 6]],
+            "replay": {"priced": True, "error_pct": err, "decisions_match": match},
+        }
+
+    one = summ(100.0, 3.0)
+    assert median_summary([one]) == one  # N = 1: the run's own summary, no extra keys
+    runs = [summ(100.0, 3.0), summ(300.0, 1.0, match=False), summ(110.0, 8.0), summ(90.0, 2.0)]
+    m = median_summary(runs)
+    assert m["round_tokens_per_s"] == 105.0 and m["tokens_per_s"] == 52.5  # even N: mid-mean
+    assert m["replay"]["error_pct"] == 2.5 and m["replay"]["decisions_match"] is False
+    assert m["replay"]["priced"] is True and m["timeline"] == [[0, 10, 2, 6]]
+    assert m["repeats"] == 4 and m["spread"]["round_tokens_per_s"] == [90.0, 300.0]
+    assert m["spread"]["replay_error_pct"] == [1.0, 8.0]
+    assert median_summary(runs[:3])["round_tokens_per_s"] == 110.0

@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from speccal.cli import app
 from speccal.costmodel.synthetic import make_measurements
-from speccal.costmodel.table import build_table, save_table
+from speccal.costmodel.table import save_table
+from speccal.costmodel.table_build import build_table
 from speccal.scenarios import generate, make_scenario
 from speccal.trace import save_trace
 

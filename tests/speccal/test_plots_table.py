@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from speccal.costmodel.synthetic import make_measurements
-from speccal.costmodel.table import build_table, refit_table
+from speccal.costmodel.table_build import build_table, refit_table
 from speccal.errors import InputError
 from speccal.plots_table import (
     components_figure,

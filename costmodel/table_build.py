@@ -1,0 +1,311 @@
+"""Building a cost table from measurement rows: fit one model per context interval, refit.
+
+``build_table`` validates the rows, fills in the effective calibration config and geometry
+(read back from the rows when not given), fits the ``additive`` or ``sps`` estimator per context
+interval with its diagnostics, and warns about fitted costs that are not positive.
+``refit_table`` rebuilds a table from the raw windows it stores. The document itself is
+``speccal.costmodel.table_schema``; saving and loading it is ``speccal.costmodel.table``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from speccal.costmodel.additive import AdditiveCostModel
+from speccal.costmodel.compat import Compatibility, SpeccalWarning, as_compatibility
+from speccal.costmodel.diagnostics import diagnose
+from speccal.costmodel.measurements import context_intervals, validate_measurements
+from speccal.costmodel.sps import SPSCostModel
+from speccal.costmodel.table_schema import (
+    NOT_POSITIVE,
+    AdditiveParams,
+    CalibrationConfig,
+    ContextFit,
+    ContextInterval,
+    CostTable,
+    DiagnosticsBlock,
+    ErrorBlock,
+    GeometryBlock,
+    PointBlock,
+    Provenance,
+    SPSParams,
+    Window,
+    validate_block,
+)
+from speccal.errors import InputError
+from speccal.geometry import Geometry, default_target_rows
+
+MODELS = ("additive", "sps")
+#: Cells listed by name in a :class:`NonPositiveCostWarning` before "... and N more".
+MAX_LISTED_CELLS = 12
+
+
+class NonPositiveCostWarning(SpeccalWarning):
+    """A fit predicts a zero or negative step cost at a calibrated cell (listed in the message).
+
+    Such cells are uncalibrated at lookup (:meth:`CostTable.cost_ms` says
+    ``"fitted cost not positive"``; :meth:`CostTable.cost_surface` is NaN there).
+    """
+
+
+def build_table(
+    measurements: pd.DataFrame,
+    *,
+    model: str | None = None,
+    compatibility: Compatibility | Mapping[str, Any],
+    calibration: CalibrationConfig | Mapping[str, Any] | None = None,
+    geometry: Geometry | Mapping[str, Any] | None = None,
+    provenance: Provenance | Mapping[str, Any] | None = None,
+    combine: str = "median",
+) -> CostTable:
+    """Fit one model per context interval and assemble a validated :class:`CostTable`.
+
+    Parameters
+    ----------
+    measurements : measurement rows (see ``speccal.costmodel.measurements``).
+    model : ``additive`` or ``sps``; default ``calibration.model``, else ``additive``.
+    compatibility : the run's compatibility metadata (``Engine.compatibility()`` dict).
+    calibration : the effective calibration config; default: read back from the rows
+        (``sources`` say ``measurements`` or ``default``).
+    geometry : the captured geometry; default: the measured Bcaps, each with its measured G plus
+        its default legal buckets (``speccal.geometry.default_target_rows``).
+    provenance : default: :meth:`Provenance.now`.
+    combine : how repeated windows are combined (``median``, ``mean``).
+
+    Raises
+    ------
+    InputError, GridError
+        Bad rows, overlapping contexts, a disconnected additive grid, inconsistent draft widths.
+
+    Warns
+    -----
+    NonPositiveCostWarning
+        A fit predicts a zero or negative step cost at calibrated cells (listed; see
+        :meth:`CostTable.nonpositive_cells`). The table is still built; those cells look up
+        as uncalibrated.
+    """
+    df = validate_measurements(measurements)
+    compat = as_compatibility(compatibility)
+    w = compat.draft_width
+    cal = _calibration(df, calibration, model, w)
+    model = cal.model
+    if cal.draft_width != w:
+        raise InputError(
+            "calibration.draft_width", cal.draft_width, f"compatibility.draft_width = {w}"
+        )
+    if cal.mode == "draft_step" and int(df["k"].max()) > w:
+        raise InputError("measurements.k", int(df["k"].max()), f"k <= draft_width = {w}")
+    geom = _geometry(df, geometry, w)
+    if provenance is None:
+        prov = Provenance.now()
+    elif isinstance(provenance, Provenance):
+        prov = provenance
+    else:
+        prov = Provenance.model_validate(dict(provenance))
+
+    fits = []
+    for ci, (prefill, lo, hi) in sorted(context_intervals(df).items()):
+        windows = df[df["context_index"] == ci].reset_index(drop=True)
+        X = windows[["bcap", "g"]].to_numpy(dtype=np.float64)
+        y = windows["step_ms"].to_numpy(dtype=np.float64)
+        est = (AdditiveCostModel if model == "additive" else SPSCostModel)(combine=combine)
+        est.fit(X, y)
+        diag = diagnose(est, windows)
+        bcaps = sorted(int(b) for b in windows["bcap"].unique())
+        params: dict[str, Any] = {}
+        if model == "additive":
+            params["additive"] = AdditiveParams(
+                bias_ms=est.bias_ms_,
+                bcap_levels=est.bcap_levels_.tolist(),
+                alpha_ms=est.alpha_ms_.tolist(),
+                g_levels=est.g_levels_.tolist(),
+                theta_ms=est.theta_ms_.tolist(),
+            )
+        else:
+            params["sps"] = SPSParams(
+                g_levels=est.g_levels_.tolist(), cost_ms=est.cost_ms_.tolist(), bcap_levels=bcaps
+            )
+        fits.append(
+            ContextFit(
+                context_index=ci,
+                prefill_tokens=prefill,
+                min_kv_length=lo,
+                max_kv_length=hi,
+                model=model,
+                combine=combine,
+                windows=[Window(**_window_row(r)) for r in windows.to_dict("records")],
+                diagnostics=_diagnostics_block(diag),
+                **params,
+            )
+        )
+    table = CostTable(
+        calibration=cal, compatibility=compat, geometry_block=geom, fits=fits, provenance=prov
+    )
+    cells = table.nonpositive_cells()
+    if cells:
+        warnings.warn(NonPositiveCostWarning(nonpositive_message(cells, model)), stacklevel=2)
+    return table
+
+
+def nonpositive_message(cells: list[dict[str, Any]], model: str) -> str:
+    """The text of a :class:`NonPositiveCostWarning` naming each cell (up to a limit)."""
+    listed = "; ".join(
+        f"context {c['context_index']} (KV {c['min_kv_length']}-{c['max_kv_length']}) "
+        f"Bcap {c['bcap']} G {c['g']}: {c['cost_ms']:.3f} ms"
+        + (" (measured)" if c["measured"] else "")
+        for c in cells[:MAX_LISTED_CELLS]
+    )
+    more = f"; and {len(cells) - MAX_LISTED_CELLS} more" if len(cells) > MAX_LISTED_CELLS else ""
+    return (
+        f"the {model} fit predicts a non-positive step cost at {len(cells)} cell(s): "
+        f"{listed}{more}. Lookups treat these cells as uncalibrated ({NOT_POSITIVE}), so "
+        "policies fall back to full width there; check the measurements (noise, outliers) "
+        "or refit with another model."
+    )
+
+
+def refit_table(
+    table: CostTable, *, model: str | None = None, provenance: Provenance | None = None
+) -> CostTable:
+    """Refit a table from its stored raw windows (optionally with the other model)."""
+    cal = table.calibration.model_copy(update={"model": model or table.calibration.model})
+    if model and model != table.calibration.model:
+        cal = cal.model_copy(update={"sources": {**cal.sources, "model": "caller"}})
+    return build_table(
+        table.measurements(),
+        compatibility=table.compatibility,
+        calibration=cal,
+        geometry=table.geometry_block.model_dump(),
+        provenance=provenance or Provenance.now(),
+        combine=table.fits[0].combine,
+    )
+
+
+_WINDOW_KEYS = tuple(Window.model_fields)
+
+
+def _window_row(r: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        k: (int(r[k]) if Window.model_fields[k].annotation is int else float(r[k]))
+        for k in _WINDOW_KEYS
+    }
+
+
+def _finite(x: Any) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _diagnostics_block(diag) -> DiagnosticsBlock:
+    pts = []
+    for r in diag.points.to_dict("records"):
+        pts.append(
+            PointBlock(
+                bcap=int(r["bcap"]),
+                g=int(r["g"]),
+                n_windows=int(r["n_windows"]),
+                step_ms=float(r["step_ms"]),
+                spread_ms=float(r["spread_ms"]),
+                **{
+                    k: _finite(r[k])
+                    for k in ("predicted_ms", "residual_ms", "residual_pct", "lopo_ms", "logo_ms")
+                },
+            )
+        )
+    return DiagnosticsBlock(
+        residuals=ErrorBlock(**diag.residuals.to_dict()),
+        leave_one_point_out=ErrorBlock(**diag.leave_one_point_out.to_dict()),
+        leave_one_g_out=ErrorBlock(**diag.leave_one_g_out.to_dict()),
+        points=pts,
+    )
+
+
+def _calibration(df: pd.DataFrame, calibration, model: str | None, w: int) -> CalibrationConfig:
+    if calibration is not None:
+        cal = (
+            calibration
+            if isinstance(calibration, CalibrationConfig)
+            else validate_block(CalibrationConfig, calibration, "calibration", InputError)
+        )
+        if model is not None and model != cal.model:
+            if cal.sources.get("model", "default") != "default":
+                raise InputError("model", model, f"calibration.model = {cal.model!r}")
+            cal = cal.model_copy(
+                update={"model": model, "sources": {**cal.sources, "model": "caller"}}
+            )
+        return cal
+    model_source = "caller" if model else "default"
+    model = model or "additive"
+    if model not in MODELS:
+        raise InputError("model", model, f"one of {list(MODELS)}")
+    intervals = context_intervals(df)
+    rows: dict[int, list[int]] = {}
+    for b, g in df[["bcap", "g"]].drop_duplicates().itertuples(index=False):
+        rows.setdefault(int(b), []).append(int(g))
+    counts = df.groupby(["context_index", "bcap", "g"]).size()
+
+    def pick(col: str, default: int) -> tuple[int, str]:
+        if col in df.columns and df[col].nunique() == 1:
+            return int(df[col].iloc[0]), "measurements"
+        return default, "default"
+
+    warmup, src_warm = pick("warmup_steps", 8)
+    steps, src_steps = pick("window_steps", 32)
+    mode = str(df["mode"].iloc[0]) if "mode" in df.columns else "draft_step"
+    return CalibrationConfig(
+        model=model,
+        draft_width=w,
+        mode=mode,
+        request_buckets=sorted(rows),
+        target_graph_rows={b: sorted(gs) for b, gs in sorted(rows.items())},
+        contexts=[
+            ContextInterval(prefill_tokens=p, min_kv_length=lo, max_kv_length=hi)
+            for _, (p, lo, hi) in sorted(intervals.items())
+        ],
+        warmup_steps=warmup,
+        window_steps=steps,
+        windows_per_point=int(counts.max()),
+        token_seed=1,
+        policy=None,
+        sources={
+            "model": model_source,
+            "draft_width": "compatibility",
+            "mode": "measurements" if "mode" in df.columns else "default",
+            "request_buckets": "measurements",
+            "target_graph_rows": "measurements",
+            "contexts": "measurements",
+            "warmup_steps": src_warm,
+            "window_steps": src_steps,
+            "windows_per_point": "measurements",
+            "token_seed": "default",
+        },
+    )
+
+
+def _geometry(df: pd.DataFrame, geometry, w: int) -> GeometryBlock:
+    if geometry is None:
+        bcaps = sorted(int(b) for b in df["bcap"].unique())
+        legal = default_target_rows(bcaps, w)
+        rows = {
+            b: sorted(set(legal[b]) | set(int(g) for g in df.loc[df["bcap"] == b, "g"]))
+            for b in bcaps
+        }
+        geom = Geometry(draft_width=w, request_buckets=tuple(bcaps), target_rows=rows)
+    elif isinstance(geometry, Geometry):
+        geom = geometry
+    else:
+        d = dict(geometry)
+        geom = Geometry.from_dict(d)
+    if geom.draft_width != w:
+        raise InputError(
+            "geometry.draft_width", geom.draft_width, f"compatibility.draft_width = {w}"
+        )
+    d = geom.to_dict()
+    d["target_rows"] = {int(b): v for b, v in d["target_rows"].items()}
+    return GeometryBlock(**d)
