@@ -231,9 +231,11 @@ def test_cli_bench_adaptive_verify_trace_replays(tmp_path):
     cfg = tmp_path / "cfg.json"
     calib = {
         "request_buckets": [1, 2, 4],
-        "warmup_steps": 1,
-        "window_steps": 2,
-        "windows_per_point": 2,
+        # windows long enough (median of 3) that CPU timing noise cannot make a fitted cell
+        # non-positive, which would leave the replay unpriced
+        "warmup_steps": 2,
+        "window_steps": 16,
+        "windows_per_point": 3,
     }
     calib["contexts"] = [{"prefill_tokens": 16, "min_kv_length": 1, "max_kv_length": 256}]
     cfg.write_text(json.dumps({"version": 1, "calibration": calib}))
