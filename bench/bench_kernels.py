@@ -198,6 +198,62 @@ def bench_chain(copy_bw, best):
     torch.cuda.empty_cache()
 
 
+FUSED_CANDIDATES = [  # (block_n, block_k, stages) for the split-1 o / down launches
+    (16, 256, 4), (16, 128, 6), (16, 512, 3), (32, 128, 6), (32, 256, 4),
+]
+
+
+def bench_fused_chain(copy_bw):
+    """The decode step's matmul chain as the fused layer launches it (norm prologue on qkv and
+    gate_up, residual epilogue on o and down, SwiGLU prologue on down) + LM head, one graph;
+    per o/down config, with and without programmatic dependent launch (PDL)."""
+    layers = [{nm: torch.randn(*SHAPES[nm], device="cuda", dtype=DT) / 45 for nm in
+               ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS)]
+    lm = torch.randn(*SHAPES["lm_head"], device="cuda", dtype=DT) / 45
+    nw = torch.ones(HIDDEN, device="cuda", dtype=DT)
+    wbytes = sum(w.numel() * 2 for lay in layers for w in lay.values()) + lm.numel() * 2
+    floor_us = wbytes / (copy_bw * 1e9) * 1e6
+    for m in (1, 8, 48):
+        h = torch.randn(m, HIDDEN, device="cuda", dtype=DT)
+        attn = torch.randn(m, HEADS * HEAD_DIM, device="cuda", dtype=DT)
+        qkv = torch.empty(m, SHAPES["qkv"][0], device="cuda", dtype=DT)
+        gu = torch.empty(m, 2 * INTER, device="cuda", dtype=DT)
+        logits = torch.empty(m, VOCAB, device="cuda", dtype=DT)
+
+        def chain(cfg_od, pdl):
+            def run():
+                for lay in layers:
+                    linear_triton(h, lay["qkv"], out=qkv, prologue="rms_norm", norm_weight=nw,
+                                  eps=1e-6, pdl=pdl)
+                    linear_triton(attn, lay["o"], config=cfg_od, residual=h, pdl=pdl)
+                    linear_triton(h, lay["gate_up"], out=gu, prologue="rms_norm",
+                                  norm_weight=nw, eps=1e-6, pdl=pdl)
+                    linear_triton(gu, lay["down"], config=cfg_od, prologue="silu_mul",
+                                  residual=h, pdl=pdl)
+                linear_triton(h, lm, out=logits, pdl=pdl)
+            return run
+
+        for bn, bk, st in [None] + FUSED_CANDIDATES:
+            cfg = None if bn is None else GemvConfig(block_n=bn, block_k=bk, split_k=1,
+                                                        num_warps=4, num_stages=st)
+            for pdl in (False, True):
+                try:
+                    t = graph_time_us([chain(cfg, pdl)], 1, 200)
+                except Exception as e:  # a config that does not compile is skipped, with reason
+                    print(f"SKIP fused m={m} {cfg} pdl={pdl}: {type(e).__name__}: {e}"[:200])
+                    continue
+                label = f"fused {'table' if cfg is None else f'{bn}x{bk}s{st}'}" + (
+                    " pdl" if pdl else "")
+                TABLE.append(("fused_chain", f"28L+lm_head M={m}", label, t,
+                              wbytes / (t * 1e-6) / 1e9, t / floor_us, float("nan")))
+                record("kernel_fused_chain_floor_ratio", round(t / floor_us, 4), "ratio",
+                       kernel="fused_chain", variant=label, m=m, time_us=round(t, 2),
+                       floor_us=round(floor_us, 2), pdl=pdl, config=repr(cfg))
+                print(f"[{time.time() - T0:6.1f}s] {label} m={m}: {t:.1f} us = "
+                      f"{t / floor_us:.3f} floor", flush=True)
+    torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------------------------
 # attention, updates, norm, rotary
 
@@ -345,7 +401,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget-s", type=float, default=200.0)
     ap.add_argument("--sweep", action="store_true", help="time the GEMV config sweep")
-    ap.add_argument("--only", default="", help="comma list: copy,gemv,chain,attn,upd,norm")
+    ap.add_argument("--only", default="", help="comma list: copy,gemv,chain,fused,attn,upd,norm")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     torch.manual_seed(0)
@@ -362,6 +418,8 @@ def main():
             best = bench_gemv(copy_bw, args.sweep, args.budget_s)
         if not only or "chain" in only:
             bench_chain(copy_bw, best)
+        if not only or "fused" in only:
+            bench_fused_chain(copy_bw)
         if not only or "attn" in only:
             bench_attention(copy_bw)
         if not only or "upd" in only:

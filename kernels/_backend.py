@@ -3,7 +3,8 @@
 Triton is imported lazily and only here, so ``import speccal.kernels`` works on a CPU-only
 machine without it. ``SPECCAL_KERNELS=reference`` forces the pure-torch references everywhere
 (for comparisons and bisecting); ``TRITON_INTERPRET=1`` lets the Triton kernels run on CPU
-tensors through Triton's interpreter (slow; tests only).
+tensors through Triton's interpreter (slow; tests only). Programmatic dependent launch (PDL) is on
+for Hopper and newer GPUs unless ``SPECCAL_PDL=0``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 
 import torch
 
-__all__ = ["interpreting", "triton_available", "use_triton"]
+__all__ = ["interpreting", "pdl_enabled", "triton_available", "use_triton"]
 
 
 @functools.cache
@@ -47,3 +48,20 @@ def use_triton(t: torch.Tensor, backend: str | None = None) -> bool:
 
         raise UnsupportedError("backend='triton' needs a CUDA tensor and an importable triton")
     return ok
+
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Whether Triton launches on ``t``'s device use programmatic dependent launch.
+
+    PDL (``griddepcontrol`` + the launch attribute) lets a kernel start while its predecessor
+    drains; every kernel launched this way waits for its predecessor before touching data it
+    produced. Needs compute capability >= 9.0; ``SPECCAL_PDL=0`` turns it off (for comparisons).
+    """
+    if not t.is_cuda or interpreting() or os.environ.get("SPECCAL_PDL", "1") == "0":
+        return False
+    return _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device())

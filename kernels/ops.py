@@ -24,7 +24,7 @@ import torch
 
 from speccal.errors import InputError
 from speccal.kernels import reference as ref
-from speccal.kernels._backend import use_triton
+from speccal.kernels._backend import pdl_enabled, use_triton
 
 __all__ = [
     "SplitPlan",
@@ -170,6 +170,7 @@ def paged_attention(
         return paged_attention_triton(
             q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, num_splits, split_len,
             plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
+            pdl=pdl_enabled(q),
         )
     res = ref.paged_attention_ref(
         q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, q_lens=q_lens,
@@ -288,28 +289,53 @@ def attention_tiling_update(
 
 
 def linear(
-    x: torch.Tensor,  # [M, K]
+    x: torch.Tensor,  # [M, K] ([M, 2K] for prologue "silu_mul")
     weight: torch.Tensor,  # [N, K]
     *,
     out: torch.Tensor | None = None,  # [M, N]
     config=None,  # gemv.GemvConfig | None
+    prologue: str | None = None,  # None | "rms_norm" | "silu_mul"
+    norm_weight: torch.Tensor | None = None,  # [K], prologue "rms_norm"
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,  # [M, N]: residual += result, returned
     backend: str | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """``x @ weight.T`` for small M (decode/verify rows): split-K Triton GEMV on CUDA."""
-    _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
-          (_shape(x), _shape(weight)), "[M, K] and [N, K]")
+    """``prologue(x) @ weight.T`` for small M (decode/verify rows): split-K Triton GEMV on CUDA.
+
+    ``prologue="rms_norm"`` normalises x first (``rms_norm(x, norm_weight, eps)``),
+    ``"silu_mul"`` reads x as ``[gate | up]`` and uses ``silu(gate) * up``; ``residual`` adds
+    the product into that tensor in place (and returns it). Those fusions run split 1.
+    """
+    _need(prologue in (None, "rms_norm", "silu_mul"), "prologue", prologue,
+          "None, 'rms_norm' or 'silu_mul'")
+    _need(x.dim() == 2 and weight.dim() == 2, "x/weight shapes", (_shape(x), _shape(weight)),
+          "[M, K] and [N, K]")
+    k = weight.shape[1]
+    k_x = 2 * k if prologue == "silu_mul" else k
+    _need(x.shape[1] == k_x, "x/weight shapes", (_shape(x), _shape(weight)),
+          f"[M, {k_x}] and [N, {k}]" + (" (x = [gate | up])" if prologue == "silu_mul" else ""))
     _need(x.dtype in _FLOATS and weight.dtype == x.dtype, "x/weight dtype", (x.dtype, weight.dtype),
           "the same float dtype")
     _need(x.stride(1) == 1 and weight.stride(1) == 1, "x/weight", "strided", "K contiguous")
     m, n = x.shape[0], weight.shape[0]
+    if prologue == "rms_norm":
+        _need(isinstance(norm_weight, torch.Tensor) and _shape(norm_weight) == (k,),
+              "norm_weight.shape", None if norm_weight is None else _shape(norm_weight), f"[{k}]")
+        _need(eps > 0, "eps", eps, "> 0")
     if out is not None:
+        _need(residual is None, "out", "given", "None when residual is given (it is the output)")
         _need(_shape(out) == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "out",
               (_shape(out), out.dtype), f"[{m}, {n}] {x.dtype}, N contiguous")
+    if residual is not None:
+        _need(_shape(residual) == (m, n) and residual.dtype == x.dtype
+              and residual.stride(1) == 1, "residual", (_shape(residual), residual.dtype),
+              f"[{m}, {n}] {x.dtype}, N contiguous")
     if use_triton(x, backend):
         from speccal.kernels.gemv import linear_triton
 
-        return linear_triton(x, weight, out=out, config=config)
-    res = ref.linear_ref(x, weight)
+        return linear_triton(x, weight, out=out, config=config, prologue=prologue,
+                             norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl_enabled(x))
+    res = ref.linear_ref(x, weight, prologue, norm_weight, eps, residual)
     return res if out is None else out.copy_(res)
 
 
@@ -337,7 +363,7 @@ def rms_norm(
     if use_triton(x, backend):
         from speccal.kernels.rmsnorm import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, residual=residual, out=out)
+        return rms_norm_triton(x, weight, eps, residual=residual, out=out, pdl=pdl_enabled(x))
     res = ref.rms_norm_ref(x, weight, eps, residual)
     if residual is not None:
         y, h = res
@@ -357,9 +383,12 @@ def rotary_kv_write(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     *,
+    q_out: torch.Tensor | None = None,  # [T, H, D], written; None: q in place
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q_w [D], k_w [D], eps)
     backend: str | None = None,
-) -> torch.Tensor:  # q
-    """Neox rotary on q (in place) and k; rotated k and v written to ``slot_mapping`` slots."""
+) -> torch.Tensor:  # q_out (q when None)
+    """Neox rotary on q and k; rotated q to ``q_out`` (q in place by default), rotated k and v
+    written to ``slot_mapping`` slots. ``qk_norm``: per-head RMSNorm of q and k first (fp32)."""
     _need(q.dim() == 3 and k.dim() == 3 and _shape(v) == _shape(k) and k.shape[0] == q.shape[0]
           and k.shape[2] == q.shape[2], "q/k/v shapes", (_shape(q), _shape(k), _shape(v)),
           "[T, H, D], [T, KVH, D], [T, KVH, D]")
@@ -379,10 +408,17 @@ def rotary_kv_write(
     _check_int(slot_mapping, "slot_mapping", (t,), (torch.int64,))
     _need(q.dtype == k.dtype == v.dtype and k_cache.dtype == v_cache.dtype, "dtypes",
           (q.dtype, k.dtype, v.dtype, k_cache.dtype), "q, k, v alike; caches alike")
+    if q_out is not None:
+        _need(_shape(q_out) == _shape(q) and q_out.dtype == q.dtype and q_out.stride(-1) == 1,
+              "q_out", (_shape(q_out), q_out.dtype), f"{_shape(q)} {q.dtype}, D contiguous")
+    if qk_norm is not None:
+        _need(len(qk_norm) == 3 and all(_shape(w) == (d,) for w in qk_norm[:2]) and qk_norm[2] > 0,
+              "qk_norm", tuple(_shape(w) for w in qk_norm[:2]) + tuple(qk_norm[2:]),
+              f"(q_weight [{d}], k_weight [{d}], eps > 0)")
     if use_triton(q, backend):
         from speccal.kernels.rotary_kv import rotary_kv_write_triton
 
         return rotary_kv_write_triton(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
-                                      v_cache)
+                                      v_cache, q_out=q_out, qk_norm=qk_norm, pdl=pdl_enabled(q))
     return ref.rotary_kv_write_ref(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
-                                   v_cache)
+                                   v_cache, q_out, qk_norm)

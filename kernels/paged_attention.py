@@ -49,7 +49,11 @@ def _split_kernel(
     NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_MODE: tl.constexpr, DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     s = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -135,35 +139,45 @@ def _split_kernel(
 @triton.jit
 def _reduce_kernel(
     part_o_ptr, part_lse_ptr, nsplit_ptr, q_lens_ptr, cu_q_ptr, out_ptr,
-    stride_ot, stride_oh, R, max_splits,
+    stride_ot, stride_oh, R, max_splits, batch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    Q_MODE: tl.constexpr,
+    Q_MODE: tl.constexpr, PDL: tl.constexpr,
 ):
-    # one program per (request, row, head); all splits loaded in one shot (no serial loop)
+    # one program per (request, row, head); all splits loaded in one shot (no serial loop).
+    # Packed: programs past batch * R zero the padding rows (t >= cu_q_lens[B]), no memset.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    b = pid // R
-    r = pid % R
-    q_start, q_len = _row_layout(b, q_lens_ptr, cu_q_ptr, R, Q_MODE)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    out_ptrs = out_ptr + (q_start + r) * stride_ot + h * stride_oh + offs_d
-    if r < q_len:
-        n = tl.load(nsplit_ptr + b)
-        offs_s = tl.arange(0, S_PAD)
-        s_ok = offs_s < n
-        base = ((b * max_splits + offs_s) * R + r) * NUM_HEADS + h  # [S_PAD]
-        lse = tl.load(part_lse_ptr + base, mask=s_ok, other=float("-inf"))
-        top = tl.max(lse, 0)
-        top = tl.where(top == float("-inf"), 0.0, top)
-        w = tl.math.exp2(lse - top)  # [S_PAD], 0 for absent splits
-        o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [S_PAD, D_PAD]
-        den = tl.sum(w, 0)
-        res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
-        tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_ok)
-    elif Q_MODE != 2:
-        tl.store(out_ptrs, tl.zeros([D_PAD], dtype=out_ptr.dtype.element_ty), mask=d_ok)
+    if pid >= batch * R:
+        t = pid - batch * R
+        if t >= tl.load(cu_q_ptr + batch):
+            tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d,
+                     tl.zeros([D_PAD], dtype=out_ptr.dtype.element_ty), mask=d_ok)
+    else:
+        b = pid // R
+        r = pid % R
+        q_start, q_len = _row_layout(b, q_lens_ptr, cu_q_ptr, R, Q_MODE)
+        out_ptrs = out_ptr + (q_start + r) * stride_ot + h * stride_oh + offs_d
+        if r < q_len:
+            n = tl.load(nsplit_ptr + b)
+            offs_s = tl.arange(0, S_PAD)
+            s_ok = offs_s < n
+            base = ((b * max_splits + offs_s) * R + r) * NUM_HEADS + h  # [S_PAD]
+            lse = tl.load(part_lse_ptr + base, mask=s_ok, other=float("-inf"))
+            top = tl.max(lse, 0)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w = tl.math.exp2(lse - top)  # [S_PAD], 0 for absent splits
+            o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [S_PAD, D_PAD]
+            den = tl.sum(w, 0)
+            res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+            tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+        elif Q_MODE != 2:
+            tl.store(out_ptrs, tl.zeros([D_PAD], dtype=out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def paged_attention_triton(
@@ -184,6 +198,7 @@ def paged_attention_triton(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Launch the split kernel (and the reduce when ``max_splits > 1``). Inputs are validated by
     ``ops.paged_attention``; this function trusts them."""
@@ -195,9 +210,11 @@ def paged_attention_triton(
     if out is None:
         out = torch.empty_like(q)
     o3 = out.reshape(-1, num_heads, head_dim)
+    direct = max_splits == 1
     if cu_q_lens is not None:
         mode = _PACKED
-        o3.zero_()  # rows of no request
+        if direct:
+            o3.zero_()  # rows of no request (the reduce kernel zeroes them otherwise)
     elif q_lens is not None:
         mode = _DENSE_QLENS
     else:
@@ -205,7 +222,6 @@ def paged_attention_triton(
     dummy = seq_lens
     block_m = max(16, triton.next_power_of_2(num_q_rows * group))
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    direct = max_splits == 1
     if direct:
         part_o = part_lse = o3  # unused
     else:
@@ -224,14 +240,16 @@ def paged_attention_triton(
         num_q_rows, max_splits, scale * log2e,
         NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, Q_MODE=mode, DIRECT=direct,
-        num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if not direct:
-        _reduce_kernel[(batch * num_q_rows, num_heads)](
+        tail = o3.shape[0] if mode == _PACKED else 0
+        _reduce_kernel[(batch * num_q_rows + tail, num_heads)](
             part_o, part_lse, num_splits,
             q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
-            o3, o3.stride(0), o3.stride(1), num_q_rows, max_splits,
+            o3, o3.stride(0), o3.stride(1), num_q_rows, max_splits, batch,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-            S_PAD=triton.next_power_of_2(max_splits), Q_MODE=mode, num_warps=4,
+            S_PAD=triton.next_power_of_2(max_splits), Q_MODE=mode, PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
         )
     return out

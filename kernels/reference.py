@@ -249,12 +249,28 @@ def attention_tiling_update_ref(
 
 
 def linear_ref(
-    x: torch.Tensor,  # [M, K]
+    x: torch.Tensor,  # [M, K] ([M, 2K] for prologue "silu_mul")
     weight: torch.Tensor,  # [N, K] (nn.Linear layout)
-) -> torch.Tensor:  # [M, N], x.dtype
-    """``x @ weight.T`` with (at least) fp32 accumulation."""
+    prologue: str | None = None,
+    norm_weight: torch.Tensor | None = None,  # [K], prologue "rms_norm"
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,  # [M, N], becomes residual + result (in place)
+) -> torch.Tensor:  # [M, N], x.dtype (the updated residual when given)
+    """``prologue(x) @ weight.T (+ residual)`` with (at least) fp32 accumulation.
+
+    Prologues: ``rms_norm`` (``rms_norm_ref(x, norm_weight, eps)``, rounded to x's dtype),
+    ``silu_mul`` (``silu(x[:, :K]) * x[:, K:]``, rounded to x's dtype).
+    """
     acc = torch.promote_types(x.dtype, torch.float32)
-    return (x.to(acc) @ weight.to(acc).t()).to(x.dtype)
+    if prologue == "rms_norm":
+        x = rms_norm_ref(x, norm_weight, eps)
+    elif prologue == "silu_mul":
+        gate, up = x.to(acc).chunk(2, dim=-1)
+        x = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    y = x.to(acc) @ weight.to(acc).t()
+    if residual is None:
+        return y.to(x.dtype)
+    return residual.copy_((residual.to(acc) + y).to(residual.dtype))
 
 
 def rms_norm_ref(
@@ -275,7 +291,7 @@ def rms_norm_ref(
 
 
 def rotary_kv_write_ref(
-    q: torch.Tensor,  # [T, H, D], rotated in place
+    q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
     positions: torch.Tensor,  # [T] int64
@@ -283,18 +299,29 @@ def rotary_kv_write_ref(
     slot_mapping: torch.Tensor,  # [T] int64
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written
     v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written
-) -> torch.Tensor:  # q
-    """Neox-style rotary on q and k (fp32 math), q in place, rotated k and v into their slots."""
+    q_out: torch.Tensor | None = None,  # [T, H, D], written (None: q in place)
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q_w [D], k_w [D], eps)
+) -> torch.Tensor:  # q_out (q when None)
+    """(Per-head q/k RMSNorm, fp32, then) neox rotary on q and k (fp32 math); rotated q to
+    ``q_out``, rotated k and v into their slots."""
     half = q.shape[-1] // 2
     cs = cos_sin_cache[positions].float()  # [T, D]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
 
+    def norm(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        x = x.float()
+        if w is None:
+            return x
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + qk_norm[2]) * w.float()
+
     def rot(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    q.copy_(rot(q).to(q.dtype))
+    qw, kw = (qk_norm[0], qk_norm[1]) if qk_norm is not None else (None, None)
+    out = q if q_out is None else q_out
+    out.copy_(rot(norm(q, qw)).to(out.dtype))
     kvh, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kvh, d)[slot_mapping] = rot(k).to(k_cache.dtype)
+    k_cache.view(-1, kvh, d)[slot_mapping] = rot(norm(k, kw)).to(k_cache.dtype)
     v_cache.view(-1, kvh, d)[slot_mapping] = v.to(v_cache.dtype)
-    return q
+    return out

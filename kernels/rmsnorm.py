@@ -19,8 +19,11 @@ __all__ = ["rms_norm_triton"]
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, N, stride_x, stride_r, stride_o, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < N
@@ -39,6 +42,7 @@ def rms_norm_triton(
     eps: float,
     residual: torch.Tensor | None = None,  # [M, N], updated in place to x + residual
     out: torch.Tensor | None = None,  # [M, N]
+    pdl: bool = False,
 ) -> torch.Tensor:  # out
     """One launch; arguments validated by ``ops.rms_norm``."""
     m, n = x.shape
@@ -48,6 +52,7 @@ def rms_norm_triton(
     res = residual if residual is not None else x
     _rms_norm_kernel[(m,)](
         x, res, weight, out, n, x.stride(0), res.stride(0), out.stride(0), eps,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        HAS_RES=residual is not None, BLOCK=block, PDL=pdl,
+        num_warps=min(16, max(1, block // 256)), launch_pdl=pdl,
     )
     return out

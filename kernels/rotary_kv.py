@@ -1,9 +1,11 @@
-"""Triton fused rotary embedding + KV-cache write.
+"""Triton fused (per-head q/k RMSNorm +) rotary embedding + KV-cache write.
 
-Owns the step between the QKV projection and attention: neox-style rotary on q (in place) and
-k, then rotated k and plain v written to their KV slots, one pass over q, k, v. One program per
-token row handles every head. Layout: ``q [T, H, D]``, ``k``/``v [T, KVH, D]`` (views of the
-fused QKV output are fine: any row and head stride, D contiguous); ``positions [T] int64``;
+Owns the step between the QKV projection and attention: optionally the per-head RMSNorm of q and
+k (Qwen3's ``q_norm`` / ``k_norm``, fp32, no rounding in between), neox-style rotary on q and k,
+rotated q written to ``q_out`` (in place by default; a contiguous buffer for the attention
+kernel saves a copy), rotated k and plain v written to their KV slots, one pass over q, k, v.
+One program per token row handles every head. Layout: ``q [T, H, D]``, ``k``/``v [T, KVH, D]``
+(views of the fused QKV output are fine: any row and head stride, D contiguous); ``positions [T] int64``;
 ``cos_sin_cache [max_pos, D]`` fp32, cos in ``[:D/2]`` and sin in ``[D/2:]``;
 ``slot_mapping [T] int64`` (padded rows point at the sentinel slot 0); caches
 ``[num_blocks, block_size, KVH, D]``. Reference: ``reference.rotary_kv_write_ref``.
@@ -24,13 +26,26 @@ def _rope(x1, x2, cos, sin):
 
 
 @triton.jit
+def _head_norm(x1, x2, w_ptr, offs_d, d_ok, eps, HALF: tl.constexpr):
+    # RMSNorm over each head's full D = both halves; weight [D]
+    inv = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    return x1 * inv * w1, x2 * inv * w2
+
+
+@triton.jit
 def _rotary_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, qo_ptr, qn_ptr, kn_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+    stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_qot, stride_qoh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     H_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -44,15 +59,20 @@ def _rotary_kv_kernel(
     qp = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
     q1 = tl.load(qp, mask=qm, other=0.0).to(tl.float32)
     q2 = tl.load(qp + HALF, mask=qm, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q1, q2 = _head_norm(q1, q2, qn_ptr, offs_d, d_ok, eps, HALF)
     o1, o2 = _rope(q1, q2, cos[None, :], sin[None, :])
-    tl.store(qp, o1.to(q_ptr.dtype.element_ty), mask=qm)
-    tl.store(qp + HALF, o2.to(q_ptr.dtype.element_ty), mask=qm)
+    qop = qo_ptr + t * stride_qot + offs_h[:, None] * stride_qoh + offs_d[None, :]
+    tl.store(qop, o1.to(qo_ptr.dtype.element_ty), mask=qm)
+    tl.store(qop + HALF, o2.to(qo_ptr.dtype.element_ty), mask=qm)
 
     offs_kh = tl.arange(0, KV_PAD)
     km = (offs_kh < NUM_KV_HEADS)[:, None] & d_ok[None, :]
     kp = k_ptr + t * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :]
     k1 = tl.load(kp, mask=km, other=0.0).to(tl.float32)
     k2 = tl.load(kp + HALF, mask=km, other=0.0).to(tl.float32)
+    if QK_NORM:
+        k1, k2 = _head_norm(k1, k2, kn_ptr, offs_d, d_ok, eps, HALF)
     r1, r2 = _rope(k1, k2, cos[None, :], sin[None, :])
     kcp = kc_ptr + slot * stride_kc_slot + offs_kh[:, None] * stride_kc_h + offs_d[None, :]
     tl.store(kcp, r1.to(kc_ptr.dtype.element_ty), mask=km)
@@ -74,18 +94,25 @@ def rotary_kv_write_triton(
     slot_mapping: torch.Tensor,  # [T] int64
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
-) -> torch.Tensor:  # q, rotated in place
+    *,
+    q_out: torch.Tensor | None = None,  # [T, H, D]; None: q in place
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q_w [D], k_w [D], eps)
+    pdl: bool = False,
+) -> torch.Tensor:  # q_out (q when None)
     """One launch; arguments validated by ``ops.rotary_kv_write``."""
     t, num_heads, d = q.shape
     num_kv_heads = k.shape[1]
     half = d // 2
+    qo = q if q_out is None else q_out
+    qn, kn, eps = qk_norm if qk_norm is not None else (cos_sin_cache, cos_sin_cache, 0.0)
     _rotary_kv_kernel[(t,)](
-        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, qo, qn, kn, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(1), v_cache.stride(2), qo.stride(0), qo.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         H_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+        HALF_PAD=triton.next_power_of_2(half), QK_NORM=qk_norm is not None, PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )
-    return q
+    return qo

@@ -164,8 +164,59 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         rotary: RotaryTable,
     ) -> torch.Tensor:  # [N, hidden]
+        if self.can_fuse(x, rotary):
+            return self.forward_fused(x.clone(), positions, meta, kv, rotary)
         out, residual = self.forward_residual(x, None, positions, meta, kv, rotary)
         return out + residual
+
+    def can_fuse(self, x: torch.Tensor, rotary: RotaryTable) -> bool:
+        """Whether :meth:`forward_fused` serves ``x``: Triton ops on, fused weights, skinny rows,
+        full rotary (the fused rotary kernel's table)."""
+        return (
+            fused_kernels(x)
+            and x.shape[0] <= SKINNY_ROWS
+            and rotary.cos_sin_cache is not None
+            and self.self_attn.qkv_weight is not None
+            and self.mlp.gate_up_weight is not None
+        )
+
+    def forward_fused(
+        self,
+        h: torch.Tensor,  # [N, hidden] contiguous: the residual stream, updated in place
+        positions: torch.Tensor,  # [N] int64
+        meta: AttnMeta,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryTable,
+    ) -> torch.Tensor:  # h
+        """The decode/verify layer in five Triton launches plus attention (see docs/KERNELS.md).
+
+        ``rms_norm`` folds into the QKV and gate/up GEMVs (prologue), q/k norm + rotary + KV
+        write are one kernel writing q contiguous for attention, the residual adds fold into the
+        o and down GEMVs (epilogue), SwiGLU into the down GEMV (prologue).
+        """
+        ops = _ops()
+        att, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        n = h.shape[0]
+        hq, hk, d = att.num_heads, att.num_kv_heads, att.head_dim
+        qkv = ops.linear(h, att.qkv_weight, prologue="rms_norm", norm_weight=ln1.weight,
+                         eps=ln1.eps)  # [N, (hq + 2 hk) d]
+        if att.qkv_bias is not None:
+            qkv = qkv + att.qkv_bias
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k, v = q.view(n, hq, d), k.view(n, hk, d), v.view(n, hk, d)
+        qk_norm = None
+        if att.q_norm is not None:
+            qk_norm = (att.q_norm.weight, att.k_norm.weight, att.q_norm.eps)
+        q_out = torch.empty(n, hq, d, dtype=h.dtype, device=h.device)
+        ops.rotary_kv_write(q, k, v, positions, rotary.cos_sin_cache, meta.slot_mapping, kv[0],
+                            kv[1], q_out=q_out, qk_norm=qk_norm)
+        out = attend_rows(q_out, kv[0], kv[1], meta, att.scale)  # [N, hq, d]
+        ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h)
+        gate_up = ops.linear(h, mlp.gate_up_weight, prologue="rms_norm", norm_weight=ln2.weight,
+                             eps=ln2.eps)  # [N, 2 inter]
+        ops.linear(gate_up, mlp.down_proj.weight, prologue="silu_mul", residual=h)
+        return h
 
     def forward_residual(
         self,

@@ -67,6 +67,13 @@ class TargetModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) per layer
     ) -> torch.Tensor:  # [N, hidden], after the final norm
         x = self.model.embed_tokens(input_ids)
+        layers = self.model.layers
+        if all(layer.can_fuse(x, self.rotary) for layer in layers):  # decode / verify rows on Triton
+            from speccal.kernels import ops  # noqa: PLC0415
+
+            for layer, kv in zip(layers, kv_caches, strict=True):
+                layer.forward_fused(x, positions, meta, kv, self.rotary)  # x: residual stream
+            return ops.rms_norm(x, self.model.norm.weight, self.model.norm.eps)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer.forward_residual(x, residual, positions, meta, kv, self.rotary)

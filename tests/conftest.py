@@ -17,8 +17,15 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _interpreting_on_cpu() -> bool:
+    """Kernel tests through Triton's CPU interpreter (``TRITON_INTERPRET=1`` and
+    ``SPECCAL_KERNEL_TEST_DEVICE=cpu``): the ``cuda`` tests then run instead of skipping."""
+    return (os.environ.get("TRITON_INTERPRET") == "1"
+            and os.environ.get("SPECCAL_KERNEL_TEST_DEVICE") == "cpu")
+
+
 def pytest_collection_modifyitems(config, items):
-    if _has_cuda():
+    if _has_cuda() or _interpreting_on_cpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

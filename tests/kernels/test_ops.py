@@ -114,3 +114,44 @@ def test_small_ops_reject_bad_input_and_run_reference():
         ops.rotary_kv_write(q, kv, kv, torch.zeros(3, dtype=torch.int64), torch.randn(9, 8),
                             torch.zeros(3, dtype=torch.int32), kc, kc.clone())
     assert err.value.field == "slot_mapping.dtype"
+
+
+def test_linear_fusions_compose_the_reference_ops():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 32, generator=gen)
+    w = torch.randn(8, 32, generator=gen)
+    nw = torch.rand(32, generator=gen) + 0.5
+    res = torch.randn(3, 8, generator=gen)
+    want = ops.linear(ops.rms_norm(x, nw, 1e-6), w) + res
+    r = res.clone()
+    got = ops.linear(x, w, prologue="rms_norm", norm_weight=nw, eps=1e-6, residual=r)
+    assert got is r
+    torch.testing.assert_close(got, want)
+    gu = torch.randn(3, 64, generator=gen)
+    want = ops.linear(torch.nn.functional.silu(gu[:, :32]) * gu[:, 32:], w)
+    torch.testing.assert_close(ops.linear(gu, w, prologue="silu_mul"), want)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"prologue": "gelu"}, "prologue"),
+    ({"prologue": "silu_mul"}, "x/weight shapes"),  # x must be [M, 2K]
+    ({"prologue": "rms_norm"}, "norm_weight.shape"),
+    ({"prologue": "rms_norm", "norm_weight": torch.ones(32)}, "eps"),
+    ({"out": torch.empty(3, 8), "residual": torch.empty(3, 8)}, "out"),
+    ({"residual": torch.empty(3, 9)}, "residual"),
+])
+def test_linear_fusion_arguments_are_checked(kwargs, field):
+    with pytest.raises(InputError) as err:
+        ops.linear(torch.randn(3, 32), torch.randn(8, 32), **kwargs)
+    assert field in str(err.value)
+
+
+def test_rotary_q_out_and_qk_norm_are_checked():
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    cache = torch.zeros(4, 4, 2, 8)
+    args = (q, k, k.clone(), torch.zeros(2, dtype=torch.int64), torch.randn(16, 8),
+            torch.zeros(2, dtype=torch.int64), cache, cache.clone())
+    with pytest.raises(InputError, match="q_out"):
+        ops.rotary_kv_write(*args, q_out=torch.empty(2, 4, 4))
+    with pytest.raises(InputError, match="qk_norm"):
+        ops.rotary_kv_write(*args, qk_norm=(torch.ones(8), torch.ones(4), 1e-6))

@@ -260,3 +260,66 @@ def test_rotary_kv_write_matches_reference(dtype, t, heads, kvh, d):
     assert rel_err(q1, q2) < TOL[dtype] / 4 and rel_err(k1, k2) < TOL[dtype] / 4
     assert torch.equal(v1, v2)
     assert n1 == n2  # exactly the same slots written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 48])
+@pytest.mark.parametrize("shape", [(2048, 2048), (1000, 2100), (4096, 2048)])
+@pytest.mark.parametrize("fusion", ["rms_norm", "silu_mul", "residual", "rms_norm+residual"])
+def test_fused_linear_matches_reference(dtype, m, shape, fusion):
+    """Norm / SwiGLU prologues and the residual epilogue of the decode layer's GEMVs."""
+    from speccal.kernels.gemv import GemvConfig
+
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k + m + len(fusion))
+    prologue = fusion.split("+")[0] if fusion != "residual" else None
+    k_x = 2 * k if prologue == "silu_mul" else k
+    x = (torch.randn(m, k_x, generator=gen) * 2).to(dtype=dtype, device=DEV)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype=dtype, device=DEV)
+    nw = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype=dtype, device=DEV)
+    res0 = torch.randn(m, n, generator=gen).to(dtype=dtype, device=DEV)
+    use_res = "residual" in fusion
+    f32 = (lambda t: t.float()) if dtype != torch.float32 else (lambda t: t.clone())
+    want = ref.linear_ref(f32(x), f32(w), prologue, f32(nw), 1e-6,
+                          f32(res0) if use_res else None)
+    for cfg in (None, GemvConfig(block_n=16, block_k=256, split_k=1),
+                GemvConfig(block_n=64, block_k=128, split_k=4)):  # split forced to 1
+        res = res0.clone() if use_res else None
+        out = None if use_res else torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+        got = ops.linear(x, w, out=out, config=cfg, prologue=prologue, norm_weight=nw, eps=1e-6,
+                         residual=res, backend="triton")
+        assert got is (res if use_res else out)
+        assert rel_err(got, want) < TOL[dtype], (fusion, cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, heads, kvh, d", [(1, 16, 8, 128), (48, 16, 8, 128), (5, 12, 2, 64)])
+def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
+    """Qwen3's per-head q/k norm folded into the rotary kernel, q written to a separate buffer."""
+    gen = torch.Generator().manual_seed(7 * t + d)
+    qkv = torch.randn(t, (heads + 2 * kvh) * d, generator=gen).to(dtype=dtype, device=DEV)
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(4096).float()[:, None] * inv[None, :]
+    cs = torch.cat([ang.cos(), ang.sin()], -1).to(DEV)
+    pos = torch.randint(0, 4096, (t,), generator=gen).to(DEV)
+    slots = (torch.randperm(64 * 16 - 16, generator=gen)[:t] + 16).to(DEV)
+    qw, kw = (1 + 0.2 * torch.randn(2, d, generator=gen)).to(dtype=dtype, device=DEV)
+    results = []
+    for backend in ("triton", "reference"):
+        buf = qkv.clone()
+        q = buf[:, : heads * d].view(t, heads, d)
+        k = buf[:, heads * d: (heads + kvh) * d].view(t, kvh, d)
+        v = buf[:, (heads + kvh) * d:].view(t, kvh, d)
+        kc = torch.full((64, 16, kvh, d), float("nan"), dtype=dtype, device=DEV)
+        vc = kc.clone()
+        q_out = torch.full((t, heads, d), float("nan"), dtype=dtype, device=DEV)
+        got = ops.rotary_kv_write(q, k, v, pos, cs, slots, kc, vc, q_out=q_out,
+                                  qk_norm=(qw, kw, 1e-6), backend=backend)
+        assert got is q_out
+        assert torch.equal(buf, qkv)  # the QKV buffer is left as it was
+        results.append((q_out.clone(), kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]))
+    (q1, k1, v1), (q2, k2, v2) = results
+    assert rel_err(q1, q2) < TOL[dtype] / 4 and rel_err(k1, k2) < TOL[dtype] / 4
+    assert torch.equal(v1, v2)
+    # the norm really happened: per-head RMS of the rotated q is that of the norm weight
+    assert abs(float(q2.float().pow(2).mean()) - float(qw.float().pow(2).mean())) < 0.05

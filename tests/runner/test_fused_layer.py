@@ -1,0 +1,77 @@
+"""The fused decode layer (``DecoderLayer.forward_fused``) against the unfused torch layer, on CPU.
+
+``forward_fused`` is the launch plan of the Triton path (norms in the GEMV prologues, residual in
+the epilogues, q/k norm + rotary + KV write in one op); on CPU tensors every op it calls runs its
+pure-torch reference, so the composition is checked here and the kernels on the GPU
+(tests/kernels).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speccal.runner.attention import AttnMeta
+from speccal.runner.config import ModelConfig
+from speccal.runner.layers import DecoderLayer
+from speccal.runner.rope import RotaryTable
+
+
+def _layer(qk_norm: bool, bias: bool) -> tuple[DecoderLayer, RotaryTable, ModelConfig]:
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      is_qk_norm=qk_norm, is_qkv_bias=bias)
+    torch.manual_seed(3)
+    layer = DecoderLayer(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    layer.self_attn.fuse_weights()
+    layer.mlp.fuse_weights()
+    return layer, RotaryTable(cfg, 512, 512), cfg
+
+
+def _packed_meta(ctx, rows, block_size=4, max_blocks=16):
+    """Requests with ``ctx[b]`` cached tokens sending ``rows[b]`` new rows, packed, + 1 pad row."""
+    slots, pos = [], []
+    bt = torch.zeros(len(ctx), max_blocks, dtype=torch.int32)
+    for b, (c, r) in enumerate(zip(ctx, rows, strict=True)):
+        blocks = torch.arange(1 + b * max_blocks, 1 + (b + 1) * max_blocks)[: max_blocks]
+        bt[b] = blocks.to(torch.int32)
+        for i in range(r):
+            p = c + i
+            pos.append(p)
+            slots.append(int(blocks[p // block_size]) * block_size + p % block_size)
+    pos.append(0)
+    slots.append(0)  # padding row -> sentinel slot
+    cu = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor([c + r for c, r in zip(ctx, rows, strict=True)], dtype=torch.int32)
+    meta = AttnMeta(torch.tensor(slots), None, bt, seq, max(rows), cu)
+    nb = 1 + len(ctx) * max_blocks
+    return meta, torch.tensor(pos), nb
+
+
+@pytest.mark.parametrize("qk_norm, bias", [(True, False), (False, True)])
+def test_forward_fused_matches_unfused_layer(qk_norm, bias):
+    layer, rotary, cfg = _layer(qk_norm, bias)
+    meta, pos, nb = _packed_meta(ctx=[5, 11], rows=[3, 1])
+    gen = torch.Generator().manual_seed(0)
+    shape = (nb, 4, cfg.num_key_value_heads, cfg.head_dim)
+    kv0 = [torch.randn(shape, generator=gen) for _ in range(2)]
+    x = torch.randn(pos.shape[0], cfg.hidden_size, generator=gen)
+    kv_ref = [t.clone() for t in kv0]
+    with torch.no_grad():
+        want = layer(x, pos, meta, tuple(kv_ref), rotary)  # torch path: not fused on CPU
+        kv_fused = [t.clone() for t in kv0]
+        h = x.clone()
+        got = layer.forward_fused(h, pos, meta, tuple(kv_fused), rotary)
+    assert got is h  # the residual stream is updated in place
+    real = slice(0, int(meta.cu_q_lens[-1]))
+    torch.testing.assert_close(got[real], want[real], rtol=2e-4, atol=2e-4)
+    for a, b in zip(kv_fused, kv_ref, strict=True):
+        torch.testing.assert_close(a[1:], b[1:], rtol=2e-4, atol=2e-4)  # block 0: the sentinel
+
+
+def test_can_fuse_needs_the_triton_path():
+    layer, rotary, _ = _layer(True, False)
+    assert not layer.can_fuse(torch.zeros(1, 64), rotary)  # CPU tensor: torch path
