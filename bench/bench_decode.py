@@ -34,6 +34,7 @@ from speccal.runner.graphs import GraphKey
 from speccal.runner.sampling import SamplingParams
 
 KV = 1024
+SEQUENCES: dict = {}  # graph key -> first kernels of one replay: [name, us, grid]
 
 
 def _events_ms(fn, iters: int, repeats: int) -> float:
@@ -121,6 +122,10 @@ def breakdown(eng: Engine, key: GraphKey, replays: int = 5, top: int = 12) -> li
         a[0] += float(e["dur"]) / replays
         a[1] += 1 / replays
     rows = sorted(([n, round(t, 2), round(c, 2)] for n, (t, c) in agg.items()), key=lambda r: -r[1])
+    per = len(ev) // replays
+    first = sorted(ev, key=lambda e: float(e["ts"]))[:per]
+    SEQUENCES[key] = [[str(e["name"])[:40], round(float(e["dur"]), 2),
+                       str(e.get("args", {}).get("grid", ""))] for e in first[:24]]
     total = sum(r[1] for r in rows)
     span = max(float(e["ts"]) + float(e["dur"]) for e in ev) - min(float(e["ts"]) for e in ev)
     return rows[:top] + [
@@ -206,7 +211,9 @@ def main() -> None:
             res["decode_step_floor_ratio_general"] = (
                 res["decode_step_ms_b1_general"] / res["decode_floor_ms"]
             )
-            res["breakdown_b1"] = breakdown(plain, GraphKey("target", 1, 0, 1, upd, "greedy"))
+            bkey = GraphKey("target", 1, 0, 1, upd, "greedy")
+            res["breakdown_b1"] = breakdown(plain, bkey)
+            res["sequence_b1"] = SEQUENCES[bkey]
         save()
     del plain
     torch.cuda.empty_cache()

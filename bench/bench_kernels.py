@@ -204,46 +204,43 @@ FUSED_CANDIDATES = [  # (block_n, block_k, stages) for the split-1 o / down laun
 
 
 def bench_fused_chain(copy_bw):
-    """The decode step's matmul chain as the fused layer launches it (norm prologue on qkv and
-    gate_up, residual epilogue on o and down, SwiGLU prologue on down) + LM head, one graph;
-    per o/down config, with and without programmatic dependent launch (PDL)."""
+    """The decode step's matmul chain as the fused layer launches it (residual epilogue on o and
+    down, SwiGLU epilogue on gate_up) + LM head, one graph; per o/down config (None: the table),
+    with and without programmatic dependent launch (PDL)."""
     layers = [{nm: torch.randn(*SHAPES[nm], device="cuda", dtype=DT) / 45 for nm in
                ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS)]
     lm = torch.randn(*SHAPES["lm_head"], device="cuda", dtype=DT) / 45
-    nw = torch.ones(HIDDEN, device="cuda", dtype=DT)
     wbytes = sum(w.numel() * 2 for lay in layers for w in lay.values()) + lm.numel() * 2
     floor_us = wbytes / (copy_bw * 1e9) * 1e6
     for m in (1, 8, 48):
         h = torch.randn(m, HIDDEN, device="cuda", dtype=DT)
         attn = torch.randn(m, HEADS * HEAD_DIM, device="cuda", dtype=DT)
         qkv = torch.empty(m, SHAPES["qkv"][0], device="cuda", dtype=DT)
-        gu = torch.empty(m, 2 * INTER, device="cuda", dtype=DT)
+        act = torch.empty(m, INTER, device="cuda", dtype=DT)
         logits = torch.empty(m, VOCAB, device="cuda", dtype=DT)
 
         def chain(cfg_od, pdl):
             def run():
                 for lay in layers:
-                    linear_triton(h, lay["qkv"], out=qkv, prologue="rms_norm", norm_weight=nw,
-                                  eps=1e-6, pdl=pdl)
+                    linear_triton(h, lay["qkv"], out=qkv, pdl=pdl)
                     linear_triton(attn, lay["o"], config=cfg_od, residual=h, pdl=pdl)
-                    linear_triton(h, lay["gate_up"], out=gu, prologue="rms_norm",
-                                  norm_weight=nw, eps=1e-6, pdl=pdl)
-                    linear_triton(gu, lay["down"], config=cfg_od, prologue="silu_mul",
-                                  residual=h, pdl=pdl)
+                    linear_triton(h, lay["gate_up"], out=act, epilogue="silu_mul", pdl=pdl)
+                    linear_triton(act, lay["down"], config=cfg_od, residual=h, pdl=pdl)
                 linear_triton(h, lm, out=logits, pdl=pdl)
             return run
 
-        for bn, bk, st in [None] + FUSED_CANDIDATES:
-            cfg = None if bn is None else GemvConfig(block_n=bn, block_k=bk, split_k=1,
-                                                        num_warps=4, num_stages=st)
+        for cand in [None, *FUSED_CANDIDATES]:
+            cfg = None if cand is None else GemvConfig(block_n=cand[0], block_k=cand[1],
+                                                        split_k=1, num_warps=4,
+                                                        num_stages=cand[2])
             for pdl in (False, True):
                 try:
                     t = graph_time_us([chain(cfg, pdl)], 1, 200)
                 except Exception as e:  # a config that does not compile is skipped, with reason
                     print(f"SKIP fused m={m} {cfg} pdl={pdl}: {type(e).__name__}: {e}"[:200])
                     continue
-                label = f"fused {'table' if cfg is None else f'{bn}x{bk}s{st}'}" + (
-                    " pdl" if pdl else "")
+                name = "table" if cand is None else f"{cand[0]}x{cand[1]}s{cand[2]}"
+                label = f"fused {name}" + (" pdl" if pdl else "")
                 TABLE.append(("fused_chain", f"28L+lm_head M={m}", label, t,
                               wbytes / (t * 1e-6) / 1e9, t / floor_us, float("nan")))
                 record("kernel_fused_chain_floor_ratio", round(t / floor_us, 4), "ratio",

@@ -4,7 +4,7 @@ Triton is imported lazily and only here, so ``import speccal.kernels`` works on 
 machine without it. ``SPECCAL_KERNELS=reference`` forces the pure-torch references everywhere
 (for comparisons and bisecting); ``TRITON_INTERPRET=1`` lets the Triton kernels run on CPU
 tensors through Triton's interpreter (slow; tests only). Programmatic dependent launch (PDL) is on
-for Hopper and newer GPUs unless ``SPECCAL_PDL=0``.
+on request (``SPECCAL_PDL=1``, Hopper and newer GPUs).
 """
 
 from __future__ import annotations

@@ -11,11 +11,12 @@ M <= 4, a broadcast-multiply-sum on the CUDA cores (``fma``). Configs come from
 Weight layout is nn.Linear's ``[N, K]`` row-major (K contiguous). Reference:
 ``reference.linear_ref``.
 
-Fusions of the decode layer (each saves a launch and a round trip of the activations):
-prologue ``rms_norm`` (the sum of squares accumulates in the K loop, x is scaled by the norm
-weight before the dot and the row's ``rsqrt`` scales the accumulator at the end), prologue
-``silu_mul`` (x is ``[gate | up]``, SwiGLU applied as x tiles load) and a residual epilogue
-(``residual += x @ w.T`` in place). With ``pdl`` the launch is a programmatic dependent launch
+Epilogue fusions of the decode layer (each saves a launch and a round trip of the activations):
+``silu_mul`` (the gate/up weight's rows interleave ``gate_i, up_i``, so one program holds both
+halves of its outputs and stores ``silu(gate) * up``) and a residual add (``residual +=
+x @ w.T`` in place). Prologues (norm, SwiGLU applied to x tiles as they load) were tried and
+dropped: math on a dot operand stopped Triton 3.6 from pipelining the loop's loads (2-6x slower
+GEMVs on the H200, bench/KERNEL_NOTES.md). With ``pdl`` the launch is a programmatic dependent launch
 (Hopper): the kernel lets the next one launch at once and waits for its predecessor
 (``griddepcontrol``) before its first read, so launch latency overlaps the previous kernel.
 """
@@ -45,14 +46,14 @@ class GemvConfig:
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, y_ptr, part_ptr, nw_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    k_per_split, eps,
+    x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DIRECT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FMA: tl.constexpr,
-    PRO: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
+    GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
 ):
-    # PRO: 0 plain x, 1 RMSNorm of x (weight nw, full K per program: split 1), 2 SwiGLU of
-    # x = [gate | up] (x is [M, 2K]). RES: y += acc (y is the residual stream; split 1).
+    # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]).
+    # RES: y += acc (y is the residual stream). Both need split 1 (DIRECT). x goes to the dot as
+    # loaded (math on a dot operand stops Triton from pipelining the loop's loads).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -61,43 +62,35 @@ def _skinny_kernel(
     n_ok = offs_n < N
     k_lo = pid_k * k_per_split
     if PDL:
-        # weights do not depend on the previous kernel: only x / y reads wait for it
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         if EVEN_K:
-            x_mask = m_ok[:, None]
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             if EVEN_N:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             k_ok = offs_k < K
-            x_mask = m_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if PRO == 1:
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            x = (xf * nw[None, :]).to(w.dtype)
-        elif PRO == 2:
-            g = x.to(tl.float32)
-            u = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype)
         if FMA:
             prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             acc += tl.sum(prod, 2)  # [BLOCK_M, BLOCK_N]
         else:
             acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N]
-    if PRO == 1:
-        acc = acc * tl.math.rsqrt(ss / K + eps)[:, None]
-    if DIRECT:
+    if GLU:
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+        act = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_M, BLOCK_N // 2]
+        offs_h = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_h[None, :],
+                 act.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_h < N // 2)[None, :])
+    elif DIRECT:
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         y_mask = m_ok[:, None] & n_ok[None, :]
         if RES:
@@ -112,8 +105,8 @@ def _skinny_kernel(
 def _splitk_reduce_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
                           BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -140,7 +133,7 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 }
 
 
-# split-1 entries for the fused launches (norm prologue / residual epilogue), same keys
+# split-1 entries for the fused launches (SwiGLU / residual epilogue), same keys
 _FUSED_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
     (2048, 6144): [(64, _cfg(16, 256, 1, 4))],  # down + residual
     (2048, 2048): [(64, _cfg(16, 256, 1, 4))],  # o + residual
@@ -161,7 +154,7 @@ def _heuristic(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
 def pick_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = False) -> GemvConfig:
     """Config for an ``[m, k] x [n, k]^T`` product: the tuned table, else a heuristic.
 
-    ``fused`` (a norm prologue or a residual epilogue): split 1; a split-K entry becomes one
+    ``fused`` (an epilogue): split 1; a split-K entry becomes one
     program per ``block_n / split_k`` rows (same program count, each streaming all of K).
     """
     cfg = None
@@ -189,35 +182,32 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-PROLOGUES = {None: 0, "rms_norm": 1, "silu_mul": 2}
-
-
 def linear_triton(
-    x: torch.Tensor,  # [M, K] ([M, 2K] for prologue "silu_mul"), K contiguous
+    x: torch.Tensor,  # [M, K], K contiguous
     weight: torch.Tensor,  # [N, K], K contiguous
-    out: torch.Tensor | None = None,  # [M, N], N contiguous
+    out: torch.Tensor | None = None,  # [M, N] ([M, N / 2] for epilogue "silu_mul")
     config: GemvConfig | None = None,
     *,
-    prologue: str | None = None,
-    norm_weight: torch.Tensor | None = None,  # [K], prologue "rms_norm"
-    eps: float = 0.0,
+    epilogue: str | None = None,  # None | "silu_mul" (weight rows interleave gate_i, up_i)
     residual: torch.Tensor | None = None,  # [M, N]: residual += result (the output)
     pdl: bool = False,
-) -> torch.Tensor:  # [M, N]
-    """``prologue(x) @ weight.T`` (``+ residual``, in place); arguments validated by ``ops.linear``.
+) -> torch.Tensor:  # out
+    """``x @ weight.T`` (then SwiGLU, or ``+ residual`` in place); validated by ``ops.linear``.
 
-    A prologue or a residual needs every K of a row in one program, so those launches use split 1
-    (``pick_config(..., fused=True)``).
+    An epilogue or a residual needs every K of an output in one program, so those launches run
+    split 1 (``pick_config(..., fused=True)``).
     """
     m = x.shape[0]
     n, k = weight.shape
-    pro = PROLOGUES[prologue]
-    fused = pro == 1 or residual is not None
+    glu = epilogue == "silu_mul"
+    fused = glu or residual is not None
     cfg = config or pick_config(m, n, k, _num_sms(x.device), fused=fused)
+    if glu and (cfg.block_n < 2 or n % 2):
+        raise ValueError(f"silu_mul epilogue needs an even N and block_n (got {n}, {cfg})")
     if residual is not None:
         out = residual
     elif out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n // 2 if glu else n, dtype=x.dtype, device=x.device)
     block_m = triton.next_power_of_2(max(m, 1)) if cfg.fma else max(16, triton.next_power_of_2(m))
     split = 1 if fused else max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
@@ -225,12 +215,10 @@ def linear_triton(
     direct = split == 1
     part = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     even_k = k % k_per_split == 0 and k_per_split % cfg.block_k == 0
-    nw = norm_weight if norm_weight is not None else weight
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, weight, out, part, nw, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        k_per_split, eps,
+        x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DIRECT=direct,
-        EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, FMA=cfg.fma, PRO=pro,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, FMA=cfg.fma, GLU=glu,
         RES=residual is not None, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )

@@ -289,43 +289,37 @@ def attention_tiling_update(
 
 
 def linear(
-    x: torch.Tensor,  # [M, K] ([M, 2K] for prologue "silu_mul")
+    x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     *,
-    out: torch.Tensor | None = None,  # [M, N]
+    out: torch.Tensor | None = None,  # [M, N] ([M, N / 2] for epilogue "silu_mul")
     config=None,  # gemv.GemvConfig | None
-    prologue: str | None = None,  # None | "rms_norm" | "silu_mul"
-    norm_weight: torch.Tensor | None = None,  # [K], prologue "rms_norm"
-    eps: float = 0.0,
+    epilogue: str | None = None,  # None | "silu_mul"
     residual: torch.Tensor | None = None,  # [M, N]: residual += result, returned
     backend: str | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """``prologue(x) @ weight.T`` for small M (decode/verify rows): split-K Triton GEMV on CUDA.
+    """``x @ weight.T`` for small M (decode/verify rows): split-K Triton GEMV on CUDA.
 
-    ``prologue="rms_norm"`` normalises x first (``rms_norm(x, norm_weight, eps)``),
-    ``"silu_mul"`` reads x as ``[gate | up]`` and uses ``silu(gate) * up``; ``residual`` adds
-    the product into that tensor in place (and returns it). Those fusions run split 1.
+    ``epilogue="silu_mul"``: the weight's rows interleave ``(gate_i, up_i)`` and the result is
+    ``silu(gate) * up`` ``[M, N / 2]`` (SwiGLU in the GEMV's epilogue). ``residual``: the
+    product is added into that tensor in place, which is returned. Epilogues run split 1.
     """
-    _need(prologue in (None, "rms_norm", "silu_mul"), "prologue", prologue,
-          "None, 'rms_norm' or 'silu_mul'")
-    _need(x.dim() == 2 and weight.dim() == 2, "x/weight shapes", (_shape(x), _shape(weight)),
-          "[M, K] and [N, K]")
-    k = weight.shape[1]
-    k_x = 2 * k if prologue == "silu_mul" else k
-    _need(x.shape[1] == k_x, "x/weight shapes", (_shape(x), _shape(weight)),
-          f"[M, {k_x}] and [N, {k}]" + (" (x = [gate | up])" if prologue == "silu_mul" else ""))
+    _need(epilogue in (None, "silu_mul"), "epilogue", epilogue, "None or 'silu_mul'")
+    _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
+          (_shape(x), _shape(weight)), "[M, K] and [N, K]")
     _need(x.dtype in _FLOATS and weight.dtype == x.dtype, "x/weight dtype", (x.dtype, weight.dtype),
           "the same float dtype")
     _need(x.stride(1) == 1 and weight.stride(1) == 1, "x/weight", "strided", "K contiguous")
     m, n = x.shape[0], weight.shape[0]
-    if prologue == "rms_norm":
-        _need(isinstance(norm_weight, torch.Tensor) and _shape(norm_weight) == (k,),
-              "norm_weight.shape", None if norm_weight is None else _shape(norm_weight), f"[{k}]")
-        _need(eps > 0, "eps", eps, "> 0")
+    n_out = n
+    if epilogue == "silu_mul":
+        _need(n % 2 == 0, "weight.shape", _shape(weight), "an even N (interleaved gate/up rows)")
+        _need(residual is None, "residual", "given", "None with epilogue 'silu_mul'")
+        n_out = n // 2
     if out is not None:
         _need(residual is None, "out", "given", "None when residual is given (it is the output)")
-        _need(_shape(out) == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "out",
-              (_shape(out), out.dtype), f"[{m}, {n}] {x.dtype}, N contiguous")
+        _need(_shape(out) == (m, n_out) and out.dtype == x.dtype and out.stride(1) == 1, "out",
+              (_shape(out), out.dtype), f"[{m}, {n_out}] {x.dtype}, N contiguous")
     if residual is not None:
         _need(_shape(residual) == (m, n) and residual.dtype == x.dtype
               and residual.stride(1) == 1, "residual", (_shape(residual), residual.dtype),
@@ -333,9 +327,9 @@ def linear(
     if use_triton(x, backend):
         from speccal.kernels.gemv import linear_triton
 
-        return linear_triton(x, weight, out=out, config=config, prologue=prologue,
-                             norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl_enabled(x))
-    res = ref.linear_ref(x, weight, prologue, norm_weight, eps, residual)
+        return linear_triton(x, weight, out=out, config=config, epilogue=epilogue,
+                             residual=residual, pdl=pdl_enabled(x))
+    res = ref.linear_ref(x, weight, epilogue, residual)
     return res if out is None else out.copy_(res)
 
 

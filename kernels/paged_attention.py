@@ -52,8 +52,8 @@ def _split_kernel(
     PDL: tl.constexpr,
 ):
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     s = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -146,8 +146,8 @@ def _reduce_kernel(
     # one program per (request, row, head); all splits loaded in one shot (no serial loop).
     # Packed: programs past batch * R zero the padding rows (t >= cu_q_lens[B]), no memset.
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, D_PAD)

@@ -249,25 +249,20 @@ def attention_tiling_update_ref(
 
 
 def linear_ref(
-    x: torch.Tensor,  # [M, K] ([M, 2K] for prologue "silu_mul")
+    x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] (nn.Linear layout)
-    prologue: str | None = None,
-    norm_weight: torch.Tensor | None = None,  # [K], prologue "rms_norm"
-    eps: float = 0.0,
+    epilogue: str | None = None,  # None | "silu_mul"
     residual: torch.Tensor | None = None,  # [M, N], becomes residual + result (in place)
-) -> torch.Tensor:  # [M, N], x.dtype (the updated residual when given)
-    """``prologue(x) @ weight.T (+ residual)`` with (at least) fp32 accumulation.
+) -> torch.Tensor:  # [M, N] ([M, N / 2] for "silu_mul"), x.dtype (the residual when given)
+    """``x @ weight.T`` with (at least) fp32 accumulation, then an optional epilogue.
 
-    Prologues: ``rms_norm`` (``rms_norm_ref(x, norm_weight, eps)``, rounded to x's dtype),
-    ``silu_mul`` (``silu(x[:, :K]) * x[:, K:]``, rounded to x's dtype).
+    ``silu_mul``: weight rows interleave ``(gate_i, up_i)``; returns ``silu(gate) * up``.
+    ``residual``: adds the product into ``residual`` (one rounding) and returns it.
     """
     acc = torch.promote_types(x.dtype, torch.float32)
-    if prologue == "rms_norm":
-        x = rms_norm_ref(x, norm_weight, eps)
-    elif prologue == "silu_mul":
-        gate, up = x.to(acc).chunk(2, dim=-1)
-        x = (torch.nn.functional.silu(gate) * up).to(x.dtype)
     y = x.to(acc) @ weight.to(acc).t()
+    if epilogue == "silu_mul":
+        y = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
     if residual is None:
         return y.to(x.dtype)
     return residual.copy_((residual.to(acc) + y).to(residual.dtype))

@@ -44,8 +44,8 @@ def _rotary_kv_kernel(
     QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t).to(tl.int64)

@@ -132,17 +132,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
         if self.gate_up_weight is not None and fused_kernels(x):
-            gate, up = _linear(x, self.gate_up_weight, None).chunk(2, dim=-1)
+            gate_up = _linear(x, self.gate_up_weight, None)  # [N, 2 inter], (gate_i, up_i) pairs
+            gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
         else:
             gate = _linear(x, self.gate_proj.weight, None)
             up = _linear(x, self.up_proj.weight, None)
         return _linear(nn.functional.silu(gate) * up, self.down_proj.weight, None)
 
     def fuse_weights(self) -> None:
-        """Make gate/up weights views of one ``[2 inter, hidden]`` matrix."""
+        """Make gate/up weights views of one ``[2 inter, hidden]`` matrix whose rows interleave
+        ``gate_i, up_i`` (the GEMV's SwiGLU epilogue finds both halves of an output in one tile);
+        the parameters become row-strided views of it."""
         ws = [self.gate_proj.weight, self.up_proj.weight]
-        gu = torch.cat([w.data for w in ws], dim=0)
-        ws[0].data, ws[1].data = gu[: ws[0].shape[0]], gu[ws[0].shape[0] :]
+        gu = torch.stack([w.data for w in ws], dim=1).reshape(-1, ws[0].shape[1])
+        ws[0].data, ws[1].data = gu[0::2], gu[1::2]
         self.gate_up_weight = gu
 
 
@@ -188,19 +191,19 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         rotary: RotaryTable,
     ) -> torch.Tensor:  # h
-        """The decode/verify layer in five Triton launches plus attention (see docs/KERNELS.md).
+        """The decode/verify layer in nine Triton launches (bench/KERNEL_NOTES.md).
 
-        ``rms_norm`` folds into the QKV and gate/up GEMVs (prologue), q/k norm + rotary + KV
-        write are one kernel writing q contiguous for attention, the residual adds fold into the
-        o and down GEMVs (epilogue), SwiGLU into the down GEMV (prologue).
+        norm, QKV GEMV, q/k norm + rotary + KV write (q written contiguous for attention),
+        attention (split + reduce), o GEMV with the residual add in its epilogue, norm, gate/up
+        GEMV with SwiGLU in its epilogue (interleaved rows), down GEMV + residual add.
         """
         ops = _ops()
         att, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         n = h.shape[0]
         hq, hk, d = att.num_heads, att.num_kv_heads, att.head_dim
-        qkv = ops.linear(h, att.qkv_weight, prologue="rms_norm", norm_weight=ln1.weight,
-                         eps=ln1.eps)  # [N, (hq + 2 hk) d]
+        x = ops.rms_norm(h, ln1.weight, ln1.eps)
+        qkv = ops.linear(x, att.qkv_weight)  # [N, (hq + 2 hk) d]
         if att.qkv_bias is not None:
             qkv = qkv + att.qkv_bias
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
@@ -213,9 +216,9 @@ class DecoderLayer(nn.Module):
                             kv[1], q_out=q_out, qk_norm=qk_norm)
         out = attend_rows(q_out, kv[0], kv[1], meta, att.scale)  # [N, hq, d]
         ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h)
-        gate_up = ops.linear(h, mlp.gate_up_weight, prologue="rms_norm", norm_weight=ln2.weight,
-                             eps=ln2.eps)  # [N, 2 inter]
-        ops.linear(gate_up, mlp.down_proj.weight, prologue="silu_mul", residual=h)
+        x = ops.rms_norm(h, ln2.weight, ln2.eps)
+        act = ops.linear(x, mlp.gate_up_weight, epilogue="silu_mul")  # [N, inter]
+        ops.linear(act, mlp.down_proj.weight, residual=h)
         return h
 
     def forward_residual(

@@ -116,31 +116,29 @@ def test_small_ops_reject_bad_input_and_run_reference():
     assert err.value.field == "slot_mapping.dtype"
 
 
-def test_linear_fusions_compose_the_reference_ops():
+def test_linear_epilogues_compose_the_reference_ops():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 32, generator=gen)
     w = torch.randn(8, 32, generator=gen)
-    nw = torch.rand(32, generator=gen) + 0.5
     res = torch.randn(3, 8, generator=gen)
-    want = ops.linear(ops.rms_norm(x, nw, 1e-6), w) + res
+    want = ops.linear(x, w) + res
     r = res.clone()
-    got = ops.linear(x, w, prologue="rms_norm", norm_weight=nw, eps=1e-6, residual=r)
+    got = ops.linear(x, w, residual=r)
     assert got is r
     torch.testing.assert_close(got, want)
-    gu = torch.randn(3, 64, generator=gen)
-    want = ops.linear(torch.nn.functional.silu(gu[:, :32]) * gu[:, 32:], w)
-    torch.testing.assert_close(ops.linear(gu, w, prologue="silu_mul"), want)
+    y = ops.linear(x, w)  # rows of w read as (gate_0, up_0, gate_1, up_1, ...)
+    want = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
+    torch.testing.assert_close(ops.linear(x, w, epilogue="silu_mul"), want)
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"prologue": "gelu"}, "prologue"),
-    ({"prologue": "silu_mul"}, "x/weight shapes"),  # x must be [M, 2K]
-    ({"prologue": "rms_norm"}, "norm_weight.shape"),
-    ({"prologue": "rms_norm", "norm_weight": torch.ones(32)}, "eps"),
+    ({"epilogue": "gelu"}, "epilogue"),
+    ({"epilogue": "silu_mul", "residual": torch.empty(3, 8)}, "residual"),
+    ({"epilogue": "silu_mul", "out": torch.empty(3, 8)}, "out"),  # out is [M, N / 2]
     ({"out": torch.empty(3, 8), "residual": torch.empty(3, 8)}, "out"),
     ({"residual": torch.empty(3, 9)}, "residual"),
 ])
-def test_linear_fusion_arguments_are_checked(kwargs, field):
+def test_linear_epilogue_arguments_are_checked(kwargs, field):
     with pytest.raises(InputError) as err:
         ops.linear(torch.randn(3, 32), torch.randn(8, 32), **kwargs)
     assert field in str(err.value)

@@ -264,31 +264,28 @@ def test_rotary_kv_write_matches_reference(dtype, t, heads, kvh, d):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 48])
-@pytest.mark.parametrize("shape", [(2048, 2048), (1000, 2100), (4096, 2048)])
-@pytest.mark.parametrize("fusion", ["rms_norm", "silu_mul", "residual", "rms_norm+residual"])
+@pytest.mark.parametrize("shape", [(2048, 2048), (1000, 2100), (12288, 2048)])
+@pytest.mark.parametrize("fusion", ["silu_mul", "residual"])
 def test_fused_linear_matches_reference(dtype, m, shape, fusion):
-    """Norm / SwiGLU prologues and the residual epilogue of the decode layer's GEMVs."""
+    """SwiGLU (interleaved gate/up rows) and residual epilogues of the decode layer's GEMVs."""
     from speccal.kernels.gemv import GemvConfig
 
     n, k = shape
     gen = torch.Generator().manual_seed(n + k + m + len(fusion))
-    prologue = fusion.split("+")[0] if fusion != "residual" else None
-    k_x = 2 * k if prologue == "silu_mul" else k
-    x = (torch.randn(m, k_x, generator=gen) * 2).to(dtype=dtype, device=DEV)
+    x = (torch.randn(m, k, generator=gen) * 2).to(dtype=dtype, device=DEV)
     w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype=dtype, device=DEV)
-    nw = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype=dtype, device=DEV)
     res0 = torch.randn(m, n, generator=gen).to(dtype=dtype, device=DEV)
-    use_res = "residual" in fusion
+    glu = fusion == "silu_mul"
     f32 = (lambda t: t.float()) if dtype != torch.float32 else (lambda t: t.clone())
-    want = ref.linear_ref(f32(x), f32(w), prologue, f32(nw), 1e-6,
-                          f32(res0) if use_res else None)
+    want = ref.linear_ref(f32(x), f32(w), "silu_mul" if glu else None,
+                          None if glu else f32(res0))
     for cfg in (None, GemvConfig(block_n=16, block_k=256, split_k=1),
                 GemvConfig(block_n=64, block_k=128, split_k=4)):  # split forced to 1
-        res = res0.clone() if use_res else None
-        out = None if use_res else torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
-        got = ops.linear(x, w, out=out, config=cfg, prologue=prologue, norm_weight=nw, eps=1e-6,
+        res = None if glu else res0.clone()
+        out = torch.full((m, n // 2), float("nan"), dtype=dtype, device=DEV) if glu else None
+        got = ops.linear(x, w, out=out, config=cfg, epilogue="silu_mul" if glu else None,
                          residual=res, backend="triton")
-        assert got is (res if use_res else out)
+        assert got is (out if glu else res)
         assert rel_err(got, want) < TOL[dtype], (fusion, cfg)
 
 

@@ -1,9 +1,9 @@
 """The fused decode layer (``DecoderLayer.forward_fused``) against the unfused torch layer, on CPU.
 
-``forward_fused`` is the launch plan of the Triton path (norms in the GEMV prologues, residual in
-the epilogues, q/k norm + rotary + KV write in one op); on CPU tensors every op it calls runs its
-pure-torch reference, so the composition is checked here and the kernels on the GPU
-(tests/kernels).
+``forward_fused`` is the launch plan of the Triton path (residual adds and SwiGLU in GEMV
+epilogues over interleaved gate/up rows, q/k norm + rotary + KV write in one op); on CPU tensors
+every op it calls runs its pure-torch reference, so the composition is checked here and the
+kernels on the GPU (tests/kernels).
 """
 
 from __future__ import annotations
