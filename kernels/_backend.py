@@ -60,8 +60,10 @@ def pdl_enabled(t: torch.Tensor) -> bool:
 
     PDL (``griddepcontrol`` + the launch attribute) lets a kernel start while its predecessor
     drains; every kernel launched this way waits for its predecessor before touching data it
-    produced. Needs compute capability >= 9.0; ``SPECCAL_PDL=0`` turns it off (for comparisons).
+    produced. Needs compute capability >= 9.0. Opt-in (``SPECCAL_PDL=1``): on the H200 it made
+    the decode chain slower at one row (early-launched CTAs crowd the few idle SMs and become
+    stragglers) and faster at 48 rows (bench/KERNEL_NOTES.md).
     """
-    if not t.is_cuda or interpreting() or os.environ.get("SPECCAL_PDL", "1") == "0":
+    if not t.is_cuda or interpreting() or os.environ.get("SPECCAL_PDL", "0") != "1":
         return False
     return _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
