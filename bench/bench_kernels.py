@@ -199,14 +199,14 @@ def bench_chain(copy_bw, best):
 
 
 FUSED_CANDIDATES = [  # (block_n, block_k, stages) for the split-1 o / down launches
-    (16, 256, 4), (16, 128, 6), (16, 512, 3), (32, 128, 6), (32, 256, 4),
+    (16, 256, 4), (16, 512, 3), (32, 128, 6),
 ]
 
 
 def bench_fused_chain(copy_bw):
     """The decode step's matmul chain as the fused layer launches it (residual epilogue on o and
     down, SwiGLU epilogue on gate_up) + LM head, one graph; per o/down config (None: the table),
-    with and without programmatic dependent launch (PDL)."""
+    without / with programmatic dependent launch (PDL modes 0, 1, 2 of ``gemv.linear_triton``)."""
     layers = [{nm: torch.randn(*SHAPES[nm], device="cuda", dtype=DT) / 45 for nm in
                ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS)]
     lm = torch.randn(*SHAPES["lm_head"], device="cuda", dtype=DT) / 45
@@ -233,14 +233,14 @@ def bench_fused_chain(copy_bw):
             cfg = None if cand is None else GemvConfig(block_n=cand[0], block_k=cand[1],
                                                         split_k=1, num_warps=4,
                                                         num_stages=cand[2])
-            for pdl in (False, True):
+            for pdl in (0, 1, 2):
                 try:
                     t = graph_time_us([chain(cfg, pdl)], 1, 200)
                 except Exception as e:  # a config that does not compile is skipped, with reason
                     print(f"SKIP fused m={m} {cfg} pdl={pdl}: {type(e).__name__}: {e}"[:200])
                     continue
                 name = "table" if cand is None else f"{cand[0]}x{cand[1]}s{cand[2]}"
-                label = f"fused {name}" + (" pdl" if pdl else "")
+                label = f"fused {name}" + ("", " pdl", " pdl-late")[pdl]
                 TABLE.append(("fused_chain", f"28L+lm_head M={m}", label, t,
                               wbytes / (t * 1e-6) / 1e9, t / floor_us, float("nan")))
                 record("kernel_fused_chain_floor_ratio", round(t / floor_us, 4), "ratio",

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-__all__ = ["interpreting", "pdl_enabled", "triton_available", "use_triton"]
+__all__ = ["interpreting", "pdl_enabled", "pdl_mode", "triton_available", "use_triton"]
 
 
 @functools.cache
@@ -64,6 +64,15 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     the decode chain slower at one row (early-launched CTAs crowd the few idle SMs and become
     stragglers) and faster at 48 rows (bench/KERNEL_NOTES.md).
     """
-    if not t.is_cuda or interpreting() or os.environ.get("SPECCAL_PDL", "0") != "1":
-        return False
-    return _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return pdl_mode(t) > 0
+
+
+def pdl_mode(t: torch.Tensor) -> int:
+    """0: no PDL; 1 (``SPECCAL_PDL=1``): every Triton kernel lets its successor launch as soon
+    as its own wait is over; 2 (``SPECCAL_PDL=late``): GEMVs let it launch only after their K
+    loop (the other kernels as in 1)."""
+    mode = {"1": 1, "late": 2}.get(os.environ.get("SPECCAL_PDL", "0"), 0)
+    if not mode or not t.is_cuda or interpreting():
+        return 0
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return mode if _pdl_device(idx) else 0

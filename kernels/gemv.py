@@ -61,9 +61,10 @@ def _skinny_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     k_lo = pid_k * k_per_split
-    if PDL:
+    if PDL > 0:  # 1: let the next kernel launch now; 2: only once this one's K loop is done
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL == 1:
+            tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
@@ -84,6 +85,8 @@ def _skinny_kernel(
             acc += tl.sum(prod, 2)  # [BLOCK_M, BLOCK_N]
         else:
             acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N]
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     if GLU:
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
         act = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_M, BLOCK_N // 2]
@@ -103,7 +106,7 @@ def _skinny_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -114,6 +117,8 @@ def _splitk_reduce_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexp
         acc += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0)
     m = offs // N
     n = offs % N
+    if RES:
+        acc += tl.load(y_ptr + m * stride_ym + n, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -133,9 +138,9 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 }
 
 
-# split-1 entries for the fused launches (SwiGLU / residual epilogue), same keys
-_FUSED_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
-    (2048, 6144): [(64, _cfg(16, 256, 1, 4))],  # down + residual
+# residual-add launches: o at split 1 (add in the epilogue) measured 6.4 us vs 6.5 + a reduce;
+# down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1
+_RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
     (2048, 2048): [(64, _cfg(16, 256, 1, 4))],  # o + residual
 }
 
@@ -151,19 +156,22 @@ def _heuristic(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     return _cfg(block_n, block_k, split)
 
 
-def pick_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = False) -> GemvConfig:
+def pick_config(m: int, n: int, k: int, num_sms: int = 132,
+                epilogue: str | None = None) -> GemvConfig:
     """Config for an ``[m, k] x [n, k]^T`` product: the tuned table, else a heuristic.
 
-    ``fused`` (an epilogue): split 1; a split-K entry becomes one
-    program per ``block_n / split_k`` rows (same program count, each streaming all of K).
+    ``epilogue``: ``"residual"`` looks in ``_RESIDUAL_TABLE`` first (split 1 where adding in the
+    GEMV's epilogue beats a split-K reduce that adds); ``"silu_mul"`` forces split 1, a split-K
+    entry becoming one program per ``block_n / split_k`` rows (same program count).
     """
     cfg = None
-    for max_m, c in (_FUSED_TABLE.get((n, k), []) if fused else []) + _TABLE.get((n, k), []):
+    first = _RESIDUAL_TABLE.get((n, k), []) if epilogue == "residual" else []
+    for max_m, c in first + _TABLE.get((n, k), []):
         if m <= max_m:
             cfg = c
             break
     cfg = cfg or _heuristic(m, n, k, num_sms)
-    if fused and cfg.split_k > 1:
+    if epilogue == "silu_mul" and cfg.split_k > 1:
         bn = max(16, cfg.block_n // cfg.split_k)
         cfg = GemvConfig(block_n=bn, block_k=cfg.block_k, split_k=1, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, fma=cfg.fma)
@@ -190,18 +198,18 @@ def linear_triton(
     *,
     epilogue: str | None = None,  # None | "silu_mul" (weight rows interleave gate_i, up_i)
     residual: torch.Tensor | None = None,  # [M, N]: residual += result (the output)
-    pdl: bool = False,
+    pdl: int = 0,  # 0 off, 1 next kernel may launch at once, 2 after this one's K loop
 ) -> torch.Tensor:  # out
     """``x @ weight.T`` (then SwiGLU, or ``+ residual`` in place); validated by ``ops.linear``.
 
-    An epilogue or a residual needs every K of an output in one program, so those launches run
-    split 1 (``pick_config(..., fused=True)``).
+    SwiGLU needs every K of an output in one program (split 1); a residual add runs in the
+    GEMV's epilogue at split 1, else in the split-K reduce (``pick_config(..., epilogue=...)``).
     """
     m = x.shape[0]
     n, k = weight.shape
     glu = epilogue == "silu_mul"
-    fused = glu or residual is not None
-    cfg = config or pick_config(m, n, k, _num_sms(x.device), fused=fused)
+    cfg = config or pick_config(m, n, k, _num_sms(x.device),
+                                epilogue="residual" if residual is not None else epilogue)
     if glu and (cfg.block_n < 2 or n % 2):
         raise ValueError(f"silu_mul epilogue needs an even N and block_n (got {n}, {cfg})")
     if residual is not None:
@@ -209,7 +217,7 @@ def linear_triton(
     elif out is None:
         out = torch.empty(m, n // 2 if glu else n, dtype=x.dtype, device=x.device)
     block_m = triton.next_power_of_2(max(m, 1)) if cfg.fma else max(16, triton.next_power_of_2(m))
-    split = 1 if fused else max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    split = 1 if glu else max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     direct = split == 1
@@ -219,13 +227,13 @@ def linear_triton(
         x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DIRECT=direct,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, FMA=cfg.fma, GLU=glu,
-        RES=residual is not None, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        RES=residual is not None, PDL=int(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
     )
     if not direct:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, PDL=pdl, num_warps=4,
-            launch_pdl=pdl,
+            part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block,
+            RES=residual is not None, PDL=pdl > 0, num_warps=4, launch_pdl=pdl > 0,
         )
     return out

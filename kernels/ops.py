@@ -24,7 +24,7 @@ import torch
 
 from speccal.errors import InputError
 from speccal.kernels import reference as ref
-from speccal.kernels._backend import pdl_enabled, use_triton
+from speccal.kernels._backend import pdl_enabled, pdl_mode, use_triton
 
 __all__ = [
     "SplitPlan",
@@ -109,9 +109,17 @@ def paged_attention(
     tiling: tuple[torch.Tensor, torch.Tensor] | None = None,  # (num_splits [B], split_len [B])
     plan: SplitPlan | None = None,
     out: torch.Tensor | None = None,  # like q
+    rope: tuple | None = None,  # (k_new [T, KVH, D], v_new, cos_sin_cache [P, D], qk_norm | None)
     backend: str | None = None,
 ) -> torch.Tensor:  # like q
     """Causal paged attention for decode (1 row) and verification (up to w+1 rows per request).
+
+    ``rope`` (packed layout only): q is the raw projection (any row/head stride, D contiguous)
+    and the new rows' ``k_new``/``v_new`` are not in the cache yet; the op first applies the
+    optional per-head RMSNorm (``qk_norm = (q_weight, k_weight, eps)``) and neox rotary at each
+    row's position to q and k, writes the rotated k and v to their slots (from the block table;
+    padding rows past ``cu_q_lens[B]`` are not written by the kernel), then attends. One launch
+    instead of ``rotary_kv_write`` + attention.
 
     Query row ``i`` of request ``b`` sits at position ``seq_lens[b] - q_len[b] + i`` and attends
     to KV ``[0, that position]``; ``q_len`` is ``num_q_rows`` (dense), ``q_lens[b]`` (dense,
@@ -148,7 +156,11 @@ def paged_attention(
     num_heads = q.shape[-2]
     _need(num_heads % num_kv_heads == 0, "num_heads", num_heads,
           f"a multiple of num_kv_heads={num_kv_heads}")
-    _need(q.stride(-1) == 1 and q.is_contiguous(), "q", "non-contiguous", "a contiguous tensor")
+    if rope is not None:
+        _check_rope(rope, q, k_cache, packed)
+    else:
+        _need(q.stride(-1) == 1 and q.is_contiguous(), "q", "non-contiguous",
+              "a contiguous tensor")
     _need(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "k_cache/v_cache", "strided",
           "head_dim contiguous")
     if out is not None:
@@ -170,8 +182,16 @@ def paged_attention(
         return paged_attention_triton(
             q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, num_splits, split_len,
             plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
-            pdl=pdl_enabled(q),
+            rope=rope, pdl=pdl_enabled(q),
         )
+    if rope is not None:
+        res = ref.rope_paged_attention_ref(
+            q, rope[0], rope[1], rope[2], k_cache, v_cache, block_table, seq_lens, num_q_rows,
+            scale, cu_q_lens, rope[3],
+            num_splits=num_splits if plan.max_splits > 1 else None,
+            split_len=split_len if plan.max_splits > 1 else None, max_splits=plan.max_splits,
+        )
+        return res if out is None else out.copy_(res)
     res = ref.paged_attention_ref(
         q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, q_lens=q_lens,
         cu_q_lens=cu_q_lens,
@@ -181,6 +201,29 @@ def paged_attention(
     if out is None:
         return res
     return out.copy_(res)
+
+
+def _check_rope(rope, q: torch.Tensor, k_cache: torch.Tensor, packed: bool) -> None:
+    _need(packed, "rope", "given", "the packed layout (cu_q_lens)")
+    _need(isinstance(rope, tuple) and len(rope) == 4, "rope", type(rope).__name__,
+          "(k_new, v_new, cos_sin_cache, qk_norm or None)")
+    k_new, v_new, cos_sin, qk_norm = rope
+    t, _, d = q.shape
+    kvh = k_cache.shape[2]
+    for name, x in (("rope k_new", k_new), ("rope v_new", v_new)):
+        _need(_shape(x) == (t, kvh, d) and x.dtype == q.dtype and x.stride(-1) == 1,
+              f"{name}", (_shape(x), x.dtype), f"[{t}, {kvh}, {d}] {q.dtype}, D contiguous")
+    _need(q.stride(-1) == 1, "q", "strided", "head_dim contiguous")
+    _need(d % 2 == 0, "head_dim", d, "even")
+    _need(cos_sin.dim() == 2 and cos_sin.shape[1] == d and cos_sin.stride(1) == 1
+          and cos_sin.dtype == torch.float32, "rope cos_sin_cache",
+          (_shape(cos_sin), cos_sin.dtype), f"[max_pos, {d}] float32")
+    _need(k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "k_cache", "strided",
+          "blocks and slots contiguous (slot = block * block_size + offset)")
+    if qk_norm is not None:
+        _need(len(qk_norm) == 3 and all(_shape(w) == (d,) for w in qk_norm[:2]) and qk_norm[2] > 0,
+              "rope qk_norm", tuple(_shape(w) for w in qk_norm[:2]) + tuple(qk_norm[2:]),
+              f"(q_weight [{d}], k_weight [{d}], eps > 0)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,7 +371,7 @@ def linear(
         from speccal.kernels.gemv import linear_triton
 
         return linear_triton(x, weight, out=out, config=config, epilogue=epilogue,
-                             residual=residual, pdl=pdl_enabled(x))
+                             residual=residual, pdl=pdl_mode(x))
     res = ref.linear_ref(x, weight, epilogue, residual)
     return res if out is None else out.copy_(res)
 

@@ -1,5 +1,9 @@
 """Triton paged attention for decode and verification, split-KV (flash-decoding) with a reduce.
 
+Optionally fused with the step before it (``rope``): per-head q/k RMSNorm, rotary on q and on
+the new k rows, and the new rows' KV-cache write, so the decode layer needs no separate rotary
+launch (``ops.rope_paged_attention``).
+
 Owns the kernel behind ``speccal.kernels.ops.paged_attention``; its pure-torch twin is
 ``reference.paged_attention_ref`` (same arguments, same semantics, see that module's docstring
 for the layouts). One program handles one (request, KV head, KV split): its M tile stacks the
@@ -40,17 +44,45 @@ def _row_layout(b, q_lens_ptr, cu_q_ptr, R, Q_MODE: tl.constexpr):
 
 
 @triton.jit
+def _rope_rows(x_ptrs, xs_ptrs, mask, pos, cs_ptr, stride_cs, nw_ptr, offs_d, eps,
+               HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """Rows of one head each, ``[rows, D_PAD]``: optional RMSNorm over D, then neox rotary.
+
+    ``xs_ptrs`` point at the partner lane ``(d + D/2) % D``, so ``rotate_half`` is a second
+    (L1-hitting) load instead of a register shuffle. fp32 result."""
+    half = HEAD_DIM // 2
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    xs = tl.load(xs_ptrs, mask=mask, other=0.0).to(tl.float32)
+    lane = offs_d % half
+    d_ok = offs_d < HEAD_DIM
+    if QK_NORM:
+        inv = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        x = x * inv * tl.load(nw_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        partner = (offs_d + half) % HEAD_DIM
+        xs = xs * inv * tl.load(nw_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    cs_row = cs_ptr + pos[:, None] * stride_cs + lane[None, :]
+    cos = tl.load(cs_row, mask=mask, other=0.0)
+    sin = tl.load(cs_row + half, mask=mask, other=0.0)
+    sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
+    return x * cos + sign * xs * sin
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, q_lens_ptr, cu_q_ptr, nsplit_ptr, split_len_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr, kn_ptr, vn_ptr, cs_ptr, qw_ptr, kw_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    R, max_splits, scale_log2,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
+    R, max_splits, scale_log2, eps,
     NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_MODE: tl.constexpr, DIRECT: tl.constexpr,
-    PDL: tl.constexpr,
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    # ROPE: q is the raw projection; each program rotates (and q/k-norms) its query rows, and the
+    # program whose KV range holds a new row writes that row's rotated k and v (its KV head) to
+    # the cache before reading any tile: no separate rotary + KV-write launch.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -80,11 +112,33 @@ def _split_kernel(
         row_ok = (r < q_len) & (offs_m < R * GROUP)
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < HEAD_DIM
-        q = tl.load(
-            q_ptr + (q_start + r)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # [BLOCK_M, D_PAD]
         pos = seq_len - q_len + r  # [BLOCK_M] position of each query row
+        q_rows = q_ptr + (q_start + r)[:, None] * stride_qt + h[:, None] * stride_qh
+        q_mask = row_ok[:, None] & d_ok[None, :]
+        if ROPE:
+            swap = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+            q = _rope_rows(q_rows + offs_d[None, :], q_rows + swap[None, :], q_mask, pos,
+                           cs_ptr, stride_cs, qw_ptr, offs_d, eps, HEAD_DIM, QK_NORM)
+            q = q.to(k_ptr.dtype.element_ty)  # [BLOCK_M, D_PAD], as the unfused path stores it
+            # new rows of this request inside [start, end): rotate k, write k and v to the cache
+            nr = tl.arange(0, R_PAD)
+            npos = seq_len - q_len + nr
+            new_ok = (nr < q_len) & (npos >= start) & (npos < end)
+            n_mask = new_ok[:, None] & d_ok[None, :]
+            k_rows = kn_ptr + (q_start + nr)[:, None] * stride_knt + kvh * stride_knh
+            kr = _rope_rows(k_rows + offs_d[None, :], k_rows + swap[None, :], n_mask, npos,
+                            cs_ptr, stride_cs, kw_ptr, offs_d, eps, HEAD_DIM, QK_NORM)
+            npage = tl.load(bt_ptr + b * stride_bt + npos // PAGE, mask=new_ok, other=0)
+            nslot = npage.to(tl.int64) * PAGE + npos % PAGE  # [R_PAD]
+            tl.store(k_ptr + nslot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                     kr.to(k_ptr.dtype.element_ty), mask=n_mask)
+            vnew = tl.load(vn_ptr + (q_start + nr)[:, None] * stride_vnt + kvh * stride_vnh
+                           + offs_d[None, :], mask=n_mask, other=0.0)
+            tl.store(v_ptr + nslot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                     vnew.to(v_ptr.dtype.element_ty), mask=n_mask)
+            tl.debug_barrier()  # the CTA's own cache writes before its tile loads
+        else:
+            q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, D_PAD]
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
@@ -198,17 +252,22 @@ def paged_attention_triton(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    rope: tuple | None = None,  # (k_new [T, KVH, D], v_new [T, KVH, D], cos_sin_cache, qk_norm)
     pdl: bool = False,
 ) -> torch.Tensor:
     """Launch the split kernel (and the reduce when ``max_splits > 1``). Inputs are validated by
-    ``ops.paged_attention``; this function trusts them."""
+    ``ops.paged_attention`` / ``ops.rope_paged_attention``; this function trusts them.
+
+    ``rope``: q is the raw projection (any row/head stride); the kernel applies the optional
+    per-head q/k norm (``qk_norm = (q_w, k_w, eps)`` or None) and rotary to q and to the new k
+    rows, and writes the new k, v rows to the cache itself (packed layout)."""
     batch = block_table.shape[0]
     _, page, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[-2]
     group = num_heads // num_kv_heads
     q3 = q.reshape(-1, num_heads, head_dim)  # [rows, H, D] view (q is contiguous in its rows)
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     o3 = out.reshape(-1, num_heads, head_dim)
     direct = max_splits == 1
     if cu_q_lens is not None:
@@ -230,17 +289,27 @@ def paged_attention_triton(
         part_lse = torch.empty(batch, max_splits, num_q_rows, num_heads,
                                dtype=torch.float32, device=q.device)
     log2e = 1.4426950408889634
+    if rope is not None:
+        k_new, v_new, cos_sin, qk_norm = rope
+        qw, kw, eps = qk_norm if qk_norm is not None else (cos_sin, cos_sin, 0.0)
+        extra = (k_new, v_new, cos_sin, qw, kw)
+        extra_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+                         cos_sin.stride(0))
+    else:
+        extra, extra_strides, eps = (o3,) * 5, (0,) * 5, 0.0
     _split_kernel[(batch * num_kv_heads, max_splits)](
         q3, k_cache, v_cache, block_table, seq_lens,
         q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
-        num_splits, split_len, o3, part_o, part_lse,
+        num_splits, split_len, o3, part_o, part_lse, *extra,
         q3.stride(0), q3.stride(1), o3.stride(0), o3.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        num_q_rows, max_splits, scale * log2e,
+        *extra_strides, num_q_rows, max_splits, scale * log2e, eps,
         NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, Q_MODE=mode, DIRECT=direct,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        ROPE=rope is not None, QK_NORM=rope is not None and rope[3] is not None,
+        R_PAD=triton.next_power_of_2(num_q_rows), PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if not direct:
         tail = o3.shape[0] if mode == _PACKED else 0

@@ -32,6 +32,8 @@ __all__ = [
     "attention_tiling_update_ref",
     "linear_ref",
     "paged_attention_ref",
+    "packed_rows_ref",
+    "rope_paged_attention_ref",
     "rms_norm_ref",
     "rotary_kv_write_ref",
     "verify_metadata_update_ref",
@@ -320,3 +322,49 @@ def rotary_kv_write_ref(
     k_cache.view(-1, kvh, d)[slot_mapping] = rot(norm(k, kw)).to(k_cache.dtype)
     v_cache.view(-1, kvh, d)[slot_mapping] = v.to(v_cache.dtype)
     return out
+
+
+def packed_rows_ref(
+    cu_q_lens: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    block_size: int,
+    num_rows: int,  # T
+) -> tuple[torch.Tensor, torch.Tensor]:  # positions [T] int64, slots [T] int64
+    """Position and KV slot of each packed row (padding rows past ``cu_q_lens[B]``: 0 and the
+    sentinel slot 0), as ``verify_metadata_update`` writes them."""
+    t = torch.arange(num_rows, device=cu_q_lens.device)
+    cu = cu_q_lens.long()
+    b = (torch.searchsorted(cu[1:], t, right=True)).clamp(max=cu.shape[0] - 2)
+    valid = t < cu[-1]
+    q_len = cu[b + 1] - cu[b]
+    pos = seq_lens.long()[b] - q_len + (t - cu[b])
+    pos = torch.where(valid, pos, torch.zeros_like(pos))
+    page = block_table.long()[b, pos // block_size]
+    slot = torch.where(valid, page * block_size + pos % block_size, torch.zeros_like(pos))
+    return pos, slot
+
+
+def rope_paged_attention_ref(
+    q: torch.Tensor,  # [T, H, D] raw projection (packed rows)
+    k_new: torch.Tensor,  # [T, KVH, D] raw projection
+    v_new: torch.Tensor,  # [T, KVH, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    num_q_rows: int,
+    scale: float,
+    cu_q_lens: torch.Tensor,  # [B + 1] int32
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    **split,  # num_splits, split_len, max_splits (see paged_attention_ref)
+) -> torch.Tensor:  # [T, H, D]
+    """``rotary_kv_write_ref`` (positions and slots from the packed layout, ``packed_rows_ref``)
+    then ``paged_attention_ref`` on the rotated q: what the fused kernel computes."""
+    pos, slot = packed_rows_ref(cu_q_lens, seq_lens, block_table, k_cache.shape[1], q.shape[0])
+    q_rot = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    rotary_kv_write_ref(q, k_new, v_new, pos, cos_sin_cache, slot, k_cache, v_cache, q_rot,
+                        qk_norm)
+    return paged_attention_ref(q_rot, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale,
+                               cu_q_lens=cu_q_lens, **split)

@@ -190,12 +190,16 @@ class DecoderLayer(nn.Module):
         meta: AttnMeta,
         kv: tuple[torch.Tensor, torch.Tensor],
         rotary: RotaryTable,
+        fuse_rope: bool = False,
     ) -> torch.Tensor:  # h
-        """The decode/verify layer in nine Triton launches (bench/KERNEL_NOTES.md).
+        """The decode/verify layer in eight Triton launches (bench/KERNEL_NOTES.md).
 
-        norm, QKV GEMV, q/k norm + rotary + KV write (q written contiguous for attention),
-        attention (split + reduce), o GEMV with the residual add in its epilogue, norm, gate/up
-        GEMV with SwiGLU in its epilogue (interleaved rows), down GEMV + residual add.
+        norm, QKV GEMV, attention (split + reduce; with ``fuse_rope`` and the packed layout the
+        split kernel also does q/k norm + rotary + the new rows' KV write, else one more launch
+        does them first), o GEMV with the residual add in its epilogue, norm, gate/up GEMV with
+        SwiGLU in its epilogue (interleaved rows), down GEMV + residual add (split-K reduce).
+        ``fuse_rope`` requires ``positions`` to be the packed rows' own positions
+        (``seq_lens - q_len + i``), as the target's verify/decode metadata is.
         """
         ops = _ops()
         att, mlp = self.self_attn, self.mlp
@@ -211,10 +215,17 @@ class DecoderLayer(nn.Module):
         qk_norm = None
         if att.q_norm is not None:
             qk_norm = (att.q_norm.weight, att.k_norm.weight, att.q_norm.eps)
-        q_out = torch.empty(n, hq, d, dtype=h.dtype, device=h.device)
-        ops.rotary_kv_write(q, k, v, positions, rotary.cos_sin_cache, meta.slot_mapping, kv[0],
-                            kv[1], q_out=q_out, qk_norm=qk_norm)
-        out = attend_rows(q_out, kv[0], kv[1], meta, att.scale)  # [N, hq, d]
+        if fuse_rope and meta.cu_q_lens is not None:  # rotary + KV write inside attention
+            out = ops.paged_attention(
+                q, kv[0], kv[1], meta.block_table, meta.seq_lens, meta.num_q_rows, att.scale,
+                cu_q_lens=meta.cu_q_lens, tiling=meta.tiling, plan=meta.plan,
+                rope=(k, v, rotary.cos_sin_cache, qk_norm),
+            )  # [N, hq, d]
+        else:
+            q_out = torch.empty(n, hq, d, dtype=h.dtype, device=h.device)
+            ops.rotary_kv_write(q, k, v, positions, rotary.cos_sin_cache, meta.slot_mapping,
+                                kv[0], kv[1], q_out=q_out, qk_norm=qk_norm)
+            out = attend_rows(q_out, kv[0], kv[1], meta, att.scale)  # [N, hq, d]
         ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h)
         x = ops.rms_norm(h, ln2.weight, ln2.eps)
         act = ops.linear(x, mlp.gate_up_weight, epilogue="silu_mul")  # [N, inter]

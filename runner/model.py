@@ -72,7 +72,7 @@ class TargetModel(nn.Module):
             from speccal.kernels import ops  # noqa: PLC0415
 
             for layer, kv in zip(layers, kv_caches, strict=True):
-                layer.forward_fused(x, positions, meta, kv, self.rotary)  # x: residual stream
+                layer.forward_fused(x, positions, meta, kv, self.rotary, fuse_rope=True)
             return ops.rms_norm(x, self.model.norm.weight, self.model.norm.eps)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):

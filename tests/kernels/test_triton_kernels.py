@@ -280,7 +280,7 @@ def test_fused_linear_matches_reference(dtype, m, shape, fusion):
     want = ref.linear_ref(f32(x), f32(w), "silu_mul" if glu else None,
                           None if glu else f32(res0))
     for cfg in (None, GemvConfig(block_n=16, block_k=256, split_k=1),
-                GemvConfig(block_n=64, block_k=128, split_k=4)):  # split forced to 1
+                GemvConfig(block_n=64, block_k=128, split_k=4)):  # SwiGLU: split forced to 1
         res = None if glu else res0.clone()
         out = torch.full((m, n // 2), float("nan"), dtype=dtype, device=DEV) if glu else None
         got = ops.linear(x, w, out=out, config=cfg, epilogue="silu_mul" if glu else None,
@@ -320,3 +320,46 @@ def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
     assert torch.equal(v1, v2)
     # the norm really happened: per-head RMS of the rotated q is that of the norm weight
     assert abs(float(q2.float().pow(2).mean()) - float(qw.float().pow(2).mean())) < 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("max_splits", [1, 8])
+def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits):
+    """Attention fused with q/k norm + rotary + the new rows' KV write (packed verify rows;
+    request 1's six rows straddle a KV split boundary)."""
+    gen = torch.Generator().manual_seed(11 + max_splits)
+    heads, kvh, d, bs = 16, 8, 128, 16
+    ctx = [1017, 60, 3]
+    rows = [1, 6, 4]
+    seq = [c + r for c, r in zip(ctx, rows, strict=True)]
+    max_blocks = max(-(-n // bs) for n in seq) + 1
+    nb = len(seq) * max_blocks + 3
+    kc0, vc0 = paged_kv(nb, bs, kvh, d, dtype, DEV, gen)
+    bt = block_table_for(seq, bs, max_blocks, nb, gen, DEV)
+    t_rows = sum(rows) + 2  # two padding rows
+    cu = torch.tensor([0, 1, 7, 11], dtype=torch.int32, device=DEV)
+    qkv = torch.randn(t_rows, (heads + 2 * kvh) * d, generator=gen).to(dtype=dtype, device=DEV)
+    q = qkv[:, : heads * d].view(t_rows, heads, d)
+    k = qkv[:, heads * d: (heads + kvh) * d].view(t_rows, kvh, d)
+    v = qkv[:, (heads + kvh) * d:].view(t_rows, kvh, d)
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(4096).float()[:, None] * inv[None, :]
+    cs = torch.cat([ang.cos(), ang.sin()], -1).to(DEV)
+    norm = None
+    if qk_norm:
+        qw, kw = (1 + 0.2 * torch.randn(2, d, generator=gen)).to(dtype=dtype, device=DEV)
+        norm = (qw, kw, 1e-6)
+    seq_t = torch.tensor(seq, dtype=torch.int32, device=DEV)
+    plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=16)
+    outs = []
+    for backend in ("triton", "reference"):
+        kc, vc = kc0.clone(), vc0.clone()
+        out = ops.paged_attention(q, kc, vc, bt, seq_t, max(rows), d ** -0.5, cu_q_lens=cu,
+                                  plan=plan, rope=(k, v, cs, norm), backend=backend)
+        outs.append((out, kc[1:], vc[1:]))  # block 0: the sentinel (reference pads write it)
+    (o1, k1, v1), (o2, k2, v2) = outs
+    assert rel_err(o1, o2) < TOL[dtype]
+    assert rel_err(k1, k2) < TOL[dtype] / 4
+    assert torch.equal(v1, v2)
+    assert torch.equal(o1[sum(rows):], torch.zeros_like(o1[sum(rows):]))  # padding rows

@@ -51,8 +51,9 @@ def _packed_meta(ctx, rows, block_size=4, max_blocks=16):
     return meta, torch.tensor(pos), nb
 
 
+@pytest.mark.parametrize("fuse_rope", [False, True])
 @pytest.mark.parametrize("qk_norm, bias", [(True, False), (False, True)])
-def test_forward_fused_matches_unfused_layer(qk_norm, bias):
+def test_forward_fused_matches_unfused_layer(qk_norm, bias, fuse_rope):
     layer, rotary, cfg = _layer(qk_norm, bias)
     meta, pos, nb = _packed_meta(ctx=[5, 11], rows=[3, 1])
     gen = torch.Generator().manual_seed(0)
@@ -64,7 +65,7 @@ def test_forward_fused_matches_unfused_layer(qk_norm, bias):
         want = layer(x, pos, meta, tuple(kv_ref), rotary)  # torch path: not fused on CPU
         kv_fused = [t.clone() for t in kv0]
         h = x.clone()
-        got = layer.forward_fused(h, pos, meta, tuple(kv_fused), rotary)
+        got = layer.forward_fused(h, pos, meta, tuple(kv_fused), rotary, fuse_rope=fuse_rope)
     assert got is h  # the residual stream is updated in place
     real = slice(0, int(meta.cu_q_lens[-1]))
     torch.testing.assert_close(got[real], want[real], rtol=2e-4, atol=2e-4)
