@@ -45,6 +45,15 @@ from speccal.calibrate.journal import open_journal
 from speccal.errors import InputError
 
 
+def _invocation() -> str | None:
+    """The command line that made the table: ``speccal ...`` for the CLI, else the script."""
+    if not sys.argv:
+        return None
+    prog = Path(sys.argv[0]).name
+    head = ["speccal"] if prog in ("speccal", "__main__.py", "cli.py") else ["python3", sys.argv[0]]
+    return " ".join([*head, *sys.argv[1:]])
+
+
 @dataclass(frozen=True)
 class CalibrateOptions:
     """Everything ``speccal calibrate`` takes from its command line.
@@ -229,7 +238,7 @@ def calibrate(
         calibration={**cfg.to_dict(), "sources": dict(cfg.sources)},
         geometry=geometry,
         provenance=Provenance.now(
-            command=" ".join(["speccal", *sys.argv[1:]]) if sys.argv else None,
+            command=_invocation(),
             torch_version=versions["torch_version"],
             driver_version=versions["driver_version"],
         ),
