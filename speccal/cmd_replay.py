@@ -279,6 +279,7 @@ def trace_cmd(
         str | None,
         typer.Option(
             "--acceptance-profile",
+            "--profile",
             help="Synthetic: comma-separated conditional acceptance per position.",
         ),
     ] = None,

@@ -78,7 +78,12 @@ KOpt = Annotated[
 ]
 ProfileOpt = Annotated[
     str | None,
-    typer.Option("--profile", help="Synthetic acceptance profile, w values.", show_default=False),
+    typer.Option(
+        "--acceptance-profile",
+        "--profile",
+        help="Synthetic acceptance profile, w comma-separated values (as in `speccal trace`).",
+        show_default=False,
+    ),
 ]
 GraphModeOpt = Annotated[
     str | None,
@@ -126,7 +131,7 @@ def _engine_config(
         draft_width=draft_width,
         request_buckets=tuple(request_buckets),
         acceptance=acceptance,
-        acceptance_profile=_parse_floats(profile, "--profile"),
+        acceptance_profile=_parse_floats(profile, "--acceptance-profile"),
         seed=seed,
         max_model_len=max_model_len,
         speculative=speculative,

@@ -379,3 +379,12 @@ def test_bench_bad_repeats_refused(policy, n, monkeypatch):
     r = _run("bench", *policy, "--repeats", n)
     assert 2 in (r.exit_code, getattr(r.exception, "exit_code", None)), r.output
     assert f"--repeats: got {n}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_acceptance_profile_has_one_name_in_bench_and_trace():
+    """``bench`` and ``trace`` both take ``--acceptance-profile`` (``--profile`` kept as alias)."""
+    for cmd in ("bench", "trace"):
+        r = _run(cmd, "--help")
+        assert r.exit_code == 0 and "--acceptance-profile" in r.output and "--profile" in r.output
+    r = _run("bench", "--acceptance", "synthetic", "--acceptance-profile", "0.5,x,0.5")
+    assert r.exit_code == 2 and "--acceptance-profile" in r.stderr, r.output
