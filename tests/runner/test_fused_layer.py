@@ -76,3 +76,29 @@ def test_forward_fused_matches_unfused_layer(qk_norm, bias, fuse_rope):
 def test_can_fuse_needs_the_triton_path():
     layer, rotary, _ = _layer(True, False)
     assert not layer.can_fuse(torch.zeros(1, 64), rotary)  # CPU tensor: torch path
+
+
+def test_fuse_weights_keeps_every_parameter_and_the_output():
+    """``fuse_weights`` interleaves gate/up rows and concatenates q/k/v; the parameters stay
+    (strided) views with their values, so the unfused path computes exactly what it did."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      is_qk_norm=True)
+    torch.manual_seed(5)
+    layer = DecoderLayer(cfg)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        y0 = layer.mlp(x)
+        layer.self_attn.fuse_weights()
+        layer.mlp.fuse_weights()
+        y1 = layer.mlp(x)
+    after = layer.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    gu = layer.mlp.gate_up_weight
+    assert torch.equal(gu[0::2], before["mlp.gate_proj.weight"])
+    assert torch.equal(gu[1::2], before["mlp.up_proj.weight"])
+    assert layer.mlp.gate_proj.weight.data_ptr() == gu.data_ptr()  # a view, not a copy
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
