@@ -1,6 +1,6 @@
 """Decode / verify speed of the captured runner vs the HBM floor, and the draft->target gap.
 
-Usage (H200): python3 bench/bench_decode.py --out DIR [--quick]
+Usage (H200): python3 bench/bench_decode.py --out DIR [--repeats N] [--pdl off,late]
 
 One run measures, on the dense-2b preset (bf16, triton backend, graph_mode="split"):
 - copy bandwidth (1 GiB bf16 copy; read + write bytes / median time);
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -162,20 +163,8 @@ def gap_us(eng: Engine, k: int, rounds: int) -> float:
     return statistics.median(gaps)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--model", default="dense-2b")
-    args = ap.parse_args()
-    out = Path(args.out)
-    res: dict[str, object] = {}
-
-    def save() -> None:
-        (out / "decode.json").write_text(json.dumps(res, indent=1))
-
-    bw = copy_bandwidth()
-    res["copy_bandwidth_gbs"] = bw / 1e9
+def measure(args, res: dict, bw: float, save) -> None:
+    """Every figure of one PDL mode into ``res`` (see the module docstring)."""
     common = dict(
         model=args.model,
         device="cuda",
@@ -255,13 +244,48 @@ def main() -> None:
     )
     res["draft_target_gap_us_fallback"] = gap_us(host, 5, 9)
     save()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--model", default="dense-2b")
+    ap.add_argument("--pdl", default="off", help="comma list of PDL modes: off, 1, late "
+                    "(SPECCAL_PDL at capture); the first mode's figures are top level")
+    args = ap.parse_args()
+    out = Path(args.out)
+    res: dict[str, object] = {}
+
+    def save() -> None:
+        (out / "decode.json").write_text(json.dumps(res, indent=1))
+
+    bw = copy_bandwidth()
+    res["copy_bandwidth_gbs"] = bw / 1e9
+    modes = args.pdl.split(",")
+    for i, mode in enumerate(modes):  # the first mode's figures at the top level
+        os.environ["SPECCAL_PDL"] = {"off": "0"}.get(mode, mode)
+        sub: dict[str, object] = res if i == 0 else {}
+        if i:
+            res[f"pdl_{mode}"] = sub
+        res.setdefault("pdl_modes", modes)
+        measure(args, sub, bw, save)
+        torch.cuda.empty_cache()
+    show(res)
+
+
+def show(res: dict, prefix: str = "") -> None:
     for name, v in res.items():
-        if isinstance(v, list):
-            print(name)
+        if isinstance(v, dict):
+            show(v, f"{prefix}{name}.")
+        elif isinstance(v, list) and v and isinstance(v[0], list):
+            print(prefix + name)
             for row in v:
-                print(f"    {row[1]:9.2f} us  x{row[2]:<6} {row[0]}")
+                print(f"    {row[1]:9.2f} us  x{row[2]!s:<10} {row[0]}")
+        elif isinstance(v, float):
+            print(f"{prefix + name:44s} {v:10.4f}")
         else:
-            print(f"{name:36s} {v:10.4f}")
+            print(f"{prefix + name:44s} {v}")
 
 
 if __name__ == "__main__":

@@ -153,3 +153,20 @@ def test_rotary_q_out_and_qk_norm_are_checked():
         ops.rotary_kv_write(*args, q_out=torch.empty(2, 4, 4))
     with pytest.raises(InputError, match="qk_norm"):
         ops.rotary_kv_write(*args, qk_norm=(torch.ones(8), torch.ones(4), 1e-6))
+
+
+@pytest.mark.parametrize("value, mode", [("0", 0), ("1", 1), ("late", 2), ("yes", 0)])
+def test_pdl_mode_is_opt_in_and_never_on_cpu(value, mode, monkeypatch):
+    """``SPECCAL_PDL`` selects the programmatic-dependent-launch mode; CPU tensors never use it."""
+    from speccal.kernels import _backend
+
+    monkeypatch.setenv("SPECCAL_PDL", value)
+    assert _backend.pdl_mode(torch.zeros(1)) == 0
+    monkeypatch.setattr(_backend, "_pdl_device", lambda index: True)
+
+    class _FakeCuda:
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    assert _backend.pdl_mode(_FakeCuda()) == mode
+    assert _backend.pdl_enabled(_FakeCuda()) == (mode > 0)

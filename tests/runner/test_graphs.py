@@ -108,3 +108,18 @@ def test_plain_decode_graphs_equal_eager_cuda():
     eager = _run(Engine(_cfg(**kw)), 10, 0)
     graph = _run(Engine(_cfg(graph_mode="split", **kw)), 10, 0)
     assert eager == graph
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pdl", ["1", "late"])
+def test_pdl_launches_change_no_token_cuda(pdl, monkeypatch):
+    """Programmatic dependent launch (opt-in) only reorders launches: eager without PDL and split
+    graphs captured with it emit the same tokens (bf16, speculative and plain)."""
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="triton")
+    verify = [[3, 1, 2], [0, 3, 3]]
+    want = _run(Engine(_cfg(**kw)), 8, 3, verify)
+    want_plain = _run(Engine(_cfg(speculative=False, **kw)), 10, 0)
+    monkeypatch.setenv("SPECCAL_PDL", pdl)
+    got = _run(Engine(_cfg(graph_mode="split", **kw)), 8, 3, verify)
+    got_plain = _run(Engine(_cfg(graph_mode="split", speculative=False, **kw)), 10, 0)
+    assert got == want and got_plain == want_plain
