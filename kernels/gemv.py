@@ -16,9 +16,10 @@ Epilogue fusions of the decode layer (each saves a launch and a round trip of th
 halves of its outputs and stores ``silu(gate) * up``) and a residual add (``residual +=
 x @ w.T`` in place). Prologues (norm, SwiGLU applied to x tiles as they load) were tried and
 dropped: math on a dot operand stopped Triton 3.6 from pipelining the loop's loads (2-6x slower
-GEMVs on the H200, bench/KERNEL_NOTES.md). With ``pdl`` the launch is a programmatic dependent launch
-(Hopper): the kernel lets the next one launch at once and waits for its predecessor
-(``griddepcontrol``) before its first read, so launch latency overlaps the previous kernel.
+GEMVs on the H200, bench/KERNEL_NOTES.md). With ``pdl`` > 0 the launch is a programmatic
+dependent launch (Hopper, opt-in via ``SPECCAL_PDL``): the kernel waits for its predecessor
+(``griddepcontrol.wait``) before its first read and lets its successor launch either at once
+(mode 1) or after its K loop (mode 2, ``late``), so launch latency overlaps the previous kernel.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from speccal.errors import InputError
 
 __all__ = ["GemvConfig", "linear_triton", "pick_config"]
 
@@ -51,9 +54,9 @@ def _skinny_kernel(
     DIRECT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FMA: tl.constexpr,
     GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
 ):
-    # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]).
-    # RES: y += acc (y is the residual stream). Both need split 1 (DIRECT). x goes to the dot as
-    # loaded (math on a dot operand stops Triton from pipelining the loop's loads).
+    # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]),
+    # split 1 only. RES: y += acc (y is the residual stream; at split > 1 the reduce adds).
+    # x goes to the dot as loaded (math on a dot operand stops Triton pipelining the K loop).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -210,8 +213,8 @@ def linear_triton(
     glu = epilogue == "silu_mul"
     cfg = config or pick_config(m, n, k, _num_sms(x.device),
                                 epilogue="residual" if residual is not None else epilogue)
-    if glu and (cfg.block_n < 2 or n % 2):
-        raise ValueError(f"silu_mul epilogue needs an even N and block_n (got {n}, {cfg})")
+    if glu and cfg.block_n % 2:
+        raise InputError("config.block_n", cfg.block_n, "even for the silu_mul epilogue")
     if residual is not None:
         out = residual
     elif out is None:
