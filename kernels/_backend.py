@@ -3,8 +3,8 @@
 Triton is imported lazily and only here, so ``import speccal.kernels`` works on a CPU-only
 machine without it. ``SPECCAL_KERNELS=reference`` forces the pure-torch references everywhere
 (for comparisons and bisecting); ``TRITON_INTERPRET=1`` lets the Triton kernels run on CPU
-tensors through Triton's interpreter (slow; tests only). Programmatic dependent launch (PDL) is on
-on request (``SPECCAL_PDL=1``, Hopper and newer GPUs).
+tensors through Triton's interpreter (slow; tests only). Programmatic dependent launch (PDL) is
+opt-in (``SPECCAL_PDL=1`` or ``late``, Hopper and newer GPUs; ``pdl_mode``).
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def pdl_enabled(t: torch.Tensor) -> bool:
 
     PDL (``griddepcontrol`` + the launch attribute) lets a kernel start while its predecessor
     drains; every kernel launched this way waits for its predecessor before touching data it
-    produced. Needs compute capability >= 9.0. Opt-in (``SPECCAL_PDL=1``): on the H200 it made
-    the decode chain slower at one row (early-launched CTAs crowd the few idle SMs and become
-    stragglers) and faster at 48 rows (bench/KERNEL_NOTES.md).
+    produced. Needs compute capability >= 9.0. Opt-in (``pdl_mode``): on the H200 early release
+    made the decode GEMV chain slower at 1-8 rows and faster at 48; late release never lost
+    (bench/KERNEL_NOTES.md, v4).
     """
     return pdl_mode(t) > 0
 

@@ -157,7 +157,7 @@ def paged_attention(
     _need(num_heads % num_kv_heads == 0, "num_heads", num_heads,
           f"a multiple of num_kv_heads={num_kv_heads}")
     if rope is not None:
-        _check_rope(rope, q, k_cache, packed)
+        _check_rope(rope, q, k_cache, v_cache, packed)
     else:
         _need(q.stride(-1) == 1 and q.is_contiguous(), "q", "non-contiguous",
               "a contiguous tensor")
@@ -184,26 +184,40 @@ def paged_attention(
             plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
             rope=rope, pdl=pdl_enabled(q),
         )
-    if rope is not None:
-        res = ref.rope_paged_attention_ref(
-            q, rope[0], rope[1], rope[2], k_cache, v_cache, block_table, seq_lens, num_q_rows,
-            scale, cu_q_lens, rope[3],
-            num_splits=num_splits if plan.max_splits > 1 else None,
-            split_len=split_len if plan.max_splits > 1 else None, max_splits=plan.max_splits,
-        )
-        return res if out is None else out.copy_(res)
-    res = ref.paged_attention_ref(
-        q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, q_lens=q_lens,
-        cu_q_lens=cu_q_lens,
+    split = dict(
         num_splits=num_splits if plan.max_splits > 1 else None,
         split_len=split_len if plan.max_splits > 1 else None, max_splits=plan.max_splits,
     )
-    if out is None:
-        return res
-    return out.copy_(res)
+    if rope is not None:
+        res = ref.rope_paged_attention_ref(
+            q, rope[0], rope[1], rope[2], k_cache, v_cache, block_table, seq_lens, num_q_rows,
+            scale, cu_q_lens, rope[3], **split,
+        )
+    else:
+        res = ref.paged_attention_ref(
+            q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, q_lens=q_lens,
+            cu_q_lens=cu_q_lens, **split,
+        )
+    return res if out is None else out.copy_(res)
 
 
-def _check_rope(rope, q: torch.Tensor, k_cache: torch.Tensor, packed: bool) -> None:
+def _check_slot_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Caches a kernel can address by slot (``slot = block * block_size + offset``)."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _need(c.stride(0) == c.shape[1] * c.stride(1) and c.stride(-1) == 1, name, "strided",
+              "blocks and slots contiguous (slot = block * block_size + offset)")
+
+
+def _check_qk_norm(qk_norm, d: int, field: str) -> None:
+    """``(q_weight [d], k_weight [d], eps > 0)`` or None."""
+    if qk_norm is not None:
+        _need(len(qk_norm) == 3 and all(_shape(w) == (d,) for w in qk_norm[:2]) and qk_norm[2] > 0,
+              field, tuple(_shape(w) for w in qk_norm[:2]) + tuple(qk_norm[2:]),
+              f"(q_weight [{d}], k_weight [{d}], eps > 0)")
+
+
+def _check_rope(rope, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                packed: bool) -> None:
     _need(packed, "rope", "given", "the packed layout (cu_q_lens)")
     _need(isinstance(rope, tuple) and len(rope) == 4, "rope", type(rope).__name__,
           "(k_new, v_new, cos_sin_cache, qk_norm or None)")
@@ -218,12 +232,8 @@ def _check_rope(rope, q: torch.Tensor, k_cache: torch.Tensor, packed: bool) -> N
     _need(cos_sin.dim() == 2 and cos_sin.shape[1] == d and cos_sin.stride(1) == 1
           and cos_sin.dtype == torch.float32, "rope cos_sin_cache",
           (_shape(cos_sin), cos_sin.dtype), f"[max_pos, {d}] float32")
-    _need(k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "k_cache", "strided",
-          "blocks and slots contiguous (slot = block * block_size + offset)")
-    if qk_norm is not None:
-        _need(len(qk_norm) == 3 and all(_shape(w) == (d,) for w in qk_norm[:2]) and qk_norm[2] > 0,
-              "rope qk_norm", tuple(_shape(w) for w in qk_norm[:2]) + tuple(qk_norm[2:]),
-              f"(q_weight [{d}], k_weight [{d}], eps > 0)")
+    _check_slot_layout(k_cache, v_cache)
+    _check_qk_norm(qk_norm, d, "rope qk_norm")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +355,8 @@ def linear(
 
     ``epilogue="silu_mul"``: the weight's rows interleave ``(gate_i, up_i)`` and the result is
     ``silu(gate) * up`` ``[M, N / 2]`` (SwiGLU in the GEMV's epilogue). ``residual``: the
-    product is added into that tensor in place, which is returned. Epilogues run split 1.
+    product is added into that tensor in place, which is returned (in the GEMV's epilogue at
+    split 1, in the split-K reduce otherwise). SwiGLU runs split 1.
     """
     _need(epilogue in (None, "silu_mul"), "epilogue", epilogue, "None or 'silu_mul'")
     _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
@@ -434,9 +445,7 @@ def rotary_kv_write(
     _need(k_cache.dim() == 4 and _shape(v_cache) == _shape(k_cache)
           and k_cache.shape[2:] == k.shape[1:], "k_cache/v_cache shape", _shape(k_cache),
           f"[num_blocks, block_size, {k.shape[1]}, {d}]")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _need(c.stride(0) == c.shape[1] * c.stride(1) and c.stride(-1) == 1, name, "strided",
-              "blocks and slots contiguous (slot = block * block_size + offset)")
+    _check_slot_layout(k_cache, v_cache)
     _need(all(x.stride(-1) == 1 for x in (q, k, v)), "q/k/v", "strided", "head_dim contiguous")
     _need(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d
           and cos_sin_cache.stride(1) == 1, "cos_sin_cache.shape", _shape(cos_sin_cache),
@@ -448,10 +457,7 @@ def rotary_kv_write(
     if q_out is not None:
         _need(_shape(q_out) == _shape(q) and q_out.dtype == q.dtype and q_out.stride(-1) == 1,
               "q_out", (_shape(q_out), q_out.dtype), f"{_shape(q)} {q.dtype}, D contiguous")
-    if qk_norm is not None:
-        _need(len(qk_norm) == 3 and all(_shape(w) == (d,) for w in qk_norm[:2]) and qk_norm[2] > 0,
-              "qk_norm", tuple(_shape(w) for w in qk_norm[:2]) + tuple(qk_norm[2:]),
-              f"(q_weight [{d}], k_weight [{d}], eps > 0)")
+    _check_qk_norm(qk_norm, d, "qk_norm")
     if use_triton(q, backend):
         from speccal.kernels.rotary_kv import rotary_kv_write_triton
 

@@ -35,6 +35,20 @@ def _head_norm(x1, x2, w_ptr, offs_d, d_ok, eps, HALF: tl.constexpr):
 
 
 @triton.jit
+def _rope_heads(src, dst, mask, cos, sin, nw_ptr, offs_d, d_ok, eps, HALF: tl.constexpr,
+                QK_NORM: tl.constexpr):
+    """Heads ``[heads, HALF_PAD]`` pointers at each head's first half: load both halves, optional
+    per-head RMSNorm, rotary, store both halves to ``dst`` (its dtype)."""
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        x1, x2 = _head_norm(x1, x2, nw_ptr, offs_d, d_ok, eps, HALF)
+    o1, o2 = _rope(x1, x2, cos[None, :], sin[None, :])
+    tl.store(dst, o1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, o2.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, qo_ptr, qn_ptr, kn_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
@@ -56,27 +70,14 @@ def _rotary_kv_kernel(
 
     offs_h = tl.arange(0, H_PAD)
     qm = (offs_h < NUM_HEADS)[:, None] & d_ok[None, :]
-    qp = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    q1 = tl.load(qp, mask=qm, other=0.0).to(tl.float32)
-    q2 = tl.load(qp + HALF, mask=qm, other=0.0).to(tl.float32)
-    if QK_NORM:
-        q1, q2 = _head_norm(q1, q2, qn_ptr, offs_d, d_ok, eps, HALF)
-    o1, o2 = _rope(q1, q2, cos[None, :], sin[None, :])
-    qop = qo_ptr + t * stride_qot + offs_h[:, None] * stride_qoh + offs_d[None, :]
-    tl.store(qop, o1.to(qo_ptr.dtype.element_ty), mask=qm)
-    tl.store(qop + HALF, o2.to(qo_ptr.dtype.element_ty), mask=qm)
-
+    _rope_heads(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                qo_ptr + t * stride_qot + offs_h[:, None] * stride_qoh + offs_d[None, :],
+                qm, cos, sin, qn_ptr, offs_d, d_ok, eps, HALF, QK_NORM)
     offs_kh = tl.arange(0, KV_PAD)
     km = (offs_kh < NUM_KV_HEADS)[:, None] & d_ok[None, :]
-    kp = k_ptr + t * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :]
-    k1 = tl.load(kp, mask=km, other=0.0).to(tl.float32)
-    k2 = tl.load(kp + HALF, mask=km, other=0.0).to(tl.float32)
-    if QK_NORM:
-        k1, k2 = _head_norm(k1, k2, kn_ptr, offs_d, d_ok, eps, HALF)
-    r1, r2 = _rope(k1, k2, cos[None, :], sin[None, :])
-    kcp = kc_ptr + slot * stride_kc_slot + offs_kh[:, None] * stride_kc_h + offs_d[None, :]
-    tl.store(kcp, r1.to(kc_ptr.dtype.element_ty), mask=km)
-    tl.store(kcp + HALF, r2.to(kc_ptr.dtype.element_ty), mask=km)
+    _rope_heads(k_ptr + t * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :],
+                kc_ptr + slot * stride_kc_slot + offs_kh[:, None] * stride_kc_h + offs_d[None, :],
+                km, cos, sin, kn_ptr, offs_d, d_ok, eps, HALF, QK_NORM)
 
     vp = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
     vcp = vc_ptr + slot * stride_vc_slot + offs_kh[:, None] * stride_vc_h + offs_d[None, :]

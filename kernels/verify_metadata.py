@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from speccal.kernels.verify_tokens import packed_rows
+
 __all__ = ["verify_metadata_update_triton"]
 
 
@@ -25,12 +27,8 @@ def _verify_metadata_kernel(
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     b = tl.program_id(0)
-    offs_b = tl.arange(0, BLOCK_B)
-    lens = tl.minimum(tl.maximum(tl.load(vl_ptr + offs_b, mask=offs_b < B, other=0), 0), K_MAX)
-    rows = tl.where(offs_b < B, lens + 1, 0)
+    start, n, total = packed_rows(vl_ptr, b, B, K_MAX, BLOCK_B)
     if b < B:
-        start = tl.sum(tl.where(offs_b < b, rows, 0), 0)
-        n = tl.sum(tl.where(offs_b == b, rows, 0), 0)
         ctx = tl.load(ctx_ptr + b)
         j = tl.arange(0, BLOCK_R)
         pos = (ctx + j).to(tl.int64)
@@ -46,7 +44,6 @@ def _verify_metadata_kernel(
     else:
         one = tl.arange(0, 1)
         tl.store(cu_ptr + one, tl.zeros([1], dtype=cu_ptr.dtype.element_ty))
-        total = tl.sum(rows, 0)
         for t0 in range(0, G, BLOCK_G):
             t = t0 + tl.arange(0, BLOCK_G)
             m = (t >= total) & (t < G)

@@ -17,7 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["verify_token_update_triton"]
+__all__ = ["packed_rows", "verify_token_update_triton"]
+
+
+@triton.jit
+def packed_rows(vl_ptr, b, B, K_MAX, BLOCK_B: tl.constexpr):
+    """Request ``b``'s packed verify rows: ``(first row, row count, rows of all requests)``;
+    each request sends ``clamp(verify_lens, 0, K_MAX) + 1`` rows (a masked sum, no scan)."""
+    offs_b = tl.arange(0, BLOCK_B)
+    lens = tl.minimum(tl.maximum(tl.load(vl_ptr + offs_b, mask=offs_b < B, other=0), 0), K_MAX)
+    rows = tl.where(offs_b < B, lens + 1, 0)
+    start = tl.sum(tl.where(offs_b < b, rows, 0), 0)
+    n = tl.sum(tl.where(offs_b == b, rows, 0), 0)
+    return start, n, tl.sum(rows, 0)
 
 
 @triton.jit
@@ -26,12 +38,8 @@ def _verify_token_kernel(
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     b = tl.program_id(0)
-    offs_b = tl.arange(0, BLOCK_B)
-    lens = tl.minimum(tl.maximum(tl.load(vl_ptr + offs_b, mask=offs_b < B, other=0), 0), K_MAX)
-    rows = tl.where(offs_b < B, lens + 1, 0)
+    start, n, total = packed_rows(vl_ptr, b, B, K_MAX, BLOCK_B)
     if b < B:
-        start = tl.sum(tl.where(offs_b < b, rows, 0), 0)
-        n = tl.sum(tl.where(offs_b == b, rows, 0), 0)
         j = tl.arange(0, BLOCK_R)
         draft = tl.load(draft_ptr + b * stride_d + (j - 1), mask=(j >= 1) & (j < n), other=0)
         base = tl.load(base_ptr + b)
@@ -39,7 +47,6 @@ def _verify_token_kernel(
         t = start + j
         tl.store(ids_ptr + t, tok.to(ids_ptr.dtype.element_ty), mask=(j < n) & (t < G))
     else:
-        total = tl.sum(rows, 0)
         for t0 in range(0, G, BLOCK_G):
             t = t0 + tl.arange(0, BLOCK_G)
             pad = tl.zeros([BLOCK_G], dtype=tl.int64) + pad_id

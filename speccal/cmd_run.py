@@ -264,7 +264,7 @@ def generate(
         "compatibility": engine.compatibility(),
     }
     if as_json:
-        typer.echo(json.dumps(doc, allow_nan=False, default=_nan_none))
+        typer.echo(json.dumps(_clean(doc), allow_nan=False))
         return
     for i, item in enumerate(results):
         err_console.print(f"[bold]request {i}[/] ids: {item['output_ids']}", soft_wrap=True)
@@ -277,11 +277,8 @@ def generate(
         )
 
 
-def _nan_none(x):
-    return None
-
-
 def _clean(obj):
+    """``obj`` with every NaN float replaced by None (JSON has no NaN)."""
     if isinstance(obj, float) and obj != obj:
         return None
     if isinstance(obj, dict):

@@ -67,3 +67,19 @@ def verify_oracle(base, drafts, verify_lens, ctx_lens, block_table, block_size, 
 def rel_err(out, ref):
     out, ref = out.double().cpu(), ref.double().cpu()
     return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def cos_sin_table(head_dim, device, max_pos=4096, base=1e6):
+    """``[max_pos, head_dim]`` fp32 neox table, cos in the first half and sin in the second."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], -1).to(device)
+
+
+def split_qkv(qkv, heads, kv_heads, head_dim):
+    """Views ``q [T, H, D]``, ``k``, ``v [T, KVH, D]`` of a fused ``[T, (H + 2 KVH) D]`` buffer."""
+    t = qkv.shape[0]
+    q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+    return q, k, v

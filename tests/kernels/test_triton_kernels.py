@@ -13,7 +13,14 @@ import os
 
 import pytest
 import torch
-from kernel_builders import block_table_for, paged_kv, rel_err, verify_oracle
+from kernel_builders import (
+    block_table_for,
+    cos_sin_table,
+    paged_kv,
+    rel_err,
+    split_qkv,
+    verify_oracle,
+)
 
 from speccal.kernels import ops
 from speccal.kernels import reference as ref
@@ -240,17 +247,13 @@ def test_rms_norm_matches_reference(dtype, m, n):
 def test_rotary_kv_write_matches_reference(dtype, t, heads, kvh, d):
     gen = torch.Generator().manual_seed(t * heads)
     qkv = torch.randn(t, (heads + 2 * kvh) * d, generator=gen).to(dtype=dtype, device=DEV)
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
-    ang = torch.arange(4096).float()[:, None] * inv[None, :]
-    cs = torch.cat([ang.cos(), ang.sin()], -1).to(DEV)
+    cs = cos_sin_table(d, DEV)
     pos = torch.randint(0, 4096, (t,), generator=gen).to(DEV)
     slots = (torch.randperm(64 * 16 - 16, generator=gen)[:t] + 16).to(DEV)  # never slot 0
     results = []
     for backend in ("triton", "reference"):
         buf = qkv.clone()
-        q = buf[:, : heads * d].view(t, heads, d)
-        k = buf[:, heads * d: (heads + kvh) * d].view(t, kvh, d)
-        v = buf[:, (heads + kvh) * d:].view(t, kvh, d)
+        q, k, v = split_qkv(buf, heads, kvh, d)
         kc = torch.full((64, 16, kvh, d), float("nan"), dtype=dtype, device=DEV)
         vc = kc.clone()
         ops.rotary_kv_write(q, k, v, pos, cs, slots, kc, vc, backend=backend)
@@ -295,18 +298,14 @@ def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
     """Qwen3's per-head q/k norm folded into the rotary kernel, q written to a separate buffer."""
     gen = torch.Generator().manual_seed(7 * t + d)
     qkv = torch.randn(t, (heads + 2 * kvh) * d, generator=gen).to(dtype=dtype, device=DEV)
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
-    ang = torch.arange(4096).float()[:, None] * inv[None, :]
-    cs = torch.cat([ang.cos(), ang.sin()], -1).to(DEV)
+    cs = cos_sin_table(d, DEV)
     pos = torch.randint(0, 4096, (t,), generator=gen).to(DEV)
     slots = (torch.randperm(64 * 16 - 16, generator=gen)[:t] + 16).to(DEV)
     qw, kw = (1 + 0.2 * torch.randn(2, d, generator=gen)).to(dtype=dtype, device=DEV)
     results = []
     for backend in ("triton", "reference"):
         buf = qkv.clone()
-        q = buf[:, : heads * d].view(t, heads, d)
-        k = buf[:, heads * d: (heads + kvh) * d].view(t, kvh, d)
-        v = buf[:, (heads + kvh) * d:].view(t, kvh, d)
+        q, k, v = split_qkv(buf, heads, kvh, d)
         kc = torch.full((64, 16, kvh, d), float("nan"), dtype=dtype, device=DEV)
         vc = kc.clone()
         q_out = torch.full((t, heads, d), float("nan"), dtype=dtype, device=DEV)
@@ -340,12 +339,8 @@ def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits):
     t_rows = sum(rows) + 2  # two padding rows
     cu = torch.tensor([0, 1, 7, 11], dtype=torch.int32, device=DEV)
     qkv = torch.randn(t_rows, (heads + 2 * kvh) * d, generator=gen).to(dtype=dtype, device=DEV)
-    q = qkv[:, : heads * d].view(t_rows, heads, d)
-    k = qkv[:, heads * d: (heads + kvh) * d].view(t_rows, kvh, d)
-    v = qkv[:, (heads + kvh) * d:].view(t_rows, kvh, d)
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
-    ang = torch.arange(4096).float()[:, None] * inv[None, :]
-    cs = torch.cat([ang.cos(), ang.sin()], -1).to(DEV)
+    q, k, v = split_qkv(qkv, heads, kvh, d)
+    cs = cos_sin_table(d, DEV)
     norm = None
     if qk_norm:
         qw, kw = (1 + 0.2 * torch.randn(2, d, generator=gen)).to(dtype=dtype, device=DEV)
