@@ -238,16 +238,17 @@ def test_filter_shape_errors_name_the_field():
         filtered_probs(torch.zeros(3, 2, 8), torch.ones(3))
 
 
-@pytest.mark.parametrize(
-    ("t", "k", "p", "m"),
-    [
-        (1.0, 0, 1.0, 0.0),
-        (0.7, 5, 1.0, 0.0),
-        (1.2, 0, 0.8, 0.0),
-        (0.9, 0, 1.0, 0.1),
-        (0.8, 6, 0.9, 0.05),
-    ],
-)
+# (temperature, top_k, top_p, min_p) cases of the distribution tests
+FILTER_CASES = [
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 5, 1.0, 0.0),
+    (1.2, 0, 0.8, 0.0),
+    (0.9, 0, 1.0, 0.1),
+    (0.8, 6, 0.9, 0.05),
+]
+
+
+@pytest.mark.parametrize(("t", "k", "p", "m"), FILTER_CASES)
 def test_sample_plain_follows_filtered_distribution(t, k, p, m):
     """65,536 samples of one row; counts within 5 sigma of the reference."""
     row = base_logits(1, 1)
@@ -399,16 +400,7 @@ def _check_positions(draft, na, out, refs, label: str) -> None:
         assert_follows(out[reached, j].numpy(), refs[j], f"{label} position {j}")
 
 
-@pytest.mark.parametrize(
-    ("t", "k", "p", "m"),
-    [
-        (1.0, 0, 1.0, 0.0),
-        (0.7, 5, 1.0, 0.0),
-        (1.2, 0, 0.8, 0.0),
-        (0.9, 0, 1.0, 0.1),
-        (0.8, 6, 0.9, 0.05),
-    ],
-)
+@pytest.mark.parametrize(("t", "k", "p", "m"), FILTER_CASES)
 def test_rejection_point_mass_follows_target_distribution(t, k, p, m):
     """K=2, vocab 16, 65,536 requests in one batch: each emitted position follows the filtered
     target row (5 sigma), the acceptance rate of position 0 is p(draft) (5 sigma)."""
