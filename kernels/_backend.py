@@ -40,6 +40,14 @@ def use_triton(t: torch.Tensor, backend: str | None = None) -> bool:
     """
     if backend is None:
         backend = os.environ.get("SPECCAL_KERNELS", "auto")
+        if backend not in ("auto", "triton", "reference"):
+            from speccal.errors import InputError
+
+            raise InputError("SPECCAL_KERNELS", backend, "auto, triton or reference")
+    elif backend not in ("triton", "reference"):
+        from speccal.errors import InputError
+
+        raise InputError("backend", backend, "triton, reference or None")
     if backend == "reference":
         return False
     ok = triton_available() and (t.is_cuda or interpreting())
@@ -48,6 +56,9 @@ def use_triton(t: torch.Tensor, backend: str | None = None) -> bool:
 
         raise UnsupportedError("backend='triton' needs a CUDA tensor and an importable triton")
     return ok
+
+
+_PDL_MODES = {"0": 0, "1": 1, "late": 2}
 
 
 @functools.cache
@@ -71,7 +82,12 @@ def pdl_mode(t: torch.Tensor) -> int:
     """0: no PDL; 1 (``SPECCAL_PDL=1``): every Triton kernel lets its successor launch as soon
     as its own wait is over; 2 (``SPECCAL_PDL=late``): GEMVs let it launch only after their K
     loop (the other kernels as in 1)."""
-    mode = {"1": 1, "late": 2}.get(os.environ.get("SPECCAL_PDL", "0"), 0)
+    value = os.environ.get("SPECCAL_PDL", "0")
+    if value not in _PDL_MODES:
+        from speccal.errors import InputError
+
+        raise InputError("SPECCAL_PDL", value, "0, 1 or late")
+    mode = _PDL_MODES[value]
     if not mode or not t.is_cuda or interpreting():
         return 0
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()

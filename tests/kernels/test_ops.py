@@ -155,7 +155,7 @@ def test_rotary_q_out_and_qk_norm_are_checked():
         ops.rotary_kv_write(*args, qk_norm=(torch.ones(8), torch.ones(4), 1e-6))
 
 
-@pytest.mark.parametrize("value, mode", [("0", 0), ("1", 1), ("late", 2), ("yes", 0)])
+@pytest.mark.parametrize("value, mode", [("0", 0), ("1", 1), ("late", 2)])
 def test_pdl_mode_is_opt_in_and_never_on_cpu(value, mode, monkeypatch):
     """``SPECCAL_PDL`` selects the programmatic-dependent-launch mode; CPU tensors never use it."""
     from speccal.kernels import _backend
@@ -170,3 +170,18 @@ def test_pdl_mode_is_opt_in_and_never_on_cpu(value, mode, monkeypatch):
 
     assert _backend.pdl_mode(_FakeCuda()) == mode
     assert _backend.pdl_enabled(_FakeCuda()) == (mode > 0)
+
+
+def test_backend_switches_refuse_unknown_values(monkeypatch):
+    """A mistyped ``SPECCAL_PDL`` / ``SPECCAL_KERNELS`` / ``backend=`` is an error, not 'off'."""
+    from speccal.kernels import _backend
+
+    monkeypatch.setenv("SPECCAL_PDL", "yes")
+    with pytest.raises(InputError, match="SPECCAL_PDL"):
+        _backend.pdl_mode(torch.zeros(1))
+    monkeypatch.setenv("SPECCAL_KERNELS", "refernce")
+    with pytest.raises(InputError, match="SPECCAL_KERNELS"):
+        ops.linear(torch.randn(2, 4), torch.randn(3, 4))
+    monkeypatch.delenv("SPECCAL_KERNELS")
+    with pytest.raises(InputError, match="backend"):
+        ops.linear(torch.randn(2, 4), torch.randn(3, 4), backend="cuda")
