@@ -81,14 +81,14 @@ def floor_bytes(eng: Engine, kv_tokens: int) -> int:
     return n
 
 
-def fill(eng: Engine, batch: int, k: int) -> None:
-    """``batch`` requests at KV ~1024, one real round of ``k`` drafts (stages every buffer)."""
+def fill(eng: Engine, batch: int, k: int, kv: int = KV) -> None:
+    """``batch`` requests at KV ~``kv``, one real round of ``k`` drafts (stages every buffer)."""
     eng.reset()
     vocab = eng.loaded.config.vocab_size
     rng = np.random.default_rng(0)
     for _ in range(batch):
         eng.add_request(
-            rng.integers(0, vocab, KV - 1).tolist(), SamplingParams(max_tokens=512, ignore_eos=True)
+            rng.integers(0, vocab, kv - 1).tolist(), SamplingParams(max_tokens=512, ignore_eos=True)
         )
     eng.prefill_pending()
     eng.step(RoundPlan(num_draft_steps=k))
@@ -204,6 +204,12 @@ def measure(args, res: dict, bw: float, save) -> None:
             res["breakdown_b1"] = breakdown(plain, bkey)
             res["sequence_b1"] = SEQUENCES[bkey]
         save()
+    for kv in args.kv_sweep:  # decode step vs context (the cost tables carry no KV axis)
+        for b in (1, 8):
+            fill(plain, b, 0, kv)
+            upd = plain.runner.resolve_update(b, 0, b)
+            res[f"decode_step_ms_b{b}_kv{kv}"] = target_ms(plain, b, 0, b, upd, args.repeats)
+        save()
     del plain
     torch.cuda.empty_cache()
     t0 = time.time()
@@ -253,7 +259,10 @@ def main() -> None:
     ap.add_argument("--model", default="dense-2b")
     ap.add_argument("--pdl", default="off", help="comma list of PDL modes: off, 1, late "
                     "(SPECCAL_PDL at capture); the first mode's figures are top level")
+    ap.add_argument("--kv-sweep", default="", help="comma list of KV lengths (<= 1024) at "
+                    "which the B=1 and B=8 decode steps are also timed")
     args = ap.parse_args()
+    args.kv_sweep = [int(v) for v in args.kv_sweep.split(",") if v]
     out = Path(args.out)
     res: dict[str, object] = {}
 
