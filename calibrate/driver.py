@@ -1,15 +1,24 @@
 """Drive a warmed runner through the calibration grid: warmup rounds, then timed windows.
 
-Per grid point (``speccal.calibrate.grid.GridPoint``):
+Windows run in window-major order: window 0 of every grid point, then window 1 of every point,
+and so on, so the ``windows_per_point`` windows of one point are spread over the whole
+calibration instead of sitting back to back. A point's cost is the median of its windows; a
+round's wall time includes the runner's host work, which on a shared host drifts over seconds
+(measured on the H200 host: the same point's windows 17-19 % apart between two calibrations in
+one process while the device time of its rounds moved < 1 %), and back-to-back windows would
+all land in the same slow or fast stretch. Per (point, window):
 
-1. **Transition** (advanced, not counted): the previous point's requests are released, ``Bcap``
-   fresh synthetic requests are added, and one step prefills them and runs the first round at the
-   point's shape (``Engine.step`` admits and prefills before its round).
+1. **Transition** (advanced, not counted): the previous requests are released, ``Bcap`` fresh
+   synthetic requests are added, and one step prefills them and runs the first round at the
+   point's shape (``Engine.step`` admits and prefills before its round). Window ``i``'s prompts
+   are longer by the tokens ``i * window_steps`` rounds emit (``synthetic_prompts``'s
+   ``advance_rounds``), so window ``i`` starts at the KV lengths it would have had in a
+   sequential run of the point: the windows still cover the context interval in steps.
 2. **Warmup**: ``warmup_steps`` unmeasured rounds of the point's plan.
-3. **Windows**: ``windows_per_point`` windows of ``window_steps`` complete rounds each. The device
-   is synchronised only at window edges (never per round); a window's cost is its wall time over
-   its rounds (completion-time windows of the round loop). Round results are inspected only after
-   the closing sync: every round must have run exactly the grid's (Bcap, G, k).
+3. **Window**: ``window_steps`` complete rounds. The device is synchronised only at window edges
+   (never per round); a window's cost is its wall time over its rounds (completion-time windows
+   of the round loop). Round results are inspected only after the closing sync: every round must
+   have run exactly the grid's (Bcap, G, k).
 
 Synthetic requests: token ids drawn from ``numpy.random.default_rng((token_seed, context, Bcap, G,
 k))`` (same prompts for a point on resume). Prompt lengths are spread evenly over
@@ -67,12 +76,27 @@ class DriveStats:
     sampling_s: float
 
 
-def synthetic_prompts(cfg: CalibrationConfig, point: GridPoint, vocab_size: int) -> list[list[int]]:
-    """The ``point.bcap`` synthetic prompts of a point (deterministic in ``token_seed``)."""
+def synthetic_prompts(
+    cfg: CalibrationConfig, point: GridPoint, vocab_size: int, advance_rounds: int = 0
+) -> list[list[int]]:
+    """The ``point.bcap`` synthetic prompts of a point (deterministic in ``token_seed``).
+
+    ``advance_rounds``: each prompt is extended by the tokens its request emits in that many
+    rounds under forced full acceptance (``verify_tokens[b] + 1`` per round), drawn from a second
+    generator, so a window measured after a fresh transition starts at the KV lengths it would
+    have had ``advance_rounds`` rounds into a sequential run.
+    """
     ctx = cfg.contexts[point.context_index]
-    rng = np.random.default_rng((cfg.token_seed, point.context_index, point.bcap, point.g, point.k))
+    key = (cfg.token_seed, point.context_index, point.bcap, point.g, point.k)
+    rng = np.random.default_rng(key)
     lengths = np.linspace(ctx.min_kv_length, ctx.prefill_tokens, point.bcap).round().astype(int)
-    return [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
+    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
+    if advance_rounds > 0:
+        more = np.random.default_rng((*key, advance_rounds))
+        verify = point.verify_tokens or (point.k,) * point.bcap
+        for prompt, v in zip(prompts, verify, strict=True):
+            prompt.extend(more.integers(0, vocab_size, size=advance_rounds * (v + 1)).tolist())
+    return prompts
 
 
 def measurement_row(
@@ -143,44 +167,45 @@ def drive(
 
     done = journal.done
     w = cfg.windows_per_point
-    max_tokens = reserve_tokens(cfg.warmup_steps, cfg.window_steps, w, cfg.draft_width)
-    points_done = sum(all((*p.key, i) in done for i in range(w)) for p in points)
-    skipped = points_done
-    windows_done = sum(1 for p in points for i in range(w) if (*p.key, i) in done)
+    max_tokens = reserve_tokens(cfg.warmup_steps, cfg.window_steps, 1, cfg.draft_width)
+    left = {p.key: sum((*p.key, i) not in done for i in range(w)) for p in points}
+    points_done = skipped = sum(n == 0 for n in left.values())
+    windows_done = sum(w - n for n in left.values())
     measured = rounds = 0
     t_transition = t_warmup = t_sampling = 0.0
 
-    for point in points:
-        todo = [i for i in range(w) if (*point.key, i) not in done]
-        if not todo:
-            continue
-        plan = RoundPlan(num_draft_steps=point.k, verify_tokens=point.verify_tokens)
+    # Window-major order: window i of every point, then window i + 1 (module docstring).
+    for window_index in range(w):
+        for point in points:
+            if (*point.key, window_index) in done:
+                continue
+            plan = RoundPlan(num_draft_steps=point.k, verify_tokens=point.verify_tokens)
 
-        # Transition: fresh requests, prefilled until the batch decodes at this shape.
-        t0 = time.perf_counter()
-        engine.reset()
-        for prompt in synthetic_prompts(cfg, point, vocab_size):
-            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        # Engine.step admits and prefills waiting requests, then runs one round: this first step
-        # is the transition (prefill + first round at the point's shape), never counted.
-        res = engine.step(plan)
-        rounds += 1
-        _check_shape(res, point, "transition")
-        engine.synchronize()
-        t1 = time.perf_counter()
-        t_transition += t1 - t0
-
-        for _ in range(cfg.warmup_steps):
+            # Transition: fresh requests whose prompts already hold the tokens a sequential run
+            # would have generated before this window; prefilled until the batch decodes.
+            t0 = time.perf_counter()
+            engine.reset()
+            advance = window_index * cfg.window_steps
+            for prompt in synthetic_prompts(cfg, point, vocab_size, advance_rounds=advance):
+                engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            # Engine.step admits and prefills waiting requests, then runs one round: this first
+            # step is the transition (prefill + first round at the point's shape), never counted.
             res = engine.step(plan)
-            _check_shape(res, point, "warmup")
-        rounds += cfg.warmup_steps
-        engine.synchronize()
-        t2 = time.perf_counter()
-        t_warmup += t2 - t1
-
-        for window_index in todo:
-            results = []
+            rounds += 1
+            _check_shape(res, point, "transition")
             engine.synchronize()
+            t1 = time.perf_counter()
+            t_transition += t1 - t0
+
+            for _ in range(cfg.warmup_steps):
+                res = engine.step(plan)
+                _check_shape(res, point, "warmup")
+            rounds += cfg.warmup_steps
+            engine.synchronize()
+            t2 = time.perf_counter()
+            t_warmup += t2 - t1
+
+            results = []
             start = time.perf_counter()
             for _ in range(cfg.window_steps):
                 results.append(engine.step(plan))
@@ -196,9 +221,10 @@ def drive(
             journal.append(measurement_row(cfg, point, window_index, elapsed, mean_kv, device))
             measured += 1
             windows_done += 1
+            left[point.key] -= 1
+            points_done += left[point.key] == 0
             if on_window is not None:
-                on_window(windows_done, points_done + (window_index == todo[-1]), point)
-        points_done += 1
+                on_window(windows_done, points_done, point)
     engine.reset()
     return DriveStats(
         points_total=len(points),

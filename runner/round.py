@@ -144,8 +144,15 @@ class RoundRunner:
         self._plans: dict[int, object] = {}
         rows = max_bucket * w1
         i64, i32 = torch.int64, torch.int32
+        # declaration order = the order prepare() stages them (one merged copy per round);
+        # the three device-written names last
         self.inputs = StaticInputs(
             {
+                "block_table": (max_bucket * max_blocks_per_seq, i32),
+                "slot_index": (max_bucket, i64),
+                "pending_index": (max_bucket, i64),
+                "ctx_lens": (max_bucket, i32),
+                "ext_cu": (max_bucket + 1, i32),
                 "ext_index": (rows, i64),
                 "ext_pos": (rows, i64),
                 "ext_slot": (rows, i64),
@@ -155,21 +162,17 @@ class RoundRunner:
                 "step_pos": (rows, i64),
                 "step_slot": (rows, i64),
                 "step_seq": (rows, i32),
-                "pending_index": (max_bucket, i64),
+                "ver_seq": (max_bucket, i32),
                 "ver_grid": (rows, i64),
                 "ver_pos": (rows, i64),
                 "ver_slot": (rows, i64),
                 "ver_row": (rows, i64),
-                "ver_seq": (max_bucket, i32),
                 "num_verify": (max_bucket, i64),
-                "slot_index": (max_bucket, i64),
-                "block_table": (max_bucket * max_blocks_per_seq, i32),
-                "ext_cu": (max_bucket + 1, i32),
-                "ctx_lens": (max_bucket, i32),
                 "nv32": (max_bucket, i32),
                 "ver_drafts": (max_bucket * draft_width, i64),
             },
             device,
+            device_written=frozenset({"num_verify", "nv32", "ver_drafts"}),
         )
         pin = is_pinnable(device)
         self._host_tokens = torch.zeros(max_bucket * (w1 + 2), dtype=i64, pin_memory=pin)
@@ -397,6 +400,7 @@ class RoundRunner:
         )
         t["num_verify"] = self.inputs.put("num_verify", nv)
         t["nv32"] = self.inputs.put("nv32", nv.astype(np.int32))
+        self.inputs.flush()
 
     def allocate_verify(self, x: RoundInputs, scores: torch.Tensor) -> None:
         """Adaptive verify, on the device: ``num_verify`` / ``nv32`` from ``scores [bcap, k]``.
@@ -592,6 +596,7 @@ class RoundRunner:
             host_nv.copy_(x.t["num_verify"], non_blocking=True)
         synchronize(self.device)
         self.inputs.put("ver_drafts", host.numpy().copy())
+        self.inputs.flush()
         if x.budget_rows is not None:
             self.stage_verify(x, host_nv.numpy()[: x.num_requests].copy())
 

@@ -29,8 +29,8 @@ def test_small_calibration_writes_a_valid_table(tmp_path, small_config, engine_f
     eng = engine_factory.last
     assert summary["status"] == "calibrated"
     assert (summary["points_total"], summary["points_done"], summary["windows"]) == (4, 4, 8)
-    # transition + warmup + 2 windows of 2 rounds, per point; nothing else
-    assert eng.steps == 4 * (1 + 1 + 2 * 2) == summary["rounds"]
+    # per point and window: transition + warmup + a window of 2 rounds; nothing else
+    assert eng.steps == 4 * 2 * (1 + 1 + 2) == summary["rounds"]
     assert summary["effective_config"]["sources"]["request_buckets"] == "file"
 
     table = load_table(out, expect=eng.compatibility())
