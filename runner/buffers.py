@@ -54,6 +54,8 @@ class StaticInputs:
             o, nbytes = self._span[name]
             self.dev[name] = self._dev_arena[o : o + nbytes].view(dtype)
             self.host[name] = self._host_arena[o : o + nbytes].view(dtype)
+        self._host_np = {n: t.numpy() for n, t in self.host.items()}  # no torch op per put
+        self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # (name, shape) -> view
         # device-written byte ranges, sorted: a merged copy must not cross one it does not cover
         self._guarded = sorted(self._span[n] for n in device_written)
         self._dirty: dict[str, int] = {}  # name -> staged bytes since the last flush
@@ -65,10 +67,14 @@ class StaticInputs:
         The device view holds the data only after :meth:`flush` (stream-ordered).
         """
         n = array.size
-        host = self.host[name][:n]
-        host.numpy()[:] = array.reshape(-1)
-        self._dirty[name] = max(self._dirty.get(name, 0), n * host.element_size())
-        return self.dev[name][:n].view(array.shape)
+        host = self._host_np[name]
+        host[:n] = array.reshape(-1)
+        self._dirty[name] = max(self._dirty.get(name, 0), n * host.itemsize)
+        key = (name, array.shape)
+        view = self._views.get(key)
+        if view is None:  # shapes repeat per bucket: build each view once
+            view = self._views[key] = self.dev[name][:n].view(array.shape)
+        return view
 
     def runs(self) -> list[tuple[int, int]]:
         """Byte ranges ``[start, end)`` the next :meth:`flush` copies (merged dirty prefixes)."""
