@@ -257,7 +257,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--model", default="dense-2b")
-    ap.add_argument("--pdl", default="off", help="comma list of PDL modes: off, 1, late "
+    ap.add_argument("--pdl", default="late", help="comma list of PDL modes: off, 1, late "
                     "(SPECCAL_PDL at capture); the first mode's figures are top level")
     ap.add_argument("--kv-sweep", default="", help="comma list of KV lengths (<= 1024) at "
                     "which the B=1 and B=8 decode steps are also timed")

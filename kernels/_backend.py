@@ -4,7 +4,9 @@ Triton is imported lazily and only here, so ``import speccal.kernels`` works on 
 machine without it. ``SPECCAL_KERNELS=reference`` forces the pure-torch references everywhere
 (for comparisons and bisecting); ``TRITON_INTERPRET=1`` lets the Triton kernels run on CPU
 tensors through Triton's interpreter (slow; tests only). Programmatic dependent launch (PDL) is
-opt-in (``SPECCAL_PDL=1`` or ``late``, Hopper and newer GPUs; ``pdl_mode``).
+on by default on Hopper and newer GPUs in its ``late`` form (``SPECCAL_PDL=late``: measured
+-5 % per decode step on the H200, bench/KERNEL_NOTES.md); ``SPECCAL_PDL=0`` turns it off,
+``1`` releases every successor at once (``pdl_mode``).
 """
 
 from __future__ import annotations
@@ -79,10 +81,10 @@ def pdl_enabled(t: torch.Tensor) -> bool:
 
 
 def pdl_mode(t: torch.Tensor) -> int:
-    """0: no PDL; 1 (``SPECCAL_PDL=1``): every Triton kernel lets its successor launch as soon
-    as its own wait is over; 2 (``SPECCAL_PDL=late``): GEMVs let it launch only after their K
-    loop (the other kernels as in 1)."""
-    value = os.environ.get("SPECCAL_PDL", "0")
+    """0 (``SPECCAL_PDL=0``): no PDL; 1 (``SPECCAL_PDL=1``): every Triton kernel lets its
+    successor launch as soon as its own wait is over; 2 (``late``, the default): GEMVs let it
+    launch only after their K loop (the other kernels as in 1)."""
+    value = os.environ.get("SPECCAL_PDL", "late")
     if value not in _PDL_MODES:
         from speccal.errors import InputError
 

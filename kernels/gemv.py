@@ -17,7 +17,7 @@ halves of its outputs and stores ``silu(gate) * up``) and a residual add (``resi
 x @ w.T`` in place). Prologues (norm, SwiGLU applied to x tiles as they load) were tried and
 dropped: math on a dot operand stopped Triton 3.6 from pipelining the loop's loads (2-6x slower
 GEMVs on the H200, bench/KERNEL_NOTES.md). With ``pdl`` > 0 the launch is a programmatic
-dependent launch (Hopper, opt-in via ``SPECCAL_PDL``): the kernel waits for its predecessor
+dependent launch (Hopper, ``SPECCAL_PDL``, default ``late``): the kernel waits for its predecessor
 (``griddepcontrol.wait``) before its first read and lets its successor launch either at once
 (mode 1) or after its K loop (mode 2, ``late``), so launch latency overlaps the previous kernel.
 """

@@ -50,7 +50,7 @@ class StaticInputs:
         self._host_arena = torch.zeros(max(off, 1), dtype=torch.uint8, pin_memory=pin)
         self.dev: dict[str, torch.Tensor] = {}
         self.host: dict[str, torch.Tensor] = {}
-        for name, (numel, dtype) in sizes.items():
+        for name, (_, dtype) in sizes.items():
             o, nbytes = self._span[name]
             self.dev[name] = self._dev_arena[o : o + nbytes].view(dtype)
             self.host[name] = self._host_arena[o : o + nbytes].view(dtype)

@@ -155,12 +155,16 @@ def test_rotary_q_out_and_qk_norm_are_checked():
         ops.rotary_kv_write(*args, qk_norm=(torch.ones(8), torch.ones(4), 1e-6))
 
 
-@pytest.mark.parametrize("value, mode", [("0", 0), ("1", 1), ("late", 2)])
-def test_pdl_mode_is_opt_in_and_never_on_cpu(value, mode, monkeypatch):
-    """``SPECCAL_PDL`` selects the programmatic-dependent-launch mode; CPU tensors never use it."""
+@pytest.mark.parametrize("value, mode", [("0", 0), ("1", 1), ("late", 2), (None, 2)])
+def test_pdl_mode_defaults_to_late_and_never_on_cpu(value, mode, monkeypatch):
+    """``SPECCAL_PDL`` selects the programmatic-dependent-launch mode (unset: ``late``); CPU
+    tensors never use it."""
     from speccal.kernels import _backend
 
-    monkeypatch.setenv("SPECCAL_PDL", value)
+    if value is None:
+        monkeypatch.delenv("SPECCAL_PDL", raising=False)
+    else:
+        monkeypatch.setenv("SPECCAL_PDL", value)
     assert _backend.pdl_mode(torch.zeros(1)) == 0
     monkeypatch.setattr(_backend, "_pdl_device", lambda index: True)
 
