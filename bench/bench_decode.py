@@ -203,6 +203,10 @@ def measure(args, res: dict, bw: float, save) -> None:
             bkey = GraphKey("target", 1, 0, 1, upd, "greedy")
             res["breakdown_b1"] = breakdown(plain, bkey)
             res["sequence_b1"] = SEQUENCES[bkey]
+        else:  # the B-matched decode step the verify ratio divides by
+            res[f"breakdown_decode_b{b}"] = breakdown(
+                plain, GraphKey("target", b, 0, b, upd, "greedy"), top=20
+            )
         save()
     for kv in args.kv_sweep:  # decode step vs context (the cost tables carry no KV axis)
         for b in (1, 8):
@@ -231,6 +235,10 @@ def measure(args, res: dict, bw: float, save) -> None:
         res[f"verify_ms_b{b}"] = v
         res[f"verify_full_width_ratio_b{b}"] = v / dec[b]
         ratios.append(v / dec[b])
+        if b > 1:  # where the verify step's extra time goes (against breakdown_decode_b8)
+            res[f"breakdown_verify_b{b}"] = breakdown(
+                spec, GraphKey("target", b, 5, 6 * b, "in_graph", "greedy"), top=20
+            )
         save()
     res["verify_full_width_ratio"] = max(ratios)
     res["draft_target_gap_us_fast"] = gap_us(spec, 5, 9)
