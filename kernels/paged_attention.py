@@ -9,9 +9,12 @@ Owns the kernel behind ``speccal.kernels.ops.paged_attention``; its pure-torch t
 for the layouts). One program handles one (request, KV head, KV split): its M tile stacks the
 query rows and the query heads of one GQA group (``m = row * group + head_in_group``), so each K/V
 tile is read once for all of them. Partial results ``[B, max_splits, R, H, D]`` fp32 and their
-log2-sum-exp ``[B, max_splits, R, H]`` go to a workspace; a second kernel merges the splits,
-one program per (request, row, head) loading every split at once (a serial loop over splits was
-the slow part of version 1, see bench/KERNEL_NOTES.md).
+log2-sum-exp ``[B, max_splits, R, H]`` go to a workspace; the split program that finishes last
+for its (request, KV head) (an arrival counter per pair, acquire/release, reset by that
+program) merges every split of its rows, loading all splits of a few rows at once
+(``FOLD_REDUCE``; the fallback is a second kernel, one program per (request, row, head), used
+when a CUDA graph capture finds no counters yet; a serial loop over splits was the slow part of
+version 1, see bench/KERNEL_NOTES.md).
 With ``max_splits == 1`` the first kernel writes the normalised output directly (one launch).
 Grids depend only on static shapes and ``max_splits``; the per-request split counts and lengths
 are device tensors (``attention_tiling_update``), so the launch is CUDA-graph safe.
@@ -27,6 +30,25 @@ __all__ = ["paged_attention_triton"]
 
 # q layout modes (constexpr)
 _DENSE, _DENSE_QLENS, _PACKED = 0, 1, 2
+
+# Split-KV merges in the split kernel's last program per (request, KV head) instead of a reduce
+# launch (False: the two-kernel path, kept for comparison and as the fallback).
+FOLD_REDUCE = True
+_COUNTER_SLOTS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The per-device arrival counters of the folded reduce (int32 zeros, reset by the kernel).
+
+    Allocated once, outside any CUDA graph capture: a capture that finds none (or too few
+    slots) falls back to the reduce launch, never allocating inside the graph's pool."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        cnt = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return cnt if needed <= cnt.numel() else None
 
 
 @triton.jit
@@ -70,16 +92,20 @@ def _rope_rows(x_ptrs, xs_ptrs, mask, pos, cs_ptr, stride_cs, nw_ptr, offs_d, ep
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, q_lens_ptr, cu_q_ptr, nsplit_ptr, split_len_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr, kn_ptr, vn_ptr, cs_ptr, qw_ptr, kw_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr, kn_ptr, vn_ptr, cs_ptr, qw_ptr, kw_ptr, cnt_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
-    R, max_splits, scale_log2, eps,
+    R, max_splits, scale_log2, eps, batch, total_rows,
     NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_MODE: tl.constexpr, DIRECT: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
+    FOLD: tl.constexpr, S_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, G_PAD: tl.constexpr,
 ):
+    # FOLD (split-KV without a reduce launch): every live program writes its partial, then
+    # counts itself in ``cnt_ptr[b * KVH + kvh]``; the last one of its (request, KV head)
+    # merges all splits into the output and resets the counter (zero between launches).
     # ROPE: q is the raw projection; each program rotates (and q/k-norms) its query rows, and the
     # program whose KV range holds a new row writes that row's rotated k and v (its KV head) to
     # the cache before reading any tile: no separate rotary + KV-write launch.
@@ -103,8 +129,22 @@ def _split_kernel(
         end = tl.minimum(start + split_len, seq_len)
     if DIRECT:
         live = s >= 0
+    elif FOLD:
+        # a request with no KV (n_splits 0) still needs its rows merged (to zeros): split 0
+        # runs (empty range) and is the last of one
+        n_splits = tl.maximum(n_splits, 1)
+        live = s < n_splits
     else:
         live = s < n_splits
+    if FOLD and Q_MODE == 2:
+        if s == 0:  # packed rows of no request (t >= cu_q_lens[B]) get zeros, strided over b
+            offs_g = tl.arange(0, G_PAD)
+            zd = tl.arange(0, D_PAD)
+            z_ok = (offs_g < GROUP)[:, None] & (zd < HEAD_DIM)[None, :]
+            zero = tl.zeros([G_PAD, D_PAD], dtype=out_ptr.dtype.element_ty)
+            for t in range(tl.load(cu_q_ptr + batch) + b, total_rows, batch):
+                tl.store(out_ptr + t * stride_ot + (kvh * GROUP + offs_g)[:, None] * stride_oh
+                         + zd[None, :], zero, mask=z_ok)
     if live:
         offs_m = tl.arange(0, BLOCK_M)
         r = offs_m // GROUP
@@ -188,6 +228,52 @@ def _split_kernel(
                 part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], o,
                 mask=row_ok[:, None] & d_ok[None, :],
             )
+            if FOLD:
+                tl.debug_barrier()  # every thread's partial stores before the release below
+                done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+                if done == n_splits - 1:
+                    tl.store(cnt_ptr + pid, 0)
+                    _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len,
+                                n_splits, R, max_splits, stride_ot, stride_oh, NUM_HEADS, GROUP,
+                                HEAD_DIM, D_PAD, S_PAD, R_PAD, MERGE_ROWS, Q_MODE)
+
+
+@triton.jit
+def _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len, n_splits, R,
+                max_splits, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                R_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, Q_MODE: tl.constexpr):
+    """The reduce kernel's merge for the ``R * GROUP`` rows of one (request, KV head), done by
+    the split program that finished last: ``MERGE_ROWS`` rows x every split per load. Partials
+    of other programs are read through L2 (``.cg``), after the counter's acquire."""
+    offs_s = tl.arange(0, S_PAD)
+    s_ok = offs_s < n_splits
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    for m0 in tl.static_range(0, R_PAD * GROUP, MERGE_ROWS):
+        mm = m0 + tl.arange(0, MERGE_ROWS)
+        r = mm // GROUP
+        h = kvh * GROUP + mm % GROUP
+        dense_ok = r < R
+        ok = (r < q_len) & dense_ok
+        base = ((b * max_splits + offs_s[None, :]) * R + r[:, None]) * NUM_HEADS + h[:, None]
+        ls_ok = ok[:, None] & s_ok[None, :]  # [MERGE_ROWS, S_PAD]
+        lse = tl.load(part_lse_ptr + base, mask=ls_ok, other=float("-inf"), cache_modifier=".cg")
+        top = tl.max(lse, 1)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.math.exp2(lse - top[:, None])  # 0 for absent splits / rows
+        o = tl.load(part_o_ptr + base[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=ls_ok[:, :, None] & d_ok[None, None, :], other=0.0,
+                    cache_modifier=".cg")  # [MERGE_ROWS, S_PAD, D_PAD]
+        den = tl.sum(w, 1)
+        res = tl.sum(w[:, :, None] * o, 1) / tl.where(den > 0, den, 1.0)[:, None]
+        if Q_MODE == 2:
+            st_ok = ok
+        else:
+            st_ok = dense_ok  # dense rows past q_len get zeros (w is 0 there)
+        tl.store(out_ptr + (q_start + r)[:, None] * stride_ot + h[:, None] * stride_oh
+                 + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
+                 mask=st_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -279,7 +365,14 @@ def paged_attention_triton(
     else:
         mode = _DENSE
     dummy = seq_lens
+    cnt = None if direct or not FOLD_REDUCE else _counters(q.device, batch * num_kv_heads)
+    fold = cnt is not None
     block_m = max(16, triton.next_power_of_2(num_q_rows * group))
+    s_pad = triton.next_power_of_2(max_splits)
+    # rows merged per load by the last split program: ~8K fp32 of partials in registers
+    merge_rows = max(1, min(triton.next_power_of_2(num_q_rows) * group,
+                            8192 // (s_pad * max(16, triton.next_power_of_2(head_dim)))))
+    merge_rows = 1 << (merge_rows.bit_length() - 1)  # a power of two
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if direct:
         part_o = part_lse = o3  # unused
@@ -300,18 +393,19 @@ def paged_attention_triton(
     _split_kernel[(batch * num_kv_heads, max_splits)](
         q3, k_cache, v_cache, block_table, seq_lens,
         q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
-        num_splits, split_len, o3, part_o, part_lse, *extra,
+        num_splits, split_len, o3, part_o, part_lse, *extra, cnt if fold else dummy,
         q3.stride(0), q3.stride(1), o3.stride(0), o3.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        *extra_strides, num_q_rows, max_splits, scale * log2e, eps,
+        *extra_strides, num_q_rows, max_splits, scale * log2e, eps, batch, o3.shape[0],
         NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, Q_MODE=mode, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope[3] is not None,
-        R_PAD=triton.next_power_of_2(num_q_rows), PDL=pdl,
+        R_PAD=triton.next_power_of_2(num_q_rows), PDL=pdl, FOLD=fold, S_PAD=s_pad,
+        MERGE_ROWS=merge_rows, G_PAD=triton.next_power_of_2(group),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
-    if not direct:
+    if not direct and not fold:
         tail = o3.shape[0] if mode == _PACKED else 0
         _reduce_kernel[(batch * num_q_rows + tail, num_heads)](
             part_o, part_lse, num_splits,

@@ -71,8 +71,14 @@ def test_paged_attention_dense(dtype, case, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("max_splits", [1, 8])
-def test_paged_attention_ragged_and_packed(dtype, max_splits):
+@pytest.mark.parametrize("max_splits, fold", [(1, True), (8, True), (8, False)])
+def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, monkeypatch):
+    """``fold``: the split kernel's last program merges the splits (default) or a reduce
+    launch does; both zero the unused dense rows and the packed padding rows, and the folded
+    path leaves its arrival counters at zero."""
+    from speccal.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "FOLD_REDUCE", fold)
     seq_lens, rows = [6, 40, 700, 1500, 3], 6
     q, kc, vc, bt, seq = _attention_case(11, seq_lens, rows, (16, 8), 128, 16, dtype)
     plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=64)
@@ -95,6 +101,9 @@ def test_paged_attention_ragged_and_packed(dtype, max_splits):
                                     cu_q_lens=cu)
     assert rel_err(pout, pwant) < TOL[dtype]
     assert torch.equal(pout[-4:], torch.zeros_like(pout[-4:]))
+    cnt = pa._COUNTERS.get(pout.device)
+    if fold and max_splits > 1:
+        assert cnt is not None and int(cnt.abs().sum()) == 0
 
 
 def _verify_inputs(seed, batch, k_max, g, block_size=16, max_blocks=40):
