@@ -9,12 +9,12 @@ Owns the kernel behind ``speccal.kernels.ops.paged_attention``; its pure-torch t
 for the layouts). One program handles one (request, KV head, KV split): its M tile stacks the
 query rows and the query heads of one GQA group (``m = row * group + head_in_group``), so each K/V
 tile is read once for all of them. Partial results ``[B, max_splits, R, H, D]`` fp32 and their
-log2-sum-exp ``[B, max_splits, R, H]`` go to a workspace; the split program that finishes last
-for its (request, KV head) (an arrival counter per pair, acquire/release, reset by that
-program) merges every split of its rows, loading all splits of a few rows at once
-(``FOLD_REDUCE``; the fallback is a second kernel, one program per (request, row, head), used
-when a CUDA graph capture finds no counters yet; a serial loop over splits was the slow part of
-version 1, see bench/KERNEL_NOTES.md).
+log2-sum-exp ``[B, max_splits, R, H]`` go to a workspace; a second kernel merges the splits,
+one program per (request, row, head) loading every split at once (a serial loop over splits was
+the slow part of version 1, see bench/KERNEL_NOTES.md). With ``FOLD_REDUCE`` (off by default)
+the split program that finishes last for its (request, KV head) merges instead (an arrival
+counter per pair, acquire/release, reset by that program; a CUDA graph capture that finds no
+counters yet falls back to the reduce launch).
 With ``max_splits == 1`` the first kernel writes the normalised output directly (one launch).
 Grids depend only on static shapes and ``max_splits``; the per-request split counts and lengths
 are device tensors (``attention_tiling_update``), so the launch is CUDA-graph safe.
@@ -31,9 +31,12 @@ __all__ = ["paged_attention_triton"]
 # q layout modes (constexpr)
 _DENSE, _DENSE_QLENS, _PACKED = 0, 1, 2
 
-# Split-KV merges in the split kernel's last program per (request, KV head) instead of a reduce
-# launch (False: the two-kernel path, kept for comparison and as the fallback).
-FOLD_REDUCE = True
+# True: split-KV merges in the split kernel's last program per (request, KV head) instead of a
+# reduce launch. Off by default: on the H200 (bench/KERNEL_NOTES.md, "v5") it made the B=1
+# decode step 2 % faster but the B=1 full-width verify step 27 % slower (one program merges 12
+# rows x 24 splits alone); the two-kernel path is the default until the fold is limited to
+# light merges (and the split plan takes the query rows into account).
+FOLD_REDUCE = False
 _COUNTER_SLOTS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 

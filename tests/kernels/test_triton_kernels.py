@@ -73,8 +73,8 @@ def test_paged_attention_dense(dtype, case, splits):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("max_splits, fold", [(1, True), (8, True), (8, False)])
 def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, monkeypatch):
-    """``fold``: the split kernel's last program merges the splits (default) or a reduce
-    launch does; both zero the unused dense rows and the packed padding rows, and the folded
+    """``fold``: the split kernel's last program merges the splits or a reduce launch does
+    (the default); both zero the unused dense rows and the packed padding rows, and the folded
     path leaves its arrival counters at zero."""
     from speccal.kernels import paged_attention as pa
 
