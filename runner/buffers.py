@@ -69,7 +69,8 @@ class StaticInputs:
         n = array.size
         host = self._host_np[name]
         host[:n] = array.reshape(-1)
-        self._dirty[name] = max(self._dirty.get(name, 0), n * host.itemsize)
+        if n:
+            self._dirty[name] = max(self._dirty.get(name, 0), n * host.itemsize)
         key = (name, array.shape)
         view = self._views.get(key)
         if view is None:  # shapes repeat per bucket: build each view once

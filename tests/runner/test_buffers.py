@@ -60,6 +60,13 @@ def test_a_copy_never_spans_device_written_data():
     assert s.dev["dev"].tolist() == [0, 1, 2, 3]
 
 
+def test_an_empty_put_copies_nothing():
+    s = _inputs()
+    assert s.put("a", np.zeros(0, dtype=np.int64)).shape == (0,)
+    s.flush()
+    assert s.copies == 0
+
+
 def test_views_are_aligned_and_stable():
     s = _inputs()
     ptrs = {n: s.dev[n].data_ptr() for n in SIZES}
