@@ -30,15 +30,22 @@ from speccal.runner.sampling import SamplingParams
 
 
 class _Timer:
-    """Wraps ``runner.prepare / execute / collect`` and accumulates per-round phase times."""
+    """Wraps ``runner.prepare / execute / collect`` and accumulates per-round phase times; on
+    CUDA also a pair of events and the ``(bcap, k)`` of every ``execute``. One per runner
+    (:meth:`of`), so a runner is never wrapped twice."""
 
     def __init__(self, runner, cuda: bool) -> None:
-        self.runner, self.cuda = runner, cuda
+        self.cuda = cuda
         self.phase: dict[str, float] = {}
-        self.events: list = []
-        self.shapes: list[tuple[int, int]] = []
+        self.records: list[tuple[object, object, tuple[int, int]]] = []  # start, end, shape
         for name in ("prepare", "execute", "collect"):
             setattr(runner, name, self._wrap(name, getattr(runner, name)))
+
+    @classmethod
+    def of(cls, runner, cuda: bool) -> _Timer:
+        if not isinstance(getattr(runner, "_phase_timer", None), cls):
+            runner._phase_timer = cls(runner, cuda)
+        return runner._phase_timer
 
     def _wrap(self, name, fn):
         def timed(*a, **kw):
@@ -48,9 +55,8 @@ class _Timer:
                 ev[0].record()
                 out = fn(*a, **kw)
                 ev[1].record()
-                self.events.append(ev)
                 x = a[0] if a else kw.get("x")
-                self.shapes.append((int(x.bcap), int(x.k)))
+                self.records.append((*ev, (int(x.bcap), int(x.k))))
             else:
                 out = fn(*a, **kw)
             self.phase[name] = self.phase.get(name, 0.0) + 1e3 * (time.perf_counter() - t0)
@@ -61,6 +67,17 @@ class _Timer:
     def take(self) -> dict[str, float]:
         p, self.phase = self.phase, {}
         return p
+
+    def reset(self) -> None:
+        self.phase = {}
+        self.records.clear()
+
+    def device_ms(self) -> list[tuple[float, tuple[int, int]]]:
+        """``(device ms, (bcap, k))`` of every recorded ``execute`` (synchronises), then reset."""
+        torch.cuda.synchronize()
+        out = [(a.elapsed_time(b), shape) for a, b, shape in self.records]
+        self.reset()
+        return out
 
 
 def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=None) -> dict:
@@ -78,7 +95,7 @@ def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=N
         )
     )
     cuda = args.device.startswith("cuda")
-    timer = _Timer(eng.runner, cuda)
+    timer = _Timer.of(eng.runner, cuda)
     vocab = eng.loaded.config.vocab_size
     rng = np.random.default_rng(0)
     out: dict[str, dict] = {}
@@ -95,9 +112,7 @@ def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=N
         for _ in range(args.warmup):
             eng.step(plan)
         eng.synchronize()
-        timer.take()
-        timer.events.clear()
-        timer.shapes.clear()
+        timer.reset()
         rows: list[dict[str, float]] = []
         for _ in range(args.rounds):  # one round per timing (the live loop)
             t0 = time.perf_counter()
@@ -108,19 +123,14 @@ def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=N
             ph["other"] = wall - sum(ph.get(n, 0.0) for n in ("prepare", "execute", "collect"))
             rows.append(ph)
         if cuda:
-            torch.cuda.synchronize()
-            dev = [a.elapsed_time(b) for a, b in timer.events]
-            timer.events.clear()
-            timer.shapes.clear()
+            dev = [ms for ms, _ in timer.device_ms()]
         eng.synchronize()
         t0 = time.perf_counter()
         for _ in range(args.rounds):  # one window (the calibration driver)
             eng.step(plan)
         eng.synchronize()
         window = 1e3 * (time.perf_counter() - t0) / args.rounds
-        timer.take()
-        timer.events.clear()
-        timer.shapes.clear()
+        timer.reset()
         med = {n: statistics.median(r.get(n, 0.0) for r in rows) for n in rows[0]}
         if cuda:
             med["device_execute"] = statistics.median(dev)
@@ -157,7 +167,7 @@ def calibration_check(args) -> dict:
     )
     eng = Engine(EngineConfig(**common, acceptance="forced"))
     cuda = args.device.startswith("cuda")
-    timer = _Timer(eng.runner, cuda)
+    timer = _Timer.of(eng.runner, cuda)
     cfg = {
         "version": 1,
         "calibration": {
@@ -176,8 +186,7 @@ def calibration_check(args) -> dict:
         cfg_path = Path(tmp) / "c.json"
         cfg_path.write_text(json.dumps(cfg))
         for rep in range(2):
-            timer.events.clear()
-            timer.shapes.clear()
+            timer.reset()
             table_path = Path(tmp) / f"t{rep}.json"
             opts = CalibrateOptions(
                 model=args.model,
@@ -191,11 +200,9 @@ def calibration_check(args) -> dict:
                 progress=False,
             )
             calibrate(opts, engine_factory=lambda o: eng)
-            if cuda:
-                torch.cuda.synchronize()
             dev: dict[tuple[int, int], list[float]] = {}
-            for (a, b), shape in zip(timer.events, timer.shapes, strict=True):
-                dev.setdefault(shape, []).append(a.elapsed_time(b) if cuda else float("nan"))
+            for ms, shape in timer.device_ms() if cuda else []:
+                dev.setdefault(shape, []).append(ms)
             table = load_table(table_path)
             pts = {}
             for p in table.fits[0].diagnostics.points:
@@ -207,8 +214,6 @@ def calibration_check(args) -> dict:
                     "rounds": len(d),
                 }
             out[f"calibration_{rep}"] = pts
-            timer.events.clear()
-            timer.shapes.clear()
     args2 = argparse.Namespace(**{**vars(args), "batch": 8})
     out["single_rounds_same_engine"] = measure_mode(args2, "forced", None, eng=eng)
     return out

@@ -371,12 +371,11 @@ def paged_attention_triton(
     cnt = None if direct or not FOLD_REDUCE else _counters(q.device, batch * num_kv_heads)
     fold = cnt is not None
     block_m = max(16, triton.next_power_of_2(num_q_rows * group))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
     s_pad = triton.next_power_of_2(max_splits)
     # rows merged per load by the last split program: ~8K fp32 of partials in registers
-    merge_rows = max(1, min(triton.next_power_of_2(num_q_rows) * group,
-                            8192 // (s_pad * max(16, triton.next_power_of_2(head_dim)))))
+    merge_rows = max(1, min(triton.next_power_of_2(num_q_rows) * group, 8192 // (s_pad * d_pad)))
     merge_rows = 1 << (merge_rows.bit_length() - 1)  # a power of two
-    d_pad = max(16, triton.next_power_of_2(head_dim))
     if direct:
         part_o = part_lse = o3  # unused
     else:
