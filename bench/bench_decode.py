@@ -1,6 +1,7 @@
 """Decode / verify speed of the captured runner vs the HBM floor, and the draft->target gap.
 
 Usage (H200): python3 bench/bench_decode.py --out DIR [--repeats N] [--pdl off,late]
+    [--variants "nofold:SPECCAL_ATTN_FOLD=0;..."]
 
 One run measures, on the dense-2b preset (bf16, triton backend, graph_mode="split"):
 - copy bandwidth (1 GiB bf16 copy; read + write bytes / median time);
@@ -163,8 +164,9 @@ def gap_us(eng: Engine, k: int, rounds: int) -> float:
     return statistics.median(gaps)
 
 
-def measure(args, res: dict, bw: float, save) -> None:
-    """Every figure of one PDL mode into ``res`` (see the module docstring)."""
+def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
+    """Every figure of one variant into ``res`` (see the module docstring); ``quick``: only the
+    decode and verify steps (no general-path graph, breakdowns, KV sweep or gaps)."""
     common = dict(
         model=args.model,
         device="cuda",
@@ -194,6 +196,10 @@ def measure(args, res: dict, bw: float, save) -> None:
         upd = plain.runner.resolve_update(b, 0, b)
         dec[b] = target_ms(plain, b, 0, b, upd, args.repeats)
         res[f"decode_step_ms_b{b}"] = dec[b]
+        if quick:
+            if b == 1:
+                res["decode_step_floor_ratio"] = dec[1] / res["decode_floor_ms"]
+            continue
         res[f"decode_step_ms_b{b}_general"] = target_ms(plain, b, 0, b, upd, args.repeats, "sample")
         if b == 1:
             res["decode_step_floor_ratio"] = dec[1] / res["decode_floor_ms"]
@@ -208,7 +214,7 @@ def measure(args, res: dict, bw: float, save) -> None:
                 plain, GraphKey("target", b, 0, b, upd, "greedy"), top=20
             )
         save()
-    for kv in args.kv_sweep:  # decode step vs context (the cost tables carry no KV axis)
+    for kv in [] if quick else args.kv_sweep:  # decode step vs context (the cost tables carry no KV axis)
         for b in (1, 8):
             fill(plain, b, 0, kv)
             upd = plain.runner.resolve_update(b, 0, b)
@@ -235,12 +241,14 @@ def measure(args, res: dict, bw: float, save) -> None:
         res[f"verify_ms_b{b}"] = v
         res[f"verify_full_width_ratio_b{b}"] = v / dec[b]
         ratios.append(v / dec[b])
-        if b > 1:  # where the verify step's extra time goes (against breakdown_decode_b8)
+        if b > 1 and not quick:  # where the verify step's extra time goes (against breakdown_decode_b8)
             res[f"breakdown_verify_b{b}"] = breakdown(
                 spec, GraphKey("target", b, 5, 6 * b, "in_graph", "greedy"), top=20
             )
         save()
     res["verify_full_width_ratio"] = max(ratios)
+    if quick:
+        return
     res["draft_target_gap_us_fast"] = gap_us(spec, 5, 9)
     save()
     del spec
@@ -267,6 +275,9 @@ def main() -> None:
     ap.add_argument("--model", default="dense-2b")
     ap.add_argument("--pdl", default="late", help="comma list of PDL modes: off, 1, late "
                     "(SPECCAL_PDL at capture); the first mode's figures are top level")
+    ap.add_argument("--variants", default="", help="';'-separated NAME:VAR=VALUE,... runtime "
+                    "switch sets (SPECCAL_ATTN_FOLD, SPECCAL_PDL...), measured "
+                    "in this order after the PDL modes; decode and verify steps only")
     ap.add_argument("--kv-sweep", default="", help="comma list of KV lengths (<= 1024) at "
                     "which the B=1 and B=8 decode steps are also timed")
     args = ap.parse_args()
@@ -287,6 +298,20 @@ def main() -> None:
             res[f"pdl_{mode}"] = sub
         res.setdefault("pdl_modes", modes)
         measure(args, sub, bw, save)
+        torch.cuda.empty_cache()
+    os.environ["SPECCAL_PDL"] = {"off": "0"}.get(modes[0], modes[0])
+    for spec in filter(None, args.variants.split(";")):
+        name, _, assigns = spec.partition(":")
+        env = dict(a.split("=", 1) for a in assigns.split(",") if a)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        sub = res[f"variant_{name}"] = {"env": env}
+        measure(args, sub, bw, save, quick=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
         torch.cuda.empty_cache()
     show(res)
 

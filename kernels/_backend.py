@@ -16,7 +16,17 @@ import os
 
 import torch
 
-__all__ = ["interpreting", "pdl_enabled", "pdl_mode", "triton_available", "use_triton"]
+__all__ = [
+    "attention_fold_override",
+    "fold_max_merge",
+    "interpreting",
+    "num_sms",
+    "pdl_enabled",
+    "pdl_mode",
+    "triton_available",
+    "use_triton",
+    "verify_max_splits",
+]
 
 
 @functools.cache
@@ -94,3 +104,50 @@ def pdl_mode(t: torch.Tensor) -> int:
         return 0
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return mode if _pdl_device(idx) else 0
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (132, an H200's count, off CUDA: plans stay comparable)."""
+    if device.type != "cuda":
+        return 132
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def attention_fold_override() -> bool | None:
+    """``SPECCAL_ATTN_FOLD``: ``1`` / ``0`` force / forbid folding attention's split-KV merge into
+    the split kernel; ``auto`` (default) leaves it to ``ops.fold_wanted``'s rule."""
+    value = os.environ.get("SPECCAL_ATTN_FOLD", "auto")
+    if value not in ("auto", "0", "1"):
+        from speccal.errors import InputError
+
+        raise InputError("SPECCAL_ATTN_FOLD", value, "auto, 0 or 1")
+    return None if value == "auto" else value == "1"
+
+
+def _positive_int(var: str) -> int | None:
+    value = os.environ.get(var, "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        from speccal.errors import InputError
+
+        raise InputError(var, value, "an int >= 1 (or unset)")
+    return int(value)
+
+
+def fold_max_merge() -> int | None:
+    """``SPECCAL_FOLD_MAX_MERGE``: the folded attention merge's work limit (``ops.fold_wanted``;
+    unset: the built-in default). A tuning switch for benchmarks."""
+    return _positive_int("SPECCAL_FOLD_MAX_MERGE")
+
+
+def verify_max_splits(default: int) -> int:
+    """``SPECCAL_VERIFY_SPLITS``: split cap of verification plans (``ops.plan_splits``; unset:
+    ``default``). A tuning switch for benchmarks, read when a plan is made (graph capture)."""
+    value = _positive_int("SPECCAL_VERIFY_SPLITS")
+    return default if value is None else value

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from speccal.errors import InputError
+from speccal.kernels._backend import num_sms
 
 __all__ = ["GemvConfig", "linear_triton", "pick_config"]
 
@@ -125,6 +126,29 @@ def _splitk_reduce_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexp
     tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _splitk_reduce_norm_kernel(part_ptr, y_ptr, nw_ptr, xn_ptr, M, N, stride_ym, stride_xm, eps,
+                               SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # one program per row: y += sum of the partials (the residual stream, rounded to its dtype),
+    # then xn = rmsnorm(y) * nw from that rounded row (what a separate norm launch would read)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    m = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
+    acc += tl.load(y_ptr + m * stride_ym + offs, mask=ok, other=0.0).to(tl.float32)
+    h = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m * stride_ym + offs, h, mask=ok)
+    hf = h.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(hf * hf, 0) / N + eps)
+    w = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(xn_ptr + m * stride_xm + offs, (hf * inv * w).to(xn_ptr.dtype.element_ty), mask=ok)
+
+
 def _cfg(bn: int, bk: int, split: int, stages: int = 4) -> GemvConfig:
     return GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages)
 
@@ -181,18 +205,6 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132,
     return cfg
 
 
-_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
 def linear_triton(
     x: torch.Tensor,  # [M, K], K contiguous
     weight: torch.Tensor,  # [N, K], K contiguous
@@ -202,16 +214,20 @@ def linear_triton(
     epilogue: str | None = None,  # None | "silu_mul" (weight rows interleave gate_i, up_i)
     residual: torch.Tensor | None = None,  # [M, N]: residual += result (the output)
     pdl: int = 0,  # 0 off, 1 next kernel may launch at once, 2 after this one's K loop
+    norm: tuple | None = None,  # (weight [N], eps, out [M, N]): out = rmsnorm(residual) * weight
 ) -> torch.Tensor:  # out
     """``x @ weight.T`` (then SwiGLU, or ``+ residual`` in place); validated by ``ops.linear``.
 
     SwiGLU needs every K of an output in one program (split 1); a residual add runs in the
     GEMV's epilogue at split 1, else in the split-K reduce (``pick_config(..., epilogue=...)``).
+    ``norm`` (with a residual): the split-K reduce, one program per row, also writes the RMSNorm
+    of the updated residual (the next layer's input: one launch fewer); at split 1 a norm
+    launch follows.
     """
     m = x.shape[0]
     n, k = weight.shape
     glu = epilogue == "silu_mul"
-    cfg = config or pick_config(m, n, k, _num_sms(x.device),
+    cfg = config or pick_config(m, n, k, num_sms(x.device),
                                 epilogue="residual" if residual is not None else epilogue)
     if glu and cfg.block_n % 2:
         raise InputError("config.block_n", cfg.block_n, "even for the silu_mul epilogue")
@@ -233,10 +249,22 @@ def linear_triton(
         RES=residual is not None, PDL=int(pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
     )
-    if not direct:
+    if not direct and norm is not None:
+        nw, eps, xn = norm
+        block = triton.next_power_of_2(n)
+        _splitk_reduce_norm_kernel[(m,)](
+            part, out, nw, xn, m, n, out.stride(0), xn.stride(0), eps, SPLIT_K=split,
+            BLOCK=block, PDL=pdl > 0, num_warps=min(16, max(1, block // 256)),
+            launch_pdl=pdl > 0,
+        )
+    elif not direct:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block,
             RES=residual is not None, PDL=pdl > 0, num_warps=4, launch_pdl=pdl > 0,
         )
+    elif norm is not None:
+        from speccal.kernels.rmsnorm import rms_norm_triton  # noqa: PLC0415
+
+        rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
     return out

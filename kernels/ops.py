@@ -29,6 +29,7 @@ from speccal.kernels._backend import pdl_enabled, pdl_mode, use_triton
 __all__ = [
     "SplitPlan",
     "attention_tiling_update",
+    "fold_wanted",
     "linear",
     "paged_attention",
     "plan_splits",
@@ -64,17 +65,59 @@ class SplitPlan:
 
 
 def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int = 1 << 20,
-                block_n: int = 64) -> SplitPlan:
+                block_n: int = 64, rows: int = 1) -> SplitPlan:
     """Split plan that gives about four programs per multiprocessor for ``batch`` requests.
 
-    Static in (batch, heads, SMs), so one plan per captured bucket. ``max_len`` caps the splits
-    at one KV tile each.
+    Static in (batch, heads, SMs, rows), so one plan per captured bucket. ``max_len`` caps the
+    splits at one KV tile each. ``rows`` > 1 (verification): at most ``verify_max_splits()``
+    splits (``SPECCAL_VERIFY_SPLITS``; default ``VERIFY_MAX_SPLITS``), since each split's
+    partials grow with the rows and the merge reads them all.
     """
-    if batch < 1 or num_kv_heads < 1:
-        raise InputError("batch/num_kv_heads", (batch, num_kv_heads), "ints >= 1")
+    if batch < 1 or num_kv_heads < 1 or rows < 1:
+        raise InputError("batch/num_kv_heads/rows", (batch, num_kv_heads, rows), "ints >= 1")
     want = -(-4 * num_sms // (batch * num_kv_heads))
     cap = max(1, -(-max_len // block_n))
-    return SplitPlan(max_splits=max(1, min(want, 64, cap)), block_n=block_n, min_split_len=block_n)
+    splits = max(1, min(want, 64, cap))
+    if rows > 1:
+        from speccal.kernels._backend import verify_max_splits  # noqa: PLC0415
+
+        splits = min(splits, verify_max_splits(VERIFY_MAX_SPLITS))
+    return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n)
+
+
+# the folded split-KV merge (kernels/paged_attention.py): the last split program of a (request,
+# KV head) merges at most this many (row x head) x split partials, and the grid must leave room
+# on the SMs (the merge code's registers cost occupancy once programs queue). H200, "v5" in
+# bench/KERNEL_NOTES.md: folding every shape made B=1 decode 2 % faster, B=1 full-width verify
+# (12 rows x 24 splits merged by one program) 27 % slower and B=8 decode (576 programs) slower.
+FOLD_MAX_MERGE = 64
+FOLD_MAX_PROGRAMS_PER_SM = 2
+VERIFY_MAX_SPLITS = 64  # split cap of multi-row (verification) plans
+
+
+def fold_wanted(batch: int, num_kv_heads: int, max_splits: int, rows: int, group: int,
+                num_sms: int = 132, force: bool | None = None,
+                max_merge: int | None = None) -> bool:
+    """Whether attention merges its KV splits in the split kernel (no reduce launch).
+
+    ``rows``: query rows per request (``num_q_rows``); ``group``: query heads per KV head.
+    ``force`` (True / False) overrides the rule: merge work ``rows * group * splits`` (padded to
+    powers of two) at most ``FOLD_MAX_MERGE`` and at most ``FOLD_MAX_PROGRAMS_PER_SM`` programs
+    per multiprocessor (``max_merge`` replaces the first). One split never needs a merge.
+    """
+    if max_splits <= 1:
+        return False
+    if force is not None:
+        return force
+    p2 = _next_pow2
+    merge = p2(rows) * group * p2(max_splits)
+    programs = batch * num_kv_heads * max_splits
+    limit = FOLD_MAX_MERGE if max_merge is None else max_merge
+    return merge <= limit and programs <= FOLD_MAX_PROGRAMS_PER_SM * num_sms
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _need(cond: bool, field: str, value, expected: str) -> None:
@@ -349,6 +392,7 @@ def linear(
     config=None,  # gemv.GemvConfig | None
     epilogue: str | None = None,  # None | "silu_mul"
     residual: torch.Tensor | None = None,  # [M, N]: residual += result, returned
+    norm: tuple | None = None,  # (weight [N], eps, out [M, N]), with residual only
     backend: str | None = None,
 ) -> torch.Tensor:  # [M, N]
     """``x @ weight.T`` for small M (decode/verify rows): split-K Triton GEMV on CUDA.
@@ -356,7 +400,9 @@ def linear(
     ``epilogue="silu_mul"``: the weight's rows interleave ``(gate_i, up_i)`` and the result is
     ``silu(gate) * up`` ``[M, N / 2]`` (SwiGLU in the GEMV's epilogue). ``residual``: the
     product is added into that tensor in place, which is returned (in the GEMV's epilogue at
-    split 1, in the split-K reduce otherwise). SwiGLU runs split 1.
+    split 1, in the split-K reduce otherwise). SwiGLU runs split 1. ``norm``: also writes
+    ``out = rms_norm(residual) * weight`` of the updated residual (the next layer's normed
+    input; in the split-K reduce on Triton, no extra launch).
     """
     _need(epilogue in (None, "silu_mul"), "epilogue", epilogue, "None or 'silu_mul'")
     _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
@@ -378,12 +424,23 @@ def linear(
         _need(_shape(residual) == (m, n) and residual.dtype == x.dtype
               and residual.stride(1) == 1, "residual", (_shape(residual), residual.dtype),
               f"[{m}, {n}] {x.dtype}, N contiguous")
+    if norm is not None:
+        _need(residual is not None, "norm", "given", "a residual to normalise (residual=...)")
+        _need(isinstance(norm, tuple) and len(norm) == 3, "norm", type(norm).__name__,
+              "a (weight, eps, out) tuple")
+        nw, eps, xn = norm
+        _need(_shape(nw) == (n,), "norm[0] (weight).shape", _shape(nw), f"[{n}]")
+        _need(eps > 0, "norm[1] (eps)", eps, "> 0")
+        _need(_shape(xn) == (m, n) and xn.dtype == x.dtype and xn.stride(1) == 1,
+              "norm[2] (out)", (_shape(xn), xn.dtype), f"[{m}, {n}] {x.dtype}, N contiguous")
     if use_triton(x, backend):
         from speccal.kernels.gemv import linear_triton
 
         return linear_triton(x, weight, out=out, config=config, epilogue=epilogue,
-                             residual=residual, pdl=pdl_mode(x))
+                             residual=residual, pdl=pdl_mode(x), norm=norm)
     res = ref.linear_ref(x, weight, epilogue, residual)
+    if norm is not None:
+        norm[2].copy_(ref.rms_norm_ref(res, norm[0], norm[1]))
     return res if out is None else out.copy_(res)
 
 

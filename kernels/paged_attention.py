@@ -11,7 +11,8 @@ query rows and the query heads of one GQA group (``m = row * group + head_in_gro
 tile is read once for all of them. Partial results ``[B, max_splits, R, H, D]`` fp32 and their
 log2-sum-exp ``[B, max_splits, R, H]`` go to a workspace; a second kernel merges the splits,
 one program per (request, row, head) loading every split at once (a serial loop over splits was
-the slow part of version 1, see bench/KERNEL_NOTES.md). With ``FOLD_REDUCE`` (off by default)
+the slow part of version 1, see bench/KERNEL_NOTES.md). Where the merge is light
+(``ops.fold_wanted``: few rows x splits, a grid that fits the SMs; ``FOLD_REDUCE`` forces it)
 the split program that finishes last for its (request, KV head) merges instead (an arrival
 counter per pair, acquire/release, reset by that program; a CUDA graph capture that finds no
 counters yet falls back to the reduce launch).
@@ -26,17 +27,18 @@ import torch
 import triton
 import triton.language as tl
 
+from speccal.kernels._backend import attention_fold_override, fold_max_merge, num_sms
+from speccal.kernels.ops import fold_wanted
+
 __all__ = ["paged_attention_triton"]
 
 # q layout modes (constexpr)
 _DENSE, _DENSE_QLENS, _PACKED = 0, 1, 2
 
-# True: split-KV merges in the split kernel's last program per (request, KV head) instead of a
-# reduce launch. Off by default: on the H200 (bench/KERNEL_NOTES.md, "v5") it made the B=1
-# decode step 2 % faster but the B=1 full-width verify step 27 % slower (one program merges 12
-# rows x 24 splits alone); the two-kernel path is the default until the fold is limited to
-# light merges (and the split plan takes the query rows into account).
-FOLD_REDUCE = False
+# Split-KV merge in the split kernel's last program per (request, KV head) instead of a reduce
+# launch: True / False force it; None (default) folds only light merges (``ops.fold_wanted``;
+# ``SPECCAL_ATTN_FOLD`` = 0 / 1 overrides None, for benchmark variants).
+FOLD_REDUCE: bool | None = None
 _COUNTER_SLOTS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -368,7 +370,10 @@ def paged_attention_triton(
     else:
         mode = _DENSE
     dummy = seq_lens
-    cnt = None if direct or not FOLD_REDUCE else _counters(q.device, batch * num_kv_heads)
+    force = FOLD_REDUCE if FOLD_REDUCE is not None else attention_fold_override()
+    fold = not direct and fold_wanted(batch, num_kv_heads, max_splits, num_q_rows, group,
+                                      num_sms(q.device), force, fold_max_merge())
+    cnt = _counters(q.device, batch * num_kv_heads) if fold else None
     fold = cnt is not None
     block_m = max(16, triton.next_power_of_2(num_q_rows * group))
     d_pad = max(16, triton.next_power_of_2(head_dim))

@@ -191,22 +191,28 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         rotary: RotaryTable,
         fuse_rope: bool = False,
+        *,
+        normed: torch.Tensor | None = None,  # [N, hidden]: input_layernorm(h), already computed
+        next_norm: tuple[RMSNorm, torch.Tensor] | None = None,  # (norm, out [N, hidden])
     ) -> torch.Tensor:  # h
-        """The decode/verify layer in eight Triton launches (bench/KERNEL_NOTES.md).
+        """The decode/verify layer in six to eight Triton launches (bench/KERNEL_NOTES.md).
 
-        norm, QKV GEMV, attention (split + reduce; with ``fuse_rope`` and the packed layout the
+        norm (unless ``normed`` is given), QKV GEMV, attention (split + reduce, or one launch
+        where the merge folds into the split kernel; with ``fuse_rope`` and the packed layout the
         split kernel also does q/k norm + rotary + the new rows' KV write, else one more launch
         does them first), o GEMV with the residual add in its epilogue, norm, gate/up GEMV with
-        SwiGLU in its epilogue (interleaved rows), down GEMV + residual add (split-K reduce).
-        ``fuse_rope`` requires ``positions`` to be the packed rows' own positions
-        (``seq_lens - q_len + i``), as the target's verify/decode metadata is.
+        SwiGLU in its epilogue (interleaved rows), down GEMV + residual add (split-K reduce),
+        which with ``next_norm`` also writes that norm of the result into its ``out`` (the next
+        layer's ``normed``, or the final norm). ``fuse_rope`` requires ``positions`` to be the
+        packed rows' own positions (``seq_lens - q_len + i``), as the target's verify/decode
+        metadata is.
         """
         ops = _ops()
         att, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         n = h.shape[0]
         hq, hk, d = att.num_heads, att.num_kv_heads, att.head_dim
-        x = ops.rms_norm(h, ln1.weight, ln1.eps)
+        x = normed if normed is not None else ops.rms_norm(h, ln1.weight, ln1.eps)
         qkv = ops.linear(x, att.qkv_weight)  # [N, (hq + 2 hk) d]
         if att.qkv_bias is not None:
             qkv = qkv + att.qkv_bias
@@ -229,7 +235,8 @@ class DecoderLayer(nn.Module):
         ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h)
         x = ops.rms_norm(h, ln2.weight, ln2.eps)
         act = ops.linear(x, mlp.gate_up_weight, epilogue="silu_mul")  # [N, inter]
-        ops.linear(act, mlp.down_proj.weight, residual=h)
+        nrm = None if next_norm is None else (next_norm[0].weight, next_norm[0].eps, next_norm[1])
+        ops.linear(act, mlp.down_proj.weight, residual=h, norm=nrm)
         return h
 
     def forward_residual(

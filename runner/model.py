@@ -69,11 +69,7 @@ class TargetModel(nn.Module):
         x = self.model.embed_tokens(input_ids)
         layers = self.model.layers
         if all(layer.can_fuse(x, self.rotary) for layer in layers):  # decode / verify rows on Triton
-            from speccal.kernels import ops  # noqa: PLC0415
-
-            for layer, kv in zip(layers, kv_caches, strict=True):
-                layer.forward_fused(x, positions, meta, kv, self.rotary, fuse_rope=True)
-            return ops.rms_norm(x, self.model.norm.weight, self.model.norm.eps)
+            return self._forward_fused(x, positions, meta, kv_caches)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer.forward_residual(x, residual, positions, meta, kv, self.rotary)
@@ -84,15 +80,38 @@ class TargetModel(nn.Module):
             return ops.rms_norm(x, norm.weight, norm.eps, residual=residual)
         return norm(x + residual)
 
+    def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Decode / verify rows through the fused layers: each layer's down GEMV reduce also
+        writes the next layer's input norm (the last one the final norm), so only layer 0's
+        input norm is a launch of its own. Two buffers alternate as the normed input."""
+        from speccal.kernels import ops  # noqa: PLC0415
+
+        layers = self.model.layers
+        ln = layers[0].input_layernorm
+        normed = ops.rms_norm(h, ln.weight, ln.eps)
+        spare = torch.empty_like(h)
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
+            last = i + 1 == len(layers)
+            nxt = self.model.norm if last else layers[i + 1].input_layernorm
+            layer.forward_fused(h, positions, meta, kv, self.rotary, fuse_rope=True,
+                                normed=normed, next_norm=(nxt, spare))
+            normed, spare = spare, normed
+        return normed
+
     def fuse_weights(self) -> None:
         """Concatenate q/k/v and gate/up weights (views keep the parameters): fewer launches."""
         for layer in self.model.layers:
             layer.self_attn.fuse_weights()
             layer.mlp.fuse_weights()
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]``, float32 unless ``upcast`` is False (the argmax-only
+        greedy path: the bf16 logits' argmax is the same index, with no fp32 copy to write)."""
         if fused_kernels(hidden) and hidden.shape[0] <= 64:
             from speccal.kernels import ops  # noqa: PLC0415
 
-            return ops.linear(hidden.contiguous(), self.lm_head.weight).float()
-        return self.lm_head(hidden).float()
+            out = ops.linear(hidden.contiguous(), self.lm_head.weight)
+        else:
+            out = self.lm_head(hidden)
+        return out.float() if upcast else out

@@ -210,17 +210,20 @@ class RoundRunner:
             return "in_graph"
         return "host"
 
-    def plan(self, bcap: int):
-        """Static split-KV plan of a request bucket (triton backend only; None otherwise)."""
+    def plan(self, bcap: int, rows: int = 1):
+        """Static split-KV plan of a request bucket with ``rows`` query rows per request
+        (decode and draft steps 1, verification k + 1; triton backend only, None otherwise)."""
         if attention_backend() != "triton" or self.device.type != "cuda":
             return None
-        if bcap not in self._plans:
+        key = (bcap, rows)
+        if key not in self._plans:
             from speccal.kernels.ops import plan_splits  # noqa: PLC0415
 
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             heads = self.target.config.num_key_value_heads
-            self._plans[bcap] = plan_splits(bcap, heads, sms, max_len=self.max_model_len)
-        return self._plans[bcap]
+            self._plans[key] = plan_splits(bcap, heads, sms, max_len=self.max_model_len,
+                                           rows=rows)
+        return self._plans[key]
 
     # ------------------------------------------------------------------ sampling kind
 
@@ -527,10 +530,10 @@ class RoundRunner:
                 nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq, cu, k
             )
             cu.clamp_(max=g)  # padding requests past G get no rows
-            plan = self.plan(bcap)
+            plan = self.plan(bcap, k + 1)
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
             h = target(ids, pos, meta, self.target_kv)  # [G, hidden]
-            logits = target.logits(h)  # [G, V]
+            logits = target.logits(h, upcast=not fast)  # [G, V]
             offs = torch.arange(k + 1, device=dev)
             src = (cu[:-1, None].long() + offs).clamp(max=g - 1).view(-1)  # [bcap * (k + 1)]
             if fast:
@@ -540,13 +543,13 @@ class RoundRunner:
             grid_h = h[src].view(bcap, k + 1, hidden)
         else:
             grid_tokens = torch.cat([pending[:, None], draft_tokens], dim=1).view(-1)
-            plan = self.plan(bcap)
+            plan = self.plan(bcap, k + 1)
             seq = t["ver_seq"]
             meta = AttnMeta(
                 t["ver_slot"], t["ver_row"], bt, seq, k + 1, None, self._tiling(seq, plan), plan
             )
             h = target(grid_tokens[t["ver_grid"]], t["ver_pos"], meta, self.target_kv)
-            logits = target.logits(h)  # [G, V]
+            logits = target.logits(h, upcast=not fast)  # [G, V]
             if fast:
                 row_tok = logits.argmax(dim=-1)  # [G]
                 gt = row_tok.new_zeros(bcap * (k + 1) + 1)

@@ -131,6 +131,46 @@ def test_linear_epilogues_compose_the_reference_ops():
     torch.testing.assert_close(ops.linear(x, w, epilogue="silu_mul"), want)
 
 
+def test_linear_norm_writes_the_next_layers_input():
+    """``norm=(w, eps, out)``: the residual is updated as without it and ``out`` is the RMSNorm
+    of the updated residual (what the separate norm op computes from it)."""
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 32, generator=gen), torch.randn(8, 32, generator=gen)
+    res, nw = torch.randn(3, 8, generator=gen), torch.rand(8, generator=gen) + 0.5
+    want = ops.linear(x, w, residual=res.clone())
+    r, xn = res.clone(), torch.full((3, 8), float("nan"))
+    got = ops.linear(x, w, residual=r, norm=(nw, 1e-6, xn))
+    assert got is r
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(xn, ops.rms_norm(want, nw, 1e-6))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"norm": (torch.ones(8), 1e-6, torch.empty(3, 8))}, "norm"),  # no residual
+    ({"residual": torch.empty(3, 8), "norm": (torch.ones(7), 1e-6, torch.empty(3, 8))},
+     "norm[0]"),
+    ({"residual": torch.empty(3, 8), "norm": (torch.ones(8), 0.0, torch.empty(3, 8))}, "norm[1]"),
+    ({"residual": torch.empty(3, 8), "norm": (torch.ones(8), 1e-6, torch.empty(2, 8))},
+     "norm[2]"),
+    ({"residual": torch.empty(3, 8), "norm": [torch.ones(8), 1e-6, torch.empty(3, 8)]}, "norm"),
+])
+def test_linear_norm_arguments_are_checked(kwargs, field):
+    with pytest.raises(InputError) as err:
+        ops.linear(torch.randn(3, 32), torch.randn(8, 32), **kwargs)
+    assert err.value.field.startswith(field)
+
+
+def test_fold_rule_folds_light_merges_only():
+    """The dense-2b plans on 132 SMs: B=1 decode (1 row x 2 heads x 24 splits, 192 programs)
+    folds; B=1 verify (6 rows -> 12 x 32 partials) and B=8 (576 programs) keep the reduce."""
+    assert ops.fold_wanted(1, 8, 24, 1, 2)
+    assert not ops.fold_wanted(1, 8, 24, 6, 2)
+    assert not ops.fold_wanted(8, 8, 9, 1, 2) and not ops.fold_wanted(8, 8, 9, 6, 2)
+    assert not ops.fold_wanted(1, 8, 1, 1, 2, force=True)  # one split: nothing to merge
+    assert ops.fold_wanted(8, 8, 9, 6, 2, force=True)
+    assert not ops.fold_wanted(1, 8, 24, 1, 2, force=False)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"epilogue": "gelu"}, "epilogue"),
     ({"epilogue": "silu_mul", "residual": torch.empty(3, 8)}, "residual"),
@@ -176,6 +216,18 @@ def test_pdl_mode_defaults_to_late_and_never_on_cpu(value, mode, monkeypatch):
     assert _backend.pdl_enabled(_FakeCuda()) == (mode > 0)
 
 
+def test_fold_switch(monkeypatch):
+    """``SPECCAL_ATTN_FOLD`` forces or forbids the folded merge (default: the rule)."""
+    from speccal.kernels import _backend
+
+    monkeypatch.delenv("SPECCAL_ATTN_FOLD", raising=False)
+    assert _backend.attention_fold_override() is None
+    monkeypatch.setenv("SPECCAL_ATTN_FOLD", "0")
+    assert _backend.attention_fold_override() is False
+    monkeypatch.setenv("SPECCAL_ATTN_FOLD", "1")
+    assert _backend.attention_fold_override() is True
+
+
 def test_backend_switches_refuse_unknown_values(monkeypatch):
     """A mistyped ``SPECCAL_PDL`` / ``SPECCAL_KERNELS`` / ``backend=`` is an error, not 'off'."""
     from speccal.kernels import _backend
@@ -183,6 +235,10 @@ def test_backend_switches_refuse_unknown_values(monkeypatch):
     monkeypatch.setenv("SPECCAL_PDL", "yes")
     with pytest.raises(InputError, match="SPECCAL_PDL"):
         _backend.pdl_mode(torch.zeros(1))
+    monkeypatch.setenv("SPECCAL_ATTN_FOLD", "yes")
+    with pytest.raises(InputError, match="SPECCAL_ATTN_FOLD"):
+        _backend.attention_fold_override()
+    monkeypatch.delenv("SPECCAL_ATTN_FOLD")
     monkeypatch.setenv("SPECCAL_KERNELS", "refernce")
     with pytest.raises(InputError, match="SPECCAL_KERNELS"):
         ops.linear(torch.randn(2, 4), torch.randn(3, 4))

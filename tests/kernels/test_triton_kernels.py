@@ -71,10 +71,10 @@ def test_paged_attention_dense(dtype, case, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("max_splits, fold", [(1, True), (8, True), (8, False)])
+@pytest.mark.parametrize("max_splits, fold", [(1, True), (8, True), (8, False), (8, None)])
 def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, monkeypatch):
     """``fold``: the split kernel's last program merges the splits or a reduce launch does
-    (the default); both zero the unused dense rows and the packed padding rows, and the folded
+    (None: the rule, here a reduce); both zero the unused dense rows and the packed padding rows, and the folded
     path leaves its arrival counters at zero."""
     from speccal.kernels import paged_attention as pa
 
@@ -299,6 +299,34 @@ def test_fused_linear_matches_reference(dtype, m, shape, fusion):
                          residual=res, backend="triton")
         assert got is (out if glu else res)
         assert rel_err(got, want) < TOL[dtype], (fusion, cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 48])
+@pytest.mark.parametrize("shape", [(2048, 6144), (1000, 2100)])
+def test_linear_residual_norm_matches_reference(dtype, m, shape):
+    """The down GEMV's reduce writing the next layer's RMSNorm (split-K), and the split-1
+    fallback (a norm launch after the GEMV)."""
+    from speccal.kernels.gemv import GemvConfig
+
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + m)
+    x = torch.randn(m, k, generator=gen).to(dtype=dtype, device=DEV)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype=dtype, device=DEV)
+    res0 = torch.randn(m, n, generator=gen).to(dtype=dtype, device=DEV)
+    nw = (torch.rand(n, generator=gen) + 0.5).to(dtype=dtype, device=DEV)
+    f32 = (lambda t: t.float()) if dtype != torch.float32 else (lambda t: t.clone())
+    want_h = ref.linear_ref(f32(x), f32(w), None, f32(res0))
+    for cfg in (GemvConfig(block_n=64, block_k=128, split_k=4),
+                GemvConfig(block_n=16, block_k=256, split_k=1)):
+        res = res0.clone()
+        xn = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+        got = ops.linear(x, w, config=cfg, residual=res, norm=(nw, 1e-6, xn), backend="triton")
+        assert got is res
+        assert rel_err(res, want_h) < TOL[dtype], cfg
+        # the norm of the residual as stored (rounded), as a separate norm launch would read it
+        want_n = ref.rms_norm_ref(f32(res), f32(nw), 1e-6)
+        assert rel_err(xn, want_n) < TOL[dtype] / 4, cfg
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

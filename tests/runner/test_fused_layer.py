@@ -13,7 +13,8 @@ import torch
 
 from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
-from speccal.runner.layers import DecoderLayer
+from speccal.runner.layers import DecoderLayer, RMSNorm
+from speccal.runner.model import TargetModel
 from speccal.runner.rope import RotaryTable
 
 
@@ -102,3 +103,51 @@ def test_fuse_weights_keeps_every_parameter_and_the_output():
     assert torch.equal(gu[1::2], before["mlp.up_proj.weight"])
     assert layer.mlp.gate_proj.weight.data_ptr() == gu.data_ptr()  # a view, not a copy
     torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+
+
+def test_fused_layer_takes_its_normed_input_and_writes_the_next_norm():
+    """``normed``: the input norm computed by the layer before; ``next_norm``: the down GEMV's
+    reduce also writes that norm of the updated residual (the next layer's input)."""
+    layer, rotary, cfg = _layer(True, False)
+    meta, pos, nb = _packed_meta(ctx=[5, 11], rows=[3, 1])
+    gen = torch.Generator().manual_seed(1)
+    shape = (nb, 4, cfg.num_key_value_heads, cfg.head_dim)
+    kv0 = [torch.randn(shape, generator=gen) for _ in range(2)]
+    x = torch.randn(pos.shape[0], cfg.hidden_size, generator=gen)
+    nxt = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    with torch.no_grad():
+        nxt.weight.uniform_(0.5, 1.5)
+        want = layer.forward_fused(x.clone(), pos, meta, tuple(t.clone() for t in kv0), rotary,
+                                   fuse_rope=True)
+        h, out = x.clone(), torch.full_like(x, float("nan"))
+        normed = layer.input_layernorm(h)
+        got = layer.forward_fused(h, pos, meta, tuple(t.clone() for t in kv0), rotary,
+                                  fuse_rope=True, normed=normed, next_norm=(nxt, out))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, nxt(got), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_model_forward_matches_the_torch_forward():
+    """``TargetModel._forward_fused`` (the launch plan of decode / verify rows: layer 0's norm,
+    then each down reduce writing the next norm, the last one the final norm) computes what the
+    torch forward does."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      is_qk_norm=True)
+    torch.manual_seed(8)
+    model = TargetModel(cfg, 512, 512)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.fuse_weights()
+    meta, pos, nb = _packed_meta(ctx=[5, 11], rows=[3, 1])
+    gen = torch.Generator().manual_seed(2)
+    shape = (nb, 4, cfg.num_key_value_heads, cfg.head_dim)
+    kv0 = [[torch.randn(shape, generator=gen) for _ in range(2)] for _ in range(3)]
+    ids = torch.randint(0, 64, pos.shape, generator=gen)
+    with torch.no_grad():
+        want = model(ids, pos, meta, [tuple(t.clone() for t in kv) for kv in kv0])
+        h = model.model.embed_tokens(ids)
+        got = model._forward_fused(h, pos, meta, [tuple(t.clone() for t in kv) for kv in kv0])
+    real = slice(0, int(meta.cu_q_lens[-1]))
+    torch.testing.assert_close(got[real], want[real], rtol=2e-4, atol=2e-4)
