@@ -69,9 +69,10 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
     """Split plan that gives about four programs per multiprocessor for ``batch`` requests.
 
     Static in (batch, heads, SMs, rows), so one plan per captured bucket. ``max_len`` caps the
-    splits at one KV tile each. ``rows`` > 1 (verification): at most ``verify_max_splits()``
-    splits (``SPECCAL_VERIFY_SPLITS``; default ``VERIFY_MAX_SPLITS``), since each split's
-    partials grow with the rows and the merge reads them all.
+    splits at one KV tile each. ``rows`` > 1 (verification): half the splits of the 1-row plan
+    (each split's partials grow with the rows and the merge reads them all; the H200 dense-2b
+    sweep in bench/KERNEL_NOTES.md "v6": B=1 12 of 24, B=8 4 of 9, where 4 also lets the merge
+    fold), and at most ``SPECCAL_VERIFY_SPLITS`` (default ``VERIFY_MAX_SPLITS``).
     """
     if batch < 1 or num_kv_heads < 1 or rows < 1:
         raise InputError("batch/num_kv_heads/rows", (batch, num_kv_heads, rows), "ints >= 1")
@@ -81,7 +82,7 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
     if rows > 1:
         from speccal.kernels._backend import verify_max_splits  # noqa: PLC0415
 
-        splits = min(splits, verify_max_splits(VERIFY_MAX_SPLITS))
+        splits = max(1, min(splits // 2, verify_max_splits(VERIFY_MAX_SPLITS)))
     return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n)
 
 
@@ -92,7 +93,7 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
 # (12 rows x 24 splits merged by one program) 27 % slower and B=8 decode (576 programs) slower.
 FOLD_MAX_MERGE = 64
 FOLD_MAX_PROGRAMS_PER_SM = 2
-VERIFY_MAX_SPLITS = 64  # split cap of multi-row (verification) plans
+VERIFY_MAX_SPLITS = 64  # split cap of multi-row (verification) plans (on top of the halving)
 
 
 def fold_wanted(batch: int, num_kv_heads: int, max_splits: int, rows: int, group: int,
@@ -324,9 +325,12 @@ def verify_metadata_update(
     cu_q_lens: torch.Tensor,  # [B + 1] int32, written
     k_max: int,
     *,
+    grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
     backend: str | None = None,
 ) -> None:
-    """Positions, slot mapping (padding -> slot 0), ``seq_lens`` and ``cu_q_lens`` on device."""
+    """Positions, slot mapping (padding -> slot 0), ``seq_lens`` and ``cu_q_lens`` on device;
+    with ``grid_rows`` also each ``[B, k_max + 1]`` grid cell's packed row (clamped to G - 1),
+    so the verify step gathers its per-row results without more launches."""
     _need(verify_lens.dim() == 1 and verify_lens.shape[0] >= 1, "verify_lens.shape",
           _shape(verify_lens), "[B], B >= 1")
     batch = verify_lens.shape[0]
@@ -343,17 +347,22 @@ def verify_metadata_update(
     _check_int(slot_mapping, "slot_mapping", (g,), (torch.int64,))
     _check_int(seq_lens, "seq_lens", (batch,), (torch.int32,))
     _check_int(cu_q_lens, "cu_q_lens", (batch + 1,), (torch.int32,))
-    for name, t in (("positions", positions), ("slot_mapping", slot_mapping),
-                    ("seq_lens", seq_lens), ("cu_q_lens", cu_q_lens)):
+    outs = [("positions", positions), ("slot_mapping", slot_mapping), ("seq_lens", seq_lens),
+            ("cu_q_lens", cu_q_lens)]
+    if grid_rows is not None:
+        _check_int(grid_rows, "grid_rows", (batch * (k_max + 1),), (torch.int64,))
+        outs.append(("grid_rows", grid_rows))
+    for name, t in outs:
         _need(t.is_contiguous(), name, "non-contiguous", "contiguous")
     if use_triton(positions, backend):
         from speccal.kernels.verify_metadata import verify_metadata_update_triton
 
         verify_metadata_update_triton(verify_lens, context_lens, block_table, block_size,
-                                      positions, slot_mapping, seq_lens, cu_q_lens, k_max)
+                                      positions, slot_mapping, seq_lens, cu_q_lens, k_max,
+                                      grid_rows)
         return
     ref.verify_metadata_update_ref(verify_lens, context_lens, block_table, block_size, positions,
-                                   slot_mapping, seq_lens, cu_q_lens, k_max)
+                                   slot_mapping, seq_lens, cu_q_lens, k_max, grid_rows)
 
 
 def attention_tiling_update(

@@ -205,12 +205,16 @@ def verify_metadata_update_ref(
     seq_lens: torch.Tensor,  # [B] int32, written
     cu_q_lens: torch.Tensor,  # [B + 1] int32, written
     k_max: int,
+    grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
 ) -> None:
     """Positions, slot mapping, KV lengths and row offsets of the packed verify rows.
 
     Row ``j`` of request ``b`` is at position ``context_lens[b] + j`` and writes KV slot
     ``block_table[b, pos // block_size] * block_size + pos % block_size``; padded rows get
     position 0 and the sentinel slot 0. ``seq_lens[b] = context_lens[b] + verify_lens[b] + 1``.
+    ``grid_rows[b * (k_max + 1) + j] = min(cu_q_lens[b] + j, G - 1)``: the packed row of grid
+    cell ``(b, j)`` (cells past a request's rows point at some valid row; their values are
+    ignored), for gathering per-row results into the ``[B, k_max + 1]`` grid.
     """
     vl = verify_lens.long().clamp(0, k_max)
     req, j, real, cu = _verify_rows(vl, positions.shape[0])
@@ -222,6 +226,10 @@ def verify_metadata_update_ref(
     seq_lens.copy_((context_lens.long() + vl + 1).to(seq_lens.dtype))
     cu_q_lens[:1].zero_()  # (a tensor op: ``cu_q_lens[0] = 0`` is a host copy, not capturable)
     cu_q_lens[1:].copy_(cu.to(cu_q_lens.dtype))
+    if grid_rows is not None:
+        start = torch.cat([cu.new_zeros(1), cu[:-1]])
+        cells = start[:, None] + torch.arange(k_max + 1, device=cu.device)
+        grid_rows.copy_(cells.clamp(max=positions.shape[0] - 1).view(-1))
 
 
 def attention_tiling_update_ref(

@@ -22,9 +22,9 @@ __all__ = ["verify_metadata_update_triton"]
 
 @triton.jit
 def _verify_metadata_kernel(
-    vl_ptr, ctx_ptr, bt_ptr, pos_ptr, slot_ptr, seq_ptr, cu_ptr,
+    vl_ptr, ctx_ptr, bt_ptr, pos_ptr, slot_ptr, seq_ptr, cu_ptr, grid_ptr,
     B, G, K_MAX, stride_bt, max_blocks, page,
-    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, GRID: tl.constexpr,
 ):
     b = tl.program_id(0)
     start, n, total = packed_rows(vl_ptr, b, B, K_MAX, BLOCK_B)
@@ -41,6 +41,9 @@ def _verify_metadata_kernel(
         tl.store(slot_ptr + t, slot.to(slot_ptr.dtype.element_ty), mask=ok & (t < G))
         tl.store(seq_ptr + b, (ctx + n).to(seq_ptr.dtype.element_ty))
         tl.store(cu_ptr + b + 1, (start + n).to(cu_ptr.dtype.element_ty))
+        if GRID:  # grid cell (b, j) -> its packed row, clamped into [0, G)
+            cell = tl.minimum(start + j, G - 1).to(tl.int64)
+            tl.store(grid_ptr + b * (K_MAX + 1) + j, cell, mask=j < K_MAX + 1)
     else:
         one = tl.arange(0, 1)
         tl.store(cu_ptr + one, tl.zeros([1], dtype=cu_ptr.dtype.element_ty))
@@ -61,13 +64,14 @@ def verify_metadata_update_triton(
     seq_lens: torch.Tensor,  # [B] int32, written
     cu_q_lens: torch.Tensor,  # [B + 1] int32, written
     k_max: int,
+    grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
 ) -> None:
     """One launch; arguments validated by ``ops.verify_metadata_update``."""
     batch = verify_lens.shape[0]
     g = positions.shape[0]
     _verify_metadata_kernel[(batch + 1,)](
         verify_lens, context_lens, block_table, positions, slot_mapping, seq_lens, cu_q_lens,
-        batch, g, k_max, block_table.stride(0), block_table.shape[1], block_size,
+        grid_rows if grid_rows is not None else positions, batch, g, k_max, block_table.stride(0), block_table.shape[1], block_size,
         BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=triton.next_power_of_2(k_max + 1),
-        BLOCK_G=min(1024, triton.next_power_of_2(g)), num_warps=1,
+        BLOCK_G=min(1024, triton.next_power_of_2(g)), GRID=grid_rows is not None, num_warps=1,
     )

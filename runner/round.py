@@ -524,18 +524,17 @@ class RoundRunner:
             slot = torch.empty(g, dtype=torch.int64, device=dev)
             seq = torch.empty(bcap, dtype=torch.int32, device=dev)
             cu = torch.empty(bcap + 1, dtype=torch.int32, device=dev)
+            src = torch.empty(bcap * (k + 1), dtype=torch.int64, device=dev)  # grid -> packed row
             nv32 = t["nv32"]
             ops.verify_token_update(pending, draft_tokens, nv32, ids, pad_id=0)
             ops.verify_metadata_update(
-                nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq, cu, k
+                nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq, cu, k, grid_rows=src
             )
             cu.clamp_(max=g)  # padding requests past G get no rows
             plan = self.plan(bcap, k + 1)
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
             h = target(ids, pos, meta, self.target_kv)  # [G, hidden]
             logits = target.logits(h, upcast=not fast)  # [G, V]
-            offs = torch.arange(k + 1, device=dev)
-            src = (cu[:-1, None].long() + offs).clamp(max=g - 1).view(-1)  # [bcap * (k + 1)]
             if fast:
                 grid_tok = logits.argmax(dim=-1)[src].view(bcap, k + 1)
             else:

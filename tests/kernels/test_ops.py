@@ -74,6 +74,24 @@ def test_split_plan_validation_and_planning():
     assert ops.plan_splits(1, 8, num_sms=132, max_len=128).max_splits == 2
 
 
+def test_verify_plans_halve_the_splits(monkeypatch):
+    """Multi-row (verification) plans take half the 1-row plan's splits (dense-2b on an H200:
+    24 -> 12 at B=1, 9 -> 4 at B=8, never below 1), capped by ``SPECCAL_VERIFY_SPLITS``."""
+    monkeypatch.delenv("SPECCAL_VERIFY_SPLITS", raising=False)
+    assert ops.plan_splits(1, 8, 132, max_len=1536, rows=6).max_splits == 12
+    assert ops.plan_splits(8, 8, 132, max_len=1536, rows=6).max_splits == 4
+    assert ops.plan_splits(8, 8, 132, max_len=1536, rows=1).max_splits == 9
+    assert ops.plan_splits(128, 8, 132, rows=6).max_splits == 1
+    monkeypatch.setenv("SPECCAL_VERIFY_SPLITS", "3")
+    assert ops.plan_splits(1, 8, 132, max_len=1536, rows=6).max_splits == 3
+    assert ops.plan_splits(1, 8, 132, max_len=1536, rows=1).max_splits == 24
+    monkeypatch.setenv("SPECCAL_VERIFY_SPLITS", "0")
+    with pytest.raises(InputError, match="SPECCAL_VERIFY_SPLITS"):
+        ops.plan_splits(1, 8, 132, rows=6)
+    with pytest.raises(InputError, match="rows"):
+        ops.plan_splits(1, 8, 132, rows=0)
+
+
 def test_update_ops_reject_bad_buffers():
     base = torch.tensor([1, 2])
     drafts = torch.tensor([[3, 4], [5, 6]])
@@ -92,6 +110,9 @@ def test_update_ops_reject_bad_buffers():
     with pytest.raises(InputError) as err:
         ops.verify_metadata_update(vl, ctx, bt, 16, pos, slots, seq, cu[:2], 2)
     assert err.value.field == "cu_q_lens.shape"
+    with pytest.raises(InputError, match="grid_rows"):
+        ops.verify_metadata_update(vl, ctx, bt, 16, pos, slots, seq, cu, 2,
+                                   grid_rows=torch.zeros(3, dtype=torch.int64))
     ops.verify_metadata_update(vl, ctx, bt, 16, pos, slots, seq, cu, 2)
     assert seq.tolist() == [5, 7] and cu.tolist() == [0, 2, 5]
 

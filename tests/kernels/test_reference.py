@@ -102,8 +102,10 @@ def test_verify_updates_ref_match_loop_oracle():
     slots = torch.full((g,), -5, dtype=torch.int64)
     seq = torch.full((b,), -5, dtype=torch.int32)
     cu = torch.full((b + 1,), -5, dtype=torch.int32)
-    ref.verify_metadata_update_ref(vl, ctx, bt, bs, pos, slots, seq, cu, k_max)
+    grid = torch.full((b * (k_max + 1),), -5, dtype=torch.int64)
+    ref.verify_metadata_update_ref(vl, ctx, bt, bs, pos, slots, seq, cu, k_max, grid)
     w_ids, w_pos, w_slots, w_seq, w_cu = verify_oracle(base, drafts, vl, ctx, bt, bs, g)
+    assert grid.tolist() == [min(w_cu[i] + j, g - 1) for i in range(b) for j in range(k_max + 1)]
     assert ids.tolist() == w_ids
     assert pos.tolist() == w_pos
     assert slots.tolist() == w_slots

@@ -129,8 +129,11 @@ def test_verify_updates_and_tiling_match_oracle(batch, k_max, g):
     slots = torch.full((g,), -9, dtype=torch.int64, device=DEV)
     seq = torch.full((batch,), -9, dtype=torch.int32, device=DEV)
     cu = torch.full((batch + 1,), -9, dtype=torch.int32, device=DEV)
+    grid = torch.full((batch * (k_max + 1),), -9, dtype=torch.int64, device=DEV)
     ops.verify_metadata_update(d["vl"], d["ctx"], d["bt"], 16, pos, slots, seq, cu, k_max,
-                               backend="triton")
+                               grid_rows=grid, backend="triton")
+    assert grid.tolist() == [min(w_cu[i] + j, g - 1) for i in range(batch)
+                             for j in range(k_max + 1)]
     if len(w_cu) - 1 == batch and w_cu[-1] <= g:
         assert ids.tolist() == w_ids
         assert pos.tolist() == w_pos and slots.tolist() == w_slots
