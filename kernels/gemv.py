@@ -174,9 +174,6 @@ def _splitk_reduce_norm_kernel(part_ptr, y_ptr, nw_ptr, xn_ptr, M, N, stride_ym,
     tl.store(xn_ptr + m * stride_xm + offs, (hf * inv * w).to(xn_ptr.dtype.element_ty), mask=ok)
 
 
-_SMEM_BYTES = 232448  # shared memory per block on Hopper (opt-in maximum)
-
-
 def _cfg(bn: int, bk: int, split: int, stages: int = 4) -> GemvConfig:
     return GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages)
 
@@ -271,15 +268,11 @@ def linear_triton(
     direct = split == 1
     part = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     even_k = k % k_per_split == 0 and k_per_split % cfg.block_k == 0
-    pre = min(pre, k_per_split // cfg.block_k)
-    tile = (block_m + cfg.block_n) * cfg.block_k * x.element_size()  # x + w bytes per K step
-    while pre and not cfg.fma and (cfg.num_stages + pre) * tile > _SMEM_BYTES:
-        pre -= 1  # a preloaded tile is staged next to the loop's buffers: keep within smem
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DIRECT=direct,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, FMA=cfg.fma, GLU=glu,
-        RES=residual is not None, PDL=int(pdl), PRE=pre,
+        RES=residual is not None, PDL=int(pdl), PRE=min(pre, k_per_split // cfg.block_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
     )
     if not direct and norm is not None:
