@@ -19,7 +19,6 @@ import torch
 __all__ = [
     "attention_fold_override",
     "fold_max_merge",
-    "gemv_preload",
     "interpreting",
     "num_sms",
     "pdl_enabled",
@@ -152,19 +151,3 @@ def verify_max_splits(default: int) -> int:
     ``default``). A tuning switch for benchmarks, read when a plan is made (graph capture)."""
     value = _positive_int("SPECCAL_VERIFY_SPLITS")
     return default if value is None else value
-
-
-GEMV_PRELOAD = 1  # weight tiles the GEMV loads before its PDL wait (kernels/gemv.py, PRE)
-
-
-def gemv_preload() -> int:
-    """``SPECCAL_GEMV_PRE`` (0, 1 or 2; unset: ``GEMV_PRELOAD``): weight tiles each GEMV program
-    loads before waiting for its predecessor. A tuning switch for benchmarks."""
-    value = os.environ.get("SPECCAL_GEMV_PRE", "")
-    if not value:
-        return GEMV_PRELOAD
-    if value not in ("0", "1", "2"):
-        from speccal.errors import InputError
-
-        raise InputError("SPECCAL_GEMV_PRE", value, "0, 1 or 2 (or unset)")
-    return int(value)

@@ -49,45 +49,15 @@ class GemvConfig:
 
 
 @triton.jit
-def _load_w(w_ptr, offs_n, n_ok, k0, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-            EVEN_K: tl.constexpr):
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    if EVEN_K:
-        if EVEN_N:
-            return tl.load(w_ptrs)
-        return tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-    return tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _load_x(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    if EVEN_K:
-        return tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-    return tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _mac(x, w, acc, FMA: tl.constexpr):
-    if FMA:
-        return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-    return tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N]
-
-
-@triton.jit
 def _skinny_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DIRECT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FMA: tl.constexpr,
-    GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
+    GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
 ):
     # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]),
     # split 1 only. RES: y += acc (y is the residual stream; at split > 1 the reduce adds).
     # x goes to the dot as loaded (math on a dot operand stops Triton pipelining the K loop).
-    # PRE (0-2): the first PRE weight tiles are loaded before waiting for the predecessor
-    # (weights never depend on it), so under PDL their latency overlaps the predecessor's tail.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -95,25 +65,30 @@ def _skinny_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     k_lo = pid_k * k_per_split
-    if PRE >= 1:
-        w0 = _load_w(w_ptr, offs_n, n_ok, k_lo, K, stride_wn, BLOCK_K, EVEN_N, EVEN_K)
-    if PRE >= 2:
-        w1 = _load_w(w_ptr, offs_n, n_ok, k_lo + BLOCK_K, K, stride_wn, BLOCK_K, EVEN_N, EVEN_K)
     if PDL > 0:  # 1: let the next kernel launch now; 2: only once this one's K loop is done
         tl.extra.cuda.gdc_wait()
         if PDL == 1:
             tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PRE >= 1:
-        acc = _mac(_load_x(x_ptr, offs_m, m_ok, k_lo, K, stride_xm, BLOCK_K, EVEN_K), w0, acc,
-                   FMA)
-    if PRE >= 2:
-        acc = _mac(_load_x(x_ptr, offs_m, m_ok, k_lo + BLOCK_K, K, stride_xm, BLOCK_K, EVEN_K),
-                   w1, acc, FMA)
-    for k0 in range(PRE * BLOCK_K, k_per_split, BLOCK_K):
-        x = _load_x(x_ptr, offs_m, m_ok, k_lo + k0, K, stride_xm, BLOCK_K, EVEN_K)
-        w = _load_w(w_ptr, offs_n, n_ok, k_lo + k0, K, stride_wn, BLOCK_K, EVEN_N, EVEN_K)
-        acc = _mac(x, w, acc, FMA)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FMA:
+            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, 2)  # [BLOCK_M, BLOCK_N]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N]
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     if GLU:
@@ -240,7 +215,6 @@ def linear_triton(
     residual: torch.Tensor | None = None,  # [M, N]: residual += result (the output)
     pdl: int = 0,  # 0 off, 1 next kernel may launch at once, 2 after this one's K loop
     norm: tuple | None = None,  # (weight [N], eps, out [M, N]): out = rmsnorm(residual) * weight
-    pre: int = 1,  # weight tiles loaded before the PDL wait (0-2)
 ) -> torch.Tensor:  # out
     """``x @ weight.T`` (then SwiGLU, or ``+ residual`` in place); validated by ``ops.linear``.
 
@@ -272,7 +246,7 @@ def linear_triton(
         x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DIRECT=direct,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, FMA=cfg.fma, GLU=glu,
-        RES=residual is not None, PDL=int(pdl), PRE=min(pre, k_per_split // cfg.block_k),
+        RES=residual is not None, PDL=int(pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
     )
     if not direct and norm is not None:

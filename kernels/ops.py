@@ -24,7 +24,7 @@ import torch
 
 from speccal.errors import InputError
 from speccal.kernels import reference as ref
-from speccal.kernels._backend import gemv_preload, pdl_enabled, pdl_mode, use_triton
+from speccal.kernels._backend import pdl_enabled, pdl_mode, use_triton
 
 __all__ = [
     "SplitPlan",
@@ -446,8 +446,7 @@ def linear(
         from speccal.kernels.gemv import linear_triton
 
         return linear_triton(x, weight, out=out, config=config, epilogue=epilogue,
-                             residual=residual, pdl=pdl_mode(x), norm=norm,
-                             pre=gemv_preload())
+                             residual=residual, pdl=pdl_mode(x), norm=norm)
     res = ref.linear_ref(x, weight, epilogue, residual)
     if norm is not None:
         norm[2].copy_(ref.rms_norm_ref(res, norm[0], norm[1]))

@@ -249,19 +249,6 @@ def test_fold_switch(monkeypatch):
     assert _backend.attention_fold_override() is True
 
 
-def test_gemv_preload_switch(monkeypatch):
-    """``SPECCAL_GEMV_PRE`` picks how many weight tiles a GEMV loads before its PDL wait."""
-    from speccal.kernels import _backend
-
-    monkeypatch.delenv("SPECCAL_GEMV_PRE", raising=False)
-    assert _backend.gemv_preload() == _backend.GEMV_PRELOAD
-    monkeypatch.setenv("SPECCAL_GEMV_PRE", "2")
-    assert _backend.gemv_preload() == 2
-    monkeypatch.setenv("SPECCAL_GEMV_PRE", "3")
-    with pytest.raises(InputError, match="SPECCAL_GEMV_PRE"):
-        _backend.gemv_preload()
-
-
 def test_backend_switches_refuse_unknown_values(monkeypatch):
     """A mistyped ``SPECCAL_PDL`` / ``SPECCAL_KERNELS`` / ``backend=`` is an error, not 'off'."""
     from speccal.kernels import _backend

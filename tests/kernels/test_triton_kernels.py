@@ -304,32 +304,6 @@ def test_fused_linear_matches_reference(dtype, m, shape, fusion):
         assert rel_err(got, want) < TOL[dtype], (fusion, cfg)
 
 
-@pytest.mark.parametrize("shape, cfg", [
-    ((2048, 2048), (16, 256, 1)), ((2048, 6144), (64, 128, 4)), ((1000, 2100), (64, 128, 3)),
-    ((300, 200), (64, 128, 1)),  # K shorter than two tiles: the preload is clipped
-])
-def test_linear_preloaded_weight_tiles_change_no_bit(shape, cfg):
-    """Weight tiles loaded before the PDL wait (``pre`` 1 or 2) accumulate in the same order as
-    the plain loop: identical results, also for residual, SwiGLU and split-K."""
-    from speccal.kernels.gemv import GemvConfig, linear_triton
-
-    n, k = shape
-    gen = torch.Generator().manual_seed(n * k)
-    dtype = DTYPES[0]
-    x = torch.randn(5, k, generator=gen).to(dtype=dtype, device=DEV)
-    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype=dtype, device=DEV)
-    res0 = torch.randn(5, n, generator=gen).to(dtype=dtype, device=DEV)
-    c = GemvConfig(block_n=cfg[0], block_k=cfg[1], split_k=cfg[2])
-    outs = {}
-    for pre in (0, 1, 2):
-        outs[pre] = (linear_triton(x, w, config=c, pre=pre),
-                     linear_triton(x, w, config=c, residual=res0.clone(), pre=pre),
-                     linear_triton(x, w, config=c, epilogue="silu_mul", pre=pre))
-    for pre in (1, 2):
-        for a, b in zip(outs[0], outs[pre], strict=True):
-            assert torch.equal(a, b), pre
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 48])
 @pytest.mark.parametrize("shape", [(2048, 6144), (1000, 2100)])
