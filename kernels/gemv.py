@@ -32,6 +32,7 @@ import triton.language as tl
 
 from speccal.errors import InputError
 from speccal.kernels._backend import num_sms
+from speccal.kernels.rmsnorm import norm_row_store, rms_norm_triton
 
 __all__ = ["GemvConfig", "linear_triton", "pick_config"]
 
@@ -143,10 +144,7 @@ def _splitk_reduce_norm_kernel(part_ptr, y_ptr, nw_ptr, xn_ptr, M, N, stride_ym,
     acc += tl.load(y_ptr + m * stride_ym + offs, mask=ok, other=0.0).to(tl.float32)
     h = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + m * stride_ym + offs, h, mask=ok)
-    hf = h.to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(hf * hf, 0) / N + eps)
-    w = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(xn_ptr + m * stride_xm + offs, (hf * inv * w).to(xn_ptr.dtype.element_ty), mask=ok)
+    norm_row_store(h.to(tl.float32), nw_ptr, xn_ptr + m * stride_xm, offs, ok, N, eps)
 
 
 def _cfg(bn: int, bk: int, split: int, stages: int = 4) -> GemvConfig:
@@ -264,7 +262,5 @@ def linear_triton(
             RES=residual is not None, PDL=pdl > 0, num_warps=4, launch_pdl=pdl > 0,
         )
     elif norm is not None:
-        from speccal.kernels.rmsnorm import rms_norm_triton  # noqa: PLC0415
-
         rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
     return out

@@ -13,7 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm_triton"]
+__all__ = ["norm_row_store", "rms_norm_triton"]
+
+
+@triton.jit
+def norm_row_store(h, w_ptr, out_ptr, offs, ok, N, eps):
+    """Store ``h * rsqrt(mean(h^2) + eps) * w`` for one fp32 row ``h`` (``[BLOCK]``, masked)."""
+    inv = tl.math.rsqrt(tl.sum(h * h, 0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (h * inv * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -31,9 +39,7 @@ def _rms_norm_kernel(
     if HAS_RES:
         h += tl.load(res_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(res_ptr + row * stride_r + offs, h.to(res_ptr.dtype.element_ty), mask=ok)
-    inv = tl.math.rsqrt(tl.sum(h * h, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (h * inv * w).to(out_ptr.dtype.element_ty), mask=ok)
+    norm_row_store(h, w_ptr, out_ptr + row * stride_o, offs, ok, N, eps)
 
 
 def rms_norm_triton(

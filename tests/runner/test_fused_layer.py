@@ -52,15 +52,20 @@ def _packed_meta(ctx, rows, block_size=4, max_blocks=16):
     return meta, torch.tensor(pos), nb
 
 
+def _case(cfg: ModelConfig, seed: int):
+    """Two requests' packed rows (3 + 1, one padding row), a random paged KV cache and input."""
+    meta, pos, nb = _packed_meta(ctx=[5, 11], rows=[3, 1])
+    gen = torch.Generator().manual_seed(seed)
+    shape = (nb, 4, cfg.num_key_value_heads, cfg.head_dim)
+    kv0 = [torch.randn(shape, generator=gen) for _ in range(2)]
+    return meta, pos, kv0, torch.randn(pos.shape[0], cfg.hidden_size, generator=gen)
+
+
 @pytest.mark.parametrize("fuse_rope", [False, True])
 @pytest.mark.parametrize("qk_norm, bias", [(True, False), (False, True)])
 def test_forward_fused_matches_unfused_layer(qk_norm, bias, fuse_rope):
     layer, rotary, cfg = _layer(qk_norm, bias)
-    meta, pos, nb = _packed_meta(ctx=[5, 11], rows=[3, 1])
-    gen = torch.Generator().manual_seed(0)
-    shape = (nb, 4, cfg.num_key_value_heads, cfg.head_dim)
-    kv0 = [torch.randn(shape, generator=gen) for _ in range(2)]
-    x = torch.randn(pos.shape[0], cfg.hidden_size, generator=gen)
+    meta, pos, kv0, x = _case(cfg, 0)
     kv_ref = [t.clone() for t in kv0]
     with torch.no_grad():
         want = layer(x, pos, meta, tuple(kv_ref), rotary)  # torch path: not fused on CPU
@@ -109,11 +114,7 @@ def test_fused_layer_takes_its_normed_input_and_writes_the_next_norm():
     """``normed``: the input norm computed by the layer before; ``next_norm``: the down GEMV's
     reduce also writes that norm of the updated residual (the next layer's input)."""
     layer, rotary, cfg = _layer(True, False)
-    meta, pos, nb = _packed_meta(ctx=[5, 11], rows=[3, 1])
-    gen = torch.Generator().manual_seed(1)
-    shape = (nb, 4, cfg.num_key_value_heads, cfg.head_dim)
-    kv0 = [torch.randn(shape, generator=gen) for _ in range(2)]
-    x = torch.randn(pos.shape[0], cfg.hidden_size, generator=gen)
+    meta, pos, kv0, x = _case(cfg, 1)
     nxt = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     with torch.no_grad():
         nxt.weight.uniform_(0.5, 1.5)
