@@ -141,7 +141,7 @@ class RoundRunner:
         self.static = graph_mode == "split"
         self.input_update = input_update
         self.max_model_len = max_model_len
-        self._plans: dict[int, object] = {}
+        self._plans: dict[tuple[int, int], object] = {}  # (bcap, rows) -> SplitPlan
         rows = max_bucket * w1
         i64, i32 = torch.int64, torch.int32
         # declaration order = the order prepare() stages them (one merged copy per round);
