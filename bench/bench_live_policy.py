@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         per_policy[tr.policy].append(s)
         run_log.append(
             {
-                **tr.record(i),
+                **tr.record(i, s),
                 "replay_error_pct": p["error_pct"],
                 "replay_vs_live_loop_error_pct": 100.0
                 * abs(p["predicted_tokens_per_s"] - s["loop_tokens_per_s"])

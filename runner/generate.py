@@ -250,7 +250,7 @@ def bench_policies(
         per_policy[tr.policy].append(s)
         log.append(
             {
-                **tr.record(i),
+                **tr.record(i, s),
                 "replay_error_pct": pred["error_pct"],
                 "decisions_match": pred["decisions_match"],
             }

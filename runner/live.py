@@ -406,9 +406,10 @@ class TimedRun:
     end_s: float
     run: LiveRun
 
-    def record(self, index: int) -> dict[str, Any]:
-        """The run's place, times and headline numbers (JSON-ready; no arrays)."""
-        s = self.run.summary()
+    def record(self, index: int, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The run's place, times and headline numbers (JSON-ready; no arrays); ``summary``:
+        the run's ``LiveRun.summary()`` when the caller already has it."""
+        s = self.run.summary() if summary is None else summary
         return {
             "index": index,
             "policy": self.policy,

@@ -277,6 +277,17 @@ def generate(
         )
 
 
+def _check_workload(num_requests: int, prompt_len: int, max_tokens: int) -> None:
+    """The bench workload's sizes, each an integer >= 1."""
+    for name, value in (
+        ("--num-requests", num_requests),
+        ("--prompt-len", prompt_len),
+        ("--max-tokens", max_tokens),
+    ):
+        if value < 1:
+            raise InputError(name, value, "an integer >= 1")
+
+
 def _clean(obj):
     """``obj`` with every NaN float replaced by None (JSON has no NaN)."""
     if isinstance(obj, float) and obj != obj:
@@ -408,13 +419,7 @@ def bench(
         raise InputError(
             "--acceptance", acceptance, "greedy, synthetic or forced (bench uses greedy requests)"
         )
-    for name, value in (
-        ("--num-requests", num_requests),
-        ("--prompt-len", prompt_len),
-        ("--max-tokens", max_tokens),
-    ):
-        if value < 1:
-            raise InputError(name, value, "an integer >= 1")
+    _check_workload(num_requests, prompt_len, max_tokens)
     num_k = k if k is not None else draft_width
     if not 1 <= num_k <= draft_width:
         raise InputError("--k", num_k, f"an integer in [1, {draft_width}] (--draft-width)")
@@ -551,13 +556,7 @@ def _bench_policies(
         raise InputError("--cost-table", str(cost_table), "an existing cost table file")
     if acceptance == "sample":
         raise InputError("--acceptance", acceptance, "greedy, synthetic or forced")
-    for name, value in (
-        ("--num-requests", num_requests),
-        ("--prompt-len", prompt_len),
-        ("--max-tokens", max_tokens),
-    ):
-        if value < 1:
-            raise InputError(name, value, "an integer >= 1")
+    _check_workload(num_requests, prompt_len, max_tokens)
     phases = _parse_phases(phase_values, draft_width, acceptance)
     buckets = DEFAULT_BUCKETS
     if request_buckets:

@@ -254,14 +254,20 @@ def test_rms_norm_matches_reference(dtype, m, n):
     assert rel_err(out2, ref.rms_norm_ref(x, w, 1e-6)) < TOL[dtype]
 
 
+def _rotary_case(seed, t, heads, kvh, d, dtype):
+    """``t`` rows of a fused QKV output, the cos/sin table, positions and KV slots (never the
+    sentinel slot 0) of a 64-block x 16 cache; the generator continues for further draws."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (heads + 2 * kvh) * d, generator=gen).to(dtype=dtype, device=DEV)
+    pos = torch.randint(0, 4096, (t,), generator=gen).to(DEV)
+    slots = (torch.randperm(64 * 16 - 16, generator=gen)[:t] + 16).to(DEV)
+    return gen, qkv, cos_sin_table(d, DEV), pos, slots
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t, heads, kvh, d", [(1, 16, 8, 128), (48, 16, 8, 128), (5, 12, 2, 64)])
 def test_rotary_kv_write_matches_reference(dtype, t, heads, kvh, d):
-    gen = torch.Generator().manual_seed(t * heads)
-    qkv = torch.randn(t, (heads + 2 * kvh) * d, generator=gen).to(dtype=dtype, device=DEV)
-    cs = cos_sin_table(d, DEV)
-    pos = torch.randint(0, 4096, (t,), generator=gen).to(DEV)
-    slots = (torch.randperm(64 * 16 - 16, generator=gen)[:t] + 16).to(DEV)  # never slot 0
+    gen, qkv, cs, pos, slots = _rotary_case(t * heads, t, heads, kvh, d, dtype)
     results = []
     for backend in ("triton", "reference"):
         buf = qkv.clone()
@@ -336,11 +342,7 @@ def test_linear_residual_norm_matches_reference(dtype, m, shape):
 @pytest.mark.parametrize("t, heads, kvh, d", [(1, 16, 8, 128), (48, 16, 8, 128), (5, 12, 2, 64)])
 def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
     """Qwen3's per-head q/k norm folded into the rotary kernel, q written to a separate buffer."""
-    gen = torch.Generator().manual_seed(7 * t + d)
-    qkv = torch.randn(t, (heads + 2 * kvh) * d, generator=gen).to(dtype=dtype, device=DEV)
-    cs = cos_sin_table(d, DEV)
-    pos = torch.randint(0, 4096, (t,), generator=gen).to(DEV)
-    slots = (torch.randperm(64 * 16 - 16, generator=gen)[:t] + 16).to(DEV)
+    gen, qkv, cs, pos, slots = _rotary_case(7 * t + d, t, heads, kvh, d, dtype)
     qw, kw = (1 + 0.2 * torch.randn(2, d, generator=gen)).to(dtype=dtype, device=DEV)
     results = []
     for backend in ("triton", "reference"):
