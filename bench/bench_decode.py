@@ -36,7 +36,7 @@ from speccal.runner.graphs import GraphKey
 from speccal.runner.sampling import SamplingParams
 
 KV = 1024
-SEQUENCES: dict = {}  # graph key -> first kernels of one replay: [name, us, grid]
+SEQUENCES: dict = {}  # graph key -> kernels of one replay (first and last 20): [name, us, grid]
 
 
 def _events_ms(fn, iters: int, repeats: int) -> float:
@@ -126,8 +126,9 @@ def breakdown(eng: Engine, key: GraphKey, replays: int = 5, top: int = 12) -> li
     rows = sorted(([n, round(t, 2), round(c, 2)] for n, (t, c) in agg.items()), key=lambda r: -r[1])
     per = len(ev) // replays
     first = sorted(ev, key=lambda e: float(e["ts"]))[:per]
+    shown = first if len(first) <= 40 else first[:20] + first[-20:]  # head and tail of a step
     SEQUENCES[key] = [[str(e["name"])[:40], round(float(e["dur"]), 2),
-                       str(e.get("args", {}).get("grid", ""))] for e in first[:24]]
+                       str(e.get("args", {}).get("grid", ""))] for e in shown]
     total = sum(r[1] for r in rows)
     span = max(float(e["ts"]) + float(e["dur"]) for e in ev) - min(float(e["ts"]) for e in ev)
     return rows[:top] + [
@@ -207,7 +208,7 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
                 res["decode_step_ms_b1_general"] / res["decode_floor_ms"]
             )
             bkey = GraphKey("target", 1, 0, 1, upd, "greedy")
-            res["breakdown_b1"] = breakdown(plain, bkey)
+            res["breakdown_b1"] = breakdown(plain, bkey, top=20)
             res["sequence_b1"] = SEQUENCES[bkey]
         else:  # the B-matched decode step the verify ratio divides by
             res[f"breakdown_decode_b{b}"] = breakdown(
@@ -241,10 +242,10 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
         res[f"verify_ms_b{b}"] = v
         res[f"verify_full_width_ratio_b{b}"] = v / dec[b]
         ratios.append(v / dec[b])
-        if b > 1 and not quick:  # where the verify step's extra time goes (against breakdown_decode_b8)
-            res[f"breakdown_verify_b{b}"] = breakdown(
-                spec, GraphKey("target", b, 5, 6 * b, "in_graph", "greedy"), top=20
-            )
+        if not quick:  # where the verify step's extra time goes (against breakdown_decode_b*)
+            vkey = GraphKey("target", b, 5, 6 * b, "in_graph", "greedy")
+            res[f"breakdown_verify_b{b}"] = breakdown(spec, vkey, top=20)
+            res[f"sequence_verify_b{b}"] = SEQUENCES[vkey]
         save()
     res["verify_full_width_ratio"] = max(ratios)
     if quick:

@@ -18,11 +18,16 @@ import torch
 
 __all__ = [
     "attention_fold_override",
+    "attention_preload",
+    "decode_max_splits",
     "fold_max_merge",
+    "fold_max_mergers",
+    "gemv_prefetch_tiles",
     "interpreting",
     "num_sms",
     "pdl_enabled",
     "pdl_mode",
+    "prewait_loads",
     "triton_available",
     "use_triton",
     "verify_max_splits",
@@ -146,8 +151,63 @@ def fold_max_merge() -> int | None:
     return _positive_int("SPECCAL_FOLD_MAX_MERGE")
 
 
+def decode_max_splits(default: int) -> int:
+    """``SPECCAL_DECODE_SPLITS``: split cap of 1-row (decode) plans (``ops.plan_splits``; unset:
+    ``default``). A tuning switch for benchmarks, read when a plan is made (graph capture)."""
+    value = _positive_int("SPECCAL_DECODE_SPLITS")
+    return default if value is None else value
+
+
+def fold_max_mergers(default: int) -> int:
+    """``SPECCAL_FOLD_MERGERS``: at most this many split programs share a folded attention merge
+    (``ops.merge_shares``; unset: ``default``). A tuning switch for benchmarks."""
+    value = _positive_int("SPECCAL_FOLD_MERGERS")
+    return default if value is None else value
+
+
 def verify_max_splits(default: int) -> int:
     """``SPECCAL_VERIFY_SPLITS``: split cap of verification plans (``ops.plan_splits``; unset:
     ``default``). A tuning switch for benchmarks, read when a plan is made (graph capture)."""
     value = _positive_int("SPECCAL_VERIFY_SPLITS")
     return default if value is None else value
+
+
+# Weight tiles each GEMV program prefetches into L2 before its PDL wait (bench/KERNEL_NOTES.md v7).
+GEMV_PREFETCH_TILES = 2
+
+
+def gemv_prefetch_tiles() -> int:
+    """``SPECCAL_GEMV_PREFETCH``: weight tiles per GEMV program prefetched into L2 before its PDL
+    wait (``0`` none; unset: ``GEMV_PREFETCH_TILES``). A tuning switch for benchmarks."""
+    value = os.environ.get("SPECCAL_GEMV_PREFETCH", "")
+    if not value:
+        return GEMV_PREFETCH_TILES
+    if not value.isdigit():
+        from speccal.errors import InputError
+
+        raise InputError("SPECCAL_GEMV_PREFETCH", value, "an int >= 0 (or unset)")
+    return int(value)
+
+
+def prewait_loads() -> bool:
+    """``SPECCAL_PREWAIT``: ``1`` (default) lets a GEMV whose caller vouches for its residual
+    (``ops.linear(residual_settled=True)``) read it before its PDL wait; ``0`` after the wait
+    (an A/B switch for benchmarks)."""
+    value = os.environ.get("SPECCAL_PREWAIT", "1")
+    if value not in ("0", "1"):
+        from speccal.errors import InputError
+
+        raise InputError("SPECCAL_PREWAIT", value, "0 or 1")
+    return value == "1"
+
+
+def attention_preload() -> bool:
+    """``SPECCAL_ATTN_PRELOAD``: ``1`` lets the rope-fused attention load its first K/V tile of
+    the cached positions before its PDL wait (the new rows merged in after it); ``0`` (default:
+    on the H200 it made the decode step slower, bench/KERNEL_NOTES.md v7) loads it after."""
+    value = os.environ.get("SPECCAL_ATTN_PRELOAD", "0")
+    if value not in ("0", "1"):
+        from speccal.errors import InputError
+
+        raise InputError("SPECCAL_ATTN_PRELOAD", value, "0 or 1")
+    return value == "1"

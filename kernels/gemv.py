@@ -50,15 +50,35 @@ class GemvConfig:
 
 
 @triton.jit
+def _prefetch_tiles(w_ptr, offs_n, k_lo, N, K, stride_wn, BLOCK_K: tl.constexpr,
+                    TILES: tl.constexpr, LINE: tl.constexpr):
+    """``prefetch.global.L2`` of the first ``TILES`` ``[BLOCK_N, BLOCK_K]`` weight tiles from
+    ``k_lo``: one request per ``LINE`` elements (a 128-byte line); indices clamped in bounds."""
+    rows = tl.minimum(offs_n, N - 1)
+    lines = tl.arange(0, BLOCK_K // LINE) * LINE
+    for t in tl.static_range(TILES):
+        cols = tl.minimum(k_lo + t * BLOCK_K + lines, K - 1)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+            [w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DIRECT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FMA: tl.constexpr,
     GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE: tl.constexpr, RES_EARLY: tl.constexpr,
 ):
     # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]),
     # split 1 only. RES: y += acc (y is the residual stream; at split > 1 the reduce adds).
     # x goes to the dot as loaded (math on a dot operand stops Triton pipelining the K loop).
+    # Before the PDL wait (the predecessor may still run): PREFETCH of this program's first
+    # weight tiles into L2 (weights are never written), and with RES_EARLY the residual tile
+    # (the caller vouches that the predecessor does not write it).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -66,6 +86,12 @@ def _skinny_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     k_lo = pid_k * k_per_split
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_mask = m_ok[:, None] & n_ok[None, :]
+    if PREFETCH > 0:
+        _prefetch_tiles(w_ptr, offs_n, k_lo, N, K, stride_wn, BLOCK_K, PREFETCH, LINE)
+    if RES_EARLY:
+        res = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
     if PDL > 0:  # 1: let the next kernel launch now; 2: only once this one's K loop is done
         tl.extra.cuda.gdc_wait()
         if PDL == 1:
@@ -99,9 +125,9 @@ def _skinny_kernel(
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_h[None, :],
                  act.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_h < N // 2)[None, :])
     elif DIRECT:
-        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-        y_mask = m_ok[:, None] & n_ok[None, :]
-        if RES:
+        if RES_EARLY:
+            acc += res
+        elif RES:
             acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
@@ -131,20 +157,25 @@ def _splitk_reduce_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexp
 def _splitk_reduce_norm_kernel(part_ptr, y_ptr, nw_ptr, xn_ptr, M, N, stride_ym, stride_xm, eps,
                                SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # one program per row: y += sum of the partials (the residual stream, rounded to its dtype),
-    # then xn = rmsnorm(y) * nw from that rounded row (what a separate norm launch would read)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # then xn = rmsnorm(y) * nw from that rounded row (what a separate norm launch would read).
+    # The norm weight (never written) and the residual row load before the PDL wait: the
+    # predecessor, the split GEMV, does not write y, and it lets this kernel launch only after
+    # its own wait, so y's last writer has finished.
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < N
+    w = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    res = tl.load(y_ptr + m * stride_ym + offs, mask=ok, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
-    acc += tl.load(y_ptr + m * stride_ym + offs, mask=ok, other=0.0).to(tl.float32)
+    acc += res
     h = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + m * stride_ym + offs, h, mask=ok)
-    norm_row_store(h.to(tl.float32), nw_ptr, xn_ptr + m * stride_xm, offs, ok, N, eps)
+    norm_row_store(h.to(tl.float32), w, xn_ptr + m * stride_xm, offs, ok, N, eps)
 
 
 def _cfg(bn: int, bk: int, split: int, stages: int = 4) -> GemvConfig:
@@ -213,6 +244,8 @@ def linear_triton(
     residual: torch.Tensor | None = None,  # [M, N]: residual += result (the output)
     pdl: int = 0,  # 0 off, 1 next kernel may launch at once, 2 after this one's K loop
     norm: tuple | None = None,  # (weight [N], eps, out [M, N]): out = rmsnorm(residual) * weight
+    prefetch: int = 0,  # weight tiles per program prefetched into L2 before the PDL wait
+    residual_settled: bool = False,  # the previous kernel does not write ``residual``
 ) -> torch.Tensor:  # out
     """``x @ weight.T`` (then SwiGLU, or ``+ residual`` in place); validated by ``ops.linear``.
 
@@ -221,6 +254,11 @@ def linear_triton(
     ``norm`` (with a residual): the split-K reduce, one program per row, also writes the RMSNorm
     of the updated residual (the next layer's input: one launch fewer); at split 1 a norm
     launch follows.
+
+    With PDL, work that does not depend on the predecessor runs before the kernel's wait:
+    ``prefetch`` L2 prefetches of the program's first weight tiles, the norm weight, and the
+    residual where nothing the predecessor does can change it (``residual_settled``: the
+    previous launch does not write it; the split-K reduce's predecessor never does).
     """
     m = x.shape[0]
     n, k = weight.shape
@@ -245,6 +283,9 @@ def linear_triton(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DIRECT=direct,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, FMA=cfg.fma, GLU=glu,
         RES=residual is not None, PDL=int(pdl),
+        PREFETCH=min(prefetch, k_per_split // cfg.block_k) if pdl > 0 else 0,
+        LINE=max(1, min(cfg.block_k, 128 // weight.element_size())),
+        RES_EARLY=direct and residual is not None and residual_settled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
     )
     if not direct and norm is not None:

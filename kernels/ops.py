@@ -24,7 +24,13 @@ import torch
 
 from speccal.errors import InputError
 from speccal.kernels import reference as ref
-from speccal.kernels._backend import pdl_enabled, pdl_mode, use_triton
+from speccal.kernels._backend import (
+    gemv_prefetch_tiles,
+    pdl_enabled,
+    pdl_mode,
+    prewait_loads,
+    use_triton,
+)
 
 __all__ = [
     "SplitPlan",
@@ -72,17 +78,20 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
     splits at one KV tile each. ``rows`` > 1 (verification): half the splits of the 1-row plan
     (each split's partials grow with the rows and the merge reads them all; the H200 dense-2b
     sweep in bench/KERNEL_NOTES.md "v6": B=1 12 of 24, B=8 4 of 9, where 4 also lets the merge
-    fold), and at most ``SPECCAL_VERIFY_SPLITS`` (default ``VERIFY_MAX_SPLITS``).
+    fold), and at most ``SPECCAL_VERIFY_SPLITS`` (default ``VERIFY_MAX_SPLITS``); 1-row plans at
+    most ``SPECCAL_DECODE_SPLITS`` (a benchmark switch, unset: no cap).
     """
     if batch < 1 or num_kv_heads < 1 or rows < 1:
         raise InputError("batch/num_kv_heads/rows", (batch, num_kv_heads, rows), "ints >= 1")
     want = -(-4 * num_sms // (batch * num_kv_heads))
     cap = max(1, -(-max_len // block_n))
     splits = max(1, min(want, 64, cap))
-    if rows > 1:
-        from speccal.kernels._backend import verify_max_splits  # noqa: PLC0415
+    from speccal.kernels._backend import decode_max_splits, verify_max_splits  # noqa: PLC0415
 
+    if rows > 1:
         splits = max(1, min(splits // 2, verify_max_splits(VERIFY_MAX_SPLITS)))
+    else:
+        splits = min(splits, decode_max_splits(64))
     return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n)
 
 
@@ -96,22 +105,41 @@ FOLD_MAX_PROGRAMS_PER_SM = 2
 VERIFY_MAX_SPLITS = 64  # split cap of multi-row (verification) plans (on top of the halving)
 
 
+FOLD_MAX_MERGERS = 4  # split programs that may share one folded merge
+MERGE_CHUNK = 8192  # fp32 partials a merger holds per load (registers of a 4-warp program)
+
+
+def merge_shares(rows: int, group: int, max_splits: int, head_dim: int) -> tuple[int, int]:
+    """``(merge_rows, mergers)`` of a folded split merge: rows (x heads) merged per load, and
+    how many of the last split programs share the merge (one chunk of rows each, at most
+    ``FOLD_MAX_MERGERS``, or ``SPECCAL_FOLD_MERGERS`` where set)."""
+    span = _next_pow2(max_splits) * max(16, _next_pow2(head_dim))
+    total = _next_pow2(rows) * group
+    merge_rows = max(1, min(total, MERGE_CHUNK // span))
+    merge_rows = 1 << (merge_rows.bit_length() - 1)  # a power of two
+    chunks = max(1, total // merge_rows)
+    from speccal.kernels._backend import fold_max_mergers  # noqa: PLC0415
+
+    return merge_rows, max(1, min(chunks, fold_max_mergers(FOLD_MAX_MERGERS)))
+
+
 def fold_wanted(batch: int, num_kv_heads: int, max_splits: int, rows: int, group: int,
                 num_sms: int = 132, force: bool | None = None,
-                max_merge: int | None = None) -> bool:
+                max_merge: int | None = None, mergers: int = 1) -> bool:
     """Whether attention merges its KV splits in the split kernel (no reduce launch).
 
     ``rows``: query rows per request (``num_q_rows``); ``group``: query heads per KV head.
     ``force`` (True / False) overrides the rule: merge work ``rows * group * splits`` (padded to
-    powers of two) at most ``FOLD_MAX_MERGE`` and at most ``FOLD_MAX_PROGRAMS_PER_SM`` programs
-    per multiprocessor (``max_merge`` replaces the first). One split never needs a merge.
+    powers of two) shared by ``mergers`` programs (``merge_shares``) at most ``FOLD_MAX_MERGE``
+    each, and at most ``FOLD_MAX_PROGRAMS_PER_SM`` programs per multiprocessor (``max_merge``
+    replaces the first). One split never needs a merge.
     """
     if max_splits <= 1:
         return False
     if force is not None:
         return force
     p2 = _next_pow2
-    merge = p2(rows) * group * p2(max_splits)
+    merge = p2(rows) * group * p2(max_splits) // max(1, mergers)
     programs = batch * num_kv_heads * max_splits
     limit = FOLD_MAX_MERGE if max_merge is None else max_merge
     return merge <= limit and programs <= FOLD_MAX_PROGRAMS_PER_SM * num_sms
@@ -402,6 +430,7 @@ def linear(
     epilogue: str | None = None,  # None | "silu_mul"
     residual: torch.Tensor | None = None,  # [M, N]: residual += result, returned
     norm: tuple | None = None,  # (weight [N], eps, out [M, N]), with residual only
+    residual_settled: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:  # [M, N]
     """``x @ weight.T`` for small M (decode/verify rows): split-K Triton GEMV on CUDA.
@@ -411,7 +440,10 @@ def linear(
     product is added into that tensor in place, which is returned (in the GEMV's epilogue at
     split 1, in the split-K reduce otherwise). SwiGLU runs split 1. ``norm``: also writes
     ``out = rms_norm(residual) * weight`` of the updated residual (the next layer's normed
-    input; in the split-K reduce on Triton, no extra launch).
+    input; in the split-K reduce on Triton, no extra launch). ``residual_settled``: the caller
+    vouches that the kernel launched just before this op does not write ``residual``, so under
+    PDL the GEMV may read it before its wait (the fused layer's o projection: its residual was
+    last written three launches earlier).
     """
     _need(epilogue in (None, "silu_mul"), "epilogue", epilogue, "None or 'silu_mul'")
     _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
@@ -446,7 +478,9 @@ def linear(
         from speccal.kernels.gemv import linear_triton
 
         return linear_triton(x, weight, out=out, config=config, epilogue=epilogue,
-                             residual=residual, pdl=pdl_mode(x), norm=norm)
+                             residual=residual, pdl=pdl_mode(x), norm=norm,
+                             prefetch=gemv_prefetch_tiles(),
+                             residual_settled=residual_settled and prewait_loads())
     res = ref.linear_ref(x, weight, epilogue, residual)
     if norm is not None:
         norm[2].copy_(ref.rms_norm_ref(res, norm[0], norm[1]))

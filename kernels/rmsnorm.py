@@ -17,10 +17,11 @@ __all__ = ["norm_row_store", "rms_norm_triton"]
 
 
 @triton.jit
-def norm_row_store(h, w_ptr, out_ptr, offs, ok, N, eps):
-    """Store ``h * rsqrt(mean(h^2) + eps) * w`` for one fp32 row ``h`` (``[BLOCK]``, masked)."""
+def norm_row_store(h, w, out_ptr, offs, ok, N, eps):
+    """Store ``h * rsqrt(mean(h^2) + eps) * w`` for one fp32 row ``h`` and the fp32 weight
+    ``w`` (both ``[BLOCK]``, masked). Callers load ``w`` before their PDL wait (weights are
+    never written), off the serial path behind the row's sum."""
     inv = tl.math.rsqrt(tl.sum(h * h, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, (h * inv * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -29,17 +30,18 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, N, stride_x, stride_r, stride_o, eps,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < N
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     h = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_RES:
         h += tl.load(res_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(res_ptr + row * stride_r + offs, h.to(res_ptr.dtype.element_ty), mask=ok)
-    norm_row_store(h, w_ptr, out_ptr + row * stride_o, offs, ok, N, eps)
+    norm_row_store(h, w, out_ptr + row * stride_o, offs, ok, N, eps)
 
 
 def rms_norm_triton(

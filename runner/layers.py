@@ -232,7 +232,9 @@ class DecoderLayer(nn.Module):
             ops.rotary_kv_write(q, k, v, positions, rotary.cos_sin_cache, meta.slot_mapping,
                                 kv[0], kv[1], q_out=q_out, qk_norm=qk_norm)
             out = attend_rows(q_out, kv[0], kv[1], meta, att.scale)  # [N, hq, d]
-        ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h)
+        # h was last written three launches back (the previous down reduce or the embedding),
+        # so the o GEMV may read it before its PDL wait
+        ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h, residual_settled=True)
         x = ops.rms_norm(h, ln2.weight, ln2.eps)
         act = ops.linear(x, mlp.gate_up_weight, epilogue="silu_mul")  # [N, inter]
         nrm = None if next_norm is None else (next_norm[0].weight, next_norm[0].eps, next_norm[1])

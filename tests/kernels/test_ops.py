@@ -249,6 +249,62 @@ def test_fold_switch(monkeypatch):
     assert _backend.attention_fold_override() is True
 
 
+def test_prewait_and_prefetch_switches(monkeypatch):
+    """``SPECCAL_PREWAIT`` (default on) and ``SPECCAL_GEMV_PREFETCH`` (default: the module's
+    tile count; 0 turns it off) parse as documented."""
+    from speccal.kernels import _backend
+
+    monkeypatch.delenv("SPECCAL_PREWAIT", raising=False)
+    monkeypatch.delenv("SPECCAL_GEMV_PREFETCH", raising=False)
+    assert _backend.prewait_loads() is True
+    assert _backend.gemv_prefetch_tiles() == _backend.GEMV_PREFETCH_TILES
+    monkeypatch.setenv("SPECCAL_PREWAIT", "0")
+    monkeypatch.setenv("SPECCAL_GEMV_PREFETCH", "0")
+    assert _backend.prewait_loads() is False
+    assert _backend.gemv_prefetch_tiles() == 0
+    monkeypatch.setenv("SPECCAL_GEMV_PREFETCH", "3")
+    assert _backend.gemv_prefetch_tiles() == 3
+    monkeypatch.delenv("SPECCAL_ATTN_PRELOAD", raising=False)
+    assert _backend.attention_preload() is False
+    monkeypatch.setenv("SPECCAL_ATTN_PRELOAD", "1")
+    assert _backend.attention_preload() is True
+    checks = {"SPECCAL_PREWAIT": _backend.prewait_loads,
+              "SPECCAL_GEMV_PREFETCH": _backend.gemv_prefetch_tiles,
+              "SPECCAL_ATTN_PRELOAD": _backend.attention_preload}
+    for var, bad in (("SPECCAL_PREWAIT", "on"), ("SPECCAL_GEMV_PREFETCH", "-1"),
+                     ("SPECCAL_ATTN_PRELOAD", "yes")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(InputError, match=var):
+            checks[var]()
+        monkeypatch.delenv(var)
+
+
+def test_shared_fold_merge_rule(monkeypatch):
+    """The folded merge is shared by up to ``FOLD_MAX_MERGERS`` programs, one chunk of rows
+    each: B=1 full-width verify (6 rows x 2 heads x 12 splits) folds with four mergers, B=1
+    decode keeps one; a grid past the SM budget never folds."""
+    assert ops.merge_shares(1, 2, 24, 128) == (2, 1)
+    assert ops.merge_shares(6, 2, 12, 128) == (4, 4)
+    assert ops.merge_shares(6, 2, 4, 128) == (16, 1)
+    assert ops.merge_shares(48, 2, 64, 128) == (1, ops.FOLD_MAX_MERGERS)
+    assert ops.fold_wanted(1, 8, 12, 6, 2, mergers=4)
+    assert not ops.fold_wanted(1, 8, 12, 6, 2, mergers=1)
+    assert ops.fold_wanted(1, 8, 24, 1, 2)
+    assert not ops.fold_wanted(8, 8, 9, 1, 2, mergers=4)  # 576 programs
+    monkeypatch.setenv("SPECCAL_FOLD_MERGERS", "2")
+    assert ops.merge_shares(6, 2, 12, 128) == (4, 2)
+
+
+def test_decode_split_cap(monkeypatch):
+    """``SPECCAL_DECODE_SPLITS`` caps 1-row plans only."""
+    monkeypatch.delenv("SPECCAL_VERIFY_SPLITS", raising=False)
+    monkeypatch.setenv("SPECCAL_DECODE_SPLITS", "8")
+    assert ops.plan_splits(1, 8, max_len=1536).max_splits == 8
+    assert ops.plan_splits(1, 8, max_len=1536, rows=6).max_splits == 12
+    monkeypatch.delenv("SPECCAL_DECODE_SPLITS")
+    assert ops.plan_splits(1, 8, max_len=1536).max_splits == 24
+
+
 def test_backend_switches_refuse_unknown_values(monkeypatch):
     """A mistyped ``SPECCAL_PDL`` / ``SPECCAL_KERNELS`` / ``backend=`` is an error, not 'off'."""
     from speccal.kernels import _backend
