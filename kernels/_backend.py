@@ -18,10 +18,8 @@ import torch
 
 __all__ = [
     "attention_fold_override",
-    "attention_preload",
     "decode_max_splits",
     "fold_max_merge",
-    "fold_max_mergers",
     "gemv_prefetch_tiles",
     "interpreting",
     "num_sms",
@@ -158,13 +156,6 @@ def decode_max_splits(default: int) -> int:
     return default if value is None else value
 
 
-def fold_max_mergers(default: int) -> int:
-    """``SPECCAL_FOLD_MERGERS``: at most this many split programs share a folded attention merge
-    (``ops.merge_shares``; unset: ``default``). A tuning switch for benchmarks."""
-    value = _positive_int("SPECCAL_FOLD_MERGERS")
-    return default if value is None else value
-
-
 def verify_max_splits(default: int) -> int:
     """``SPECCAL_VERIFY_SPLITS``: split cap of verification plans (``ops.plan_splits``; unset:
     ``default``). A tuning switch for benchmarks, read when a plan is made (graph capture)."""
@@ -200,14 +191,3 @@ def prewait_loads() -> bool:
         raise InputError("SPECCAL_PREWAIT", value, "0 or 1")
     return value == "1"
 
-
-def attention_preload() -> bool:
-    """``SPECCAL_ATTN_PRELOAD``: ``1`` lets the rope-fused attention load its first K/V tile of
-    the cached positions before its PDL wait (the new rows merged in after it); ``0`` (default:
-    on the H200 it made the decode step slower, bench/KERNEL_NOTES.md v7) loads it after."""
-    value = os.environ.get("SPECCAL_ATTN_PRELOAD", "0")
-    if value not in ("0", "1"):
-        from speccal.errors import InputError
-
-        raise InputError("SPECCAL_ATTN_PRELOAD", value, "0 or 1")
-    return value == "1"

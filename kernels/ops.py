@@ -105,41 +105,22 @@ FOLD_MAX_PROGRAMS_PER_SM = 2
 VERIFY_MAX_SPLITS = 64  # split cap of multi-row (verification) plans (on top of the halving)
 
 
-FOLD_MAX_MERGERS = 4  # split programs that may share one folded merge
-MERGE_CHUNK = 8192  # fp32 partials a merger holds per load (registers of a 4-warp program)
-
-
-def merge_shares(rows: int, group: int, max_splits: int, head_dim: int) -> tuple[int, int]:
-    """``(merge_rows, mergers)`` of a folded split merge: rows (x heads) merged per load, and
-    how many of the last split programs share the merge (one chunk of rows each, at most
-    ``FOLD_MAX_MERGERS``, or ``SPECCAL_FOLD_MERGERS`` where set)."""
-    span = _next_pow2(max_splits) * max(16, _next_pow2(head_dim))
-    total = _next_pow2(rows) * group
-    merge_rows = max(1, min(total, MERGE_CHUNK // span))
-    merge_rows = 1 << (merge_rows.bit_length() - 1)  # a power of two
-    chunks = max(1, total // merge_rows)
-    from speccal.kernels._backend import fold_max_mergers  # noqa: PLC0415
-
-    return merge_rows, max(1, min(chunks, fold_max_mergers(FOLD_MAX_MERGERS)))
-
-
 def fold_wanted(batch: int, num_kv_heads: int, max_splits: int, rows: int, group: int,
                 num_sms: int = 132, force: bool | None = None,
-                max_merge: int | None = None, mergers: int = 1) -> bool:
+                max_merge: int | None = None) -> bool:
     """Whether attention merges its KV splits in the split kernel (no reduce launch).
 
     ``rows``: query rows per request (``num_q_rows``); ``group``: query heads per KV head.
     ``force`` (True / False) overrides the rule: merge work ``rows * group * splits`` (padded to
-    powers of two) shared by ``mergers`` programs (``merge_shares``) at most ``FOLD_MAX_MERGE``
-    each, and at most ``FOLD_MAX_PROGRAMS_PER_SM`` programs per multiprocessor (``max_merge``
-    replaces the first). One split never needs a merge.
+    powers of two) at most ``FOLD_MAX_MERGE`` and at most ``FOLD_MAX_PROGRAMS_PER_SM`` programs
+    per multiprocessor (``max_merge`` replaces the first). One split never needs a merge.
     """
     if max_splits <= 1:
         return False
     if force is not None:
         return force
     p2 = _next_pow2
-    merge = p2(rows) * group * p2(max_splits) // max(1, mergers)
+    merge = p2(rows) * group * p2(max_splits)
     programs = batch * num_kv_heads * max_splits
     limit = FOLD_MAX_MERGE if max_merge is None else max_merge
     return merge <= limit and programs <= FOLD_MAX_PROGRAMS_PER_SM * num_sms

@@ -27,14 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from speccal.kernels._backend import (
-    attention_fold_override,
-    attention_preload,
-    fold_max_merge,
-    interpreting,
-    num_sms,
-)
-from speccal.kernels.ops import FOLD_MAX_PROGRAMS_PER_SM, fold_wanted, merge_shares
+from speccal.kernels._backend import attention_fold_override, fold_max_merge, num_sms
+from speccal.kernels.ops import fold_wanted
 
 __all__ = ["paged_attention_triton"]
 
@@ -121,13 +115,12 @@ def _split_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
-    R, max_splits, scale_log2, eps, batch, total_rows, fin_off,
+    R, max_splits, scale_log2, eps, batch, total_rows,
     NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_MODE: tl.constexpr, DIRECT: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
     FOLD: tl.constexpr, S_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, G_PAD: tl.constexpr,
-    PRELOAD: tl.constexpr, MERGERS: tl.constexpr,
 ):
     # FOLD (split-KV without a reduce launch): every live program writes its partial, then
     # counts itself in ``cnt_ptr[b * KVH + kvh]``; the last one of its (request, KV head)
@@ -135,6 +128,9 @@ def _split_kernel(
     # ROPE: q is the raw projection; each program rotates (and q/k-norms) its query rows, and the
     # program whose KV range holds a new row writes that row's rotated k and v (its KV head) to
     # the cache before reading any tile: no separate rotary + KV-write launch.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     s = tl.program_id(1)
     b = pid // NUM_KV_HEADS
@@ -162,23 +158,6 @@ def _split_kernel(
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    if PRELOAD:
-        # before the PDL wait: the first K/V tile of the cached positions (< seq_len - q_len;
-        # written by earlier steps, never by the predecessor). The metadata read above comes
-        # from launches at least two before this one. New rows are merged in after the wait.
-        offs_n0 = start + offs_nb
-        n0_ok = (offs_n0 < end) & live
-        page0 = tl.load(bt_ptr + b * stride_bt + offs_n0 // PAGE, mask=n0_ok, other=0).to(tl.int64)
-        k0_ptrs = (k_ptr + page0[:, None] * stride_kb + (offs_n0 % PAGE)[:, None] * stride_ks
-                   + kvh * stride_kh + offs_d[None, :])
-        v0_ptrs = (v_ptr + page0[:, None] * stride_vb + (offs_n0 % PAGE)[:, None] * stride_vs
-                   + kvh * stride_vh + offs_d[None, :])
-        cached = (n0_ok & (offs_n0 < seq_len - q_len))[:, None] & d_ok[None, :]
-        k0 = tl.load(k0_ptrs, mask=cached, other=0.0)
-        v0 = tl.load(v0_ptrs, mask=cached, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     if FOLD and Q_MODE == 2:
         if s == 0:  # packed rows of no request (t >= cu_q_lens[B]) get zeros, strided over b
             offs_g = tl.arange(0, G_PAD)
@@ -223,15 +202,7 @@ def _split_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        first = start
-        if PRELOAD:  # the preloaded tile, with the rows new in this step read back from the cache
-            fresh = (n0_ok & (offs_n0 >= seq_len - q_len))[:, None] & d_ok[None, :]
-            k0 = tl.where(fresh, tl.load(k0_ptrs, mask=fresh, other=0.0), k0)
-            v0 = tl.where(fresh, tl.load(v0_ptrs, mask=fresh, other=0.0), v0)
-            m_i, l_i, acc = _attend_tile(q, k0, v0, offs_n0, n0_ok, pos, row_ok, scale_log2,
-                                         m_i, l_i, acc)
-            first = start + BLOCK_N
-        for n0 in range(first, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + offs_nb
             n_ok = offs_n < end
             page = tl.load(bt_ptr + b * stride_bt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
@@ -272,88 +243,49 @@ def _split_kernel(
             if FOLD:
                 tl.debug_barrier()  # every thread's partial stores before the release below
                 done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-                if MERGERS == 1:
-                    if done == n_splits - 1:
-                        tl.store(cnt_ptr + pid, 0)
-                        _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len,
-                                    n_splits, R, max_splits, stride_ot, stride_oh, 0, 1,
-                                    NUM_HEADS, GROUP, HEAD_DIM, D_PAD, S_PAD, R_PAD, MERGE_ROWS,
-                                    Q_MODE)
-                else:
-                    # the last `mergers` arrivals share the merge (chunk j each); all but the
-                    # very last wait for the remaining arrivals. They wait only on programs
-                    # already running: under PDL every program of this grid is resident before
-                    # the next grid launches, and the host allows several mergers only for grids
-                    # that fit the SMs. A second counter (at cnt_ptr + fin_off) sees the mergers
-                    # out; the last one resets both.
-                    mergers = tl.minimum(n_splits, MERGERS)
-                    j = n_splits - 1 - done
-                    if j < mergers:
-                        seen = done + 1
-                        while seen < n_splits:
-                            seen = tl.atomic_add(cnt_ptr + pid, 0, sem="acquire", scope="gpu")
-                        _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len,
-                                    n_splits, R, max_splits, stride_ot, stride_oh, j, mergers,
-                                    NUM_HEADS, GROUP, HEAD_DIM, D_PAD, S_PAD, R_PAD, MERGE_ROWS,
-                                    Q_MODE)
-                        tl.debug_barrier()
-                        fin = tl.atomic_add(cnt_ptr + fin_off + pid, 1, sem="acq_rel",
-                                            scope="gpu")
-                        if fin == mergers - 1:
-                            tl.store(cnt_ptr + pid, 0)
-                            tl.store(cnt_ptr + fin_off + pid, 0)
+                if done == n_splits - 1:
+                    tl.store(cnt_ptr + pid, 0)
+                    _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len,
+                                n_splits, R, max_splits, stride_ot, stride_oh, NUM_HEADS, GROUP,
+                                HEAD_DIM, D_PAD, S_PAD, R_PAD, MERGE_ROWS, Q_MODE)
 
 
 @triton.jit
 def _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len, n_splits, R,
-                max_splits, stride_ot, stride_oh, part, parts, NUM_HEADS: tl.constexpr,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                S_PAD: tl.constexpr, R_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr,
-                Q_MODE: tl.constexpr):
+                max_splits, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                R_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, Q_MODE: tl.constexpr):
     """The reduce kernel's merge for the ``R * GROUP`` rows of one (request, KV head), done by
-    the split programs that finished last: ``MERGE_ROWS`` rows x every split per load, chunk
-    ``c`` by the merger ``c % parts == part``. Partials of other programs are read through L2
-    (``.cg``), after the counter's acquire."""
+    the split program that finished last: ``MERGE_ROWS`` rows x every split per load. Partials
+    of other programs are read through L2 (``.cg``), after the counter's acquire."""
     offs_s = tl.arange(0, S_PAD)
     s_ok = offs_s < n_splits
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     for m0 in tl.static_range(0, R_PAD * GROUP, MERGE_ROWS):
-        if (m0 // MERGE_ROWS) % parts == part:
-            _merge_chunk(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len, R,
-                         max_splits, stride_ot, stride_oh, m0, offs_s, s_ok, offs_d, d_ok,
-                         NUM_HEADS, GROUP, HEAD_DIM, MERGE_ROWS, Q_MODE)
-
-
-@triton.jit
-def _merge_chunk(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len, R, max_splits,
-                 stride_ot, stride_oh, m0, offs_s, s_ok, offs_d, d_ok, NUM_HEADS: tl.constexpr,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr,
-                 Q_MODE: tl.constexpr):
-    # merged rows m0 .. m0 + MERGE_ROWS of the (request, KV head)
-    mm = m0 + tl.arange(0, MERGE_ROWS)
-    r = mm // GROUP
-    h = kvh * GROUP + mm % GROUP
-    dense_ok = r < R
-    ok = (r < q_len) & dense_ok
-    base = ((b * max_splits + offs_s[None, :]) * R + r[:, None]) * NUM_HEADS + h[:, None]
-    ls_ok = ok[:, None] & s_ok[None, :]  # [MERGE_ROWS, S_PAD]
-    lse = tl.load(part_lse_ptr + base, mask=ls_ok, other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, 1)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.math.exp2(lse - top[:, None])  # 0 for absent splits / rows
-    o = tl.load(part_o_ptr + base[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                mask=ls_ok[:, :, None] & d_ok[None, None, :], other=0.0,
-                cache_modifier=".cg")  # [MERGE_ROWS, S_PAD, D_PAD]
-    den = tl.sum(w, 1)
-    res = tl.sum(w[:, :, None] * o, 1) / tl.where(den > 0, den, 1.0)[:, None]
-    if Q_MODE == 2:
-        st_ok = ok
-    else:
-        st_ok = dense_ok  # dense rows past q_len get zeros (w is 0 there)
-    tl.store(out_ptr + (q_start + r)[:, None] * stride_ot + h[:, None] * stride_oh
-             + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
-             mask=st_ok[:, None] & d_ok[None, :])
+        mm = m0 + tl.arange(0, MERGE_ROWS)
+        r = mm // GROUP
+        h = kvh * GROUP + mm % GROUP
+        dense_ok = r < R
+        ok = (r < q_len) & dense_ok
+        base = ((b * max_splits + offs_s[None, :]) * R + r[:, None]) * NUM_HEADS + h[:, None]
+        ls_ok = ok[:, None] & s_ok[None, :]  # [MERGE_ROWS, S_PAD]
+        lse = tl.load(part_lse_ptr + base, mask=ls_ok, other=float("-inf"), cache_modifier=".cg")
+        top = tl.max(lse, 1)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.math.exp2(lse - top[:, None])  # 0 for absent splits / rows
+        o = tl.load(part_o_ptr + base[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=ls_ok[:, :, None] & d_ok[None, None, :], other=0.0,
+                    cache_modifier=".cg")  # [MERGE_ROWS, S_PAD, D_PAD]
+        den = tl.sum(w, 1)
+        res = tl.sum(w[:, :, None] * o, 1) / tl.where(den > 0, den, 1.0)[:, None]
+        if Q_MODE == 2:
+            st_ok = ok
+        else:
+            st_ok = dense_ok  # dense rows past q_len get zeros (w is 0 there)
+        tl.store(out_ptr + (q_start + r)[:, None] * stride_ot + h[:, None] * stride_oh
+                 + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
+                 mask=st_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -446,20 +378,16 @@ def paged_attention_triton(
         mode = _DENSE
     dummy = seq_lens
     force = FOLD_REDUCE if FOLD_REDUCE is not None else attention_fold_override()
+    fold = not direct and fold_wanted(batch, num_kv_heads, max_splits, num_q_rows, group,
+                                      num_sms(q.device), force, fold_max_merge())
+    cnt = _counters(q.device, batch * num_kv_heads) if fold else None
+    fold = cnt is not None
     block_m = max(16, triton.next_power_of_2(num_q_rows * group))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     s_pad = triton.next_power_of_2(max_splits)
-    merge_rows, mergers = merge_shares(num_q_rows, group, max_splits, head_dim)
-    fold = not direct and fold_wanted(batch, num_kv_heads, max_splits, num_q_rows, group,
-                                      num_sms(q.device), force, fold_max_merge(), mergers)
-    if interpreting() or batch * num_kv_heads * max_splits > FOLD_MAX_PROGRAMS_PER_SM * num_sms(
-            q.device):
-        # waiting mergers only where every program fits the SMs (not a forced fold of a big
-        # grid), and never in Triton's interpreter, which runs programs one after another
-        mergers = 1
-    pairs = batch * num_kv_heads
-    cnt = _counters(q.device, 2 * pairs if mergers > 1 else pairs) if fold else None
-    fold = cnt is not None
+    # rows merged per load by the last split program: ~8K fp32 of partials in registers
+    merge_rows = max(1, min(triton.next_power_of_2(num_q_rows) * group, 8192 // (s_pad * d_pad)))
+    merge_rows = 1 << (merge_rows.bit_length() - 1)  # a power of two
     if direct:
         part_o = part_lse = o3  # unused
     else:
@@ -483,13 +411,12 @@ def paged_attention_triton(
         q3.stride(0), q3.stride(1), o3.stride(0), o3.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        *extra_strides, num_q_rows, max_splits, scale * log2e, eps, batch, o3.shape[0], pairs,
+        *extra_strides, num_q_rows, max_splits, scale * log2e, eps, batch, o3.shape[0],
         NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, Q_MODE=mode, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope[3] is not None,
         R_PAD=triton.next_power_of_2(num_q_rows), PDL=pdl, FOLD=fold, S_PAD=s_pad,
         MERGE_ROWS=merge_rows, G_PAD=triton.next_power_of_2(group),
-        PRELOAD=rope is not None and attention_preload(), MERGERS=mergers if fold else 1,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if not direct and not fold:

@@ -264,35 +264,13 @@ def test_prewait_and_prefetch_switches(monkeypatch):
     assert _backend.gemv_prefetch_tiles() == 0
     monkeypatch.setenv("SPECCAL_GEMV_PREFETCH", "3")
     assert _backend.gemv_prefetch_tiles() == 3
-    monkeypatch.delenv("SPECCAL_ATTN_PRELOAD", raising=False)
-    assert _backend.attention_preload() is False
-    monkeypatch.setenv("SPECCAL_ATTN_PRELOAD", "1")
-    assert _backend.attention_preload() is True
     checks = {"SPECCAL_PREWAIT": _backend.prewait_loads,
-              "SPECCAL_GEMV_PREFETCH": _backend.gemv_prefetch_tiles,
-              "SPECCAL_ATTN_PRELOAD": _backend.attention_preload}
-    for var, bad in (("SPECCAL_PREWAIT", "on"), ("SPECCAL_GEMV_PREFETCH", "-1"),
-                     ("SPECCAL_ATTN_PRELOAD", "yes")):
+              "SPECCAL_GEMV_PREFETCH": _backend.gemv_prefetch_tiles}
+    for var, bad in (("SPECCAL_PREWAIT", "on"), ("SPECCAL_GEMV_PREFETCH", "-1")):
         monkeypatch.setenv(var, bad)
         with pytest.raises(InputError, match=var):
             checks[var]()
         monkeypatch.delenv(var)
-
-
-def test_shared_fold_merge_rule(monkeypatch):
-    """The folded merge is shared by up to ``FOLD_MAX_MERGERS`` programs, one chunk of rows
-    each: B=1 full-width verify (6 rows x 2 heads x 12 splits) folds with four mergers, B=1
-    decode keeps one; a grid past the SM budget never folds."""
-    assert ops.merge_shares(1, 2, 24, 128) == (2, 1)
-    assert ops.merge_shares(6, 2, 12, 128) == (4, 4)
-    assert ops.merge_shares(6, 2, 4, 128) == (16, 1)
-    assert ops.merge_shares(48, 2, 64, 128) == (1, ops.FOLD_MAX_MERGERS)
-    assert ops.fold_wanted(1, 8, 12, 6, 2, mergers=4)
-    assert not ops.fold_wanted(1, 8, 12, 6, 2, mergers=1)
-    assert ops.fold_wanted(1, 8, 24, 1, 2)
-    assert not ops.fold_wanted(8, 8, 9, 1, 2, mergers=4)  # 576 programs
-    monkeypatch.setenv("SPECCAL_FOLD_MERGERS", "2")
-    assert ops.merge_shares(6, 2, 12, 128) == (4, 2)
 
 
 def test_decode_split_cap(monkeypatch):

@@ -106,31 +106,6 @@ def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, monkeypatch)
         assert cnt is not None and int(cnt.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_paged_attention_fold_shared_merge(dtype, monkeypatch):
-    """A folded merge shared by the last split programs to arrive (6 rows x 2 heads x 12
-    splits: four mergers on a GPU, one under the interpreter), twice in a row: results match
-    the reference and the arrival counters are back at zero after each launch."""
-    from speccal.kernels import paged_attention as pa
-
-    monkeypatch.setattr(pa, "FOLD_REDUCE", True)
-    assert ops.merge_shares(6, 2, 12, 128) == (4, 4)
-    seq_lens, rows = [1030, 300], 6
-    q, kc, vc, bt, seq = _attention_case(5, seq_lens, rows, (16, 8), 128, 16, dtype)
-    plan = ops.SplitPlan(max_splits=12, block_n=64, min_split_len=64)
-    packed = torch.cat([q[0], q[1, :3]])
-    cu = torch.tensor([0, 6, 9], dtype=torch.int32, device=DEV)
-    want = ref.paged_attention_ref(packed.float(), kc.float(), vc.float(), bt, seq, rows, 0.1,
-                                   cu_q_lens=cu)
-    for _ in range(2):
-        out = torch.full_like(packed, float("nan"))
-        ops.paged_attention(packed, kc, vc, bt, seq, rows, 0.1, cu_q_lens=cu, plan=plan,
-                            out=out, backend="triton")
-        assert rel_err(out, want) < TOL[dtype]
-        cnt = pa._COUNTERS.get(out.device)
-        assert cnt is not None and int(cnt.abs().sum()) == 0
-
-
 def _verify_inputs(seed, batch, k_max, g, block_size=16, max_blocks=40):
     gen = torch.Generator().manual_seed(seed)
     base = torch.randint(0, 151936, (batch,), generator=gen)
@@ -392,12 +367,9 @@ def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("max_splits", [1, 8])
-@pytest.mark.parametrize("prewait", ["1", "0"])
-def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, prewait, monkeypatch):
+def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits):
     """Attention fused with q/k norm + rotary + the new rows' KV write (packed verify rows;
-    request 1's six rows straddle a KV split boundary), with the first cached K/V tile loaded
-    before the PDL wait and the new rows merged into it (``SPECCAL_PREWAIT=1``) or not."""
-    monkeypatch.setenv("SPECCAL_PREWAIT", prewait)
+    request 1's six rows straddle a KV split boundary)."""
     gen = torch.Generator().manual_seed(11 + max_splits)
     heads, kvh, d, bs = 16, 8, 128, 16
     ctx = [1017, 60, 3]
