@@ -41,6 +41,7 @@ __all__ = [
     "plan_splits",
     "rms_norm",
     "rotary_kv_write",
+    "verify_accept",
     "verify_metadata_update",
     "verify_token_update",
 ]
@@ -321,6 +322,51 @@ def verify_token_update(
 
         return verify_token_update_triton(base_tokens, draft_tokens, verify_lens, input_ids, pad_id)
     return ref.verify_token_update_ref(base_tokens, draft_tokens, verify_lens, input_ids, pad_id)
+
+
+def verify_accept(
+    row_tokens: torch.Tensor,  # [G] int: argmax of each packed row
+    grid_rows: torch.Tensor,  # [B * (k + 1)] int: packed row of each grid cell
+    draft_tokens: torch.Tensor,  # [B, k] int (k may be 0: a plain decode step)
+    num_verify: torch.Tensor,  # [B] int
+    slot_index: torch.Tensor,  # [B] int
+    hidden: torch.Tensor,  # [G, H]
+    ext_tokens: torch.Tensor,  # [slots, W >= k + 1] int64, written
+    ext_hidden: torch.Tensor,  # [slots, W, H], written
+    *,
+    greedy: bool = True,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, tokens [B, k + 1] int64
+    """Greedy (or forced) acceptance from the packed rows' argmax plus the next round's slot
+    state, in one launch on Triton (``reference.verify_accept_ref`` for the semantics)."""
+    _need(draft_tokens.dim() == 2, "draft_tokens.shape", _shape(draft_tokens), "[B, k]")
+    batch, k = draft_tokens.shape
+    _need(batch >= 1, "draft_tokens.shape", _shape(draft_tokens), "B >= 1")
+    _check_int(draft_tokens, "draft_tokens", (batch, k))
+    _need(k == 0 or draft_tokens.stride(1) == 1, "draft_tokens", "strided", "last dim contiguous")
+    _need(hidden.dim() == 2 and hidden.stride(1) == 1, "hidden", _shape(hidden),
+          "[G, H] with H contiguous")
+    g, h = hidden.shape
+    _check_int(row_tokens, "row_tokens", (g,))
+    _check_int(grid_rows, "grid_rows", (batch * (k + 1),))
+    _need(grid_rows.is_contiguous(), "grid_rows", "strided", "contiguous")
+    _check_int(num_verify, "num_verify", (batch,))
+    _check_int(slot_index, "slot_index", (batch,))
+    _need(ext_tokens.dim() == 2 and ext_tokens.shape[1] >= k + 1
+          and ext_tokens.dtype == torch.int64 and ext_tokens.stride(1) == 1, "ext_tokens",
+          (_shape(ext_tokens), ext_tokens.dtype), f"[slots, >= {k + 1}] int64, contiguous rows")
+    _need(ext_hidden.dim() == 3 and ext_hidden.shape[0] == ext_tokens.shape[0]
+          and ext_hidden.shape[1] >= k + 1 and ext_hidden.shape[2] == h
+          and ext_hidden.dtype == hidden.dtype and ext_hidden.stride(2) == 1, "ext_hidden",
+          (_shape(ext_hidden), ext_hidden.dtype),
+          f"[{ext_tokens.shape[0]}, >= {k + 1}, {h}] {hidden.dtype}, H contiguous")
+    if use_triton(hidden, backend):
+        from speccal.kernels.verify_accept import verify_accept_triton
+
+        return verify_accept_triton(row_tokens, grid_rows, draft_tokens, num_verify, slot_index,
+                                    hidden, ext_tokens, ext_hidden, greedy, pdl_enabled(hidden))
+    return ref.verify_accept_ref(row_tokens, grid_rows, draft_tokens, num_verify, slot_index,
+                                 hidden, ext_tokens, ext_hidden, greedy)
 
 
 def verify_metadata_update(

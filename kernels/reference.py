@@ -376,3 +376,41 @@ def rope_paged_attention_ref(
                         qk_norm)
     return paged_attention_ref(q_rot, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale,
                                cu_q_lens=cu_q_lens, **split)
+
+
+def verify_accept_ref(
+    row_tokens: torch.Tensor,  # [G] int: the argmax of each packed row
+    grid_rows: torch.Tensor,  # [B * (k + 1)] int: packed row of grid cell (b, j)
+    draft_tokens: torch.Tensor,  # [B, k] int
+    num_verify: torch.Tensor,  # [B] int, clamped to [0, k]
+    slot_index: torch.Tensor,  # [B] int
+    hidden: torch.Tensor,  # [G, H]
+    ext_tokens: torch.Tensor,  # [slots, >= k + 1] int64, written
+    ext_hidden: torch.Tensor,  # [slots, >= k + 1, H], written
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, tokens [B, k + 1] int64
+    """Acceptance from the packed rows' argmax, and the slot state of the next round.
+
+    ``target[b, j] = row_tokens[grid_rows[b * (k + 1) + j]]``. Greedy: the accepted length is
+    the longest prefix of the first ``num_verify[b]`` drafts equal to ``target``; otherwise
+    (forced) it is ``num_verify[b]``. Emitted tokens: the accepted drafts, then
+    ``target[b, num_accepted]``, then ``-1``. ``ext_tokens[slot_index[b], :k + 1]`` gets them and
+    ``ext_hidden[slot_index[b], j] = hidden[grid_rows[b * (k + 1) + j]]``.
+    """
+    batch, k = draft_tokens.shape
+    cells = grid_rows.long().view(batch, k + 1)
+    target = row_tokens.long()[cells]  # [B, k + 1]
+    nv = num_verify.long().clamp(0, k)
+    pos = torch.arange(k + 1, device=target.device)[None, :]
+    drafts = torch.cat([draft_tokens.long(), draft_tokens.new_full((batch, 1), -1).long()], 1)
+    if greedy:
+        ok = (target[:, :k] == drafts[:, :k]) & (pos[:, :k] < nv[:, None])
+        na = ok.long().cumprod(dim=-1).sum(dim=-1) if k else nv
+    else:
+        na = nv
+    out = torch.where(pos < na[:, None], drafts, torch.full_like(drafts, -1))
+    out = torch.where(pos == na[:, None], target.gather(1, na[:, None]), out)
+    slots = slot_index.long()
+    ext_tokens[slots, : k + 1] = out
+    ext_hidden[slots, : k + 1] = hidden[cells]
+    return na, out

@@ -535,6 +535,15 @@ class RoundRunner:
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
             h = target(ids, pos, meta, self.target_kv)  # [G, hidden]
             logits = target.logits(h, upcast=not fast)  # [G, V]
+            if fast and (k == 0 or self.acceptance != "synthetic"):
+                # argmax, acceptance (greedy / forced / none at k = 0) and the slot state in
+                # one launch after the LM head
+                num_accepted, out = ops.verify_accept(
+                    logits.argmax(dim=-1), src, draft_tokens, t["num_verify"], t["slot_index"],
+                    h, self.ext_tokens, self.ext_hidden,
+                    greedy=k > 0 and self.acceptance != "forced",
+                )
+                return RoundOutputs(num_accepted, out, None, t["num_verify"])
             if fast:
                 grid_tok = logits.argmax(dim=-1)[src].view(bcap, k + 1)
             else:

@@ -83,3 +83,49 @@ def split_qkv(qkv, heads, kv_heads, head_dim):
     k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
     return q, k, v
+
+
+def accept_case(seed, batch, k, g, hidden, dtype, device, slots=11, width=7):
+    """Inputs of ``ops.verify_accept``: argmax tokens that match the drafts on a random prefix
+    (so greedy acceptance stops at varied places), the grid -> packed row map the metadata
+    kernel writes (``min(cu[b] + j, g - 1)``), verify lengths some of which need clamping, and
+    distinct slots; the slot state is poisoned (-7 / NaN) where nothing should be written."""
+    gen = torch.Generator().manual_seed(seed)
+    nv = torch.randint(-1, k + 2, (batch,), generator=gen)
+    drafts = torch.randint(0, 50, (batch, k), generator=gen)
+    rows = nv.clamp(0, k) + 1
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), rows.cumsum(0)])
+    grid = (cu[:-1, None] + torch.arange(k + 1)[None, :]).clamp(max=g - 1).reshape(-1)
+    row_tok = torch.randint(0, 50, (g,), generator=gen)
+    for b in range(batch):  # agree with the drafts on a random prefix
+        agree = int(torch.randint(0, k + 1, (1,), generator=gen))
+        for j in range(min(agree, k)):
+            row_tok[grid[b * (k + 1) + j]] = drafts[b, j]
+    hid = torch.randn(g, hidden, generator=gen).to(dtype)
+    slot = torch.randperm(slots, generator=gen)[:batch]
+    ext_tok = torch.full((slots, width), -7, dtype=torch.int64)
+    ext_h = torch.full((slots, width, hidden), float("nan"), dtype=dtype)
+    return [t.to(device) for t in (row_tok, grid, drafts, nv, slot, hid, ext_tok, ext_h)]
+
+
+def accept_oracle(row_tok, grid, drafts, nv, slot, hid, ext_tok, ext_h, greedy):
+    """Loop version of ``verify_accept``: returns (num_accepted, tokens) and writes the slots."""
+    batch, k = drafts.shape
+    na_all, out_all = [], []
+    for b in range(batch):
+        target = [int(row_tok[grid[b * (k + 1) + j]]) for j in range(k + 1)]
+        v = min(max(int(nv[b]), 0), k)
+        na = 0
+        if greedy:
+            while na < v and int(drafts[b, na]) == target[na]:
+                na += 1
+        else:
+            na = v
+        out = [int(drafts[b, j]) for j in range(na)] + [target[na]] + [-1] * (k - na)
+        s = int(slot[b])
+        ext_tok[s, : k + 1] = torch.tensor(out)
+        for j in range(k + 1):
+            ext_h[s, j] = hid[grid[b * (k + 1) + j]]
+        na_all.append(na)
+        out_all.append(out)
+    return torch.tensor(na_all), torch.tensor(out_all)

@@ -300,3 +300,35 @@ def test_backend_switches_refuse_unknown_values(monkeypatch):
     monkeypatch.delenv("SPECCAL_KERNELS")
     with pytest.raises(InputError, match="backend"):
         ops.linear(torch.randn(2, 4), torch.randn(3, 4), backend="cuda")
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_verify_accept_reference_matches_oracle(k, greedy):
+    """Greedy / forced acceptance from the packed rows' argmax and the slot-state writes (the
+    fused end of a round) equal the loop oracle; untouched slots keep their poison."""
+    from kernel_builders import accept_case, accept_oracle
+
+    args = accept_case(3 + k + greedy, 6, k, 6 * (k + 1) + 2, 32, torch.float32, "cpu")
+    want_args = [a.clone() for a in args]
+    na, out = ops.verify_accept(*args, greedy=greedy)
+    want_na, want_out = accept_oracle(*want_args, greedy=greedy)
+    assert torch.equal(na, want_na) and torch.equal(out, want_out)
+    assert torch.equal(args[6], want_args[6])
+    assert torch.equal(args[7].nan_to_num(-3.0), want_args[7].nan_to_num(-3.0))
+    if greedy and k:
+        assert len(set(na.tolist())) > 1  # the case exercises several stopping points
+
+
+def test_verify_accept_refuses_bad_input():
+    """Shapes and dtypes of the fused acceptance are checked, naming the field."""
+    from kernel_builders import accept_case
+
+    args = accept_case(1, 4, 3, 20, 16, torch.float32, "cpu")
+    bad = {1: args[1][:-1], 6: args[6].int(), 7: args[7][:, :2], 0: args[0].float()}
+    names = {1: "grid_rows", 6: "ext_tokens", 7: "ext_hidden", 0: "row_tokens"}
+    for i, value in bad.items():
+        call = list(args)
+        call[i] = value
+        with pytest.raises(InputError, match=names[i]):
+            ops.verify_accept(*call)

@@ -401,3 +401,20 @@ def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits):
     assert rel_err(k1, k2) < TOL[dtype] / 4
     assert torch.equal(v1, v2)
     assert torch.equal(o1[sum(rows):], torch.zeros_like(o1[sum(rows):]))  # padding rows
+
+
+@pytest.mark.parametrize("k, batch, hidden", [(0, 1, 2048), (5, 1, 2048), (5, 8, 2048), (3, 5, 100)])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_verify_accept_matches_oracle(k, batch, hidden, greedy):
+    """The fused acceptance kernel: tokens, accepted lengths and slot writes equal the oracle
+    (hidden rows bit for bit: a copy)."""
+    from kernel_builders import accept_case, accept_oracle
+
+    args = accept_case(7 + k, batch, k, batch * (k + 1) + 3, hidden, torch.bfloat16, DEV)
+    want_args = [a.cpu().clone() for a in args]
+    na, out = ops.verify_accept(*args, greedy=greedy, backend="triton")
+    want_na, want_out = accept_oracle(*want_args, greedy=greedy)
+    assert torch.equal(na.cpu(), want_na) and torch.equal(out.cpu(), want_out)
+    assert torch.equal(args[6].cpu(), want_args[6])
+    assert torch.equal(args[7].cpu().float().nan_to_num(-3.0),
+                       want_args[7].float().nan_to_num(-3.0))

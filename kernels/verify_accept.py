@@ -1,0 +1,81 @@
+"""Triton *verify acceptance*: the end of a round's target graph in one launch.
+
+Owns what the runner's argmax-only rounds do after the LM head's argmax (greedy acceptance, the
+forced mode of benchmarks, and the plain decode step, ``k = 0``): each request's target tokens
+gathered from the packed rows (``grid_rows``, written by ``verify_metadata_update``), the
+accepted prefix, the emitted tokens, and the next round's slot state (``ext_tokens`` and the
+hidden rows ``ext_hidden`` the draft extends from). Before, that was a dozen small torch launches
+after the argmax. One program per request; the hidden rows are copied in ``BLOCK_H`` chunks.
+Reference: ``reference.verify_accept_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["verify_accept_triton"]
+
+
+@triton.jit
+def _verify_accept_kernel(
+    row_tok_ptr, grid_ptr, draft_ptr, nv_ptr, slot_ptr, h_ptr, ext_tok_ptr, ext_h_ptr,
+    na_ptr, out_ptr, K, H, stride_d, stride_h, stride_et, stride_es, stride_er,
+    GREEDY: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    j = tl.arange(0, BLOCK_J)
+    j_ok = j <= K
+    rows = tl.load(grid_ptr + b * (K + 1) + j, mask=j_ok, other=0)
+    target = tl.load(row_tok_ptr + rows, mask=j_ok, other=-1).to(tl.int64)
+    draft = tl.load(draft_ptr + b * stride_d + j, mask=j < K, other=-1).to(tl.int64)
+    nv = tl.minimum(tl.maximum(tl.load(nv_ptr + b).to(tl.int32), 0), K)
+    if GREEDY:  # accepted while the draft equals the target's argmax, within num_verify
+        first_bad = tl.min(tl.where((j < nv) & (target != draft), j, K + 1), 0)
+        na = tl.minimum(first_bad, nv)
+    else:  # forced: every verified draft is accepted
+        na = nv
+    out = tl.where(j < na, draft, tl.where(j == na, target, -1))
+    tl.store(out_ptr + b * (K + 1) + j, out, mask=j_ok)
+    tl.store(na_ptr + b, na.to(tl.int64))
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    tl.store(ext_tok_ptr + slot * stride_et + j, out, mask=j_ok)
+    offs = tl.arange(0, BLOCK_H)
+    for jj in range(0, K + 1):
+        row = tl.load(grid_ptr + b * (K + 1) + jj).to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            ok = h0 + offs < H
+            v = tl.load(h_ptr + row * stride_h + h0 + offs, mask=ok)
+            tl.store(ext_h_ptr + slot * stride_es + jj * stride_er + h0 + offs, v, mask=ok)
+
+
+def verify_accept_triton(
+    row_tokens: torch.Tensor,  # [G] int: the argmax of each packed row
+    grid_rows: torch.Tensor,  # [B * (k + 1)] int
+    draft_tokens: torch.Tensor,  # [B, k] int
+    num_verify: torch.Tensor,  # [B] int
+    slot_index: torch.Tensor,  # [B] int
+    hidden: torch.Tensor,  # [G, H]
+    ext_tokens: torch.Tensor,  # [slots, >= k + 1] int64, written
+    ext_hidden: torch.Tensor,  # [slots, >= k + 1, H], written
+    greedy: bool,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, tokens [B, k + 1] int64
+    """One launch; arguments validated by ``ops.verify_accept``."""
+    batch, k = draft_tokens.shape
+    h = hidden.shape[1]
+    drafts = draft_tokens if k else num_verify  # an empty tensor may have no address
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=hidden.device)
+    out = torch.empty(batch, k + 1, dtype=torch.int64, device=hidden.device)
+    _verify_accept_kernel[(batch,)](
+        row_tokens, grid_rows, drafts, num_verify, slot_index, hidden, ext_tokens,
+        ext_hidden, num_accepted, out, k, h, draft_tokens.stride(0) if k else 0, hidden.stride(0),
+        ext_tokens.stride(0), ext_hidden.stride(0), ext_hidden.stride(1),
+        GREEDY=greedy, BLOCK_J=triton.next_power_of_2(k + 1),
+        BLOCK_H=min(2048, triton.next_power_of_2(h)), PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )
+    return num_accepted, out
