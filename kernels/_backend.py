@@ -28,6 +28,7 @@ __all__ = [
     "prewait_loads",
     "triton_available",
     "use_triton",
+    "verify_halves",
     "verify_max_splits",
 ]
 
@@ -154,6 +155,17 @@ def decode_max_splits(default: int) -> int:
     ``default``). A tuning switch for benchmarks, read when a plan is made (graph capture)."""
     value = _positive_int("SPECCAL_DECODE_SPLITS")
     return default if value is None else value
+
+
+def verify_halves() -> bool:
+    """``SPECCAL_VERIFY_HALVE``: ``1`` (default) verification plans take half the 1-row plan's
+    splits; ``0`` the same count (``ops.plan_splits``). A tuning switch for benchmarks."""
+    value = os.environ.get("SPECCAL_VERIFY_HALVE", "1")
+    if value not in ("0", "1"):
+        from speccal.errors import InputError
+
+        raise InputError("SPECCAL_VERIFY_HALVE", value, "0 or 1")
+    return value == "1"
 
 
 def verify_max_splits(default: int) -> int:

@@ -79,18 +79,24 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
     splits at one KV tile each. ``rows`` > 1 (verification): half the splits of the 1-row plan
     (each split's partials grow with the rows and the merge reads them all; the H200 dense-2b
     sweep in bench/KERNEL_NOTES.md "v6": B=1 12 of 24, B=8 4 of 9, where 4 also lets the merge
-    fold), and at most ``SPECCAL_VERIFY_SPLITS`` (default ``VERIFY_MAX_SPLITS``); 1-row plans at
-    most ``SPECCAL_DECODE_SPLITS`` (a benchmark switch, unset: no cap).
+    fold; ``SPECCAL_VERIFY_HALVE=0`` keeps the 1-row plan's count), and at most
+    ``SPECCAL_VERIFY_SPLITS`` (default ``VERIFY_MAX_SPLITS``); 1-row plans at most
+    ``SPECCAL_DECODE_SPLITS`` (benchmark switches; unset: no cap).
     """
     if batch < 1 or num_kv_heads < 1 or rows < 1:
         raise InputError("batch/num_kv_heads/rows", (batch, num_kv_heads, rows), "ints >= 1")
     want = -(-4 * num_sms // (batch * num_kv_heads))
     cap = max(1, -(-max_len // block_n))
     splits = max(1, min(want, 64, cap))
-    from speccal.kernels._backend import decode_max_splits, verify_max_splits  # noqa: PLC0415
+    from speccal.kernels._backend import (  # noqa: PLC0415
+        decode_max_splits,
+        verify_halves,
+        verify_max_splits,
+    )
 
     if rows > 1:
-        splits = max(1, min(splits // 2, verify_max_splits(VERIFY_MAX_SPLITS)))
+        half = splits // 2 if verify_halves() else splits
+        splits = max(1, min(half, verify_max_splits(VERIFY_MAX_SPLITS)))
     else:
         splits = min(splits, decode_max_splits(64))
     return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n)

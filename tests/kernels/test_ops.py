@@ -281,6 +281,13 @@ def test_decode_split_cap(monkeypatch):
     assert ops.plan_splits(1, 8, max_len=1536, rows=6).max_splits == 12
     monkeypatch.delenv("SPECCAL_DECODE_SPLITS")
     assert ops.plan_splits(1, 8, max_len=1536).max_splits == 24
+    monkeypatch.setenv("SPECCAL_VERIFY_HALVE", "0")  # verify keeps the 1-row count (capped)
+    monkeypatch.setenv("SPECCAL_VERIFY_SPLITS", "16")
+    assert ops.plan_splits(1, 8, max_len=1536, rows=6).max_splits == 16
+    assert ops.plan_splits(8, 8, max_len=1536, rows=6).max_splits == 9
+    monkeypatch.setenv("SPECCAL_VERIFY_HALVE", "2")
+    with pytest.raises(InputError, match="SPECCAL_VERIFY_HALVE"):
+        ops.plan_splits(1, 8, rows=6)
 
 
 def test_backend_switches_refuse_unknown_values(monkeypatch):
