@@ -17,7 +17,6 @@ import os
 import torch
 
 __all__ = [
-    "attention_early_kv",
     "attention_fold_override",
     "decode_max_splits",
     "fold_max_merge",
@@ -204,16 +203,3 @@ def prewait_loads() -> bool:
         raise InputError("SPECCAL_PREWAIT", value, "0 or 1")
     return value == "1"
 
-
-
-def attention_early_kv() -> bool:
-    """``SPECCAL_ATTN_EARLY_KV``: ``1`` makes the rope-fused attention issue its first K/V tile
-    of the cached positions right after its PDL wait, before the rotary math and the new rows'
-    write (the new rows read back after it); ``0`` (default) loads every tile after the write.
-    A switch for benchmark variants (bench/KERNEL_NOTES.md v7)."""
-    value = os.environ.get("SPECCAL_ATTN_EARLY_KV", "0")
-    if value not in ("0", "1"):
-        from speccal.errors import InputError
-
-        raise InputError("SPECCAL_ATTN_EARLY_KV", value, "0 or 1")
-    return value == "1"

@@ -27,12 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from speccal.kernels._backend import (
-    attention_early_kv,
-    attention_fold_override,
-    fold_max_merge,
-    num_sms,
-)
+from speccal.kernels._backend import attention_fold_override, fold_max_merge, num_sms
 from speccal.kernels.ops import fold_wanted
 
 __all__ = ["paged_attention_triton"]
@@ -126,7 +121,6 @@ def _split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_MODE: tl.constexpr, DIRECT: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
     FOLD: tl.constexpr, S_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, G_PAD: tl.constexpr,
-    EARLY_KV: tl.constexpr,
 ):
     # FOLD (split-KV without a reduce launch): every live program writes its partial, then
     # counts itself in ``cnt_ptr[b * KVH + kvh]``; the last one of its (request, KV head)
@@ -164,20 +158,6 @@ def _split_kernel(
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    if EARLY_KV:
-        # issue the first K/V tile of the cached positions (< seq_len - q_len, written by
-        # earlier steps) now, so its latency overlaps the rotary math and the new rows' write;
-        # the new rows of the tile are read back after the write
-        offs_n0 = start + offs_nb
-        n0_ok = (offs_n0 < end) & live
-        page0 = tl.load(bt_ptr + b * stride_bt + offs_n0 // PAGE, mask=n0_ok, other=0).to(tl.int64)
-        k0_ptrs = (k_ptr + page0[:, None] * stride_kb + (offs_n0 % PAGE)[:, None] * stride_ks
-                   + kvh * stride_kh + offs_d[None, :])
-        v0_ptrs = (v_ptr + page0[:, None] * stride_vb + (offs_n0 % PAGE)[:, None] * stride_vs
-                   + kvh * stride_vh + offs_d[None, :])
-        cached = (n0_ok & (offs_n0 < seq_len - q_len))[:, None] & d_ok[None, :]
-        k0 = tl.load(k0_ptrs, mask=cached, other=0.0)
-        v0 = tl.load(v0_ptrs, mask=cached, other=0.0)
     if FOLD and Q_MODE == 2:
         if s == 0:  # packed rows of no request (t >= cu_q_lens[B]) get zeros, strided over b
             offs_g = tl.arange(0, G_PAD)
@@ -222,15 +202,7 @@ def _split_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        first = start
-        if EARLY_KV:  # the early tile, with the rows new in this step read back from the cache
-            fresh = (n0_ok & (offs_n0 >= seq_len - q_len))[:, None] & d_ok[None, :]
-            k0 = tl.where(fresh, tl.load(k0_ptrs, mask=fresh, other=0.0), k0)
-            v0 = tl.where(fresh, tl.load(v0_ptrs, mask=fresh, other=0.0), v0)
-            m_i, l_i, acc = _attend_tile(q, k0, v0, offs_n0, n0_ok, pos, row_ok, scale_log2,
-                                         m_i, l_i, acc)
-            first = start + BLOCK_N
-        for n0 in range(first, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + offs_nb
             n_ok = offs_n < end
             page = tl.load(bt_ptr + b * stride_bt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
@@ -445,7 +417,6 @@ def paged_attention_triton(
         ROPE=rope is not None, QK_NORM=rope is not None and rope[3] is not None,
         R_PAD=triton.next_power_of_2(num_q_rows), PDL=pdl, FOLD=fold, S_PAD=s_pad,
         MERGE_ROWS=merge_rows, G_PAD=triton.next_power_of_2(group),
-        EARLY_KV=rope is not None and attention_early_kv(),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if not direct and not fold:

@@ -264,15 +264,9 @@ def test_prewait_and_prefetch_switches(monkeypatch):
     assert _backend.gemv_prefetch_tiles() == 0
     monkeypatch.setenv("SPECCAL_GEMV_PREFETCH", "3")
     assert _backend.gemv_prefetch_tiles() == 3
-    monkeypatch.delenv("SPECCAL_ATTN_EARLY_KV", raising=False)
-    assert _backend.attention_early_kv() is False
-    monkeypatch.setenv("SPECCAL_ATTN_EARLY_KV", "1")
-    assert _backend.attention_early_kv() is True
     checks = {"SPECCAL_PREWAIT": _backend.prewait_loads,
-              "SPECCAL_GEMV_PREFETCH": _backend.gemv_prefetch_tiles,
-              "SPECCAL_ATTN_EARLY_KV": _backend.attention_early_kv}
-    for var, bad in (("SPECCAL_PREWAIT", "on"), ("SPECCAL_GEMV_PREFETCH", "-1"),
-                     ("SPECCAL_ATTN_EARLY_KV", "yes")):
+              "SPECCAL_GEMV_PREFETCH": _backend.gemv_prefetch_tiles}
+    for var, bad in (("SPECCAL_PREWAIT", "on"), ("SPECCAL_GEMV_PREFETCH", "-1")):
         monkeypatch.setenv(var, bad)
         with pytest.raises(InputError, match=var):
             checks[var]()

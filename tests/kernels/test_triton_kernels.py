@@ -367,13 +367,9 @@ def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("max_splits", [1, 8])
-@pytest.mark.parametrize("early", ["0", "1"])
-def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, early, monkeypatch):
+def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits):
     """Attention fused with q/k norm + rotary + the new rows' KV write (packed verify rows;
-    request 1's six rows straddle a KV split boundary); ``early``: the first cached K/V tile is
-    issued before the rotary math and the new rows are read back into it
-    (``SPECCAL_ATTN_EARLY_KV``)."""
-    monkeypatch.setenv("SPECCAL_ATTN_EARLY_KV", early)
+    request 1's six rows straddle a KV split boundary)."""
     gen = torch.Generator().manual_seed(11 + max_splits)
     heads, kvh, d, bs = 16, 8, 128, 16
     ctx = [1017, 60, 3]
