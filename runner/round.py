@@ -535,13 +535,19 @@ class RoundRunner:
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
             h = target(ids, pos, meta, self.target_kv)  # [G, hidden]
             logits = target.logits(h, upcast=not fast)  # [G, V]
-            if fast and (k == 0 or self.acceptance != "synthetic"):
-                # argmax, acceptance (greedy / forced / none at k = 0) and the slot state in
-                # one launch after the LM head
+            if fast:
+                # acceptance (greedy / forced / none at k = 0), emitted tokens and the slot state
+                # in one launch after the LM head's argmax; synthetic acceptance draws its
+                # accepted lengths first (the same draws as verify_synthetic_tokens) and emits
+                # them as forced lengths
+                nv, greedy = t["num_verify"], k > 0 and self.acceptance not in ("forced",
+                                                                                "synthetic")
+                if k > 0 and self.acceptance == "synthetic":
+                    nv = sampling.synthetic_accepted_length(
+                        self.profile, self.generator, nv, bcap, k, self.device)
                 num_accepted, out = ops.verify_accept(
-                    logits.argmax(dim=-1), src, draft_tokens, t["num_verify"], t["slot_index"],
-                    h, self.ext_tokens, self.ext_hidden,
-                    greedy=k > 0 and self.acceptance != "forced",
+                    logits.argmax(dim=-1), src, draft_tokens, nv, t["slot_index"], h,
+                    self.ext_tokens, self.ext_hidden, greedy=greedy,
                 )
                 return RoundOutputs(num_accepted, out, None, t["num_verify"])
             if fast:

@@ -601,11 +601,25 @@ def verify_synthetic_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [B] int64, [B, k + 1] int64
     """:func:`verify_synthetic` from argmax tokens (same draws from ``generator``, same result)."""
     b, k = _check_verify_tokens(draft_tokens, target_tokens)
-    nv = _verify_lengths(num_verify, b, k, target_tokens.device)
-    prof = _profile_tensor(profile, k, target_tokens.device)
-    u = torch.rand((b, k), generator=generator, device=target_tokens.device)
-    num_accepted = _accepted_length(u < prof[None, :], nv)
+    num_accepted = synthetic_accepted_length(profile, generator, num_verify, b, k,
+                                             target_tokens.device)
     return num_accepted, _emit(draft_tokens, num_accepted, target_tokens.long())
+
+
+def synthetic_accepted_length(
+    profile: Sequence[float] | torch.Tensor,
+    generator: torch.Generator | None,
+    num_verify: torch.Tensor | None,  # [B] int, drafts verified per request
+    b: int,
+    k: int,
+    device,
+) -> torch.Tensor:  # [B] int64
+    """The accepted lengths of :func:`verify_synthetic_tokens` alone (the same ``[B, k]`` draw
+    from ``generator``): the runner emits tokens from them with the fused ``verify_accept``."""
+    nv = _verify_lengths(num_verify, b, k, device)
+    prof = _profile_tensor(profile, k, device)
+    u = torch.rand((b, k), generator=generator, device=device)
+    return _accepted_length(u < prof[None, :], nv)
 
 
 def verify_forced_tokens(

@@ -36,10 +36,17 @@ def _cfg(**kw) -> EngineConfig:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_in_graph_update_matches_host_path_cpu(k):
+@pytest.mark.parametrize("acceptance", ["greedy", "forced", "synthetic"])
+def test_in_graph_update_matches_host_path_cpu(k, acceptance):
+    """The in-graph path (fused ``verify_accept`` after the argmax; synthetic lengths drawn
+    first) emits the host path's tokens, also for forced and synthetic acceptance (same seed,
+    same draws)."""
     verify = [[k, 0, k], [1 if k > 1 else 0, k, k]]
-    host = _run(Engine(_cfg(input_update="host")), 6, k, verify)
-    fast_eng = Engine(_cfg(input_update="in_graph"))
+    kw = {"acceptance": acceptance, "seed": 3}
+    if acceptance == "synthetic":
+        kw["acceptance_profile"] = (0.6, 0.5, 0.4)
+    host = _run(Engine(_cfg(input_update="host", **kw)), 6, k, verify)
+    fast_eng = Engine(_cfg(input_update="in_graph", **kw))
     fast = _run(fast_eng, 6, k, verify)
     assert host == fast
     assert fast_eng.runner.resolve_update(4, k, 4 * (k + 1)) == "in_graph"
