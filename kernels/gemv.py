@@ -20,6 +20,9 @@ GEMVs on the H200, bench/KERNEL_NOTES.md). With ``pdl`` > 0 the launch is a prog
 dependent launch (Hopper, ``SPECCAL_PDL``, default ``late``): the kernel waits for its predecessor
 (``griddepcontrol.wait``) before its first read and lets its successor launch either at once
 (mode 1) or after its K loop (mode 2, ``late``), so launch latency overlaps the previous kernel.
+Before its wait a program does what the predecessor cannot change: an L2 prefetch of its first
+weight tiles (``prefetch``), the residual where the caller vouches for it (``residual_settled``)
+and, in the split-K reduce, the norm weight and the residual row.
 """
 
 from __future__ import annotations
