@@ -11,7 +11,9 @@ One run measures, on the dense-2b preset (bf16, triton backend, graph_mode="spli
   (``sample_plain``: filters and sorts) of the same engine is timed too (``*_general``), and a
   kernel breakdown of one fast-path B=1 step (``breakdown_b1``, from torch.profiler);
 - full-width verify (w=5, 6 rows/request) vs the B-matched decode step, B = 1 and 8
-  [verify_full_width_ratio: the larger of the two];
+  [verify_full_width_ratio: the larger of the two], with kernel breakdowns of both verify steps
+  and of the B=8 decode step (``breakdown_verify_b*``, ``breakdown_decode_b8``; ``sequence_*``:
+  the first and last 20 kernels of one replay);
 - draft->target gap from torch.profiler kernel timestamps, fast path (in-graph update) vs
   fallback (host-prepared inputs) [draft_target_gap_us_fast, draft_target_gap_us_fallback].
 Prints a table and writes ``DIR/decode.json`` after every stage (partial results survive a
