@@ -156,16 +156,16 @@ def calibration_check(args) -> dict:
 
     w = max(args.ks)
     buckets = (1, 2, 4, 8)
+    # the fields EngineConfig and CalibrateOptions share
     common = dict(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
         draft_width=w,
         request_buckets=buckets,
-        graph_mode=args.graph_mode,
-        attention_backend=args.attention_backend,
     )
-    eng = Engine(EngineConfig(**common, acceptance="forced"))
+    eng = Engine(EngineConfig(**common, graph_mode=args.graph_mode,
+                              attention_backend=args.attention_backend, acceptance="forced"))
     cuda = args.device.startswith("cuda")
     timer = _Timer.of(eng.runner, cuda)
     cfg = {
@@ -189,11 +189,7 @@ def calibration_check(args) -> dict:
             timer.reset()
             table_path = Path(tmp) / f"t{rep}.json"
             opts = CalibrateOptions(
-                model=args.model,
-                device=args.device,
-                dtype=args.dtype,
-                draft_width=w,
-                request_buckets=buckets,
+                **common,
                 config_path=cfg_path,
                 out=table_path,
                 journal=Path(tmp) / f"j{rep}.jsonl",

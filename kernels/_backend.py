@@ -55,11 +55,8 @@ def use_triton(t: torch.Tensor, backend: str | None = None) -> bool:
     any tensor under the interpreter, unless ``SPECCAL_KERNELS=reference``).
     """
     if backend is None:
-        backend = os.environ.get("SPECCAL_KERNELS", "auto")
-        if backend not in ("auto", "triton", "reference"):
-            from speccal.errors import InputError
-
-            raise InputError("SPECCAL_KERNELS", backend, "auto, triton or reference")
+        backend = _env_choice("SPECCAL_KERNELS", "auto", ("auto", "triton", "reference"),
+                              "auto, triton or reference")
     elif backend not in ("triton", "reference"):
         from speccal.errors import InputError
 
@@ -98,12 +95,7 @@ def pdl_mode(t: torch.Tensor) -> int:
     """0 (``SPECCAL_PDL=0``): no PDL; 1 (``SPECCAL_PDL=1``): every Triton kernel lets its
     successor launch as soon as its own wait is over; 2 (``late``, the default): GEMVs let it
     launch only after their K loop (the other kernels as in 1)."""
-    value = os.environ.get("SPECCAL_PDL", "late")
-    if value not in _PDL_MODES:
-        from speccal.errors import InputError
-
-        raise InputError("SPECCAL_PDL", value, "0, 1 or late")
-    mode = _PDL_MODES[value]
+    mode = _PDL_MODES[_env_choice("SPECCAL_PDL", "late", _PDL_MODES, "0, 1 or late")]
     if not mode or not t.is_cuda or interpreting():
         return 0
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
@@ -125,23 +117,35 @@ def num_sms(device: torch.device) -> int:
 def attention_fold_override() -> bool | None:
     """``SPECCAL_ATTN_FOLD``: ``1`` / ``0`` force / forbid folding attention's split-KV merge into
     the split kernel; ``auto`` (default) leaves it to ``ops.fold_wanted``'s rule."""
-    value = os.environ.get("SPECCAL_ATTN_FOLD", "auto")
-    if value not in ("auto", "0", "1"):
-        from speccal.errors import InputError
-
-        raise InputError("SPECCAL_ATTN_FOLD", value, "auto, 0 or 1")
+    value = _env_choice("SPECCAL_ATTN_FOLD", "auto", ("auto", "0", "1"), "auto, 0 or 1")
     return None if value == "auto" else value == "1"
 
 
-def _positive_int(var: str) -> int | None:
+def _env_choice(var: str, default: str, choices, expected: str) -> str:
+    """``os.environ[var]`` (``default`` when unset), one of ``choices``, else an InputError
+    naming the variable, the value and ``expected``."""
+    value = os.environ.get(var, default)
+    if value not in choices:
+        from speccal.errors import InputError
+
+        raise InputError(var, value, expected)
+    return value
+
+
+def _env_int(var: str, minimum: int) -> int | None:
+    """``int(os.environ[var])`` (None when unset or empty), at least ``minimum``."""
     value = os.environ.get(var, "")
     if not value:
         return None
-    if not value.isdigit() or int(value) < 1:
+    if not value.isdigit() or int(value) < minimum:
         from speccal.errors import InputError
 
-        raise InputError(var, value, "an int >= 1 (or unset)")
+        raise InputError(var, value, f"an int >= {minimum} (or unset)")
     return int(value)
+
+
+def _positive_int(var: str) -> int | None:
+    return _env_int(var, 1)
 
 
 def fold_max_merge() -> int | None:
@@ -160,12 +164,7 @@ def decode_max_splits(default: int) -> int:
 def verify_halves() -> bool:
     """``SPECCAL_VERIFY_HALVE``: ``1`` (default) verification plans take half the 1-row plan's
     splits; ``0`` the same count (``ops.plan_splits``). A tuning switch for benchmarks."""
-    value = os.environ.get("SPECCAL_VERIFY_HALVE", "1")
-    if value not in ("0", "1"):
-        from speccal.errors import InputError
-
-        raise InputError("SPECCAL_VERIFY_HALVE", value, "0 or 1")
-    return value == "1"
+    return _env_choice("SPECCAL_VERIFY_HALVE", "1", ("0", "1"), "0 or 1") == "1"
 
 
 def verify_max_splits(default: int) -> int:
@@ -182,24 +181,12 @@ GEMV_PREFETCH_TILES = 2
 def gemv_prefetch_tiles() -> int:
     """``SPECCAL_GEMV_PREFETCH``: weight tiles per GEMV program prefetched into L2 before its PDL
     wait (``0`` none; unset: ``GEMV_PREFETCH_TILES``). A tuning switch for benchmarks."""
-    value = os.environ.get("SPECCAL_GEMV_PREFETCH", "")
-    if not value:
-        return GEMV_PREFETCH_TILES
-    if not value.isdigit():
-        from speccal.errors import InputError
-
-        raise InputError("SPECCAL_GEMV_PREFETCH", value, "an int >= 0 (or unset)")
-    return int(value)
+    value = _env_int("SPECCAL_GEMV_PREFETCH", 0)
+    return GEMV_PREFETCH_TILES if value is None else value
 
 
 def prewait_loads() -> bool:
     """``SPECCAL_PREWAIT``: ``1`` (default) lets a GEMV whose caller vouches for its residual
     (``ops.linear(residual_settled=True)``) read it before its PDL wait; ``0`` after the wait
     (an A/B switch for benchmarks)."""
-    value = os.environ.get("SPECCAL_PREWAIT", "1")
-    if value not in ("0", "1"):
-        from speccal.errors import InputError
-
-        raise InputError("SPECCAL_PREWAIT", value, "0 or 1")
-    return value == "1"
-
+    return _env_choice("SPECCAL_PREWAIT", "1", ("0", "1"), "0 or 1") == "1"

@@ -25,11 +25,14 @@ import torch
 from speccal.errors import InputError
 from speccal.kernels import reference as ref
 from speccal.kernels._backend import (
+    decode_max_splits,
     gemv_prefetch_tiles,
     pdl_enabled,
     pdl_mode,
     prewait_loads,
     use_triton,
+    verify_halves,
+    verify_max_splits,
 )
 
 __all__ = [
@@ -88,17 +91,11 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
     want = -(-4 * num_sms // (batch * num_kv_heads))
     cap = max(1, -(-max_len // block_n))
     splits = max(1, min(want, 64, cap))
-    from speccal.kernels._backend import (  # noqa: PLC0415
-        decode_max_splits,
-        verify_halves,
-        verify_max_splits,
-    )
-
     if rows > 1:
         half = splits // 2 if verify_halves() else splits
         splits = max(1, min(half, verify_max_splits(VERIFY_MAX_SPLITS)))
     else:
-        splits = min(splits, decode_max_splits(64))
+        splits = min(splits, decode_max_splits(splits))
     return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n)
 
 

@@ -540,20 +540,17 @@ class RoundRunner:
                 # in one launch after the LM head's argmax; synthetic acceptance draws its
                 # accepted lengths first (the same draws as verify_synthetic_tokens) and emits
                 # them as forced lengths
-                nv, greedy = t["num_verify"], k > 0 and self.acceptance not in ("forced",
-                                                                                "synthetic")
+                nv = t["num_verify"]
                 if k > 0 and self.acceptance == "synthetic":
                     nv = sampling.synthetic_accepted_length(
                         self.profile, self.generator, nv, bcap, k, self.device)
+                greedy = k > 0 and self.acceptance not in ("forced", "synthetic")
                 num_accepted, out = ops.verify_accept(
                     logits.argmax(dim=-1), src, draft_tokens, nv, t["slot_index"], h,
                     self.ext_tokens, self.ext_hidden, greedy=greedy,
                 )
                 return RoundOutputs(num_accepted, out, None, t["num_verify"])
-            if fast:
-                grid_tok = logits.argmax(dim=-1)[src].view(bcap, k + 1)
-            else:
-                grid_logits = logits[src].view(bcap, k + 1, -1)  # rows past num_verify: ignored
+            grid_logits = logits[src].view(bcap, k + 1, -1)  # rows past num_verify: ignored
             grid_h = h[src].view(bcap, k + 1, hidden)
         else:
             grid_tokens = torch.cat([pending[:, None], draft_tokens], dim=1).view(-1)

@@ -264,6 +264,12 @@ def _rotary_case(seed, t, heads, kvh, d, dtype):
     return gen, qkv, cos_sin_table(d, DEV), pos, slots
 
 
+def _nan_caches(kvh, d, dtype):
+    """K/V caches of 64 blocks x 16 slots poisoned with NaN: unwritten slots stay NaN."""
+    kc = torch.full((64, 16, kvh, d), float("nan"), dtype=dtype, device=DEV)
+    return kc, kc.clone()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t, heads, kvh, d", [(1, 16, 8, 128), (48, 16, 8, 128), (5, 12, 2, 64)])
 def test_rotary_kv_write_matches_reference(dtype, t, heads, kvh, d):
@@ -272,8 +278,7 @@ def test_rotary_kv_write_matches_reference(dtype, t, heads, kvh, d):
     for backend in ("triton", "reference"):
         buf = qkv.clone()
         q, k, v = split_qkv(buf, heads, kvh, d)
-        kc = torch.full((64, 16, kvh, d), float("nan"), dtype=dtype, device=DEV)
-        vc = kc.clone()
+        kc, vc = _nan_caches(kvh, d, dtype)
         ops.rotary_kv_write(q, k, v, pos, cs, slots, kc, vc, backend=backend)
         results.append((q.clone(), kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots],
                         kc.isnan().sum()))
@@ -349,8 +354,7 @@ def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
     for backend in ("triton", "reference"):
         buf = qkv.clone()
         q, k, v = split_qkv(buf, heads, kvh, d)
-        kc = torch.full((64, 16, kvh, d), float("nan"), dtype=dtype, device=DEV)
-        vc = kc.clone()
+        kc, vc = _nan_caches(kvh, d, dtype)
         q_out = torch.full((t, heads, d), float("nan"), dtype=dtype, device=DEV)
         got = ops.rotary_kv_write(q, k, v, pos, cs, slots, kc, vc, q_out=q_out,
                                   qk_norm=(qw, kw, 1e-6), backend=backend)
