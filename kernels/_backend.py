@@ -18,6 +18,8 @@ import torch
 
 __all__ = [
     "attention_fold_override",
+    "attention_prefetch_tiles",
+    "attention_release",
     "decode_max_splits",
     "fold_max_merge",
     "gemv_prefetch_tiles",
@@ -186,7 +188,32 @@ def gemv_prefetch_tiles() -> int:
 
 
 def prewait_loads() -> bool:
-    """``SPECCAL_PREWAIT``: ``1`` (default) lets a GEMV whose caller vouches for its residual
-    (``ops.linear(residual_settled=True)``) read it before its PDL wait; ``0`` after the wait
-    (an A/B switch for benchmarks)."""
+    """``SPECCAL_PREWAIT``: ``1`` (default) lets a kernel whose caller vouches for its inputs read
+    them before its PDL wait: a GEMV's residual (``ops.linear(residual_settled=True)``) and the
+    attention metadata (``ops.paged_attention(meta_settled=True)``); ``0`` after the wait (an A/B
+    switch for benchmarks)."""
     return _env_choice("SPECCAL_PREWAIT", "1", ("0", "1"), "0 or 1") == "1"
+
+
+# K/V tiles each attention split program prefetches into L2 before its PDL wait, where the caller
+# vouches for the metadata (``ops.paged_attention(meta_settled=True)``).
+ATTN_PREFETCH_TILES = 0
+
+
+def attention_prefetch_tiles() -> int:
+    """``SPECCAL_ATTN_PREFETCH``: cached K/V tiles per attention split program prefetched into L2
+    before its PDL wait (``0`` none; unset: ``ATTN_PREFETCH_TILES``). A tuning switch for
+    benchmarks, read at launch (graph capture)."""
+    value = _env_int("SPECCAL_ATTN_PREFETCH", 0)
+    return ATTN_PREFETCH_TILES if value is None else value
+
+
+_ATTN_RELEASE = {"start": 0, "loop": 1}
+
+
+def attention_release() -> int:
+    """``SPECCAL_ATTN_RELEASE``: when an attention split program lets the next kernel launch
+    under PDL: ``start`` (default, right after its wait) or ``loop`` (after its KV loop). A
+    tuning switch for benchmarks, read at launch (graph capture)."""
+    return _ATTN_RELEASE[_env_choice("SPECCAL_ATTN_RELEASE", "start", _ATTN_RELEASE,
+                                     "start or loop")]

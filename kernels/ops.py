@@ -168,6 +168,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # like q
     rope: tuple | None = None,  # (k_new [T, KVH, D], v_new, cos_sin_cache [P, D], qk_norm | None)
     backend: str | None = None,
+    meta_settled: bool = False,  # the previous launch writes none of the metadata
 ) -> torch.Tensor:  # like q
     """Causal paged attention for decode (1 row) and verification (up to w+1 rows per request).
 
@@ -184,6 +185,11 @@ def paged_attention(
     per-request row count). Rows of no request give zeros. GQA: ``H`` a multiple of ``KVH``.
     Split-KV: ``plan`` fixes ``max_splits``; ``tiling`` comes from ``attention_tiling_update``
     (computed here, one more launch, when None). fp32 softmax and accumulation.
+
+    ``meta_settled``: the caller vouches that the kernel launched just before this op writes
+    none of ``seq_lens``, ``q_lens``/``cu_q_lens``, ``tiling`` and ``block_table`` (the fused
+    layer: its QKV GEMV precedes attention), so on Triton the metadata is read before the PDL
+    wait. Ignored when ``tiling`` is None (its update is then that previous launch).
     """
     _need(k_cache.dim() == 4, "k_cache.shape", _shape(k_cache),
           "[num_blocks, block_size, num_kv_heads, head_dim]")
@@ -239,7 +245,7 @@ def paged_attention(
         return paged_attention_triton(
             q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, num_splits, split_len,
             plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
-            rope=rope, pdl=pdl_enabled(q),
+            rope=rope, pdl=pdl_enabled(q), meta_settled=meta_settled and tiling is not None,
         )
     split = dict(
         num_splits=num_splits if plan.max_splits > 1 else None,

@@ -27,7 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from speccal.kernels._backend import attention_fold_override, fold_max_merge, num_sms
+from speccal.kernels._backend import (
+    attention_fold_override,
+    attention_prefetch_tiles,
+    attention_release,
+    fold_max_merge,
+    num_sms,
+    prewait_loads,
+)
 from speccal.kernels.ops import fold_wanted
 
 __all__ = ["paged_attention_triton"]
@@ -71,27 +78,126 @@ def _row_layout(b, q_lens_ptr, cu_q_ptr, R, Q_MODE: tl.constexpr):
 
 
 @triton.jit
-def _rope_rows(x_ptrs, xs_ptrs, mask, pos, cs_ptr, stride_cs, nw_ptr, offs_d, eps,
+def _rope_tables(pos, mask, cs_ptr, stride_cs, nw_ptr, offs_d, HEAD_DIM: tl.constexpr,
+                 QK_NORM: tl.constexpr):
+    """What the rotary of rows at ``pos`` needs besides the rows: ``cos``, ``sin`` ``[rows,
+    D_PAD]`` and the norm weight at each lane and at its partner lane (positions and weights
+    only, so a program may load them before its PDL wait)."""
+    half = HEAD_DIM // 2
+    lane = offs_d % half
+    d_ok = offs_d < HEAD_DIM
+    cs_row = cs_ptr + pos[:, None] * stride_cs + lane[None, :]
+    cos = tl.load(cs_row, mask=mask, other=0.0)
+    sin = tl.load(cs_row + half, mask=mask, other=0.0)
+    if QK_NORM:
+        w = tl.load(nw_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        ws = tl.load(nw_ptr + (offs_d + half) % HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+    else:
+        w = cos
+        ws = cos
+    return cos, sin, w, ws
+
+
+@triton.jit
+def _rope_rows(x_ptrs, xs_ptrs, mask, cos, sin, w, ws, offs_d, eps,
                HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
-    """Rows of one head each, ``[rows, D_PAD]``: optional RMSNorm over D, then neox rotary.
+    """Rows of one head each, ``[rows, D_PAD]``: optional RMSNorm over D, then neox rotary
+    (``cos``, ``sin``, ``w``, ``ws`` from ``_rope_tables``).
 
     ``xs_ptrs`` point at the partner lane ``(d + D/2) % D``, so ``rotate_half`` is a second
     (L1-hitting) load instead of a register shuffle. fp32 result."""
     half = HEAD_DIM // 2
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     xs = tl.load(xs_ptrs, mask=mask, other=0.0).to(tl.float32)
-    lane = offs_d % half
-    d_ok = offs_d < HEAD_DIM
     if QK_NORM:
         inv = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        x = x * inv * tl.load(nw_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        partner = (offs_d + half) % HEAD_DIM
-        xs = xs * inv * tl.load(nw_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    cs_row = cs_ptr + pos[:, None] * stride_cs + lane[None, :]
-    cos = tl.load(cs_row, mask=mask, other=0.0)
-    sin = tl.load(cs_row + half, mask=mask, other=0.0)
+        x = x * inv * w[None, :]
+        xs = xs * inv * ws[None, :]
     sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
     return x * cos + sign * xs * sin
+
+
+@triton.jit
+def _prefetch_kv(k_ptr, v_ptr, bt_row, start, end, kvh, stride_kb, stride_ks, stride_kh,
+                 stride_vb, stride_vs, stride_vh, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+                 PAGE: tl.constexpr, TILES: tl.constexpr, LINE: tl.constexpr):
+    """``prefetch.global.L2`` of the K and V lines of the first ``TILES`` tiles of
+    ``[start, end)`` (one request per ``LINE`` elements, a 128-byte line). Rows past ``end``
+    point at page 0 (an allocated block): a prefetch never faults and changes no data."""
+    lines = tl.arange(0, D_PAD // LINE) * LINE
+    for t in tl.static_range(TILES):
+        offs_n = start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = offs_n < end
+        page = tl.load(bt_row + offs_n // PAGE, mask=ok, other=0).to(tl.int64)
+        within = tl.where(ok, offs_n % PAGE, 0)
+        k_row = page * stride_kb + within * stride_ks + kvh * stride_kh
+        v_row = page * stride_vb + within * stride_vs + kvh * stride_vh
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+            [k_ptr + k_row[:, None] + lines[None, :]], dtype=tl.int32, is_pure=False, pack=1,
+        )
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+            [v_ptr + v_row[:, None] + lines[None, :]], dtype=tl.int32, is_pure=False, pack=1,
+        )
+
+
+@triton.jit
+def _split_setup(b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr,
+                 bt_ptr, stride_bt, cs_ptr, stride_cs, qw_ptr, kw_ptr, k_ptr, v_ptr,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, R,
+                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, Q_MODE: tl.constexpr, DIRECT: tl.constexpr,
+                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr,
+                 FOLD: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
+    """Everything of a split program that depends on metadata only (row layout, KV range,
+    rotary tables, the new rows' pages) and, with ``PREFETCH``, the L2 prefetch of its first
+    cached K/V tiles: none of it reads what the predecessor kernel writes (the QKV GEMV), so a
+    caller that vouches for the metadata (``META_EARLY``) runs it before the PDL wait."""
+    q_start, q_len = _row_layout(b, q_lens_ptr, cu_q_ptr, R, Q_MODE)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_splits = tl.load(nsplit_ptr + b)
+    split_len = tl.load(split_len_ptr + b)
+    if DIRECT:
+        # one split covering everything; never skip, so unused dense rows still get zeros
+        start = 0
+        end = seq_len
+        live = s >= 0
+    else:
+        start = s * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        if FOLD:
+            # a request with no KV (n_splits 0) still needs its rows merged (to zeros): split 0
+            # runs (empty range) and is the last of one
+            n_splits = tl.maximum(n_splits, 1)
+        live = s < n_splits
+    offs_d = tl.arange(0, D_PAD)
+    offs_m = tl.arange(0, BLOCK_M)
+    r = offs_m // GROUP
+    row_ok = (r < q_len) & (offs_m < R * GROUP)
+    pos = seq_len - q_len + r  # [BLOCK_M] position of each query row
+    nr = tl.arange(0, R_PAD)
+    npos = seq_len - q_len + nr
+    new_ok = (nr < q_len) & (npos >= start) & (npos < end)
+    if ROPE:
+        d_ok = (offs_d < HEAD_DIM)[None, :]
+        q_cs = _rope_tables(pos, row_ok[:, None] & d_ok, cs_ptr, stride_cs, qw_ptr, offs_d,
+                            HEAD_DIM, QK_NORM)
+        k_cs = _rope_tables(npos, new_ok[:, None] & d_ok, cs_ptr, stride_cs, kw_ptr, offs_d,
+                            HEAD_DIM, QK_NORM)
+        npage = tl.load(bt_ptr + b * stride_bt + npos // PAGE, mask=new_ok, other=0)
+    else:  # no rotary tables (the dummy pointers must not be read)
+        q_cs = (pos, pos, pos, pos)
+        k_cs = (npos, npos, npos, npos)
+        npage = npos
+    if PREFETCH > 0:
+        if live:
+            _prefetch_kv(k_ptr, v_ptr, bt_ptr + b * stride_bt, start,
+                         tl.minimum(end, seq_len - q_len), kvh, stride_kb, stride_ks, stride_kh,
+                         stride_vb, stride_vs, stride_vh, BLOCK_N, D_PAD, PAGE, PREFETCH, LINE)
+    return (q_start, q_len, seq_len, n_splits, start, end, live, row_ok, pos, npos, new_ok,
+            q_cs, k_cs, npage)
 
 
 @triton.jit
@@ -121,40 +227,42 @@ def _split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_MODE: tl.constexpr, DIRECT: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
     FOLD: tl.constexpr, S_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, G_PAD: tl.constexpr,
+    META_EARLY: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, RELEASE: tl.constexpr,
 ):
+    # META_EARLY: the caller vouches that the predecessor kernel writes no metadata (seq_lens,
+    # cu_q_lens, tiling, block table), so the setup (``_split_setup``: row layout, KV range,
+    # rotary tables, new rows' pages, and with PREFETCH the L2 prefetch of the first cached K/V
+    # tiles) runs before the PDL wait. RELEASE (PDL): 0 lets the successor launch right after
+    # the wait, 1 only after this program's KV loop (the successor's programs then land on SMs
+    # that the split programs have left).
     # FOLD (split-KV without a reduce launch): every live program writes its partial, then
     # counts itself in ``cnt_ptr[b * KVH + kvh]``; the last one of its (request, KV head)
     # merges all splits into the output and resets the counter (zero between launches).
     # ROPE: q is the raw projection; each program rotates (and q/k-norms) its query rows, and the
     # program whose KV range holds a new row writes that row's rotated k and v (its KV head) to
     # the cache before reading any tile: no separate rotary + KV-write launch.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     s = tl.program_id(1)
     b = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
-    q_start, q_len = _row_layout(b, q_lens_ptr, cu_q_ptr, R, Q_MODE)
-    seq_len = tl.load(seq_lens_ptr + b)
-    n_splits = tl.load(nsplit_ptr + b)
-    split_len = tl.load(split_len_ptr + b)
-    if DIRECT:
-        # one split covering everything; never skip, so unused dense rows still get zeros
-        start = 0
-        end = seq_len
-    else:
-        start = s * split_len
-        end = tl.minimum(start + split_len, seq_len)
-    if DIRECT:
-        live = s >= 0
-    elif FOLD:
-        # a request with no KV (n_splits 0) still needs its rows merged (to zeros): split 0
-        # runs (empty range) and is the last of one
-        n_splits = tl.maximum(n_splits, 1)
-        live = s < n_splits
-    else:
-        live = s < n_splits
+    if META_EARLY:
+        (q_start, q_len, seq_len, n_splits, start, end, live, row_ok, pos, npos, new_ok, q_cs,
+         k_cs, npage) = _split_setup(
+            b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr, bt_ptr,
+            stride_bt, cs_ptr, stride_cs, qw_ptr, kw_ptr, k_ptr, v_ptr, stride_kb, stride_ks,
+            stride_kh, stride_vb, stride_vs, stride_vh, R, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD,
+            PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, PREFETCH, LINE)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        if RELEASE == 0:
+            tl.extra.cuda.gdc_launch_dependents()
+    if not META_EARLY:
+        (q_start, q_len, seq_len, n_splits, start, end, live, row_ok, pos, npos, new_ok, q_cs,
+         k_cs, npage) = _split_setup(
+            b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr, bt_ptr,
+            stride_bt, cs_ptr, stride_cs, qw_ptr, kw_ptr, k_ptr, v_ptr, stride_kb, stride_ks,
+            stride_kh, stride_vb, stride_vs, stride_vh, R, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD,
+            PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, 0, LINE)
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
@@ -171,24 +279,19 @@ def _split_kernel(
         offs_m = tl.arange(0, BLOCK_M)
         r = offs_m // GROUP
         h = kvh * GROUP + offs_m % GROUP
-        row_ok = (r < q_len) & (offs_m < R * GROUP)
-        pos = seq_len - q_len + r  # [BLOCK_M] position of each query row
         q_rows = q_ptr + (q_start + r)[:, None] * stride_qt + h[:, None] * stride_qh
         q_mask = row_ok[:, None] & d_ok[None, :]
         if ROPE:
             swap = (offs_d + HEAD_DIM // 2) % HEAD_DIM
-            q = _rope_rows(q_rows + offs_d[None, :], q_rows + swap[None, :], q_mask, pos,
-                           cs_ptr, stride_cs, qw_ptr, offs_d, eps, HEAD_DIM, QK_NORM)
+            q = _rope_rows(q_rows + offs_d[None, :], q_rows + swap[None, :], q_mask, q_cs[0],
+                           q_cs[1], q_cs[2], q_cs[3], offs_d, eps, HEAD_DIM, QK_NORM)
             q = q.to(k_ptr.dtype.element_ty)  # [BLOCK_M, D_PAD], as the unfused path stores it
             # new rows of this request inside [start, end): rotate k, write k and v to the cache
             nr = tl.arange(0, R_PAD)
-            npos = seq_len - q_len + nr
-            new_ok = (nr < q_len) & (npos >= start) & (npos < end)
             n_mask = new_ok[:, None] & d_ok[None, :]
             k_rows = kn_ptr + (q_start + nr)[:, None] * stride_knt + kvh * stride_knh
-            kr = _rope_rows(k_rows + offs_d[None, :], k_rows + swap[None, :], n_mask, npos,
-                            cs_ptr, stride_cs, kw_ptr, offs_d, eps, HEAD_DIM, QK_NORM)
-            npage = tl.load(bt_ptr + b * stride_bt + npos // PAGE, mask=new_ok, other=0)
+            kr = _rope_rows(k_rows + offs_d[None, :], k_rows + swap[None, :], n_mask, k_cs[0],
+                            k_cs[1], k_cs[2], k_cs[3], offs_d, eps, HEAD_DIM, QK_NORM)
             nslot = npage.to(tl.int64) * PAGE + npos % PAGE  # [R_PAD]
             tl.store(k_ptr + nslot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
                      kr.to(k_ptr.dtype.element_ty), mask=n_mask)
@@ -220,6 +323,8 @@ def _split_kernel(
             )  # [BLOCK_N, D_PAD]
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n, n_ok, pos, row_ok, scale_log2,
                                          m_i, l_i, acc)
+        if PDL and RELEASE == 1:
+            tl.extra.cuda.gdc_launch_dependents()
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         if DIRECT:
@@ -352,13 +457,19 @@ def paged_attention_triton(
     num_stages: int = 2,
     rope: tuple | None = None,  # (k_new [T, KVH, D], v_new [T, KVH, D], cos_sin_cache, qk_norm)
     pdl: bool = False,
+    meta_settled: bool = False,
 ) -> torch.Tensor:
     """Launch the split kernel (and the reduce when ``max_splits > 1``). Inputs are validated by
     ``ops.paged_attention`` / ``ops.rope_paged_attention``; this function trusts them.
 
     ``rope``: q is the raw projection (any row/head stride); the kernel applies the optional
     per-head q/k norm (``qk_norm = (q_w, k_w, eps)`` or None) and rotary to q and to the new k
-    rows, and writes the new k, v rows to the cache itself (packed layout)."""
+    rows, and writes the new k, v rows to the cache itself (packed layout).
+
+    ``meta_settled``: the caller vouches that the kernel launched just before this one writes
+    none of the metadata (``seq_lens``, ``q_lens``/``cu_q_lens``, the tiling, the block table), so
+    each program reads it (and, with PDL, prefetches its first cached K/V tiles into L2,
+    ``SPECCAL_ATTN_PREFETCH``) before its PDL wait."""
     batch = block_table.shape[0]
     _, page, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[-2]
@@ -396,6 +507,7 @@ def paged_attention_triton(
         part_lse = torch.empty(batch, max_splits, num_q_rows, num_heads,
                                dtype=torch.float32, device=q.device)
     log2e = 1.4426950408889634
+    early = meta_settled and prewait_loads()
     if rope is not None:
         k_new, v_new, cos_sin, qk_norm = rope
         qw, kw, eps = qk_norm if qk_norm is not None else (cos_sin, cos_sin, 0.0)
@@ -417,6 +529,8 @@ def paged_attention_triton(
         ROPE=rope is not None, QK_NORM=rope is not None and rope[3] is not None,
         R_PAD=triton.next_power_of_2(num_q_rows), PDL=pdl, FOLD=fold, S_PAD=s_pad,
         MERGE_ROWS=merge_rows, G_PAD=triton.next_power_of_2(group),
+        META_EARLY=early, PREFETCH=attention_prefetch_tiles() if pdl and early else 0,
+        LINE=max(1, 128 // k_cache.element_size()), RELEASE=attention_release() if pdl else 0,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if not direct and not fold:

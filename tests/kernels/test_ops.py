@@ -273,6 +273,28 @@ def test_prewait_and_prefetch_switches(monkeypatch):
         monkeypatch.delenv(var)
 
 
+def test_attention_switches(monkeypatch):
+    """``SPECCAL_ATTN_PREFETCH`` (default: the module's tile count) and ``SPECCAL_ATTN_RELEASE``
+    (``start`` / ``loop``) parse as documented; bad values name the variable."""
+    from speccal.kernels import _backend
+
+    monkeypatch.delenv("SPECCAL_ATTN_PREFETCH", raising=False)
+    monkeypatch.delenv("SPECCAL_ATTN_RELEASE", raising=False)
+    assert _backend.attention_prefetch_tiles() == _backend.ATTN_PREFETCH_TILES
+    assert _backend.attention_release() == 0
+    monkeypatch.setenv("SPECCAL_ATTN_PREFETCH", "2")
+    monkeypatch.setenv("SPECCAL_ATTN_RELEASE", "loop")
+    assert _backend.attention_prefetch_tiles() == 2
+    assert _backend.attention_release() == 1
+    checks = {"SPECCAL_ATTN_PREFETCH": _backend.attention_prefetch_tiles,
+              "SPECCAL_ATTN_RELEASE": _backend.attention_release}
+    for var, bad in (("SPECCAL_ATTN_PREFETCH", "x"), ("SPECCAL_ATTN_RELEASE", "late")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(InputError, match=var):
+            checks[var]()
+        monkeypatch.delenv(var)
+
+
 def test_decode_split_cap(monkeypatch):
     """``SPECCAL_DECODE_SPLITS`` caps 1-row plans only."""
     monkeypatch.delenv("SPECCAL_VERIFY_SPLITS", raising=False)

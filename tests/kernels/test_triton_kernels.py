@@ -71,21 +71,29 @@ def test_paged_attention_dense(dtype, case, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("max_splits, fold", [(1, True), (8, True), (8, False), (8, None)])
-def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, monkeypatch):
+@pytest.mark.parametrize("max_splits, fold, settled", [
+    (1, True, False), (8, True, False), (8, False, False), (8, None, False), (8, True, True),
+    (8, False, True),
+])
+def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, settled, monkeypatch):
     """``fold``: the split kernel's last program merges the splits or a reduce launch does
     (None: the rule, here a reduce); both zero the unused dense rows and the packed padding rows, and the folded
-    path leaves its arrival counters at zero."""
+    path leaves its arrival counters at zero. ``settled``: the metadata is read before the
+    kernel's PDL wait (``meta_settled``, with the tiling given)."""
     from speccal.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "FOLD_REDUCE", fold)
     seq_lens, rows = [6, 40, 700, 1500, 3], 6
     q, kc, vc, bt, seq = _attention_case(11, seq_lens, rows, (16, 8), 128, 16, dtype)
     plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=64)
+    tiling = None
+    if settled:
+        tiling = (torch.empty_like(seq), torch.empty_like(seq))
+        ops.attention_tiling_update(seq, *tiling, plan)
     q_lens = torch.tensor([1, 6, 3, 5, 2], dtype=torch.int32, device=DEV)
     out = torch.full_like(q, float("nan"))
     ops.paged_attention(q, kc, vc, bt, seq, rows, 0.1, q_lens=q_lens, plan=plan, out=out,
-                        backend="triton")
+                        backend="triton", tiling=tiling, meta_settled=settled)
     want = ref.paged_attention_ref(q.float(), kc.float(), vc.float(), bt, seq, rows, 0.1,
                                    q_lens=q_lens)
     assert rel_err(out, want) < TOL[dtype]
@@ -96,7 +104,7 @@ def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, monkeypatch)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     pout = torch.full_like(packed, float("nan"))
     ops.paged_attention(packed, kc, vc, bt, seq, rows, 0.1, cu_q_lens=cu, plan=plan, out=pout,
-                        backend="triton")
+                        backend="triton", tiling=tiling, meta_settled=settled)
     pwant = ref.paged_attention_ref(packed.float(), kc.float(), vc.float(), bt, seq, rows, 0.1,
                                     cu_q_lens=cu)
     assert rel_err(pout, pwant) < TOL[dtype]
@@ -370,10 +378,11 @@ def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("max_splits", [1, 8])
-def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits):
+@pytest.mark.parametrize("max_splits, settled", [(1, False), (8, False), (1, True), (8, True)])
+def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, settled):
     """Attention fused with q/k norm + rotary + the new rows' KV write (packed verify rows;
-    request 1's six rows straddle a KV split boundary)."""
+    request 1's six rows straddle a KV split boundary). ``settled``: the metadata, rotary
+    tables and new rows' pages are read before the PDL wait (``meta_settled``)."""
     gen = torch.Generator().manual_seed(11 + max_splits)
     heads, kvh, d, bs = 16, 8, 128, 16
     ctx = [1017, 60, 3]
@@ -394,11 +403,16 @@ def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits):
         norm = (qw, kw, 1e-6)
     seq_t = torch.tensor(seq, dtype=torch.int32, device=DEV)
     plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=16)
+    tiling = None
+    if settled:
+        tiling = (torch.empty_like(seq_t), torch.empty_like(seq_t))
+        ops.attention_tiling_update(seq_t, *tiling, plan)
     outs = []
     for backend in ("triton", "reference"):
         kc, vc = kc0.clone(), vc0.clone()
         out = ops.paged_attention(q, kc, vc, bt, seq_t, max(rows), d ** -0.5, cu_q_lens=cu,
-                                  plan=plan, rope=(k, v, cs, norm), backend=backend)
+                                  plan=plan, rope=(k, v, cs, norm), backend=backend,
+                                  tiling=tiling, meta_settled=settled)
         outs.append((out, kc[1:], vc[1:]))  # block 0: the sentinel (reference pads write it)
     (o1, k1, v1), (o2, k2, v2) = outs
     assert rel_err(o1, o2) < TOL[dtype]
