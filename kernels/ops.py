@@ -297,23 +297,35 @@ def _check_rope(rope, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def verify_token_update(
-    base_tokens: torch.Tensor,  # [B] int
+    base_tokens: torch.Tensor,  # [B] int ([...] int, contiguous, with base_index)
     draft_tokens: torch.Tensor,  # [B, k_max] int
     verify_lens: torch.Tensor,  # [B] int32
     input_ids: torch.Tensor,  # [G] int, written
     pad_id: int = -1,
     *,
+    base_index: torch.Tensor | None = None,  # [B] int: flat index into base_tokens
     backend: str | None = None,
 ) -> torch.Tensor:  # input_ids
     """Write base token + first ``verify_lens[b]`` drafts of each request into ``input_ids``.
 
     Packed rows (``reference`` module docstring); padding rows get ``pad_id``. ``verify_lens``
     is clamped to ``[0, k_max]`` on device; the host must pick ``G >= sum(verify_lens + 1)``.
+    ``base_index``: the base tokens are ``base_tokens.view(-1)[base_index]``, gathered inside
+    the same launch (``base_tokens`` is then any contiguous int tensor, e.g. the runner's
+    ``ext_tokens [slots, w + 1]``; the indices must lie in ``[0, base_tokens.numel())``, a
+    device fact not checked here).
     """
     _need(draft_tokens.dim() == 2, "draft_tokens.shape", _shape(draft_tokens), "[B, k_max]")
     batch = draft_tokens.shape[0]
     _need(batch >= 1, "draft_tokens.shape", _shape(draft_tokens), "B >= 1")
-    _check_int(base_tokens, "base_tokens", (batch,))
+    if base_index is None:
+        _check_int(base_tokens, "base_tokens", (batch,))
+    else:
+        _check_int(base_index, "base_index", (batch,))
+        _check_int(base_tokens, "base_tokens", _shape(base_tokens))
+        _need(base_tokens.is_contiguous() and base_tokens.numel() >= 1, "base_tokens",
+              (_shape(base_tokens), "contiguous" if base_tokens.is_contiguous() else "strided"),
+              "a contiguous, non-empty int tensor (base_index indexes it flat)")
     _check_int(draft_tokens, "draft_tokens", _shape(draft_tokens))
     _check_int(verify_lens, "verify_lens", (batch,))
     _need(input_ids.dim() == 1 and input_ids.dtype in _INTS and input_ids.is_contiguous(),
@@ -323,8 +335,10 @@ def verify_token_update(
     if use_triton(input_ids, backend):
         from speccal.kernels.verify_tokens import verify_token_update_triton
 
-        return verify_token_update_triton(base_tokens, draft_tokens, verify_lens, input_ids, pad_id)
-    return ref.verify_token_update_ref(base_tokens, draft_tokens, verify_lens, input_ids, pad_id)
+        return verify_token_update_triton(base_tokens, draft_tokens, verify_lens, input_ids,
+                                          pad_id, base_index)
+    return ref.verify_token_update_ref(base_tokens, draft_tokens, verify_lens, input_ids, pad_id,
+                                       base_index)
 
 
 def verify_accept(
@@ -384,11 +398,14 @@ def verify_metadata_update(
     k_max: int,
     *,
     grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
+    max_cu: int | None = None,
     backend: str | None = None,
 ) -> None:
     """Positions, slot mapping (padding -> slot 0), ``seq_lens`` and ``cu_q_lens`` on device;
     with ``grid_rows`` also each ``[B, k_max + 1]`` grid cell's packed row (clamped to G - 1),
-    so the verify step gathers its per-row results without more launches."""
+    so the verify step gathers its per-row results without more launches. ``max_cu``: each
+    ``cu_q_lens`` entry is at most this (``cu_q_lens.clamp_(max=max_cu)`` in the same launch;
+    ``G`` gives padding requests past the ``G`` rows no rows)."""
     _need(verify_lens.dim() == 1 and verify_lens.shape[0] >= 1, "verify_lens.shape",
           _shape(verify_lens), "[B], B >= 1")
     batch = verify_lens.shape[0]
@@ -399,6 +416,8 @@ def verify_metadata_update(
     _check_int(block_table, "block_table", _shape(block_table), (torch.int32,))
     _need(isinstance(block_size, int) and block_size >= 1, "block_size", block_size, "an int >= 1")
     _need(isinstance(k_max, int) and k_max >= 0, "k_max", k_max, "an int >= 0")
+    _need(max_cu is None or (isinstance(max_cu, int) and 0 <= max_cu < 2**31), "max_cu",
+          max_cu, "None or an int in [0, 2**31)")
     g = positions.shape[0] if positions.dim() == 1 else -1
     _need(g >= 1, "positions.shape", _shape(positions), "[G], G >= 1")
     _check_int(positions, "positions", (g,), (torch.int64,))
@@ -417,10 +436,10 @@ def verify_metadata_update(
 
         verify_metadata_update_triton(verify_lens, context_lens, block_table, block_size,
                                       positions, slot_mapping, seq_lens, cu_q_lens, k_max,
-                                      grid_rows)
+                                      grid_rows, max_cu)
         return
     ref.verify_metadata_update_ref(verify_lens, context_lens, block_table, block_size, positions,
-                                   slot_mapping, seq_lens, cu_q_lens, k_max, grid_rows)
+                                   slot_mapping, seq_lens, cu_q_lens, k_max, grid_rows, max_cu)
 
 
 def attention_tiling_update(
