@@ -38,6 +38,7 @@ from speccal.kernels._backend import (
 __all__ = [
     "SplitPlan",
     "attention_tiling_update",
+    "embed_rms_norm",
     "fold_wanted",
     "linear",
     "paged_attention",
@@ -568,6 +569,56 @@ def rms_norm(
     else:
         y = res
     return y if out is None else out.copy_(y)
+
+
+def embed_rms_norm(
+    input_ids: torch.Tensor,  # [M] int
+    table: torch.Tensor,  # [V, N]: the embedding weight
+    weight: torch.Tensor,  # [N]: the norm weight
+    eps: float,
+    *,
+    out_h: torch.Tensor | None = None,  # [M, N] table.dtype, written: the embedding rows
+    out: torch.Tensor | None = None,  # [M, N] table.dtype, written: their norm
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (out_h, out)
+    """Embedding gather and RMSNorm in one launch: ``out_h = table[input_ids]`` (what
+    ``nn.Embedding`` returns: the residual stream of layer 0) and ``out = rms_norm(out_h,
+    weight, eps)`` exactly as ``rms_norm`` computes it. Ids outside ``[0, V)`` give zero rows
+    (``reference.embed_rms_norm_ref``); they are device values, not checked here."""
+    _need(isinstance(input_ids, torch.Tensor), "input_ids", type(input_ids).__name__,
+          "a torch.Tensor")
+    _need(input_ids.dtype in _INTS, "input_ids.dtype", input_ids.dtype, "torch.int32 or torch.int64")
+    _need(input_ids.dim() == 1 and input_ids.shape[0] >= 1, "input_ids.shape", _shape(input_ids),
+          "[M], M >= 1")
+    m = input_ids.shape[0]
+    _need(isinstance(table, torch.Tensor) and table.dim() == 2 and min(table.shape) >= 1,
+          "table.shape", _shape(table) if isinstance(table, torch.Tensor) else table,
+          "[vocab, hidden], both >= 1")
+    _need(table.dtype in _FLOATS, "table.dtype", table.dtype, "float16, bfloat16 or float32")
+    _need(table.stride(1) == 1, "table", "strided", "hidden contiguous")
+    n = table.shape[1]
+    _need(_shape(weight) == (n,), "weight.shape", _shape(weight), f"[{n}] (the table's hidden)")
+    _need(weight.dtype in _FLOATS, "weight.dtype", weight.dtype, "a float dtype")
+    _need(eps > 0, "eps", eps, "> 0")
+    _need(input_ids.device == table.device == weight.device, "devices",
+          (str(input_ids.device), str(table.device), str(weight.device)),
+          "input_ids, table and weight on one device")
+    for name, o in (("out_h", out_h), ("out", out)):
+        if o is not None:
+            _need(_shape(o) == (m, n) and o.dtype == table.dtype and o.stride(1) == 1
+                  and o.device == table.device, name, (_shape(o), o.dtype),
+                  f"[{m}, {n}] {table.dtype} on {table.device}, hidden contiguous")
+    if out_h is None:
+        out_h = torch.empty(m, n, dtype=table.dtype, device=table.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=table.dtype, device=table.device)
+    if use_triton(table, backend):
+        from speccal.kernels.rmsnorm import embed_rms_norm_triton
+
+        return embed_rms_norm_triton(input_ids, table, weight, eps, out_h, out,
+                                     pdl=pdl_enabled(table))
+    h, y = ref.embed_rms_norm_ref(input_ids, table, weight, eps)
+    return out_h.copy_(h), out.copy_(y)
 
 
 def rotary_kv_write(

@@ -30,6 +30,7 @@ import torch
 
 __all__ = [
     "attention_tiling_update_ref",
+    "embed_rms_norm_ref",
     "linear_ref",
     "paged_attention_ref",
     "packed_rows_ref",
@@ -301,6 +302,25 @@ def rms_norm_ref(
     if residual is None:
         return y.to(x.dtype)
     return y.to(x.dtype), h.to(x.dtype)
+
+
+def embed_rms_norm_ref(
+    input_ids: torch.Tensor,  # [M] int
+    table: torch.Tensor,  # [V, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (h [M, N] table.dtype, norm(h) [M, N] table.dtype)
+    """The embedding rows and their RMSNorm: ``h = table[input_ids]`` (as ``nn.Embedding``
+    gives it: no scale, no padding row) and ``rms_norm_ref(h, weight, eps)``.
+
+    An id outside ``[0, V)`` gives a zero row (and a zero norm) where torch's embedding would
+    raise (a device assert on CUDA): the kernel must not read outside the table.
+    """
+    ids = input_ids.long()
+    live = (ids >= 0) & (ids < table.shape[0])
+    rows = table[ids.clamp(0, table.shape[0] - 1)]
+    h = torch.where(live[:, None], rows, torch.zeros((), dtype=table.dtype, device=table.device))
+    return h, rms_norm_ref(h, weight, eps)
 
 
 def rotary_kv_write_ref(

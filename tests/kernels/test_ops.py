@@ -161,6 +161,46 @@ def test_verify_metadata_update_max_cu():
         assert err.value.field == "max_cu"
 
 
+def _embed_args():
+    gen = torch.Generator().manual_seed(4)
+    return dict(input_ids=torch.tensor([3, 0, 9], dtype=torch.int32),
+                table=torch.randn(10, 8, generator=gen), weight=torch.rand(8, generator=gen),
+                eps=1e-6)
+
+
+def test_embed_rms_norm_fills_its_outputs_like_embedding_then_rms_norm():
+    a = _embed_args()
+    out_h = torch.full((3, 8), float("nan"))
+    out = torch.full((3, 8), float("nan"))
+    h, y = ops.embed_rms_norm(**a, out_h=out_h, out=out)
+    assert h is out_h and y is out
+    want_h = torch.nn.functional.embedding(a["input_ids"].long(), a["table"])
+    assert torch.equal(h, want_h)
+    assert torch.equal(y, ops.rms_norm(want_h, a["weight"], a["eps"]))
+    h2, y2 = ops.embed_rms_norm(**a)  # allocated outputs
+    assert torch.equal(h2, h) and torch.equal(y2, y)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(input_ids=torch.tensor([1.0, 2.0])), "input_ids.dtype"),
+    (dict(input_ids=torch.tensor([[1, 2]])), "input_ids.shape"),
+    (dict(input_ids=torch.zeros(0, dtype=torch.int64)), "input_ids.shape"),
+    (dict(table=torch.randn(80)), "table.shape"),
+    (dict(table=torch.zeros(10, 8, dtype=torch.int64)), "table.dtype"),
+    (dict(table=torch.randn(8, 10).t()), "table"),
+    (dict(weight=torch.rand(7)), "weight.shape"),
+    (dict(weight=torch.ones(8, dtype=torch.int32)), "weight.dtype"),
+    (dict(eps=0.0), "eps"),
+    (dict(out_h=torch.zeros(3, 8, dtype=torch.float16)), "out_h"),
+    (dict(out=torch.zeros(2, 8)), "out"),
+])
+def test_embed_rms_norm_rejects_bad_input(change, field):
+    a = {**_embed_args(), **change}
+    with pytest.raises(InputError) as err:
+        ops.embed_rms_norm(**a)
+    assert err.value.field == field
+
+
 def test_small_ops_reject_bad_input_and_run_reference():
     x = torch.randn(2, 8)
     with pytest.raises(InputError):

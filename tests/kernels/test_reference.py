@@ -165,6 +165,27 @@ def test_verify_metadata_ref_max_cu_clamps_the_row_offsets():
     assert run(100)[3].tolist() == plain[3].tolist()  # a cap above every offset changes nothing
 
 
+def test_embed_rms_norm_ref_is_the_embedding_then_the_norm():
+    """``h`` is exactly what ``nn.Embedding`` returns (no scale, no padding row) and the normed
+    rows exactly ``rms_norm_ref(h)``; ids outside the table give zero rows, not a stray read."""
+    gen = torch.Generator().manual_seed(13)
+    emb = torch.nn.Embedding(50, 24)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(50, 24, generator=gen) * 3)
+    w = torch.rand(24, generator=gen) + 0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        table = emb.weight.detach().to(dtype)
+        ids = torch.tensor([0, 49, 7, 7, 31], dtype=torch.int32)
+        h, y = ref.embed_rms_norm_ref(ids, table, w.to(dtype), 1e-6)
+        assert h.dtype == y.dtype == dtype
+        assert torch.equal(h, torch.nn.functional.embedding(ids.long(), table))
+        assert torch.equal(y, ref.rms_norm_ref(h, w.to(dtype), 1e-6))
+    h, y = ref.embed_rms_norm_ref(torch.tensor([-1, 3, 50]), emb.weight.detach(), w, 1e-6)
+    assert torch.equal(h[1], emb.weight[3].detach())
+    assert h[0].abs().sum() == 0 and h[2].abs().sum() == 0
+    assert y[0].abs().sum() == 0 and y[2].abs().sum() == 0
+
+
 def test_linear_rms_norm_rotary_refs():
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(3, 64, generator=gen, dtype=torch.float64)

@@ -176,6 +176,33 @@ def test_verify_updates_base_index_and_max_cu_match_reference(batch, k_max, g):
     assert outs["triton"][0][0] == ext.view(-1)[index[0]]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n", [(1, 2048), (6, 2048), (48, 1000)])
+def test_embed_rms_norm_matches_reference(dtype, m, n):
+    """Embedding rows copied bit for bit (ids of both int dtypes, one outside the table: a zero
+    row); their norm equals ``ops.rms_norm`` of those rows (the same kernel math) and the
+    fp32 reference."""
+    vocab = 3000
+    gen = torch.Generator().manual_seed(m + n)
+    table = (torch.randn(vocab, n, generator=gen) * 2).to(dtype=dtype, device=DEV)
+    w = (torch.rand(n, generator=gen) + 0.5).to(dtype=dtype, device=DEV)
+    ids = torch.randint(0, vocab, (m,), generator=gen)
+    ids[-1] = vocab - 1
+    for id_dtype in (torch.int64, torch.int32):
+        i = ids.to(dtype=id_dtype, device=DEV)
+        h = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+        ops.embed_rms_norm(i, table, w, 1e-6, out_h=h, out=out, backend="triton")
+        assert torch.equal(h, table[i.long()])
+        assert torch.equal(out, ops.rms_norm(h, w, 1e-6, backend="triton"))
+        assert rel_err(out, ref.rms_norm_ref(h.float(), w.float(), 1e-6)) < TOL[dtype]
+    bad = torch.tensor([-1, 5, vocab], device=DEV)
+    h, out = ops.embed_rms_norm(bad, table, w, 1e-6, backend="triton")
+    want_h, want_out = ref.embed_rms_norm_ref(bad, table, w, 1e-6)
+    assert torch.equal(h, want_h) and rel_err(out, want_out) < TOL[dtype]
+    assert int(torch.count_nonzero(h[0])) == 0 and int(torch.count_nonzero(out[0])) == 0 and int(torch.count_nonzero(h[2])) == 0
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_verify_round_in_cuda_graph_matches_reference(backend):
