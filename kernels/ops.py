@@ -9,11 +9,13 @@ are those of ``reference`` (KV cache ``[num_blocks, block_size, KVH, D]``, block
 
 Typical verify round, all inside the captured target graph::
 
-    verify_token_update(base, drafts, verify_lens, input_ids)                # [G]
-    verify_metadata_update(verify_lens, ctx_lens, block_table, bs, positions, slots, seq_lens, cu)
+    verify_token_update(ext_tokens, drafts, verify_lens, input_ids, base_index=pending)  # [G]
+    verify_metadata_update(verify_lens, ctx_lens, block_table, bs, positions, slots, seq_lens, cu,
+                           k_max, max_cu=G)
     attention_tiling_update(seq_lens, num_splits, split_len, plan)
-    ... per layer: rms_norm, linear, rotary_kv_write, paged_attention(..., cu_q_lens=cu,
-        tiling=(num_splits, split_len), plan=plan), linear ...
+    h, normed = embed_rms_norm(input_ids, embed_weight, layer0_norm_weight, eps)
+    ... per layer: linear, paged_attention(..., cu_q_lens=cu, tiling=(num_splits, split_len),
+        plan=plan, rope=...), linear(residual=h), rms_norm, linear, linear(norm=next) ...
 """
 
 from __future__ import annotations
