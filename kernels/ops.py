@@ -9,11 +9,13 @@ are those of ``reference`` (KV cache ``[num_blocks, block_size, KVH, D]``, block
 
 Typical verify round, all inside the captured target graph::
 
-    verify_token_update(base, drafts, verify_lens, input_ids)                # [G]
-    verify_metadata_update(verify_lens, ctx_lens, block_table, bs, positions, slots, seq_lens, cu)
+    verify_token_update(ext_tokens, drafts, verify_lens, input_ids, base_index=pending)  # [G]
+    verify_metadata_update(verify_lens, ctx_lens, block_table, bs, positions, slots, seq_lens, cu,
+                           k_max, max_cu=G)
     attention_tiling_update(seq_lens, num_splits, split_len, plan)
-    ... per layer: rms_norm, linear, rotary_kv_write, paged_attention(..., cu_q_lens=cu,
-        tiling=(num_splits, split_len), plan=plan), linear ...
+    h, normed = embed_rms_norm(input_ids, embed_weight, layer0_norm_weight, eps)
+    ... per layer: linear, paged_attention(..., cu_q_lens=cu, tiling=(num_splits, split_len),
+        plan=plan, rope=...), linear(residual=h), rms_norm, linear, linear(norm=next) ...
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from speccal.kernels._backend import (
 __all__ = [
     "SplitPlan",
     "attention_tiling_update",
+    "embed_rms_norm",
     "fold_wanted",
     "linear",
     "paged_attention",
@@ -303,23 +306,35 @@ def _check_rope(rope, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def verify_token_update(
-    base_tokens: torch.Tensor,  # [B] int
+    base_tokens: torch.Tensor,  # [B] int ([...] int, contiguous, with base_index)
     draft_tokens: torch.Tensor,  # [B, k_max] int
     verify_lens: torch.Tensor,  # [B] int32
     input_ids: torch.Tensor,  # [G] int, written
     pad_id: int = -1,
     *,
+    base_index: torch.Tensor | None = None,  # [B] int: flat index into base_tokens
     backend: str | None = None,
 ) -> torch.Tensor:  # input_ids
     """Write base token + first ``verify_lens[b]`` drafts of each request into ``input_ids``.
 
     Packed rows (``reference`` module docstring); padding rows get ``pad_id``. ``verify_lens``
     is clamped to ``[0, k_max]`` on device; the host must pick ``G >= sum(verify_lens + 1)``.
+    ``base_index``: the base tokens are ``base_tokens.view(-1)[base_index]``, gathered inside
+    the same launch (``base_tokens`` is then any contiguous int tensor, e.g. the runner's
+    ``ext_tokens [slots, w + 1]``; the indices must lie in ``[0, base_tokens.numel())``, a
+    device fact not checked here).
     """
     _need(draft_tokens.dim() == 2, "draft_tokens.shape", _shape(draft_tokens), "[B, k_max]")
     batch = draft_tokens.shape[0]
     _need(batch >= 1, "draft_tokens.shape", _shape(draft_tokens), "B >= 1")
-    _check_int(base_tokens, "base_tokens", (batch,))
+    if base_index is None:
+        _check_int(base_tokens, "base_tokens", (batch,))
+    else:
+        _check_int(base_index, "base_index", (batch,))
+        _check_int(base_tokens, "base_tokens", _shape(base_tokens))
+        _need(base_tokens.is_contiguous() and base_tokens.numel() >= 1, "base_tokens",
+              (_shape(base_tokens), "contiguous" if base_tokens.is_contiguous() else "strided"),
+              "a contiguous, non-empty int tensor (base_index indexes it flat)")
     _check_int(draft_tokens, "draft_tokens", _shape(draft_tokens))
     _check_int(verify_lens, "verify_lens", (batch,))
     _need(input_ids.dim() == 1 and input_ids.dtype in _INTS and input_ids.is_contiguous(),
@@ -329,8 +344,10 @@ def verify_token_update(
     if use_triton(input_ids, backend):
         from speccal.kernels.verify_tokens import verify_token_update_triton
 
-        return verify_token_update_triton(base_tokens, draft_tokens, verify_lens, input_ids, pad_id)
-    return ref.verify_token_update_ref(base_tokens, draft_tokens, verify_lens, input_ids, pad_id)
+        return verify_token_update_triton(base_tokens, draft_tokens, verify_lens, input_ids,
+                                          pad_id, base_index)
+    return ref.verify_token_update_ref(base_tokens, draft_tokens, verify_lens, input_ids, pad_id,
+                                       base_index)
 
 
 def verify_accept(
@@ -390,11 +407,14 @@ def verify_metadata_update(
     k_max: int,
     *,
     grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
+    max_cu: int | None = None,
     backend: str | None = None,
 ) -> None:
     """Positions, slot mapping (padding -> slot 0), ``seq_lens`` and ``cu_q_lens`` on device;
     with ``grid_rows`` also each ``[B, k_max + 1]`` grid cell's packed row (clamped to G - 1),
-    so the verify step gathers its per-row results without more launches."""
+    so the verify step gathers its per-row results without more launches. ``max_cu``: each
+    ``cu_q_lens`` entry is at most this (``cu_q_lens.clamp_(max=max_cu)`` in the same launch;
+    ``G`` gives padding requests past the ``G`` rows no rows)."""
     _need(verify_lens.dim() == 1 and verify_lens.shape[0] >= 1, "verify_lens.shape",
           _shape(verify_lens), "[B], B >= 1")
     batch = verify_lens.shape[0]
@@ -405,6 +425,8 @@ def verify_metadata_update(
     _check_int(block_table, "block_table", _shape(block_table), (torch.int32,))
     _need(isinstance(block_size, int) and block_size >= 1, "block_size", block_size, "an int >= 1")
     _need(isinstance(k_max, int) and k_max >= 0, "k_max", k_max, "an int >= 0")
+    _need(max_cu is None or (isinstance(max_cu, int) and 0 <= max_cu < 2**31), "max_cu",
+          max_cu, "None or an int in [0, 2**31)")
     g = positions.shape[0] if positions.dim() == 1 else -1
     _need(g >= 1, "positions.shape", _shape(positions), "[G], G >= 1")
     _check_int(positions, "positions", (g,), (torch.int64,))
@@ -423,10 +445,10 @@ def verify_metadata_update(
 
         verify_metadata_update_triton(verify_lens, context_lens, block_table, block_size,
                                       positions, slot_mapping, seq_lens, cu_q_lens, k_max,
-                                      grid_rows)
+                                      grid_rows, max_cu)
         return
     ref.verify_metadata_update_ref(verify_lens, context_lens, block_table, block_size, positions,
-                                   slot_mapping, seq_lens, cu_q_lens, k_max, grid_rows)
+                                   slot_mapping, seq_lens, cu_q_lens, k_max, grid_rows, max_cu)
 
 
 def attention_tiling_update(
@@ -555,6 +577,56 @@ def rms_norm(
     else:
         y = res
     return y if out is None else out.copy_(y)
+
+
+def embed_rms_norm(
+    input_ids: torch.Tensor,  # [M] int
+    table: torch.Tensor,  # [V, N]: the embedding weight
+    weight: torch.Tensor,  # [N]: the norm weight
+    eps: float,
+    *,
+    out_h: torch.Tensor | None = None,  # [M, N] table.dtype, written: the embedding rows
+    out: torch.Tensor | None = None,  # [M, N] table.dtype, written: their norm
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (out_h, out)
+    """Embedding gather and RMSNorm in one launch: ``out_h = table[input_ids]`` (what
+    ``nn.Embedding`` returns: the residual stream of layer 0) and ``out = rms_norm(out_h,
+    weight, eps)`` exactly as ``rms_norm`` computes it. Ids outside ``[0, V)`` give zero rows
+    (``reference.embed_rms_norm_ref``); they are device values, not checked here."""
+    _need(isinstance(input_ids, torch.Tensor), "input_ids", type(input_ids).__name__,
+          "a torch.Tensor")
+    _need(input_ids.dtype in _INTS, "input_ids.dtype", input_ids.dtype, "torch.int32 or torch.int64")
+    _need(input_ids.dim() == 1 and input_ids.shape[0] >= 1, "input_ids.shape", _shape(input_ids),
+          "[M], M >= 1")
+    m = input_ids.shape[0]
+    _need(isinstance(table, torch.Tensor) and table.dim() == 2 and min(table.shape) >= 1,
+          "table.shape", _shape(table) if isinstance(table, torch.Tensor) else table,
+          "[vocab, hidden], both >= 1")
+    _need(table.dtype in _FLOATS, "table.dtype", table.dtype, "float16, bfloat16 or float32")
+    _need(table.stride(1) == 1, "table", "strided", "hidden contiguous")
+    n = table.shape[1]
+    _need(_shape(weight) == (n,), "weight.shape", _shape(weight), f"[{n}] (the table's hidden)")
+    _need(weight.dtype in _FLOATS, "weight.dtype", weight.dtype, "a float dtype")
+    _need(eps > 0, "eps", eps, "> 0")
+    _need(input_ids.device == table.device == weight.device, "devices",
+          (str(input_ids.device), str(table.device), str(weight.device)),
+          "input_ids, table and weight on one device")
+    for name, o in (("out_h", out_h), ("out", out)):
+        if o is not None:
+            _need(_shape(o) == (m, n) and o.dtype == table.dtype and o.stride(1) == 1
+                  and o.device == table.device, name, (_shape(o), o.dtype),
+                  f"[{m}, {n}] {table.dtype} on {table.device}, hidden contiguous")
+    if out_h is None:
+        out_h = torch.empty(m, n, dtype=table.dtype, device=table.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=table.dtype, device=table.device)
+    if use_triton(table, backend):
+        from speccal.kernels.rmsnorm import embed_rms_norm_triton
+
+        return embed_rms_norm_triton(input_ids, table, weight, eps, out_h, out,
+                                     pdl=pdl_enabled(table))
+    h, y = ref.embed_rms_norm_ref(input_ids, table, weight, eps)
+    return out_h.copy_(h), out.copy_(y)
 
 
 def rotary_kv_write(

@@ -30,6 +30,7 @@ import torch
 
 __all__ = [
     "attention_tiling_update_ref",
+    "embed_rms_norm_ref",
     "linear_ref",
     "paged_attention_ref",
     "packed_rows_ref",
@@ -174,17 +175,22 @@ def _verify_rows(verify_lens: torch.Tensor, num_rows: int) -> tuple[torch.Tensor
 
 
 def verify_token_update_ref(
-    base_tokens: torch.Tensor,  # [B] int
+    base_tokens: torch.Tensor,  # [B] int ([...] int with base_index)
     draft_tokens: torch.Tensor,  # [B, k_max] int
     verify_lens: torch.Tensor,  # [B] int32, drafted tokens each request sends (0..k_max)
     input_ids: torch.Tensor,  # [G] int, written
     pad_id: int = -1,
+    base_index: torch.Tensor | None = None,  # [B] int, flat index into base_tokens
 ) -> torch.Tensor:  # input_ids
     """Write each request's base token and its first ``verify_lens[b]`` drafts into ``input_ids``.
 
-    ``verify_lens`` is clamped to ``[0, k_max]``; rows past the last request get ``pad_id``;
-    requests that would run past ``G`` are cut at ``G`` (the host picks ``G`` large enough).
+    The base token of request ``b`` is ``base_tokens[b]``, or ``base_tokens.view(-1)[
+    base_index[b]]`` when ``base_index`` is given. ``verify_lens`` is clamped to
+    ``[0, k_max]``; rows past the last request get ``pad_id``; requests that would run past
+    ``G`` are cut at ``G`` (the host picks ``G`` large enough).
     """
+    if base_index is not None:
+        base_tokens = base_tokens.reshape(-1)[base_index.long()]
     k_max = draft_tokens.shape[1]
     vl = verify_lens.long().clamp(0, k_max)
     req, j, real, _ = _verify_rows(vl, input_ids.shape[0])
@@ -206,6 +212,7 @@ def verify_metadata_update_ref(
     cu_q_lens: torch.Tensor,  # [B + 1] int32, written
     k_max: int,
     grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
+    max_cu: int | None = None,  # cap of the cu_q_lens entries
 ) -> None:
     """Positions, slot mapping, KV lengths and row offsets of the packed verify rows.
 
@@ -214,7 +221,9 @@ def verify_metadata_update_ref(
     position 0 and the sentinel slot 0. ``seq_lens[b] = context_lens[b] + verify_lens[b] + 1``.
     ``grid_rows[b * (k_max + 1) + j] = min(cu_q_lens[b] + j, G - 1)``: the packed row of grid
     cell ``(b, j)`` (cells past a request's rows point at some valid row; their values are
-    ignored), for gathering per-row results into the ``[B, k_max + 1]`` grid.
+    ignored), for gathering per-row results into the ``[B, k_max + 1]`` grid. ``max_cu``: every
+    ``cu_q_lens`` entry is clamped to at most it (``cu_q_lens.clamp_(max=max_cu)``; with
+    ``G``, requests past the ``G`` rows get none); ``grid_rows`` keeps the unclamped offsets.
     """
     vl = verify_lens.long().clamp(0, k_max)
     req, j, real, cu = _verify_rows(vl, positions.shape[0])
@@ -225,7 +234,7 @@ def verify_metadata_update_ref(
     slot_mapping.copy_(torch.where(real, slot, torch.zeros_like(slot)))
     seq_lens.copy_((context_lens.long() + vl + 1).to(seq_lens.dtype))
     cu_q_lens[:1].zero_()  # (a tensor op: ``cu_q_lens[0] = 0`` is a host copy, not capturable)
-    cu_q_lens[1:].copy_(cu.to(cu_q_lens.dtype))
+    cu_q_lens[1:].copy_((cu if max_cu is None else cu.clamp(max=max_cu)).to(cu_q_lens.dtype))
     if grid_rows is not None:
         start = torch.cat([cu.new_zeros(1), cu[:-1]])
         cells = start[:, None] + torch.arange(k_max + 1, device=cu.device)
@@ -293,6 +302,25 @@ def rms_norm_ref(
     if residual is None:
         return y.to(x.dtype)
     return y.to(x.dtype), h.to(x.dtype)
+
+
+def embed_rms_norm_ref(
+    input_ids: torch.Tensor,  # [M] int
+    table: torch.Tensor,  # [V, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (h [M, N] table.dtype, norm(h) [M, N] table.dtype)
+    """The embedding rows and their RMSNorm: ``h = table[input_ids]`` (as ``nn.Embedding``
+    gives it: no scale, no padding row) and ``rms_norm_ref(h, weight, eps)``.
+
+    An id outside ``[0, V)`` gives a zero row (and a zero norm) where torch's embedding would
+    raise (a device assert on CUDA): the kernel must not read outside the table.
+    """
+    ids = input_ids.long()
+    live = (ids >= 0) & (ids < table.shape[0])
+    rows = table[ids.clamp(0, table.shape[0] - 1)]
+    h = torch.where(live[:, None], rows, torch.zeros((), dtype=table.dtype, device=table.device))
+    return h, rms_norm_ref(h, weight, eps)
 
 
 def rotary_kv_write_ref(

@@ -5,7 +5,8 @@ the per-request verify lengths (device, from the draft/acceptance step), the KV 
 before the round and the static block table (prepared on the host before the final draft: it
 does not depend on the drafted tokens). Outputs, all static graph buffers: ``positions [G]``,
 ``slot_mapping [G]`` (padded rows: position 0, sentinel slot 0 in reserved block 0),
-``seq_lens [B]`` (KV length including this round's rows) and ``cu_q_lens [B + 1]``.
+``seq_lens [B]`` (KV length including this round's rows) and ``cu_q_lens [B + 1]`` (each entry
+at most ``max_cu``: the runner passes ``G``, so padding requests past ``G`` get no rows).
 Grid ``(B + 1,)`` like ``verify_tokens``. Reference: ``reference.verify_metadata_update_ref``.
 """
 
@@ -19,11 +20,13 @@ from speccal.kernels.verify_tokens import packed_rows
 
 __all__ = ["verify_metadata_update_triton"]
 
+INT32_MAX = 2**31 - 1
+
 
 @triton.jit
 def _verify_metadata_kernel(
     vl_ptr, ctx_ptr, bt_ptr, pos_ptr, slot_ptr, seq_ptr, cu_ptr, grid_ptr,
-    B, G, K_MAX, stride_bt, max_blocks, page,
+    B, G, K_MAX, stride_bt, max_blocks, page, max_cu,
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, GRID: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -40,7 +43,7 @@ def _verify_metadata_kernel(
         tl.store(pos_ptr + t, pos.to(pos_ptr.dtype.element_ty), mask=ok & (t < G))
         tl.store(slot_ptr + t, slot.to(slot_ptr.dtype.element_ty), mask=ok & (t < G))
         tl.store(seq_ptr + b, (ctx + n).to(seq_ptr.dtype.element_ty))
-        tl.store(cu_ptr + b + 1, (start + n).to(cu_ptr.dtype.element_ty))
+        tl.store(cu_ptr + b + 1, tl.minimum(start + n, max_cu).to(cu_ptr.dtype.element_ty))
         if GRID:  # grid cell (b, j) -> its packed row, clamped into [0, G)
             cell = tl.minimum(start + j, G - 1).to(tl.int64)
             tl.store(grid_ptr + b * (K_MAX + 1) + j, cell, mask=j < K_MAX + 1)
@@ -65,13 +68,16 @@ def verify_metadata_update_triton(
     cu_q_lens: torch.Tensor,  # [B + 1] int32, written
     k_max: int,
     grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
+    max_cu: int | None = None,  # cap of the cu_q_lens entries (None: no cap)
 ) -> None:
     """One launch; arguments validated by ``ops.verify_metadata_update``."""
     batch = verify_lens.shape[0]
     g = positions.shape[0]
+    cap = INT32_MAX if max_cu is None else max_cu  # cu_q_lens is int32: no cap = int32's max
     _verify_metadata_kernel[(batch + 1,)](
         verify_lens, context_lens, block_table, positions, slot_mapping, seq_lens, cu_q_lens,
-        grid_rows if grid_rows is not None else positions, batch, g, k_max, block_table.stride(0), block_table.shape[1], block_size,
+        grid_rows if grid_rows is not None else positions, batch, g, k_max,
+        block_table.stride(0), block_table.shape[1], block_size, cap,
         BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=triton.next_power_of_2(k_max + 1),
         BLOCK_G=min(1024, triton.next_power_of_2(g)), GRID=grid_rows is not None, num_warps=1,
     )

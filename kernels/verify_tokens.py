@@ -34,15 +34,18 @@ def packed_rows(vl_ptr, b, B, K_MAX, BLOCK_B: tl.constexpr):
 
 @triton.jit
 def _verify_token_kernel(
-    base_ptr, draft_ptr, vl_ptr, ids_ptr, B, G, K_MAX, stride_d, pad_id,
-    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    base_ptr, bidx_ptr, draft_ptr, vl_ptr, ids_ptr, B, G, K_MAX, stride_d, pad_id,
+    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, INDEXED: tl.constexpr,
 ):
     b = tl.program_id(0)
     start, n, total = packed_rows(vl_ptr, b, B, K_MAX, BLOCK_B)
     if b < B:
         j = tl.arange(0, BLOCK_R)
         draft = tl.load(draft_ptr + b * stride_d + (j - 1), mask=(j >= 1) & (j < n), other=0)
-        base = tl.load(base_ptr + b)
+        if INDEXED:  # the base token sits at a flat index into base_tokens
+            base = tl.load(base_ptr + tl.load(bidx_ptr + b).to(tl.int64))
+        else:
+            base = tl.load(base_ptr + b)
         tok = tl.where(j == 0, base, draft)
         t = start + j
         tl.store(ids_ptr + t, tok.to(ids_ptr.dtype.element_ty), mask=(j < n) & (t < G))
@@ -54,19 +57,21 @@ def _verify_token_kernel(
 
 
 def verify_token_update_triton(
-    base_tokens: torch.Tensor,  # [B] int
+    base_tokens: torch.Tensor,  # [B] int ([...] int, contiguous, with base_index)
     draft_tokens: torch.Tensor,  # [B, k_max] int
     verify_lens: torch.Tensor,  # [B] int32
     input_ids: torch.Tensor,  # [G] int, written
     pad_id: int = -1,
+    base_index: torch.Tensor | None = None,  # [B] int: flat index into base_tokens
 ) -> torch.Tensor:
     """One launch; arguments validated by ``ops.verify_token_update``."""
     batch, k_max = draft_tokens.shape
     g = input_ids.shape[0]
     _verify_token_kernel[(batch + 1,)](
-        base_tokens, draft_tokens, verify_lens, input_ids, batch, g, k_max,
-        draft_tokens.stride(0), pad_id,
+        base_tokens, base_index if base_index is not None else base_tokens, draft_tokens,
+        verify_lens, input_ids, batch, g, k_max, draft_tokens.stride(0), pad_id,
         BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=triton.next_power_of_2(k_max + 1),
-        BLOCK_G=min(1024, triton.next_power_of_2(g)), num_warps=1,
+        BLOCK_G=min(1024, triton.next_power_of_2(g)), INDEXED=base_index is not None,
+        num_warps=1,
     )
     return input_ids

@@ -174,7 +174,8 @@ class DecoderLayer(nn.Module):
 
     def can_fuse(self, x: torch.Tensor, rotary: RotaryTable) -> bool:
         """Whether :meth:`forward_fused` serves ``x``: Triton ops on, fused weights, skinny rows,
-        full rotary (the fused rotary kernel's table)."""
+        full rotary (the fused rotary kernel's table). Only ``x``'s device and row count are
+        read, so the rows' token ids ``[N]`` answer as their hidden states would."""
         return (
             fused_kernels(x)
             and x.shape[0] <= SKINNY_ROWS
@@ -232,8 +233,8 @@ class DecoderLayer(nn.Module):
             ops.rotary_kv_write(q, k, v, positions, rotary.cos_sin_cache, meta.slot_mapping,
                                 kv[0], kv[1], q_out=q_out, qk_norm=qk_norm)
             out = attend_rows(q_out, kv[0], kv[1], meta, att.scale)  # [N, hq, d]
-        # h was last written three launches back (the previous down reduce or the embedding),
-        # so the o GEMV may read it before its PDL wait
+        # h was last written three launches back (the previous down reduce or, in layer 0, the
+        # embedding + norm launch), so the o GEMV may read it before its PDL wait
         ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h, residual_settled=True)
         x = ops.rms_norm(h, ln2.weight, ln2.eps)
         act = ops.linear(x, mlp.gate_up_weight, epilogue="silu_mul")  # [N, inter]

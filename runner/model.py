@@ -66,10 +66,11 @@ class TargetModel(nn.Module):
         meta: AttnMeta,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) per layer
     ) -> torch.Tensor:  # [N, hidden], after the final norm
-        x = self.model.embed_tokens(input_ids)
         layers = self.model.layers
-        if all(layer.can_fuse(x, self.rotary) for layer in layers):  # decode / verify rows on Triton
-            return self._forward_fused(x, positions, meta, kv_caches)
+        # decode / verify rows on Triton (the ids have the rows' device and count)
+        if all(layer.can_fuse(input_ids, self.rotary) for layer in layers):
+            return self._forward_fused(input_ids, positions, meta, kv_caches)
+        x = self.model.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer.forward_residual(x, residual, positions, meta, kv, self.rotary)
@@ -80,16 +81,18 @@ class TargetModel(nn.Module):
             return ops.rms_norm(x, norm.weight, norm.eps, residual=residual)
         return norm(x + residual)
 
-    def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Decode / verify rows through the fused layers: each layer's down GEMV reduce also
-        writes the next layer's input norm (the last one the final norm), so only layer 0's
-        input norm is a launch of its own. Two buffers alternate as the normed input."""
+        """Decode / verify rows through the fused layers: one launch gathers the embedding rows
+        (the residual stream ``h``, updated in place by the layers) and writes layer 0's input
+        norm of them; each layer's down GEMV reduce writes the next layer's input norm (the
+        last one the final norm). Two buffers alternate as the normed input."""
         from speccal.kernels import ops  # noqa: PLC0415
 
         layers = self.model.layers
         ln = layers[0].input_layernorm
-        normed = ops.rms_norm(h, ln.weight, ln.eps)
+        h, normed = ops.embed_rms_norm(input_ids, self.model.embed_tokens.weight, ln.weight,
+                                       ln.eps)
         spare = torch.empty_like(h)
         for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
             last = i + 1 == len(layers)

@@ -511,7 +511,6 @@ class RoundRunner:
         target = self.target
         hidden = self.ext_hidden.shape[-1]
         bt = t["block_table"]
-        pending = self.ext_tokens.view(-1)[t["pending_index"]]  # [bcap]
         # Greedy fast path (host flag): argmax of the packed rows, tokens gathered, no logits grid.
         fast = self.argmax_only(k, x.sampling)
         grid_tok = grid_logits = None
@@ -526,11 +525,14 @@ class RoundRunner:
             cu = torch.empty(bcap + 1, dtype=torch.int32, device=dev)
             src = torch.empty(bcap * (k + 1), dtype=torch.int64, device=dev)  # grid -> packed row
             nv32 = t["nv32"]
-            ops.verify_token_update(pending, draft_tokens, nv32, ids, pad_id=0)
+            # each request's pending token is gathered from the slot state inside the launch
+            ops.verify_token_update(self.ext_tokens, draft_tokens, nv32, ids, pad_id=0,
+                                    base_index=t["pending_index"])
+            # max_cu=g: padding requests past G get no rows
             ops.verify_metadata_update(
-                nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq, cu, k, grid_rows=src
+                nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq, cu, k, grid_rows=src,
+                max_cu=g,
             )
-            cu.clamp_(max=g)  # padding requests past G get no rows
             plan = self.plan(bcap, k + 1)
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
             h = target(ids, pos, meta, self.target_kv)  # [G, hidden]
@@ -553,6 +555,7 @@ class RoundRunner:
             grid_logits = logits[src].view(bcap, k + 1, -1)  # rows past num_verify: ignored
             grid_h = h[src].view(bcap, k + 1, hidden)
         else:
+            pending = self.ext_tokens.view(-1)[t["pending_index"]]  # [bcap]
             grid_tokens = torch.cat([pending[:, None], draft_tokens], dim=1).view(-1)
             plan = self.plan(bcap, k + 1)
             seq = t["ver_seq"]

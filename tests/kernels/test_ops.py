@@ -117,6 +117,90 @@ def test_update_ops_reject_bad_buffers():
     assert seq.tolist() == [5, 7] and cu.tolist() == [0, 2, 5]
 
 
+def test_verify_token_update_base_index():
+    """``base_index`` gathers the base tokens from a flat view of ``base_tokens`` (the slot state)
+    in the op itself; its shape/dtype and the gathered tensor's layout are checked."""
+    ext = torch.arange(100, 112).view(4, 3)  # [slots, w + 1]
+    drafts = torch.tensor([[3, 4], [5, 6]])
+    vl = torch.tensor([1, 2], dtype=torch.int32)
+    index = torch.tensor([5, 9])
+    ids = torch.zeros(6, dtype=torch.int64)
+    assert ops.verify_token_update(ext, drafts, vl, ids, base_index=index) is ids
+    assert ids.tolist() == [105, 3, 109, 5, 6, -1]
+    with pytest.raises(InputError) as err:
+        ops.verify_token_update(ext, drafts, vl, ids, base_index=index[:1])
+    assert err.value.field == "base_index.shape"
+    with pytest.raises(InputError) as err:
+        ops.verify_token_update(ext, drafts, vl, ids, base_index=index.float())
+    assert err.value.field == "base_index.dtype"
+    with pytest.raises(InputError) as err:
+        ops.verify_token_update(ext.float(), drafts, vl, ids, base_index=index)
+    assert err.value.field == "base_tokens.dtype"
+    with pytest.raises(InputError, match="contiguous") as err:
+        ops.verify_token_update(ext.t(), drafts, vl, ids, base_index=index)
+    assert err.value.field == "base_tokens"
+    with pytest.raises(InputError) as err:  # without an index the base tokens are [B]
+        ops.verify_token_update(ext, drafts, vl, ids)
+    assert err.value.field == "base_tokens.shape"
+
+
+def test_verify_metadata_update_max_cu():
+    """``max_cu`` caps ``cu_q_lens`` in the op (the runner's former ``cu.clamp_(max=G)``)."""
+    vl = torch.tensor([2, 2, 1], dtype=torch.int32)
+    ctx = torch.tensor([3, 4, 0], dtype=torch.int32)
+    bt = torch.ones(3, 4, dtype=torch.int32)
+    pos, slots = torch.zeros(7, dtype=torch.int64), torch.zeros(7, dtype=torch.int64)
+    seq, cu = torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    ops.verify_metadata_update(vl, ctx, bt, 16, pos, slots, seq, cu, 2)
+    assert cu.tolist() == [0, 3, 6, 8]
+    ops.verify_metadata_update(vl, ctx, bt, 16, pos, slots, seq, cu, 2, max_cu=7)
+    assert cu.tolist() == [0, 3, 6, 7] and seq.tolist() == [6, 7, 2]
+    for bad in (-1, 2.5, 2**31):
+        with pytest.raises(InputError) as err:
+            ops.verify_metadata_update(vl, ctx, bt, 16, pos, slots, seq, cu, 2, max_cu=bad)
+        assert err.value.field == "max_cu"
+
+
+def _embed_args():
+    gen = torch.Generator().manual_seed(4)
+    return dict(input_ids=torch.tensor([3, 0, 9], dtype=torch.int32),
+                table=torch.randn(10, 8, generator=gen), weight=torch.rand(8, generator=gen),
+                eps=1e-6)
+
+
+def test_embed_rms_norm_fills_its_outputs_like_embedding_then_rms_norm():
+    a = _embed_args()
+    out_h = torch.full((3, 8), float("nan"))
+    out = torch.full((3, 8), float("nan"))
+    h, y = ops.embed_rms_norm(**a, out_h=out_h, out=out)
+    assert h is out_h and y is out
+    want_h = torch.nn.functional.embedding(a["input_ids"].long(), a["table"])
+    assert torch.equal(h, want_h)
+    assert torch.equal(y, ops.rms_norm(want_h, a["weight"], a["eps"]))
+    h2, y2 = ops.embed_rms_norm(**a)  # allocated outputs
+    assert torch.equal(h2, h) and torch.equal(y2, y)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(input_ids=torch.tensor([1.0, 2.0])), "input_ids.dtype"),
+    (dict(input_ids=torch.tensor([[1, 2]])), "input_ids.shape"),
+    (dict(input_ids=torch.zeros(0, dtype=torch.int64)), "input_ids.shape"),
+    (dict(table=torch.randn(80)), "table.shape"),
+    (dict(table=torch.zeros(10, 8, dtype=torch.int64)), "table.dtype"),
+    (dict(table=torch.randn(8, 10).t()), "table"),
+    (dict(weight=torch.rand(7)), "weight.shape"),
+    (dict(weight=torch.ones(8, dtype=torch.int32)), "weight.dtype"),
+    (dict(eps=0.0), "eps"),
+    (dict(out_h=torch.zeros(3, 8, dtype=torch.float16)), "out_h"),
+    (dict(out=torch.zeros(2, 8)), "out"),
+])
+def test_embed_rms_norm_rejects_bad_input(change, field):
+    a = {**_embed_args(), **change}
+    with pytest.raises(InputError) as err:
+        ops.embed_rms_norm(**a)
+    assert err.value.field == field
+
+
 def test_small_ops_reject_bad_input_and_run_reference():
     x = torch.randn(2, 8)
     with pytest.raises(InputError):

@@ -121,6 +121,71 @@ def test_verify_token_ref_cuts_rows_past_g():
     assert ids.tolist() == [1, 10, 11, 12, 2]
 
 
+def test_verify_token_ref_base_index_gathers_the_pending_tokens():
+    """``base_index``: the base tokens are ``base_tokens.view(-1)[base_index]`` (the runner's
+    pending token in its ``ext_tokens [slots, w + 1]`` slot state), the torch gather it replaces."""
+    gen = torch.Generator().manual_seed(11)
+    slots, w1, k_max, g = 6, 4, 3, 14
+    ext = torch.randint(0, 50000, (slots, w1), generator=gen)
+    drafts = torch.randint(0, 50000, (4, k_max), generator=gen)
+    vl = torch.tensor([3, 0, 1, 2], dtype=torch.int32)
+    index = torch.tensor([0 * w1 + 2, 5 * w1 + 0, 3 * w1 + 3, 1 * w1 + 1])  # slot * w1 + num_ext - 1
+    ids = torch.full((g,), 77, dtype=torch.int64)
+    ref.verify_token_update_ref(ext, drafts, vl, ids, pad_id=-1, base_index=index)
+    want = torch.full((g,), 77, dtype=torch.int64)
+    ref.verify_token_update_ref(ext.view(-1)[index], drafts, vl, want, pad_id=-1)
+    assert ids.tolist() == want.tolist()
+    w_ids = verify_oracle(ext.view(-1)[index], drafts, vl, torch.zeros(4, dtype=torch.int32),
+                          torch.ones(4, 4, dtype=torch.int32), 16, g)[0]
+    assert ids.tolist() == w_ids
+    assert ids[0] == ext[0, 2] and ids[4] == ext[5, 0]  # not base_tokens[b]: the gather
+
+
+def test_verify_metadata_ref_max_cu_clamps_the_row_offsets():
+    """``max_cu``: ``cu_q_lens`` equals the unclamped offsets after ``cu.clamp_(max=max_cu)``
+    (what the runner did in a launch of its own); every other output is unchanged."""
+    gen = torch.Generator().manual_seed(12)
+    b, k_max, bs, g = 5, 3, 8, 9
+    vl = torch.tensor([3, 2, 0, 3, 1], dtype=torch.int32)  # 14 rows: requests 2.. run past G
+    ctx = torch.tensor([4, 0, 9, 30, 2], dtype=torch.int32)
+    bt = torch.randint(1, 500, (b, 10), generator=gen).to(torch.int32)
+
+    def run(max_cu):
+        out = [torch.full((g,), -5, dtype=torch.int64), torch.full((g,), -5, dtype=torch.int64),
+               torch.full((b,), -5, dtype=torch.int32), torch.full((b + 1,), -5, dtype=torch.int32),
+               torch.full((b * (k_max + 1),), -5, dtype=torch.int64)]
+        ref.verify_metadata_update_ref(vl, ctx, bt, bs, *out[:4], k_max, out[4], max_cu=max_cu)
+        return out
+
+    plain, capped = run(None), run(g)
+    assert plain[3].tolist() == [0, 4, 7, 8, 12, 14]
+    assert capped[3].tolist() == plain[3].clamp(max=g).tolist() == [0, 4, 7, 8, 9, 9]
+    for a, c in zip(plain[:3] + plain[4:], capped[:3] + capped[4:], strict=True):
+        assert torch.equal(a, c)
+    assert run(100)[3].tolist() == plain[3].tolist()  # a cap above every offset changes nothing
+
+
+def test_embed_rms_norm_ref_is_the_embedding_then_the_norm():
+    """``h`` is exactly what ``nn.Embedding`` returns (no scale, no padding row) and the normed
+    rows exactly ``rms_norm_ref(h)``; ids outside the table give zero rows, not a stray read."""
+    gen = torch.Generator().manual_seed(13)
+    emb = torch.nn.Embedding(50, 24)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(50, 24, generator=gen) * 3)
+    w = torch.rand(24, generator=gen) + 0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        table = emb.weight.detach().to(dtype)
+        ids = torch.tensor([0, 49, 7, 7, 31], dtype=torch.int32)
+        h, y = ref.embed_rms_norm_ref(ids, table, w.to(dtype), 1e-6)
+        assert h.dtype == y.dtype == dtype
+        assert torch.equal(h, torch.nn.functional.embedding(ids.long(), table))
+        assert torch.equal(y, ref.rms_norm_ref(h, w.to(dtype), 1e-6))
+    h, y = ref.embed_rms_norm_ref(torch.tensor([-1, 3, 50]), emb.weight.detach(), w, 1e-6)
+    assert torch.equal(h[1], emb.weight[3].detach())
+    assert h[0].abs().sum() == 0 and h[2].abs().sum() == 0
+    assert y[0].abs().sum() == 0 and y[2].abs().sum() == 0
+
+
 def test_linear_rms_norm_rotary_refs():
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(3, 64, generator=gen, dtype=torch.float64)

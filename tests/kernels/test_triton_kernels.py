@@ -155,6 +155,62 @@ def test_verify_updates_and_tiling_match_oracle(batch, k_max, g):
     assert torch.equal(ns, ns_r) and torch.equal(sl, sl_r)
 
 
+@pytest.mark.parametrize("batch, k_max, g", [(1, 5, 6), (3, 5, 9), (8, 3, 12)])
+def test_verify_updates_base_index_and_max_cu_match_reference(batch, k_max, g):
+    """The in-kernel pending gather (``base_index`` into the slot state) and the ``cu_q_lens``
+    cap (``max_cu = G``, here below the rows of all requests) equal the reference, which equals
+    the torch gather and clamp they replace (test_reference.py)."""
+    _, drafts, vl, ctx, bt = _verify_inputs(batch + 50, batch, k_max, g)
+    gen = torch.Generator().manual_seed(batch)
+    slots, w1 = batch + 3, k_max + 1
+    ext = torch.randint(0, 151936, (slots, w1), generator=gen)
+    index = torch.randperm(slots, generator=gen)[:batch] * w1 + torch.randint(0, w1, (batch,),
+                                                                              generator=gen)
+    outs = {}
+    for backend in ("triton", "reference"):
+        a = [x.to(DEV) for x in (ext, drafts, vl, ctx, bt, index)]
+        ids = torch.full((g,), 99, dtype=torch.int64, device=DEV)
+        ops.verify_token_update(a[0], a[1], a[2], ids, pad_id=0, base_index=a[5], backend=backend)
+        pos = torch.full((g,), -9, dtype=torch.int64, device=DEV)
+        slot = torch.full((g,), -9, dtype=torch.int64, device=DEV)
+        seq = torch.full((batch,), -9, dtype=torch.int32, device=DEV)
+        cu = torch.full((batch + 1,), -9, dtype=torch.int32, device=DEV)
+        ops.verify_metadata_update(a[2], a[3], a[4], 16, pos, slot, seq, cu, k_max, max_cu=g,
+                                   backend=backend)
+        outs[backend] = [t.cpu() for t in (ids, pos, slot, seq, cu)]
+    for got, want in zip(outs["triton"], outs["reference"], strict=True):
+        assert torch.equal(got, want)
+    assert int(outs["triton"][4].max()) <= g
+    assert outs["triton"][0][0] == ext.view(-1)[index[0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n", [(1, 2048), (6, 2048), (48, 1000)])
+def test_embed_rms_norm_matches_reference(dtype, m, n):
+    """Embedding rows copied bit for bit (ids of both int dtypes, one outside the table: a zero
+    row); their norm equals ``ops.rms_norm`` of those rows (the same kernel math) and the
+    fp32 reference."""
+    vocab = 3000
+    gen = torch.Generator().manual_seed(m + n)
+    table = (torch.randn(vocab, n, generator=gen) * 2).to(dtype=dtype, device=DEV)
+    w = (torch.rand(n, generator=gen) + 0.5).to(dtype=dtype, device=DEV)
+    ids = torch.randint(0, vocab, (m,), generator=gen)
+    ids[-1] = vocab - 1
+    for id_dtype in (torch.int64, torch.int32):
+        i = ids.to(dtype=id_dtype, device=DEV)
+        h = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+        ops.embed_rms_norm(i, table, w, 1e-6, out_h=h, out=out, backend="triton")
+        assert torch.equal(h, table[i.long()])
+        assert torch.equal(out, ops.rms_norm(h, w, 1e-6, backend="triton"))
+        assert rel_err(out, ref.rms_norm_ref(h.float(), w.float(), 1e-6)) < TOL[dtype]
+    bad = torch.tensor([-1, 5, vocab], device=DEV)
+    h, out = ops.embed_rms_norm(bad, table, w, 1e-6, backend="triton")
+    want_h, want_out = ref.embed_rms_norm_ref(bad, table, w, 1e-6)
+    assert torch.equal(h, want_h) and rel_err(out, want_out) < TOL[dtype]
+    assert int(torch.count_nonzero(h[0])) == 0 and int(torch.count_nonzero(out[0])) == 0 and int(torch.count_nonzero(h[2])) == 0
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_verify_round_in_cuda_graph_matches_reference(backend):

@@ -128,10 +128,8 @@ def test_fused_layer_takes_its_normed_input_and_writes_the_next_norm():
         torch.testing.assert_close(out, nxt(got), rtol=1e-5, atol=1e-5)
 
 
-def test_fused_model_forward_matches_the_torch_forward():
-    """``TargetModel._forward_fused`` (the launch plan of decode / verify rows: layer 0's norm,
-    then each down reduce writing the next norm, the last one the final norm) computes what the
-    torch forward does."""
+def _model_case():
+    """A 3-layer fused target, packed rows of two requests (+ 1 padding row), KV, token ids."""
     cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       is_qk_norm=True)
@@ -146,9 +144,63 @@ def test_fused_model_forward_matches_the_torch_forward():
     shape = (nb, 4, cfg.num_key_value_heads, cfg.head_dim)
     kv0 = [[torch.randn(shape, generator=gen) for _ in range(2)] for _ in range(3)]
     ids = torch.randint(0, 64, pos.shape, generator=gen)
+    return model, meta, pos, kv0, ids
+
+
+def _kv(kv0):
+    return [tuple(t.clone() for t in kv) for kv in kv0]
+
+
+def test_fused_model_forward_matches_the_torch_forward():
+    """``TargetModel._forward_fused`` (the launch plan of decode / verify rows: the embedding
+    gather with layer 0's norm, then each down reduce writing the next norm, the last one the
+    final norm) computes what the torch forward does."""
+    model, meta, pos, kv0, ids = _model_case()
     with torch.no_grad():
-        want = model(ids, pos, meta, [tuple(t.clone() for t in kv) for kv in kv0])
-        h = model.model.embed_tokens(ids)
-        got = model._forward_fused(h, pos, meta, [tuple(t.clone() for t in kv) for kv in kv0])
+        want = model(ids, pos, meta, _kv(kv0))
+        got = model._forward_fused(ids, pos, meta, _kv(kv0))
+    real = slice(0, int(meta.cu_q_lens[-1]))
+    torch.testing.assert_close(got[real], want[real], rtol=2e-4, atol=2e-4)
+
+
+def test_fused_forward_gathers_the_embedding_inside_the_first_norm(monkeypatch):
+    """On the fused path ``forward`` runs no embedding module and no norm launch of its own:
+    one ``ops.embed_rms_norm`` writes the residual stream (the embedding rows, which the layers
+    then update in place) and layer 0's normed input. The Triton path is simulated on CPU (every
+    op runs its reference), so this checks the launch plan, not the kernels."""
+    from speccal.kernels import ops
+    from speccal.runner import layers as layers_mod
+    from speccal.runner import model as model_mod
+
+    model, meta, pos, kv0, ids = _model_case()
+    with torch.no_grad():
+        want = model(ids, pos, meta, _kv(kv0))  # the torch path (CPU tensors)
+    monkeypatch.setattr(layers_mod, "fused_kernels", lambda x: True)
+    monkeypatch.setattr(model_mod, "fused_kernels", lambda x: True)
+    calls = {"embed_rms_norm": [], "rms_norm": 0}
+    real_embed, real_norm = ops.embed_rms_norm, ops.rms_norm
+
+    def spy_embed(*args, **kwargs):
+        out = real_embed(*args, **kwargs)
+        calls["embed_rms_norm"].append(out)
+        return out
+
+    def spy_norm(*args, **kwargs):
+        calls["rms_norm"] += 1
+        return real_norm(*args, **kwargs)
+
+    def no_embedding(*args, **kwargs):
+        raise AssertionError("the fused path must not run the embedding module")
+
+    monkeypatch.setattr(ops, "embed_rms_norm", spy_embed)
+    monkeypatch.setattr(ops, "rms_norm", spy_norm)
+    monkeypatch.setattr(model.model.embed_tokens, "forward", no_embedding)
+    with torch.no_grad():
+        got = model(ids, pos, meta, _kv(kv0))
+    assert len(calls["embed_rms_norm"]) == 1
+    # per layer only the post-attention norm is a norm launch (the down reduce writes the next)
+    assert calls["rms_norm"] == len(model.model.layers)
+    h, _ = calls["embed_rms_norm"][0]
+    assert not torch.equal(h, model.model.embed_tokens.weight[ids])  # updated in place by layers
     real = slice(0, int(meta.cu_q_lens[-1]))
     torch.testing.assert_close(got[real], want[real], rtol=2e-4, atol=2e-4)
