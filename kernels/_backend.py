@@ -18,6 +18,8 @@ import torch
 
 __all__ = [
     "attention_fold_override",
+    "attention_prewait",
+    "attention_warps",
     "attention_prefetch_tiles",
     "attention_release",
     "decode_max_splits",
@@ -217,3 +219,17 @@ def attention_release() -> int:
     tuning switch for benchmarks, read at launch (graph capture)."""
     return _ATTN_RELEASE[_env_choice("SPECCAL_ATTN_RELEASE", "start", _ATTN_RELEASE,
                                      "start or loop")]
+
+
+def attention_prewait() -> bool:
+    """``SPECCAL_ATTN_PREWAIT``: ``1`` (default) lets the attention split kernel read vouched-for
+    metadata before its PDL wait (``ops.paged_attention(meta_settled=True)``; ``SPECCAL_PREWAIT=0``
+    also turns it off); ``0`` after the wait. An A/B switch for benchmarks."""
+    return _env_choice("SPECCAL_ATTN_PREWAIT", "1", ("0", "1"), "0 or 1") == "1"
+
+
+def attention_warps(default: int) -> int:
+    """``SPECCAL_ATTN_WARPS``: warps per attention split / reduce program (``4`` or ``8``;
+    unset: ``default``). A tuning switch for benchmarks, read at launch (graph capture)."""
+    value = _env_choice("SPECCAL_ATTN_WARPS", str(default), ("4", "8"), "4 or 8")
+    return int(value)

@@ -30,7 +30,9 @@ import triton.language as tl
 from speccal.kernels._backend import (
     attention_fold_override,
     attention_prefetch_tiles,
+    attention_prewait,
     attention_release,
+    attention_warps,
     fold_max_merge,
     num_sms,
     prewait_loads,
@@ -496,8 +498,10 @@ def paged_attention_triton(
     block_m = max(16, triton.next_power_of_2(num_q_rows * group))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     s_pad = triton.next_power_of_2(max_splits)
-    # rows merged per load by the last split program: ~8K fp32 of partials in registers
-    merge_rows = max(1, min(triton.next_power_of_2(num_q_rows) * group, 8192 // (s_pad * d_pad)))
+    num_warps = attention_warps(num_warps)
+    # rows merged per load by the last split program: ~64 fp32 of partials per thread
+    merge_rows = max(1, min(triton.next_power_of_2(num_q_rows) * group,
+                            64 * 32 * num_warps // (s_pad * d_pad)))
     merge_rows = 1 << (merge_rows.bit_length() - 1)  # a power of two
     if direct:
         part_o = part_lse = o3  # unused
@@ -507,7 +511,7 @@ def paged_attention_triton(
         part_lse = torch.empty(batch, max_splits, num_q_rows, num_heads,
                                dtype=torch.float32, device=q.device)
     log2e = 1.4426950408889634
-    early = meta_settled and prewait_loads()
+    early = meta_settled and prewait_loads() and attention_prewait()
     if rope is not None:
         k_new, v_new, cos_sin, qk_norm = rope
         qw, kw, eps = qk_norm if qk_norm is not None else (cos_sin, cos_sin, 0.0)
@@ -540,7 +544,7 @@ def paged_attention_triton(
             q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
             o3, o3.stride(0), o3.stride(1), num_q_rows, max_splits, batch,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-            S_PAD=triton.next_power_of_2(max_splits), Q_MODE=mode, PDL=pdl, num_warps=4,
+            S_PAD=triton.next_power_of_2(max_splits), Q_MODE=mode, PDL=pdl, num_warps=num_warps,
             launch_pdl=pdl,
         )
     return out

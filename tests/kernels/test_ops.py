@@ -358,8 +358,9 @@ def test_prewait_and_prefetch_switches(monkeypatch):
 
 
 def test_attention_switches(monkeypatch):
-    """``SPECCAL_ATTN_PREFETCH`` (default: the module's tile count) and ``SPECCAL_ATTN_RELEASE``
-    (``start`` / ``loop``) parse as documented; bad values name the variable."""
+    """``SPECCAL_ATTN_PREFETCH`` (default: the module's tile count), ``SPECCAL_ATTN_RELEASE``
+    (``start`` / ``loop``), ``SPECCAL_ATTN_PREWAIT`` and ``SPECCAL_ATTN_WARPS`` parse as
+    documented; bad values name the variable."""
     from speccal.kernels import _backend
 
     monkeypatch.delenv("SPECCAL_ATTN_PREFETCH", raising=False)
@@ -372,7 +373,18 @@ def test_attention_switches(monkeypatch):
     assert _backend.attention_release() == 1
     checks = {"SPECCAL_ATTN_PREFETCH": _backend.attention_prefetch_tiles,
               "SPECCAL_ATTN_RELEASE": _backend.attention_release}
-    for var, bad in (("SPECCAL_ATTN_PREFETCH", "x"), ("SPECCAL_ATTN_RELEASE", "late")):
+    monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "0")
+    monkeypatch.setenv("SPECCAL_ATTN_WARPS", "8")
+    assert _backend.attention_prewait() is False
+    assert _backend.attention_warps(4) == 8
+    monkeypatch.delenv("SPECCAL_ATTN_PREWAIT")
+    monkeypatch.delenv("SPECCAL_ATTN_WARPS")
+    assert _backend.attention_prewait() is True
+    assert _backend.attention_warps(4) == 4
+    checks["SPECCAL_ATTN_PREWAIT"] = _backend.attention_prewait
+    checks["SPECCAL_ATTN_WARPS"] = lambda: _backend.attention_warps(4)
+    for var, bad in (("SPECCAL_ATTN_PREFETCH", "x"), ("SPECCAL_ATTN_RELEASE", "late"),
+                     ("SPECCAL_ATTN_PREWAIT", "yes"), ("SPECCAL_ATTN_WARPS", "16")):
         monkeypatch.setenv(var, bad)
         with pytest.raises(InputError, match=var):
             checks[var]()
