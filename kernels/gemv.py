@@ -7,14 +7,18 @@ accumulating in fp32. ``split_k > 1`` splits K across programs to put enough loa
 when N is small (o_proj, down_proj); the fp32 partials ``[split_k, M, N]`` are summed by a
 second tiny kernel. Two inner products: ``tl.dot`` (tensor cores, M padded to 16) and, for
 M <= 4, a broadcast-multiply-sum on the CUDA cores (``fma``). Configs come from
-``pick_config`` (a table tuned on an H200, see bench/KERNEL_NOTES.md) or are passed explicitly.
+``gemv_config.pick_config`` (a table tuned on an H200, see bench/KERNEL_NOTES.md) or are
+passed explicitly.
 Weight layout is nn.Linear's ``[N, K]`` row-major (K contiguous). Reference:
 ``reference.linear_ref``.
 
 Epilogue fusions of the decode layer (each saves a launch and a round trip of the activations):
 ``silu_mul`` (the gate/up weight's rows interleave ``gate_i, up_i``, so one program holds both
-halves of its outputs and stores ``silu(gate) * up``) and a residual add (``residual +=
-x @ w.T`` in place). Prologues (norm, SwiGLU applied to x tiles as they load) were tried and
+halves of its outputs and stores ``silu(gate) * up``), a residual add (``residual +=
+x @ w.T`` in place) and, for the LM head of argmax-only rounds, an argmax: each program stores
+per row the max of its ``BLOCK_N`` logits and its column (``tile_max [M, T]`` fp32, ``tile_idx
+[M, T]`` int32, ``T = cdiv(N, BLOCK_N)``) instead of the logits, and the acceptance kernel
+reduces the ``T`` partials (no logits write, no argmax launch). Prologues (norm, SwiGLU applied to x tiles as they load) were tried and
 dropped: math on a dot operand stopped Triton 3.6 from pipelining the loop's loads (2-6x slower
 GEMVs on the H200, bench/KERNEL_NOTES.md). With ``pdl`` > 0 the launch is a programmatic
 dependent launch (Hopper, ``SPECCAL_PDL``, default ``late``): the kernel waits for its predecessor
@@ -27,29 +31,16 @@ and, in the split-K reduce, the norm weight and the residual row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from speccal.errors import InputError
 from speccal.kernels._backend import num_sms
+from speccal.kernels.gemv_config import GemvConfig, pick_config
 from speccal.kernels.rmsnorm import norm_row_store, rms_norm_triton
 
-__all__ = ["GemvConfig", "linear_triton", "pick_config"]
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """Launch parameters of the skinny GEMM (all powers of two)."""
-
-    block_n: int = 64
-    block_k: int = 128
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-    fma: bool = False
+__all__ = ["GemvConfig", "linear_argmax_triton", "linear_triton", "pick_config"]
 
 
 @triton.jit
@@ -74,10 +65,13 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DIRECT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FMA: tl.constexpr,
     GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, LINE: tl.constexpr, RES_EARLY: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE: tl.constexpr, RES_EARLY: tl.constexpr, ARGMAX: tl.constexpr,
 ):
     # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]),
     # split 1 only. RES: y += acc (y is the residual stream; at split > 1 the reduce adds).
+    # ARGMAX (split 1): no logits; y is tile_max [M, T] fp32 and part tile_idx [M, T] int32
+    # (stride_ym = T), this program's column pid_n: the max of its BLOCK_N outputs per row and
+    # the column where it first occurs.
     # x goes to the dot as loaded (math on a dot operand stops Triton pipelining the K loop).
     # Before the PDL wait (the predecessor may still run): PREFETCH of this program's first
     # weight tiles into L2 (weights are never written), and with RES_EARLY the residual tile
@@ -127,6 +121,23 @@ def _skinny_kernel(
         offs_h = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_h[None, :],
                  act.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_h < N // 2)[None, :])
+    elif ARGMAX:
+        # compare the logits as they would be stored (rounded to x's dtype, what torch.argmax
+        # of linear()'s output sees); columns past N are -inf; a NaN beats every number, as in
+        # torch.argmax: a tile holding one reports its first NaN. Ties: the first column.
+        v = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        v = tl.where(n_ok[None, :], v, float("-inf"))
+        is_nan = v != v
+        best, col = tl.max(tl.where(is_nan, float("-inf"), v), 1, return_indices=True,
+                           return_indices_tie_break_left=True)  # [BLOCK_M]
+        cols = tl.arange(0, BLOCK_N)
+        first_nan = tl.min(tl.where(is_nan, cols[None, :], BLOCK_N), 1)  # [BLOCK_M]
+        has_nan = first_nan < BLOCK_N
+        best = tl.where(has_nan, float("nan"), best)
+        col = tl.where(has_nan, first_nan, col)
+        t_offs = offs_m * stride_ym + pid_n
+        tl.store(y_ptr + t_offs, best, mask=m_ok)
+        tl.store(part_ptr + t_offs, (pid_n * BLOCK_N + col).to(tl.int32), mask=m_ok)
     elif DIRECT:
         if RES_EARLY:
             acc += res
@@ -181,60 +192,9 @@ def _splitk_reduce_norm_kernel(part_ptr, y_ptr, nw_ptr, xn_ptr, M, N, stride_ym,
     norm_row_store(h.to(tl.float32), w, xn_ptr + m * stride_xm, offs, ok, N, eps)
 
 
-def _cfg(bn: int, bk: int, split: int, stages: int = 4) -> GemvConfig:
-    return GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages)
-
-
-# (N, K) -> [(max_m, config)], first max_m >= m wins. The ~2B preset's shapes, tuned on an H200
-# (bench/bench_kernels.py --sweep; runs v1 and v2 in bench/KERNEL_NOTES.md: qkv and o come from
-# the wider v2 sweep); other shapes use the heuristic, which encodes the same pattern.
-_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
-    (12288, 2048): [(64, _cfg(128, 128, 1))],  # gate_up
-    (2048, 6144): [(64, _cfg(64, 128, 4))],  # down
-    (151936, 2048): [(8, _cfg(64, 256, 1, 3)), (64, _cfg(128, 128, 1))],  # lm_head
-    (4096, 2048): [(64, _cfg(32, 128, 1, 6))],  # qkv
-    (2048, 2048): [(1, _cfg(64, 128, 4)), (64, _cfg(32, 128, 1, 6))],  # o
-}
-
-
-# residual-add launches: o at split 1 (add in the epilogue) measured 6.4 us vs 6.5 + a reduce;
-# down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1
-_RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
-    (2048, 2048): [(64, _cfg(16, 256, 1, 4))],  # o + residual
-}
-
-
-def _heuristic(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    # v1 sweep: one wave of ~100-130 programs streaming long K panels beat more, shorter ones
-    block_n = 128 if n >= 8192 else 64
-    block_k = 128
-    tiles = triton.cdiv(n, block_n)
-    split = 1
-    while tiles * split * 2 <= num_sms and k // (split * 2) >= 4 * block_k:
-        split *= 2
-    return _cfg(block_n, block_k, split)
-
-
-def pick_config(m: int, n: int, k: int, num_sms: int = 132,
-                epilogue: str | None = None) -> GemvConfig:
-    """Config for an ``[m, k] x [n, k]^T`` product: the tuned table, else a heuristic.
-
-    ``epilogue``: ``"residual"`` looks in ``_RESIDUAL_TABLE`` first (split 1 where adding in the
-    GEMV's epilogue beats a split-K reduce that adds); ``"silu_mul"`` forces split 1, a split-K
-    entry becoming one program per ``block_n / split_k`` rows (same program count).
-    """
-    cfg = None
-    first = _RESIDUAL_TABLE.get((n, k), []) if epilogue == "residual" else []
-    for max_m, c in first + _TABLE.get((n, k), []):
-        if m <= max_m:
-            cfg = c
-            break
-    cfg = cfg or _heuristic(m, n, k, num_sms)
-    if epilogue == "silu_mul" and cfg.split_k > 1:
-        bn = max(16, cfg.block_n // cfg.split_k)
-        cfg = GemvConfig(block_n=bn, block_k=cfg.block_k, split_k=1, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, fma=cfg.fma)
-    return cfg
+def _block_m(m: int, cfg: GemvConfig) -> int:
+    """Rows of the M tile: every row in one tile; ``tl.dot`` needs at least 16."""
+    return triton.next_power_of_2(max(m, 1)) if cfg.fma else max(16, triton.next_power_of_2(m))
 
 
 def linear_triton(
@@ -274,7 +234,7 @@ def linear_triton(
         out = residual
     elif out is None:
         out = torch.empty(m, n // 2 if glu else n, dtype=x.dtype, device=x.device)
-    block_m = triton.next_power_of_2(max(m, 1)) if cfg.fma else max(16, triton.next_power_of_2(m))
+    block_m = _block_m(m, cfg)
     split = 1 if glu else max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
@@ -288,7 +248,7 @@ def linear_triton(
         RES=residual is not None, PDL=int(pdl),
         PREFETCH=min(prefetch, k_per_split // cfg.block_k) if pdl > 0 else 0,
         LINE=max(1, min(cfg.block_k, 128 // weight.element_size())),
-        RES_EARLY=direct and residual is not None and residual_settled,
+        RES_EARLY=direct and residual is not None and residual_settled, ARGMAX=False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
     )
     if not direct and norm is not None:
@@ -308,3 +268,39 @@ def linear_triton(
     elif norm is not None:
         rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
     return out
+
+
+def linear_argmax_triton(
+    x: torch.Tensor,  # [M, K], K contiguous
+    weight: torch.Tensor,  # [N, K], K contiguous
+    config: GemvConfig | None = None,  # split_k must be 1 (None: pick_config(..., "argmax"))
+    *,
+    pdl: int = 0,  # as in linear_triton
+    prefetch: int = 0,  # as in linear_triton
+) -> tuple[torch.Tensor, torch.Tensor]:  # tile_max [M, T] fp32, tile_idx [M, T] int32
+    """Per-tile argmax of ``x @ weight.T`` (the GEMV's ``ARGMAX`` epilogue): no logits written.
+
+    ``T = cdiv(N, config.block_n)``; ``tile_max[m, t]`` / ``tile_idx[m, t]`` are the max of
+    row ``m``'s columns ``[t * block_n, (t + 1) * block_n)`` rounded to ``x``'s dtype and the
+    first column holding it (a NaN beats every number). ``reference.reduce_argmax_partials_ref``
+    or ``ops.verify_accept`` finish the argmax. Validated by ``ops.linear_argmax``.
+    """
+    m = x.shape[0]
+    n, k = weight.shape
+    cfg = config or pick_config(m, n, k, num_sms(x.device), epilogue="argmax")
+    if cfg.split_k != 1:
+        raise InputError("config.split_k", cfg.split_k, "1 for the argmax epilogue")
+    tiles = triton.cdiv(n, cfg.block_n)
+    tile_max = torch.empty(m, tiles, dtype=torch.float32, device=x.device)
+    tile_idx = torch.empty(m, tiles, dtype=torch.int32, device=x.device)
+    k_per_split = triton.cdiv(k, cfg.block_k) * cfg.block_k
+    _skinny_kernel[(tiles, 1)](
+        x, weight, tile_max, tile_idx, m, n, k, x.stride(0), weight.stride(0), tiles,
+        k_per_split, BLOCK_M=_block_m(m, cfg), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DIRECT=True, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, FMA=cfg.fma,
+        GLU=False, RES=False, PDL=int(pdl),
+        PREFETCH=min(prefetch, k_per_split // cfg.block_k) if pdl > 0 else 0,
+        LINE=max(1, min(cfg.block_k, 128 // weight.element_size())), RES_EARLY=False,
+        ARGMAX=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
+    )
+    return tile_max, tile_idx

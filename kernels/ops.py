@@ -16,6 +16,8 @@ Typical verify round, all inside the captured target graph::
     h, normed = embed_rms_norm(input_ids, embed_weight, layer0_norm_weight, eps)
     ... per layer: linear, paged_attention(..., cu_q_lens=cu, tiling=(num_splits, split_len),
         plan=plan, rope=...), linear(residual=h), rms_norm, linear, linear(norm=next) ...
+    partials = linear_argmax(normed, lm_head_weight)       # (tile_max [G, T], tile_idx [G, T])
+    verify_accept(partials, grid_rows, drafts, num_verify, slots, hidden, ext_tokens, ext_hidden)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from speccal.kernels import reference as ref
 from speccal.kernels._backend import (
     decode_max_splits,
     gemv_prefetch_tiles,
+    num_sms,
     pdl_enabled,
     pdl_mode,
     prewait_loads,
@@ -36,13 +39,16 @@ from speccal.kernels._backend import (
     verify_halves,
     verify_max_splits,
 )
+from speccal.kernels.gemv_config import GemvConfig, argmax_tile_width
 
 __all__ = [
     "SplitPlan",
+    "argmax_tile_width",
     "attention_tiling_update",
     "embed_rms_norm",
     "fold_wanted",
     "linear",
+    "linear_argmax",
     "paged_attention",
     "plan_splits",
     "rms_norm",
@@ -351,7 +357,7 @@ def verify_token_update(
 
 
 def verify_accept(
-    row_tokens: torch.Tensor,  # [G] int: argmax of each packed row
+    row_tokens,  # [G] int: argmax of each packed row, or (tile_max [G, T], tile_idx [G, T])
     grid_rows: torch.Tensor,  # [B * (k + 1)] int: packed row of each grid cell
     draft_tokens: torch.Tensor,  # [B, k] int (k may be 0: a plain decode step)
     num_verify: torch.Tensor,  # [B] int
@@ -364,7 +370,14 @@ def verify_accept(
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, tokens [B, k + 1] int64
     """Greedy (or forced) acceptance from the packed rows' argmax plus the next round's slot
-    state, in one launch on Triton (``reference.verify_accept_ref`` for the semantics)."""
+    state, in one launch on Triton (``reference.verify_accept_ref`` for the semantics).
+
+    ``row_tokens`` is the rows' argmax or ``linear_argmax``'s per-tile partials ``(tile_max
+    [G, T] float32, tile_idx [G, T] int32)``, both contiguous; the Triton kernel then reduces
+    the partials of the rows its request needs (largest max, NaN first, ties to the first tile,
+    i.e. ``torch.argmax``'s answer), the reference reduces them with
+    ``reference.reduce_argmax_partials_ref`` first.
+    """
     _need(draft_tokens.dim() == 2, "draft_tokens.shape", _shape(draft_tokens), "[B, k]")
     batch, k = draft_tokens.shape
     _need(batch >= 1, "draft_tokens.shape", _shape(draft_tokens), "B >= 1")
@@ -373,7 +386,11 @@ def verify_accept(
     _need(hidden.dim() == 2 and hidden.stride(1) == 1, "hidden", _shape(hidden),
           "[G, H] with H contiguous")
     g, h = hidden.shape
-    _check_int(row_tokens, "row_tokens", (g,))
+    partials = isinstance(row_tokens, tuple)
+    if partials:
+        _check_partials(row_tokens, g)
+    else:
+        _check_int(row_tokens, "row_tokens", (g,))
     _check_int(grid_rows, "grid_rows", (batch * (k + 1),))
     _need(grid_rows.is_contiguous(), "grid_rows", "strided", "contiguous")
     _check_int(num_verify, "num_verify", (batch,))
@@ -391,8 +408,25 @@ def verify_accept(
 
         return verify_accept_triton(row_tokens, grid_rows, draft_tokens, num_verify, slot_index,
                                     hidden, ext_tokens, ext_hidden, greedy, pdl_enabled(hidden))
+    if partials:
+        row_tokens = ref.reduce_argmax_partials_ref(*row_tokens)
     return ref.verify_accept_ref(row_tokens, grid_rows, draft_tokens, num_verify, slot_index,
                                  hidden, ext_tokens, ext_hidden, greedy)
+
+
+def _check_partials(partials: tuple, g: int) -> None:
+    """``(tile_max [g, T] float32, tile_idx [g, T] int32)``, contiguous, T >= 1."""
+    _need(len(partials) == 2, "row_tokens", f"a tuple of {len(partials)}",
+          "(tile_max [G, T], tile_idx [G, T]) or a [G] int tensor")
+    tile_max, tile_idx = partials
+    field = "row_tokens[0] (tile_max)"
+    _need(isinstance(tile_max, torch.Tensor), field, type(tile_max).__name__, "a torch.Tensor")
+    _need(tile_max.dim() == 2 and tile_max.shape[0] == g and tile_max.shape[1] >= 1,
+          f"{field}.shape", _shape(tile_max), f"[{g}, T], T >= 1")
+    _need(tile_max.dtype == torch.float32, f"{field}.dtype", tile_max.dtype, "torch.float32")
+    _check_int(tile_idx, "row_tokens[1] (tile_idx)", _shape(tile_max), (torch.int32,))
+    _need(tile_max.is_contiguous() and tile_idx.is_contiguous(), "row_tokens", "strided",
+          "contiguous tile_max and tile_idx")
 
 
 def verify_metadata_update(
@@ -543,6 +577,44 @@ def linear(
     if norm is not None:
         norm[2].copy_(ref.rms_norm_ref(res, norm[0], norm[1]))
     return res if out is None else out.copy_(res)
+
+
+def linear_argmax(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    *,
+    config: GemvConfig | None = None,  # split_k 1; None: pick_config(..., epilogue="argmax")
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # tile_max [M, T] fp32, tile_idx [M, T] int32
+    """Per-tile argmax partials of ``x @ weight.T`` (the LM head of argmax-only rounds).
+
+    The logits are never written: on Triton the GEMV's ``ARGMAX`` epilogue stores, per row and
+    column tile of ``width = argmax_tile_width(M, N, K, num_sms, config)`` columns, the tile's
+    max logit (rounded to ``x``'s dtype, as ``linear`` would store it) and its first column;
+    ``T = cdiv(N, width)``. The reference computes the same from ``linear``'s output. A NaN
+    logit beats every number (``torch.argmax``'s rule), so ``verify_accept`` (or
+    ``reference.reduce_argmax_partials_ref``) turns the partials into ``argmax(dim=-1)`` of the
+    logits ``linear`` would return.
+    """
+    _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
+          (_shape(x), _shape(weight)), "[M, K] and [N, K]")
+    _need(x.shape[0] >= 1 and weight.shape[0] >= 1, "x/weight shapes",
+          (_shape(x), _shape(weight)), "M >= 1 and N >= 1")
+    _need(x.dtype in _FLOATS and weight.dtype == x.dtype, "x/weight dtype", (x.dtype, weight.dtype),
+          "the same float dtype")
+    _need(x.stride(1) == 1 and weight.stride(1) == 1, "x/weight", "strided", "K contiguous")
+    _need(config is None or isinstance(config, GemvConfig), "config", type(config).__name__,
+          "a GemvConfig or None")
+    _need(config is None or config.split_k == 1, "config.split_k",
+          getattr(config, "split_k", None), "1 (the argmax epilogue needs whole dot products)")
+    (m, k), n = x.shape, weight.shape[0]
+    if use_triton(x, backend):
+        from speccal.kernels.gemv import linear_argmax_triton
+
+        return linear_argmax_triton(x, weight, config, pdl=pdl_mode(x),
+                                    prefetch=gemv_prefetch_tiles())
+    width = argmax_tile_width(m, n, k, num_sms(x.device), config)
+    return ref.linear_argmax_ref(x, weight, width)
 
 
 def rms_norm(

@@ -29,14 +29,18 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "argmax_partials_ref",
     "attention_tiling_update_ref",
     "embed_rms_norm_ref",
+    "linear_argmax_ref",
     "linear_ref",
     "paged_attention_ref",
     "packed_rows_ref",
+    "reduce_argmax_partials_ref",
     "rope_paged_attention_ref",
     "rms_norm_ref",
     "rotary_kv_write_ref",
+    "verify_accept_ref",
     "verify_metadata_update_ref",
     "verify_token_update_ref",
 ]
@@ -285,6 +289,46 @@ def linear_ref(
     if residual is None:
         return y.to(x.dtype)
     return residual.copy_((residual.to(acc) + y).to(residual.dtype))
+
+
+def argmax_partials_ref(
+    logits: torch.Tensor,  # [M, N] (as stored: the dtype the comparison sees)
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # tile_max [M, T] fp32, tile_idx [M, T] int32
+    """Per-tile argmax of ``logits`` over column tiles of ``block_n``, ``T = cdiv(N, block_n)``.
+
+    ``tile_max[m, t]`` is the max of columns ``[t * block_n, (t + 1) * block_n)`` of row ``m``
+    and ``tile_idx[m, t]`` the first column holding it (``torch.argmax`` semantics: a NaN beats
+    every number and reports itself; ties go to the lowest column). Columns past ``N`` are -inf.
+    """
+    m, n = logits.shape
+    tiles = -(-n // block_n)
+    v = logits.float()
+    pad = v.new_full((m, tiles * block_n - n), float("-inf"))
+    v = torch.cat([v, pad], 1).view(m, tiles, block_n)
+    col = v.argmax(-1)  # [M, T]
+    tile_max = v.gather(-1, col[..., None])[..., 0]
+    first = torch.arange(tiles, device=v.device) * block_n
+    return tile_max, (col + first[None, :]).to(torch.int32)
+
+
+def linear_argmax_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # tile_max [M, T] fp32, tile_idx [M, T] int32
+    """``argmax_partials_ref`` of ``linear_ref(x, weight)`` (the logits rounded to x's dtype)."""
+    return argmax_partials_ref(linear_ref(x, weight), block_n)
+
+
+def reduce_argmax_partials_ref(
+    tile_max: torch.Tensor,  # [M, T] float
+    tile_idx: torch.Tensor,  # [M, T] int: column of each tile's max
+) -> torch.Tensor:  # [M] int64
+    """Row tokens from per-tile partials, equal to ``torch.argmax`` of the full rows: the largest
+    tile max (a NaN beats every number), ties to the first tile, whose columns are the lowest."""
+    t = tile_max.argmax(-1, keepdim=True)  # [M, 1]
+    return tile_idx.gather(-1, t)[:, 0].long()
 
 
 def rms_norm_ref(

@@ -6,7 +6,13 @@ gathered from the packed rows (``grid_rows``, written by ``verify_metadata_updat
 accepted prefix, the emitted tokens, and the next round's slot state (``ext_tokens`` and the
 hidden rows ``ext_hidden`` the draft extends from). Before, that was a dozen small torch launches
 after the argmax. One program per request; the hidden rows are copied in ``BLOCK_H`` chunks.
-Reference: ``reference.verify_accept_ref``.
+
+The argmax comes either as row tokens ``[G]`` or as the LM head GEMV's per-tile partials
+(``tile_max [G, T]`` fp32, ``tile_idx [G, T]`` int32, ``ops.linear_argmax``): then each program
+finishes the argmax of its request's ``k + 1`` rows itself, ``BLOCK_T`` tiles of all of them at a
+time (largest max, a NaN above every number, ties to the first tile, whose columns are the lowest:
+``torch.argmax``'s answer), so the argmax needs no launch of its own. Reference:
+``reference.verify_accept_ref`` (after ``reference.reduce_argmax_partials_ref``).
 """
 
 from __future__ import annotations
@@ -19,11 +25,38 @@ __all__ = ["verify_accept_triton"]
 
 
 @triton.jit
+def _partials_argmax(tmax_ptr, tidx_ptr, rows, row_ok, T, BLOCK_J: tl.constexpr,
+                     BLOCK_T: tl.constexpr):
+    """Column of the max of each of ``rows`` ([BLOCK_J] packed rows, ``row_ok`` masked) from
+    its ``T`` tile partials: the running best tile of each row is replaced only by a strictly
+    larger chunk max or a first NaN, so ties keep the earliest tile."""
+    offs_t = tl.arange(0, BLOCK_T)
+    base = rows.to(tl.int64) * T  # [BLOCK_J]
+    best = tl.full([BLOCK_J], float("-inf"), tl.float32)
+    best_t = tl.zeros([BLOCK_J], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + offs_t
+        ok = row_ok[:, None] & (t < T)[None, :]
+        v = tl.load(tmax_ptr + base[:, None] + t[None, :], mask=ok, other=float("-inf"))
+        is_nan = v != v
+        c_max, c_t = tl.max(tl.where(is_nan, float("-inf"), v), 1, return_indices=True,
+                            return_indices_tie_break_left=True)  # [BLOCK_J]
+        first_nan = tl.min(tl.where(is_nan, offs_t[None, :], BLOCK_T), 1)
+        c_nan = first_nan < BLOCK_T
+        take = (best == best) & (c_nan | (c_max > best))  # a NaN best is never replaced
+        best = tl.where(take, tl.where(c_nan, float("nan"), c_max), best)
+        best_t = tl.where(take, t0 + tl.where(c_nan, first_nan, c_t), best_t)
+    return tl.load(tidx_ptr + base + best_t, mask=row_ok, other=-1).to(tl.int64)
+
+
+@triton.jit
 def _verify_accept_kernel(
-    row_tok_ptr, grid_ptr, draft_ptr, nv_ptr, slot_ptr, h_ptr, ext_tok_ptr, ext_h_ptr,
-    na_ptr, out_ptr, K, H, stride_d, stride_h, stride_et, stride_es, stride_er,
-    GREEDY: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    row_tok_ptr, tmax_ptr, tidx_ptr, grid_ptr, draft_ptr, nv_ptr, slot_ptr, h_ptr, ext_tok_ptr,
+    ext_h_ptr, na_ptr, out_ptr, K, H, T, stride_d, stride_h, stride_et, stride_es, stride_er,
+    GREEDY: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
+    # PARTIALS: row_tok_ptr is unused; the target tokens come from tile_max / tile_idx [G, T]
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -31,7 +64,10 @@ def _verify_accept_kernel(
     j = tl.arange(0, BLOCK_J)
     j_ok = j <= K
     rows = tl.load(grid_ptr + b * (K + 1) + j, mask=j_ok, other=0)
-    target = tl.load(row_tok_ptr + rows, mask=j_ok, other=-1).to(tl.int64)
+    if PARTIALS:
+        target = _partials_argmax(tmax_ptr, tidx_ptr, rows, j_ok, T, BLOCK_J, BLOCK_T)
+    else:
+        target = tl.load(row_tok_ptr + rows, mask=j_ok, other=-1).to(tl.int64)
     draft = tl.load(draft_ptr + b * stride_d + j, mask=j < K, other=-1).to(tl.int64)
     nv = tl.minimum(tl.maximum(tl.load(nv_ptr + b).to(tl.int32), 0), K)
     if GREEDY:  # accepted while the draft equals the target's argmax, within num_verify
@@ -54,7 +90,7 @@ def _verify_accept_kernel(
 
 
 def verify_accept_triton(
-    row_tokens: torch.Tensor,  # [G] int: the argmax of each packed row
+    row_tokens,  # [G] int: the argmax of each packed row, or (tile_max [G, T], tile_idx [G, T])
     grid_rows: torch.Tensor,  # [B * (k + 1)] int
     draft_tokens: torch.Tensor,  # [B, k] int
     num_verify: torch.Tensor,  # [B] int
@@ -71,11 +107,18 @@ def verify_accept_triton(
     drafts = draft_tokens if k else num_verify  # an empty tensor may have no address
     num_accepted = torch.empty(batch, dtype=torch.int64, device=hidden.device)
     out = torch.empty(batch, k + 1, dtype=torch.int64, device=hidden.device)
+    partials = isinstance(row_tokens, tuple)
+    tile_max, tile_idx = row_tokens if partials else (row_tokens, row_tokens)
+    tiles = tile_max.shape[1] if partials else 1
+    block_j = triton.next_power_of_2(k + 1)
+    # about 4096 partials of the request's rows per chunk (32 per thread of 4 warps)
+    block_t = max(16, min(triton.next_power_of_2(tiles), 4096 // block_j))
     _verify_accept_kernel[(batch,)](
-        row_tokens, grid_rows, drafts, num_verify, slot_index, hidden, ext_tokens,
-        ext_hidden, num_accepted, out, k, h, draft_tokens.stride(0) if k else 0, hidden.stride(0),
-        ext_tokens.stride(0), ext_hidden.stride(0), ext_hidden.stride(1),
-        GREEDY=greedy, BLOCK_J=triton.next_power_of_2(k + 1),
-        BLOCK_H=min(2048, triton.next_power_of_2(h)), PDL=pdl, num_warps=4, launch_pdl=pdl,
+        tile_idx, tile_max, tile_idx, grid_rows, drafts, num_verify, slot_index, hidden,
+        ext_tokens, ext_hidden, num_accepted, out, k, h, tiles,
+        draft_tokens.stride(0) if k else 0, hidden.stride(0), ext_tokens.stride(0),
+        ext_hidden.stride(0), ext_hidden.stride(1), GREEDY=greedy, PARTIALS=partials,
+        BLOCK_J=block_j, BLOCK_T=block_t, BLOCK_H=min(2048, triton.next_power_of_2(h)), PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )
     return num_accepted, out

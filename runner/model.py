@@ -118,3 +118,16 @@ class TargetModel(nn.Module):
         else:
             out = self.lm_head(hidden)
         return out.float() if upcast else out
+
+    def argmax_partials(
+        self, hidden: torch.Tensor  # [N, hidden]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [N] or ([N, T] fp32, [N, T] int32)
+        """The argmax of each row's logits, for ``ops.verify_accept``, which takes both forms:
+        on the fused kernels (<= 64 rows) the LM head GEMV's per-tile partials
+        (``ops.linear_argmax``: no logits written, no argmax launch), else ``[N]`` tokens from
+        :meth:`logits` (the same index: the argmax of the same bf16 logits)."""
+        if fused_kernels(hidden) and hidden.shape[0] <= 64:
+            from speccal.kernels import ops  # noqa: PLC0415
+
+            return ops.linear_argmax(hidden.contiguous(), self.lm_head.weight)
+        return self.logits(hidden, upcast=False).argmax(dim=-1)

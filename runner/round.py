@@ -36,8 +36,10 @@ Greedy fast path: :meth:`RoundRunner.sampling_kind` decides on the host at prepa
 argmax of the packed target rows and gather only tokens (no temperature / filters / sort, no
 ``[bcap, k + 1, V]`` logits grid); the tokens equal the general path's (a greedy row's filtered
 distribution is a point mass on the argmax). ``greedy`` / ``forced`` / ``synthetic``
-verification emit argmax tokens whatever the batch, so they always take the token path. The
-choice is a host flag that selects a different captured graph (the ``sampling`` field of the
+verification emit argmax tokens whatever the batch, so they always take the token path. With
+the in-graph update the round ends in ``ops.verify_accept``, which on the fused kernels takes the
+LM head's per-tile argmax partials (``TargetModel.argmax_partials``: no logits, no argmax launch)
+and reduces them itself. The choice is a host flag that selects a different captured graph (the ``sampling`` field of the
 target :class:`GraphKey`), never a device read. One difference: the fast path draws no random
 numbers, so a later mixed batch sees another generator state than after general-path rounds.
 """
@@ -536,22 +538,24 @@ class RoundRunner:
             plan = self.plan(bcap, k + 1)
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
             h = target(ids, pos, meta, self.target_kv)  # [G, hidden]
-            logits = target.logits(h, upcast=not fast)  # [G, V]
             if fast:
                 # acceptance (greedy / forced / none at k = 0), emitted tokens and the slot state
-                # in one launch after the LM head's argmax; synthetic acceptance draws its
+                # in one launch that also finishes the LM head's argmax (its per-tile partials on
+                # the fused kernels: no logits, no argmax launch); synthetic acceptance draws its
                 # accepted lengths first (the same draws as verify_synthetic_tokens) and emits
                 # them as forced lengths
+                row_argmax = target.argmax_partials(h)  # [G] or ([G, T], [G, T])
                 nv = t["num_verify"]
                 if k > 0 and self.acceptance == "synthetic":
                     nv = sampling.synthetic_accepted_length(
                         self.profile, self.generator, nv, bcap, k, self.device)
                 greedy = k > 0 and self.acceptance not in ("forced", "synthetic")
                 num_accepted, out = ops.verify_accept(
-                    logits.argmax(dim=-1), src, draft_tokens, nv, t["slot_index"], h,
+                    row_argmax, src, draft_tokens, nv, t["slot_index"], h,
                     self.ext_tokens, self.ext_hidden, greedy=greedy,
                 )
                 return RoundOutputs(num_accepted, out, None, t["num_verify"])
+            logits = target.logits(h)  # [G, V] float32
             grid_logits = logits[src].view(bcap, k + 1, -1)  # rows past num_verify: ignored
             grid_h = h[src].view(bcap, k + 1, hidden)
         else:

@@ -129,3 +129,66 @@ def accept_oracle(row_tok, grid, drafts, nv, slot, hid, ext_tok, ext_h, greedy):
         na_all.append(na)
         out_all.append(out)
     return torch.tensor(na_all), torch.tensor(out_all)
+
+
+ROUNDING_BASE = {torch.bfloat16: 256.0, torch.float16: 2048.0, torch.float32: 2.0 ** 24}
+
+
+def argmax_case(seed, m, n, k, dtype, device, block_n):
+    """Inputs of ``ops.linear_argmax`` with exact products (small integers, fp32 sums exact) and
+    the cases the argmax must settle like ``torch.argmax`` of the stored logits; returns
+    ``(x, w, special)``, ``special`` the expected argmax of the crafted rows:
+
+    - row 0: columns ``a < b`` in different tiles hold ``base`` and ``base + 1`` (exact in fp32
+      for half types), which round to the same value in ``dtype``: the first wins, so an argmax
+      over the fp32 accumulator (``b``) fails;
+    - row 1: the same max 3 in two tiles (an exact tie: the first column);
+    - row 2: ``+inf`` in x times a column of ones gives ``+inf`` logits, and NaN (``inf * 0``)
+      in two columns: the first NaN wins (torch.argmax's rule).
+    Other rows: random integers in [-2, 2], full of ties. Needs ``k >= 8``, ``n >= 6 * block_n``
+    and ``n % block_n != 1``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (m, k), generator=gen).float()
+    w = torch.randint(-2, 3, (n, k), generator=gen).float()
+    tiles = -(-n // block_n)
+    a, b = block_n + 3, (tiles - 1) * block_n + 1  # tile 1 and the last (maybe partial) tile
+    dup_a, dup_b = 2 * block_n + 5, 4 * block_n + 7
+    nan_a, nan_b = 3 * block_n + 9, 5 * block_n
+    w[[a, b]] = 0.0
+    w[[a, b], 0] = ROUNDING_BASE[dtype]
+    w[b, 1] = 1.0
+    w[[dup_a, dup_b], 2] = 3.0
+    w[:, 5] = 1.0
+    w[[nan_a, nan_b], 5] = 0.0
+    special = {0: a, 1: dup_a, 2: nan_a}
+    x[:, 0] = 0.0  # the large values meet row 0 only: every other sum stays exact in fp32
+    x[0] = 0.0
+    x[0, :2] = 1.0
+    if m > 1:
+        x[1] = 0.0
+        x[1, 2] = 1.0
+    if m > 2:
+        x[2, 5] = float("inf")
+    special = {r: c for r, c in special.items() if r < m}
+    return x.to(dtype=dtype, device=device), w.to(dtype=dtype, device=device), special
+
+
+def logits_for_tokens(row_tokens, vocab, gen):
+    """``[G, vocab]`` float32 logits whose ``torch.argmax`` is ``row_tokens``: small random
+    integers, the token's column at the row max and the same max again in a later column (a
+    tie the first column wins); every third row a NaN at the token and the last column and
+    ``+inf`` before the token (a NaN beats +inf wherever the two sit)."""
+    g = row_tokens.shape[0]
+    logits = torch.randint(0, 6, (g, vocab), generator=gen).float()
+    for r in range(g):
+        tok = int(row_tokens[r])
+        later = tok + 1 + int(torch.randint(0, vocab - tok - 1, (1,), generator=gen))
+        if r % 3 == 2:
+            logits[r, tok // 2 if tok else later] = float("inf")
+            logits[r, tok] = float("nan")
+            logits[r, -1] = float("nan")
+        else:
+            logits[r, tok] = 9.0
+            logits[r, later] = 9.0
+    return logits

@@ -457,3 +457,99 @@ def test_verify_accept_refuses_bad_input():
         call[i] = value
         with pytest.raises(InputError, match=names[i]):
             ops.verify_accept(*call)
+
+
+@pytest.mark.parametrize("m", [1, 6, 48])
+def test_linear_argmax_reference_uses_the_gemv_tile_width(m):
+    """The op's partials use the argmax GEMV config's tile (the heuristic forces split 1 with
+    the same program count) and reduce to torch.argmax of ``linear``'s output."""
+    from kernel_builders import argmax_case
+
+    from speccal.kernels.gemv_config import pick_config
+
+    n, k = 1000, 64
+    width = ops.argmax_tile_width(m, n, k)
+    assert width == pick_config(m, n, k, epilogue="argmax").block_n
+    assert pick_config(m, n, 2048).split_k == 4  # a split-K shape: split 1, 4x the programs
+    assert ops.argmax_tile_width(m, n, 2048) == pick_config(m, n, 2048).block_n // 4
+    assert ops.argmax_tile_width(4, 151936, 2048) == 64  # the tuned LM head configs
+    assert ops.argmax_tile_width(48, 151936, 2048) == 128
+    x, w, special = argmax_case(m, m, n, k, torch.bfloat16, "cpu", width)
+    tile_max, tile_idx = ops.linear_argmax(x, w)
+    want = ref.linear_argmax_ref(x, w, width)
+    assert torch.equal(tile_idx, want[1])
+    assert torch.equal(tile_max.nan_to_num(1.5), want[0].nan_to_num(1.5))
+    tokens = ref.reduce_argmax_partials_ref(tile_max, tile_idx)
+    assert torch.equal(tokens, ops.linear(x, w).argmax(dim=-1))
+    assert all(int(tokens[r]) == c for r, c in special.items())
+    from speccal.kernels.gemv_config import GemvConfig
+
+    got = ops.linear_argmax(x, w, config=GemvConfig(block_n=32))
+    assert got[0].shape == (m, -(-n // 32))
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"w": torch.randn(8, 31)}, "x/weight shapes"),
+    ({"w": torch.randn(8, 32, dtype=torch.float64)}, "x/weight dtype"),
+    ({"w": torch.randn(32, 8).t()}, "x/weight"),
+    ({"x": torch.randn(0, 32)}, "x/weight shapes"),
+    ({"config": "64"}, "config"),
+    ({"config": "split"}, "config.split_k"),
+])
+def test_linear_argmax_rejects_bad_input(kwargs, field):
+    from speccal.kernels.gemv_config import GemvConfig
+
+    args = {"x": torch.randn(3, 32), "w": torch.randn(8, 32), "config": None} | kwargs
+    if args["config"] == "split":
+        args["config"] = GemvConfig(split_k=2)
+    with pytest.raises(InputError) as err:
+        ops.linear_argmax(args["x"], args["w"], config=args["config"])
+    assert err.value.field == field
+
+
+def _partials_for(row_tok, vocab, block_n, seed):
+    from kernel_builders import logits_for_tokens
+
+    logits = logits_for_tokens(row_tok, vocab, torch.Generator().manual_seed(seed))
+    assert torch.equal(logits.argmax(-1), row_tok)
+    return ref.argmax_partials_ref(logits, block_n)
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("vocab, block_n", [(200, 16), (301, 1)])
+def test_verify_accept_takes_argmax_partials(k, greedy, vocab, block_n):
+    """Acceptance from per-tile partials equals acceptance from the row tokens (ties across
+    tiles, NaN rows, a last tile shorter than the rest) and the loop oracle."""
+    from kernel_builders import accept_case, accept_oracle
+
+    args = accept_case(5 + k, 6, k, 6 * (k + 1) + 2, 32, torch.float32, "cpu")
+    partials = _partials_for(args[0], vocab, block_n, k)
+    want_args = [a.clone() for a in args]
+    na, out = ops.verify_accept(partials, *args[1:], greedy=greedy)
+    want_na, want_out = accept_oracle(*want_args, greedy=greedy)
+    assert torch.equal(na, want_na) and torch.equal(out, want_out)
+    assert torch.equal(args[6], want_args[6])
+    assert torch.equal(args[7].nan_to_num(-3.0), want_args[7].nan_to_num(-3.0))
+
+
+def test_verify_accept_refuses_bad_partials():
+    """The partials tuple is checked: arity, shapes against G and each other, dtypes, layout."""
+    from kernel_builders import accept_case
+
+    args = accept_case(2, 4, 3, 20, 16, torch.float32, "cpu")
+    tile_max, tile_idx = _partials_for(args[0], 100, 16, 0)
+    bad = [
+        ((tile_max, tile_idx, tile_idx), "row_tokens"),
+        ((tile_max[:-1], tile_idx[:-1]), r"row_tokens\[0\] \(tile_max\).shape"),
+        ((tile_max[:, :0], tile_idx[:, :0]), r"row_tokens\[0\] \(tile_max\).shape"),
+        ((tile_max.half(), tile_idx), r"row_tokens\[0\] \(tile_max\).dtype"),
+        ((tile_max, tile_idx.long()), r"row_tokens\[1\] \(tile_idx\).dtype"),
+        ((tile_max, tile_idx[:, :-1]), r"row_tokens\[1\] \(tile_idx\).shape"),
+        ((tile_max.t().contiguous().t(), tile_idx), "row_tokens"),
+        ((tile_idx, tile_idx), r"row_tokens\[0\] \(tile_max\).dtype"),
+    ]
+    for partials, field in bad:
+        with pytest.raises(InputError, match=field) as err:
+            ops.verify_accept(partials, *args[1:])
+        assert err.value.field.startswith("row_tokens")

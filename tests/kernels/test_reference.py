@@ -222,3 +222,45 @@ def test_linear_rms_norm_rotary_refs():
     assert torch.allclose(kc.view(-1, hk, d)[slots].double(), crot(k), atol=1e-5)
     assert torch.equal(vc.view(-1, hk, d)[slots], v)
     assert torch.equal(kc.view(-1, hk, d)[0], torch.zeros(hk, d))  # untouched slot
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 6, 48])
+@pytest.mark.parametrize("n, block_n", [(1000, 64), (1024, 128), (777, 16)])
+def test_argmax_partials_reduce_to_torch_argmax(dtype, m, n, block_n):
+    """Per-tile partials of ``linear_ref``'s output, reduced, give ``torch.argmax`` of that
+    output: bf16/fp16 rounding ties (the first column, not the larger fp32 value), exact ties
+    across tiles, NaN above ``+inf``, N not a multiple of the tile."""
+    from kernel_builders import argmax_case
+
+    x, w, special = argmax_case(m + n, m, n, 64, dtype, "cpu", block_n)
+    logits = ref.linear_ref(x, w)  # [m, n] in dtype
+    tile_max, tile_idx = ref.linear_argmax_ref(x, w, block_n)
+    tiles = -(-n // block_n)
+    assert tile_max.shape == tile_idx.shape == (m, tiles)
+    assert tile_max.dtype == torch.float32 and tile_idx.dtype == torch.int32
+    # each partial is its tile's torch.argmax: inside the tile, holding the tile max
+    first = torch.arange(tiles) * block_n
+    assert ((tile_idx >= first) & (tile_idx < (first + block_n).clamp(max=n))).all()
+    held = logits.float().gather(1, tile_idx.long())
+    assert torch.equal(held.nan_to_num(7.5), tile_max.nan_to_num(7.5))
+    for t in range(tiles):
+        cols = logits[:, t * block_n:(t + 1) * block_n]
+        assert torch.equal(tile_idx[:, t].long(), cols.argmax(-1) + t * block_n)
+    tokens = ref.reduce_argmax_partials_ref(tile_max, tile_idx)
+    assert tokens.dtype == torch.int64
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    for row, col in special.items():
+        assert int(tokens[row]) == col, (row, col)
+
+
+def test_reduce_argmax_partials_rules():
+    """Largest tile max; a NaN beats +inf and the first NaN tile wins; ties go to the first
+    tile (the lowest column)."""
+    inf, nan = float("inf"), float("nan")
+    tile_max = torch.tensor([[1.0, 3.0, 3.0, 2.0], [inf, nan, 1.0, nan], [-inf, -inf, -inf, -inf],
+                             [0.5, 0.5, 0.5, 0.7]])
+    tile_idx = torch.tensor([[1, 17, 40, 50], [3, 20, 33, 60], [0, 16, 32, 48], [2, 18, 34, 49]],
+                            dtype=torch.int32)
+    tokens = ref.reduce_argmax_partials_ref(tile_max, tile_idx)
+    assert tokens.tolist() == [17, 20, 0, 49]

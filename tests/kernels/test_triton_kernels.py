@@ -492,3 +492,60 @@ def test_verify_accept_matches_oracle(k, batch, hidden, greedy):
     assert torch.equal(args[6].cpu(), want_args[6])
     assert torch.equal(args[7].cpu().float().nan_to_num(-3.0),
                        want_args[7].float().nan_to_num(-3.0))
+
+
+# interpreter: small shapes; GPU: also the LM head of the ~2B preset (both tuned configs)
+ARGMAX_SHAPES = [(1000, 128), (3072, 64)] + ([(151936, 2048)] if DEV != "cpu" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 6, 48])
+@pytest.mark.parametrize("shape", ARGMAX_SHAPES)
+def test_linear_argmax_matches_reference(dtype, m, shape):
+    """The GEMV's argmax epilogue: partials equal the reference's bit for bit (integer inputs:
+    exact sums), so rounding ties, exact ties, NaN and the partial last tile are settled as
+    torch.argmax of the stored logits settles them; explicit configs incl. the fma path."""
+    from kernel_builders import argmax_case
+
+    from speccal.kernels.gemv import GemvConfig
+
+    n, k = shape
+    configs = [None, GemvConfig(block_n=64, block_k=64, num_stages=3)]
+    if m <= 4:
+        configs.append(GemvConfig(block_n=32, block_k=32, fma=True))
+    for cfg in configs:
+        width = ops.argmax_tile_width(m, n, k, config=cfg)
+        x, w, special = argmax_case(n + m, m, n, k, dtype, DEV, width)
+        tile_max, tile_idx = ops.linear_argmax(x, w, config=cfg, backend="triton")
+        want_max, want_idx = ref.linear_argmax_ref(x.cpu(), w.cpu(), width)
+        assert torch.equal(tile_idx.cpu(), want_idx), cfg
+        assert torch.equal(tile_max.cpu().nan_to_num(0.5), want_max.nan_to_num(0.5)), cfg
+        tokens = ref.reduce_argmax_partials_ref(tile_max, tile_idx).cpu()
+        assert torch.equal(tokens, ref.linear_ref(x.cpu(), w.cpu()).argmax(-1)), cfg
+        assert all(int(tokens[r]) == c for r, c in special.items()), cfg
+
+
+@pytest.mark.parametrize("k, batch", [(0, 1), (1, 3), (5, 1), (5, 8)])
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("vocab, block_n", [(200, 16), (1500, 1)])
+def test_verify_accept_partials_match_oracle(k, batch, greedy, vocab, block_n):
+    """The acceptance kernel reducing per-tile partials itself: the same results as from the
+    row tokens. ``block_n = 1`` gives T = 1500 tiles, several BLOCK_T chunks (512 at k = 5):
+    tokens shifted to columns 600..649 put NaN rows' ``+inf`` a chunk before their NaN and many
+    tied columns a chunk after the first."""
+    from kernel_builders import accept_case, accept_oracle, logits_for_tokens
+
+    args = accept_case(11 + k, batch, k, batch * (k + 1) + 3, 64, torch.bfloat16, DEV)
+    if vocab > 1000:
+        args[0] += 600  # row tokens
+        args[2] += 600  # drafts (greedy acceptance compares them to the tokens)
+    gen = torch.Generator().manual_seed(k + batch)
+    logits = logits_for_tokens(args[0].cpu(), vocab, gen)
+    partials = tuple(p.to(DEV) for p in ref.argmax_partials_ref(logits, block_n))
+    want_args = [a.cpu().clone() for a in args]
+    na, out = ops.verify_accept(partials, *args[1:], greedy=greedy, backend="triton")
+    want_na, want_out = accept_oracle(*want_args, greedy=greedy)
+    assert torch.equal(na.cpu(), want_na) and torch.equal(out.cpu(), want_out)
+    assert torch.equal(args[6].cpu(), want_args[6])
+    assert torch.equal(args[7].cpu().float().nan_to_num(-3.0),
+                       want_args[7].float().nan_to_num(-3.0))

@@ -259,3 +259,29 @@ def test_captured_greedy_and_sample_graphs_equal_eager_cuda(k):
     _force_general(general)
     forced, _ = _run(general, [GREEDY] * 3, 6, k)
     assert forced == eager
+
+
+@pytest.mark.parametrize(("acceptance", "k"), [("greedy", 0), ("greedy", 3), ("forced", 2)])
+def test_in_graph_fast_path_takes_argmax_partials(monkeypatch, acceptance, k):
+    """With the fused LM head (forced on here: ``ops.linear_argmax`` runs its reference on CPU,
+    8 tiles of 64 over the tiny vocab), the in-graph fast path hands ``verify_accept`` per-tile
+    argmax partials instead of row tokens, and emits the host path's tokens."""
+    from speccal.kernels import ops
+    from speccal.runner import model
+
+    monkeypatch.setattr(model, "fused_kernels", lambda x: True)
+    seen: list[bool] = []
+    real = ops.verify_accept
+
+    def spy(row_tokens, *args, **kwargs):
+        seen.append(isinstance(row_tokens, tuple) and row_tokens[0].shape[1] == 8)
+        return real(row_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "verify_accept", spy)
+    kw = dict(acceptance=acceptance, speculative=k > 0)
+    want, _ = _run(Engine(_cfg(input_update="host", **kw)), [GREEDY] * 3, 6, k)
+    assert seen == []  # the host path gathers tokens itself
+    got, kinds = _run(Engine(_cfg(input_update="in_graph", **kw)), [GREEDY] * 3, 6, k)
+    assert set(kinds) == {"greedy"} and seen == [True] * 6
+    assert got == want
+    assert all(len(set(t)) > 3 for t in got)  # not a degenerate decode

@@ -1,0 +1,94 @@
+"""Launch configs of the skinny GEMM (``gemv``): the tuned table, the heuristic, the tile width.
+
+Owns ``GemvConfig`` and ``pick_config`` without importing Triton, so the dispatcher and the
+pure-torch references can ask for the same config as the kernel (``argmax_tile_width``: the
+column tile of the LM head's argmax partials, which the reference must reproduce on a CPU-only
+machine). Configs are tuned on an H200 (bench/KERNEL_NOTES.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GemvConfig", "argmax_tile_width", "pick_config"]
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of the skinny GEMM (all powers of two)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    fma: bool = False
+
+
+def _cfg(bn: int, bk: int, split: int, stages: int = 4) -> GemvConfig:
+    return GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages)
+
+
+# (N, K) -> [(max_m, config)], first max_m >= m wins. The ~2B preset's shapes, tuned on an H200
+# (bench/bench_kernels.py --sweep; runs v1 and v2 in bench/KERNEL_NOTES.md: qkv and o come from
+# the wider v2 sweep); other shapes use the heuristic, which encodes the same pattern.
+_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
+    (12288, 2048): [(64, _cfg(128, 128, 1))],  # gate_up
+    (2048, 6144): [(64, _cfg(64, 128, 4))],  # down
+    (151936, 2048): [(8, _cfg(64, 256, 1, 3)), (64, _cfg(128, 128, 1))],  # lm_head
+    (4096, 2048): [(64, _cfg(32, 128, 1, 6))],  # qkv
+    (2048, 2048): [(1, _cfg(64, 128, 4)), (64, _cfg(32, 128, 1, 6))],  # o
+}
+
+
+# residual-add launches: o at split 1 (add in the epilogue) measured 6.4 us vs 6.5 + a reduce;
+# down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1
+_RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
+    (2048, 2048): [(64, _cfg(16, 256, 1, 4))],  # o + residual
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _heuristic(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    # v1 sweep: one wave of ~100-130 programs streaming long K panels beat more, shorter ones
+    block_n = 128 if n >= 8192 else 64
+    block_k = 128
+    tiles = _cdiv(n, block_n)
+    split = 1
+    while tiles * split * 2 <= num_sms and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return _cfg(block_n, block_k, split)
+
+
+def pick_config(m: int, n: int, k: int, num_sms: int = 132,
+                epilogue: str | None = None) -> GemvConfig:
+    """Config for an ``[m, k] x [n, k]^T`` product: the tuned table, else a heuristic.
+
+    ``epilogue``: ``"residual"`` looks in ``_RESIDUAL_TABLE`` first (split 1 where adding in the
+    GEMV's epilogue beats a split-K reduce that adds); ``"silu_mul"`` and ``"argmax"`` force
+    split 1, a split-K entry becoming one program per ``block_n / split_k`` rows (same program
+    count).
+    """
+    cfg = None
+    first = _RESIDUAL_TABLE.get((n, k), []) if epilogue == "residual" else []
+    for max_m, c in first + _TABLE.get((n, k), []):
+        if m <= max_m:
+            cfg = c
+            break
+    cfg = cfg or _heuristic(m, n, k, num_sms)
+    if epilogue in ("silu_mul", "argmax") and cfg.split_k > 1:
+        bn = max(16, cfg.block_n // cfg.split_k)
+        cfg = GemvConfig(block_n=bn, block_k=cfg.block_k, split_k=1, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages, fma=cfg.fma)
+    return cfg
+
+
+def argmax_tile_width(m: int, n: int, k: int, num_sms: int = 132,
+                      config: GemvConfig | None = None) -> int:
+    """Columns per argmax partial of an ``[m, k] x [n, k]^T`` product: the ``block_n`` of the
+    GEMV config the argmax epilogue launches with (``config``, else ``pick_config(...,
+    epilogue="argmax")``). The partials are ``[m, cdiv(n, width)]``."""
+    return (config or pick_config(m, n, k, num_sms, epilogue="argmax")).block_n
