@@ -221,11 +221,16 @@ def attention_release() -> int:
                                      "start or loop")]
 
 
-def attention_prewait() -> bool:
-    """``SPECCAL_ATTN_PREWAIT``: ``1`` (default) lets the attention split kernel read vouched-for
-    metadata before its PDL wait (``ops.paged_attention(meta_settled=True)``; ``SPECCAL_PREWAIT=0``
-    also turns it off); ``0`` after the wait. An A/B switch for benchmarks."""
-    return _env_choice("SPECCAL_ATTN_PREWAIT", "1", ("0", "1"), "0 or 1") == "1"
+def attention_prewait(rows: int) -> bool:
+    """``SPECCAL_ATTN_PREWAIT``: whether the attention split kernel reads vouched-for metadata
+    before its PDL wait (``ops.paged_attention(meta_settled=True)``; ``SPECCAL_PREWAIT=0`` also
+    turns it off) for a plan of ``rows`` query rows per request: ``rows`` (default) only for
+    multi-row (verification) plans, ``1`` always, ``0`` never. On the H200 the early reads made
+    the B=1 decode step ~50 us slower and the B=1 verify step ~18 us faster (two runs,
+    bench/RESULTS.md): where the predecessor has already finished, a dependent chain before the
+    wait only adds latency."""
+    value = _env_choice("SPECCAL_ATTN_PREWAIT", "rows", ("rows", "0", "1"), "rows, 0 or 1")
+    return value == "1" or (value == "rows" and rows > 1)
 
 
 def attention_warps(default: int) -> int:

@@ -511,7 +511,7 @@ def paged_attention_triton(
         part_lse = torch.empty(batch, max_splits, num_q_rows, num_heads,
                                dtype=torch.float32, device=q.device)
     log2e = 1.4426950408889634
-    early = meta_settled and prewait_loads() and attention_prewait()
+    early = meta_settled and prewait_loads() and attention_prewait(num_q_rows)
     if rope is not None:
         k_new, v_new, cos_sin, qk_norm = rope
         qw, kw, eps = qk_norm if qk_norm is not None else (cos_sin, cos_sin, 0.0)

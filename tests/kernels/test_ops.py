@@ -375,13 +375,16 @@ def test_attention_switches(monkeypatch):
               "SPECCAL_ATTN_RELEASE": _backend.attention_release}
     monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "0")
     monkeypatch.setenv("SPECCAL_ATTN_WARPS", "8")
-    assert _backend.attention_prewait() is False
+    assert _backend.attention_prewait(6) is False
     assert _backend.attention_warps(4) == 8
+    monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "1")
+    assert _backend.attention_prewait(1) is True
     monkeypatch.delenv("SPECCAL_ATTN_PREWAIT")
     monkeypatch.delenv("SPECCAL_ATTN_WARPS")
-    assert _backend.attention_prewait() is True
+    assert _backend.attention_prewait(6) is True  # default: multi-row plans only
+    assert _backend.attention_prewait(1) is False
     assert _backend.attention_warps(4) == 4
-    checks["SPECCAL_ATTN_PREWAIT"] = _backend.attention_prewait
+    checks["SPECCAL_ATTN_PREWAIT"] = lambda: _backend.attention_prewait(1)
     checks["SPECCAL_ATTN_WARPS"] = lambda: _backend.attention_warps(4)
     for var, bad in (("SPECCAL_ATTN_PREFETCH", "x"), ("SPECCAL_ATTN_RELEASE", "late"),
                      ("SPECCAL_ATTN_PREWAIT", "yes"), ("SPECCAL_ATTN_WARPS", "16")):

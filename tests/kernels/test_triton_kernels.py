@@ -88,6 +88,7 @@ def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, settled, mon
     plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=64)
     tiling = None
     if settled:
+        monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "1")
         tiling = (torch.empty_like(seq), torch.empty_like(seq))
         ops.attention_tiling_update(seq, *tiling, plan)
     q_lens = torch.tensor([1, 6, 3, 5, 2], dtype=torch.int32, device=DEV)
@@ -435,7 +436,8 @@ def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("max_splits, settled", [(1, False), (8, False), (1, True), (8, True)])
-def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, settled):
+def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, settled,
+                                                monkeypatch):
     """Attention fused with q/k norm + rotary + the new rows' KV write (packed verify rows;
     request 1's six rows straddle a KV split boundary). ``settled``: the metadata, rotary
     tables and new rows' pages are read before the PDL wait (``meta_settled``)."""
@@ -461,6 +463,7 @@ def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, sett
     plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=16)
     tiling = None
     if settled:
+        monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "1")
         tiling = (torch.empty_like(seq_t), torch.empty_like(seq_t))
         ops.attention_tiling_update(seq_t, *tiling, plan)
     outs = []
@@ -527,13 +530,20 @@ def test_linear_argmax_matches_reference(dtype, m, shape):
 
 @pytest.mark.parametrize("k, batch", [(0, 1), (1, 3), (5, 1), (5, 8)])
 @pytest.mark.parametrize("greedy", [True, False])
-@pytest.mark.parametrize("vocab, block_n", [(200, 16), (1500, 1)])
-def test_verify_accept_partials_match_oracle(k, batch, greedy, vocab, block_n):
+@pytest.mark.parametrize("vocab, block_n, chunk", [(200, 16, None), (1500, 1, None),
+                                                   (1500, 1, 4096)])
+def test_verify_accept_partials_match_oracle(k, batch, greedy, vocab, block_n, chunk,
+                                             monkeypatch):
     """The acceptance kernel reducing per-tile partials itself: the same results as from the
-    row tokens. ``block_n = 1`` gives T = 1500 tiles, several BLOCK_T chunks (512 at k = 5):
-    tokens shifted to columns 600..649 put NaN rows' ``+inf`` a chunk before their NaN and many
-    tied columns a chunk after the first."""
+    row tokens. ``block_n = 1`` gives T = 1500 tiles; a 4096-partial chunk cap makes that
+    several BLOCK_T chunks (512 at k = 5): tokens shifted to columns 600..649 put NaN rows'
+    ``+inf`` a chunk before their NaN and many tied columns a chunk after the first."""
     from kernel_builders import accept_case, accept_oracle, logits_for_tokens
+
+    from speccal.kernels import verify_accept as va
+
+    if chunk is not None:
+        monkeypatch.setattr(va, "PARTIAL_CHUNK", chunk)
 
     args = accept_case(11 + k, batch, k, batch * (k + 1) + 3, 64, torch.bfloat16, DEV)
     if vocab > 1000:
