@@ -26,6 +26,7 @@ __all__ = [
     "fold_max_merge",
     "gemv_prefetch_tiles",
     "interpreting",
+    "norm_defer",
     "num_sms",
     "pdl_enabled",
     "pdl_mode",
@@ -238,3 +239,11 @@ def attention_warps(default: int) -> int:
     unset: ``default``). A tuning switch for benchmarks, read at launch (graph capture)."""
     value = _env_choice("SPECCAL_ATTN_WARPS", str(default), ("4", "8"), "4 or 8")
     return int(value)
+
+
+def norm_defer() -> bool:
+    """``SPECCAL_NORM_DEFER``: ``1`` (default) the fused layer defers its post-attention RMSNorm
+    into the o projection's epilogue and the gate/up GEMV's row scale
+    (``ops.linear_deferred_norm``); ``0`` launches the norm. An A/B switch for benchmarks, read
+    at capture."""
+    return _env_choice("SPECCAL_NORM_DEFER", "1", ("0", "1"), "0 or 1") == "1"

@@ -66,12 +66,18 @@ def _skinny_kernel(
     DIRECT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FMA: tl.constexpr,
     GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr, LINE: tl.constexpr, RES_EARLY: tl.constexpr, ARGMAX: tl.constexpr,
+    nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1, norm_n=1, eps=0.0,
+    DEFER: tl.constexpr = False, SCALE: tl.constexpr = False, P_PAD: tl.constexpr = 1,
 ):
     # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]),
     # split 1 only. RES: y += acc (y is the residual stream; at split > 1 the reduce adds).
     # ARGMAX (split 1): no logits; y is tile_max [M, T] fp32 and part tile_idx [M, T] int32
     # (stride_ym = T), this program's column pid_n: the max of its BLOCK_N outputs per row and
     # the column where it first occurs.
+    # DEFER (split 1, RES): the next RMSNorm, deferred: besides the updated residual h, store
+    # xw = h * nw (rounded) and ss[m, pid_n] = sum of h^2 over this program's columns ([M, P]).
+    # SCALE: the consumer's side: each row's product is scaled by rsqrt(sum_p ss[m, p] / norm_n
+    # + eps) before the epilogue, so x = xw gives the product of the normed rows (no norm launch).
     # x goes to the dot as loaded (math on a dot operand stops Triton pipelining the K loop).
     # Before the PDL wait (the predecessor may still run): PREFETCH of this program's first
     # weight tiles into L2 (weights are never written), and with RES_EARLY the residual tile
@@ -89,10 +95,17 @@ def _skinny_kernel(
         _prefetch_tiles(w_ptr, offs_n, k_lo, N, K, stride_wn, BLOCK_K, PREFETCH, LINE)
     if RES_EARLY:
         res = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    if DEFER:
+        nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if PDL > 0:  # 1: let the next kernel launch now; 2: only once this one's K loop is done
         tl.extra.cuda.gdc_wait()
         if PDL == 1:
             tl.extra.cuda.gdc_launch_dependents()
+    if SCALE:
+        offs_p = tl.arange(0, P_PAD)
+        sq = tl.load(ss_ptr + offs_m[:, None] * P + offs_p[None, :],
+                     mask=m_ok[:, None] & (offs_p < P)[None, :], other=0.0)
+        row_scale = tl.math.rsqrt(tl.sum(sq, 1) / norm_n + eps)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
@@ -115,6 +128,8 @@ def _skinny_kernel(
             acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N]
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
+    if SCALE:
+        acc = acc * row_scale[:, None]
     if GLU:
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
         act = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_M, BLOCK_N // 2]
@@ -143,7 +158,13 @@ def _skinny_kernel(
             acc += res
         elif RES:
             acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        hb = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptrs, hb, mask=y_mask)
+        if DEFER:
+            hf = tl.where(y_mask, hb.to(tl.float32), 0.0)
+            tl.store(xw_ptr + offs_m[:, None] * stride_xw + offs_n[None, :],
+                     (hf * nw[None, :]).to(xw_ptr.dtype.element_ty), mask=y_mask)
+            tl.store(ss_ptr + offs_m * P + pid_n, tl.sum(hf * hf, 1), mask=m_ok)
     else:
         p_ptrs = part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -209,8 +230,15 @@ def linear_triton(
     norm: tuple | None = None,  # (weight [N], eps, out [M, N]): out = rmsnorm(residual) * weight
     prefetch: int = 0,  # weight tiles per program prefetched into L2 before the PDL wait
     residual_settled: bool = False,  # the previous kernel does not write ``residual``
+    defer: tuple | None = None,  # (norm weight [N], xw [M, N], ss [M, P]), residual at split 1
+    row_scale: tuple | None = None,  # (ss [M, P] fp32, eps): rows scaled by rsqrt(sum/K + eps)
 ) -> torch.Tensor:  # out
     """``x @ weight.T`` (then SwiGLU, or ``+ residual`` in place); validated by ``ops.linear``.
+
+    ``defer`` / ``row_scale``: the two halves of a deferred RMSNorm (``ops.linear_deferred_norm``
+    and ``ops.linear(row_scale=...)``): the producer (residual add, split 1) stores
+    ``xw = h * weight`` and per-column-tile sums of ``h^2`` (``P = cdiv(N, block_n)``), the
+    consumer scales each row of its product by ``rsqrt(sum / K + eps)``.
 
     SwiGLU needs every K of an output in one program (split 1); a residual add runs in the
     GEMV's epilogue at split 1, else in the split-K reduce (``pick_config(..., epilogue=...)``).
@@ -249,6 +277,7 @@ def linear_triton(
         PREFETCH=min(prefetch, k_per_split // cfg.block_k) if pdl > 0 else 0,
         LINE=max(1, min(cfg.block_k, 128 // weight.element_size())),
         RES_EARLY=direct and residual is not None and residual_settled, ARGMAX=False,
+        **_norm_args(defer, row_scale, k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
     )
     if not direct and norm is not None:
@@ -268,6 +297,19 @@ def linear_triton(
     elif norm is not None:
         rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
     return out
+
+
+def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int) -> dict:
+    """Kernel arguments of the deferred norm's producer (``defer``) or consumer (``row_scale``)."""
+    if defer is not None:
+        nw, xw, ss = defer
+        return dict(nw_ptr=nw, xw_ptr=xw, ss_ptr=ss, stride_xw=xw.stride(0), P=ss.shape[1],
+                    DEFER=True)
+    if row_scale is not None:
+        ss, eps = row_scale
+        return dict(ss_ptr=ss, P=ss.shape[1], norm_n=k, eps=eps, SCALE=True,
+                    P_PAD=triton.next_power_of_2(ss.shape[1]))
+    return {}
 
 
 def linear_argmax_triton(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GemvConfig", "argmax_tile_width", "pick_config"]
+__all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "pick_config"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,13 @@ def argmax_tile_width(m: int, n: int, k: int, num_sms: int = 132,
     GEMV config the argmax epilogue launches with (``config``, else ``pick_config(...,
     epilogue="argmax")``). The partials are ``[m, cdiv(n, width)]``."""
     return (config or pick_config(m, n, k, num_sms, epilogue="argmax")).block_n
+
+
+def deferred_norm_tiles(m: int, n: int, k: int, num_sms: int = 132) -> int | None:
+    """Column tiles ``P`` of a deferred norm's producer GEMV (``x [m, k] @ w [n, k].T`` added
+    into a residual; ``ops.linear_deferred_norm``), or None where its config splits K (the
+    producer's epilogue must see whole rows of the product)."""
+    cfg = pick_config(m, n, k, num_sms, epilogue="residual")
+    if cfg.split_k > 1 and -(-k // cfg.block_k) > 1:
+        return None
+    return -(-n // cfg.block_n)

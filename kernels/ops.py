@@ -31,6 +31,7 @@ from speccal.kernels import reference as ref
 from speccal.kernels._backend import (
     decode_max_splits,
     gemv_prefetch_tiles,
+    norm_defer,
     num_sms,
     pdl_enabled,
     pdl_mode,
@@ -39,9 +40,10 @@ from speccal.kernels._backend import (
     verify_halves,
     verify_max_splits,
 )
-from speccal.kernels.gemv_config import GemvConfig, argmax_tile_width
+from speccal.kernels.gemv_config import GemvConfig, argmax_tile_width, deferred_norm_tiles
 
 __all__ = [
+    "DeferredNorm",
     "SplitPlan",
     "argmax_tile_width",
     "attention_tiling_update",
@@ -49,6 +51,8 @@ __all__ = [
     "fold_wanted",
     "linear",
     "linear_argmax",
+    "linear_deferred_norm",
+    "norm_defer",
     "paged_attention",
     "plan_splits",
     "rms_norm",
@@ -523,9 +527,14 @@ def linear(
     residual: torch.Tensor | None = None,  # [M, N]: residual += result, returned
     norm: tuple | None = None,  # (weight [N], eps, out [M, N]), with residual only
     residual_settled: bool = False,
+    row_scale: DeferredNorm | None = None,  # x is row_scale.xw: the product of the normed rows
     backend: str | None = None,
 ) -> torch.Tensor:  # [M, N]
     """``x @ weight.T`` for small M (decode/verify rows): split-K Triton GEMV on CUDA.
+
+    ``row_scale`` (a ``DeferredNorm`` from ``linear_deferred_norm``, whose ``xw`` is ``x``):
+    each row of the product is scaled by ``rsqrt(sum(ss[m]) / K + eps)`` before the epilogue,
+    which gives the product of the RMSNorm'd rows without a norm launch.
 
     ``epilogue="silu_mul"``: the weight's rows interleave ``(gate_i, up_i)`` and the result is
     ``silu(gate) * up`` ``[M, N / 2]`` (SwiGLU in the GEMV's epilogue). ``residual``: the
@@ -566,17 +575,92 @@ def linear(
         _need(eps > 0, "norm[1] (eps)", eps, "> 0")
         _need(_shape(xn) == (m, n) and xn.dtype == x.dtype and xn.stride(1) == 1,
               "norm[2] (out)", (_shape(xn), xn.dtype), f"[{m}, {n}] {x.dtype}, N contiguous")
+    scale = None
+    if row_scale is not None:
+        _need(isinstance(row_scale, DeferredNorm), "row_scale", type(row_scale).__name__,
+              "a DeferredNorm (linear_deferred_norm)")
+        _need(residual is None and norm is None, "row_scale", "with residual/norm",
+              "no residual and no norm")
+        ss = row_scale.ss
+        _need(ss.dim() == 2 and ss.shape[0] == m and ss.dtype == torch.float32
+              and ss.is_contiguous(), "row_scale.ss", (_shape(ss), ss.dtype),
+              f"[{m}, P] float32, contiguous")
+        scale = (ss, row_scale.eps)
     if use_triton(x, backend):
         from speccal.kernels.gemv import linear_triton
 
         return linear_triton(x, weight, out=out, config=config, epilogue=epilogue,
                              residual=residual, pdl=pdl_mode(x), norm=norm,
                              prefetch=gemv_prefetch_tiles(),
-                             residual_settled=residual_settled and prewait_loads())
-    res = ref.linear_ref(x, weight, epilogue, residual)
+                             residual_settled=residual_settled and prewait_loads(),
+                             row_scale=scale)
+    rs = None
+    if scale is not None:
+        rs = torch.rsqrt(scale[0].sum(1) / x.shape[1] + scale[1])
+    res = ref.linear_ref(x, weight, epilogue, residual, row_scale=rs)
     if norm is not None:
         norm[2].copy_(ref.rms_norm_ref(res, norm[0], norm[1]))
     return res if out is None else out.copy_(res)
+
+
+@dataclass(frozen=True)
+class DeferredNorm:
+    """An RMSNorm left to the GEMV that consumes it (``linear_deferred_norm``).
+
+    ``xw [M, N]``: the residual ``h`` times the norm weight, rounded to ``h``'s dtype; ``ss [M, P]``
+    fp32: sums of ``h^2`` over ``P`` column tiles of ``h``. ``linear(xw, w, row_scale=this)`` is
+    ``linear(rms_norm(h, weight, eps), w)`` up to where the rounding falls (the row factor
+    ``rsqrt(mean(h^2) + eps)`` multiplies the fp32 product instead of the bf16 input)."""
+
+    xw: torch.Tensor
+    ss: torch.Tensor
+    eps: float
+
+
+def linear_deferred_norm(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    residual: torch.Tensor,  # [M, N]: residual += x @ weight.T, in place
+    norm_weight: torch.Tensor,  # [N]
+    eps: float,
+    *,
+    residual_settled: bool = False,
+    backend: str | None = None,
+) -> DeferredNorm:
+    """``residual += x @ weight.T``, then the RMSNorm of the updated residual left to its
+    consumer: the GEMV's epilogue writes ``xw = residual * norm_weight`` and per-tile sums of
+    squares, and ``linear(xw, w2, row_scale=...)`` applies the row factor (the fused layer's
+    o projection -> post-attention norm -> gate/up: one launch fewer per layer). Where the
+    GEMV's config splits K (more than ~64 rows) the pieces come from torch after the add.
+    ``residual_settled``: as in ``linear``.
+    """
+    _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
+          (_shape(x), _shape(weight)), "[M, K] and [N, K]")
+    _need(x.dtype in _FLOATS and weight.dtype == x.dtype, "x/weight dtype", (x.dtype, weight.dtype),
+          "the same float dtype")
+    _need(x.stride(1) == 1 and weight.stride(1) == 1, "x/weight", "strided", "K contiguous")
+    (m, k), n = x.shape, weight.shape[0]
+    _need(isinstance(residual, torch.Tensor) and _shape(residual) == (m, n)
+          and residual.dtype == x.dtype and residual.is_contiguous(), "residual",
+          (_shape(residual), getattr(residual, "dtype", None)), f"[{m}, {n}] {x.dtype}, contiguous")
+    _need(_shape(norm_weight) == (n,) and norm_weight.dtype == x.dtype, "norm_weight",
+          (_shape(norm_weight), norm_weight.dtype), f"[{n}] {x.dtype}")
+    _need(isinstance(eps, float) and eps > 0, "eps", eps, "a float > 0")
+    tiles = deferred_norm_tiles(m, n, k, num_sms(x.device))
+    if use_triton(x, backend) and tiles is not None:
+        from speccal.kernels.gemv import linear_triton
+
+        xw = torch.empty_like(residual)
+        ss = torch.empty(m, tiles, dtype=torch.float32, device=x.device)
+        linear_triton(x, weight, residual=residual, pdl=pdl_mode(x),
+                      prefetch=gemv_prefetch_tiles(),
+                      residual_settled=residual_settled and prewait_loads(),
+                      defer=(norm_weight, xw, ss))
+        return DeferredNorm(xw, ss, eps)
+    linear(x, weight, residual=residual, residual_settled=residual_settled, backend=backend)
+    hf = residual.float()
+    return DeferredNorm((hf * norm_weight.float()).to(residual.dtype),
+                        hf.pow(2).sum(1, keepdim=True), eps)
 
 
 def linear_argmax(

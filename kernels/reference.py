@@ -276,14 +276,19 @@ def linear_ref(
     weight: torch.Tensor,  # [N, K] (nn.Linear layout)
     epilogue: str | None = None,  # None | "silu_mul"
     residual: torch.Tensor | None = None,  # [M, N], becomes residual + result (in place)
+    row_scale: torch.Tensor | None = None,  # [M]: each row of the product times this
 ) -> torch.Tensor:  # [M, N] ([M, N / 2] for "silu_mul"), x.dtype (the residual when given)
     """``x @ weight.T`` with (at least) fp32 accumulation, then an optional epilogue.
 
     ``silu_mul``: weight rows interleave ``(gate_i, up_i)``; returns ``silu(gate) * up``.
     ``residual``: adds the product into ``residual`` (one rounding) and returns it.
+    ``row_scale``: multiplies row ``m`` of the fp32 product by ``row_scale[m]`` first (the
+    consumer half of a deferred RMSNorm, ``ops.linear(row_scale=...)``).
     """
     acc = torch.promote_types(x.dtype, torch.float32)
     y = x.to(acc) @ weight.to(acc).t()
+    if row_scale is not None:
+        y = y * row_scale.to(acc)[:, None]
     if epilogue == "silu_mul":
         y = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
     if residual is None:

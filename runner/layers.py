@@ -235,9 +235,15 @@ class DecoderLayer(nn.Module):
             out = attend_rows(q_out, kv[0], kv[1], meta, att.scale)  # [N, hq, d]
         # h was last written three launches back (the previous down reduce or, in layer 0, the
         # embedding + norm launch), so the o GEMV may read it before its PDL wait
-        ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h, residual_settled=True)
-        x = ops.rms_norm(h, ln2.weight, ln2.eps)
-        act = ops.linear(x, mlp.gate_up_weight, epilogue="silu_mul")  # [N, inter]
+        if ops.norm_defer():  # the norm's row factor applied in the gate/up GEMV: no norm launch
+            dn = ops.linear_deferred_norm(out.reshape(n, hq * d), att.o_proj.weight, h,
+                                          ln2.weight, ln2.eps, residual_settled=True)
+            act = ops.linear(dn.xw, mlp.gate_up_weight, epilogue="silu_mul", row_scale=dn)
+        else:
+            ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h,
+                       residual_settled=True)
+            x = ops.rms_norm(h, ln2.weight, ln2.eps)
+            act = ops.linear(x, mlp.gate_up_weight, epilogue="silu_mul")  # [N, inter]
         nrm = None if next_norm is None else (next_norm[0].weight, next_norm[0].eps, next_norm[1])
         ops.linear(act, mlp.down_proj.weight, residual=h, norm=nrm)
         return h

@@ -556,3 +556,51 @@ def test_verify_accept_refuses_bad_partials():
         with pytest.raises(InputError, match=field) as err:
             ops.verify_accept(partials, *args[1:])
         assert err.value.field.startswith("row_tokens")
+
+
+def test_deferred_norm_equals_the_norm_launch():
+    """``linear_deferred_norm`` + ``linear(row_scale=...)`` give what ``linear(residual=h)``,
+    ``rms_norm`` and the consumer GEMV give (fp32: up to rounding order), and the residual is
+    updated in place exactly as the plain residual add does it."""
+    gen = torch.Generator().manual_seed(5)
+    m, k, n, inter = 3, 64, 48, 40
+    x, h = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+    w_o, w_gu = torch.randn(n, k, generator=gen), torch.randn(2 * inter, n, generator=gen)
+    nw = 1 + 0.1 * torch.randn(n, generator=gen)
+    h1, h2 = h.clone(), h.clone()
+    dn = ops.linear_deferred_norm(x, w_o, h1, nw, 1e-6)
+    got = ops.linear(dn.xw, w_gu, epilogue="silu_mul", row_scale=dn)
+    ops.linear(x, w_o, residual=h2)
+    want = ops.linear(ops.rms_norm(h2, nw, 1e-6), w_gu, epilogue="silu_mul")
+    assert torch.equal(h1, h2)
+    assert dn.ss.shape == (m, 1) and dn.ss.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(norm_weight=torch.ones(7)), "norm_weight"),
+    (dict(eps=0.0), "eps"),
+    (dict(residual=torch.zeros(3, 7)), "residual"),
+    (dict(x=torch.zeros(3, 5)), "x/weight shapes"),
+])
+def test_deferred_norm_rejects_bad_input(change, field):
+    args = dict(x=torch.zeros(3, 8), weight=torch.zeros(6, 8), residual=torch.zeros(3, 6),
+                norm_weight=torch.ones(6), eps=1e-6)
+    args.update(change)
+    with pytest.raises(InputError, match=field):
+        ops.linear_deferred_norm(**args)
+
+
+def test_row_scale_rejects_bad_input():
+    x, w = torch.zeros(3, 8), torch.zeros(6, 8)
+    dn = ops.DeferredNorm(x, torch.ones(3, 2), 1e-6)
+    with pytest.raises(InputError, match="row_scale"):
+        ops.linear(x, w, row_scale=(x, 1e-6))
+    with pytest.raises(InputError, match="row_scale"):
+        ops.linear(x, torch.zeros(8, 8), residual=torch.zeros(3, 8), row_scale=dn)
+    with pytest.raises(InputError, match="row_scale.ss"):
+        ops.linear(x, w, row_scale=ops.DeferredNorm(x, torch.ones(2, 2), 1e-6))
+    with pytest.raises(InputError, match="row_scale.ss"):
+        ops.linear(x, w, row_scale=ops.DeferredNorm(x, torch.ones(3, 2, dtype=torch.float64),
+                                                    1e-6))
+    ops.linear(x, w, row_scale=dn)  # well-formed: runs

@@ -305,6 +305,33 @@ def test_linear_matches_reference(dtype, m, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 6, 48])
+def test_deferred_norm_matches_the_norm_launch(dtype, m):
+    """The o projection's deferred-norm epilogue (residual add, ``xw = h * w``, per-tile sums of
+    squares) and the gate/up GEMV's row scale against the reference chain residual add ->
+    RMSNorm -> SwiGLU GEMV (the ~2B preset's o shape, a small gate/up)."""
+    gen = torch.Generator().manual_seed(70 + m)
+    n, inter = 2048, 256
+    x = torch.randn(m, n, generator=gen).to(dtype=dtype, device=DEV)
+    h = (torch.randn(m, n, generator=gen) * 2).to(dtype=dtype, device=DEV)
+    w_o = (torch.randn(n, n, generator=gen) / math.sqrt(n)).to(dtype=dtype, device=DEV)
+    w_gu = (torch.randn(2 * inter, n, generator=gen) / math.sqrt(n)).to(dtype=dtype, device=DEV)
+    nw = (1 + 0.2 * torch.randn(n, generator=gen)).to(dtype=dtype, device=DEV)
+    h1 = h.clone()
+    dn = ops.linear_deferred_norm(x, w_o, h1, nw, 1e-6, backend="triton")
+    assert dn.ss.shape[1] > 1  # the GEMV epilogue wrote per-tile partials (no torch fallback)
+    act = torch.full((m, inter), float("nan"), dtype=dtype, device=DEV)
+    ops.linear(dn.xw, w_gu, out=act, epilogue="silu_mul", row_scale=dn, backend="triton")
+    h2 = h.float().clone()
+    ref.linear_ref(x.float(), w_o.float(), None, h2)
+    want = ref.linear_ref(ref.rms_norm_ref(h2, nw.float(), 1e-6), w_gu.float(), "silu_mul")
+    assert rel_err(h1, h2) < TOL[dtype]
+    assert rel_err(dn.xw, h2 * nw.float()) < TOL[dtype]
+    torch.testing.assert_close(dn.ss.sum(1), h1.float().pow(2).sum(1), rtol=1e-4, atol=1e-3)
+    assert rel_err(act, want) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, n", [(1, 2048), (48, 2048), (7, 1000)])
 def test_rms_norm_matches_reference(dtype, m, n):
     gen = torch.Generator().manual_seed(m * n)

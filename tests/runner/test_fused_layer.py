@@ -163,11 +163,15 @@ def test_fused_model_forward_matches_the_torch_forward():
     torch.testing.assert_close(got[real], want[real], rtol=2e-4, atol=2e-4)
 
 
-def test_fused_forward_gathers_the_embedding_inside_the_first_norm(monkeypatch):
+@pytest.mark.parametrize("defer", ["1", "0"])
+def test_fused_forward_gathers_the_embedding_inside_the_first_norm(defer, monkeypatch):
     """On the fused path ``forward`` runs no embedding module and no norm launch of its own:
     one ``ops.embed_rms_norm`` writes the residual stream (the embedding rows, which the layers
-    then update in place) and layer 0's normed input. The Triton path is simulated on CPU (every
-    op runs its reference), so this checks the launch plan, not the kernels."""
+    then update in place) and layer 0's normed input. The post-attention norm is deferred into
+    the o / gate-up GEMVs (``SPECCAL_NORM_DEFER=1``, the default) or launched (``0``). The
+    Triton path is simulated on CPU (every op runs its reference), so this checks the launch
+    plan, not the kernels."""
+    monkeypatch.setenv("SPECCAL_NORM_DEFER", defer)
     from speccal.kernels import ops
     from speccal.runner import layers as layers_mod
     from speccal.runner import model as model_mod
@@ -177,8 +181,13 @@ def test_fused_forward_gathers_the_embedding_inside_the_first_norm(monkeypatch):
         want = model(ids, pos, meta, _kv(kv0))  # the torch path (CPU tensors)
     monkeypatch.setattr(layers_mod, "fused_kernels", lambda x: True)
     monkeypatch.setattr(model_mod, "fused_kernels", lambda x: True)
-    calls = {"embed_rms_norm": [], "rms_norm": 0}
-    real_embed, real_norm = ops.embed_rms_norm, ops.rms_norm
+    calls = {"embed_rms_norm": [], "rms_norm": 0, "deferred": 0}
+    real_embed, real_norm, real_defer = ops.embed_rms_norm, ops.rms_norm, ops.linear_deferred_norm
+
+    def spy_defer(*args, **kwargs):
+        calls["deferred"] += 1
+        return real_defer(*args, **kwargs)
+
 
     def spy_embed(*args, **kwargs):
         out = real_embed(*args, **kwargs)
@@ -194,12 +203,16 @@ def test_fused_forward_gathers_the_embedding_inside_the_first_norm(monkeypatch):
 
     monkeypatch.setattr(ops, "embed_rms_norm", spy_embed)
     monkeypatch.setattr(ops, "rms_norm", spy_norm)
+    monkeypatch.setattr(ops, "linear_deferred_norm", spy_defer)
     monkeypatch.setattr(model.model.embed_tokens, "forward", no_embedding)
     with torch.no_grad():
         got = model(ids, pos, meta, _kv(kv0))
     assert len(calls["embed_rms_norm"]) == 1
-    # per layer only the post-attention norm is a norm launch (the down reduce writes the next)
-    assert calls["rms_norm"] == len(model.model.layers)
+    # per layer only the post-attention norm may be a norm launch (the down reduce writes the
+    # next); deferred, it is none
+    layers = len(model.model.layers)
+    assert calls["rms_norm"] == (0 if defer == "1" else layers)
+    assert calls["deferred"] == (layers if defer == "1" else 0)
     h, _ = calls["embed_rms_norm"][0]
     assert not torch.equal(h, model.model.embed_tokens.weight[ids])  # updated in place by layers
     real = slice(0, int(meta.cu_q_lens[-1]))
