@@ -40,7 +40,7 @@ from speccal.kernels._backend import num_sms
 from speccal.kernels.gemv_config import GemvConfig, pick_config
 from speccal.kernels.rmsnorm import norm_row_store, rms_norm_triton
 
-__all__ = ["GemvConfig", "linear_argmax_triton", "linear_triton", "pick_config"]
+__all__ = ["GemvConfig", "fold_counters", "linear_argmax_triton", "linear_triton", "pick_config"]
 
 
 @triton.jit
@@ -66,8 +66,9 @@ def _skinny_kernel(
     DIRECT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FMA: tl.constexpr,
     GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr, LINE: tl.constexpr, RES_EARLY: tl.constexpr, ARGMAX: tl.constexpr,
-    nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1, norm_n=1, eps=0.0,
+    nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1, norm_n=1, eps=0.0, cnt_ptr=None,
     DEFER: tl.constexpr = False, SCALE: tl.constexpr = False, P_PAD: tl.constexpr = 1,
+    FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
     # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]),
     # split 1 only. RES: y += acc (y is the residual stream; at split > 1 the reduce adds).
@@ -78,6 +79,10 @@ def _skinny_kernel(
     # xw = h * nw (rounded) and ss[m, pid_n] = sum of h^2 over this program's columns ([M, P]).
     # SCALE: the consumer's side: each row's product is scaled by rsqrt(sum_p ss[m, p] / norm_n
     # + eps) before the epilogue, so x = xw gives the product of the normed rows (no norm launch).
+    # FOLD (split K, with RES): no reduce launch: after storing its partial, a program counts
+    # itself in cnt[pid_n]; the last of the SPLIT programs of its column tile sums the partials
+    # (read through L2 after the acquire), adds the residual, stores h (and with DEFER the
+    # deferred norm's pieces) and resets the counter (zero between launches).
     # x goes to the dot as loaded (math on a dot operand stops Triton pipelining the K loop).
     # Before the PDL wait (the predecessor may still run): PREFETCH of this program's first
     # weight tiles into L2 (weights are never written), and with RES_EARLY the residual tile
@@ -158,16 +163,36 @@ def _skinny_kernel(
             acc += res
         elif RES:
             acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-        hb = acc.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptrs, hb, mask=y_mask)
-        if DEFER:
-            hf = tl.where(y_mask, hb.to(tl.float32), 0.0)
-            tl.store(xw_ptr + offs_m[:, None] * stride_xw + offs_n[None, :],
-                     (hf * nw[None, :]).to(xw_ptr.dtype.element_ty), mask=y_mask)
-            tl.store(ss_ptr + offs_m * P + pid_n, tl.sum(hf * hf, 1), mask=m_ok)
+        _store_h(acc, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr, stride_xw, P,
+                 nw if DEFER else acc, DEFER)
     else:
         p_ptrs = part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+        if FOLD:
+            tl.debug_barrier()  # every thread's partial stores before the release below
+            done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:
+                tl.store(cnt_ptr + pid_n, 0)
+                tot = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)  # the residual
+                for s in tl.static_range(SPLIT):
+                    tot += tl.load(part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :],
+                                   mask=y_mask, other=0.0, cache_modifier=".cg")
+                _store_h(tot, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr,
+                         stride_xw, P, nw if DEFER else tot, DEFER)
+
+
+@triton.jit
+def _store_h(acc, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr, stride_xw, P, nw,
+             DEFER: tl.constexpr):
+    """Store the updated residual tile ``h = acc`` (rounded); with DEFER also the deferred norm's
+    ``xw = h * nw`` and this column tile's sums of ``h^2`` per row (``ss[m, pid_n]``)."""
+    hb = acc.to(y_ptrs.dtype.element_ty)
+    tl.store(y_ptrs, hb, mask=y_mask)
+    if DEFER:
+        hf = tl.where(y_mask, hb.to(tl.float32), 0.0)
+        tl.store(xw_ptr + offs_m[:, None] * stride_xw + offs_n[None, :],
+                 (hf * nw[None, :]).to(xw_ptr.dtype.element_ty), mask=y_mask)
+        tl.store(ss_ptr + offs_m * P + pid_n, tl.sum(hf * hf, 1), mask=m_ok)
 
 
 @triton.jit
@@ -268,6 +293,13 @@ def linear_triton(
     split = triton.cdiv(k, k_per_split)
     direct = split == 1
     part = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    fold = {}
+    if defer is not None and not direct:  # the deferred norm needs whole sums: fold the reduce
+        cnt = fold_counters(x.device, triton.cdiv(n, cfg.block_n))
+        if cnt is None:
+            raise InputError("defer", "split-K without fold counters",
+                             "counters allocated before capture (run the op once eagerly)")
+        fold = dict(cnt_ptr=cnt, FOLD=True, SPLIT=split)
     even_k = k % k_per_split == 0 and k_per_split % cfg.block_k == 0
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
@@ -277,9 +309,11 @@ def linear_triton(
         PREFETCH=min(prefetch, k_per_split // cfg.block_k) if pdl > 0 else 0,
         LINE=max(1, min(cfg.block_k, 128 // weight.element_size())),
         RES_EARLY=direct and residual is not None and residual_settled, ARGMAX=False,
-        **_norm_args(defer, row_scale, k),
+        **_norm_args(defer, row_scale, k), **fold,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
     )
+    if fold:  # the last program of each column tile reduced it
+        return out
     if not direct and norm is not None:
         nw, eps, xn = norm
         block = triton.next_power_of_2(n)
@@ -297,6 +331,22 @@ def linear_triton(
     elif norm is not None:
         rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
     return out
+
+
+_COUNTER_SLOTS = 4096
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The per-device arrival counters of the folded split-K reduce (int32 zeros, reset by the
+    kernel). Allocated once, outside any CUDA graph capture: a capture that finds none (or too
+    few) gets None and its caller takes the reduce launch instead."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        cnt = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return cnt if needed <= cnt.numel() else None
 
 
 def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int) -> dict:

@@ -94,11 +94,9 @@ def argmax_tile_width(m: int, n: int, k: int, num_sms: int = 132,
     return (config or pick_config(m, n, k, num_sms, epilogue="argmax")).block_n
 
 
-def deferred_norm_tiles(m: int, n: int, k: int, num_sms: int = 132) -> int | None:
-    """Column tiles ``P`` of a deferred norm's producer GEMV (``x [m, k] @ w [n, k].T`` added
-    into a residual; ``ops.linear_deferred_norm``), or None where its config splits K (the
-    producer's epilogue must see whole rows of the product)."""
+def deferred_norm_tiles(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, bool]:
+    """``(P, folded)`` of a deferred norm's producer GEMV (``x [m, k] @ w [n, k].T`` added into
+    a residual; ``ops.linear_deferred_norm``): its column tiles, and whether its config splits
+    K, so that the last program of each column tile reduces it (arrival counters)."""
     cfg = pick_config(m, n, k, num_sms, epilogue="residual")
-    if cfg.split_k > 1 and -(-k // cfg.block_k) > 1:
-        return None
-    return -(-n // cfg.block_n)
+    return -(-n // cfg.block_n), cfg.split_k > 1 and -(-k // cfg.block_k) > 1

@@ -631,7 +631,10 @@ def linear_deferred_norm(
     consumer: the GEMV's epilogue writes ``xw = residual * norm_weight`` and per-tile sums of
     squares, and ``linear(xw, w2, row_scale=...)`` applies the row factor (the fused layer's
     o projection -> post-attention norm -> gate/up: one launch fewer per layer). Where the
-    GEMV's config splits K (more than ~64 rows) the pieces come from torch after the add.
+    GEMV's config splits K, the last program of each column tile sums the split partials
+    (arrival counters, no reduce launch): the fused layer's down projection -> next layer's
+    input norm -> QKV. Without counters (a graph capture before any eager call) or off
+    Triton the pieces come from torch after the add.
     ``residual_settled``: as in ``linear``.
     """
     _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
@@ -646,10 +649,15 @@ def linear_deferred_norm(
     _need(_shape(norm_weight) == (n,) and norm_weight.dtype == x.dtype, "norm_weight",
           (_shape(norm_weight), norm_weight.dtype), f"[{n}] {x.dtype}")
     _need(isinstance(eps, float) and eps > 0, "eps", eps, "a float > 0")
-    tiles = deferred_norm_tiles(m, n, k, num_sms(x.device))
-    if use_triton(x, backend) and tiles is not None:
-        from speccal.kernels.gemv import linear_triton
+    tiles, folded = deferred_norm_tiles(m, n, k, num_sms(x.device))
+    if use_triton(x, backend):
+        from speccal.kernels.gemv import fold_counters, linear_triton
 
+        if folded and fold_counters(x.device, tiles) is None:  # a capture before any eager run
+            tiles = None
+    else:
+        tiles = None
+    if tiles is not None:
         xw = torch.empty_like(residual)
         ss = torch.empty(m, tiles, dtype=torch.float32, device=x.device)
         linear_triton(x, weight, residual=residual, pdl=pdl_mode(x),

@@ -196,25 +196,49 @@ class DecoderLayer(nn.Module):
         normed: torch.Tensor | None = None,  # [N, hidden]: input_layernorm(h), already computed
         next_norm: tuple[RMSNorm, torch.Tensor] | None = None,  # (norm, out [N, hidden])
     ) -> torch.Tensor:  # h
-        """The decode/verify layer in six to eight Triton launches (bench/KERNEL_NOTES.md).
+        """The decode/verify layer in five to eight Triton launches (bench/KERNEL_NOTES.md).
 
         norm (unless ``normed`` is given), QKV GEMV, attention (split + reduce, or one launch
         where the merge folds into the split kernel; with ``fuse_rope`` and the packed layout the
         split kernel also does q/k norm + rotary + the new rows' KV write, else one more launch
-        does them first), o GEMV with the residual add in its epilogue, norm, gate/up GEMV with
-        SwiGLU in its epilogue (interleaved rows), down GEMV + residual add (split-K reduce),
-        which with ``next_norm`` also writes that norm of the result into its ``out`` (the next
-        layer's ``normed``, or the final norm). ``fuse_rope`` requires ``positions`` to be the
-        packed rows' own positions (``seq_lens - q_len + i``), as the target's verify/decode
-        metadata is.
+        does them first), o GEMV with the residual add in its epilogue and the post-attention
+        norm deferred into it and into the gate/up GEMV (``SPECCAL_NORM_DEFER``; else a norm
+        launch), gate/up GEMV with SwiGLU in its epilogue (interleaved rows), down GEMV +
+        residual add (split-K reduce), which with ``next_norm`` also writes that norm of the
+        result into its ``out`` (the next layer's ``normed``, or the final norm). ``fuse_rope``
+        requires ``positions`` to be the packed rows' own positions (``seq_lens - q_len + i``),
+        as the target's verify/decode metadata is.
         """
+        self.forward_fused_to_next(h, positions, meta, kv, rotary, fuse_rope, normed=normed,
+                                   next_norm=next_norm)
+        return h
+
+    def forward_fused_to_next(
+        self,
+        h: torch.Tensor,  # [N, hidden] contiguous: the residual stream, updated in place
+        positions: torch.Tensor,  # [N] int64
+        meta: AttnMeta,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryTable,
+        fuse_rope: bool = False,
+        *,
+        normed=None,  # [N, hidden] input_layernorm(h), or a DeferredNorm of it; None: computed
+        next_norm: tuple | None = None,  # (norm, out [N, hidden] | None: deferred)
+    ):  # the next layer's input: out, a DeferredNorm (next_norm's out None), or None
+        """:meth:`forward_fused`, returning the next layer's input. With ``next_norm=(norm,
+        None)`` that norm is deferred (``ops.linear_deferred_norm``: the down GEMV's last
+        program per column tile adds the residual and writes ``h * weight`` and sums of
+        squares; the next QKV GEMV scales its rows): no reduce launch and no norm launch."""
         ops = _ops()
         att, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         n = h.shape[0]
         hq, hk, d = att.num_heads, att.num_kv_heads, att.head_dim
-        x = normed if normed is not None else ops.rms_norm(h, ln1.weight, ln1.eps)
-        qkv = ops.linear(x, att.qkv_weight)  # [N, (hq + 2 hk) d]
+        if isinstance(normed, ops.DeferredNorm):
+            qkv = ops.linear(normed.xw, att.qkv_weight, row_scale=normed)
+        else:
+            x = normed if normed is not None else ops.rms_norm(h, ln1.weight, ln1.eps)
+            qkv = ops.linear(x, att.qkv_weight)  # [N, (hq + 2 hk) d]
         if att.qkv_bias is not None:
             qkv = qkv + att.qkv_bias
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
@@ -244,9 +268,12 @@ class DecoderLayer(nn.Module):
                        residual_settled=True)
             x = ops.rms_norm(h, ln2.weight, ln2.eps)
             act = ops.linear(x, mlp.gate_up_weight, epilogue="silu_mul")  # [N, inter]
+        if next_norm is not None and next_norm[1] is None:
+            return ops.linear_deferred_norm(act, mlp.down_proj.weight, h, next_norm[0].weight,
+                                            next_norm[0].eps)
         nrm = None if next_norm is None else (next_norm[0].weight, next_norm[0].eps, next_norm[1])
         ops.linear(act, mlp.down_proj.weight, residual=h, norm=nrm)
-        return h
+        return None if next_norm is None else next_norm[1]
 
     def forward_residual(
         self,

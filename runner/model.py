@@ -85,8 +85,9 @@ class TargetModel(nn.Module):
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Decode / verify rows through the fused layers: one launch gathers the embedding rows
         (the residual stream ``h``, updated in place by the layers) and writes layer 0's input
-        norm of them; each layer's down GEMV reduce writes the next layer's input norm (the
-        last one the final norm). Two buffers alternate as the normed input."""
+        norm of them; each layer's down GEMV defers the next layer's input norm into that layer's
+        QKV GEMV (``SPECCAL_NORM_DEFER``; else its reduce writes the norm, two buffers
+        alternating), and the last one's reduce writes the final norm."""
         from speccal.kernels import ops  # noqa: PLC0415
 
         layers = self.model.layers
@@ -94,12 +95,17 @@ class TargetModel(nn.Module):
         h, normed = ops.embed_rms_norm(input_ids, self.model.embed_tokens.weight, ln.weight,
                                        ln.eps)
         spare = torch.empty_like(h)
+        defer = ops.norm_defer()
         for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
             last = i + 1 == len(layers)
             nxt = self.model.norm if last else layers[i + 1].input_layernorm
-            layer.forward_fused(h, positions, meta, kv, self.rotary, fuse_rope=True,
-                                normed=normed, next_norm=(nxt, spare))
-            normed, spare = spare, normed
+            out = None if defer and not last else spare  # deferred into the next QKV GEMV
+            nxt_in = layer.forward_fused_to_next(h, positions, meta, kv, self.rotary,
+                                                 fuse_rope=True, normed=normed,
+                                                 next_norm=(nxt, out))
+            if out is not None:
+                spare = normed if isinstance(normed, torch.Tensor) else torch.empty_like(h)
+            normed = nxt_in
         return normed
 
     def fuse_weights(self) -> None:

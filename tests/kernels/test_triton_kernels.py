@@ -306,15 +306,19 @@ def test_linear_matches_reference(dtype, m, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 6, 48])
-def test_deferred_norm_matches_the_norm_launch(dtype, m):
-    """The o projection's deferred-norm epilogue (residual add, ``xw = h * w``, per-tile sums of
-    squares) and the gate/up GEMV's row scale against the reference chain residual add ->
-    RMSNorm -> SwiGLU GEMV (the ~2B preset's o shape, a small gate/up)."""
+@pytest.mark.parametrize("k_in", [2048, 6144])
+def test_deferred_norm_matches_the_norm_launch(dtype, m, k_in):
+    """The deferred-norm producer (residual add, ``xw = h * w``, per-tile sums of squares) and
+    the consumer's row scale against the reference chain residual add -> RMSNorm -> SwiGLU
+    GEMV. K 2048: the o projection (split 1, the epilogue); K 6144: the down projection (split
+    K, the last program of each column tile reduces; its counters end at zero)."""
+    from speccal.kernels import gemv
+
     gen = torch.Generator().manual_seed(70 + m)
     n, inter = 2048, 256
-    x = torch.randn(m, n, generator=gen).to(dtype=dtype, device=DEV)
+    x = torch.randn(m, k_in, generator=gen).to(dtype=dtype, device=DEV)
     h = (torch.randn(m, n, generator=gen) * 2).to(dtype=dtype, device=DEV)
-    w_o = (torch.randn(n, n, generator=gen) / math.sqrt(n)).to(dtype=dtype, device=DEV)
+    w_o = (torch.randn(n, k_in, generator=gen) / math.sqrt(k_in)).to(dtype=dtype, device=DEV)
     w_gu = (torch.randn(2 * inter, n, generator=gen) / math.sqrt(n)).to(dtype=dtype, device=DEV)
     nw = (1 + 0.2 * torch.randn(n, generator=gen)).to(dtype=dtype, device=DEV)
     h1 = h.clone()
@@ -329,6 +333,8 @@ def test_deferred_norm_matches_the_norm_launch(dtype, m):
     assert rel_err(dn.xw, h2 * nw.float()) < TOL[dtype]
     torch.testing.assert_close(dn.ss.sum(1), h1.float().pow(2).sum(1), rtol=1e-4, atol=1e-3)
     assert rel_err(act, want) < 2 * TOL[dtype]
+    cnt = gemv._COUNTERS.get(h1.device)
+    assert cnt is None or int(cnt.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
