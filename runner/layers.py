@@ -259,7 +259,7 @@ class DecoderLayer(nn.Module):
             out = attend_rows(q_out, kv[0], kv[1], meta, att.scale)  # [N, hq, d]
         # h was last written three launches back (the previous down reduce or, in layer 0, the
         # embedding + norm launch), so the o GEMV may read it before its PDL wait
-        if ops.norm_defer():  # the norm's row factor applied in the gate/up GEMV: no norm launch
+        if ops.norm_defer() != "0":  # the norm's row factor applied in the gate/up GEMV
             dn = ops.linear_deferred_norm(out.reshape(n, hq * d), att.o_proj.weight, h,
                                           ln2.weight, ln2.eps, residual_settled=True)
             act = ops.linear(dn.xw, mlp.gate_up_weight, epilogue="silu_mul", row_scale=dn)

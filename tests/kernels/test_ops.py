@@ -604,3 +604,17 @@ def test_row_scale_rejects_bad_input():
         ops.linear(x, w, row_scale=ops.DeferredNorm(x, torch.ones(3, 2, dtype=torch.float64),
                                                     1e-6))
     ops.linear(x, w, row_scale=dn)  # well-formed: runs
+
+
+def test_norm_defer_switch(monkeypatch):
+    """``SPECCAL_NORM_DEFER``: ``o`` by default, ``all`` / ``0`` as set, else an error naming it."""
+    from speccal.kernels import _backend
+
+    monkeypatch.delenv("SPECCAL_NORM_DEFER", raising=False)
+    assert _backend.norm_defer() == "o"
+    for value in ("all", "0"):
+        monkeypatch.setenv("SPECCAL_NORM_DEFER", value)
+        assert _backend.norm_defer() == value
+    monkeypatch.setenv("SPECCAL_NORM_DEFER", "1")
+    with pytest.raises(InputError, match="SPECCAL_NORM_DEFER"):
+        _backend.norm_defer()
