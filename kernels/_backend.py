@@ -35,7 +35,6 @@ __all__ = [
     "use_triton",
     "verify_halves",
     "verify_max_splits",
-    "verify_row_groups",
 ]
 
 
@@ -250,12 +249,3 @@ def norm_defer() -> str:
     reduce -> next QKV row scale; measured mixed: B=8 decode -35 us, B=1 decode +20 us, B=1
     verify -21 us, B=8 verify +29 us); ``0`` none. A switch for benchmarks, read at capture."""
     return _env_choice("SPECCAL_NORM_DEFER", "o", ("o", "all", "0"), "o, all or 0")
-
-
-def verify_row_groups(default: int) -> int:
-    """``SPECCAL_VERIFY_ROW_GROUPS``: programs that share a verification plan's query rows per
-    (request, KV head, split) (``ops.plan_splits``; unset: ``default``), so that the folded
-    merge of many rows is spread over them. A tuning switch for benchmarks, read when a plan is
-    made (graph capture)."""
-    value = _positive_int("SPECCAL_VERIFY_ROW_GROUPS")
-    return default if value is None else value

@@ -39,7 +39,6 @@ from speccal.kernels._backend import (
     use_triton,
     verify_halves,
     verify_max_splits,
-    verify_row_groups,
 )
 from speccal.kernels.gemv_config import GemvConfig, argmax_tile_width, deferred_norm_tiles
 
@@ -78,7 +77,6 @@ class SplitPlan:
     max_splits: int = 1
     block_n: int = 64
     min_split_len: int = 64
-    row_groups: int = 1  # programs sharing one (request, KV head, split)'s query rows
 
     def __post_init__(self) -> None:
         if self.max_splits < 1:
@@ -87,8 +85,6 @@ class SplitPlan:
             raise InputError("block_n", self.block_n, "a power of two >= 16")
         if self.min_split_len < 1:
             raise InputError("min_split_len", self.min_split_len, "an int >= 1")
-        if self.row_groups < 1:
-            raise InputError("row_groups", self.row_groups, "an int >= 1")
 
 
 def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int = 1 << 20,
@@ -100,8 +96,7 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
     (each split's partials grow with the rows and the merge reads them all; the H200 dense-2b
     sweep in bench/KERNEL_NOTES.md "v6": B=1 12 of 24, B=8 4 of 9, where 4 also lets the merge
     fold; ``SPECCAL_VERIFY_HALVE=0`` keeps the 1-row plan's count), and at most
-    ``SPECCAL_VERIFY_SPLITS`` (default ``VERIFY_MAX_SPLITS``), with their rows split over
-    ``SPECCAL_VERIFY_ROW_GROUPS`` programs (default 1); 1-row plans at most
+    ``SPECCAL_VERIFY_SPLITS`` (default ``VERIFY_MAX_SPLITS``); 1-row plans at most
     ``SPECCAL_DECODE_SPLITS`` (benchmark switches; unset: no cap).
     """
     if batch < 1 or num_kv_heads < 1 or rows < 1:
@@ -109,15 +104,12 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
     want = -(-4 * num_sms // (batch * num_kv_heads))
     cap = max(1, -(-max_len // block_n))
     splits = max(1, min(want, 64, cap))
-    groups = 1
     if rows > 1:
         half = splits // 2 if verify_halves() else splits
         splits = max(1, min(half, verify_max_splits(VERIFY_MAX_SPLITS)))
-        groups = min(rows, verify_row_groups(1))
     else:
         splits = min(splits, decode_max_splits(splits))
-    return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n,
-                     row_groups=groups)
+    return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n)
 
 
 # the folded split-KV merge (kernels/paged_attention.py): the last split program of a (request,
@@ -132,11 +124,10 @@ VERIFY_MAX_SPLITS = 64  # split cap of multi-row (verification) plans (on top of
 
 def fold_wanted(batch: int, num_kv_heads: int, max_splits: int, rows: int, group: int,
                 num_sms: int = 132, force: bool | None = None,
-                max_merge: int | None = None, row_groups: int = 1) -> bool:
+                max_merge: int | None = None) -> bool:
     """Whether attention merges its KV splits in the split kernel (no reduce launch).
 
-    ``rows``: query rows per program (``num_q_rows``, or its share of one of ``row_groups``
-    row groups); ``group``: query heads per KV head.
+    ``rows``: query rows per request (``num_q_rows``); ``group``: query heads per KV head.
     ``force`` (True / False) overrides the rule: merge work ``rows * group * splits`` (padded to
     powers of two) at most ``FOLD_MAX_MERGE`` and at most ``FOLD_MAX_PROGRAMS_PER_SM`` programs
     per multiprocessor (``max_merge`` replaces the first). One split never needs a merge.
@@ -147,7 +138,7 @@ def fold_wanted(batch: int, num_kv_heads: int, max_splits: int, rows: int, group
         return force
     p2 = _next_pow2
     merge = p2(rows) * group * p2(max_splits)
-    programs = batch * num_kv_heads * max_splits * row_groups
+    programs = batch * num_kv_heads * max_splits
     limit = FOLD_MAX_MERGE if max_merge is None else max_merge
     return merge <= limit and programs <= FOLD_MAX_PROGRAMS_PER_SM * num_sms
 
@@ -268,7 +259,6 @@ def paged_attention(
             q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, num_splits, split_len,
             plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
             rope=rope, pdl=pdl_enabled(q), meta_settled=meta_settled and tiling is not None,
-            row_groups=plan.row_groups,
         )
     split = dict(
         num_splits=num_splits if plan.max_splits > 1 else None,

@@ -145,15 +145,14 @@ def _prefetch_kv(k_ptr, v_ptr, bt_row, start, end, kvh, stride_kb, stride_ks, st
 
 
 @triton.jit
-def _split_setup(b, s, rg, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr,
+def _split_setup(b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr,
                  bt_ptr, stride_bt, cs_ptr, stride_cs, qw_ptr, kw_ptr, k_ptr, v_ptr,
                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, R,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, Q_MODE: tl.constexpr, DIRECT: tl.constexpr,
                  ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr,
-                 FOLD: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-                 RPG: tl.constexpr):
+                 FOLD: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
     """Everything of a split program that depends on metadata only (row layout, KV range,
     rotary tables, the new rows' pages) and, with ``PREFETCH``, the L2 prefetch of its first
     cached K/V tiles: none of it reads what the predecessor kernel writes (the QKV GEMV), so a
@@ -177,8 +176,8 @@ def _split_setup(b, s, rg, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, 
         live = s < n_splits
     offs_d = tl.arange(0, D_PAD)
     offs_m = tl.arange(0, BLOCK_M)
-    r = rg * RPG + offs_m // GROUP  # this program's row group: rows [rg * RPG, (rg + 1) * RPG)
-    row_ok = (r < q_len) & (r < R) & (offs_m < RPG * GROUP)
+    r = offs_m // GROUP
+    row_ok = (r < q_len) & (offs_m < R * GROUP)
     pos = seq_len - q_len + r  # [BLOCK_M] position of each query row
     nr = tl.arange(0, R_PAD)
     npos = seq_len - q_len + nr
@@ -231,7 +230,6 @@ def _split_kernel(
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
     FOLD: tl.constexpr, S_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, G_PAD: tl.constexpr,
     META_EARLY: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, RELEASE: tl.constexpr,
-    RPG: tl.constexpr, RPG_PAD: tl.constexpr,
 ):
     # META_EARLY: the caller vouches that the predecessor kernel writes no metadata (seq_lens,
     # cu_q_lens, tiling, block table), so the setup (``_split_setup``: row layout, KV range,
@@ -239,29 +237,23 @@ def _split_kernel(
     # tiles) runs before the PDL wait. RELEASE (PDL): 0 lets the successor launch right after
     # the wait, 1 only after this program's KV loop (the successor's programs then land on SMs
     # that the split programs have left).
-    # Row groups (grid axis 2, RPG rows each): a program handles one group of its request's
-    # query rows, so a many-row merge is spread over the groups; every group's program of a
-    # split writes the same new KV rows (identical values), so none reads another's write early.
     # FOLD (split-KV without a reduce launch): every live program writes its partial, then
-    # counts itself in ``cnt_ptr[(b * KVH + kvh) * groups + rg]``; the last one of its
-    # (request, KV head, row group) merges all splits of its rows into the output and resets
-    # the counter (zero between launches).
+    # counts itself in ``cnt_ptr[b * KVH + kvh]``; the last one of its (request, KV head)
+    # merges all splits into the output and resets the counter (zero between launches).
     # ROPE: q is the raw projection; each program rotates (and q/k-norms) its query rows, and the
     # program whose KV range holds a new row writes that row's rotated k and v (its KV head) to
     # the cache before reading any tile: no separate rotary + KV-write launch.
     pid = tl.program_id(0)
     s = tl.program_id(1)
-    rg = tl.program_id(2)
     b = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
     if META_EARLY:
         (q_start, q_len, seq_len, n_splits, start, end, live, row_ok, pos, npos, new_ok, q_cs,
          k_cs, npage) = _split_setup(
-            b, s, rg, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr, bt_ptr,
+            b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr, bt_ptr,
             stride_bt, cs_ptr, stride_cs, qw_ptr, kw_ptr, k_ptr, v_ptr, stride_kb, stride_ks,
             stride_kh, stride_vb, stride_vs, stride_vh, R, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD,
-            PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, PREFETCH, LINE,
-            RPG)
+            PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, PREFETCH, LINE)
     if PDL:
         tl.extra.cuda.gdc_wait()
         if RELEASE == 0:
@@ -269,15 +261,15 @@ def _split_kernel(
     if not META_EARLY:
         (q_start, q_len, seq_len, n_splits, start, end, live, row_ok, pos, npos, new_ok, q_cs,
          k_cs, npage) = _split_setup(
-            b, s, rg, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr, bt_ptr,
+            b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr, bt_ptr,
             stride_bt, cs_ptr, stride_cs, qw_ptr, kw_ptr, k_ptr, v_ptr, stride_kb, stride_ks,
             stride_kh, stride_vb, stride_vs, stride_vh, R, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD,
-            PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, 0, LINE, RPG)
+            PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, 0, LINE)
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     if FOLD and Q_MODE == 2:
-        if s + rg == 0:  # packed rows of no request (t >= cu_q_lens[B]) get zeros, over b
+        if s == 0:  # packed rows of no request (t >= cu_q_lens[B]) get zeros, strided over b
             offs_g = tl.arange(0, G_PAD)
             zd = tl.arange(0, D_PAD)
             z_ok = (offs_g < GROUP)[:, None] & (zd < HEAD_DIM)[None, :]
@@ -287,7 +279,7 @@ def _split_kernel(
                          + zd[None, :], zero, mask=z_ok)
     if live:
         offs_m = tl.arange(0, BLOCK_M)
-        r = rg * RPG + offs_m // GROUP
+        r = offs_m // GROUP
         h = kvh * GROUP + offs_m % GROUP
         q_rows = q_ptr + (q_start + r)[:, None] * stride_qt + h[:, None] * stride_qh
         q_mask = row_ok[:, None] & d_ok[None, :]
@@ -341,7 +333,7 @@ def _split_kernel(
             if Q_MODE == 2:
                 st_ok = row_ok
             else:
-                st_ok = (offs_m < RPG * GROUP) & (r < R)  # dense: rows past q_len get zeros
+                st_ok = offs_m < R * GROUP  # dense: rows past q_len get the zeros computed above
             tl.store(
                 out_ptr + (q_start + r)[:, None] * stride_ot + h[:, None] * stride_oh
                 + offs_d[None, :],
@@ -357,33 +349,31 @@ def _split_kernel(
             )
             if FOLD:
                 tl.debug_barrier()  # every thread's partial stores before the release below
-                slot = pid * tl.num_programs(2) + rg
-                done = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
+                done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
                 if done == n_splits - 1:
-                    tl.store(cnt_ptr + slot, 0)
-                    _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, rg, q_start, q_len,
+                    tl.store(cnt_ptr + pid, 0)
+                    _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len,
                                 n_splits, R, max_splits, stride_ot, stride_oh, NUM_HEADS, GROUP,
-                                HEAD_DIM, D_PAD, S_PAD, RPG, RPG_PAD, MERGE_ROWS, Q_MODE)
+                                HEAD_DIM, D_PAD, S_PAD, R_PAD, MERGE_ROWS, Q_MODE)
 
 
 @triton.jit
-def _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, rg, q_start, q_len, n_splits, R,
+def _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len, n_splits, R,
                 max_splits, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                RPG: tl.constexpr, RPG_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr,
-                Q_MODE: tl.constexpr):
-    """The reduce kernel's merge for the ``RPG * GROUP`` rows of row group ``rg`` of one
-    (request, KV head), done by the split program that finished last: ``MERGE_ROWS`` rows x every split per load. Partials
+                R_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, Q_MODE: tl.constexpr):
+    """The reduce kernel's merge for the ``R * GROUP`` rows of one (request, KV head), done by
+    the split program that finished last: ``MERGE_ROWS`` rows x every split per load. Partials
     of other programs are read through L2 (``.cg``), after the counter's acquire."""
     offs_s = tl.arange(0, S_PAD)
     s_ok = offs_s < n_splits
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    for m0 in tl.static_range(0, RPG_PAD * GROUP, MERGE_ROWS):
+    for m0 in tl.static_range(0, R_PAD * GROUP, MERGE_ROWS):
         mm = m0 + tl.arange(0, MERGE_ROWS)
-        r = rg * RPG + mm // GROUP  # the rows of row group rg
+        r = mm // GROUP
         h = kvh * GROUP + mm % GROUP
-        dense_ok = (r < R) & (mm < RPG * GROUP)
+        dense_ok = r < R
         ok = (r < q_len) & dense_ok
         base = ((b * max_splits + offs_s[None, :]) * R + r[:, None]) * NUM_HEADS + h[:, None]
         ls_ok = ok[:, None] & s_ok[None, :]  # [MERGE_ROWS, S_PAD]
@@ -470,7 +460,6 @@ def paged_attention_triton(
     rope: tuple | None = None,  # (k_new [T, KVH, D], v_new [T, KVH, D], cos_sin_cache, qk_norm)
     pdl: bool = False,
     meta_settled: bool = False,
-    row_groups: int = 1,
 ) -> torch.Tensor:
     """Launch the split kernel (and the reduce when ``max_splits > 1``). Inputs are validated by
     ``ops.paged_attention`` / ``ops.rope_paged_attention``; this function trusts them.
@@ -482,9 +471,7 @@ def paged_attention_triton(
     ``meta_settled``: the caller vouches that the kernel launched just before this one writes
     none of the metadata (``seq_lens``, ``q_lens``/``cu_q_lens``, the tiling, the block table), so
     each program reads it (and, with PDL, prefetches its first cached K/V tiles into L2,
-    ``SPECCAL_ATTN_PREFETCH``) before its PDL wait. ``row_groups``: the query rows of a request
-    are split over that many programs per (request, KV head, split) (grid axis 2), each
-    reading the same K/V tiles (``SplitPlan.row_groups``)."""
+    ``SPECCAL_ATTN_PREFETCH``) before its PDL wait."""
     batch = block_table.shape[0]
     _, page, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[-2]
@@ -504,23 +491,16 @@ def paged_attention_triton(
         mode = _DENSE
     dummy = seq_lens
     force = FOLD_REDUCE if FOLD_REDUCE is not None else attention_fold_override()
-    groups = max(1, min(row_groups, num_q_rows))
-    while True:
-        rpg = -(-num_q_rows // groups)  # rows per group
-        groups = -(-num_q_rows // rpg)
-        fold = not direct and fold_wanted(batch, num_kv_heads, max_splits, rpg, group,
-                                          num_sms(q.device), force, fold_max_merge(), groups)
-        if fold or groups == 1 or force is not None:
-            break
-        groups = 1  # row groups only serve a folded merge: not foldable, one group
-    cnt = _counters(q.device, batch * num_kv_heads * groups) if fold else None
+    fold = not direct and fold_wanted(batch, num_kv_heads, max_splits, num_q_rows, group,
+                                      num_sms(q.device), force, fold_max_merge())
+    cnt = _counters(q.device, batch * num_kv_heads) if fold else None
     fold = cnt is not None
-    block_m = max(16, triton.next_power_of_2(rpg * group))
+    block_m = max(16, triton.next_power_of_2(num_q_rows * group))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     s_pad = triton.next_power_of_2(max_splits)
     num_warps = attention_warps(num_warps)
     # rows merged per load by the last split program: ~64 fp32 of partials per thread
-    merge_rows = max(1, min(triton.next_power_of_2(rpg) * group,
+    merge_rows = max(1, min(triton.next_power_of_2(num_q_rows) * group,
                             64 * 32 * num_warps // (s_pad * d_pad)))
     merge_rows = 1 << (merge_rows.bit_length() - 1)  # a power of two
     if direct:
@@ -540,7 +520,7 @@ def paged_attention_triton(
                          cos_sin.stride(0))
     else:
         extra, extra_strides, eps = (o3,) * 5, (0,) * 5, 0.0
-    _split_kernel[(batch * num_kv_heads, max_splits, groups)](
+    _split_kernel[(batch * num_kv_heads, max_splits)](
         q3, k_cache, v_cache, block_table, seq_lens,
         q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
         num_splits, split_len, o3, part_o, part_lse, *extra, cnt if fold else dummy,
@@ -555,7 +535,7 @@ def paged_attention_triton(
         MERGE_ROWS=merge_rows, G_PAD=triton.next_power_of_2(group),
         META_EARLY=early, PREFETCH=attention_prefetch_tiles() if pdl and early else 0,
         LINE=max(1, 128 // k_cache.element_size()), RELEASE=attention_release() if pdl else 0,
-        RPG=rpg, RPG_PAD=triton.next_power_of_2(rpg), num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if not direct and not fold:
         tail = o3.shape[0] if mode == _PACKED else 0

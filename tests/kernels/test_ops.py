@@ -618,22 +618,3 @@ def test_norm_defer_switch(monkeypatch):
     monkeypatch.setenv("SPECCAL_NORM_DEFER", "1")
     with pytest.raises(InputError, match="SPECCAL_NORM_DEFER"):
         _backend.norm_defer()
-
-
-def test_verify_row_groups_plan(monkeypatch):
-    """``SPECCAL_VERIFY_ROW_GROUPS`` sets the row groups of multi-row plans only (at most the
-    rows); ``SplitPlan`` rejects fewer than one."""
-    monkeypatch.delenv("SPECCAL_VERIFY_ROW_GROUPS", raising=False)
-    assert ops.plan_splits(1, 8, rows=6).row_groups == 1
-    monkeypatch.setenv("SPECCAL_VERIFY_ROW_GROUPS", "3")
-    assert ops.plan_splits(1, 8, rows=6).row_groups == 3
-    assert ops.plan_splits(1, 8, rows=2).row_groups == 2
-    assert ops.plan_splits(1, 8, rows=1).row_groups == 1
-    monkeypatch.setenv("SPECCAL_VERIFY_ROW_GROUPS", "0")
-    with pytest.raises(InputError, match="SPECCAL_VERIFY_ROW_GROUPS"):
-        ops.plan_splits(1, 8, rows=6)
-    with pytest.raises(InputError, match="row_groups"):
-        ops.SplitPlan(max_splits=4, row_groups=0)
-    # row groups count as programs in the fold rule
-    assert ops.fold_wanted(1, 8, 8, 2, 2, row_groups=3)
-    assert not ops.fold_wanted(1, 8, 12, 2, 2, row_groups=3)  # 288 programs > 2 per SM

@@ -71,25 +71,21 @@ def test_paged_attention_dense(dtype, case, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("max_splits, fold, settled, groups", [
-    (1, True, False, 1), (8, True, False, 1), (8, False, False, 1), (8, None, False, 1),
-    (8, True, True, 1), (8, False, True, 1), (8, True, False, 3), (8, False, False, 2),
-    (8, True, True, 6), (1, True, False, 4),
+@pytest.mark.parametrize("max_splits, fold, settled", [
+    (1, True, False), (8, True, False), (8, False, False), (8, None, False), (8, True, True),
+    (8, False, True),
 ])
-def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, settled, groups,
-                                           monkeypatch):
+def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, settled, monkeypatch):
     """``fold``: the split kernel's last program merges the splits or a reduce launch does
     (None: the rule, here a reduce); both zero the unused dense rows and the packed padding rows, and the folded
     path leaves its arrival counters at zero. ``settled``: the metadata is read before the
-    kernel's PDL wait (``meta_settled``, with the tiling given). ``groups``: the query rows
-    split over that many programs per split (``SplitPlan.row_groups``; 4 of 6 rows: groups of
-    2, the last one short)."""
+    kernel's PDL wait (``meta_settled``, with the tiling given)."""
     from speccal.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "FOLD_REDUCE", fold)
     seq_lens, rows = [6, 40, 700, 1500, 3], 6
     q, kc, vc, bt, seq = _attention_case(11, seq_lens, rows, (16, 8), 128, 16, dtype)
-    plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=64, row_groups=groups)
+    plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=64)
     tiling = None
     if settled:
         monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "1")
@@ -472,16 +468,12 @@ def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("max_splits, settled, groups", [
-    (1, False, 1), (8, False, 1), (1, True, 1), (8, True, 1), (8, False, 3), (8, True, 2),
-])
-def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, settled, groups,
+@pytest.mark.parametrize("max_splits, settled", [(1, False), (8, False), (1, True), (8, True)])
+def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, settled,
                                                 monkeypatch):
     """Attention fused with q/k norm + rotary + the new rows' KV write (packed verify rows;
     request 1's six rows straddle a KV split boundary). ``settled``: the metadata, rotary
-    tables and new rows' pages are read before the PDL wait (``meta_settled``). ``groups``:
-    row groups (every group's program of a split writes the same new KV rows; with 3 the
-    merge folds)."""
+    tables and new rows' pages are read before the PDL wait (``meta_settled``)."""
     gen = torch.Generator().manual_seed(11 + max_splits)
     heads, kvh, d, bs = 16, 8, 128, 16
     ctx = [1017, 60, 3]
@@ -501,11 +493,7 @@ def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, sett
         qw, kw = (1 + 0.2 * torch.randn(2, d, generator=gen)).to(dtype=dtype, device=DEV)
         norm = (qw, kw, 1e-6)
     seq_t = torch.tensor(seq, dtype=torch.int32, device=DEV)
-    plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=16, row_groups=groups)
-    if groups == 3:
-        from speccal.kernels import paged_attention as pa
-
-        monkeypatch.setattr(pa, "FOLD_REDUCE", True)
+    plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=16)
     tiling = None
     if settled:
         monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "1")
