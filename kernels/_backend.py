@@ -17,6 +17,7 @@ import os
 import torch
 
 __all__ = [
+    "arrival_counters",
     "attention_fold_override",
     "attention_prewait",
     "attention_warps",
@@ -249,3 +250,21 @@ def norm_defer() -> str:
     reduce -> next QKV row scale; measured mixed: B=8 decode -35 us, B=1 decode +20 us, B=1
     verify -21 us, B=8 verify +29 us); ``0`` none. A switch for benchmarks, read at capture."""
     return _env_choice("SPECCAL_NORM_DEFER", "o", ("o", "all", "0"), "o, all or 0")
+
+
+_ARRIVAL: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def arrival_counters(pool: str, device: torch.device, needed: int,
+                     slots: int = 1 << 16) -> torch.Tensor | None:
+    """Per-device int32 arrival counters of a folded reduce (``pool``: one set per kernel family,
+    so two families never share a slot), zeros that the kernels reset after use. Allocated once,
+    outside any CUDA graph capture: a capture that finds none (or fewer than ``needed``) gets
+    None, and its caller takes the reduce launch instead of allocating in the graph's pool."""
+    key = (pool, device)
+    cnt = _ARRIVAL.get(key)
+    if cnt is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        cnt = _ARRIVAL[key] = torch.zeros(slots, dtype=torch.int32, device=device)
+    return cnt if needed <= cnt.numel() else None

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from speccal.errors import InputError
-from speccal.kernels._backend import num_sms
+from speccal.kernels._backend import arrival_counters, num_sms
 from speccal.kernels.gemv_config import GemvConfig, pick_config
 from speccal.kernels.rmsnorm import norm_row_store, rms_norm_triton
 
@@ -333,20 +333,10 @@ def linear_triton(
     return out
 
 
-_COUNTER_SLOTS = 4096
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The per-device arrival counters of the folded split-K reduce (int32 zeros, reset by the
-    kernel). Allocated once, outside any CUDA graph capture: a capture that finds none (or too
-    few) gets None and its caller takes the reduce launch instead."""
-    cnt = _COUNTERS.get(device)
-    if cnt is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        cnt = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return cnt if needed <= cnt.numel() else None
+    """Arrival counters of the folded split-K reduce (``_backend.arrival_counters``, pool
+    ``splitk``): None inside a capture that finds none, and the caller cannot fold."""
+    return arrival_counters("splitk", device, needed, slots=4096)
 
 
 def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int) -> dict:

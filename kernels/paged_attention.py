@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from speccal.kernels._backend import (
+    arrival_counters,
     attention_fold_override,
     attention_prefetch_tiles,
     attention_prewait,
@@ -48,21 +49,11 @@ _DENSE, _DENSE_QLENS, _PACKED = 0, 1, 2
 # launch: True / False force it; None (default) folds only light merges (``ops.fold_wanted``;
 # ``SPECCAL_ATTN_FOLD`` = 0 / 1 overrides None, for benchmark variants).
 FOLD_REDUCE: bool | None = None
-_COUNTER_SLOTS = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The per-device arrival counters of the folded reduce (int32 zeros, reset by the kernel).
-
-    Allocated once, outside any CUDA graph capture: a capture that finds none (or too few
-    slots) falls back to the reduce launch, never allocating inside the graph's pool."""
-    cnt = _COUNTERS.get(device)
-    if cnt is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        cnt = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return cnt if needed <= cnt.numel() else None
+    """The folded reduce's arrival counters (``_backend.arrival_counters``, pool ``attention``)."""
+    return arrival_counters("attention", device, needed)
 
 
 @triton.jit

@@ -618,3 +618,16 @@ def test_norm_defer_switch(monkeypatch):
     monkeypatch.setenv("SPECCAL_NORM_DEFER", "1")
     with pytest.raises(InputError, match="SPECCAL_NORM_DEFER"):
         _backend.norm_defer()
+
+
+def test_arrival_counters_are_per_pool_and_reused():
+    """One zeroed counter set per (pool, device), allocated once; too few slots give None."""
+    from speccal.kernels import _backend
+
+    dev = torch.device("cpu")
+    a = _backend.arrival_counters("test-a", dev, 10, slots=64)
+    assert a is not None and a.numel() == 64 and int(a.abs().sum()) == 0
+    assert _backend.arrival_counters("test-a", dev, 64) is a
+    assert _backend.arrival_counters("test-a", dev, 65) is None
+    b = _backend.arrival_counters("test-b", dev, 1, slots=8)
+    assert b is not a and b.numel() == 8
