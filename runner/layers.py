@@ -184,33 +184,10 @@ class DecoderLayer(nn.Module):
             and self.mlp.gate_up_weight is not None
         )
 
-    def forward_fused(
-        self,
-        h: torch.Tensor,  # [N, hidden] contiguous: the residual stream, updated in place
-        positions: torch.Tensor,  # [N] int64
-        meta: AttnMeta,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        rotary: RotaryTable,
-        fuse_rope: bool = False,
-        *,
-        normed: torch.Tensor | None = None,  # [N, hidden]: input_layernorm(h), already computed
-        next_norm: tuple[RMSNorm, torch.Tensor] | None = None,  # (norm, out [N, hidden])
-    ) -> torch.Tensor:  # h
-        """The decode/verify layer in five to eight Triton launches (bench/KERNEL_NOTES.md).
-
-        norm (unless ``normed`` is given), QKV GEMV, attention (split + reduce, or one launch
-        where the merge folds into the split kernel; with ``fuse_rope`` and the packed layout the
-        split kernel also does q/k norm + rotary + the new rows' KV write, else one more launch
-        does them first), o GEMV with the residual add in its epilogue and the post-attention
-        norm deferred into it and into the gate/up GEMV (``SPECCAL_NORM_DEFER``; else a norm
-        launch), gate/up GEMV with SwiGLU in its epilogue (interleaved rows), down GEMV +
-        residual add (split-K reduce), which with ``next_norm`` also writes that norm of the
-        result into its ``out`` (the next layer's ``normed``, or the final norm). ``fuse_rope``
-        requires ``positions`` to be the packed rows' own positions (``seq_lens - q_len + i``),
-        as the target's verify/decode metadata is.
-        """
-        self.forward_fused_to_next(h, positions, meta, kv, rotary, fuse_rope, normed=normed,
-                                   next_norm=next_norm)
+    def forward_fused(self, h: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # h
+        """:meth:`forward_fused_to_next` (same arguments), returning the residual stream ``h``
+        (updated in place)."""
+        self.forward_fused_to_next(h, *args, **kwargs)
         return h
 
     def forward_fused_to_next(
@@ -225,10 +202,22 @@ class DecoderLayer(nn.Module):
         normed=None,  # [N, hidden] input_layernorm(h), or a DeferredNorm of it; None: computed
         next_norm: tuple | None = None,  # (norm, out [N, hidden] | None: deferred)
     ):  # the next layer's input: out, a DeferredNorm (next_norm's out None), or None
-        """:meth:`forward_fused`, returning the next layer's input. With ``next_norm=(norm,
-        None)`` that norm is deferred (``ops.linear_deferred_norm``: the down GEMV's last
-        program per column tile adds the residual and writes ``h * weight`` and sums of
-        squares; the next QKV GEMV scales its rows): no reduce launch and no norm launch."""
+        """The decode/verify layer in five to eight Triton launches (bench/KERNEL_NOTES.md).
+
+        norm (unless ``normed`` is given), QKV GEMV, attention (split + reduce, or one launch
+        where the merge folds into the split kernel; with ``fuse_rope`` and the packed layout the
+        split kernel also does q/k norm + rotary + the new rows' KV write, else one more launch
+        does them first), o GEMV with the residual add in its epilogue and the post-attention
+        norm deferred into it and into the gate/up GEMV (``SPECCAL_NORM_DEFER``; else a norm
+        launch), gate/up GEMV with SwiGLU in its epilogue (interleaved rows), down GEMV +
+        residual add (split-K reduce), which with ``next_norm`` also writes that norm of the
+        result into its ``out`` (the next layer's ``normed``, or the final norm). With
+        ``next_norm=(norm, None)`` that norm is deferred instead (``ops.linear_deferred_norm``:
+        the down GEMV's last program per column tile adds the residual and writes ``h * weight``
+        and sums of squares; the next QKV GEMV scales its rows) and returned. ``fuse_rope``
+        requires ``positions`` to be the packed rows' own positions (``seq_lens - q_len + i``),
+        as the target's verify/decode metadata is.
+        """
         ops = _ops()
         att, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
