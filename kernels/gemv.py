@@ -18,9 +18,13 @@ halves of its outputs and stores ``silu(gate) * up``), a residual add (``residua
 x @ w.T`` in place) and, for the LM head of argmax-only rounds, an argmax: each program stores
 per row the max of its ``BLOCK_N`` logits and its column (``tile_max [M, T]`` fp32, ``tile_idx
 [M, T]`` int32, ``T = cdiv(N, BLOCK_N)``) instead of the logits, and the acceptance kernel
-reduces the ``T`` partials (no logits write, no argmax launch). Prologues (norm, SwiGLU applied to x tiles as they load) were tried and
-dropped: math on a dot operand stopped Triton 3.6 from pipelining the loop's loads (2-6x slower
-GEMVs on the H200, bench/KERNEL_NOTES.md). With ``pdl`` > 0 the launch is a programmatic
+reduces the ``T`` partials (no logits write, no argmax launch). A deferred RMSNorm spans two
+GEMVs: the producer's residual epilogue also stores ``h * weight`` and per-tile sums of
+``h^2`` (at split K in the last program of each column tile, arrival counters, no reduce
+launch), the consumer scales its product's rows by ``rsqrt(mean + eps)`` (``defer`` /
+``row_scale``; ``ops.linear_deferred_norm``). Prologues (norm, SwiGLU applied to x tiles as
+they load) were tried and dropped: math on a dot operand stopped Triton 3.6 from pipelining the
+loop's loads (2-6x slower GEMVs on the H200, bench/KERNEL_NOTES.md). With ``pdl`` > 0 the launch is a programmatic
 dependent launch (Hopper, ``SPECCAL_PDL``, default ``late``): the kernel waits for its predecessor
 (``griddepcontrol.wait``) before its first read and lets its successor launch either at once
 (mode 1) or after its K loop (mode 2, ``late``), so launch latency overlaps the previous kernel.

@@ -39,8 +39,8 @@ distribution is a point mass on the argmax). ``greedy`` / ``forced`` / ``synthet
 verification emit argmax tokens whatever the batch, so they always take the token path. With
 the in-graph update the round ends in ``ops.verify_accept``, which on the fused kernels takes the
 LM head's per-tile argmax partials (``TargetModel.argmax_partials``: no logits, no argmax launch)
-and reduces them itself. The choice is a host flag that selects a different captured graph (the ``sampling`` field of the
-target :class:`GraphKey`), never a device read. One difference: the fast path draws no random
+and reduces them itself. The choice is a host flag that selects a different captured graph
+(the ``sampling`` field of the target :class:`GraphKey`), never a device read. One difference: the fast path draws no random
 numbers, so a later mixed batch sees another generator state than after general-path rounds.
 """
 
