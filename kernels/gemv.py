@@ -41,7 +41,8 @@ import triton.language as tl
 
 from speccal.errors import InputError
 from speccal.kernels._backend import arrival_counters, num_sms
-from speccal.kernels.gemv_config import GemvConfig, pick_config
+from speccal.kernels.gemv_config import GemvConfig, k_splits, pick_config
+from speccal.kernels.pdl import pdl_enter
 from speccal.kernels.rmsnorm import norm_row_store, rms_norm_triton
 
 __all__ = ["GemvConfig", "fold_counters", "linear_argmax_triton", "linear_triton", "pick_config"]
@@ -202,9 +203,7 @@ def _store_h(acc, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr, s
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
                           BLOCK: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -230,9 +229,7 @@ def _splitk_reduce_norm_kernel(part_ptr, y_ptr, nw_ptr, xn_ptr, M, N, stride_ym,
     ok = offs < N
     w = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     res = tl.load(y_ptr + m * stride_ym + offs, mask=ok, other=0.0).to(tl.float32)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
@@ -292,9 +289,7 @@ def linear_triton(
     elif out is None:
         out = torch.empty(m, n // 2 if glu else n, dtype=x.dtype, device=x.device)
     block_m = _block_m(m, cfg)
-    split = 1 if glu else max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
+    split, k_per_split = k_splits(k, cfg, glu)
     direct = split == 1
     part = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     fold = {}

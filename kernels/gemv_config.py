@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "pick_config"]
+__all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "k_splits", "pick_config"]
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,21 @@ def argmax_tile_width(m: int, n: int, k: int, num_sms: int = 132,
     return (config or pick_config(m, n, k, num_sms, epilogue="argmax")).block_n
 
 
+def k_splits(k: int, cfg: GemvConfig, glu: bool = False) -> tuple[int, int]:
+    """``(split, k_per_split)`` of a launch: K split into at most ``cfg.split_k`` panels whose
+    length is a multiple of ``block_k`` (SwiGLU: one panel, the epilogue needs whole sums)."""
+    split = 1 if glu else max(1, min(cfg.split_k, _cdiv(k, cfg.block_k)))
+    k_per_split = _cdiv(_cdiv(k, split), cfg.block_k) * cfg.block_k
+    return _cdiv(k, k_per_split), k_per_split
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def deferred_norm_tiles(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, bool]:
     """``(P, folded)`` of a deferred norm's producer GEMV (``x [m, k] @ w [n, k].T`` added into
     a residual; ``ops.linear_deferred_norm``): its column tiles, and whether its config splits
     K, so that the last program of each column tile reduces it (arrival counters)."""
     cfg = pick_config(m, n, k, num_sms, epilogue="residual")
-    return -(-n // cfg.block_n), cfg.split_k > 1 and -(-k // cfg.block_k) > 1
+    return -(-n // cfg.block_n), k_splits(k, cfg)[0] > 1

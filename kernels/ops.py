@@ -156,6 +156,15 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
+def _check_matmul(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``x [M, K]`` and ``weight [N, K]`` of one float dtype, K contiguous (the skinny GEMM ops)."""
+    _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
+          (_shape(x), _shape(weight)), "[M, K] and [N, K]")
+    _need(x.dtype in _FLOATS and weight.dtype == x.dtype, "x/weight dtype", (x.dtype, weight.dtype),
+          "the same float dtype")
+    _need(x.stride(1) == 1 and weight.stride(1) == 1, "x/weight", "strided", "K contiguous")
+
+
 def _check_int(t: torch.Tensor, field: str, shape: tuple[int, ...], dtypes=_INTS) -> None:
     _need(isinstance(t, torch.Tensor), field, type(t).__name__, "a torch.Tensor")
     _need(t.dtype in dtypes, f"{field}.dtype", t.dtype, " or ".join(map(str, dtypes)))
@@ -547,11 +556,7 @@ def linear(
     last written three launches earlier).
     """
     _need(epilogue in (None, "silu_mul"), "epilogue", epilogue, "None or 'silu_mul'")
-    _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
-          (_shape(x), _shape(weight)), "[M, K] and [N, K]")
-    _need(x.dtype in _FLOATS and weight.dtype == x.dtype, "x/weight dtype", (x.dtype, weight.dtype),
-          "the same float dtype")
-    _need(x.stride(1) == 1 and weight.stride(1) == 1, "x/weight", "strided", "K contiguous")
+    _check_matmul(x, weight)
     m, n = x.shape[0], weight.shape[0]
     n_out = n
     if epilogue == "silu_mul":
@@ -637,11 +642,7 @@ def linear_deferred_norm(
     Triton the pieces come from torch after the add.
     ``residual_settled``: as in ``linear``.
     """
-    _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
-          (_shape(x), _shape(weight)), "[M, K] and [N, K]")
-    _need(x.dtype in _FLOATS and weight.dtype == x.dtype, "x/weight dtype", (x.dtype, weight.dtype),
-          "the same float dtype")
-    _need(x.stride(1) == 1 and weight.stride(1) == 1, "x/weight", "strided", "K contiguous")
+    _check_matmul(x, weight)
     (m, k), n = x.shape, weight.shape[0]
     _need(isinstance(residual, torch.Tensor) and _shape(residual) == (m, n)
           and residual.dtype == x.dtype and residual.is_contiguous(), "residual",
@@ -688,13 +689,9 @@ def linear_argmax(
     ``reference.reduce_argmax_partials_ref``) turns the partials into ``argmax(dim=-1)`` of the
     logits ``linear`` would return.
     """
-    _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
-          (_shape(x), _shape(weight)), "[M, K] and [N, K]")
+    _check_matmul(x, weight)
     _need(x.shape[0] >= 1 and weight.shape[0] >= 1, "x/weight shapes",
           (_shape(x), _shape(weight)), "M >= 1 and N >= 1")
-    _need(x.dtype in _FLOATS and weight.dtype == x.dtype, "x/weight dtype", (x.dtype, weight.dtype),
-          "the same float dtype")
-    _need(x.stride(1) == 1 and weight.stride(1) == 1, "x/weight", "strided", "K contiguous")
     _need(config is None or isinstance(config, GemvConfig), "config", type(config).__name__,
           "a GemvConfig or None")
     _need(config is None or config.split_k == 1, "config.split_k",

@@ -39,6 +39,7 @@ from speccal.kernels._backend import (
     prewait_loads,
 )
 from speccal.kernels.ops import fold_wanted
+from speccal.kernels.pdl import pdl_enter
 
 __all__ = ["paged_attention_triton"]
 
@@ -208,6 +209,16 @@ def _attend_tile(q, k, v, offs_n, n_ok, pos, row_ok, scale_log2, m_i, l_i, acc):
 
 
 @triton.jit
+def _split_wait(PDL: tl.constexpr, RELEASE: tl.constexpr):
+    """The split kernel's PDL wait; with ``RELEASE == 0`` the successor launches right after it
+    (else after the program's KV loop)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        if RELEASE == 0:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, q_lens_ptr, cu_q_ptr, nsplit_ptr, split_len_ptr,
     out_ptr, part_o_ptr, part_lse_ptr, kn_ptr, vn_ptr, cs_ptr, qw_ptr, kw_ptr, cnt_ptr,
@@ -238,24 +249,16 @@ def _split_kernel(
     s = tl.program_id(1)
     b = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
-    if META_EARLY:
-        (q_start, q_len, seq_len, n_splits, start, end, live, row_ok, pos, npos, new_ok, q_cs,
-         k_cs, npage) = _split_setup(
-            b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr, bt_ptr,
-            stride_bt, cs_ptr, stride_cs, qw_ptr, kw_ptr, k_ptr, v_ptr, stride_kb, stride_ks,
-            stride_kh, stride_vb, stride_vs, stride_vh, R, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD,
-            PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, PREFETCH, LINE)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        if RELEASE == 0:
-            tl.extra.cuda.gdc_launch_dependents()
     if not META_EARLY:
-        (q_start, q_len, seq_len, n_splits, start, end, live, row_ok, pos, npos, new_ok, q_cs,
-         k_cs, npage) = _split_setup(
-            b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr, bt_ptr,
-            stride_bt, cs_ptr, stride_cs, qw_ptr, kw_ptr, k_ptr, v_ptr, stride_kb, stride_ks,
-            stride_kh, stride_vb, stride_vs, stride_vh, R, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD,
-            PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, 0, LINE)
+        _split_wait(PDL, RELEASE)
+    (q_start, q_len, seq_len, n_splits, start, end, live, row_ok, pos, npos, new_ok, q_cs,
+     k_cs, npage) = _split_setup(
+        b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr, bt_ptr,
+        stride_bt, cs_ptr, stride_cs, qw_ptr, kw_ptr, k_ptr, v_ptr, stride_kb, stride_ks,
+        stride_kh, stride_vb, stride_vs, stride_vh, R, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD,
+        PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, PREFETCH, LINE)
+    if META_EARLY:  # the setup above ran before the wait (PREFETCH is 0 otherwise)
+        _split_wait(PDL, RELEASE)
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
@@ -395,9 +398,7 @@ def _reduce_kernel(
 ):
     # one program per (request, row, head); all splits loaded in one shot (no serial loop).
     # Packed: programs past batch * R zero the padding rows (t >= cu_q_lens[B]), no memset.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, D_PAD)

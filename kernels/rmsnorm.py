@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from speccal.kernels.pdl import pdl_enter
+
 __all__ = ["embed_rms_norm_triton", "norm_row_store", "rms_norm_triton"]
 
 
@@ -39,9 +41,7 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     ok = offs < N
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)
     h = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_RES:
         h += tl.load(res_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
@@ -80,9 +80,7 @@ def _embed_rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     ok = offs < N
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    if PDL:  # the ids are the predecessor's output (the verify token update)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # the ids are the predecessor's output (the verify token update)
     tok = tl.load(ids_ptr + row * stride_id).to(tl.int64)
     live = (tok >= 0) & (tok < V)  # an id outside the table gives a zero row, never a stray read
     e = tl.load(table_ptr + tok * stride_t + offs, mask=ok & live, other=0.0)

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from speccal.kernels.pdl import pdl_enter
+
 __all__ = ["rotary_kv_write_triton"]
 
 
@@ -57,9 +59,7 @@ def _rotary_kv_kernel(
     H_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
     QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t).to(tl.int64)

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from speccal.kernels.pdl import pdl_enter
+
 __all__ = ["verify_accept_triton"]
 
 # partials of one request's rows reduced per chunk (BLOCK_J x BLOCK_T; 64 per thread of 16 warps)
@@ -63,9 +65,7 @@ def _verify_accept_kernel(
     BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     # PARTIALS: row_tok_ptr is unused; the target tokens come from tile_max / tile_idx [G, T]
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.arange(0, BLOCK_J)
     j_ok = j <= K
