@@ -13,7 +13,9 @@ One run measures, on the dense-2b preset (bf16, triton backend, graph_mode="spli
 - full-width verify (w=5, 6 rows/request) vs the B-matched decode step, B = 1 and 8
   [verify_full_width_ratio: the larger of the two], with kernel breakdowns of both verify steps
   and of the B=8 decode step (``breakdown_verify_b*``, ``breakdown_decode_b8``; ``sequence_*``:
-  the first and last 20 kernels of one replay);
+  every kernel of one replay with its start, from which ``critical_*`` derives the mean start and
+  end of each kernel of a decoder layer relative to the layer's first kernel);
+- the registers, spills and shared memory of every compiled Triton kernel (``kernel_resources``);
 - draft->target gap from torch.profiler kernel timestamps, fast path (in-graph update) vs
   fallback (host-prepared inputs) [draft_target_gap_us_fast, draft_target_gap_us_fallback].
 Prints a table and writes ``DIR/decode.json`` after every stage (partial results survive a
@@ -38,7 +40,7 @@ from speccal.runner.graphs import GraphKey
 from speccal.runner.sampling import SamplingParams
 
 KV = 1024
-SEQUENCES: dict = {}  # graph key -> kernels of one replay (first and last 20): [name, us, grid]
+SEQUENCES: dict = {}  # graph key -> kernels of one replay: [name, us, grid, start us]
 
 
 def _events_ms(fn, iters: int, repeats: int) -> float:
@@ -128,15 +130,68 @@ def breakdown(eng: Engine, key: GraphKey, replays: int = 5, top: int = 12) -> li
     rows = sorted(([n, round(t, 2), round(c, 2)] for n, (t, c) in agg.items()), key=lambda r: -r[1])
     per = len(ev) // replays
     first = sorted(ev, key=lambda e: float(e["ts"]))[:per]
-    shown = first if len(first) <= 40 else first[:20] + first[-20:]  # head and tail of a step
+    t0 = float(first[0]["ts"]) if first else 0.0
+    # every kernel of the first replay: [name, us, grid, start us after the step's first kernel]
+    # (under PDL a kernel starts when its programs launch, before its predecessor ends)
     SEQUENCES[key] = [[str(e["name"])[:40], round(float(e["dur"]), 2),
-                       str(e.get("args", {}).get("grid", ""))] for e in shown]
+                       str(e.get("args", {}).get("grid", "")),
+                       round(float(e["ts"]) - t0, 2)] for e in first]
     total = sum(r[1] for r in rows)
     span = max(float(e["ts"]) + float(e["dur"]) for e in ev) - min(float(e["ts"]) for e in ev)
     return rows[:top] + [
         ["(all kernels)", round(total, 2), round(len(ev) / replays, 2)],
         ["(span incl. gaps)", round(span / replays, 2), 0],
     ]
+
+
+def critical(seq: list) -> list:
+    """Mean start and end (us) of each kernel of a decoder layer relative to the start of the
+    layer's first kernel (the one before ``_split_kernel``), over the layers that have a
+    successor layer: ``[name, grid, start, end]``. Shows what each launch adds to the chain."""
+    firsts = [i for i in range(1, len(seq)) if seq[i][0].startswith("_split_kernel")]
+    firsts = [i - 1 for i in firsts]
+    acc: dict[int, list] = {}
+    pairs = list(zip(firsts, firsts[1:], strict=False))
+    if not pairs:
+        return []
+    size = statistics.mode(b - a for a, b in pairs)  # layers of another length are skipped
+    for a, b in pairs:
+        if b - a != size:
+            continue
+        t0 = seq[a][3]
+        for j in range(a, b):
+            row = acc.setdefault(j - a, [seq[j][0], seq[j][2], [], []])
+            row[2].append(seq[j][3] - t0)
+            row[3].append(seq[j][3] + seq[j][1] - t0)
+    return [[r[0], r[1], round(float(np.mean(r[2])), 2), round(float(np.mean(r[3])), 2)]
+            for _, r in sorted(acc.items())]
+
+
+def kernel_resources() -> list:
+    """``[kernel, num_warps, registers per thread, spills, shared bytes]`` of every Triton
+    kernel compiled in this process (the specialisations of ``speccal.kernels``)."""
+    import importlib  # noqa: PLC0415
+
+    import triton  # noqa: PLC0415
+
+    rows = []
+    for mod in ("gemv", "paged_attention", "rmsnorm", "rotary_kv", "verify_accept",
+                "verify_metadata", "verify_tokens", "attention_tiling"):
+        m = importlib.import_module(f"speccal.kernels.{mod}")
+        for name, fn in vars(m).items():
+            if not isinstance(fn, triton.runtime.jit.JITFunction):
+                continue
+            for cache in getattr(fn, "device_caches", {}).values():
+                for k in (cache[0] if isinstance(cache, tuple) else cache).values():
+                    try:
+                        k._init_handles()
+                    except Exception:  # noqa: BLE001 - a resource probe, never fatal
+                        pass
+                    md = getattr(k, "metadata", None)
+                    rows.append([f"{mod}.{name}", getattr(md, "num_warps", None),
+                                 getattr(k, "n_regs", None), getattr(k, "n_spills", None),
+                                 getattr(md, "shared", None)])
+    return sorted(rows, key=lambda r: (r[0], str(r[1:])))
 
 
 def kernels_of(prof) -> list[tuple[float, float]]:
@@ -202,6 +257,9 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
         if quick:
             if b == 1:
                 res["decode_step_floor_ratio"] = dec[1] / res["decode_floor_ms"]
+                bkey = GraphKey("target", 1, 0, 1, upd, "greedy")
+                breakdown(plain, bkey)
+                res["critical_b1"] = critical(SEQUENCES[bkey])
             continue
         res[f"decode_step_ms_b{b}_general"] = target_ms(plain, b, 0, b, upd, args.repeats, "sample")
         if b == 1:
@@ -212,6 +270,7 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
             bkey = GraphKey("target", 1, 0, 1, upd, "greedy")
             res["breakdown_b1"] = breakdown(plain, bkey, top=20)
             res["sequence_b1"] = SEQUENCES[bkey]
+            res["critical_b1"] = critical(SEQUENCES[bkey])
         else:  # the B-matched decode step the verify ratio divides by
             res[f"breakdown_decode_b{b}"] = breakdown(
                 plain, GraphKey("target", b, 0, b, upd, "greedy"), top=20
@@ -244,10 +303,14 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
         res[f"verify_ms_b{b}"] = v
         res[f"verify_full_width_ratio_b{b}"] = v / dec[b]
         ratios.append(v / dec[b])
+        vkey = GraphKey("target", b, 5, 6 * b, "in_graph", "greedy")
         if not quick:  # where the verify step's extra time goes (against breakdown_decode_b*)
-            vkey = GraphKey("target", b, 5, 6 * b, "in_graph", "greedy")
             res[f"breakdown_verify_b{b}"] = breakdown(spec, vkey, top=20)
             res[f"sequence_verify_b{b}"] = SEQUENCES[vkey]
+            res[f"critical_verify_b{b}"] = critical(SEQUENCES[vkey])
+        elif b == 1:
+            breakdown(spec, vkey)
+            res["critical_verify_b1"] = critical(SEQUENCES[vkey])
         save()
     res["verify_full_width_ratio"] = max(ratios)
     if quick:
@@ -268,6 +331,7 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
         )
     )
     res["draft_target_gap_us_fallback"] = gap_us(host, 5, 9)
+    res["kernel_resources"] = kernel_resources()
     save()
 
 
@@ -326,7 +390,10 @@ def show(res: dict, prefix: str = "") -> None:
         elif isinstance(v, list) and v and isinstance(v[0], list):
             print(prefix + name)
             for row in v:
-                print(f"    {row[1]:9.2f} us  x{row[2]!s:<10} {row[0]}")
+                if isinstance(row[1], float):
+                    print(f"    {row[1]:9.2f} us  x{row[2]!s:<10} {row[0]}")
+                else:
+                    print("    " + "  ".join(str(c) for c in row))
         elif isinstance(v, float):
             print(f"{prefix + name:44s} {v:10.4f}")
         else:
