@@ -41,7 +41,13 @@ import triton.language as tl
 
 from speccal.errors import InputError
 from speccal.kernels._backend import arrival_counters, num_sms
-from speccal.kernels.gemv_config import GemvConfig, k_splits, pick_config
+from speccal.kernels.gemv_config import (
+    GemvConfig,
+    k_splits,
+    panel_fits,
+    pick_config,
+    streaming,
+)
 from speccal.kernels.pdl import pdl_enter
 from speccal.kernels.rmsnorm import norm_row_store, rms_norm_triton
 
@@ -201,6 +207,52 @@ def _store_h(acc, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr, s
 
 
 @triton.jit
+def _panel_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    nw_ptr, xw_ptr, ss_ptr, stride_xw, P,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, RES: tl.constexpr,
+    RES_EARLY: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
+):
+    # The program's whole weight panel [BLOCK_N, K] is loaded into registers before the PDL
+    # wait, so a GEMV that follows a long kernel (the o projection after attention) has its
+    # weights in hand when its input lands; after the wait only x (M rows, L2) and CUDA-core
+    # FMAs remain. One row at a time (rows are few); RES / RES_EARLY / DEFER as in
+    # _skinny_kernel's split-1 epilogue.
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, K_PAD)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    k_ok = offs_k < K
+    m_ok = offs_m < M
+    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, K_PAD]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_mask = m_ok[:, None] & n_ok[None, :]
+    if RES_EARLY:
+        res = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    if DEFER:
+        nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if PDL > 0:
+        tl.extra.cuda.gdc_wait()
+        if PDL == 1:
+            tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for mm in tl.static_range(BLOCK_M):
+        xr = tl.load(x_ptr + mm * stride_xm + offs_k, mask=k_ok & (mm < M), other=0.0)
+        row = tl.sum(w.to(tl.float32) * xr.to(tl.float32)[None, :], 1)  # [BLOCK_N]
+        acc = tl.where((offs_m == mm)[:, None], row[None, :], acc)
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+    if RES_EARLY:
+        acc += res
+    elif RES:
+        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    _store_h(acc, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr, stride_xw, P,
+             nw if DEFER else acc, DEFER)
+
+
+@triton.jit
 def _splitk_reduce_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
                           BLOCK: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
@@ -288,6 +340,19 @@ def linear_triton(
         out = residual
     elif out is None:
         out = torch.empty(m, n // 2 if glu else n, dtype=x.dtype, device=x.device)
+    if cfg.panel and panel_fits(m, k, cfg, x.element_size()) and not glu and row_scale is None:
+        _panel_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+            **_panel_norm_args(defer), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
+            K_PAD=triton.next_power_of_2(k), RES=residual is not None,
+            RES_EARLY=residual is not None and residual_settled, DEFER=defer is not None,
+            PDL=int(pdl), num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl > 0,
+        )
+        if norm is not None:
+            rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
+        return out
+    if cfg.panel:  # the panel does not fit: the streaming kernel at the same column tile
+        cfg = streaming(cfg)
     block_m = _block_m(m, cfg)
     split, k_per_split = k_splits(k, cfg, glu)
     direct = split == 1
@@ -336,6 +401,14 @@ def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """Arrival counters of the folded split-K reduce (``_backend.arrival_counters``, pool
     ``splitk``): None inside a capture that finds none, and the caller cannot fold."""
     return arrival_counters("splitk", device, needed, slots=4096)
+
+
+def _panel_norm_args(defer: tuple | None) -> dict:
+    """The panel kernel's deferred-norm arguments (placeholders without ``defer``)."""
+    if defer is None:
+        return dict(nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1)
+    nw, xw, ss = defer
+    return dict(nw_ptr=nw, xw_ptr=xw, ss_ptr=ss, stride_xw=xw.stride(0), P=ss.shape[1])
 
 
 def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int) -> dict:

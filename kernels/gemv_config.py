@@ -8,9 +8,11 @@ machine). Configs are tuned on an H200 (bench/KERNEL_NOTES.md).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-__all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "k_splits", "pick_config"]
+__all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "k_splits", "panel_enabled",
+           "panel_fits", "pick_config", "streaming"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     fma: bool = False
+    panel: bool = False  # weights preloaded into registers before the PDL wait (panel_fits)
 
 
 def _cfg(bn: int, bk: int, split: int, stages: int = 4) -> GemvConfig:
@@ -42,10 +45,42 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 
 
 # residual-add launches: o at split 1 (add in the epilogue) measured 6.4 us vs 6.5 + a reduce;
-# down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1
+# down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1.
+# o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs)
+_PANEL_O = GemvConfig(block_n=16, block_k=128, split_k=1, num_warps=8, num_stages=1, panel=True)
 _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
-    (2048, 2048): [(64, _cfg(16, 256, 1, 4))],  # o + residual
+    (2048, 2048): [(8, _PANEL_O), (64, _cfg(16, 256, 1, 4))],  # o + residual
 }
+
+# the register panel (``panel``): at most this many rows (each row is a pass of CUDA-core FMAs
+# over the panel) and this many weight bytes per program (64 KB: 64 registers per thread at 8
+# warps, beside an attention program on the same SM)
+PANEL_MAX_ROWS = 8
+PANEL_MAX_BYTES = 64 * 1024
+
+
+def panel_enabled() -> bool:
+    """``SPECCAL_GEMV_PANEL``: ``1`` (default) the tables' register-panel configs apply, ``0``
+    they are replaced by the streaming kernel at the same column tile (an A/B switch for
+    benchmarks, read when a config is picked, i.e. at graph capture)."""
+    value = os.environ.get("SPECCAL_GEMV_PANEL", "1")
+    if value not in ("0", "1"):
+        from speccal.errors import InputError
+
+        raise InputError("SPECCAL_GEMV_PANEL", value, "0 or 1")
+    return value == "1"
+
+
+def streaming(cfg: GemvConfig) -> GemvConfig:
+    """The streaming (``_skinny_kernel``) config that replaces a register-panel one: same column
+    tile, so a deferred norm keeps its tile count (``deferred_norm_tiles``)."""
+    return GemvConfig(block_n=cfg.block_n, block_k=256, split_k=1, num_warps=4, num_stages=4)
+
+
+def panel_fits(m: int, k: int, cfg: GemvConfig, element_size: int) -> bool:
+    """Whether the register panel of ``cfg`` serves ``m`` rows of a K-``k`` product."""
+    pad = 1 << max(0, k - 1).bit_length()
+    return m <= PANEL_MAX_ROWS and cfg.block_n * pad * element_size <= PANEL_MAX_BYTES
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -79,6 +114,8 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132,
             cfg = c
             break
     cfg = cfg or _heuristic(m, n, k, num_sms)
+    if cfg.panel and not panel_enabled():
+        cfg = streaming(cfg)
     if epilogue in ("silu_mul", "argmax") and cfg.split_k > 1:
         bn = max(16, cfg.block_n // cfg.split_k)
         cfg = GemvConfig(block_n=bn, block_k=cfg.block_k, split_k=1, num_warps=cfg.num_warps,
