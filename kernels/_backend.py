@@ -212,15 +212,25 @@ def attention_prefetch_tiles() -> int:
     return ATTN_PREFETCH_TILES if value is None else value
 
 
-_ATTN_RELEASE = {"start": 0, "loop": 1}
+_ATTN_RELEASE = {"start": 0, "loop": 1, "early": 2}
 
 
 def attention_release() -> int:
     """``SPECCAL_ATTN_RELEASE``: when an attention split program lets the next kernel launch
-    under PDL: ``start`` (default, right after its wait) or ``loop`` (after its KV loop). A
-    tuning switch for benchmarks, read at launch (graph capture)."""
+    under PDL: ``start`` (default, right after its wait), ``loop`` (after its KV loop) or
+    ``early`` (before its wait: the successor's programs launch while the kernel before the
+    attention still runs). A tuning switch for benchmarks, read at launch (graph capture)."""
     return _ATTN_RELEASE[_env_choice("SPECCAL_ATTN_RELEASE", "start", _ATTN_RELEASE,
-                                     "start or loop")]
+                                     "start, loop or early")]
+
+
+def attention_reduce_early() -> bool:
+    """``SPECCAL_ATTN_REDUCE_RELEASE``: ``early`` (default) the split-KV reduce kernel lets its
+    successor (the o projection) launch before its own PDL wait, so the successor's programs
+    are resident while the split kernel still runs (the register-panel GEMV loads its weights
+    then); ``wait`` after it. A switch for benchmarks, read at launch (graph capture)."""
+    return _env_choice("SPECCAL_ATTN_REDUCE_RELEASE", "early", ("early", "wait"),
+                       "early or wait") == "early"
 
 
 def attention_prewait(rows: int) -> bool:

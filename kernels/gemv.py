@@ -44,9 +44,8 @@ from speccal.kernels._backend import arrival_counters, num_sms
 from speccal.kernels.gemv_config import (
     GemvConfig,
     k_splits,
-    panel_fits,
     pick_config,
-    streaming,
+    resolve,
 )
 from speccal.kernels.pdl import pdl_enter
 from speccal.kernels.rmsnorm import norm_row_store, rms_norm_triton
@@ -334,13 +333,16 @@ def linear_triton(
     glu = epilogue == "silu_mul"
     cfg = config or pick_config(m, n, k, num_sms(x.device),
                                 epilogue="residual" if residual is not None else epilogue)
+    cfg = resolve(cfg, m, k, x.element_size())
     if glu and cfg.block_n % 2:
         raise InputError("config.block_n", cfg.block_n, "even for the silu_mul epilogue")
     if residual is not None:
         out = residual
     elif out is None:
         out = torch.empty(m, n // 2 if glu else n, dtype=x.dtype, device=x.device)
-    if cfg.panel and panel_fits(m, k, cfg, x.element_size()) and not glu and row_scale is None:
+    if cfg.panel:
+        if glu or row_scale is not None:
+            raise InputError("config.panel", True, "False for the silu_mul epilogue and row_scale")
         _panel_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
             **_panel_norm_args(defer), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
@@ -351,8 +353,6 @@ def linear_triton(
         if norm is not None:
             rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
         return out
-    if cfg.panel:  # the panel does not fit: the streaming kernel at the same column tile
-        cfg = streaming(cfg)
     block_m = _block_m(m, cfg)
     split, k_per_split = k_splits(k, cfg, glu)
     direct = split == 1

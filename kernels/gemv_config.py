@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 __all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "k_splits", "panel_enabled",
-           "panel_fits", "pick_config", "streaming"]
+           "panel_fits", "pick_config", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,13 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 
 # residual-add launches: o at split 1 (add in the epilogue) measured 6.4 us vs 6.5 + a reduce;
 # down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1.
-# o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs)
-_PANEL_O = GemvConfig(block_n=16, block_k=128, split_k=1, num_warps=8, num_stages=1, panel=True)
+# o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs). Rows
+# past the first keep an fp32 copy of the panel live (sm_90: 106 registers at 1 row x 16
+# columns, 193 at 8 x 16, 122 at 8 x 8 with 8 warps), so more rows take narrower panels
 _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
-    (2048, 2048): [(8, _PANEL_O), (64, _cfg(16, 256, 1, 4))],  # o + residual
+    (2048, 2048): [(1, GemvConfig(16, 128, 1, 8, 1, panel=True)),
+                   (8, GemvConfig(8, 128, 1, 8, 1, panel=True)),
+                   (64, _cfg(16, 256, 1, 4))],  # o + residual
 }
 
 # the register panel (``panel``): at most this many rows (each row is a pass of CUDA-core FMAs
@@ -71,10 +74,14 @@ def panel_enabled() -> bool:
     return value == "1"
 
 
-def streaming(cfg: GemvConfig) -> GemvConfig:
-    """The streaming (``_skinny_kernel``) config that replaces a register-panel one: same column
-    tile, so a deferred norm keeps its tile count (``deferred_norm_tiles``)."""
-    return GemvConfig(block_n=cfg.block_n, block_k=256, split_k=1, num_warps=4, num_stages=4)
+def resolve(cfg: GemvConfig, m: int, k: int, element_size: int) -> GemvConfig:
+    """The config a launch of ``m`` rows, K ``k``, runs: a register-panel config that is switched
+    off (``SPECCAL_GEMV_PANEL=0``) or does not fit (``panel_fits``) becomes the streaming
+    kernel's split-1 config at a column tile of at least 16 (``tl.dot``'s minimum)."""
+    if cfg.panel and not (panel_enabled() and panel_fits(m, k, cfg, element_size)):
+        return GemvConfig(block_n=max(16, cfg.block_n), block_k=256, split_k=1, num_warps=4,
+                          num_stages=4)
+    return cfg
 
 
 def panel_fits(m: int, k: int, cfg: GemvConfig, element_size: int) -> bool:
@@ -114,8 +121,6 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132,
             cfg = c
             break
     cfg = cfg or _heuristic(m, n, k, num_sms)
-    if cfg.panel and not panel_enabled():
-        cfg = streaming(cfg)
     if epilogue in ("silu_mul", "argmax") and cfg.split_k > 1:
         bn = max(16, cfg.block_n // cfg.split_k)
         cfg = GemvConfig(block_n=bn, block_k=cfg.block_k, split_k=1, num_warps=cfg.num_warps,
@@ -143,9 +148,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def deferred_norm_tiles(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, bool]:
+def deferred_norm_tiles(m: int, n: int, k: int, num_sms: int = 132,
+                        element_size: int = 2) -> tuple[int, bool]:
     """``(P, folded)`` of a deferred norm's producer GEMV (``x [m, k] @ w [n, k].T`` added into
-    a residual; ``ops.linear_deferred_norm``): its column tiles, and whether its config splits
-    K, so that the last program of each column tile reduces it (arrival counters)."""
-    cfg = pick_config(m, n, k, num_sms, epilogue="residual")
+    a residual, ``element_size`` bytes per element; ``ops.linear_deferred_norm``): its column
+    tiles, and whether its config splits K, so that the last program of each column tile
+    reduces it (arrival counters)."""
+    cfg = resolve(pick_config(m, n, k, num_sms, epilogue="residual"), m, k, element_size)
     return -(-n // cfg.block_n), k_splits(k, cfg)[0] > 1

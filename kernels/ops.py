@@ -650,7 +650,7 @@ def linear_deferred_norm(
     _need(_shape(norm_weight) == (n,) and norm_weight.dtype == x.dtype, "norm_weight",
           (_shape(norm_weight), norm_weight.dtype), f"[{n}] {x.dtype}")
     _need(isinstance(eps, float) and eps > 0, "eps", eps, "a float > 0")
-    tiles, folded = deferred_norm_tiles(m, n, k, num_sms(x.device))
+    tiles, folded = deferred_norm_tiles(m, n, k, num_sms(x.device), x.element_size())
     if use_triton(x, backend):
         from speccal.kernels.gemv import fold_counters, linear_triton
 

@@ -32,6 +32,7 @@ from speccal.kernels._backend import (
     attention_fold_override,
     attention_prefetch_tiles,
     attention_prewait,
+    attention_reduce_early,
     attention_release,
     attention_warps,
     fold_max_merge,
@@ -238,7 +239,7 @@ def _split_kernel(
     # rotary tables, new rows' pages, and with PREFETCH the L2 prefetch of the first cached K/V
     # tiles) runs before the PDL wait. RELEASE (PDL): 0 lets the successor launch right after
     # the wait, 1 only after this program's KV loop (the successor's programs then land on SMs
-    # that the split programs have left).
+    # that the split programs have left), 2 before the wait.
     # FOLD (split-KV without a reduce launch): every live program writes its partial, then
     # counts itself in ``cnt_ptr[b * KVH + kvh]``; the last one of its (request, KV head)
     # merges all splits into the output and resets the counter (zero between launches).
@@ -249,6 +250,8 @@ def _split_kernel(
     s = tl.program_id(1)
     b = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
+    if PDL and RELEASE == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     if not META_EARLY:
         _split_wait(PDL, RELEASE)
     (q_start, q_len, seq_len, n_splits, start, end, live, row_ok, pos, npos, new_ok, q_cs,
@@ -394,11 +397,16 @@ def _reduce_kernel(
     part_o_ptr, part_lse_ptr, nsplit_ptr, q_lens_ptr, cu_q_ptr, out_ptr,
     stride_ot, stride_oh, R, max_splits, batch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    Q_MODE: tl.constexpr, PDL: tl.constexpr,
+    Q_MODE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     # one program per (request, row, head); all splits loaded in one shot (no serial loop).
     # Packed: programs past batch * R zero the padding rows (t >= cu_q_lens[B]), no memset.
-    pdl_enter(PDL)
+    # EARLY (PDL): the successor may launch before this kernel's wait (its own wait covers both).
+    if PDL and EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    else:
+        pdl_enter(PDL)
     pid = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, D_PAD)
@@ -536,7 +544,7 @@ def paged_attention_triton(
             q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
             o3, o3.stride(0), o3.stride(1), num_q_rows, max_splits, batch,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-            S_PAD=triton.next_power_of_2(max_splits), Q_MODE=mode, PDL=pdl, num_warps=num_warps,
-            launch_pdl=pdl,
+            S_PAD=triton.next_power_of_2(max_splits), Q_MODE=mode, PDL=pdl,
+            EARLY=pdl and attention_reduce_early(), num_warps=num_warps, launch_pdl=pdl,
         )
     return out

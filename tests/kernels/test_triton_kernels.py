@@ -417,6 +417,49 @@ def test_fused_linear_matches_reference(dtype, m, shape, fusion):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 6, 8])
+@pytest.mark.parametrize("shape, block_n", [((2048, 2048), None), ((1000, 600), 8),
+                                            ((40, 1000), 16)])
+def test_register_panel_matches_reference(dtype, m, shape, block_n):
+    """The register-panel GEMV (``GemvConfig(panel=True)``: the o projection at <= 8 rows):
+    plain output, residual add (settled or not), the deferred norm's pieces and a norm launch,
+    against the reference; N not a multiple of the column tile and K not a power of two."""
+    from speccal.kernels.gemv import GemvConfig
+    from speccal.kernels.gemv_config import deferred_norm_tiles
+
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k + m + 7)
+    x = torch.randn(m, k, generator=gen).to(dtype=dtype, device=DEV)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype=dtype, device=DEV)
+    res0 = torch.randn(m, n, generator=gen).to(dtype=dtype, device=DEV)
+    nw = (1 + 0.2 * torch.randn(n, generator=gen)).to(dtype=dtype, device=DEV)
+    cfg = None if block_n is None else GemvConfig(block_n=block_n, num_warps=8, num_stages=1,
+                                                  panel=True)
+    want = ref.linear_ref(x.float(), w.float())
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+    ops.linear(x, w, out=out, config=cfg, backend="triton")
+    assert rel_err(out, want) < TOL[dtype] / 2
+    h_want = res0.float() + want
+    for settled in (False, True):
+        res = res0.clone()
+        got = ops.linear(x, w, config=cfg, residual=res, residual_settled=settled,
+                         backend="triton")
+        assert got is res and rel_err(res, h_want) < TOL[dtype]
+    res, xn = res0.clone(), torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+    ops.linear(x, w, config=cfg, residual=res, norm=(nw, 1e-6, xn), backend="triton")
+    assert rel_err(xn, ref.rms_norm_ref(h_want, nw.float(), 1e-6)) < 2 * TOL[dtype]
+    if block_n is None:  # the table's config: the deferred norm through ops
+        res = res0.clone()
+        dn = ops.linear_deferred_norm(x, w, res, nw, 1e-6, residual_settled=True,
+                                      backend="triton")
+        assert dn.ss.shape[1] == deferred_norm_tiles(m, n, k, element_size=x.element_size())[0]
+        assert rel_err(res, h_want) < TOL[dtype]
+        assert rel_err(dn.xw, res.float() * nw.float()) < TOL[dtype]
+        torch.testing.assert_close(dn.ss.sum(1), res.float().pow(2).sum(1), rtol=1e-4,
+                                   atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 48])
 @pytest.mark.parametrize("shape", [(2048, 6144), (1000, 2100)])
 def test_linear_residual_norm_matches_reference(dtype, m, shape):
