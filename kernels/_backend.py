@@ -225,12 +225,19 @@ def attention_release() -> int:
 
 
 def attention_reduce_early() -> bool:
-    """``SPECCAL_ATTN_REDUCE_RELEASE``: ``early`` (default) the split-KV reduce kernel lets its
-    successor (the o projection) launch before its own PDL wait, so the successor's programs
-    are resident while the split kernel still runs (the register-panel GEMV loads its weights
-    then); ``wait`` after it. A switch for benchmarks, read at launch (graph capture)."""
-    return _env_choice("SPECCAL_ATTN_REDUCE_RELEASE", "early", ("early", "wait"),
-                       "early or wait") == "early"
+    """``SPECCAL_ATTN_REDUCE_RELEASE``: whether the split-KV reduce kernel lets its successor
+    (the o projection) launch before its own PDL wait, so the successor's programs are resident
+    while the split kernel still runs: ``early``, ``wait`` (after it) or ``auto`` (default:
+    early where the o projection is the register panel, ``SPECCAL_GEMV_PANEL``, which loads
+    its weights in that time; the streaming GEMV launched that early was slower on the H200:
+    B=1 verify +145 us, bench/RESULTS.md). A switch for benchmarks, read at launch (capture)."""
+    value = _env_choice("SPECCAL_ATTN_REDUCE_RELEASE", "auto", ("auto", "early", "wait"),
+                        "auto, early or wait")
+    if value == "auto":
+        from speccal.kernels.gemv_config import panel_enabled
+
+        return panel_enabled()
+    return value == "early"
 
 
 def attention_prewait(rows: int) -> bool:

@@ -209,23 +209,27 @@ def _store_h(acc, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr, s
 def _panel_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     nw_ptr, xw_ptr, ss_ptr, stride_xw, P,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, RES: tl.constexpr,
-    RES_EARLY: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr,
+    RES: tl.constexpr, RES_EARLY: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
 ):
-    # The program's whole weight panel [BLOCK_N, K] is loaded into registers before the PDL
-    # wait, so a GEMV that follows a long kernel (the o projection after attention) has its
+    # The program's whole weight panel [BLOCK_N, NCH * KC] is loaded into registers before the
+    # PDL wait, so a GEMV that follows a long kernel (the o projection after attention) has its
     # weights in hand when its input lands; after the wait only x (M rows, L2) and CUDA-core
-    # FMAs remain. One row at a time (rows are few); RES / RES_EARLY / DEFER as in
-    # _skinny_kernel's split-1 epilogue.
+    # FMAs remain. The panel is held as NCH chunks [BLOCK_N, KC] (a tuple) and converted to
+    # fp32 one chunk at a time, for all rows: one fp32 copy of the whole panel for several rows
+    # would double its registers. RES / RES_EARLY / DEFER as in _skinny_kernel's split 1.
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, K_PAD)
+    offs_c = tl.arange(0, KC)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
-    k_ok = offs_k < K
     m_ok = offs_m < M
-    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, K_PAD]
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    ws = ()
+    for c in tl.static_range(NCH):
+        k_ok = c * KC + offs_c < K
+        ws = ws + (tl.load(rows + (c * KC + offs_c)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                           other=0.0),)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
     if RES_EARLY:
@@ -237,10 +241,14 @@ def _panel_kernel(
         if PDL == 1:
             tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for mm in tl.static_range(BLOCK_M):
-        xr = tl.load(x_ptr + mm * stride_xm + offs_k, mask=k_ok & (mm < M), other=0.0)
-        row = tl.sum(w.to(tl.float32) * xr.to(tl.float32)[None, :], 1)  # [BLOCK_N]
-        acc = tl.where((offs_m == mm)[:, None], row[None, :], acc)
+    for c in tl.static_range(NCH):
+        wf = ws[c].to(tl.float32)
+        k_ok = c * KC + offs_c < K
+        for mm in tl.static_range(BLOCK_M):
+            xr = tl.load(x_ptr + mm * stride_xm + c * KC + offs_c, mask=k_ok & (mm < M),
+                         other=0.0).to(tl.float32)
+            row = tl.sum(wf * xr[None, :], 1)  # [BLOCK_N]
+            acc = tl.where((offs_m == mm)[:, None], acc + row[None, :], acc)
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     if RES_EARLY:
@@ -346,7 +354,7 @@ def linear_triton(
         _panel_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
             **_panel_norm_args(defer), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
-            K_PAD=triton.next_power_of_2(k), RES=residual is not None,
+            **_panel_chunks(m, k), RES=residual is not None,
             RES_EARLY=residual is not None and residual_settled, DEFER=defer is not None,
             PDL=int(pdl), num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl > 0,
         )
@@ -401,6 +409,14 @@ def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """Arrival counters of the folded split-K reduce (``_backend.arrival_counters``, pool
     ``splitk``): None inside a capture that finds none, and the caller cannot fold."""
     return arrival_counters("splitk", device, needed, slots=4096)
+
+
+def _panel_chunks(m: int, k: int) -> dict:
+    """The register panel's K chunks: one for a single row, else up to 8 of >= 64 columns
+    (sm_90, o projection, 16 columns x 8 warps: 193 registers at 8 rows unchunked, 105 in 8)."""
+    pad = triton.next_power_of_2(k)
+    nch = 1 if m == 1 else max(1, min(8, pad // 64))
+    return dict(KC=pad // nch, NCH=nch)
 
 
 def _panel_norm_args(defer: tuple | None) -> dict:

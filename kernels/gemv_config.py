@@ -46,12 +46,9 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 
 # residual-add launches: o at split 1 (add in the epilogue) measured 6.4 us vs 6.5 + a reduce;
 # down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1.
-# o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs). Rows
-# past the first keep an fp32 copy of the panel live (sm_90: 106 registers at 1 row x 16
-# columns, 193 at 8 x 16, 122 at 8 x 8 with 8 warps), so more rows take narrower panels
+# o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs)
 _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
-    (2048, 2048): [(1, GemvConfig(16, 128, 1, 8, 1, panel=True)),
-                   (8, GemvConfig(8, 128, 1, 8, 1, panel=True)),
+    (2048, 2048): [(8, GemvConfig(16, 128, 1, 8, 1, panel=True)),
                    (64, _cfg(16, 256, 1, 4))],  # o + residual
 }
 

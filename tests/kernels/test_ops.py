@@ -634,28 +634,27 @@ def test_arrival_counters_are_per_pool_and_reused():
 
 
 def test_register_panel_configs_and_switches(monkeypatch):
-    """The o projection's register panel: picked at <= PANEL_MAX_ROWS rows (16 columns at one
-    row, 8 above), replaced by the streaming config (column tile >= 16) where it is switched
-    off (``SPECCAL_GEMV_PANEL=0``) or its weights do not fit; the deferred norm's tile count
-    follows the config a launch runs. The reduce-release and split-release switches parse."""
+    """The o projection's register panel: picked at <= PANEL_MAX_ROWS rows, replaced by the
+    streaming config (column tile >= 16) where it is switched off (``SPECCAL_GEMV_PANEL=0``) or
+    its weights do not fit; the deferred norm's tile count follows the config a launch runs.
+    The reduce-release and split-release switches parse."""
     from speccal.kernels import _backend
     from speccal.kernels import gemv_config as gc
 
     monkeypatch.delenv("SPECCAL_GEMV_PANEL", raising=False)
     one = gc.pick_config(1, 2048, 2048, epilogue="residual")
     six = gc.pick_config(6, 2048, 2048, epilogue="residual")
-    assert one.panel and one.block_n == 16 and six.panel and six.block_n == 8
+    assert one.panel and six.panel and six.block_n == 16
     assert not gc.pick_config(gc.PANEL_MAX_ROWS + 1, 2048, 2048, epilogue="residual").panel
     assert not gc.pick_config(1, 2048, 2048).panel  # plain product: the streaming table
     assert gc.resolve(six, 6, 2048, 2) == six
-    assert gc.deferred_norm_tiles(6, 2048, 2048) == (256, False)
-    # fp32 weights: 8 x 2048 x 4 bytes fit, 16 x 2048 x 4 do not
-    assert gc.resolve(six, 6, 2048, 4) == six
-    wide = gc.resolve(one, 1, 2048, 4)
+    assert gc.deferred_norm_tiles(6, 2048, 2048) == (128, False)
+    narrow = gc.GemvConfig(block_n=8, panel=True)
+    assert gc.resolve(narrow, 6, 2048, 4) == narrow  # 8 x 2048 fp32 = 64 KB: fits
+    wide = gc.resolve(six, 6, 2048, 4)  # 16 x 2048 fp32 = 128 KB: streams, tile kept
     assert not wide.panel and wide.block_n == 16 and wide.split_k == 1
-    assert gc.deferred_norm_tiles(1, 2048, 2048, element_size=4) == (128, False)
-    assert not gc.panel_fits(gc.PANEL_MAX_ROWS + 1, 64, six, 2)
-    assert not gc.panel_fits(1, 8193, six, 2)  # K padded to 16384: 256 KB
+    assert gc.resolve(narrow, gc.PANEL_MAX_ROWS + 1, 64, 2).block_n == 16  # too many rows
+    assert not gc.panel_fits(1, 8193, narrow, 2)  # K padded to 16384: 256 KB
     monkeypatch.setenv("SPECCAL_GEMV_PANEL", "0")
     off = gc.resolve(six, 6, 2048, 2)
     assert not off.panel and off.block_n == 16
@@ -665,7 +664,12 @@ def test_register_panel_configs_and_switches(monkeypatch):
         gc.panel_enabled()
     monkeypatch.delenv("SPECCAL_GEMV_PANEL")
     monkeypatch.delenv("SPECCAL_ATTN_REDUCE_RELEASE", raising=False)
+    assert _backend.attention_reduce_early() is True  # auto: follows the panel switch
+    monkeypatch.setenv("SPECCAL_GEMV_PANEL", "0")
+    assert _backend.attention_reduce_early() is False
+    monkeypatch.setenv("SPECCAL_ATTN_REDUCE_RELEASE", "early")
     assert _backend.attention_reduce_early() is True
+    monkeypatch.delenv("SPECCAL_GEMV_PANEL")
     monkeypatch.setenv("SPECCAL_ATTN_REDUCE_RELEASE", "wait")
     assert _backend.attention_reduce_early() is False
     monkeypatch.setenv("SPECCAL_ATTN_REDUCE_RELEASE", "late")
