@@ -211,6 +211,7 @@ def _panel_kernel(
     nw_ptr, xw_ptr, ss_ptr, stride_xw, P,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr,
     RES: tl.constexpr, RES_EARLY: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
+    DOT: tl.constexpr = False,
 ):
     # The program's whole weight panel [BLOCK_N, NCH * KC] is loaded into registers before the
     # PDL wait, so a GEMV that follows a long kernel (the o projection after attention) has its
@@ -226,10 +227,15 @@ def _panel_kernel(
     m_ok = offs_m < M
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     ws = ()
-    for c in tl.static_range(NCH):
-        k_ok = c * KC + offs_c < K
-        ws = ws + (tl.load(rows + (c * KC + offs_c)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                           other=0.0),)
+    offs_b = tl.arange(0, NCH)
+    if DOT:  # the panel as NCH independent K chunks [NCH, BLOCK_N, KC] of one batched dot
+        kk = offs_b[:, None, None] * KC + offs_c[None, None, :]
+        w3 = tl.load(rows[None, :, :] + kk, mask=n_ok[None, :, None] & (kk < K), other=0.0)
+    else:
+        for c in tl.static_range(NCH):
+            k_ok = c * KC + offs_c < K
+            ws = ws + (tl.load(rows + (c * KC + offs_c)[None, :],
+                               mask=n_ok[:, None] & k_ok[None, :], other=0.0),)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
     if RES_EARLY:
@@ -241,7 +247,12 @@ def _panel_kernel(
         if PDL == 1:
             tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for c in tl.static_range(NCH):
+    if DOT:  # tensor cores, BLOCK_M >= 16: x^T chunks [NCH, KC, BLOCK_M]
+        kx = offs_b[:, None, None] * KC + offs_c[None, :, None]
+        x3 = tl.load(x_ptr + offs_m[None, None, :] * stride_xm + kx,
+                     mask=m_ok[None, None, :] & (kx < K), other=0.0)
+        acc = tl.trans(tl.sum(tl.dot(w3, x3), 0))  # [BLOCK_M, BLOCK_N]
+    for c in tl.static_range(0 if DOT else NCH):
         wf = ws[c].to(tl.float32)
         k_ok = c * KC + offs_c < K
         for mm in tl.static_range(BLOCK_M):
@@ -353,8 +364,8 @@ def linear_triton(
             raise InputError("config.panel", True, "False for the silu_mul epilogue and row_scale")
         _panel_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            **_panel_norm_args(defer), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
-            **_panel_chunks(m, k), RES=residual is not None,
+            **_panel_norm_args(defer), BLOCK_N=cfg.block_n, **_panel_chunks(m, k),
+            RES=residual is not None,
             RES_EARLY=residual is not None and residual_settled, DEFER=defer is not None,
             PDL=int(pdl), num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl > 0,
         )
@@ -412,11 +423,15 @@ def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
 
 
 def _panel_chunks(m: int, k: int) -> dict:
-    """The register panel's K chunks: one for a single row, else up to 8 of >= 64 columns
-    (sm_90, o projection, 16 columns x 8 warps: 193 registers at 8 rows unchunked, 105 in 8)."""
+    """The register panel's math: one row on the CUDA cores over the whole K; more rows on the
+    tensor cores (M padded to 16), K in 4 chunks of one batched dot, so four accumulation
+    chains run side by side (the CUDA-core loop over rows and chunks measured 2-3x slower than
+    the streaming GEMV at 6-8 rows on the H200)."""
     pad = triton.next_power_of_2(k)
-    nch = 1 if m == 1 else max(1, min(8, pad // 64))
-    return dict(KC=pad // nch, NCH=nch)
+    if m == 1:
+        return dict(KC=pad, NCH=1, BLOCK_M=1, DOT=False)
+    nch = max(1, min(4, pad // 16))
+    return dict(KC=pad // nch, NCH=nch, BLOCK_M=max(16, triton.next_power_of_2(m)), DOT=True)
 
 
 def _panel_norm_args(defer: tuple | None) -> dict:
