@@ -13,14 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
+from speccal.kernels.pdl import pdl_enter
+
 __all__ = ["attention_tiling_update_triton"]
 
 
 @triton.jit
 def _tiling_kernel(
     seq_ptr, nsplit_ptr, split_len_ptr, B, max_splits, block_n, min_split_len,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < B
     s = tl.maximum(tl.load(seq_ptr + offs, mask=ok, other=0), 0)
@@ -38,10 +41,11 @@ def attention_tiling_update_triton(
     max_splits: int,
     block_n: int,
     min_split_len: int,
+    pdl: bool = False,  # programmatic dependent launch (waits for its predecessor first)
 ) -> None:
     """One launch; arguments validated by ``ops.attention_tiling_update``."""
     batch = seq_lens.shape[0]
     _tiling_kernel[(triton.cdiv(batch, 1024),)](
         seq_lens, num_splits, split_len, batch, max_splits, block_n, min_split_len,
-        BLOCK=1024, num_warps=4,
+        BLOCK=1024, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )

@@ -492,7 +492,7 @@ def verify_metadata_update(
 
         verify_metadata_update_triton(verify_lens, context_lens, block_table, block_size,
                                       positions, slot_mapping, seq_lens, cu_q_lens, k_max,
-                                      grid_rows, max_cu)
+                                      grid_rows, max_cu, pdl=pdl_enabled(seq_lens))
         return
     ref.verify_metadata_update_ref(verify_lens, context_lens, block_table, block_size, positions,
                                    slot_mapping, seq_lens, cu_q_lens, k_max, grid_rows, max_cu)
@@ -517,7 +517,8 @@ def attention_tiling_update(
         from speccal.kernels.attention_tiling import attention_tiling_update_triton
 
         attention_tiling_update_triton(seq_lens, num_splits, split_len, plan.max_splits,
-                                       plan.block_n, plan.min_split_len)
+                                       plan.block_n, plan.min_split_len,
+                                       pdl=pdl_enabled(seq_lens))
         return
     ref.attention_tiling_update_ref(seq_lens, num_splits, split_len, plan.max_splits,
                                     plan.block_n, plan.min_split_len)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from speccal.kernels.pdl import pdl_enter
 from speccal.kernels.verify_tokens import packed_rows
 
 __all__ = ["verify_metadata_update_triton"]
@@ -28,7 +29,9 @@ def _verify_metadata_kernel(
     vl_ptr, ctx_ptr, bt_ptr, pos_ptr, slot_ptr, seq_ptr, cu_ptr, grid_ptr,
     B, G, K_MAX, stride_bt, max_blocks, page, max_cu,
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, GRID: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     start, n, total = packed_rows(vl_ptr, b, B, K_MAX, BLOCK_B)
     if b < B:
@@ -69,6 +72,7 @@ def verify_metadata_update_triton(
     k_max: int,
     grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
     max_cu: int | None = None,  # cap of the cu_q_lens entries (None: no cap)
+    pdl: bool = False,  # programmatic dependent launch (waits for its predecessor first)
 ) -> None:
     """One launch; arguments validated by ``ops.verify_metadata_update``."""
     batch = verify_lens.shape[0]
@@ -79,5 +83,6 @@ def verify_metadata_update_triton(
         grid_rows if grid_rows is not None else positions, batch, g, k_max,
         block_table.stride(0), block_table.shape[1], block_size, cap,
         BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=triton.next_power_of_2(k_max + 1),
-        BLOCK_G=min(1024, triton.next_power_of_2(g)), GRID=grid_rows is not None, num_warps=1,
+        BLOCK_G=min(1024, triton.next_power_of_2(g)), GRID=grid_rows is not None, PDL=pdl,
+        num_warps=1, launch_pdl=pdl,
     )
