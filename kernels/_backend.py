@@ -191,6 +191,22 @@ def gemv_prefetch_tiles() -> int:
     return GEMV_PREFETCH_TILES if value is None else value
 
 
+# K chunks of the register panel's batched dot at 2-8 rows (``gemv._panel_chunks``)
+PANEL_CHUNKS = 4
+
+
+def panel_chunks() -> int:
+    """``SPECCAL_PANEL_CHUNKS``: K chunks (independent accumulation chains) of the register-panel
+    GEMV's tensor-core dot at 2-8 rows, a power of two (unset: ``PANEL_CHUNKS``). A tuning switch
+    for benchmarks, read at launch (graph capture)."""
+    value = _positive_int("SPECCAL_PANEL_CHUNKS")
+    if value is not None and value & (value - 1):
+        from speccal.errors import InputError
+
+        raise InputError("SPECCAL_PANEL_CHUNKS", value, "a power of two")
+    return PANEL_CHUNKS if value is None else value
+
+
 def prewait_loads() -> bool:
     """``SPECCAL_PREWAIT``: ``1`` (default) lets a kernel whose caller vouches for its inputs read
     them before its PDL wait: a GEMV's residual (``ops.linear(residual_settled=True)``) and the

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from speccal.errors import InputError
-from speccal.kernels._backend import arrival_counters, num_sms
+from speccal.kernels._backend import arrival_counters, num_sms, panel_chunks
 from speccal.kernels.gemv_config import (
     GemvConfig,
     k_splits,
@@ -430,7 +430,7 @@ def _panel_chunks(m: int, k: int) -> dict:
     pad = triton.next_power_of_2(k)
     if m == 1:
         return dict(KC=pad, NCH=1, BLOCK_M=1, DOT=False)
-    nch = max(1, min(4, pad // 16))
+    nch = max(1, min(panel_chunks(), pad // 16))
     return dict(KC=pad // nch, NCH=nch, BLOCK_M=max(16, triton.next_power_of_2(m)), DOT=True)
 
 

@@ -71,6 +71,32 @@ def panel_enabled() -> bool:
     return value == "1"
 
 
+def _override(m: int, n: int, k: int) -> GemvConfig | None:
+    """``SPECCAL_GEMV_OVERRIDE``: ``;``-separated ``N:K:MAX_M=block_n,block_k,split_k,num_warps,
+    num_stages[,panel]`` entries that replace the tables' config of an (N, K) product at <=
+    ``MAX_M`` rows, whatever the epilogue (a tuning switch for benchmark variants, read when a
+    config is picked, i.e. at graph capture). Malformed entries raise an InputError."""
+    spec = os.environ.get("SPECCAL_GEMV_OVERRIDE", "")
+    for entry in filter(None, spec.split(";")):
+        try:
+            shape, _, fields = entry.partition("=")
+            en, ek, emax = (int(v) for v in shape.split(":"))
+            parts = fields.split(",")
+            panel = parts[5:] == ["panel"]
+            if len(parts) != 5 + panel:
+                raise ValueError(entry)
+            bn, bk, split, warps, stages = (int(v) for v in parts[:5])
+            cfg = GemvConfig(bn, bk, split, warps, stages, panel=panel)
+        except ValueError:
+            from speccal.errors import InputError
+
+            raise InputError("SPECCAL_GEMV_OVERRIDE", entry, "N:K:MAX_M=block_n,block_k,split_k,"
+                             "num_warps,num_stages[,panel]") from None
+        if (en, ek) == (n, k) and m <= emax:
+            return cfg
+    return None
+
+
 def resolve(cfg: GemvConfig, m: int, k: int, element_size: int) -> GemvConfig:
     """The config a launch of ``m`` rows, K ``k``, runs: a register-panel config that is switched
     off (``SPECCAL_GEMV_PANEL=0``) or does not fit (``panel_fits``) becomes the streaming
@@ -111,10 +137,10 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132,
     split 1, a split-K entry becoming one program per ``block_n / split_k`` rows (same program
     count).
     """
-    cfg = None
+    cfg = _override(m, n, k)
     first = _RESIDUAL_TABLE.get((n, k), []) if epilogue == "residual" else []
     for max_m, c in first + _TABLE.get((n, k), []):
-        if m <= max_m:
+        if cfg is None and m <= max_m:
             cfg = c
             break
     cfg = cfg or _heuristic(m, n, k, num_sms)

@@ -677,3 +677,30 @@ def test_register_panel_configs_and_switches(monkeypatch):
         _backend.attention_reduce_early()
     monkeypatch.setenv("SPECCAL_ATTN_RELEASE", "early")
     assert _backend.attention_release() == 2
+
+
+def test_gemv_override_and_panel_chunks(monkeypatch):
+    """``SPECCAL_GEMV_OVERRIDE`` replaces the tables' config of one (N, K) up to MAX_M rows (a
+    panel too); ``SPECCAL_PANEL_CHUNKS`` takes powers of two; bad values name the variable."""
+    from speccal.kernels import _backend
+    from speccal.kernels import gemv_config as gc
+
+    monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE",
+                       "4096:2048:8=64,128,1,4,4;2048:2048:8=16,128,1,4,1,panel")
+    assert gc.pick_config(6, 4096, 2048) == gc.GemvConfig(64, 128, 1, 4, 4)
+    assert gc.pick_config(9, 4096, 2048).block_n == 32  # past MAX_M: the table
+    o = gc.pick_config(1, 2048, 2048, epilogue="residual")
+    assert o.panel and o.num_warps == 4
+    for bad in ("4096:2048=64", "4096:2048:8=64,128,1,4", "4096:2048:8=64,128,1,4,4,wide"):
+        monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", bad)
+        with pytest.raises(InputError, match="SPECCAL_GEMV_OVERRIDE"):
+            gc.pick_config(1, 4096, 2048)
+    monkeypatch.delenv("SPECCAL_GEMV_OVERRIDE")
+    monkeypatch.delenv("SPECCAL_PANEL_CHUNKS", raising=False)
+    assert _backend.panel_chunks() == _backend.PANEL_CHUNKS
+    monkeypatch.setenv("SPECCAL_PANEL_CHUNKS", "8")
+    assert _backend.panel_chunks() == 8
+    for bad in ("3", "0", "x"):
+        monkeypatch.setenv("SPECCAL_PANEL_CHUNKS", bad)
+        with pytest.raises(InputError, match="SPECCAL_PANEL_CHUNKS"):
+            _backend.panel_chunks()
