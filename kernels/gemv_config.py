@@ -72,8 +72,8 @@ def panel_enabled() -> bool:
 
 
 def _override(m: int, n: int, k: int) -> GemvConfig | None:
-    """``SPECCAL_GEMV_OVERRIDE``: ``;``-separated ``N:K:MAX_M=block_n,block_k,split_k,num_warps,
-    num_stages[,panel]`` entries that replace the tables' config of an (N, K) product at <=
+    """``SPECCAL_GEMV_OVERRIDE``: ``;``-separated ``N:K:MAX_M=block_n/block_k/split_k/num_warps/
+    num_stages[/panel]`` entries that replace the tables' config of an (N, K) product at <=
     ``MAX_M`` rows, whatever the epilogue (a tuning switch for benchmark variants, read when a
     config is picked, i.e. at graph capture). Malformed entries raise an InputError."""
     spec = os.environ.get("SPECCAL_GEMV_OVERRIDE", "")
@@ -81,7 +81,7 @@ def _override(m: int, n: int, k: int) -> GemvConfig | None:
         try:
             shape, _, fields = entry.partition("=")
             en, ek, emax = (int(v) for v in shape.split(":"))
-            parts = fields.split(",")
+            parts = fields.split("/")
             panel = parts[5:] == ["panel"]
             if len(parts) != 5 + panel:
                 raise ValueError(entry)
@@ -90,8 +90,8 @@ def _override(m: int, n: int, k: int) -> GemvConfig | None:
         except ValueError:
             from speccal.errors import InputError
 
-            raise InputError("SPECCAL_GEMV_OVERRIDE", entry, "N:K:MAX_M=block_n,block_k,split_k,"
-                             "num_warps,num_stages[,panel]") from None
+            raise InputError("SPECCAL_GEMV_OVERRIDE", entry, "N:K:MAX_M=block_n/block_k/split_k/"
+                             "num_warps/num_stages[/panel]") from None
         if (en, ek) == (n, k) and m <= emax:
             return cfg
     return None

@@ -686,12 +686,12 @@ def test_gemv_override_and_panel_chunks(monkeypatch):
     from speccal.kernels import gemv_config as gc
 
     monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE",
-                       "4096:2048:8=64,128,1,4,4;2048:2048:8=16,128,1,4,1,panel")
+                       "4096:2048:8=64/128/1/4/4;2048:2048:8=16/128/1/4/1/panel")
     assert gc.pick_config(6, 4096, 2048) == gc.GemvConfig(64, 128, 1, 4, 4)
     assert gc.pick_config(9, 4096, 2048).block_n == 32  # past MAX_M: the table
     o = gc.pick_config(1, 2048, 2048, epilogue="residual")
     assert o.panel and o.num_warps == 4
-    for bad in ("4096:2048=64", "4096:2048:8=64,128,1,4", "4096:2048:8=64,128,1,4,4,wide"):
+    for bad in ("4096:2048=64", "4096:2048:8=64/128/1/4", "4096:2048:8=64/128/1/4/4/wide"):
         monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", bad)
         with pytest.raises(InputError, match="SPECCAL_GEMV_OVERRIDE"):
             gc.pick_config(1, 4096, 2048)
