@@ -108,8 +108,7 @@ def _skinny_kernel(
     y_mask = m_ok[:, None] & n_ok[None, :]
     if PREFETCH > 0:
         _prefetch_tiles(w_ptr, offs_n, k_lo, N, K, stride_wn, BLOCK_K, PREFETCH, LINE)
-    if RES_EARLY:
-        res = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    res = _early_residual(y_ptrs, y_mask, RES_EARLY)
     if DEFER:
         nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if PDL > 0:  # 1: let the next kernel launch now; 2: only once this one's K loop is done
@@ -169,12 +168,8 @@ def _skinny_kernel(
         tl.store(y_ptr + t_offs, best, mask=m_ok)
         tl.store(part_ptr + t_offs, (pid_n * BLOCK_N + col).to(tl.int32), mask=m_ok)
     elif DIRECT:
-        if RES_EARLY:
-            acc += res
-        elif RES:
-            acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-        _store_h(acc, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr, stride_xw, P,
-                 nw if DEFER else acc, DEFER)
+        _residual_store(acc, res, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr,
+                        stride_xw, P, nw if DEFER else acc, RES, RES_EARLY, DEFER)
     else:
         p_ptrs = part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -189,6 +184,30 @@ def _skinny_kernel(
                                    mask=y_mask, other=0.0, cache_modifier=".cg")
                 _store_h(tot, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr,
                          stride_xw, P, nw if DEFER else tot, DEFER)
+
+
+@triton.jit
+def _early_residual(y_ptrs, y_mask, RES_EARLY: tl.constexpr):
+    """The residual tile read before the PDL wait (``RES_EARLY``), else unused zeros."""
+    if RES_EARLY:
+        res = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    else:
+        res = tl.zeros(y_mask.shape, dtype=tl.float32)
+    return res
+
+
+@triton.jit
+def _residual_store(acc, res, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr,
+                    stride_xw, P, nw, RES: tl.constexpr, RES_EARLY: tl.constexpr,
+                    DEFER: tl.constexpr):
+    """A split-1 epilogue: ``acc`` plus the residual (``res`` from ``_early_residual``, or read
+    now with ``RES``), then ``_store_h``."""
+    if RES_EARLY:
+        acc += res
+    elif RES:
+        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    _store_h(acc, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr, stride_xw, P, nw,
+             DEFER)
 
 
 @triton.jit
@@ -213,12 +232,13 @@ def _panel_kernel(
     RES: tl.constexpr, RES_EARLY: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
     DOT: tl.constexpr = False,
 ):
-    # The program's whole weight panel [BLOCK_N, NCH * KC] is loaded into registers before the
-    # PDL wait, so a GEMV that follows a long kernel (the o projection after attention) has its
-    # weights in hand when its input lands; after the wait only x (M rows, L2) and CUDA-core
-    # FMAs remain. The panel is held as NCH chunks [BLOCK_N, KC] (a tuple) and converted to
-    # fp32 one chunk at a time, for all rows: one fp32 copy of the whole panel for several rows
-    # would double its registers. RES / RES_EARLY / DEFER as in _skinny_kernel's split 1.
+    # The program's whole weight panel [BLOCK_N, NCH * KC] is loaded before the PDL wait, so a
+    # GEMV that follows a long kernel (the o projection after attention) has its weights in hand
+    # when its input lands; after the wait only x (M rows, L2) and the math remain. One row
+    # (not DOT, NCH 1, BLOCK_M 1): the panel in registers, CUDA-core FMAs. DOT (BLOCK_M >= 16):
+    # the panel as NCH K chunks [NCH, BLOCK_N, KC] of one batched tensor-core dot (independent
+    # accumulation chains; Triton stages the panel in shared memory before the wait).
+    # RES / RES_EARLY / DEFER as in _skinny_kernel's split 1.
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, KC)
@@ -226,48 +246,34 @@ def _panel_kernel(
     n_ok = offs_n < N
     m_ok = offs_m < M
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    ws = ()
-    offs_b = tl.arange(0, NCH)
-    if DOT:  # the panel as NCH independent K chunks [NCH, BLOCK_N, KC] of one batched dot
+    if DOT:
+        offs_b = tl.arange(0, NCH)
         kk = offs_b[:, None, None] * KC + offs_c[None, None, :]
-        w3 = tl.load(rows[None, :, :] + kk, mask=n_ok[None, :, None] & (kk < K), other=0.0)
+        w = tl.load(rows[None, :, :] + kk, mask=n_ok[None, :, None] & (kk < K), other=0.0)
     else:
-        for c in tl.static_range(NCH):
-            k_ok = c * KC + offs_c < K
-            ws = ws + (tl.load(rows + (c * KC + offs_c)[None, :],
-                               mask=n_ok[:, None] & k_ok[None, :], other=0.0),)
+        w = tl.load(rows + offs_c[None, :], mask=n_ok[:, None] & (offs_c < K)[None, :],
+                    other=0.0)  # [BLOCK_N, KC]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
-    if RES_EARLY:
-        res = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    res = _early_residual(y_ptrs, y_mask, RES_EARLY)
     if DEFER:
         nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if PDL > 0:
         tl.extra.cuda.gdc_wait()
         if PDL == 1:
             tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if DOT:  # tensor cores, BLOCK_M >= 16: x^T chunks [NCH, KC, BLOCK_M]
+    if DOT:  # x^T chunks [NCH, KC, BLOCK_M]
         kx = offs_b[:, None, None] * KC + offs_c[None, :, None]
         x3 = tl.load(x_ptr + offs_m[None, None, :] * stride_xm + kx,
                      mask=m_ok[None, None, :] & (kx < K), other=0.0)
-        acc = tl.trans(tl.sum(tl.dot(w3, x3), 0))  # [BLOCK_M, BLOCK_N]
-    for c in tl.static_range(0 if DOT else NCH):
-        wf = ws[c].to(tl.float32)
-        k_ok = c * KC + offs_c < K
-        for mm in tl.static_range(BLOCK_M):
-            xr = tl.load(x_ptr + mm * stride_xm + c * KC + offs_c, mask=k_ok & (mm < M),
-                         other=0.0).to(tl.float32)
-            row = tl.sum(wf * xr[None, :], 1)  # [BLOCK_N]
-            acc = tl.where((offs_m == mm)[:, None], acc + row[None, :], acc)
+        acc = tl.trans(tl.sum(tl.dot(w, x3), 0))  # [BLOCK_M, BLOCK_N]
+    else:
+        xr = tl.load(x_ptr + offs_c, mask=offs_c < K, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * xr[None, :], 1)[None, :]  # [1, BLOCK_N]
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
-    if RES_EARLY:
-        acc += res
-    elif RES:
-        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-    _store_h(acc, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr, stride_xw, P,
-             nw if DEFER else acc, DEFER)
+    _residual_store(acc, res, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr,
+                    stride_xw, P, nw if DEFER else acc, RES, RES_EARLY, DEFER)
 
 
 @triton.jit
@@ -424,9 +430,11 @@ def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
 
 def _panel_chunks(m: int, k: int) -> dict:
     """The register panel's math: one row on the CUDA cores over the whole K; more rows on the
-    tensor cores (M padded to 16), K in 4 chunks of one batched dot, so four accumulation
-    chains run side by side (the CUDA-core loop over rows and chunks measured 2-3x slower than
-    the streaming GEMV at 6-8 rows on the H200)."""
+    tensor cores (M padded to 16), K in ``panel_chunks()`` chunks of one batched dot, so that
+    many accumulation chains run side by side. On the H200 the CUDA-core panel at 6-8 rows
+    kept an fp32 copy of the panel live across its rows (193 registers at 8 x 16, too many to
+    sit beside the attention programs), and in K chunks its row x chunk reductions were 2-3x
+    slower than streaming (bench/KERNEL_NOTES.md v9)."""
     pad = triton.next_power_of_2(k)
     if m == 1:
         return dict(KC=pad, NCH=1, BLOCK_M=1, DOT=False)
