@@ -12,6 +12,13 @@ passed explicitly.
 Weight layout is nn.Linear's ``[N, K]`` row-major (K contiguous). Reference:
 ``reference.linear_ref``.
 
+A second kernel, the register panel (``_panel_kernel``, ``GemvConfig(panel=True)``: the o
+projection at <= 8 rows), serves a GEMV whose predecessor is long and latency-bound (attention):
+each program loads its whole ``[block_n, K]`` weight panel before its PDL wait, so the weights
+stream in while the predecessor runs, and after the wait only x and the math remain (one row:
+CUDA-core FMAs; 2-8 rows: a batched tensor-core dot over K chunks). Split 1, same epilogues as
+the streaming kernel's split 1 (residual, deferred norm).
+
 Epilogue fusions of the decode layer (each saves a launch and a round trip of the activations):
 ``silu_mul`` (the gate/up weight's rows interleave ``gate_i, up_i``, so one program holds both
 halves of its outputs and stores ``silu(gate) * up``), a residual add (``residual +=
