@@ -37,7 +37,7 @@ SHAPES = {  # name -> (N, K) of nn.Linear weight [N, K]; largest share of the st
     "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
     "o": (HIDDEN, HEADS * HEAD_DIM),
 }
-ROWS = [1, 8, 48]
+ROWS = [1, 6, 8, 48]  # 6: full-width verify (w = 5) at B = 1
 
 RECORDS: list[dict] = []
 TABLE: list[tuple] = []
