@@ -29,6 +29,8 @@ __all__ = [
     "interpreting",
     "norm_defer",
     "num_sms",
+    "panel_chunks",
+    "panel_enabled",
     "pdl_enabled",
     "pdl_mode",
     "prewait_loads",
@@ -191,6 +193,13 @@ def gemv_prefetch_tiles() -> int:
     return GEMV_PREFETCH_TILES if value is None else value
 
 
+def panel_enabled() -> bool:
+    """``SPECCAL_GEMV_PANEL``: ``1`` (default) the GEMV tables' register-panel configs apply,
+    ``0`` they are replaced by the streaming kernel (``gemv_config.resolve``; an A/B switch for
+    benchmarks, read when a config is picked, i.e. at graph capture)."""
+    return _env_choice("SPECCAL_GEMV_PANEL", "1", ("0", "1"), "0 or 1") == "1"
+
+
 # K chunks of the register panel's batched dot at 2-8 rows (``gemv._panel_chunks``)
 PANEL_CHUNKS = 4
 
@@ -249,11 +258,7 @@ def attention_reduce_early() -> bool:
     B=1 verify +145 us, bench/RESULTS.md). A switch for benchmarks, read at launch (capture)."""
     value = _env_choice("SPECCAL_ATTN_REDUCE_RELEASE", "auto", ("auto", "early", "wait"),
                         "auto, early or wait")
-    if value == "auto":
-        from speccal.kernels.gemv_config import panel_enabled
-
-        return panel_enabled()
-    return value == "early"
+    return panel_enabled() if value == "auto" else value == "early"
 
 
 def attention_prewait(rows: int) -> bool:

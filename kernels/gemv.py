@@ -234,10 +234,9 @@ def _store_h(acc, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr, s
 @triton.jit
 def _panel_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    nw_ptr, xw_ptr, ss_ptr, stride_xw, P,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr,
-    RES: tl.constexpr, RES_EARLY: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
-    DOT: tl.constexpr = False,
+    RES: tl.constexpr, RES_EARLY: tl.constexpr, PDL: tl.constexpr, DOT: tl.constexpr,
+    nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1, DEFER: tl.constexpr = False,
 ):
     # The program's whole weight panel [BLOCK_N, NCH * KC] is loaded before the PDL wait, so a
     # GEMV that follows a long kernel (the o projection after attention) has its weights in hand
@@ -377,10 +376,10 @@ def linear_triton(
             raise InputError("config.panel", True, "False for the silu_mul epilogue and row_scale")
         _panel_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            **_panel_norm_args(defer), BLOCK_N=cfg.block_n, **_panel_chunks(m, k),
-            RES=residual is not None,
-            RES_EARLY=residual is not None and residual_settled, DEFER=defer is not None,
-            PDL=int(pdl), num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl > 0,
+            BLOCK_N=cfg.block_n, **_panel_chunks(m, k), RES=residual is not None,
+            RES_EARLY=residual is not None and residual_settled, PDL=int(pdl),
+            **_norm_args(defer, None, k), num_warps=cfg.num_warps, num_stages=1,
+            launch_pdl=pdl > 0,
         )
         if norm is not None:
             rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
@@ -447,14 +446,6 @@ def _panel_chunks(m: int, k: int) -> dict:
         return dict(KC=pad, NCH=1, BLOCK_M=1, DOT=False)
     nch = max(1, min(panel_chunks(), pad // 16))
     return dict(KC=pad // nch, NCH=nch, BLOCK_M=max(16, triton.next_power_of_2(m)), DOT=True)
-
-
-def _panel_norm_args(defer: tuple | None) -> dict:
-    """The panel kernel's deferred-norm arguments (placeholders without ``defer``)."""
-    if defer is None:
-        return dict(nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1)
-    nw, xw, ss = defer
-    return dict(nw_ptr=nw, xw_ptr=xw, ss_ptr=ss, stride_xw=xw.stride(0), P=ss.shape[1])
 
 
 def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int) -> dict:

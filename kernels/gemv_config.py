@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "k_splits", "panel_enabled",
-           "panel_fits", "pick_config", "resolve"]
+from speccal.kernels._backend import panel_enabled
+
+__all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "k_splits", "panel_fits",
+           "pick_config", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -54,23 +56,11 @@ _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
                    (64, _cfg(16, 256, 1, 4))],  # o + residual
 }
 
-# the register panel (``panel``): at most this many rows (each row is a pass of CUDA-core FMAs
-# over the panel) and this many weight bytes per program (64 KB: 64 registers per thread at 8
-# warps, beside an attention program on the same SM)
+# the register panel (``panel``): at most this many rows (one row: CUDA-core FMAs; 2-8: the
+# tensor cores, M padded to 16) and this many weight bytes per program (64 KB: 64 registers per
+# thread at 8 warps, beside an attention program on the same SM)
 PANEL_MAX_ROWS = 8
 PANEL_MAX_BYTES = 64 * 1024
-
-
-def panel_enabled() -> bool:
-    """``SPECCAL_GEMV_PANEL``: ``1`` (default) the tables' register-panel configs apply, ``0``
-    they are replaced by the streaming kernel at the same column tile (an A/B switch for
-    benchmarks, read when a config is picked, i.e. at graph capture)."""
-    value = os.environ.get("SPECCAL_GEMV_PANEL", "1")
-    if value not in ("0", "1"):
-        from speccal.errors import InputError
-
-        raise InputError("SPECCAL_GEMV_PANEL", value, "0 or 1")
-    return value == "1"
 
 
 def _override(m: int, n: int, k: int) -> GemvConfig | None:
@@ -139,13 +129,9 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132,
     split 1, a split-K entry becoming one program per ``block_n / split_k`` rows (same program
     count).
     """
-    cfg = _override(m, n, k)
     first = _RESIDUAL_TABLE.get((n, k), []) if epilogue == "residual" else []
-    for max_m, c in first + _TABLE.get((n, k), []):
-        if cfg is None and m <= max_m:
-            cfg = c
-            break
-    cfg = cfg or _heuristic(m, n, k, num_sms)
+    table = (c for max_m, c in first + _TABLE.get((n, k), []) if m <= max_m)
+    cfg = _override(m, n, k) or next(table, None) or _heuristic(m, n, k, num_sms)
     if epilogue in ("silu_mul", "argmax") and cfg.split_k > 1:
         bn = max(16, cfg.block_n // cfg.split_k)
         cfg = GemvConfig(block_n=bn, block_k=cfg.block_k, split_k=1, num_warps=cfg.num_warps,
@@ -167,10 +153,6 @@ def k_splits(k: int, cfg: GemvConfig, glu: bool = False) -> tuple[int, int]:
     split = 1 if glu else max(1, min(cfg.split_k, _cdiv(k, cfg.block_k)))
     k_per_split = _cdiv(_cdiv(k, split), cfg.block_k) * cfg.block_k
     return _cdiv(k, k_per_split), k_per_split
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def deferred_norm_tiles(m: int, n: int, k: int, num_sms: int = 132,

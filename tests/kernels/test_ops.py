@@ -661,7 +661,7 @@ def test_register_panel_configs_and_switches(monkeypatch):
     assert gc.deferred_norm_tiles(6, 2048, 2048) == (128, False)
     monkeypatch.setenv("SPECCAL_GEMV_PANEL", "yes")
     with pytest.raises(InputError, match="SPECCAL_GEMV_PANEL"):
-        gc.panel_enabled()
+        _backend.panel_enabled()
     monkeypatch.delenv("SPECCAL_GEMV_PANEL")
     monkeypatch.delenv("SPECCAL_ATTN_REDUCE_RELEASE", raising=False)
     assert _backend.attention_reduce_early() is True  # auto: follows the panel switch
