@@ -1,0 +1,274 @@
+"""Post-wait tails of the decode layer's PDL GEMVs on one CUDA GPU (H200).
+
+A GEMV that follows a long kernel under programmatic dependent launch (PDL) can do part of its
+work before its wait (the register panel loads its whole weight panel there); what the step
+pays is the *tail*: from its predecessor's end to its own end. This script measures that tail
+without the rest of the step: a one-program spinner kernel (releases its successor at once,
+then spins ``--spin-us`` on ``%globaltimer``) precedes each GEMV launch, and
+
+    tail = time(spinner -> GEMV) - time(spinner alone)
+
+both from CUDA graphs of ``--reps`` pairs (weights rotated over copies past the 60 MB L2),
+replayed under CUDA events (median of ``--repeats``). Cases: the o projection with the deferred
+norm (the layer's real launch: register panel at <= 8 rows, the streaming kernel with the
+panel off) at 1 and 6 rows (6 = full-width verification at B = 1), the panel without the
+deferred norm, and the QKV GEMV that consumes a deferred norm (``row_scale``) at 1 and 6 rows.
+Bench-only panel forms (``_panel_try``, not used by the runner) test where the 6-row panel's
+tail goes: x as the dot's A operand, x loaded before the wait (diagnostic only: not a valid
+schedule), the batched dot without the deferred norm's epilogue. Writes ``--out/tail.json``.
+
+Usage: python3 bench/bench_tail.py --out DIR [--spin-us 12] [--reps 20] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from speccal.kernels import gemv, ops
+from speccal.kernels.gemv import GemvConfig
+
+HIDDEN, QKV_N = 2048, 4096
+DT = torch.bfloat16
+
+
+@triton.jit
+def _now(dummy):
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dummy],
+                                     dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _spin_kernel(ns):
+    tl.extra.cuda.gdc_launch_dependents()
+    t0 = _now(ns)
+    t = t0
+    while t - t0 < ns:
+        t = _now(ns)
+
+
+def spin(ns: int, dummy: torch.Tensor) -> None:
+    _spin_kernel[(1,)](ns, num_warps=1)
+
+
+@triton.jit
+def _panel_try(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KC: tl.constexpr,
+               NCH: tl.constexpr, XA: tl.constexpr, XEARLY: tl.constexpr,
+               nw_ptr, xw_ptr, ss_ptr, stride_xw, P, DEFER: tl.constexpr):
+    # the 6-row register panel (gemv._panel_kernel, DOT, RES_EARLY, PDL late) with two knobs:
+    # XA: x chunks [NCH, BLOCK_M, KC] as the dot's A operand, the panel transposed as B (the
+    # product comes out [M, N], no transpose); XEARLY: x loaded before the wait (diagnostic).
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, KC)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_b = tl.arange(0, NCH)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    kk = offs_b[:, None, None] * KC + offs_c[None, None, :]
+    w = tl.load(rows[None, :, :] + kk, mask=n_ok[None, :, None] & (kk < K), other=0.0)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_mask = m_ok[:, None] & n_ok[None, :]
+    res = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if XA:
+        kx = offs_b[:, None, None] * KC + offs_c[None, None, :]  # [NCH, 1, KC]
+        xp = x_ptr + offs_m[None, :, None] * stride_xm + kx
+        xmask = m_ok[None, :, None] & (kx < K)
+    else:
+        kx = offs_b[:, None, None] * KC + offs_c[None, :, None]  # [NCH, KC, 1]
+        xp = x_ptr + offs_m[None, None, :] * stride_xm + kx
+        xmask = m_ok[None, None, :] & (kx < K)
+    if XEARLY:
+        x3 = tl.load(xp, mask=xmask, other=0.0)
+    tl.extra.cuda.gdc_wait()
+    if not XEARLY:
+        x3 = tl.load(xp, mask=xmask, other=0.0)
+    if XA:
+        acc = tl.sum(tl.dot(x3, tl.trans(w, (0, 2, 1))), 0)  # [BLOCK_M, BLOCK_N]
+    else:
+        acc = tl.trans(tl.sum(tl.dot(w, x3), 0))
+    tl.extra.cuda.gdc_launch_dependents()
+    gemv._residual_store(acc, res, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr,
+                         stride_xw, P, nw if DEFER else acc, True, True, DEFER)
+
+
+def panel_try(x, w, h, nw, xw, ss, xa: bool, xearly: bool, defer: bool, nch: int = 4,
+              block_n: int = 16) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    _panel_try[(triton.cdiv(n, block_n),)](
+        x, w, h, m, n, k, x.stride(0), w.stride(0), h.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, KC=k // nch, NCH=nch,
+        XA=xa, XEARLY=xearly, nw_ptr=nw, xw_ptr=xw, ss_ptr=ss, stride_xw=xw.stride(0),
+        P=ss.shape[1], DEFER=defer, num_warps=8, num_stages=1, launch_pdl=True,
+    )
+
+
+def graph_us(launches, reps: int, repeats: int) -> float:
+    """Mean time of one pass over ``launches`` (callables taking the rep index) from a CUDA
+    graph of ``reps`` passes, median over ``repeats`` timings of 10 replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(2):
+            for f in launches:
+                f(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            for f in launches:
+                f(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(10):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / (10 * reps))
+    return statistics.median(times)
+
+
+class Env:
+    """Environment variables set for one case (read at launch by the kernels' dispatch)."""
+
+    def __init__(self, **kv):
+        self.kv = kv
+
+    def __enter__(self):
+        self.old = {k: os.environ.get(k) for k in self.kv}
+        os.environ.update(self.kv)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--spin-us", type=float, default=12.0)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--only", default="", help="comma list of case names (default: all)")
+    ap.add_argument("--eager", type=int, default=0,
+                    help="no graphs: run each case this many times eagerly (for ncu) and exit")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev = "cuda"
+    ns = int(args.spin_us * 1e3)
+    dummy = torch.zeros(1, device=dev)
+    wo = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=DT) * 0.02 for _ in range(args.copies)]
+    wqkv = [torch.randn(QKV_N, HIDDEN, device=dev, dtype=DT) * 0.02 for _ in range(args.copies)]
+    nw = torch.rand(HIDDEN, device=dev, dtype=DT) + 0.5
+    res: dict = {"spin_us": args.spin_us, "reps": args.reps, "repeats": args.repeats,
+                 "device": torch.cuda.get_device_name(), "cases": {}}
+
+    def o_case(m: int, how: str):
+        x = torch.randn(m, HIDDEN, device=dev, dtype=DT)
+        h = torch.randn(m, HIDDEN, device=dev, dtype=DT)
+
+        def run(i):
+            w = wo[i % len(wo)]
+            if how == "defer":
+                ops.linear_deferred_norm(x, w, h, nw, 1e-6, residual_settled=True)
+            else:
+                ops.linear(x, w, residual=h, residual_settled=True)
+        return run
+
+    def try_case(m: int, xa: bool, xearly: bool, defer: bool, nch: int = 4):
+        x = torch.randn(m, HIDDEN, device=dev, dtype=DT)
+        h = torch.randn(m, HIDDEN, device=dev, dtype=DT)
+        xw = torch.empty_like(h)
+        ss = torch.empty(m, HIDDEN // 16, device=dev, dtype=torch.float32)
+        return lambda i: panel_try(x, wo[i % len(wo)], h, nw, xw, ss, xa, xearly, defer, nch)
+
+    def qkv_case(m: int, config: GemvConfig | None = None):
+        hh = torch.randn(m, HIDDEN, device=dev, dtype=DT)
+        xo = torch.randn(m, HIDDEN, device=dev, dtype=DT)
+        dn = ops.linear_deferred_norm(xo, wo[0], hh, nw, 1e-6)  # the row factors' source
+
+        def run(i):
+            ops.linear(dn.xw, wqkv[i % len(wqkv)], row_scale=dn, config=config)
+        return run
+
+    cases = {  # name -> (env, builder)
+        "o_defer_m1": ({}, lambda: o_case(1, "defer")),
+        "o_defer_m6": ({}, lambda: o_case(6, "defer")),
+        "o_defer_m6_ch8": ({"SPECCAL_PANEL_CHUNKS": "8"}, lambda: o_case(6, "defer")),
+        "o_defer_m6_stream": ({"SPECCAL_GEMV_PANEL": "0"}, lambda: o_case(6, "defer")),
+        "o_defer_m1_stream": ({"SPECCAL_GEMV_PANEL": "0"}, lambda: o_case(1, "defer")),
+        "o_res_m6": ({}, lambda: o_case(6, "res")),
+        "try_m6": ({}, lambda: try_case(6, False, False, True)),
+        "try_m6_xa": ({}, lambda: try_case(6, True, False, True)),
+        "try_m6_xa_ch8": ({}, lambda: try_case(6, True, False, True, 8)),
+        "try_m6_xearly": ({}, lambda: try_case(6, False, True, True)),
+        "try_m6_xa_xearly": ({}, lambda: try_case(6, True, True, True)),
+        "try_m6_nodefer": ({}, lambda: try_case(6, False, False, False)),
+        "try_m2": ({}, lambda: try_case(2, False, False, True)),
+        "qkv_m1": ({}, lambda: qkv_case(1)),
+        "qkv_m6": ({}, lambda: qkv_case(6)),
+        "qkv_m6_32x6": ({}, lambda: qkv_case(6, GemvConfig(32, 128, 1, 4, 6))),
+    }
+    # the bench-only panel forms against the runner's launch (same inputs)
+    for xa in (False, True):
+        x = torch.randn(6, HIDDEN, device=dev, dtype=DT)
+        h0 = torch.randn(6, HIDDEN, device=dev, dtype=DT)
+        h1 = h0.clone()
+        ref = ops.linear_deferred_norm(x, wo[0], h0, nw, 1e-6, residual_settled=True)
+        xw = torch.empty_like(h1)
+        ss = torch.empty(6, HIDDEN // 16, device=dev, dtype=torch.float32)
+        panel_try(x, wo[0], h1, nw, xw, ss, xa, False, True)
+        torch.cuda.synchronize()
+        err = max((h1.float() - h0.float()).abs().max().item(),
+                  (xw.float() - ref.xw.float()).abs().max().item(),
+                  (ss - ref.ss).abs().max().item() / ref.ss.abs().max().item())
+        print(f"panel_try xa={xa}: max abs diff vs the runner's launch {err:.3g}", flush=True)
+        res[f"check_xa{int(xa)}"] = err
+    only = [c for c in args.only.split(",") if c]
+    names = only or list(cases)
+    for name in names:
+        env, build = cases[name]
+        with Env(**env):
+            fn = build()
+            if args.eager:
+                for i in range(args.eager):
+                    spin(ns, dummy)
+                    fn(i)
+                torch.cuda.synchronize()
+                continue
+            both = graph_us([lambda i: spin(ns, dummy), fn], args.reps, args.repeats)
+            alone = graph_us([lambda i: spin(ns, dummy)], args.reps, args.repeats)
+            cold = graph_us([fn], args.reps, args.repeats)
+        res["cases"][name] = {"tail_us": both - alone, "pair_us": both, "spin_us": alone,
+                              "alone_us": cold, "env": env}
+        print(f"{name:22s} tail {both - alone:6.2f} us  (pair {both:6.2f}, spin {alone:6.2f}, "
+              f"kernel alone {cold:6.2f})", flush=True)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "tail.json").write_text(json.dumps(res, indent=1))
+    res["wall_s"] = time.time()
+    (Path(args.out) / "tail.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
