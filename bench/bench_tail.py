@@ -104,14 +104,14 @@ def _panel_try(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
 
 
 def panel_try(x, w, h, nw, xw, ss, xa: bool, xearly: bool, defer: bool, nch: int = 4,
-              block_n: int = 16) -> None:
+              block_n: int = 16, warps: int = 8) -> None:
     m, k = x.shape
     n = w.shape[0]
     _panel_try[(triton.cdiv(n, block_n),)](
         x, w, h, m, n, k, x.stride(0), w.stride(0), h.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, KC=k // nch, NCH=nch,
         XA=xa, XEARLY=xearly, nw_ptr=nw, xw_ptr=xw, ss_ptr=ss, stride_xw=xw.stride(0),
-        P=ss.shape[1], DEFER=defer, num_warps=8, num_stages=1, launch_pdl=True,
+        P=ss.shape[1], DEFER=defer, num_warps=warps, num_stages=1, launch_pdl=True,
     )
 
 
@@ -196,21 +196,27 @@ def main() -> None:
                 ops.linear(x, w, residual=h, residual_settled=True)
         return run
 
-    def try_case(m: int, xa: bool, xearly: bool, defer: bool, nch: int = 4):
+    def try_case(m: int, xa: bool, xearly: bool, defer: bool, nch: int = 4, block_n: int = 16,
+                 warps: int = 8):
         x = torch.randn(m, HIDDEN, device=dev, dtype=DT)
         h = torch.randn(m, HIDDEN, device=dev, dtype=DT)
         xw = torch.empty_like(h)
-        ss = torch.empty(m, HIDDEN // 16, device=dev, dtype=torch.float32)
-        return lambda i: panel_try(x, wo[i % len(wo)], h, nw, xw, ss, xa, xearly, defer, nch)
+        ss = torch.empty(m, HIDDEN // block_n, device=dev, dtype=torch.float32)
+        return lambda i: panel_try(x, wo[i % len(wo)], h, nw, xw, ss, xa, xearly, defer, nch,
+                                   block_n, warps)
 
-    def qkv_case(m: int, config: GemvConfig | None = None):
+    def qkv_case(m: int, config: GemvConfig | None = None, scaled: bool = True):
         hh = torch.randn(m, HIDDEN, device=dev, dtype=DT)
         xo = torch.randn(m, HIDDEN, device=dev, dtype=DT)
         dn = ops.linear_deferred_norm(xo, wo[0], hh, nw, 1e-6)  # the row factors' source
 
         def run(i):
-            ops.linear(dn.xw, wqkv[i % len(wqkv)], row_scale=dn, config=config)
+            ops.linear(dn.xw, wqkv[i % len(wqkv)], row_scale=dn if scaled else None,
+                       config=config)
         return run
+
+    def cfg(bn, bk, stages, warps=4):
+        return GemvConfig(bn, bk, 1, warps, stages)
 
     cases = {  # name -> (env, builder)
         "o_defer_m1": ({}, lambda: o_case(1, "defer")),
@@ -228,7 +234,18 @@ def main() -> None:
         "try_m2": ({}, lambda: try_case(2, False, False, True)),
         "qkv_m1": ({}, lambda: qkv_case(1)),
         "qkv_m6": ({}, lambda: qkv_case(6)),
-        "qkv_m6_32x6": ({}, lambda: qkv_case(6, GemvConfig(32, 128, 1, 4, 6))),
+        "try_m6_w4": ({}, lambda: try_case(6, False, False, True, warps=4)),
+        "try_m6_ch8_w8": ({}, lambda: try_case(6, False, False, True, nch=8)),
+        "qkv_m6_32x6": ({}, lambda: qkv_case(6, cfg(32, 128, 6))),
+        "qkv_m6_32x4": ({}, lambda: qkv_case(6, cfg(32, 128, 4))),
+        "qkv_m6_32x256x4": ({}, lambda: qkv_case(6, cfg(32, 256, 4))),
+        "qkv_m6_64x6": ({}, lambda: qkv_case(6, cfg(64, 128, 6))),
+        "qkv_m6_16x6": ({}, lambda: qkv_case(6, cfg(16, 128, 6))),
+        "qkv_m8_32x6": ({}, lambda: qkv_case(8, cfg(32, 128, 6))),
+        "qkv_m8": ({}, lambda: qkv_case(8)),
+        "qkvp_m1": ({}, lambda: qkv_case(1, scaled=False)),
+        "qkvp_m6": ({}, lambda: qkv_case(6, scaled=False)),
+        "qkvp_m6_32x6": ({}, lambda: qkv_case(6, cfg(32, 128, 6), scaled=False)),
     }
     # the bench-only panel forms against the runner's launch (same inputs)
     for xa in (False, True):

@@ -24,6 +24,7 @@ __all__ = [
     "attention_prefetch_tiles",
     "attention_release",
     "decode_max_splits",
+    "defer_input_norm",
     "fold_max_merge",
     "gemv_prefetch_tiles",
     "interpreting",
@@ -282,12 +283,28 @@ def attention_warps(default: int) -> int:
 
 def norm_defer() -> str:
     """``SPECCAL_NORM_DEFER``: which RMSNorms of the fused layer are deferred into the GEMVs
-    around them (``ops.linear_deferred_norm``): ``o`` (default) the post-attention norm (o
-    projection epilogue -> gate/up row scale: one launch fewer per layer, -40 us per B=1 decode
-    step on the H200); ``all`` also each layer's input norm (down projection's folded split-K
-    reduce -> next QKV row scale; measured mixed: B=8 decode -35 us, B=1 decode +20 us, B=1
-    verify -21 us, B=8 verify +29 us); ``0`` none. A switch for benchmarks, read at capture."""
-    return _env_choice("SPECCAL_NORM_DEFER", "o", ("o", "all", "0"), "o, all or 0")
+    around them (``ops.linear_deferred_norm``): ``o`` the post-attention norm (o projection
+    epilogue -> gate/up row scale: one launch fewer per layer, -40 us per B=1 decode step on the
+    H200); ``all`` also each layer's input norm (down projection's folded split-K reduce -> next
+    QKV row scale); ``rows`` (default) ``o``, and the input norm too where a step has
+    ``INPUT_DEFER_ROWS`` rows (``defer_input_norm``); ``0`` none. Read at capture."""
+    return _env_choice("SPECCAL_NORM_DEFER", "rows", ("rows", "o", "all", "0"),
+                       "rows, o, all or 0")
+
+
+# rows of a step whose input norm ``rows`` defers: on the H200 the deferred input norm measured
+# -21 us at B=1 verification (6 rows) and -16 us at B=8 decode (8), but +30 us at B=1 decode
+# (one row: the counter round trip costs what the reduce launch did) and +37 us at B=8
+# verification (48 rows), bench/KERNEL_NOTES.md v10
+INPUT_DEFER_ROWS = (2, 8)
+
+
+def defer_input_norm(rows: int) -> bool:
+    """Whether the fused layers of a ``rows``-row step defer each layer's input RMSNorm into the
+    next QKV GEMV (``norm_defer``)."""
+    mode = norm_defer()
+    lo, hi = INPUT_DEFER_ROWS
+    return mode == "all" or (mode == "rows" and lo <= rows <= hi)
 
 
 _ARRIVAL: dict[tuple[str, torch.device], torch.Tensor] = {}

@@ -30,6 +30,7 @@ from speccal.errors import InputError
 from speccal.kernels import reference as ref
 from speccal.kernels._backend import (
     decode_max_splits,
+    defer_input_norm,
     gemv_prefetch_tiles,
     norm_defer,
     num_sms,
@@ -47,6 +48,7 @@ __all__ = [
     "SplitPlan",
     "argmax_tile_width",
     "attention_tiling_update",
+    "defer_input_norm",
     "embed_rms_norm",
     "fold_wanted",
     "linear",

@@ -86,8 +86,8 @@ class TargetModel(nn.Module):
         """Decode / verify rows through the fused layers: one launch gathers the embedding rows
         (the residual stream ``h``, updated in place by the layers) and writes layer 0's input
         norm of them; each layer's down GEMV defers the next layer's input norm into that layer's
-        QKV GEMV (``SPECCAL_NORM_DEFER=all``; else its reduce writes the norm, two buffers
-        alternating), and the last one's reduce writes the final norm."""
+        QKV GEMV (``ops.defer_input_norm`` of the step's rows, ``SPECCAL_NORM_DEFER``; else its
+        reduce writes the norm, two buffers alternating), and the last one's reduce writes the final norm."""
         from speccal.kernels import ops  # noqa: PLC0415
 
         layers = self.model.layers
@@ -95,7 +95,7 @@ class TargetModel(nn.Module):
         h, normed = ops.embed_rms_norm(input_ids, self.model.embed_tokens.weight, ln.weight,
                                        ln.eps)
         spare = torch.empty_like(h)
-        defer = ops.norm_defer() == "all"
+        defer = ops.defer_input_norm(input_ids.shape[0])
         for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
             last = i + 1 == len(layers)
             nxt = self.model.norm if last else layers[i + 1].input_layernorm

@@ -607,14 +607,20 @@ def test_row_scale_rejects_bad_input():
 
 
 def test_norm_defer_switch(monkeypatch):
-    """``SPECCAL_NORM_DEFER``: ``o`` by default, ``all`` / ``0`` as set, else an error naming it."""
+    """``SPECCAL_NORM_DEFER``: ``rows`` by default, ``o`` / ``all`` / ``0`` as set, else an error
+    naming it; the input norm is deferred for 2-8 row steps under ``rows``, always under
+    ``all``, never under ``o`` or ``0``."""
     from speccal.kernels import _backend
 
     monkeypatch.delenv("SPECCAL_NORM_DEFER", raising=False)
-    assert _backend.norm_defer() == "o"
-    for value in ("all", "0"):
+    assert _backend.norm_defer() == "rows"
+    assert [_backend.defer_input_norm(r) for r in (1, 2, 6, 8, 9, 48)] == [
+        False, True, True, True, False, False]
+    for value, expect in (("all", [True] * 6), ("o", [False] * 6), ("0", [False] * 6),
+                          ("rows", [False, True, True, True, False, False])):
         monkeypatch.setenv("SPECCAL_NORM_DEFER", value)
         assert _backend.norm_defer() == value
+        assert [_backend.defer_input_norm(r) for r in (1, 2, 6, 8, 9, 48)] == expect
     monkeypatch.setenv("SPECCAL_NORM_DEFER", "1")
     with pytest.raises(InputError, match="SPECCAL_NORM_DEFER"):
         _backend.norm_defer()

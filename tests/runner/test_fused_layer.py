@@ -163,13 +163,14 @@ def test_fused_model_forward_matches_the_torch_forward():
     torch.testing.assert_close(got[real], want[real], rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("defer", ["o", "all", "0"])
+@pytest.mark.parametrize("defer", ["o", "all", "0", "rows"])
 def test_fused_forward_gathers_the_embedding_inside_the_first_norm(defer, monkeypatch):
     """On the fused path ``forward`` runs no embedding module and no norm launch of its own:
     one ``ops.embed_rms_norm`` writes the residual stream (the embedding rows, which the layers
     then update in place) and layer 0's normed input. The post-attention norm is deferred into
-    the o / gate-up GEMVs (``SPECCAL_NORM_DEFER=o``, the default), with ``all`` also the next
-    input norm into the down / next QKV GEMVs, or they are launched / reduced (``0``). The
+    the o / gate-up GEMVs (``SPECCAL_NORM_DEFER=o``), with ``all`` also the next input norm
+    into the down / next QKV GEMVs, with ``rows`` (the default) that too for this case's 5 rows
+    (2-8 rows), or they are launched / reduced (``0``). The
     Triton path is simulated on CPU (every op runs its reference), so this checks the launch
     plan, not the kernels."""
     monkeypatch.setenv("SPECCAL_NORM_DEFER", defer)
@@ -213,9 +214,10 @@ def test_fused_forward_gathers_the_embedding_inside_the_first_norm(defer, monkey
     # next); deferred, it is none
     layers = len(model.model.layers)
     assert calls["rms_norm"] == (layers if defer == "0" else 0)
-    # deferred: each o projection ("o"), and with "all" each down projection but the last (its
-    # reduce writes the final norm for the LM head)
-    assert calls["deferred"] == {"o": layers, "all": 2 * layers - 1, "0": 0}[defer]
+    # deferred: each o projection ("o"), and with "all" (and "rows" at 5 rows) each down
+    # projection but the last (its reduce writes the final norm for the LM head)
+    assert calls["deferred"] == {"o": layers, "all": 2 * layers - 1, "rows": 2 * layers - 1,
+                                 "0": 0}[defer]
     h, _ = calls["embed_rms_norm"][0]
     assert not torch.equal(h, model.model.embed_tokens.weight[ids])  # updated in place by layers
     real = slice(0, int(meta.cu_q_lens[-1]))
