@@ -63,10 +63,13 @@ def spin(ns: int, dummy: torch.Tensor) -> None:
 def _panel_try(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KC: tl.constexpr,
                NCH: tl.constexpr, XA: tl.constexpr, XEARLY: tl.constexpr,
-               nw_ptr, xw_ptr, ss_ptr, stride_xw, P, DEFER: tl.constexpr):
+               nw_ptr, xw_ptr, ss_ptr, stride_xw, P, DEFER: tl.constexpr,
+               PRECVT: tl.constexpr = False):
     # the 6-row register panel (gemv._panel_kernel, DOT, RES_EARLY, PDL late) with two knobs:
     # XA: x chunks [NCH, BLOCK_M, KC] as the dot's A operand, the panel transposed as B (the
-    # product comes out [M, N], no transpose); XEARLY: x loaded before the wait (diagnostic).
+    # product comes out [M, N], no transpose); XEARLY: x loaded before the wait (diagnostic);
+    # PRECVT: a dot with zeros before the wait, so the panel's conversion to the dot operand's
+    # registers happens there (the real dot accumulates onto it).
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, KC)
@@ -91,27 +94,31 @@ def _panel_try(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
         xmask = m_ok[None, None, :] & (kx < K)
     if XEARLY:
         x3 = tl.load(xp, mask=xmask, other=0.0)
+    if PRECVT:
+        acc0 = tl.dot(w, tl.zeros([NCH, KC, BLOCK_M], dtype=w.dtype))
+    else:
+        acc0 = tl.zeros([NCH, BLOCK_N, BLOCK_M], dtype=tl.float32)
     tl.extra.cuda.gdc_wait()
     if not XEARLY:
         x3 = tl.load(xp, mask=xmask, other=0.0)
     if XA:
         acc = tl.sum(tl.dot(x3, tl.trans(w, (0, 2, 1))), 0)  # [BLOCK_M, BLOCK_N]
     else:
-        acc = tl.trans(tl.sum(tl.dot(w, x3), 0))
+        acc = tl.trans(tl.sum(tl.dot(w, x3, acc0), 0))
     tl.extra.cuda.gdc_launch_dependents()
     gemv._residual_store(acc, res, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr,
                          stride_xw, P, nw if DEFER else acc, True, True, DEFER)
 
 
 def panel_try(x, w, h, nw, xw, ss, xa: bool, xearly: bool, defer: bool, nch: int = 4,
-              block_n: int = 16, warps: int = 8) -> None:
+              block_n: int = 16, warps: int = 8, block_m: int = 16, precvt: bool = False) -> None:
     m, k = x.shape
     n = w.shape[0]
     _panel_try[(triton.cdiv(n, block_n),)](
         x, w, h, m, n, k, x.stride(0), w.stride(0), h.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, KC=k // nch, NCH=nch,
+        BLOCK_M=max(block_m, triton.next_power_of_2(m)), BLOCK_N=block_n, KC=k // nch, NCH=nch,
         XA=xa, XEARLY=xearly, nw_ptr=nw, xw_ptr=xw, ss_ptr=ss, stride_xw=xw.stride(0),
-        P=ss.shape[1], DEFER=defer, num_warps=warps, num_stages=1, launch_pdl=True,
+        P=ss.shape[1], DEFER=defer, PRECVT=precvt, num_warps=warps, num_stages=1, launch_pdl=True,
     )
 
 
@@ -197,13 +204,13 @@ def main() -> None:
         return run
 
     def try_case(m: int, xa: bool, xearly: bool, defer: bool, nch: int = 4, block_n: int = 16,
-                 warps: int = 8):
+                 warps: int = 8, block_m: int = 16, precvt: bool = False):
         x = torch.randn(m, HIDDEN, device=dev, dtype=DT)
         h = torch.randn(m, HIDDEN, device=dev, dtype=DT)
         xw = torch.empty_like(h)
         ss = torch.empty(m, HIDDEN // block_n, device=dev, dtype=torch.float32)
         return lambda i: panel_try(x, wo[i % len(wo)], h, nw, xw, ss, xa, xearly, defer, nch,
-                                   block_n, warps)
+                                   block_n, warps, block_m, precvt)
 
     def qkv_case(m: int, config: GemvConfig | None = None, scaled: bool = True):
         hh = torch.randn(m, HIDDEN, device=dev, dtype=DT)
@@ -225,6 +232,15 @@ def main() -> None:
         "o_defer_m6_stream": ({"SPECCAL_GEMV_PANEL": "0"}, lambda: o_case(6, "defer")),
         "o_defer_m1_stream": ({"SPECCAL_GEMV_PANEL": "0"}, lambda: o_case(1, "defer")),
         "o_res_m6": ({}, lambda: o_case(6, "res")),
+        "o_defer_m6_pc": ({"SPECCAL_PANEL_PRECVT": "1"}, lambda: o_case(6, "defer")),
+        "o_defer_m6_pc8": ({"SPECCAL_PANEL_PRECVT": "1", "SPECCAL_PANEL_CHUNKS": "8"},
+                           lambda: o_case(6, "defer")),
+        "o_defer_m6_pc8_bm8": ({"SPECCAL_PANEL_PRECVT": "1", "SPECCAL_PANEL_CHUNKS": "8",
+                                "SPECCAL_GEMV_MIN_BLOCK_M": "8"}, lambda: o_case(6, "defer")),
+        "o_defer_m2_pc8_bm8": ({"SPECCAL_PANEL_PRECVT": "1", "SPECCAL_PANEL_CHUNKS": "8",
+                                "SPECCAL_GEMV_MIN_BLOCK_M": "8"}, lambda: o_case(2, "defer")),
+        "o_defer_m8_pc8_bm8": ({"SPECCAL_PANEL_PRECVT": "1", "SPECCAL_PANEL_CHUNKS": "8",
+                                "SPECCAL_GEMV_MIN_BLOCK_M": "8"}, lambda: o_case(8, "defer")),
         "try_m6": ({}, lambda: try_case(6, False, False, True)),
         "try_m6_xa": ({}, lambda: try_case(6, True, False, True)),
         "try_m6_xa_ch8": ({}, lambda: try_case(6, True, False, True, 8)),
@@ -243,6 +259,25 @@ def main() -> None:
         "qkv_m6_16x6": ({}, lambda: qkv_case(6, cfg(16, 128, 6))),
         "qkv_m8_32x6": ({}, lambda: qkv_case(8, cfg(32, 128, 6))),
         "qkv_m8": ({}, lambda: qkv_case(8)),
+        "try_m6_pc": ({}, lambda: try_case(6, False, False, True, precvt=True)),
+        "try_m6_pc_ch8": ({}, lambda: try_case(6, False, False, True, nch=8, precvt=True)),
+        "try_m6_bm8_ch8": ({}, lambda: try_case(6, False, False, True, nch=8, block_m=8)),
+        "try_m6_bm8_pc_ch4": ({}, lambda: try_case(6, False, False, True, block_m=8,
+                                                    precvt=True)),
+        "try_m6_bm8_pc_ch8": ({}, lambda: try_case(6, False, False, True, nch=8, block_m=8,
+                                                    precvt=True)),
+        "try_m8_bm8_pc_ch8": ({}, lambda: try_case(8, False, False, True, nch=8, block_m=8,
+                                                    precvt=True)),
+        "try_m2_bm8_pc_ch8": ({}, lambda: try_case(2, False, False, True, nch=8, block_m=8,
+                                                    precvt=True)),
+        "try_m1_bm1_pc_ch8": ({}, lambda: try_case(1, False, False, True, nch=8, block_m=1,
+                                                    precvt=True)),
+        "try_m1_bm8_pc_ch8": ({}, lambda: try_case(1, False, False, True, nch=8, block_m=8,
+                                                    precvt=True)),
+        "qkv_m6_bm8": ({"BLOCK_M": "8"}, lambda: qkv_case(6)),
+        "qkv_m6_32x6_bm8": ({"BLOCK_M": "8"}, lambda: qkv_case(6, cfg(32, 128, 6))),
+        "qkv_m1_bm1": ({"BLOCK_M": "1"}, lambda: qkv_case(1)),
+        "qkvp_m6_bm8": ({"BLOCK_M": "8"}, lambda: qkv_case(6, scaled=False)),
         "qkvp_m1": ({}, lambda: qkv_case(1, scaled=False)),
         "qkvp_m6": ({}, lambda: qkv_case(6, scaled=False)),
         "qkvp_m6_32x6": ({}, lambda: qkv_case(6, cfg(32, 128, 6), scaled=False)),
@@ -262,10 +297,16 @@ def main() -> None:
                   (ss - ref.ss).abs().max().item() / ref.ss.abs().max().item())
         print(f"panel_try xa={xa}: max abs diff vs the runner's launch {err:.3g}", flush=True)
         res[f"check_xa{int(xa)}"] = err
+    block_m_default = gemv._block_m
     only = [c for c in args.only.split(",") if c]
     names = only or list(cases)
     for name in names:
         env, build = cases[name]
+        env = dict(env)
+        block_m = int(env.pop("BLOCK_M", 0))
+        # a bench-only M tile for the streaming kernel (tl.dot pads M below 16 on the H200)
+        gemv._block_m = (lambda m, c, bm=block_m: max(bm, triton.next_power_of_2(m))) \
+            if block_m else block_m_default
         with Env(**env):
             fn = build()
             if args.eager:

@@ -19,6 +19,7 @@ import torch
 __all__ = [
     "arrival_counters",
     "attention_fold_override",
+    "attention_min_block_m",
     "attention_prewait",
     "attention_warps",
     "attention_prefetch_tiles",
@@ -26,12 +27,14 @@ __all__ = [
     "decode_max_splits",
     "defer_input_norm",
     "fold_max_merge",
+    "gemv_min_block_m",
     "gemv_prefetch_tiles",
     "interpreting",
     "norm_defer",
     "num_sms",
     "panel_chunks",
     "panel_enabled",
+    "panel_preconvert",
     "pdl_enabled",
     "pdl_mode",
     "prewait_loads",
@@ -209,12 +212,49 @@ def panel_chunks() -> int:
     """``SPECCAL_PANEL_CHUNKS``: K chunks (independent accumulation chains) of the register-panel
     GEMV's tensor-core dot at 2-8 rows, a power of two (unset: ``PANEL_CHUNKS``). A tuning switch
     for benchmarks, read at launch (graph capture)."""
-    value = _positive_int("SPECCAL_PANEL_CHUNKS")
-    if value is not None and value & (value - 1):
+    return _pow2_switch("SPECCAL_PANEL_CHUNKS", PANEL_CHUNKS, 1 << 16)
+
+
+def _pow2_switch(var: str, default: int, largest: int) -> int:
+    """A power-of-two switch ``var`` in ``[1, largest]`` (unset: ``default``), else an
+    InputError naming it."""
+    value = _positive_int(var)
+    if value is not None and (value & (value - 1) or value > largest):
         from speccal.errors import InputError
 
-        raise InputError("SPECCAL_PANEL_CHUNKS", value, "a power of two")
-    return PANEL_CHUNKS if value is None else value
+        raise InputError(var, value, f"a power of two <= {largest}")
+    return default if value is None else value
+
+
+# the M tile of the GEMVs' tensor-core dot at few rows: tl.dot pads a smaller tile itself on
+# Hopper (Triton 3.6), so a tile of the rows' power of two stages less x through shared memory
+GEMV_MIN_BLOCK_M = 16
+
+
+def gemv_min_block_m() -> int:
+    """``SPECCAL_GEMV_MIN_BLOCK_M``: the smallest M tile of the GEMVs' tensor-core dot (the
+    streaming kernel and the 2-8 row register panel), a power of two <= 16 (unset:
+    ``GEMV_MIN_BLOCK_M``). A tuning switch for benchmarks, read at launch (graph capture)."""
+    return _pow2_switch("SPECCAL_GEMV_MIN_BLOCK_M", GEMV_MIN_BLOCK_M, 16)
+
+
+def attention_min_block_m() -> int:
+    """``SPECCAL_ATTN_MIN_BLOCK_M``: the smallest M tile (query rows x GQA group) of the attention
+    split kernel, a power of two <= 16 (unset: 16). A tuning switch for benchmarks, read at
+    launch (graph capture)."""
+    return _pow2_switch("SPECCAL_ATTN_MIN_BLOCK_M", 16, 16)
+
+
+PANEL_PRECONVERT = False
+
+
+def panel_preconvert() -> bool:
+    """``SPECCAL_PANEL_PRECVT``: ``1`` makes the 2-8 row register panel convert its weights to
+    the dot operand's registers before its PDL wait (a dot with zeros there, onto which the real
+    one accumulates), so after the wait only x goes through shared memory (unset:
+    ``PANEL_PRECONVERT``). Read at launch."""
+    default = "1" if PANEL_PRECONVERT else "0"
+    return _env_choice("SPECCAL_PANEL_PRECVT", default, ("0", "1"), "0 or 1") == "1"
 
 
 def prewait_loads() -> bool:

@@ -47,7 +47,13 @@ import triton
 import triton.language as tl
 
 from speccal.errors import InputError
-from speccal.kernels._backend import arrival_counters, num_sms, panel_chunks
+from speccal.kernels._backend import (
+    arrival_counters,
+    gemv_min_block_m,
+    num_sms,
+    panel_chunks,
+    panel_preconvert,
+)
 from speccal.kernels.gemv_config import (
     GemvConfig,
     k_splits,
@@ -237,6 +243,7 @@ def _panel_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr,
     RES: tl.constexpr, RES_EARLY: tl.constexpr, PDL: tl.constexpr, DOT: tl.constexpr,
     nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1, DEFER: tl.constexpr = False,
+    PRECVT: tl.constexpr = False,
 ):
     # The program's whole weight panel [BLOCK_N, NCH * KC] is loaded before the PDL wait, so a
     # GEMV that follows a long kernel (the o projection after attention) has its weights in hand
@@ -244,7 +251,10 @@ def _panel_kernel(
     # (not DOT, NCH 1, BLOCK_M 1): the panel in registers, CUDA-core FMAs. DOT (BLOCK_M >= 16):
     # the panel as NCH K chunks [NCH, BLOCK_N, KC] of one batched tensor-core dot (independent
     # accumulation chains; Triton stages the panel in shared memory before the wait).
-    # RES / RES_EARLY / DEFER as in _skinny_kernel's split 1.
+    # PRECVT (DOT): a dot of the panel with zeros before the wait, onto which the real dot
+    # accumulates, so the panel's conversion to the dot operand's registers happens before the
+    # wait and after it only x goes through shared memory (an inf weight would give NaN, not
+    # inf, in its column). RES / RES_EARLY / DEFER as in _skinny_kernel's split 1.
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, KC)
@@ -264,6 +274,11 @@ def _panel_kernel(
     res = _early_residual(y_ptrs, y_mask, RES_EARLY)
     if DEFER:
         nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if DOT:
+        if PRECVT:
+            acc0 = tl.dot(w, tl.zeros([NCH, KC, BLOCK_M], dtype=w.dtype))
+        else:
+            acc0 = tl.zeros([NCH, BLOCK_N, BLOCK_M], dtype=tl.float32)
     if PDL > 0:
         tl.extra.cuda.gdc_wait()
         if PDL == 1:
@@ -272,7 +287,7 @@ def _panel_kernel(
         kx = offs_b[:, None, None] * KC + offs_c[None, :, None]
         x3 = tl.load(x_ptr + offs_m[None, None, :] * stride_xm + kx,
                      mask=m_ok[None, None, :] & (kx < K), other=0.0)
-        acc = tl.trans(tl.sum(tl.dot(w, x3), 0))  # [BLOCK_M, BLOCK_N]
+        acc = tl.trans(tl.sum(tl.dot(w, x3, acc0), 0))  # [BLOCK_M, BLOCK_N]
     else:
         xr = tl.load(x_ptr + offs_c, mask=offs_c < K, other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * xr[None, :], 1)[None, :]  # [1, BLOCK_N]
@@ -322,8 +337,10 @@ def _splitk_reduce_norm_kernel(part_ptr, y_ptr, nw_ptr, xn_ptr, M, N, stride_ym,
 
 
 def _block_m(m: int, cfg: GemvConfig) -> int:
-    """Rows of the M tile: every row in one tile; ``tl.dot`` needs at least 16."""
-    return triton.next_power_of_2(max(m, 1)) if cfg.fma else max(16, triton.next_power_of_2(m))
+    """Rows of the M tile: every row in one tile, for ``tl.dot`` at least ``gemv_min_block_m()``
+    (16 by default; Triton pads a smaller tile itself)."""
+    pad = triton.next_power_of_2(max(m, 1))
+    return pad if cfg.fma else max(gemv_min_block_m(), pad)
 
 
 def linear_triton(
@@ -445,7 +462,8 @@ def _panel_chunks(m: int, k: int) -> dict:
     if m == 1:
         return dict(KC=pad, NCH=1, BLOCK_M=1, DOT=False)
     nch = max(1, min(panel_chunks(), pad // 16))
-    return dict(KC=pad // nch, NCH=nch, BLOCK_M=max(16, triton.next_power_of_2(m)), DOT=True)
+    return dict(KC=pad // nch, NCH=nch, BLOCK_M=max(gemv_min_block_m(), triton.next_power_of_2(m)),
+                DOT=True, PRECVT=panel_preconvert())
 
 
 def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int) -> dict:

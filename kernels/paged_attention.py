@@ -30,6 +30,7 @@ import triton.language as tl
 from speccal.kernels._backend import (
     arrival_counters,
     attention_fold_override,
+    attention_min_block_m,
     attention_prefetch_tiles,
     attention_prewait,
     attention_reduce_early,
@@ -495,7 +496,7 @@ def paged_attention_triton(
                                       num_sms(q.device), force, fold_max_merge())
     cnt = _counters(q.device, batch * num_kv_heads) if fold else None
     fold = cnt is not None
-    block_m = max(16, triton.next_power_of_2(num_q_rows * group))
+    block_m = max(attention_min_block_m(), triton.next_power_of_2(num_q_rows * group))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     s_pad = triton.next_power_of_2(max_splits)
     num_warps = attention_warps(num_warps)
