@@ -20,6 +20,7 @@ __all__ = [
     "arrival_counters",
     "attention_fold_override",
     "attention_min_block_m",
+    "attention_poll",
     "attention_prewait",
     "attention_warps",
     "attention_prefetch_tiles",
@@ -34,6 +35,7 @@ __all__ = [
     "num_sms",
     "panel_chunks",
     "panel_enabled",
+    "panel_min_block_m",
     "panel_preconvert",
     "pdl_enabled",
     "pdl_mode",
@@ -226,23 +228,44 @@ def _pow2_switch(var: str, default: int, largest: int) -> int:
     return default if value is None else value
 
 
-# the M tile of the GEMVs' tensor-core dot at few rows: tl.dot pads a smaller tile itself on
-# Hopper (Triton 3.6), so a tile of the rows' power of two stages less x through shared memory
+# the smallest M tile of the GEMVs' tensor-core dot at 2-16 rows (tl.dot pads a smaller tile
+# itself on Hopper, Triton 3.6): the streaming kernel keeps 16 (its 8-row tile measured slower at
+# B=8 decode on the H200), the register panel takes 8 (half the x staged through shared memory;
+# B=1 verification -25 us), bench/KERNEL_NOTES.md v10
 GEMV_MIN_BLOCK_M = 16
+PANEL_MIN_BLOCK_M = 8
 
 
 def gemv_min_block_m() -> int:
-    """``SPECCAL_GEMV_MIN_BLOCK_M``: the smallest M tile of the GEMVs' tensor-core dot (the
-    streaming kernel and the 2-8 row register panel), a power of two <= 16 (unset:
-    ``GEMV_MIN_BLOCK_M``). A tuning switch for benchmarks, read at launch (graph capture)."""
+    """``SPECCAL_GEMV_MIN_BLOCK_M``: the smallest M tile of the streaming GEMV's tensor-core dot
+    at 2 rows or more, a power of two <= 16 (unset: ``GEMV_MIN_BLOCK_M``; one row always takes
+    16: a 1-row tile measured 2x slower). A tuning switch for benchmarks, read at launch."""
     return _pow2_switch("SPECCAL_GEMV_MIN_BLOCK_M", GEMV_MIN_BLOCK_M, 16)
+
+
+def panel_min_block_m() -> int:
+    """``SPECCAL_PANEL_MIN_BLOCK_M``: the smallest M tile of the register panel's tensor-core dot
+    (2-8 rows), a power of two <= 16 (unset: ``PANEL_MIN_BLOCK_M``). Read at launch."""
+    return _pow2_switch("SPECCAL_PANEL_MIN_BLOCK_M", PANEL_MIN_BLOCK_M, 16)
+
+
+ATTN_MIN_BLOCK_M = 16
 
 
 def attention_min_block_m() -> int:
     """``SPECCAL_ATTN_MIN_BLOCK_M``: the smallest M tile (query rows x GQA group) of the attention
-    split kernel, a power of two <= 16 (unset: 16). A tuning switch for benchmarks, read at
-    launch (graph capture)."""
-    return _pow2_switch("SPECCAL_ATTN_MIN_BLOCK_M", 16, 16)
+    split kernel, a power of two <= 16 (unset: ``ATTN_MIN_BLOCK_M``). A tuning switch for
+    benchmarks, read at launch (graph capture)."""
+    return _pow2_switch("SPECCAL_ATTN_MIN_BLOCK_M", ATTN_MIN_BLOCK_M, 16)
+
+
+def attention_poll() -> bool:
+    """``SPECCAL_ATTN_POLL``: ``1`` lets the register-panel o projection start on a flag instead of
+    its PDL wait: the attention launch (its merging split programs, or its reduce programs)
+    counts itself done in a counter that the panel's programs poll (``ops.AttnSignal``), so the
+    o projection does not wait for the attention grid's completion. ``0`` (default) keeps the
+    PDL wait. Read at launch (graph capture)."""
+    return _env_choice("SPECCAL_ATTN_POLL", "0", ("0", "1"), "0 or 1") == "1"
 
 
 PANEL_PRECONVERT = False

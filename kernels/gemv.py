@@ -52,6 +52,7 @@ from speccal.kernels._backend import (
     gemv_min_block_m,
     num_sms,
     panel_chunks,
+    panel_min_block_m,
     panel_preconvert,
 )
 from speccal.kernels.gemv_config import (
@@ -60,7 +61,7 @@ from speccal.kernels.gemv_config import (
     pick_config,
     resolve,
 )
-from speccal.kernels.pdl import pdl_enter
+from speccal.kernels.pdl import await_signal, depart, pdl_enter
 from speccal.kernels.rmsnorm import norm_row_store, rms_norm_triton
 
 __all__ = ["GemvConfig", "fold_counters", "linear_argmax_triton", "linear_triton", "pick_config"]
@@ -243,7 +244,7 @@ def _panel_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr,
     RES: tl.constexpr, RES_EARLY: tl.constexpr, PDL: tl.constexpr, DOT: tl.constexpr,
     nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1, DEFER: tl.constexpr = False,
-    PRECVT: tl.constexpr = False,
+    PRECVT: tl.constexpr = False, sig_ptr=None, sig_target=0, POLL: tl.constexpr = False,
 ):
     # The program's whole weight panel [BLOCK_N, NCH * KC] is loaded before the PDL wait, so a
     # GEMV that follows a long kernel (the o projection after attention) has its weights in hand
@@ -254,7 +255,9 @@ def _panel_kernel(
     # PRECVT (DOT): a dot of the panel with zeros before the wait, onto which the real dot
     # accumulates, so the panel's conversion to the dot operand's registers happens before the
     # wait and after it only x goes through shared memory (an inf weight would give NaN, not
-    # inf, in its column). RES / RES_EARLY / DEFER as in _skinny_kernel's split 1.
+    # inf, in its column). POLL (``ops.AttnSignal``): instead of the PDL wait, poll until the
+    # attention launch has counted ``sig_target`` finished pieces of x at ``sig_ptr``; the last
+    # program out zeroes the counters. RES / RES_EARLY / DEFER as in _skinny_kernel's split 1.
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, KC)
@@ -279,10 +282,13 @@ def _panel_kernel(
             acc0 = tl.dot(w, tl.zeros([NCH, KC, BLOCK_M], dtype=w.dtype))
         else:
             acc0 = tl.zeros([NCH, BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if PDL > 0:
+    if POLL:
+        await_signal(sig_ptr, sig_target)
+        depart(sig_ptr, tl.num_programs(0))
+    elif PDL > 0:
         tl.extra.cuda.gdc_wait()
-        if PDL == 1:
-            tl.extra.cuda.gdc_launch_dependents()
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
     if DOT:  # x^T chunks [NCH, KC, BLOCK_M]
         kx = offs_b[:, None, None] * KC + offs_c[None, :, None]
         x3 = tl.load(x_ptr + offs_m[None, None, :] * stride_xm + kx,
@@ -337,10 +343,12 @@ def _splitk_reduce_norm_kernel(part_ptr, y_ptr, nw_ptr, xn_ptr, M, N, stride_ym,
 
 
 def _block_m(m: int, cfg: GemvConfig) -> int:
-    """Rows of the M tile: every row in one tile, for ``tl.dot`` at least ``gemv_min_block_m()``
-    (16 by default; Triton pads a smaller tile itself)."""
+    """Rows of the M tile: every row in one tile; for ``tl.dot`` 16 at one row, else at least
+    ``gemv_min_block_m()`` (16 by default; Triton pads a smaller tile itself)."""
     pad = triton.next_power_of_2(max(m, 1))
-    return pad if cfg.fma else max(gemv_min_block_m(), pad)
+    if cfg.fma:
+        return pad
+    return 16 if m == 1 else max(gemv_min_block_m(), pad)
 
 
 def linear_triton(
@@ -357,6 +365,7 @@ def linear_triton(
     residual_settled: bool = False,  # the previous kernel does not write ``residual``
     defer: tuple | None = None,  # (norm weight [N], xw [M, N], ss [M, P]), residual at split 1
     row_scale: tuple | None = None,  # (ss [M, P] fp32, eps): rows scaled by rsqrt(sum/K + eps)
+    after=None,  # ops.AttnSignal armed by the attention launch that writes x (panel, PDL only)
 ) -> torch.Tensor:  # out
     """``x @ weight.T`` (then SwiGLU, or ``+ residual`` in place); validated by ``ops.linear``.
 
@@ -388,14 +397,20 @@ def linear_triton(
         out = residual
     elif out is None:
         out = torch.empty(m, n // 2 if glu else n, dtype=x.dtype, device=x.device)
+    if after is not None and after.target and not (cfg.panel and pdl > 0):
+        raise InputError("after", "an armed AttnSignal",
+                         "None unless the launch is a register panel under PDL")
     if cfg.panel:
         if glu or row_scale is not None:
             raise InputError("config.panel", True, "False for the silu_mul epilogue and row_scale")
+        poll = {}
+        if after is not None and after.target:
+            poll = dict(sig_ptr=after.counters, sig_target=after.target, POLL=True)
         _panel_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
             BLOCK_N=cfg.block_n, **_panel_chunks(m, k), RES=residual is not None,
             RES_EARLY=residual is not None and residual_settled, PDL=int(pdl),
-            **_norm_args(defer, None, k), num_warps=cfg.num_warps, num_stages=1,
+            **_norm_args(defer, None, k), **poll, num_warps=cfg.num_warps, num_stages=1,
             launch_pdl=pdl > 0,
         )
         if norm is not None:
@@ -453,7 +468,8 @@ def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
 
 def _panel_chunks(m: int, k: int) -> dict:
     """The register panel's math: one row on the CUDA cores over the whole K; more rows on the
-    tensor cores (M padded to 16), K in ``panel_chunks()`` chunks of one batched dot, so that
+    tensor cores (M tile ``panel_min_block_m()`` or the rows' power of two, whichever is larger;
+    tl.dot pads it to the instruction), K in ``panel_chunks()`` chunks of one batched dot, so that
     many accumulation chains run side by side. On the H200 the CUDA-core panel at 6-8 rows
     kept an fp32 copy of the panel live across its rows (193 registers at 8 x 16, too many to
     sit beside the attention programs), and in K chunks its row x chunk reductions were 2-3x
@@ -462,7 +478,7 @@ def _panel_chunks(m: int, k: int) -> dict:
     if m == 1:
         return dict(KC=pad, NCH=1, BLOCK_M=1, DOT=False)
     nch = max(1, min(panel_chunks(), pad // 16))
-    return dict(KC=pad // nch, NCH=nch, BLOCK_M=max(gemv_min_block_m(), triton.next_power_of_2(m)),
+    return dict(KC=pad // nch, NCH=nch, BLOCK_M=max(panel_min_block_m(), triton.next_power_of_2(m)),
                 DOT=True, PRECVT=panel_preconvert())
 
 

@@ -29,6 +29,8 @@ import torch
 from speccal.errors import InputError
 from speccal.kernels import reference as ref
 from speccal.kernels._backend import (
+    arrival_counters,
+    attention_poll,
     decode_max_splits,
     defer_input_norm,
     gemv_prefetch_tiles,
@@ -41,12 +43,20 @@ from speccal.kernels._backend import (
     verify_halves,
     verify_max_splits,
 )
-from speccal.kernels.gemv_config import GemvConfig, argmax_tile_width, deferred_norm_tiles
+from speccal.kernels.gemv_config import (
+    GemvConfig,
+    argmax_tile_width,
+    deferred_norm_tiles,
+    pick_config,
+    resolve,
+)
 
 __all__ = [
+    "AttnSignal",
     "DeferredNorm",
     "SplitPlan",
     "argmax_tile_width",
+    "attention_signal",
     "attention_tiling_update",
     "defer_input_norm",
     "embed_rms_norm",
@@ -176,6 +186,35 @@ def _check_int(t: torch.Tensor, field: str, shape: tuple[int, ...], dtypes=_INTS
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class AttnSignal:
+    """A flag from an attention launch to the o projection that consumes its output
+    (``SPECCAL_ATTN_POLL``): ``counters`` (int32 ``[2]``: pieces done, consumer programs out,
+    zero between launches) and ``target``, the pieces the launch that armed it will count (0:
+    unarmed, the consumer takes its PDL wait). The register-panel o GEMV then starts on the
+    count (``pdl.await_signal``) instead of the attention grid's completion."""
+
+    counters: torch.Tensor
+    target: int = 0
+
+
+def attention_signal(residual: torch.Tensor, o_weight: torch.Tensor) -> AttnSignal | None:
+    """An unarmed ``AttnSignal`` for an attention launch whose ``[M, K]`` output feeds the o
+    projection ``o_weight [N, K]`` added into ``residual [M, N]`` (``linear_deferred_norm``), or
+    None where that consumer would not poll: ``SPECCAL_ATTN_POLL`` off, not Triton with PDL, the
+    o GEMV not a register panel (``gemv_config.resolve``), or no counters (a capture before any
+    eager run)."""
+    if not (attention_poll() and use_triton(residual) and pdl_enabled(residual)):
+        return None
+    m, (n, k) = residual.shape[0], o_weight.shape
+    cfg = resolve(pick_config(m, n, k, num_sms(residual.device), epilogue="residual"), m, k,
+                  residual.element_size())
+    if not cfg.panel:
+        return None
+    cnt = arrival_counters("signal", residual.device, 2, slots=2)
+    return None if cnt is None else AttnSignal(cnt)
+
+
 def paged_attention(
     q: torch.Tensor,  # [B, R, H, D] dense or [T, H, D] packed (with cu_q_lens)
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -193,6 +232,7 @@ def paged_attention(
     rope: tuple | None = None,  # (k_new [T, KVH, D], v_new, cos_sin_cache [P, D], qk_norm | None)
     backend: str | None = None,
     meta_settled: bool = False,  # the previous launch writes none of the metadata
+    signal: AttnSignal | None = None,  # armed here for the o projection (attention_signal)
 ) -> torch.Tensor:  # like q
     """Causal paged attention for decode (1 row) and verification (up to w+1 rows per request).
 
@@ -214,6 +254,11 @@ def paged_attention(
     none of ``seq_lens``, ``q_lens``/``cu_q_lens``, ``tiling`` and ``block_table`` (the fused
     layer: its QKV GEMV precedes attention), so on Triton the metadata is read before the PDL
     wait. Ignored when ``tiling`` is None (its update is then that previous launch).
+
+    ``signal`` (from ``attention_signal``, Triton with PDL): the launch counts its finished
+    pieces of the output there and arms the signal, so the consumer's register panel
+    (``linear_deferred_norm(..., after=signal)``) polls it instead of waiting for the whole
+    attention grid. Off Triton the signal stays unarmed (the consumer waits as usual).
     """
     _need(k_cache.dim() == 4, "k_cache.shape", _shape(k_cache),
           "[num_blocks, block_size, num_kv_heads, head_dim]")
@@ -253,6 +298,10 @@ def paged_attention(
     if out is not None:
         _need(_shape(out) == _shape(q) and out.dtype == q.dtype and out.is_contiguous(), "out",
               (_shape(out), out.dtype), f"contiguous {_shape(q)} {q.dtype}")
+    _need(signal is None or (isinstance(signal, AttnSignal) and signal.counters.device == q.device),
+          "signal", type(signal).__name__, f"None or an AttnSignal on {q.device}")
+    if signal is not None:
+        signal.target = 0  # armed below by the Triton launch only
     plan = plan or SplitPlan()
     if tiling is None:
         num_splits = torch.empty(batch, dtype=torch.int32, device=q.device)
@@ -270,6 +319,7 @@ def paged_attention(
             q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, num_splits, split_len,
             plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
             rope=rope, pdl=pdl_enabled(q), meta_settled=meta_settled and tiling is not None,
+            signal=signal if pdl_enabled(q) else None,
         )
     split = dict(
         num_splits=num_splits if plan.max_splits > 1 else None,
@@ -633,6 +683,7 @@ def linear_deferred_norm(
     eps: float,
     *,
     residual_settled: bool = False,
+    after: AttnSignal | None = None,  # the attention launch that wrote x (attention_signal)
     backend: str | None = None,
 ) -> DeferredNorm:
     """``residual += x @ weight.T``, then the RMSNorm of the updated residual left to its
@@ -643,9 +694,13 @@ def linear_deferred_norm(
     (arrival counters, no reduce launch): the fused layer's down projection -> next layer's
     input norm -> QKV. Without counters (a graph capture before any eager call) or off
     Triton the pieces come from torch after the add.
-    ``residual_settled``: as in ``linear``.
+    ``residual_settled``: as in ``linear``. ``after``: the ``AttnSignal`` that the attention
+    launch writing ``x`` armed; the register panel polls it instead of its PDL wait (an unarmed
+    or absent signal: the wait).
     """
     _check_matmul(x, weight)
+    _need(after is None or isinstance(after, AttnSignal), "after", type(after).__name__,
+          "None or an AttnSignal")
     (m, k), n = x.shape, weight.shape[0]
     _need(isinstance(residual, torch.Tensor) and _shape(residual) == (m, n)
           and residual.dtype == x.dtype and residual.is_contiguous(), "residual",
@@ -667,8 +722,10 @@ def linear_deferred_norm(
         linear_triton(x, weight, residual=residual, pdl=pdl_mode(x),
                       prefetch=gemv_prefetch_tiles(),
                       residual_settled=residual_settled and prewait_loads(),
-                      defer=(norm_weight, xw, ss))
+                      defer=(norm_weight, xw, ss), after=after)
         return DeferredNorm(xw, ss, eps)
+    if after is not None and after.target:  # counted by attention, not polled: zero it (in order)
+        after.counters.zero_()
     linear(x, weight, residual=residual, residual_settled=residual_settled, backend=backend)
     hf = residual.float()
     return DeferredNorm((hf * norm_weight.float()).to(residual.dtype),

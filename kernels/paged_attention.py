@@ -41,7 +41,7 @@ from speccal.kernels._backend import (
     prewait_loads,
 )
 from speccal.kernels.ops import fold_wanted
-from speccal.kernels.pdl import pdl_enter
+from speccal.kernels.pdl import pdl_enter, signal_done
 
 __all__ = ["paged_attention_triton"]
 
@@ -234,6 +234,7 @@ def _split_kernel(
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
     FOLD: tl.constexpr, S_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, G_PAD: tl.constexpr,
     META_EARLY: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, RELEASE: tl.constexpr,
+    sig_ptr=None, SIGNAL: tl.constexpr = False,
 ):
     # META_EARLY: the caller vouches that the predecessor kernel writes no metadata (seq_lens,
     # cu_q_lens, tiling, block table), so the setup (``_split_setup``: row layout, KV range,
@@ -241,6 +242,8 @@ def _split_kernel(
     # tiles) runs before the PDL wait. RELEASE (PDL): 0 lets the successor launch right after
     # the wait, 1 only after this program's KV loop (the successor's programs then land on SMs
     # that the split programs have left), 2 before the wait.
+    # SIGNAL (``ops.AttnSignal``): the program that finishes a piece of the output (DIRECT:
+    # every program; FOLD: the merging one) counts itself done at ``sig_ptr`` (pdl.signal_done).
     # FOLD (split-KV without a reduce launch): every live program writes its partial, then
     # counts itself in ``cnt_ptr[b * KVH + kvh]``; the last one of its (request, KV head)
     # merges all splits into the output and resets the counter (zero between launches).
@@ -337,6 +340,8 @@ def _split_kernel(
                 + offs_d[None, :],
                 o.to(out_ptr.dtype.element_ty), mask=st_ok[:, None] & d_ok[None, :],
             )
+            if SIGNAL:
+                signal_done(sig_ptr)
         else:
             lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             base = ((b * max_splits + s) * R + r) * NUM_HEADS + h  # [BLOCK_M]
@@ -353,6 +358,8 @@ def _split_kernel(
                     _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, q_start, q_len,
                                 n_splits, R, max_splits, stride_ot, stride_oh, NUM_HEADS, GROUP,
                                 HEAD_DIM, D_PAD, S_PAD, R_PAD, MERGE_ROWS, Q_MODE)
+                    if SIGNAL:
+                        signal_done(sig_ptr)
 
 
 @triton.jit
@@ -399,8 +406,10 @@ def _reduce_kernel(
     stride_ot, stride_oh, R, max_splits, batch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
     Q_MODE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    sig_ptr=None, SIGNAL: tl.constexpr = False,
 ):
     # one program per (request, row, head); all splits loaded in one shot (no serial loop).
+    # SIGNAL: every program counts itself done at ``sig_ptr`` after its store (pdl.signal_done).
     # Packed: programs past batch * R zero the padding rows (t >= cu_q_lens[B]), no memset.
     # EARLY (PDL): the successor may launch before this kernel's wait (its own wait covers both).
     if PDL and EARLY:
@@ -438,6 +447,8 @@ def _reduce_kernel(
             tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_ok)
         elif Q_MODE != 2:
             tl.store(out_ptrs, tl.zeros([D_PAD], dtype=out_ptr.dtype.element_ty), mask=d_ok)
+    if SIGNAL:
+        signal_done(sig_ptr)
 
 
 def paged_attention_triton(
@@ -461,6 +472,7 @@ def paged_attention_triton(
     rope: tuple | None = None,  # (k_new [T, KVH, D], v_new [T, KVH, D], cos_sin_cache, qk_norm)
     pdl: bool = False,
     meta_settled: bool = False,
+    signal=None,  # ops.AttnSignal: counted done per finished piece, its target set here
 ) -> torch.Tensor:
     """Launch the split kernel (and the reduce when ``max_splits > 1``). Inputs are validated by
     ``ops.paged_attention`` / ``ops.rope_paged_attention``; this function trusts them.
@@ -472,7 +484,11 @@ def paged_attention_triton(
     ``meta_settled``: the caller vouches that the kernel launched just before this one writes
     none of the metadata (``seq_lens``, ``q_lens``/``cu_q_lens``, the tiling, the block table), so
     each program reads it (and, with PDL, prefetches its first cached K/V tiles into L2,
-    ``SPECCAL_ATTN_PREFETCH``) before its PDL wait."""
+    ``SPECCAL_ATTN_PREFETCH``) before its PDL wait.
+
+    ``signal`` (an ``ops.AttnSignal``, PDL only): the launch counts its finished pieces in
+    ``signal.counters[0]`` (one per program of a single-split or reduce launch, one per merge of
+    a folded one) and sets ``signal.target`` to their number, for the consumer to poll."""
     batch = block_table.shape[0]
     _, page, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[-2]
@@ -521,6 +537,12 @@ def paged_attention_triton(
                          cos_sin.stride(0))
     else:
         extra, extra_strides, eps = (o3,) * 5, (0,) * 5, 0.0
+    reduce_grid = (batch * num_q_rows + (o3.shape[0] if mode == _PACKED else 0), num_heads)
+    sig = {}
+    if signal is not None:
+        signal.target = (batch * num_kv_heads if direct or fold
+                         else reduce_grid[0] * reduce_grid[1])
+        sig = dict(sig_ptr=signal.counters, SIGNAL=True)
     _split_kernel[(batch * num_kv_heads, max_splits)](
         q3, k_cache, v_cache, block_table, seq_lens,
         q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
@@ -536,16 +558,17 @@ def paged_attention_triton(
         MERGE_ROWS=merge_rows, G_PAD=triton.next_power_of_2(group),
         META_EARLY=early, PREFETCH=attention_prefetch_tiles() if pdl and early else 0,
         LINE=max(1, 128 // k_cache.element_size()), RELEASE=attention_release() if pdl else 0,
+        **(sig if direct or fold else {}),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if not direct and not fold:
-        tail = o3.shape[0] if mode == _PACKED else 0
-        _reduce_kernel[(batch * num_q_rows + tail, num_heads)](
+        _reduce_kernel[reduce_grid](
             part_o, part_lse, num_splits,
             q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
             o3, o3.stride(0), o3.stride(1), num_q_rows, max_splits, batch,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
             S_PAD=triton.next_power_of_2(max_splits), Q_MODE=mode, PDL=pdl,
-            EARLY=pdl and attention_reduce_early(), num_warps=num_warps, launch_pdl=pdl,
+            EARLY=pdl and attention_reduce_early(), **sig, num_warps=num_warps,
+            launch_pdl=pdl,
         )
     return out

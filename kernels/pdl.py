@@ -5,6 +5,14 @@ for the predecessor grid before reading anything it may write, then let the succ
 Kernels that release later (the GEMVs after their K loop, ``SPECCAL_PDL=late``; the attention
 split kernel with ``SPECCAL_ATTN_RELEASE=loop``) call ``gdc_wait`` / ``gdc_launch_dependents``
 themselves. No-op when ``PDL`` is false (and under the interpreter, where PDL is never on).
+
+Also the flag handshake that lets a consumer start before its producer grid completes
+(``ops.AttnSignal``, ``SPECCAL_ATTN_POLL``): each producer program that finishes a piece of the
+consumer's input counts itself (``signal_done``: CTA barrier, then a gpu-scope release add),
+the consumer's programs poll the count with acquire loads (``await_signal``) instead of their
+PDL wait, and the last consumer program to leave zeroes both counters (``depart``). Safe under
+PDL: a consumer grid launches only once every producer program has released it, so every
+producer is resident or done while consumers spin.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["pdl_enter"]
+__all__ = ["await_signal", "depart", "pdl_enter", "signal_done"]
 
 
 @triton.jit
@@ -21,3 +29,34 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def signal_done(sig_ptr):
+    """Count this program's finished piece: every thread's stores, then a release add."""
+    tl.debug_barrier()
+    tl.atomic_add(sig_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _load_acquire(ptr):
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def await_signal(sig_ptr, target):
+    """Spin until the producers' count at ``sig_ptr`` reaches ``target`` (acquire loads)."""
+    seen = _load_acquire(sig_ptr)
+    while seen < target:
+        seen = _load_acquire(sig_ptr)
+
+
+@triton.jit
+def depart(sig_ptr, nprog):
+    """After ``await_signal``: count this program out at ``sig_ptr + 1``; the last of
+    ``nprog`` zeroes both counters for the next launch."""
+    left = tl.atomic_add(sig_ptr + 1, 1, sem="relaxed", scope="gpu")
+    if left == nprog - 1:
+        tl.store(sig_ptr, 0)
+        tl.store(sig_ptr + 1, 0)

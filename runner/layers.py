@@ -235,11 +235,14 @@ class DecoderLayer(nn.Module):
         qk_norm = None
         if att.q_norm is not None:
             qk_norm = (att.q_norm.weight, att.k_norm.weight, att.q_norm.eps)
+        signal = None
         if fuse_rope and meta.cu_q_lens is not None:  # rotary + KV write inside attention
+            if ops.norm_defer() != "0":  # the o projection may start on attention's flag
+                signal = ops.attention_signal(h, att.o_proj.weight)
             out = ops.paged_attention(
                 q, kv[0], kv[1], meta.block_table, meta.seq_lens, meta.num_q_rows, att.scale,
                 cu_q_lens=meta.cu_q_lens, tiling=meta.tiling, plan=meta.plan,
-                rope=(k, v, rotary.cos_sin_cache, qk_norm), meta_settled=True,
+                rope=(k, v, rotary.cos_sin_cache, qk_norm), meta_settled=True, signal=signal,
             )  # [N, hq, d]; the launch before (QKV GEMV or its bias add) writes no metadata
         else:
             q_out = torch.empty(n, hq, d, dtype=h.dtype, device=h.device)
@@ -250,7 +253,8 @@ class DecoderLayer(nn.Module):
         # embedding + norm launch), so the o GEMV may read it before its PDL wait
         if ops.norm_defer() != "0":  # the norm's row factor applied in the gate/up GEMV
             dn = ops.linear_deferred_norm(out.reshape(n, hq * d), att.o_proj.weight, h,
-                                          ln2.weight, ln2.eps, residual_settled=True)
+                                          ln2.weight, ln2.eps, residual_settled=True,
+                                          after=signal)
             act = ops.linear(dn.xw, mlp.gate_up_weight, epilogue="silu_mul", row_scale=dn)
         else:
             ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h,

@@ -710,3 +710,49 @@ def test_gemv_override_and_panel_chunks(monkeypatch):
         monkeypatch.setenv("SPECCAL_PANEL_CHUNKS", bad)
         with pytest.raises(InputError, match="SPECCAL_PANEL_CHUNKS"):
             _backend.panel_chunks()
+
+
+def test_tile_and_poll_switches(monkeypatch):
+    """The M-tile, panel and poll switches: defaults, accepted values, and errors that name the
+    variable (a power of two <= 16; 0 / 1)."""
+    from speccal.kernels import _backend
+
+    for var in ("SPECCAL_GEMV_MIN_BLOCK_M", "SPECCAL_PANEL_MIN_BLOCK_M", "SPECCAL_ATTN_MIN_BLOCK_M",
+                "SPECCAL_PANEL_PRECVT", "SPECCAL_ATTN_POLL"):
+        monkeypatch.delenv(var, raising=False)
+    assert _backend.gemv_min_block_m() == 16
+    assert _backend.panel_min_block_m() == 8
+    assert _backend.attention_min_block_m() == _backend.ATTN_MIN_BLOCK_M
+    assert _backend.panel_preconvert() is False
+    assert _backend.attention_poll() is False
+    monkeypatch.setenv("SPECCAL_GEMV_MIN_BLOCK_M", "4")
+    assert _backend.gemv_min_block_m() == 4
+    for bad in ("3", "32", "0", "x"):
+        monkeypatch.setenv("SPECCAL_PANEL_MIN_BLOCK_M", bad)
+        with pytest.raises(InputError, match="SPECCAL_PANEL_MIN_BLOCK_M"):
+            _backend.panel_min_block_m()
+    monkeypatch.setenv("SPECCAL_ATTN_POLL", "1")
+    assert _backend.attention_poll() is True
+    monkeypatch.setenv("SPECCAL_ATTN_POLL", "yes")
+    with pytest.raises(InputError, match="SPECCAL_ATTN_POLL"):
+        _backend.attention_poll()
+
+
+def test_attention_signal_off_triton_and_bad_arguments(monkeypatch):
+    """No signal where the o projection would not poll (CPU tensors: no Triton with PDL), and
+    a wrong ``signal`` / ``after`` argument is an InputError naming it."""
+    monkeypatch.setenv("SPECCAL_ATTN_POLL", "1")
+    h = torch.zeros(6, 32)
+    assert ops.attention_signal(h, torch.zeros(32, 32)) is None
+    x, w = torch.randn(6, 32), torch.randn(32, 32)
+    with pytest.raises(InputError, match="after"):
+        ops.linear_deferred_norm(x, w, torch.zeros(6, 32), torch.ones(32), 1e-6, after="flag")
+    q = torch.randn(1, 1, 2, 8)
+    kc = torch.randn(4, 4, 2, 8)
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    seq = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(InputError, match="signal"):
+        ops.paged_attention(q, kc, kc.clone(), bt, seq, 1, 0.3, signal=object())
+    sig = ops.AttnSignal(torch.zeros(2, dtype=torch.int32), target=5)
+    ops.paged_attention(q, kc, kc.clone(), bt, seq, 1, 0.3, signal=sig)
+    assert sig.target == 0  # off Triton the launch leaves it unarmed

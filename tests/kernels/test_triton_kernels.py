@@ -637,3 +637,51 @@ def test_verify_accept_partials_match_oracle(k, batch, greedy, vocab, block_n, c
     assert torch.equal(args[6].cpu(), want_args[6])
     assert torch.equal(args[7].cpu().float().nan_to_num(-3.0),
                        want_args[7].float().nan_to_num(-3.0))
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="the flag handshake needs PDL (a GPU)")
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("max_splits, fold", [(1, "auto"), (8, "1"), (8, "0")])
+def test_attention_signal_lets_the_panel_poll(rows, max_splits, fold, monkeypatch):
+    """``SPECCAL_ATTN_POLL=1``: attention (single split, folded merge, reduce launch) counts its
+    finished pieces in an ``AttnSignal`` and the register-panel o projection polls it instead of
+    its PDL wait: same output bits as the waiting launch, the counters back at zero, and the
+    target the launch's piece count. Repeated launches reuse the counters."""
+    monkeypatch.setenv("SPECCAL_ATTN_FOLD", fold)
+    gen = torch.Generator().manual_seed(5 + rows + max_splits)
+    heads, kvh, d, bs, dtype = 16, 8, 128, 16, torch.bfloat16
+    seq = [1000 + rows]
+    max_blocks = -(-seq[0] // bs) + 1
+    nb = max_blocks + 3
+    kc0, vc0 = paged_kv(nb, bs, kvh, d, dtype, DEV, gen)
+    bt = block_table_for(seq, bs, max_blocks, nb, gen, DEV)
+    cu = torch.tensor([0, rows], dtype=torch.int32, device=DEV)
+    qkv = torch.randn(rows, (heads + 2 * kvh) * d, generator=gen).to(dtype=dtype, device=DEV)
+    q, k, v = split_qkv(qkv, heads, kvh, d)
+    cs = cos_sin_table(d, DEV)
+    seq_t = torch.tensor(seq, dtype=torch.int32, device=DEV)
+    plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=16)
+    wo = (0.02 * torch.randn(heads * d, heads * d, generator=gen)).to(dtype=dtype, device=DEV)
+    nw = (1 + 0.1 * torch.randn(heads * d, generator=gen)).to(dtype=dtype, device=DEV)
+    h0 = torch.randn(rows, heads * d, generator=gen).to(dtype=dtype, device=DEV)
+    results = []
+    for poll in ("0", "1", "1"):
+        monkeypatch.setenv("SPECCAL_ATTN_POLL", poll)
+        kc, vc, h = kc0.clone(), vc0.clone(), h0.clone()
+        sig = ops.attention_signal(h, wo)
+        assert (sig is None) == (poll == "0")
+        out = ops.paged_attention(q, kc, vc, bt, seq_t, rows, d ** -0.5, cu_q_lens=cu, plan=plan,
+                                  rope=(k, v, cs, None), signal=sig)
+        if sig is not None:
+            expect = (1 * kvh if max_splits == 1 or fold == "1"
+                      else (rows + rows) * heads)  # reduce grid: rows + packed tail rows
+            assert sig.target == expect
+        dn = ops.linear_deferred_norm(out.reshape(rows, heads * d), wo, h, nw, 1e-6,
+                                      residual_settled=True, after=sig)
+        torch.cuda.synchronize()
+        if sig is not None:
+            assert sig.counters.tolist() == [0, 0]
+        results.append((out, h, dn.xw, dn.ss))
+    for got in results[1:]:
+        for a, b in zip(results[0], got, strict=True):
+            assert torch.equal(a, b)
