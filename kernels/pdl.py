@@ -9,8 +9,9 @@ themselves. No-op when ``PDL`` is false (and under the interpreter, where PDL is
 Also the flag handshake that lets a consumer start before its producer grid completes
 (``ops.AttnSignal``, ``SPECCAL_ATTN_POLL``): each producer program that finishes a piece of the
 consumer's input counts itself (``signal_done``: CTA barrier, then a gpu-scope release add),
-the consumer's programs poll the count with acquire loads (``await_signal``) instead of their
-PDL wait, and the last consumer program to leave zeroes both counters (``depart``). Safe under
+the consumer's programs poll the count with acquire loads (``await_signal``: one warp per
+program, its exit warp-uniform, then a CTA barrier) instead of their PDL wait, and the last
+consumer program to leave zeroes both counters (``depart``). Safe under
 PDL: a consumer grid launches only once every producer program has released it, so every
 producer is resident or done while consumers spin.
 """
@@ -39,17 +40,29 @@ def signal_done(sig_ptr):
 
 
 @triton.jit
-def _load_acquire(ptr):
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def await_signal(sig_ptr, target):
-    """Spin until the producers' count at ``sig_ptr`` reaches ``target`` (acquire loads)."""
-    seen = _load_acquire(sig_ptr)
-    while seen < target:
-        seen = _load_acquire(sig_ptr)
+    """Wait until the producers' count at ``sig_ptr`` reaches ``target``: warp 0 polls with
+    acquire loads, its exit made warp-uniform by a vote (a thread-divergent spin would leave the
+    CTA barrier below, an aligned ``bar.sync``, undefined), then every thread meets at the
+    barrier (CTA-scope order after warp 0's acquire)."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred p_skip, p_done;
+        .reg .b32 r_tid, r_seen;
+        mov.u32 r_tid, %tid.x;
+        setp.ge.u32 p_skip, r_tid, 32;
+        @p_skip bra.uni SIG_DONE;
+        SIG_SPIN:
+        ld.acquire.gpu.global.b32 r_seen, [$1];
+        setp.ge.s32 p_done, r_seen, $2;
+        vote.sync.all.pred p_done, p_done, 0xffffffff;
+        @!p_done bra.uni SIG_SPIN;
+        SIG_DONE:
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r", [sig_ptr, target], dtype=tl.int32, is_pure=False, pack=1,
+    )
+    tl.debug_barrier()
 
 
 @triton.jit

@@ -646,7 +646,8 @@ def test_attention_signal_lets_the_panel_poll(rows, max_splits, fold, monkeypatc
     """``SPECCAL_ATTN_POLL=1``: attention (single split, folded merge, reduce launch) counts its
     finished pieces in an ``AttnSignal`` and the register-panel o projection polls it instead of
     its PDL wait: same output bits as the waiting launch, the counters back at zero, and the
-    target the launch's piece count. Repeated launches reuse the counters."""
+    target the launch's piece count. Repeated launches reuse the counters, also back to back
+    in a CUDA graph (where the panel's programs do spin while attention runs)."""
     monkeypatch.setenv("SPECCAL_ATTN_FOLD", fold)
     gen = torch.Generator().manual_seed(5 + rows + max_splits)
     heads, kvh, d, bs, dtype = 16, 8, 128, 16, torch.bfloat16
@@ -685,3 +686,30 @@ def test_attention_signal_lets_the_panel_poll(rows, max_splits, fold, monkeypatc
     for got in results[1:]:
         for a, b in zip(results[0], got, strict=True):
             assert torch.equal(a, b)
+    graphs = []
+    for poll in ("0", "1"):
+        monkeypatch.setenv("SPECCAL_ATTN_POLL", poll)
+        kc, vc, h = kc0.clone(), vc0.clone(), h0.clone()
+
+        def layer_pairs(kc=kc, vc=vc, h=h):
+            for _ in range(6):  # same new rows each time: the KV writes repeat, h accumulates
+                sig = ops.attention_signal(h, wo)
+                out = ops.paged_attention(q, kc, vc, bt, seq_t, rows, d ** -0.5, cu_q_lens=cu,
+                                          plan=plan, rope=(k, v, cs, None), signal=sig)
+                dn = ops.linear_deferred_norm(out.reshape(rows, heads * d), wo, h, nw, 1e-6,
+                                              residual_settled=True, after=sig)
+            return dn
+
+        layer_pairs()  # warm (compiles, counters allocated outside the capture)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            dn = layer_pairs()
+        h.copy_(h0)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        graphs.append((h.clone(), dn.xw.clone(), dn.ss.clone()))
+        if poll == "1":
+            assert ops.attention_signal(h, wo).counters.tolist() == [0, 0]
+    for a, b in zip(*graphs, strict=True):
+        assert torch.equal(a, b)
