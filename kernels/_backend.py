@@ -249,7 +249,10 @@ def panel_min_block_m() -> int:
     return _pow2_switch("SPECCAL_PANEL_MIN_BLOCK_M", PANEL_MIN_BLOCK_M, 16)
 
 
-ATTN_MIN_BLOCK_M = 16
+# the attention split kernel's M tile is the power of two of rows x GQA group, at least this
+# (tl.dot pads it): at one row and group 2 a 2-row tile, -7 us per B=1 decode step on the H200
+# against 16 (bench/KERNEL_NOTES.md v10)
+ATTN_MIN_BLOCK_M = 2
 
 
 def attention_min_block_m() -> int:
