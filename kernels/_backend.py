@@ -229,9 +229,10 @@ def _pow2_switch(var: str, default: int, largest: int) -> int:
 
 
 # the smallest M tile of the GEMVs' tensor-core dot at 2-16 rows (tl.dot pads a smaller tile
-# itself on Hopper, Triton 3.6): the streaming kernel keeps 16 (its 8-row tile measured slower at
-# B=8 decode on the H200), the register panel takes 8 (half the x staged through shared memory;
-# B=1 verification -25 us), bench/KERNEL_NOTES.md v10
+# itself on Hopper, Triton 3.6). The register panel takes 8: half the x staged through shared
+# memory, B=1 verification -30 us on the H200 (B=8 decode +15 us, same run). The streaming
+# kernel keeps 16: its 2-8 row tiles at 8 were not measured apart from the panel's (both at 8:
+# B=8 decode +23 us). bench/KERNEL_NOTES.md v10
 GEMV_MIN_BLOCK_M = 16
 PANEL_MIN_BLOCK_M = 8
 
