@@ -249,9 +249,10 @@ def _panel_kernel(
     # The program's whole weight panel [BLOCK_N, NCH * KC] is loaded before the PDL wait, so a
     # GEMV that follows a long kernel (the o projection after attention) has its weights in hand
     # when its input lands; after the wait only x (M rows, L2) and the math remain. One row
-    # (not DOT, NCH 1, BLOCK_M 1): the panel in registers, CUDA-core FMAs. DOT (BLOCK_M >= 16):
-    # the panel as NCH K chunks [NCH, BLOCK_N, KC] of one batched tensor-core dot (independent
-    # accumulation chains; Triton stages the panel in shared memory before the wait).
+    # (not DOT, NCH 1, BLOCK_M 1): the panel in registers, CUDA-core FMAs. DOT (2-8 rows, an M
+    # tile BLOCK_M >= 8 that tl.dot pads): the panel as NCH K chunks [NCH, BLOCK_N, KC] of one
+    # batched tensor-core dot (independent accumulation chains; Triton stages the panel in
+    # shared memory before the wait).
     # PRECVT (DOT): a dot of the panel with zeros before the wait, onto which the real dot
     # accumulates, so the panel's conversion to the dot operand's registers happens before the
     # wait and after it only x goes through shared memory (an inf weight would give NaN, not

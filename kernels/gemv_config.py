@@ -57,7 +57,7 @@ _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 }
 
 # the register panel (``panel``): at most this many rows (one row: CUDA-core FMAs; 2-8: the
-# tensor cores, M padded to 16) and this many weight bytes per program (64 KB: 64 registers per
+# tensor cores, an M tile of 8) and this many weight bytes per program (64 KB: 64 registers per
 # thread at 8 warps, beside an attention program on the same SM)
 PANEL_MAX_ROWS = 8
 PANEL_MAX_BYTES = 64 * 1024
