@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from cuda_timing import env_vars, events_ms
 
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.graphs import GraphKey
@@ -43,27 +44,11 @@ KV = 1024
 SEQUENCES: dict = {}  # graph key -> kernels of one replay: [name, us, grid, start us]
 
 
-def _events_ms(fn, iters: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean time of ``iters`` calls (CUDA events), in ms."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    return statistics.median(times)
-
-
 def copy_bandwidth() -> float:
     """Bytes/s of a 1 GiB bf16 device copy (read + write counted)."""
     src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = _events_ms(lambda: dst.copy_(src), 10, 5)
+    ms = events_ms(lambda: dst.copy_(src), 10, 5)
     return 2 * src.numel() * 2 / (ms * 1e-3)
 
 
@@ -104,7 +89,7 @@ def target_ms(
     eng: Engine, batch: int, k: int, g: int, update: str, repeats: int, sampling: str = "greedy"
 ) -> float:
     key = GraphKey("target", batch, k, g, update, sampling)
-    return _events_ms(lambda: eng.runner.graphs.replay(key), 50, repeats)
+    return events_ms(lambda: eng.runner.graphs.replay(key), 50, repeats)
 
 
 def breakdown(eng: Engine, key: GraphKey, replays: int = 5, top: int = 12) -> list:
@@ -370,15 +355,9 @@ def main() -> None:
     for spec in filter(None, args.variants.split(";")):
         name, _, assigns = spec.partition(":")
         env = dict(a.split("=", 1) for a in assigns.split(",") if a)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         sub = res[f"variant_{name}"] = {"env": env}
-        measure(args, sub, bw, save, quick=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
+        with env_vars(env):
+            measure(args, sub, bw, save, quick=True)
         torch.cuda.empty_cache()
     show(res)
 

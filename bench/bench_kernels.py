@@ -21,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+from cuda_timing import capture
 from triton.testing import do_bench
 
 from speccal.kernels import ops
@@ -50,19 +51,7 @@ def record(metric, value, unit, **ctx):
 
 def graph_time_us(fns, reps=1, rep_ms=40):
     """Median time of one call, from a CUDA graph holding ``reps`` passes over ``fns``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for f in fns:
-                f()
-    torch.cuda.synchronize()
+    g = capture(fns, reps)
     ms = do_bench(g.replay, warmup=10, rep=rep_ms, return_mode="median")
     del g
     return 1000.0 * ms / (reps * len(fns))

@@ -23,15 +23,15 @@ Usage: python3 bench/bench_tail.py --out DIR [--spin-us 12] [--reps 20] [--repea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+from cuda_timing import capture, env_vars, events_ms
 
 from speccal.kernels import gemv, ops
 from speccal.kernels.gemv import GemvConfig
@@ -125,49 +125,8 @@ def panel_try(x, w, h, nw, xw, ss, xa: bool, xearly: bool, defer: bool, nch: int
 def graph_us(launches, reps: int, repeats: int) -> float:
     """Mean time of one pass over ``launches`` (callables taking the rep index) from a CUDA
     graph of ``reps`` passes, median over ``repeats`` timings of 10 replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(2):
-            for f in launches:
-                f(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            for f in launches:
-                f(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (10 * reps))
-    return statistics.median(times)
-
-
-class Env:
-    """Environment variables set for one case (read at launch by the kernels' dispatch)."""
-
-    def __init__(self, **kv):
-        self.kv = kv
-
-    def __enter__(self):
-        self.old = {k: os.environ.get(k) for k in self.kv}
-        os.environ.update(self.kv)
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    g = capture([functools.partial(f, i) for i in range(reps) for f in launches])
+    return events_ms(g.replay, 10, repeats) * 1e3 / reps
 
 
 def main() -> None:
@@ -307,7 +266,7 @@ def main() -> None:
         # a bench-only M tile for the streaming kernel (tl.dot pads M below 16 on the H200)
         gemv._block_m = (lambda m, c, bm=block_m: max(bm, triton.next_power_of_2(m))) \
             if block_m else block_m_default
-        with Env(**env):
+        with env_vars(env):
             fn = build()
             if args.eager:
                 for i in range(args.eager):

@@ -58,8 +58,8 @@ from speccal.kernels._backend import (
 from speccal.kernels.gemv_config import (
     GemvConfig,
     k_splits,
+    launch_config,
     pick_config,
-    resolve,
 )
 from speccal.kernels.pdl import await_signal, depart, pdl_enter
 from speccal.kernels.rmsnorm import norm_row_store, rms_norm_triton
@@ -389,9 +389,8 @@ def linear_triton(
     m = x.shape[0]
     n, k = weight.shape
     glu = epilogue == "silu_mul"
-    cfg = config or pick_config(m, n, k, num_sms(x.device),
-                                epilogue="residual" if residual is not None else epilogue)
-    cfg = resolve(cfg, m, k, x.element_size())
+    cfg = launch_config(m, n, k, num_sms(x.device),
+                        "residual" if residual is not None else epilogue, x.element_size(), config)
     if glu and cfg.block_n % 2:
         raise InputError("config.block_n", cfg.block_n, "even for the silu_mul epilogue")
     if residual is not None:

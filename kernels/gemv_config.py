@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from speccal.kernels._backend import panel_enabled
 
-__all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "k_splits", "panel_fits",
-           "pick_config", "resolve"]
+__all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "k_splits",
+           "launch_config", "panel_fits", "pick_config", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -155,11 +155,19 @@ def k_splits(k: int, cfg: GemvConfig, glu: bool = False) -> tuple[int, int]:
     return _cdiv(k, k_per_split), k_per_split
 
 
+def launch_config(m: int, n: int, k: int, num_sms: int = 132, epilogue: str | None = None,
+                  element_size: int = 2, config: GemvConfig | None = None) -> GemvConfig:
+    """The config an ``[m, k] x [n, k]^T`` launch runs (``element_size`` bytes per element):
+    ``config``, else ``pick_config``'s, through ``resolve``."""
+    cfg = config or pick_config(m, n, k, num_sms, epilogue=epilogue)
+    return resolve(cfg, m, k, element_size)
+
+
 def deferred_norm_tiles(m: int, n: int, k: int, num_sms: int = 132,
                         element_size: int = 2) -> tuple[int, bool]:
     """``(P, folded)`` of a deferred norm's producer GEMV (``x [m, k] @ w [n, k].T`` added into
     a residual, ``element_size`` bytes per element; ``ops.linear_deferred_norm``): its column
     tiles, and whether its config splits K, so that the last program of each column tile
     reduces it (arrival counters)."""
-    cfg = resolve(pick_config(m, n, k, num_sms, epilogue="residual"), m, k, element_size)
+    cfg = launch_config(m, n, k, num_sms, "residual", element_size)
     return -(-n // cfg.block_n), k_splits(k, cfg)[0] > 1

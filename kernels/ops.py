@@ -47,8 +47,7 @@ from speccal.kernels.gemv_config import (
     GemvConfig,
     argmax_tile_width,
     deferred_norm_tiles,
-    pick_config,
-    resolve,
+    launch_config,
 )
 
 __all__ = [
@@ -202,14 +201,13 @@ def attention_signal(residual: torch.Tensor, o_weight: torch.Tensor) -> AttnSign
     """An unarmed ``AttnSignal`` for an attention launch whose ``[M, K]`` output feeds the o
     projection ``o_weight [N, K]`` added into ``residual [M, N]`` (``linear_deferred_norm``), or
     None where that consumer would not poll: ``SPECCAL_ATTN_POLL`` off, not Triton with PDL, the
-    o GEMV not a register panel (``gemv_config.resolve``), or no counters (a capture before any
+    o GEMV not a register panel (``gemv_config.launch_config``), or no counters (a capture before any
     eager run)."""
     if not (attention_poll() and use_triton(residual) and pdl_enabled(residual)):
         return None
     m, (n, k) = residual.shape[0], o_weight.shape
-    cfg = resolve(pick_config(m, n, k, num_sms(residual.device), epilogue="residual"), m, k,
-                  residual.element_size())
-    if not cfg.panel:
+    if not launch_config(m, n, k, num_sms(residual.device), "residual",
+                         residual.element_size()).panel:
         return None
     cnt = arrival_counters("signal", residual.device, 2, slots=2)
     return None if cnt is None else AttnSignal(cnt)

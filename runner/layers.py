@@ -235,9 +235,10 @@ class DecoderLayer(nn.Module):
         qk_norm = None
         if att.q_norm is not None:
             qk_norm = (att.q_norm.weight, att.k_norm.weight, att.q_norm.eps)
+        defer_post = ops.norm_defer() != "0"  # the post-attention norm into the o / gate-up GEMVs
         signal = None
         if fuse_rope and meta.cu_q_lens is not None:  # rotary + KV write inside attention
-            if ops.norm_defer() != "0":  # the o projection may start on attention's flag
+            if defer_post:  # the o projection may start on attention's flag
                 signal = ops.attention_signal(h, att.o_proj.weight)
             out = ops.paged_attention(
                 q, kv[0], kv[1], meta.block_table, meta.seq_lens, meta.num_q_rows, att.scale,
@@ -251,7 +252,7 @@ class DecoderLayer(nn.Module):
             out = attend_rows(q_out, kv[0], kv[1], meta, att.scale)  # [N, hq, d]
         # h was last written three launches back (the previous down reduce or, in layer 0, the
         # embedding + norm launch), so the o GEMV may read it before its PDL wait
-        if ops.norm_defer() != "0":  # the norm's row factor applied in the gate/up GEMV
+        if defer_post:  # the norm's row factor applied in the gate/up GEMV
             dn = ops.linear_deferred_norm(out.reshape(n, hq * d), att.o_proj.weight, h,
                                           ln2.weight, ln2.eps, residual_settled=True,
                                           after=signal)
