@@ -17,6 +17,7 @@ import os
 import torch
 
 __all__ = [
+    "argmax_keys_enabled",
     "arrival_counters",
     "attention_fold_override",
     "attention_min_block_m",
@@ -25,6 +26,7 @@ __all__ = [
     "attention_warps",
     "attention_prefetch_tiles",
     "attention_release",
+    "attention_spread",
     "decode_max_splits",
     "defer_input_norm",
     "fold_max_merge",
@@ -132,6 +134,22 @@ def attention_fold_override() -> bool | None:
     """``SPECCAL_ATTN_FOLD``: ``1`` / ``0`` force / forbid folding attention's split-KV merge into
     the split kernel; ``auto`` (default) leaves it to ``ops.fold_wanted``'s rule."""
     value = _env_choice("SPECCAL_ATTN_FOLD", "auto", ("auto", "0", "1"), "auto, 0 or 1")
+    return None if value == "auto" else value == "1"
+
+
+def argmax_keys_enabled() -> bool:
+    """``SPECCAL_ARGMAX_KEYS``: ``1`` (default) the runner's LM head folds each row's argmax into
+    one packed key by atomic max (``ops.ArgmaxKeys``), ``0`` it writes per-tile partials that
+    ``verify_accept`` reduces (an A/B switch for benchmarks, read at graph capture)."""
+    return _env_choice("SPECCAL_ARGMAX_KEYS", "1", ("0", "1"), "0 or 1") == "1"
+
+
+def attention_spread() -> bool | None:
+    """``SPECCAL_ATTN_SPREAD``: ``auto`` (default) spreads attention's split-KV merge over the
+    split programs where ``ops.spread_wanted``'s rule says so (multi-row plans whose grid fits
+    the SMs), ``0`` never (the reduce launch), ``1`` also for 1-row plans (still only a grid
+    that fits). Read at launch (graph capture)."""
+    value = _env_choice("SPECCAL_ATTN_SPREAD", "auto", ("auto", "0", "1"), "auto, 0 or 1")
     return None if value == "auto" else value == "1"
 
 

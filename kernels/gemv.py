@@ -96,9 +96,11 @@ def _skinny_kernel(
 ):
     # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]),
     # split 1 only. RES: y += acc (y is the residual stream; at split > 1 the reduce adds).
-    # ARGMAX (split 1): no logits; y is tile_max [M, T] fp32 and part tile_idx [M, T] int32
+    # ARGMAX (split 1): no logits; 1: y is tile_max [M, T] fp32 and part tile_idx [M, T] int32
     # (stride_ym = T), this program's column pid_n: the max of its BLOCK_N outputs per row and
-    # the column where it first occurs.
+    # the column where it first occurs; 2: y is keys [M] (int64, zero before the launch), each
+    # program's (max, column) packed into one 64-bit key per row and folded in by an unsigned
+    # atomic max, so the row's argmax is whole when the grid ends (no partials to reduce).
     # DEFER (split 1, RES): the next RMSNorm, deferred: besides the updated residual h, store
     # xw = h * nw (rounded) and ss[m, pid_n] = sum of h^2 over this program's columns ([M, P]).
     # SCALE: the consumer's side: each row's product is scaled by rsqrt(sum_p ss[m, p] / norm_n
@@ -178,9 +180,18 @@ def _skinny_kernel(
         has_nan = first_nan < BLOCK_N
         best = tl.where(has_nan, float("nan"), best)
         col = tl.where(has_nan, first_nan, col)
-        t_offs = offs_m * stride_ym + pid_n
-        tl.store(y_ptr + t_offs, best, mask=m_ok)
-        tl.store(part_ptr + t_offs, (pid_n * BLOCK_N + col).to(tl.int32), mask=m_ok)
+        if ARGMAX == 2:  # one packed key per row, unsigned atomic max (reference.argmax_keys_ref)
+            bits = tl.where(best == 0.0, 0.0, best).to(tl.int32, bitcast=True)  # -0 as +0
+            bits = tl.where(has_nan, 0x7FFFFFFF, bits)
+            key = tl.where(bits >= 0, bits ^ -2147483648, ~bits).to(tl.uint32, bitcast=True)
+            low = 0xFFFFFFFF - (pid_n * BLOCK_N + col).to(tl.uint32)
+            packed = (key.to(tl.uint64) << 32) | low.to(tl.uint64)
+            tl.atomic_max(y_ptr.to(tl.pointer_type(tl.uint64)) + offs_m, packed, mask=m_ok,
+                          sem="relaxed", scope="gpu")
+        else:
+            t_offs = offs_m * stride_ym + pid_n
+            tl.store(y_ptr + t_offs, best, mask=m_ok)
+            tl.store(part_ptr + t_offs, (pid_n * BLOCK_N + col).to(tl.int32), mask=m_ok)
     elif DIRECT:
         _residual_store(acc, res, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr,
                         stride_xw, P, nw if DEFER else acc, RES, RES_EARLY, DEFER)
@@ -502,8 +513,11 @@ def linear_argmax_triton(
     *,
     pdl: int = 0,  # as in linear_triton
     prefetch: int = 0,  # as in linear_triton
-) -> tuple[torch.Tensor, torch.Tensor]:  # tile_max [M, T] fp32, tile_idx [M, T] int32
+    keys: torch.Tensor | None = None,  # [M] int64, zeros: one packed key per row instead
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:  # (tile_max, tile_idx) or keys
     """Per-tile argmax of ``x @ weight.T`` (the GEMV's ``ARGMAX`` epilogue): no logits written.
+    With ``keys``: each row's whole argmax as a packed key (``reference.argmax_keys_ref``),
+    folded in by atomic max, so ``keys`` must hold zeros before the launch.
 
     ``T = cdiv(N, config.block_n)``; ``tile_max[m, t]`` / ``tile_idx[m, t]`` are the max of
     row ``m``'s columns ``[t * block_n, (t + 1) * block_n)`` rounded to ``x``'s dtype and the
@@ -516,8 +530,11 @@ def linear_argmax_triton(
     if cfg.split_k != 1:
         raise InputError("config.split_k", cfg.split_k, "1 for the argmax epilogue")
     tiles = triton.cdiv(n, cfg.block_n)
-    tile_max = torch.empty(m, tiles, dtype=torch.float32, device=x.device)
-    tile_idx = torch.empty(m, tiles, dtype=torch.int32, device=x.device)
+    if keys is not None:
+        tile_max = tile_idx = keys
+    else:
+        tile_max = torch.empty(m, tiles, dtype=torch.float32, device=x.device)
+        tile_idx = torch.empty(m, tiles, dtype=torch.int32, device=x.device)
     k_per_split = triton.cdiv(k, cfg.block_k) * cfg.block_k
     _skinny_kernel[(tiles, 1)](
         x, weight, tile_max, tile_idx, m, n, k, x.stride(0), weight.stride(0), tiles,
@@ -526,6 +543,7 @@ def linear_argmax_triton(
         GLU=False, RES=False, PDL=int(pdl),
         PREFETCH=min(prefetch, k_per_split // cfg.block_k) if pdl > 0 else 0,
         LINE=max(1, min(cfg.block_k, 128 // weight.element_size())), RES_EARLY=False,
-        ARGMAX=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
+        ARGMAX=1 if keys is None else 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl > 0,
     )
-    return tile_max, tile_idx
+    return keys if keys is not None else (tile_max, tile_idx)

@@ -51,6 +51,7 @@ from speccal.kernels.gemv_config import (
 )
 
 __all__ = [
+    "ArgmaxKeys",
     "AttnSignal",
     "DeferredNorm",
     "SplitPlan",
@@ -60,6 +61,7 @@ __all__ = [
     "defer_input_norm",
     "embed_rms_norm",
     "fold_wanted",
+    "spread_wanted",
     "linear",
     "linear_argmax",
     "linear_deferred_norm",
@@ -98,6 +100,20 @@ class SplitPlan:
             raise InputError("min_split_len", self.min_split_len, "an int >= 1")
 
 
+@dataclass(frozen=True)
+class ArgmaxKeys:
+    """Each row's argmax as one packed 64-bit key (``linear_argmax(keys=...)``,
+    ``reference.argmax_keys_ref`` for the layout), for ``verify_accept``. ``keys [G]`` int64
+    holds the unsigned keys' bits; the buffer must be zero before the LM head folds into it
+    (``verify_metadata_update(argmax_keys=...)`` zeroes it at the start of a round)."""
+
+    keys: torch.Tensor
+
+    def tokens(self) -> torch.Tensor:  # [G] int64
+        """The rows' argmax columns (``reference.unpack_argmax_keys_ref``)."""
+        return ref.unpack_argmax_keys_ref(self.keys)
+
+
 def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int = 1 << 20,
                 block_n: int = 64, rows: int = 1) -> SplitPlan:
     """Split plan that gives about four programs per multiprocessor for ``batch`` requests.
@@ -130,6 +146,9 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
 # (12 rows x 24 splits merged by one program) 27 % slower and B=8 decode (576 programs) slower.
 FOLD_MAX_MERGE = 64
 FOLD_MAX_PROGRAMS_PER_SM = 2
+# the spread merge's programs wait for each other: one per multiprocessor at most, so the whole
+# grid is resident whatever else shares the SMs (a spin on a program never scheduled would hang)
+SPREAD_MAX_PROGRAMS_PER_SM = 1
 VERIFY_MAX_SPLITS = 64  # split cap of multi-row (verification) plans (on top of the halving)
 
 
@@ -152,6 +171,23 @@ def fold_wanted(batch: int, num_kv_heads: int, max_splits: int, rows: int, group
     programs = batch * num_kv_heads * max_splits
     limit = FOLD_MAX_MERGE if max_merge is None else max_merge
     return merge <= limit and programs <= FOLD_MAX_PROGRAMS_PER_SM * num_sms
+
+
+def spread_wanted(batch: int, num_kv_heads: int, max_splits: int, rows: int,
+                  num_sms: int = 132, force: bool | None = None) -> bool:
+    """Whether attention merges its KV splits spread over the split programs themselves (each
+    live program waits for the others of its (request, KV head), then merges some of the rows:
+    no reduce launch, no one program merging them all). Only where the grid fits the SMs one
+    program each (``SPREAD_MAX_PROGRAMS_PER_SM``), so every program it waits for is resident;
+    by default (``force`` None) only for multi-row (verification) plans, the merge the fold
+    leaves to a reduce launch; ``force`` True lifts the row rule, never the grid one.
+    """
+    if max_splits <= 1 or force is False:
+        return False
+    programs = batch * num_kv_heads * max_splits
+    if programs > SPREAD_MAX_PROGRAMS_PER_SM * num_sms:
+        return False
+    return bool(force) or rows > 1
 
 
 def _next_pow2(n: int) -> int:
@@ -435,11 +471,12 @@ def verify_accept(
     """Greedy (or forced) acceptance from the packed rows' argmax plus the next round's slot
     state, in one launch on Triton (``reference.verify_accept_ref`` for the semantics).
 
-    ``row_tokens`` is the rows' argmax or ``linear_argmax``'s per-tile partials ``(tile_max
-    [G, T] float32, tile_idx [G, T] int32)``, both contiguous; the Triton kernel then reduces
-    the partials of the rows its request needs (largest max, NaN first, ties to the first tile,
-    i.e. ``torch.argmax``'s answer), the reference reduces them with
-    ``reference.reduce_argmax_partials_ref`` first.
+    ``row_tokens`` is the rows' argmax, ``linear_argmax``'s per-tile partials ``(tile_max
+    [G, T] float32, tile_idx [G, T] int32)``, both contiguous, or its packed keys
+    (``ArgmaxKeys``); the Triton kernel then reduces the partials of the rows its request needs
+    (largest max, NaN first, ties to the first tile, i.e. ``torch.argmax``'s answer), the
+    reference reduces them with ``reference.reduce_argmax_partials_ref`` first; keys hold
+    whole rows already.
     """
     _need(draft_tokens.dim() == 2, "draft_tokens.shape", _shape(draft_tokens), "[B, k]")
     batch, k = draft_tokens.shape
@@ -452,6 +489,8 @@ def verify_accept(
     partials = isinstance(row_tokens, tuple)
     if partials:
         _check_partials(row_tokens, g)
+    elif isinstance(row_tokens, ArgmaxKeys):
+        _check_keys(row_tokens.keys, g, "row_tokens.keys")
     else:
         _check_int(row_tokens, "row_tokens", (g,))
     _check_int(grid_rows, "grid_rows", (batch * (k + 1),))
@@ -473,8 +512,17 @@ def verify_accept(
                                     hidden, ext_tokens, ext_hidden, greedy, pdl_enabled(hidden))
     if partials:
         row_tokens = ref.reduce_argmax_partials_ref(*row_tokens)
+    elif isinstance(row_tokens, ArgmaxKeys):
+        row_tokens = row_tokens.tokens()
     return ref.verify_accept_ref(row_tokens, grid_rows, draft_tokens, num_verify, slot_index,
                                  hidden, ext_tokens, ext_hidden, greedy)
+
+
+def _check_keys(keys, g: int, field: str) -> None:
+    """``keys [g]`` int64, contiguous (an ``ArgmaxKeys`` buffer)."""
+    _need(isinstance(keys, torch.Tensor), field, type(keys).__name__, "a torch.Tensor")
+    _need(_shape(keys) == (g,) and keys.dtype == torch.int64 and keys.is_contiguous(), field,
+          (_shape(keys), keys.dtype), f"[{g}] int64, contiguous")
 
 
 def _check_partials(partials: tuple, g: int) -> None:
@@ -505,13 +553,15 @@ def verify_metadata_update(
     *,
     grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
     max_cu: int | None = None,
+    argmax_keys: torch.Tensor | None = None,  # [G] int64, zeroed
     backend: str | None = None,
 ) -> None:
     """Positions, slot mapping (padding -> slot 0), ``seq_lens`` and ``cu_q_lens`` on device;
     with ``grid_rows`` also each ``[B, k_max + 1]`` grid cell's packed row (clamped to G - 1),
     so the verify step gathers its per-row results without more launches. ``max_cu``: each
     ``cu_q_lens`` entry is at most this (``cu_q_lens.clamp_(max=max_cu)`` in the same launch;
-    ``G`` gives padding requests past the ``G`` rows no rows)."""
+    ``G`` gives padding requests past the ``G`` rows no rows). ``argmax_keys``: zeroed in the
+    same launch, ready for this round's LM head to fold its argmax into (``ArgmaxKeys``)."""
     _need(verify_lens.dim() == 1 and verify_lens.shape[0] >= 1, "verify_lens.shape",
           _shape(verify_lens), "[B], B >= 1")
     batch = verify_lens.shape[0]
@@ -535,6 +585,8 @@ def verify_metadata_update(
     if grid_rows is not None:
         _check_int(grid_rows, "grid_rows", (batch * (k_max + 1),), (torch.int64,))
         outs.append(("grid_rows", grid_rows))
+    if argmax_keys is not None:
+        _check_keys(argmax_keys, g, "argmax_keys")
     for name, t in outs:
         _need(t.is_contiguous(), name, "non-contiguous", "contiguous")
     if use_triton(positions, backend):
@@ -542,10 +594,13 @@ def verify_metadata_update(
 
         verify_metadata_update_triton(verify_lens, context_lens, block_table, block_size,
                                       positions, slot_mapping, seq_lens, cu_q_lens, k_max,
-                                      grid_rows, max_cu, pdl=pdl_enabled(seq_lens))
+                                      grid_rows, max_cu, pdl=pdl_enabled(seq_lens),
+                                      argmax_keys=argmax_keys)
         return
     ref.verify_metadata_update_ref(verify_lens, context_lens, block_table, block_size, positions,
                                    slot_mapping, seq_lens, cu_q_lens, k_max, grid_rows, max_cu)
+    if argmax_keys is not None:
+        argmax_keys.zero_()
 
 
 def attention_tiling_update(
@@ -735,9 +790,15 @@ def linear_argmax(
     weight: torch.Tensor,  # [N, K]
     *,
     config: GemvConfig | None = None,  # split_k 1; None: pick_config(..., epilogue="argmax")
+    keys: torch.Tensor | None = None,  # [M] int64 holding zeros: whole-row keys instead
     backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # tile_max [M, T] fp32, tile_idx [M, T] int32
+) -> tuple[torch.Tensor, torch.Tensor] | ArgmaxKeys:  # (tile_max [M, T], tile_idx [M, T])
     """Per-tile argmax partials of ``x @ weight.T`` (the LM head of argmax-only rounds).
+
+    With ``keys`` (zeros on entry: ``verify_metadata_update(argmax_keys=...)``): each row's
+    whole argmax instead, one packed 64-bit key per row that every column tile folds in by an
+    unsigned atomic max (``reference.argmax_keys_ref``; returned as ``ArgmaxKeys``), so the
+    consumer reads one key per row instead of ``T`` partials.
 
     The logits are never written: on Triton the GEMV's ``ARGMAX`` epilogue stores, per row and
     column tile of ``width = argmax_tile_width(M, N, K, num_sms, config)`` columns, the tile's
@@ -755,11 +816,20 @@ def linear_argmax(
     _need(config is None or config.split_k == 1, "config.split_k",
           getattr(config, "split_k", None), "1 (the argmax epilogue needs whole dot products)")
     (m, k), n = x.shape, weight.shape[0]
+    if keys is not None:
+        _check_keys(keys, m, "keys")
+        _need(keys.device == x.device, "keys.device", keys.device, str(x.device))
     if use_triton(x, backend):
         from speccal.kernels.gemv import linear_argmax_triton
 
-        return linear_argmax_triton(x, weight, config, pdl=pdl_mode(x),
-                                    prefetch=gemv_prefetch_tiles())
+        out = linear_argmax_triton(x, weight, config, pdl=pdl_mode(x),
+                                   prefetch=gemv_prefetch_tiles(), keys=keys)
+        return out if keys is None else ArgmaxKeys(keys)
+    if keys is not None:  # the keys' unsigned max with what they hold (zeros: the keys)
+        new = ref.argmax_keys_ref(ref.linear_ref(x, weight))
+        flip = -(1 << 63)  # unsigned order = signed order with the sign bit flipped
+        keys.copy_(torch.maximum(keys ^ flip, new ^ flip) ^ flip)
+        return ArgmaxKeys(keys)
     width = argmax_tile_width(m, n, k, num_sms(x.device), config)
     return ref.linear_argmax_ref(x, weight, width)
 

@@ -35,13 +35,15 @@ from speccal.kernels._backend import (
     attention_prewait,
     attention_reduce_early,
     attention_release,
+    attention_spread,
     attention_warps,
     fold_max_merge,
+    interpreting,
     num_sms,
     prewait_loads,
 )
-from speccal.kernels.ops import fold_wanted
-from speccal.kernels.pdl import pdl_enter, signal_done
+from speccal.kernels.ops import fold_wanted, spread_wanted
+from speccal.kernels.pdl import await_signal, depart, pdl_enter, signal_done
 
 __all__ = ["paged_attention_triton"]
 
@@ -146,7 +148,8 @@ def _split_setup(b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, spli
                  D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, Q_MODE: tl.constexpr, DIRECT: tl.constexpr,
                  ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr,
-                 FOLD: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
+                 FOLD: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+                 SPREAD: tl.constexpr = False):
     """Everything of a split program that depends on metadata only (row layout, KV range,
     rotary tables, the new rows' pages) and, with ``PREFETCH``, the L2 prefetch of its first
     cached K/V tiles: none of it reads what the predecessor kernel writes (the QKV GEMV), so a
@@ -163,9 +166,9 @@ def _split_setup(b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, spli
     else:
         start = s * split_len
         end = tl.minimum(start + split_len, seq_len)
-        if FOLD:
+        if FOLD or SPREAD:
             # a request with no KV (n_splits 0) still needs its rows merged (to zeros): split 0
-            # runs (empty range) and is the last of one
+            # runs (empty range) and is the last (the only merger) of one
             n_splits = tl.maximum(n_splits, 1)
         live = s < n_splits
     offs_d = tl.arange(0, D_PAD)
@@ -234,7 +237,7 @@ def _split_kernel(
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
     FOLD: tl.constexpr, S_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, G_PAD: tl.constexpr,
     META_EARLY: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, RELEASE: tl.constexpr,
-    sig_ptr=None, SIGNAL: tl.constexpr = False,
+    sig_ptr=None, SIGNAL: tl.constexpr = False, SPREAD: tl.constexpr = False,
 ):
     # META_EARLY: the caller vouches that the predecessor kernel writes no metadata (seq_lens,
     # cu_q_lens, tiling, block table), so the setup (``_split_setup``: row layout, KV range,
@@ -247,6 +250,12 @@ def _split_kernel(
     # FOLD (split-KV without a reduce launch): every live program writes its partial, then
     # counts itself in ``cnt_ptr[b * KVH + kvh]``; the last one of its (request, KV head)
     # merges all splits into the output and resets the counter (zero between launches).
+    # SPREAD (split-KV without a reduce launch, the merge spread over the live programs; the host
+    # grants it only to a grid that fits the SMs at once, ``ops.spread_wanted``): every live
+    # program writes its partial and counts itself in ``cnt_ptr[2 * pid]``, waits until all
+    # ``n_splits`` of its (request, KV head) have (``pdl.await_signal``), merges rows ``s``,
+    # ``s + n_splits``, ... of its ``R * GROUP`` and counts itself out (``pdl.depart``: the last
+    # one zeroes both counters).
     # ROPE: q is the raw projection; each program rotates (and q/k-norms) its query rows, and the
     # program whose KV range holds a new row writes that row's rotated k and v (its KV head) to
     # the cache before reading any tile: no separate rotary + KV-write launch.
@@ -263,13 +272,14 @@ def _split_kernel(
         b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, split_len_ptr, bt_ptr,
         stride_bt, cs_ptr, stride_cs, qw_ptr, kw_ptr, k_ptr, v_ptr, stride_kb, stride_ks,
         stride_kh, stride_vb, stride_vs, stride_vh, R, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD,
-        PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, PREFETCH, LINE)
+        PAGE, BLOCK_M, BLOCK_N, Q_MODE, DIRECT, ROPE, QK_NORM, R_PAD, FOLD, PREFETCH, LINE,
+        SPREAD)
     if META_EARLY:  # the setup above ran before the wait (PREFETCH is 0 otherwise)
         _split_wait(PDL, RELEASE)
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    if FOLD and Q_MODE == 2:
+    if (FOLD or SPREAD) and Q_MODE == 2:
         if s == 0:  # packed rows of no request (t >= cu_q_lens[B]) get zeros, strided over b
             offs_g = tl.arange(0, G_PAD)
             zd = tl.arange(0, D_PAD)
@@ -360,6 +370,42 @@ def _split_kernel(
                                 HEAD_DIM, D_PAD, S_PAD, R_PAD, MERGE_ROWS, Q_MODE)
                     if SIGNAL:
                         signal_done(sig_ptr)
+            if SPREAD:
+                signal_done(cnt_ptr + 2 * pid)  # CTA barrier, then a release add
+                await_signal(cnt_ptr + 2 * pid, n_splits)
+                for m in range(s, R * GROUP, n_splits):
+                    _merge_one(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, m, q_start, q_len,
+                               n_splits, R, max_splits, stride_ot, stride_oh, NUM_HEADS, GROUP,
+                               HEAD_DIM, D_PAD, S_PAD, Q_MODE)
+                depart(cnt_ptr + 2 * pid, n_splits)
+
+
+@triton.jit
+def _merge_one(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, m, q_start, q_len, n_splits, R,
+               max_splits, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+               Q_MODE: tl.constexpr):
+    """Row ``m = row * GROUP + head_in_group`` of one (request, KV head), every split at once:
+    the reduce kernel's merge, by a split program of the ``SPREAD`` form (partials of other
+    programs through L2, ``.cg``, after the counter's acquire)."""
+    r = m // GROUP
+    h = kvh * GROUP + m % GROUP
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    ok = offs_s < tl.where(r < q_len, n_splits, 0)  # rows past q_len: no partials, zeros
+    base = ((b * max_splits + offs_s) * R + r) * NUM_HEADS + h  # [S_PAD]
+    lse = tl.load(part_lse_ptr + base, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.math.exp2(lse - top)  # 0 for absent splits
+    o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+    den = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+    if Q_MODE != 2 or r < q_len:  # dense rows past q_len get zeros; packed ones belong to none
+        tl.store(out_ptr + (q_start + r) * stride_ot + h * stride_oh + offs_d,
+                 res.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -512,6 +558,12 @@ def paged_attention_triton(
                                       num_sms(q.device), force, fold_max_merge())
     cnt = _counters(q.device, batch * num_kv_heads) if fold else None
     fold = cnt is not None
+    spread = (not direct and not fold and signal is None and not interpreting()
+              and spread_wanted(batch, num_kv_heads, max_splits, num_q_rows, num_sms(q.device),
+                                attention_spread()))
+    if spread:  # [B * KVH, 2]: arrivals, departures
+        cnt = arrival_counters("attention_spread", q.device, 2 * batch * num_kv_heads)
+        spread = cnt is not None
     block_m = max(attention_min_block_m(), triton.next_power_of_2(num_q_rows * group))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     s_pad = triton.next_power_of_2(max_splits)
@@ -546,13 +598,13 @@ def paged_attention_triton(
     _split_kernel[(batch * num_kv_heads, max_splits)](
         q3, k_cache, v_cache, block_table, seq_lens,
         q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
-        num_splits, split_len, o3, part_o, part_lse, *extra, cnt if fold else dummy,
+        num_splits, split_len, o3, part_o, part_lse, *extra, cnt if fold or spread else dummy,
         q3.stride(0), q3.stride(1), o3.stride(0), o3.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         *extra_strides, num_q_rows, max_splits, scale * log2e, eps, batch, o3.shape[0],
         NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
-        D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, Q_MODE=mode, DIRECT=direct,
+        SPREAD=spread, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, Q_MODE=mode, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope[3] is not None,
         R_PAD=triton.next_power_of_2(num_q_rows), PDL=pdl, FOLD=fold, S_PAD=s_pad,
         MERGE_ROWS=merge_rows, G_PAD=triton.next_power_of_2(group),
@@ -561,7 +613,7 @@ def paged_attention_triton(
         **(sig if direct or fold else {}),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
-    if not direct and not fold:
+    if not direct and not fold and not spread:
         _reduce_kernel[reduce_grid](
             part_o, part_lse, num_splits,
             q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,

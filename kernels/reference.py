@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "argmax_keys_ref",
     "argmax_partials_ref",
     "attention_tiling_update_ref",
     "embed_rms_norm_ref",
@@ -40,6 +41,7 @@ __all__ = [
     "rope_paged_attention_ref",
     "rms_norm_ref",
     "rotary_kv_write_ref",
+    "unpack_argmax_keys_ref",
     "verify_accept_ref",
     "verify_metadata_update_ref",
     "verify_token_update_ref",
@@ -334,6 +336,29 @@ def reduce_argmax_partials_ref(
     tile max (a NaN beats every number), ties to the first tile, whose columns are the lowest."""
     t = tile_max.argmax(-1, keepdim=True)  # [M, 1]
     return tile_idx.gather(-1, t)[:, 0].long()
+
+
+def argmax_keys_ref(
+    logits: torch.Tensor,  # [M, N] (as stored: the dtype the comparison sees)
+) -> torch.Tensor:  # [M] int64: the packed keys' bits
+    """Each row's argmax as one packed 64-bit key (what ``ops.linear_argmax(keys=...)`` leaves
+    after its atomic max): high 32 bits the max logit's fp32 bits made order-preserving as an
+    unsigned int (-0 counted as +0, every NaN as the largest), low 32 bits ``2**32 - 1 -
+    column``, so the unsigned max of the keys picks the largest logit, then the lowest column
+    (``torch.argmax``'s answer, a NaN included). Stored in int64 (the same bits)."""
+    v = logits.float()
+    col = v.argmax(-1)  # [M]: the first NaN, else the first max
+    best = v.gather(-1, col[:, None])[:, 0]
+    best = torch.where(best == 0, torch.zeros_like(best), best)
+    bits = best.view(torch.int32).long() & 0xFFFFFFFF
+    bits = torch.where(best.isnan(), torch.full_like(bits, 0x7FFFFFFF), bits)
+    key = torch.where(bits < 0x80000000, bits | 0x80000000, 0xFFFFFFFF - bits)
+    return (key << 32) | (0xFFFFFFFF - col)  # uint64 bits (int64 shifts wrap the same way)
+
+
+def unpack_argmax_keys_ref(keys: torch.Tensor) -> torch.Tensor:  # [M] int64 -> [M] int64
+    """The columns of ``argmax_keys_ref``'s keys: ``2**32 - 1 -`` their low 32 bits."""
+    return 0xFFFFFFFF - (keys & 0xFFFFFFFF)
 
 
 def rms_norm_ref(

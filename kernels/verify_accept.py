@@ -14,8 +14,10 @@ finishes the argmax of its request's ``k + 1`` rows itself (largest max, a NaN a
 number, ties to the first tile, whose columns are the lowest: ``torch.argmax``'s answer), so the
 argmax needs no launch of its own. It loads ``BLOCK_T`` tiles of all of those rows at a time,
 all ``T`` at once up to 32K partials per request (a loop of 512-wide chunks, each a dependent
-load, took 14.7 us at k = 5 on the H200; at once, 9.5 us). Reference:
-``reference.verify_accept_ref`` (after ``reference.reduce_argmax_partials_ref``).
+load, took 14.7 us at k = 5 on the H200; at once, 9.5 us). Or the argmax comes as the LM head's
+packed keys (``ops.ArgmaxKeys``, one per row, already whole): the token is a key's low bits.
+Reference: ``reference.verify_accept_ref`` (after ``reference.reduce_argmax_partials_ref`` or
+``reference.unpack_argmax_keys_ref``).
 """
 
 from __future__ import annotations
@@ -64,13 +66,17 @@ def _verify_accept_kernel(
     GREEDY: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
-    # PARTIALS: row_tok_ptr is unused; the target tokens come from tile_max / tile_idx [G, T]
+    # PARTIALS 1: row_tok_ptr is unused; the target tokens come from tile_max / tile_idx [G, T];
+    # 2: from the packed argmax keys [G] int64 in tmax_ptr (``ops.ArgmaxKeys``)
     pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.arange(0, BLOCK_J)
     j_ok = j <= K
     rows = tl.load(grid_ptr + b * (K + 1) + j, mask=j_ok, other=0)
-    if PARTIALS:
+    if PARTIALS == 2:  # packed keys [G] (reference.argmax_keys_ref): the column is in the low bits
+        key = tl.load(tmax_ptr + rows, mask=j_ok, other=0)
+        target = tl.where(j_ok, 0xFFFFFFFF - (key & 0xFFFFFFFF), -1)
+    elif PARTIALS:
         target = _partials_argmax(tmax_ptr, tidx_ptr, rows, j_ok, T, BLOCK_J, BLOCK_T)
     else:
         target = tl.load(row_tok_ptr + rows, mask=j_ok, other=-1).to(tl.int64)
@@ -96,7 +102,7 @@ def _verify_accept_kernel(
 
 
 def verify_accept_triton(
-    row_tokens,  # [G] int: the argmax of each packed row, or (tile_max [G, T], tile_idx [G, T])
+    row_tokens,  # [G] int: each packed row's argmax, (tile_max [G, T], tile_idx [G, T]) or keys
     grid_rows: torch.Tensor,  # [B * (k + 1)] int
     draft_tokens: torch.Tensor,  # [B, k] int
     num_verify: torch.Tensor,  # [B] int
@@ -114,7 +120,11 @@ def verify_accept_triton(
     num_accepted = torch.empty(batch, dtype=torch.int64, device=hidden.device)
     out = torch.empty(batch, k + 1, dtype=torch.int64, device=hidden.device)
     partials = isinstance(row_tokens, tuple)
-    tile_max, tile_idx = row_tokens if partials else (row_tokens, row_tokens)
+    keys = getattr(row_tokens, "keys", None)  # ops.ArgmaxKeys
+    if keys is not None:
+        tile_max = tile_idx = keys
+    else:
+        tile_max, tile_idx = row_tokens if partials else (row_tokens, row_tokens)
     tiles = tile_max.shape[1] if partials else 1
     block_j = triton.next_power_of_2(k + 1)
     # one program per request, its loads issued at once where they fit: up to 32K partials of
@@ -126,7 +136,8 @@ def verify_accept_triton(
         tile_idx, tile_max, tile_idx, grid_rows, drafts, num_verify, slot_index, hidden,
         ext_tokens, ext_hidden, num_accepted, out, k, h, tiles,
         draft_tokens.stride(0) if k else 0, hidden.stride(0), ext_tokens.stride(0),
-        ext_hidden.stride(0), ext_hidden.stride(1), GREEDY=greedy, PARTIALS=partials,
+        ext_hidden.stride(0), ext_hidden.stride(1), GREEDY=greedy,
+        PARTIALS=2 if keys is not None else int(partials),
         BLOCK_J=block_j, BLOCK_T=block_t, BLOCK_H=block_h, PDL=pdl, num_warps=warps,
         launch_pdl=pdl,
     )

@@ -29,7 +29,7 @@ def _verify_metadata_kernel(
     vl_ptr, ctx_ptr, bt_ptr, pos_ptr, slot_ptr, seq_ptr, cu_ptr, grid_ptr,
     B, G, K_MAX, stride_bt, max_blocks, page, max_cu,
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, GRID: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, keys_ptr=None, KEYS: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -58,6 +58,8 @@ def _verify_metadata_kernel(
             m = (t >= total) & (t < G)
             tl.store(pos_ptr + t, tl.zeros([BLOCK_G], dtype=pos_ptr.dtype.element_ty), mask=m)
             tl.store(slot_ptr + t, tl.zeros([BLOCK_G], dtype=slot_ptr.dtype.element_ty), mask=m)
+            if KEYS:  # every row's argmax key, for this round's LM head (ops.ArgmaxKeys)
+                tl.store(keys_ptr + t, tl.zeros([BLOCK_G], dtype=tl.int64), mask=t < G)
 
 
 def verify_metadata_update_triton(
@@ -73,6 +75,7 @@ def verify_metadata_update_triton(
     grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
     max_cu: int | None = None,  # cap of the cu_q_lens entries (None: no cap)
     pdl: bool = False,  # programmatic dependent launch (waits for its predecessor first)
+    argmax_keys: torch.Tensor | None = None,  # [G] int64, zeroed
 ) -> None:
     """One launch; arguments validated by ``ops.verify_metadata_update``."""
     batch = verify_lens.shape[0]
@@ -84,5 +87,6 @@ def verify_metadata_update_triton(
         block_table.stride(0), block_table.shape[1], block_size, cap,
         BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=triton.next_power_of_2(k_max + 1),
         BLOCK_G=min(1024, triton.next_power_of_2(g)), GRID=grid_rows is not None, PDL=pdl,
+        **({} if argmax_keys is None else dict(keys_ptr=argmax_keys, KEYS=True)),
         num_warps=1, launch_pdl=pdl,
     )

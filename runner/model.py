@@ -126,14 +126,17 @@ class TargetModel(nn.Module):
         return out.float() if upcast else out
 
     def argmax_partials(
-        self, hidden: torch.Tensor  # [N, hidden]
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [N] or ([N, T] fp32, [N, T] int32)
-        """The argmax of each row's logits, for ``ops.verify_accept``, which takes both forms:
-        on the fused kernels (<= 64 rows) the LM head GEMV's per-tile partials
-        (``ops.linear_argmax``: no logits written, no argmax launch), else ``[N]`` tokens from
-        :meth:`logits` (the same index: the argmax of the same bf16 logits)."""
+        self,
+        hidden: torch.Tensor,  # [N, hidden]
+        keys: torch.Tensor | None = None,  # [N] int64 zeros (ops.ArgmaxKeys), fused kernels only
+    ):  # [N] tokens, ([N, T] fp32, [N, T] int32) partials or ops.ArgmaxKeys
+        """The argmax of each row's logits, for ``ops.verify_accept``, which takes every form:
+        on the fused kernels (<= 64 rows) the LM head GEMV's packed per-row keys where ``keys``
+        is given (zeros: ``ops.verify_metadata_update(argmax_keys=...)``), else its per-tile
+        partials (``ops.linear_argmax``: no logits written, no argmax launch); off them ``[N]``
+        tokens from :meth:`logits` (the same index: the argmax of the same bf16 logits)."""
         if fused_kernels(hidden) and hidden.shape[0] <= 64:
             from speccal.kernels import ops  # noqa: PLC0415
 
-            return ops.linear_argmax(hidden.contiguous(), self.lm_head.weight)
+            return ops.linear_argmax(hidden.contiguous(), self.lm_head.weight, keys=keys)
         return self.logits(hidden, upcast=False).argmax(dim=-1)

@@ -518,6 +518,7 @@ class RoundRunner:
         grid_tok = grid_logits = None
         if x.update == "in_graph":
             from speccal.kernels import ops  # noqa: PLC0415
+            from speccal.kernels._backend import argmax_keys_enabled  # noqa: PLC0415
 
             dev = self.device
             ids = torch.empty(g, dtype=torch.int64, device=dev)
@@ -526,6 +527,9 @@ class RoundRunner:
             seq = torch.empty(bcap, dtype=torch.int32, device=dev)
             cu = torch.empty(bcap + 1, dtype=torch.int32, device=dev)
             src = torch.empty(bcap * (k + 1), dtype=torch.int64, device=dev)  # grid -> packed row
+            # the LM head's packed argmax keys (ops.ArgmaxKeys), zeroed by the metadata update
+            keys = (torch.empty(g, dtype=torch.int64, device=dev)
+                    if fast and g <= 64 and argmax_keys_enabled() else None)
             nv32 = t["nv32"]
             # each request's pending token is gathered from the slot state inside the launch
             ops.verify_token_update(self.ext_tokens, draft_tokens, nv32, ids, pad_id=0,
@@ -533,7 +537,7 @@ class RoundRunner:
             # max_cu=g: padding requests past G get no rows
             ops.verify_metadata_update(
                 nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq, cu, k, grid_rows=src,
-                max_cu=g,
+                max_cu=g, argmax_keys=keys,
             )
             plan = self.plan(bcap, k + 1)
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
@@ -544,7 +548,7 @@ class RoundRunner:
                 # the fused kernels: no logits, no argmax launch); synthetic acceptance draws its
                 # accepted lengths first (the same draws as verify_synthetic_tokens) and emits
                 # them as forced lengths
-                row_argmax = target.argmax_partials(h)  # [G] or ([G, T], [G, T])
+                row_argmax = target.argmax_partials(h, keys)  # tokens, partials or keys
                 nv = t["num_verify"]
                 if k > 0 and self.acceptance == "synthetic":
                     nv = sampling.synthetic_accepted_length(

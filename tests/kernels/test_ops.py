@@ -276,6 +276,20 @@ def test_fold_rule_folds_light_merges_only():
     assert not ops.fold_wanted(1, 8, 24, 1, 2, force=False)
 
 
+def test_spread_rule_needs_a_grid_that_fits():
+    """The spread merge's programs wait for each other, so only a grid of at most one program
+    per SM gets it: B=1 verification of the dense-2b plan (8 x 12 = 96 programs on 132 SMs)
+    does, B=1 decode (192) and B=8 verification (256) do not, whatever the switch says."""
+    assert ops.spread_wanted(1, 8, 12, 6, 132)
+    assert not ops.spread_wanted(1, 8, 12, 1, 132)  # one row: the fold's case
+    assert ops.spread_wanted(1, 8, 12, 1, 132, force=True)
+    assert not ops.spread_wanted(1, 8, 12, 6, 132, force=False)
+    assert not ops.spread_wanted(1, 8, 24, 1, 132, force=True)  # 192 programs
+    assert not ops.spread_wanted(8, 8, 4, 6, 132, force=True)  # 256 programs
+    assert ops.spread_wanted(1, 8, 16, 6, 128) and not ops.spread_wanted(1, 8, 17, 6, 128)
+    assert not ops.spread_wanted(1, 8, 1, 6, 132, force=True)  # one split: nothing to merge
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"epilogue": "gelu"}, "epilogue"),
     ({"epilogue": "silu_mul", "residual": torch.empty(3, 8)}, "residual"),
@@ -331,6 +345,23 @@ def test_fold_switch(monkeypatch):
     assert _backend.attention_fold_override() is False
     monkeypatch.setenv("SPECCAL_ATTN_FOLD", "1")
     assert _backend.attention_fold_override() is True
+
+
+def test_spread_switch(monkeypatch):
+    """``SPECCAL_ATTN_SPREAD``: auto (the rule), 0 (never), 1 (1-row plans too); a typo is an
+    error naming the variable."""
+    from speccal.kernels import _backend
+
+    monkeypatch.delenv("SPECCAL_ATTN_SPREAD", raising=False)
+    assert _backend.attention_spread() is None
+    monkeypatch.setenv("SPECCAL_ATTN_SPREAD", "0")
+    assert _backend.attention_spread() is False
+    monkeypatch.setenv("SPECCAL_ATTN_SPREAD", "1")
+    assert _backend.attention_spread() is True
+    monkeypatch.setenv("SPECCAL_ATTN_SPREAD", "on")
+    with pytest.raises(InputError, match="SPECCAL_ATTN_SPREAD") as err:
+        _backend.attention_spread()
+    assert "auto, 0 or 1" in str(err.value)
 
 
 def test_prewait_and_prefetch_switches(monkeypatch):
@@ -534,6 +565,54 @@ def test_verify_accept_takes_argmax_partials(k, greedy, vocab, block_n):
     assert torch.equal(na, want_na) and torch.equal(out, want_out)
     assert torch.equal(args[6], want_args[6])
     assert torch.equal(args[7].nan_to_num(-3.0), want_args[7].nan_to_num(-3.0))
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_verify_accept_takes_argmax_keys(k):
+    """Acceptance from the LM head's packed keys (``linear_argmax(keys=...)`` on the reference
+    path, the keys zeroed by ``verify_metadata_update(argmax_keys=...)``) equals acceptance from
+    the row tokens; a stale buffer (not zeroed) keeps the larger old keys, which is why the
+    metadata update zeroes it."""
+    from kernel_builders import accept_case, accept_oracle
+
+    args = accept_case(3 + k, 6, k, 6 * (k + 1), 32, torch.float32, "cpu")
+    g = args[5].shape[0]
+    x = torch.randn(g, 16)
+    w = torch.randn(300, 16)
+    args[0] = ref.linear_ref(x, w).argmax(-1)
+    keys = torch.full((g,), -1, dtype=torch.int64)  # stale: the largest unsigned key
+    vl = torch.zeros(2, dtype=torch.int32)
+    meta = (torch.zeros(2, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32), 16,
+            torch.empty(g, dtype=torch.int64), torch.empty(g, dtype=torch.int64),
+            torch.empty(2, dtype=torch.int32), torch.empty(3, dtype=torch.int32), 0)
+    stale = ops.linear_argmax(x, w, keys=keys.clone())
+    assert bool((stale.keys == -1).all())
+    ops.verify_metadata_update(vl, *meta, argmax_keys=keys)
+    assert int(keys.abs().sum()) == 0
+    packed = ops.linear_argmax(x, w, keys=keys)
+    assert isinstance(packed, ops.ArgmaxKeys) and packed.keys is keys
+    assert torch.equal(packed.tokens(), args[0])
+    want_args = [a.clone() for a in args]
+    na, out = ops.verify_accept(packed, *args[1:])
+    want_na, want_out = accept_oracle(*want_args, greedy=True)
+    assert torch.equal(na, want_na) and torch.equal(out, want_out)
+    assert torch.equal(args[6], want_args[6])
+
+
+def test_argmax_keys_refuse_bad_buffers():
+    """A keys buffer of the wrong length, dtype or layout is refused by name."""
+    from kernel_builders import accept_case
+
+    x, w = torch.randn(4, 16), torch.randn(50, 16)
+    for bad, field in [(torch.zeros(3, dtype=torch.int64), "keys"),
+                       (torch.zeros(4, dtype=torch.int32), "keys"),
+                       (torch.zeros(4, 2, dtype=torch.int64)[:, 0], "keys")]:
+        with pytest.raises(InputError, match=field) as err:
+            ops.linear_argmax(x, w, keys=bad)
+        assert err.value.field == field
+    args = accept_case(2, 4, 3, 20, 16, torch.float32, "cpu")
+    with pytest.raises(InputError, match="row_tokens.keys"):
+        ops.verify_accept(ops.ArgmaxKeys(torch.zeros(19, dtype=torch.int64)), *args[1:])
 
 
 def test_verify_accept_refuses_bad_partials():

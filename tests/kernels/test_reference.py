@@ -254,6 +254,51 @@ def test_argmax_partials_reduce_to_torch_argmax(dtype, m, n, block_n):
         assert int(tokens[row]) == col, (row, col)
 
 
+def _umax(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    flip = -(1 << 63)  # unsigned order of the int64 bits
+    return torch.maximum(a ^ flip, b ^ flip) ^ flip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, block_n", [(1000, 64), (777, 16)])
+def test_argmax_keys_fold_tiles_into_torch_argmax(dtype, n, block_n):
+    """Packed keys: any order of unsigned maxes over the column tiles' keys (what the LM head's
+    atomics do) equals the whole row's key, whose low bits give ``torch.argmax`` of the stored
+    logits: rounding ties, exact ties across tiles, NaN above ``+inf``."""
+    from kernel_builders import argmax_case
+
+    x, w, special = argmax_case(n, 6, n, 64, dtype, "cpu", block_n)
+    logits = ref.linear_ref(x, w)
+    whole = ref.argmax_keys_ref(logits)
+    tokens = ref.unpack_argmax_keys_ref(whole)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert all(int(tokens[r]) == c for r, c in special.items())
+    tiles = []
+    for t0 in range(0, n, block_n):
+        key = ref.argmax_keys_ref(logits[:, t0:t0 + block_n])
+        tiles.append(key - t0)  # the column sits in the low bits as 2**32 - 1 - column
+    for order in (tiles, tiles[::-1], tiles[1::2] + tiles[::2]):
+        acc = torch.zeros_like(whole)
+        for key in order:
+            acc = _umax(acc, key)
+        assert torch.equal(acc, whole)
+
+
+def test_argmax_keys_rules():
+    """-0 ties +0 (the first column), NaN beats +inf (the first NaN), -inf rows pick column 0,
+    and every key is above zero (the empty buffer)."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[-0.0, 0.0, -1.0], [1.0, inf, nan], [nan, 2.0, nan],
+                           [-inf, -inf, -inf], [-3.0, -2.0, -2.0]])
+    keys = ref.argmax_keys_ref(logits)
+    assert ref.unpack_argmax_keys_ref(keys).tolist() == [0, 2, 0, 0, 1]
+    assert torch.equal(_umax(keys, torch.zeros_like(keys)), keys)
+    # larger logits give larger keys whatever their signs
+    vals = torch.tensor([[-inf], [-5.0], [-1.0], [0.0], [1e-30], [2.0], [inf], [nan]])
+    k = ref.argmax_keys_ref(vals) ^ -(1 << 63)
+    assert bool((k[1:] > k[:-1]).all())
+
+
 def test_reduce_argmax_partials_rules():
     """Largest tile max; a NaN beats +inf and the first NaN tile wins; ties go to the first
     tile (the lowest column)."""

@@ -117,6 +117,61 @@ def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, settled, mon
         assert cnt is not None and int(cnt.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, spread", [(6, "auto"), (3, "auto"), (1, "1")])
+def test_paged_attention_spread_merge(dtype, rows, spread, monkeypatch):
+    """The spread merge (``ops.spread_wanted``: each live split program waits for the others of
+    its (request, KV head), then merges some rows): dense with ragged rows and packed with
+    padding rows, against the reference and against the reduce launch's output bit for bit
+    (same partials, same merge arithmetic), three launches back to back, counters left at
+    zero. A request with one KV row only has one live split: it merges every row itself."""
+    if DEV == "cpu":
+        pytest.skip("the spread merge's programs wait for each other: not under the interpreter")
+    from speccal.kernels import _backend
+
+    monkeypatch.setenv("SPECCAL_ATTN_FOLD", "0")  # these light merges would fold otherwise
+    seq_lens = [6, 700, 1]
+    q, kc, vc, bt, seq = _attention_case(19, seq_lens, rows, (16, 8), 128, 16, dtype)
+    plan = ops.SplitPlan(max_splits=4, block_n=64, min_split_len=64)
+    assert ops.spread_wanted(3, 8, 4, rows, _backend.num_sms(q.device),
+                             None if spread == "auto" else True)
+    q_lens = torch.tensor([min(rows, 6), rows, 1], dtype=torch.int32, device=DEV)
+    lens = q_lens.tolist()
+    packed = torch.cat([q[b, : lens[b]] for b in range(3)] + [q[0, :2]])  # 2 padding rows
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+
+    def run(env):
+        monkeypatch.setenv("SPECCAL_ATTN_SPREAD", env)
+        dense = []
+        for _ in range(3):
+            out = torch.full_like(q, float("nan"))
+            ops.paged_attention(q, kc, vc, bt, seq, rows, 0.1, q_lens=q_lens, plan=plan,
+                                out=out, backend="triton")
+            pout = torch.full_like(packed, float("nan"))
+            ops.paged_attention(packed, kc, vc, bt, seq, rows, 0.1, cu_q_lens=cu, plan=plan,
+                                out=pout, backend="triton")
+            dense.append((out, pout))
+        return dense
+
+    spread_runs = run(spread)
+    cnt = _backend._ARRIVAL.get(("attention_spread", q.device))
+    assert cnt is not None and int(cnt.abs().sum()) == 0
+    out, pout = spread_runs[0]
+    for o2, p2 in spread_runs[1:]:
+        assert torch.equal(o2, out) and torch.equal(p2, pout)
+    want = ref.paged_attention_ref(q.float(), kc.float(), vc.float(), bt, seq, rows, 0.1,
+                                   q_lens=q_lens)
+    assert rel_err(out, want) < TOL[dtype]
+    pwant = ref.paged_attention_ref(packed.float(), kc.float(), vc.float(), bt, seq, rows, 0.1,
+                                    cu_q_lens=cu)
+    assert rel_err(pout, pwant) < TOL[dtype]
+    assert torch.equal(pout[-2:], torch.zeros_like(pout[-2:]))
+    if rows > 1:
+        assert torch.equal(out[2, 1:], torch.zeros_like(out[2, 1:]))  # unused dense rows
+    reduce_out, reduce_pout = run("0")[0]
+    assert torch.equal(out, reduce_out) and torch.equal(pout, reduce_pout)
+
+
 def _verify_inputs(seed, batch, k_max, g, block_size=16, max_blocks=40):
     gen = torch.Generator().manual_seed(seed)
     base = torch.randint(0, 151936, (batch,), generator=gen)
@@ -604,6 +659,11 @@ def test_linear_argmax_matches_reference(dtype, m, shape):
         tokens = ref.reduce_argmax_partials_ref(tile_max, tile_idx).cpu()
         assert torch.equal(tokens, ref.linear_ref(x.cpu(), w.cpu()).argmax(-1)), cfg
         assert all(int(tokens[r]) == c for r, c in special.items()), cfg
+        # packed keys: every tile's atomic max leaves the whole row's key, bit for bit
+        keys = torch.zeros(m, dtype=torch.int64, device=DEV)
+        packed = ops.linear_argmax(x, w, config=cfg, keys=keys, backend="triton")
+        assert packed.keys is keys
+        assert torch.equal(keys.cpu(), ref.argmax_keys_ref(ref.linear_ref(x.cpu(), w.cpu()))), cfg
 
 
 @pytest.mark.parametrize("k, batch", [(0, 1), (1, 3), (5, 1), (5, 8)])
@@ -632,6 +692,47 @@ def test_verify_accept_partials_match_oracle(k, batch, greedy, vocab, block_n, c
     partials = tuple(p.to(DEV) for p in ref.argmax_partials_ref(logits, block_n))
     want_args = [a.cpu().clone() for a in args]
     na, out = ops.verify_accept(partials, *args[1:], greedy=greedy, backend="triton")
+    want_na, want_out = accept_oracle(*want_args, greedy=greedy)
+    assert torch.equal(na.cpu(), want_na) and torch.equal(out.cpu(), want_out)
+    assert torch.equal(args[6].cpu(), want_args[6])
+    assert torch.equal(args[7].cpu().float().nan_to_num(-3.0),
+                       want_args[7].float().nan_to_num(-3.0))
+
+
+@pytest.mark.parametrize("k, batch", [(0, 1), (5, 1), (5, 8), (3, 5)])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_verify_accept_keys_match_oracle(k, batch, greedy):
+    """The acceptance kernel reading packed argmax keys (``ops.ArgmaxKeys``, the LM head's
+    atomics on the Triton path, zeroed by the metadata update kernel first): the same results
+    as from the row tokens."""
+    from kernel_builders import accept_case, accept_oracle
+
+    dtype = DTYPES[0]  # bf16 on the GPU (the interpreter's bf16 dot is not exact)
+    args = accept_case(13 + k, batch, k, batch * (k + 1) + 3, 64, dtype, DEV)
+    g = args[5].shape[0]
+    gen = torch.Generator().manual_seed(k + batch)
+    # logits with each row's token as its unique max, as x = I @ w.T (exact in bf16)
+    logits = torch.randint(-5, 6, (g, 700), generator=gen).float()
+    logits[torch.arange(g), args[0].cpu()] = 9.0
+    kdim = -(-g // 16) * 16
+    x = torch.eye(g, kdim).to(dtype).to(DEV)
+    w = torch.zeros(700, kdim)
+    w[:, :g] = logits.t()
+    w = w.to(dtype).to(DEV)
+    keys = torch.full((g,), -1, dtype=torch.int64, device=DEV)  # stale
+    vl = torch.zeros(batch, dtype=torch.int32, device=DEV)
+    ops.verify_metadata_update(
+        vl, torch.zeros(batch, dtype=torch.int32, device=DEV),
+        torch.zeros(batch, 3, dtype=torch.int32, device=DEV), 16,
+        torch.empty(g, dtype=torch.int64, device=DEV), torch.empty(g, dtype=torch.int64,
+                                                                   device=DEV),
+        torch.empty(batch, dtype=torch.int32, device=DEV),
+        torch.empty(batch + 1, dtype=torch.int32, device=DEV), 0, argmax_keys=keys,
+        backend="triton")
+    assert int(keys.abs().sum()) == 0
+    packed = ops.linear_argmax(x, w, keys=keys, backend="triton")
+    want_args = [a.cpu().clone() for a in args]
+    na, out = ops.verify_accept(packed, *args[1:], greedy=greedy, backend="triton")
     want_na, want_out = accept_oracle(*want_args, greedy=greedy)
     assert torch.equal(na.cpu(), want_na) and torch.equal(out.cpu(), want_out)
     assert torch.equal(args[6].cpu(), want_args[6])

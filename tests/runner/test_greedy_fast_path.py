@@ -262,19 +262,26 @@ def test_captured_greedy_and_sample_graphs_equal_eager_cuda(k):
 
 
 @pytest.mark.parametrize(("acceptance", "k"), [("greedy", 0), ("greedy", 3), ("forced", 2)])
-def test_in_graph_fast_path_takes_argmax_partials(monkeypatch, acceptance, k):
+@pytest.mark.parametrize("keys", ["1", "0"])
+def test_in_graph_fast_path_takes_argmax_partials(monkeypatch, acceptance, k, keys):
     """With the fused LM head (forced on here: ``ops.linear_argmax`` runs its reference on CPU,
-    8 tiles of 64 over the tiny vocab), the in-graph fast path hands ``verify_accept`` per-tile
-    argmax partials instead of row tokens, and emits the host path's tokens."""
+    8 tiles of 64 over the tiny vocab), the in-graph fast path hands ``verify_accept`` the
+    argmax as packed per-row keys (``SPECCAL_ARGMAX_KEYS=1``, the default; the metadata update
+    zeroed them) or as per-tile partials (``0``) instead of row tokens, and emits the host
+    path's tokens."""
     from speccal.kernels import ops
     from speccal.runner import model
 
     monkeypatch.setattr(model, "fused_kernels", lambda x: True)
+    monkeypatch.setenv("SPECCAL_ARGMAX_KEYS", keys)
     seen: list[bool] = []
     real = ops.verify_accept
 
     def spy(row_tokens, *args, **kwargs):
-        seen.append(isinstance(row_tokens, tuple) and row_tokens[0].shape[1] == 8)
+        if keys == "1":
+            seen.append(isinstance(row_tokens, ops.ArgmaxKeys))
+        else:
+            seen.append(isinstance(row_tokens, tuple) and row_tokens[0].shape[1] == 8)
         return real(row_tokens, *args, **kwargs)
 
     monkeypatch.setattr(ops, "verify_accept", spy)
