@@ -137,7 +137,8 @@ def test_paged_attention_spread_merge(dtype, rows, spread, monkeypatch):
                              None if spread == "auto" else True)
     q_lens = torch.tensor([min(rows, 6), rows, 1], dtype=torch.int32, device=DEV)
     lens = q_lens.tolist()
-    packed = torch.cat([q[b, : lens[b]] for b in range(3)] + [q[0, :2]])  # 2 padding rows
+    pad = q[0, :1].repeat(2, 1, 1)  # 2 padding rows
+    packed = torch.cat([q[b, : lens[b]] for b in range(3)] + [pad])
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
 
     def run(env):
