@@ -145,11 +145,12 @@ def argmax_keys_enabled() -> bool:
 
 
 def attention_spread() -> bool | None:
-    """``SPECCAL_ATTN_SPREAD``: ``auto`` (default) spreads attention's split-KV merge over the
-    split programs where ``ops.spread_wanted``'s rule says so (multi-row plans whose grid fits
-    the SMs), ``0`` never (the reduce launch), ``1`` also for 1-row plans (still only a grid
-    that fits). Read at launch (graph capture)."""
-    value = _env_choice("SPECCAL_ATTN_SPREAD", "auto", ("auto", "0", "1"), "auto, 0 or 1")
+    """``SPECCAL_ATTN_SPREAD``: ``auto`` spreads attention's split-KV merge over the split
+    programs where ``ops.spread_wanted``'s rule says so (multi-row plans whose grid fits the
+    SMs), ``1`` also for 1-row plans (still only a grid that fits), ``0`` (default) never: on
+    the H200 the spread merge made the B=1 verify step 57 us slower than the reduce launch it
+    replaces (bench/KERNEL_NOTES.md v11). Read at launch (graph capture)."""
+    value = _env_choice("SPECCAL_ATTN_SPREAD", "0", ("auto", "0", "1"), "auto, 0 or 1")
     return None if value == "auto" else value == "1"
 
 

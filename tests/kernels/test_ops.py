@@ -348,11 +348,13 @@ def test_fold_switch(monkeypatch):
 
 
 def test_spread_switch(monkeypatch):
-    """``SPECCAL_ATTN_SPREAD``: auto (the rule), 0 (never), 1 (1-row plans too); a typo is an
-    error naming the variable."""
+    """``SPECCAL_ATTN_SPREAD``: 0 (never, the default), auto (the rule), 1 (1-row plans too); a
+    typo is an error naming the variable."""
     from speccal.kernels import _backend
 
     monkeypatch.delenv("SPECCAL_ATTN_SPREAD", raising=False)
+    assert _backend.attention_spread() is False
+    monkeypatch.setenv("SPECCAL_ATTN_SPREAD", "auto")
     assert _backend.attention_spread() is None
     monkeypatch.setenv("SPECCAL_ATTN_SPREAD", "0")
     assert _backend.attention_spread() is False
