@@ -64,11 +64,13 @@ PANEL_MAX_BYTES = 64 * 1024
 
 
 def _override(m: int, n: int, k: int) -> GemvConfig | None:
-    """``SPECCAL_GEMV_OVERRIDE``: ``;``-separated ``N:K:MAX_M=block_n/block_k/split_k/num_warps/
-    num_stages[/panel]`` entries that replace the tables' config of an (N, K) product at <=
-    ``MAX_M`` rows, whatever the epilogue (a tuning switch for benchmark variants, read when a
-    config is picked, i.e. at graph capture). Malformed entries raise an InputError."""
-    spec = os.environ.get("SPECCAL_GEMV_OVERRIDE", "")
+    """``SPECCAL_GEMV_OVERRIDE``: ``;``- (or ``|``-) separated ``N:K:MAX_M=block_n/block_k/
+    split_k/num_warps/num_stages[/panel]`` entries that replace the tables' config of an (N, K)
+    product at <= ``MAX_M`` rows, whatever the epilogue; the first entry that matches wins (a
+    tuning switch for benchmark variants, read when a config is picked, i.e. at graph capture;
+    ``|`` lets one variant of ``bench_decode --variants`` hold several). Malformed entries raise
+    an InputError."""
+    spec = os.environ.get("SPECCAL_GEMV_OVERRIDE", "").replace("|", ";")
     for entry in filter(None, spec.split(";")):
         try:
             shape, _, fields = entry.partition("=")

@@ -778,6 +778,10 @@ def test_gemv_override_and_panel_chunks(monkeypatch):
     assert gc.pick_config(9, 4096, 2048).block_n == 32  # past MAX_M: the table
     o = gc.pick_config(1, 2048, 2048, epilogue="residual")
     assert o.panel and o.num_warps == 4
+    # "|" separates entries too (one bench variant); the first match wins: 1 row, then 2-8
+    monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", "4096:2048:1=32/128/1/4/6|4096:2048:8=64/256/1/4/3")
+    assert gc.pick_config(1, 4096, 2048) == gc.GemvConfig(32, 128, 1, 4, 6)
+    assert gc.pick_config(6, 4096, 2048) == gc.GemvConfig(64, 256, 1, 4, 3)
     for bad in ("4096:2048=64", "4096:2048:8=64/128/1/4", "4096:2048:8=64/128/1/4/4/wide"):
         monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", bad)
         with pytest.raises(InputError, match="SPECCAL_GEMV_OVERRIDE"):
