@@ -42,8 +42,9 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
     (2048, 6144): [(64, _cfg(64, 128, 4))],  # down
     (151936, 2048): [(8, _cfg(64, 256, 1, 3)), (64, _cfg(128, 128, 1))],  # lm_head
     # qkv: 2-8 rows at 64-column tiles (H200, same run: B=1 verify -9 us, B=8 decode -11 us;
-    # at 1 row +34 us), bench/RESULTS.md "Register panel"
-    (4096, 2048): [(1, _cfg(32, 128, 1, 6)), (8, _cfg(64, 128, 1, 4)), (64, _cfg(32, 128, 1, 6))],
+    # at 1 row +34 us), bench/RESULTS.md "Register panel"; K tiles of 256 in 3 stages there
+    # (against 128 x 4: B=1 verify -7 to -11 us, B=8 decode -4 to -10 us, same run, v11)
+    (4096, 2048): [(1, _cfg(32, 128, 1, 6)), (8, _cfg(64, 256, 1, 3)), (64, _cfg(32, 128, 1, 6))],
     (2048, 2048): [(1, _cfg(64, 128, 4)), (64, _cfg(32, 128, 1, 6))],  # o
 }
 
