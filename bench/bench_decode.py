@@ -11,8 +11,9 @@ One run measures, on the dense-2b preset (bf16, triton backend, graph_mode="spli
   (``sample_plain``: filters and sorts) of the same engine is timed too (``*_general``), and a
   kernel breakdown of one fast-path B=1 step (``breakdown_b1``, from torch.profiler);
 - full-width verify (w=5, 6 rows/request) vs the B-matched decode step, B = 1 and 8
-  [verify_full_width_ratio: the larger of the two], with kernel breakdowns of both verify steps
-  and of the B=8 decode step (``breakdown_verify_b*``, ``breakdown_decode_b8``; ``sequence_*``:
+  (``--batches`` adds sizes up to 8) [verify_full_width_ratio: the largest], with kernel
+  breakdowns of the verify steps and of the B > 1 decode steps (``breakdown_verify_b*``,
+  ``breakdown_decode_b*``; ``sequence_*``:
   every kernel of one replay with its start, from which ``critical_*`` derives the mean start and
   end of each kernel of a decoder layer relative to the layer's first kernel);
 - the registers, spills and shared memory of every compiled Triton kernel (``kernel_resources``);
@@ -225,7 +226,7 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
         EngineConfig(
             **common,
             speculative=False,
-            request_buckets=(1, 8),
+            request_buckets=tuple(args.batches),
             acceptance="sample",
             kv_capacity_tokens=8 * (KV + 520),
         )
@@ -234,7 +235,7 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
     fb = floor_bytes(plain, KV)
     res["decode_floor_ms"] = fb / bw * 1e3
     dec = {}
-    for b in (1, 8):
+    for b in args.batches:
         fill(plain, b, 0)  # greedy requests: the host picks the fast path
         upd = plain.runner.resolve_update(b, 0, b)
         dec[b] = target_ms(plain, b, 0, b, upd, args.repeats)
@@ -274,15 +275,15 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
         EngineConfig(
             **common,
             draft_width=5,
-            request_buckets=(1, 8),
-            target_rows={1: (6,), 8: (48,)},
+            request_buckets=tuple(args.batches),
+            target_rows={b: (6 * b,) for b in args.batches},
             acceptance="forced",
             kv_capacity_tokens=8 * (KV + 520),
         )
     )
     res["capture_s_spec"] = time.time() - t0
     ratios = []
-    for b in (1, 8):
+    for b in args.batches:
         fill(spec, b, 5)
         v = target_ms(spec, b, 5, 6 * b, "in_graph", args.repeats)
         res[f"verify_ms_b{b}"] = v
@@ -327,6 +328,8 @@ def main() -> None:
     ap.add_argument("--model", default="dense-2b")
     ap.add_argument("--pdl", default="late", help="comma list of PDL modes: off, 1, late "
                     "(SPECCAL_PDL at capture); the first mode's figures are top level")
+    ap.add_argument("--batches", default="1,8", help="comma list of batch sizes for the decode "
+                    "and verify steps (1 and 8 required: the floor ratio and the KV sweep use them)")
     ap.add_argument("--variants", default="", help="';'-separated NAME:VAR=VALUE,... runtime "
                     "switch sets (SPECCAL_ATTN_FOLD, SPECCAL_PDL...), measured "
                     "in this order after the PDL modes; decode and verify steps only")
@@ -334,6 +337,9 @@ def main() -> None:
                     "which the B=1 and B=8 decode steps are also timed")
     args = ap.parse_args()
     args.kv_sweep = [int(v) for v in args.kv_sweep.split(",") if v]
+    args.batches = sorted({int(v) for v in args.batches.split(",") if v})
+    if not {1, 8} <= set(args.batches) or args.batches[-1] > 8:
+        ap.error(f"--batches {args.batches}: expected 1 and 8 among sizes of at most 8")
     out = Path(args.out)
     res: dict[str, object] = {}
 
