@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from speccal.kernels._backend import panel_enabled
+from speccal.kernels._backend import _pow2_switch, panel_enabled
 
 __all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "k_splits",
            "launch_config", "panel_fits", "pick_config", "resolve"]
@@ -105,7 +105,14 @@ def resolve(cfg: GemvConfig, m: int, k: int, element_size: int) -> GemvConfig:
 def panel_fits(m: int, k: int, cfg: GemvConfig, element_size: int) -> bool:
     """Whether the register panel of ``cfg`` serves ``m`` rows of a K-``k`` product."""
     pad = 1 << max(0, k - 1).bit_length()
-    return m <= PANEL_MAX_ROWS and cfg.block_n * pad * element_size <= PANEL_MAX_BYTES
+    return m <= panel_max_rows() and cfg.block_n * pad * element_size <= PANEL_MAX_BYTES
+
+
+def panel_max_rows() -> int:
+    """``SPECCAL_PANEL_MAX_ROWS``: the most rows a register panel serves, a power of two <= 64
+    (unset: ``PANEL_MAX_ROWS``). A tuning switch for benchmark variants (with
+    ``SPECCAL_GEMV_OVERRIDE`` giving the panel config past 8 rows), read at graph capture."""
+    return _pow2_switch("SPECCAL_PANEL_MAX_ROWS", PANEL_MAX_ROWS, 64)
 
 
 def _cdiv(a: int, b: int) -> int:

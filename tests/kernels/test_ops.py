@@ -733,6 +733,14 @@ def test_register_panel_configs_and_switches(monkeypatch):
     six = gc.pick_config(6, 2048, 2048, epilogue="residual")
     assert one.panel and six.panel and six.block_n == 16
     assert not gc.pick_config(gc.PANEL_MAX_ROWS + 1, 2048, 2048, epilogue="residual").panel
+    panel = gc.pick_config(1, 2048, 2048, epilogue="residual")
+    assert not gc.panel_fits(16, 2048, panel, 2)
+    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "16")  # a bench switch: the panel past 8 rows
+    assert gc.panel_fits(16, 2048, panel, 2) and not gc.panel_fits(17, 2048, panel, 2)
+    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "12")
+    with pytest.raises(InputError, match="SPECCAL_PANEL_MAX_ROWS"):
+        gc.panel_fits(16, 2048, panel, 2)
+    monkeypatch.delenv("SPECCAL_PANEL_MAX_ROWS")
     assert not gc.pick_config(1, 2048, 2048).panel  # plain product: the streaming table
     assert gc.resolve(six, 6, 2048, 2) == six
     assert gc.deferred_norm_tiles(6, 2048, 2048) == (128, False)
