@@ -515,6 +515,37 @@ def test_register_panel_matches_reference(dtype, m, shape, block_n):
                                    atol=1e-3)
 
 
+@pytest.mark.parametrize("m", [12, 16, 24])
+def test_register_panel_past_eight_rows(m, monkeypatch):
+    """``SPECCAL_PANEL_MAX_ROWS`` (a bench switch) lets the o projection's register panel serve
+    9-32 rows (M tiles 16 and 32): the product, the residual add and the deferred norm's pieces
+    against the reference, through the config the o projection would pick."""
+    from speccal.kernels import gemv_config as gc
+
+    if DEV == "cpu":
+        pytest.skip("the interpreter runs fp32, whose 16-column panel is past the 64 KB limit")
+    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "32")
+    monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", "2048:2048:32=16/128/1/8/1/panel")
+    dtype = DTYPES[0]
+    n = k = 2048
+    cfg = gc.launch_config(m, n, k, epilogue="residual", element_size=2)
+    assert cfg.panel
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(dtype=dtype, device=DEV)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype=dtype, device=DEV)
+    res0 = torch.randn(m, n, generator=gen).to(dtype=dtype, device=DEV)
+    nw = (1 + 0.2 * torch.randn(n, generator=gen)).to(dtype=dtype, device=DEV)
+    want = ref.linear_ref(x.float(), w.float())
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+    ops.linear(x, w, out=out, config=cfg, backend="triton")
+    assert rel_err(out, want) < TOL[dtype] / 2
+    res = res0.clone()
+    dn = ops.linear_deferred_norm(x, w, res, nw, 1e-6, residual_settled=True, backend="triton")
+    assert rel_err(res, res0.float() + want) < TOL[dtype]
+    assert rel_err(dn.xw, res.float() * nw.float()) < TOL[dtype]
+    torch.testing.assert_close(dn.ss.sum(1), res.float().pow(2).sum(1), rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 48])
 @pytest.mark.parametrize("shape", [(2048, 6144), (1000, 2100)])
