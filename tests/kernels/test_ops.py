@@ -335,35 +335,27 @@ def test_pdl_mode_defaults_to_late_and_never_on_cpu(value, mode, monkeypatch):
     assert _backend.pdl_enabled(_FakeCuda()) == (mode > 0)
 
 
-def test_fold_switch(monkeypatch):
-    """``SPECCAL_ATTN_FOLD`` forces or forbids the folded merge (default: the rule)."""
+@pytest.mark.parametrize("var, getter, default, choices", [
+    ("SPECCAL_ATTN_FOLD", "attention_fold_override", "auto", "auto, 0 or 1"),
+    ("SPECCAL_ATTN_SPREAD", "attention_spread", "0", "auto, 0 or 1"),
+])
+def test_merge_switches(monkeypatch, var, getter, default, choices):
+    """``SPECCAL_ATTN_FOLD`` (default auto: the rule) and ``SPECCAL_ATTN_SPREAD`` (default 0:
+    never) force (1), forbid (0) or leave to the rule (auto) their split-KV merge; a typo is an
+    error naming the variable."""
     from speccal.kernels import _backend
 
-    monkeypatch.delenv("SPECCAL_ATTN_FOLD", raising=False)
-    assert _backend.attention_fold_override() is None
-    monkeypatch.setenv("SPECCAL_ATTN_FOLD", "0")
-    assert _backend.attention_fold_override() is False
-    monkeypatch.setenv("SPECCAL_ATTN_FOLD", "1")
-    assert _backend.attention_fold_override() is True
-
-
-def test_spread_switch(monkeypatch):
-    """``SPECCAL_ATTN_SPREAD``: 0 (never, the default), auto (the rule), 1 (1-row plans too); a
-    typo is an error naming the variable."""
-    from speccal.kernels import _backend
-
-    monkeypatch.delenv("SPECCAL_ATTN_SPREAD", raising=False)
-    assert _backend.attention_spread() is False
-    monkeypatch.setenv("SPECCAL_ATTN_SPREAD", "auto")
-    assert _backend.attention_spread() is None
-    monkeypatch.setenv("SPECCAL_ATTN_SPREAD", "0")
-    assert _backend.attention_spread() is False
-    monkeypatch.setenv("SPECCAL_ATTN_SPREAD", "1")
-    assert _backend.attention_spread() is True
-    monkeypatch.setenv("SPECCAL_ATTN_SPREAD", "on")
-    with pytest.raises(InputError, match="SPECCAL_ATTN_SPREAD") as err:
-        _backend.attention_spread()
-    assert "auto, 0 or 1" in str(err.value)
+    get = getattr(_backend, getter)
+    want = {"auto": None, "0": False, "1": True}
+    monkeypatch.delenv(var, raising=False)
+    assert get() is want[default]
+    for value, expect in want.items():
+        monkeypatch.setenv(var, value)
+        assert get() is expect
+    monkeypatch.setenv(var, "on")
+    with pytest.raises(InputError, match=var) as err:
+        get()
+    assert choices in str(err.value)
 
 
 def test_prewait_and_prefetch_switches(monkeypatch):

@@ -645,21 +645,29 @@ def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, sett
     assert torch.equal(o1[sum(rows):], torch.zeros_like(o1[sum(rows):]))  # padding rows
 
 
-@pytest.mark.parametrize("k, batch, hidden", [(0, 1, 2048), (5, 1, 2048), (5, 8, 2048), (3, 5, 100)])
-@pytest.mark.parametrize("greedy", [True, False])
-def test_verify_accept_matches_oracle(k, batch, hidden, greedy):
-    """The fused acceptance kernel: tokens, accepted lengths and slot writes equal the oracle
+def _assert_accepted(na, out, args, want_args, greedy):
+    """``verify_accept``'s results and slot writes equal the loop oracle run on ``want_args``
     (hidden rows bit for bit: a copy)."""
-    from kernel_builders import accept_case, accept_oracle
+    from kernel_builders import accept_oracle
 
-    args = accept_case(7 + k, batch, k, batch * (k + 1) + 3, hidden, torch.bfloat16, DEV)
-    want_args = [a.cpu().clone() for a in args]
-    na, out = ops.verify_accept(*args, greedy=greedy, backend="triton")
     want_na, want_out = accept_oracle(*want_args, greedy=greedy)
     assert torch.equal(na.cpu(), want_na) and torch.equal(out.cpu(), want_out)
     assert torch.equal(args[6].cpu(), want_args[6])
     assert torch.equal(args[7].cpu().float().nan_to_num(-3.0),
                        want_args[7].float().nan_to_num(-3.0))
+
+
+@pytest.mark.parametrize("k, batch, hidden", [(0, 1, 2048), (5, 1, 2048), (5, 8, 2048), (3, 5, 100)])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_verify_accept_matches_oracle(k, batch, hidden, greedy):
+    """The fused acceptance kernel: tokens, accepted lengths and slot writes equal the oracle
+    (hidden rows bit for bit: a copy)."""
+    from kernel_builders import accept_case
+
+    args = accept_case(7 + k, batch, k, batch * (k + 1) + 3, hidden, torch.bfloat16, DEV)
+    want_args = [a.cpu().clone() for a in args]
+    na, out = ops.verify_accept(*args, greedy=greedy, backend="triton")
+    _assert_accepted(na, out, args, want_args, greedy)
 
 
 # interpreter: small shapes; GPU: also the LM head of the ~2B preset (both tuned configs)
@@ -708,7 +716,7 @@ def test_verify_accept_partials_match_oracle(k, batch, greedy, vocab, block_n, c
     row tokens. ``block_n = 1`` gives T = 1500 tiles; a 4096-partial chunk cap makes that
     several BLOCK_T chunks (512 at k = 5): tokens shifted to columns 600..649 put NaN rows'
     ``+inf`` a chunk before their NaN and many tied columns a chunk after the first."""
-    from kernel_builders import accept_case, accept_oracle, logits_for_tokens
+    from kernel_builders import accept_case, logits_for_tokens
 
     from speccal.kernels import verify_accept as va
 
@@ -724,11 +732,7 @@ def test_verify_accept_partials_match_oracle(k, batch, greedy, vocab, block_n, c
     partials = tuple(p.to(DEV) for p in ref.argmax_partials_ref(logits, block_n))
     want_args = [a.cpu().clone() for a in args]
     na, out = ops.verify_accept(partials, *args[1:], greedy=greedy, backend="triton")
-    want_na, want_out = accept_oracle(*want_args, greedy=greedy)
-    assert torch.equal(na.cpu(), want_na) and torch.equal(out.cpu(), want_out)
-    assert torch.equal(args[6].cpu(), want_args[6])
-    assert torch.equal(args[7].cpu().float().nan_to_num(-3.0),
-                       want_args[7].float().nan_to_num(-3.0))
+    _assert_accepted(na, out, args, want_args, greedy)
 
 
 @pytest.mark.parametrize("k, batch", [(0, 1), (5, 1), (5, 8), (3, 5)])
@@ -737,7 +741,7 @@ def test_verify_accept_keys_match_oracle(k, batch, greedy):
     """The acceptance kernel reading packed argmax keys (``ops.ArgmaxKeys``, the LM head's
     atomics on the Triton path, zeroed by the metadata update kernel first): the same results
     as from the row tokens."""
-    from kernel_builders import accept_case, accept_oracle
+    from kernel_builders import accept_case
 
     dtype = DTYPES[0]  # bf16 on the GPU (the interpreter's bf16 dot is not exact)
     args = accept_case(13 + k, batch, k, batch * (k + 1) + 3, 64, dtype, DEV)
@@ -765,11 +769,7 @@ def test_verify_accept_keys_match_oracle(k, batch, greedy):
     packed = ops.linear_argmax(x, w, keys=keys, backend="triton")
     want_args = [a.cpu().clone() for a in args]
     na, out = ops.verify_accept(packed, *args[1:], greedy=greedy, backend="triton")
-    want_na, want_out = accept_oracle(*want_args, greedy=greedy)
-    assert torch.equal(na.cpu(), want_na) and torch.equal(out.cpu(), want_out)
-    assert torch.equal(args[6].cpu(), want_args[6])
-    assert torch.equal(args[7].cpu().float().nan_to_num(-3.0),
-                       want_args[7].float().nan_to_num(-3.0))
+    _assert_accepted(na, out, args, want_args, greedy)
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="the flag handshake needs PDL (a GPU)")
