@@ -381,31 +381,44 @@ def _split_kernel(
 
 
 @triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, b, r, h, n, R, max_splits, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                  CACHE: tl.constexpr):
+    """Query row ``r``, head ``h`` of request ``b`` merged over its first ``n`` splits, all
+    loaded at once: ``[D_PAD]`` fp32 (zeros for ``n == 0``). ``CACHE``: the partials' load
+    cache modifier (``.cg`` where other programs of the same grid wrote them)."""
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_ok = offs_s < n
+    base = ((b * max_splits + offs_s) * R + r) * NUM_HEADS + h  # [S_PAD]
+    lse = tl.load(part_lse_ptr + base, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.math.exp2(lse - top)  # [S_PAD], 0 for absent splits
+    o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0,
+                cache_modifier=CACHE)  # [S_PAD, D_PAD]
+    den = tl.sum(w, 0)
+    return tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+
+
+@triton.jit
 def _merge_one(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, m, q_start, q_len, n_splits, R,
                max_splits, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
                Q_MODE: tl.constexpr):
     """Row ``m = row * GROUP + head_in_group`` of one (request, KV head), every split at once:
-    the reduce kernel's merge, by a split program of the ``SPREAD`` form (partials of other
-    programs through L2, ``.cg``, after the counter's acquire)."""
+    the reduce kernel's merge (``_merge_splits``), by a split program of the ``SPREAD`` form
+    (partials of other programs through L2, ``.cg``, after the counter's acquire)."""
     r = m // GROUP
     h = kvh * GROUP + m % GROUP
-    offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM
-    ok = offs_s < tl.where(r < q_len, n_splits, 0)  # rows past q_len: no partials, zeros
-    base = ((b * max_splits + offs_s) * R + r) * NUM_HEADS + h  # [S_PAD]
-    lse = tl.load(part_lse_ptr + base, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.math.exp2(lse - top)  # 0 for absent splits
-    o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-    den = tl.sum(w, 0)
-    res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+    n = tl.where(r < q_len, n_splits, 0)  # rows past q_len: no partials, zeros
+    res = _merge_splits(part_o_ptr, part_lse_ptr, b, r, h, n, R, max_splits, NUM_HEADS,
+                        HEAD_DIM, D_PAD, S_PAD, ".cg")
     if Q_MODE != 2 or r < q_len:  # dense rows past q_len get zeros; packed ones belong to none
         tl.store(out_ptr + (q_start + r) * stride_ot + h * stride_oh + offs_d,
-                 res.to(out_ptr.dtype.element_ty), mask=d_ok)
+                 res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -478,18 +491,8 @@ def _reduce_kernel(
         q_start, q_len = _row_layout(b, q_lens_ptr, cu_q_ptr, R, Q_MODE)
         out_ptrs = out_ptr + (q_start + r) * stride_ot + h * stride_oh + offs_d
         if r < q_len:
-            n = tl.load(nsplit_ptr + b)
-            offs_s = tl.arange(0, S_PAD)
-            s_ok = offs_s < n
-            base = ((b * max_splits + offs_s) * R + r) * NUM_HEADS + h  # [S_PAD]
-            lse = tl.load(part_lse_ptr + base, mask=s_ok, other=float("-inf"))
-            top = tl.max(lse, 0)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            w = tl.math.exp2(lse - top)  # [S_PAD], 0 for absent splits
-            o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [S_PAD, D_PAD]
-            den = tl.sum(w, 0)
-            res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+            res = _merge_splits(part_o_ptr, part_lse_ptr, b, r, h, tl.load(nsplit_ptr + b), R,
+                                max_splits, NUM_HEADS, HEAD_DIM, D_PAD, S_PAD, "")
             tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_ok)
         elif Q_MODE != 2:
             tl.store(out_ptrs, tl.zeros([D_PAD], dtype=out_ptr.dtype.element_ty), mask=d_ok)

@@ -18,6 +18,15 @@ from speccal.runner.config import ModelConfig
 from speccal.runner.layers import DecoderLayer, RMSNorm
 from speccal.runner.rope import RotaryTable
 
+# rows up to which an LM head runs on the fused GEMV kernels (``fused_head``); past them the
+# torch matmul, whose tensor-core tiles win at many rows
+FUSED_HEAD_MAX_ROWS = 64
+
+
+def fused_head(hidden: torch.Tensor) -> bool:
+    """Whether an LM head over ``hidden [N, H]`` runs on the fused GEMV kernels."""
+    return fused_kernels(hidden) and hidden.shape[0] <= FUSED_HEAD_MAX_ROWS
+
 
 @dataclass(frozen=True)
 class ModelCapabilities:
@@ -117,7 +126,7 @@ class TargetModel(nn.Module):
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]``, float32 unless ``upcast`` is False (the argmax-only
         greedy path: the bf16 logits' argmax is the same index, with no fp32 copy to write)."""
-        if fused_kernels(hidden) and hidden.shape[0] <= 64:
+        if fused_head(hidden):
             from speccal.kernels import ops  # noqa: PLC0415
 
             out = ops.linear(hidden.contiguous(), self.lm_head.weight)
@@ -131,11 +140,11 @@ class TargetModel(nn.Module):
         keys: torch.Tensor | None = None,  # [N] int64 zeros (ops.ArgmaxKeys), fused kernels only
     ):  # [N] tokens, ([N, T] fp32, [N, T] int32) partials or ops.ArgmaxKeys
         """The argmax of each row's logits, for ``ops.verify_accept``, which takes every form:
-        on the fused kernels (<= 64 rows) the LM head GEMV's packed per-row keys where ``keys``
+        on the fused kernels (``fused_head``) the LM head GEMV's packed per-row keys where ``keys``
         is given (zeros: ``ops.verify_metadata_update(argmax_keys=...)``), else its per-tile
         partials (``ops.linear_argmax``: no logits written, no argmax launch); off them ``[N]``
         tokens from :meth:`logits` (the same index: the argmax of the same bf16 logits)."""
-        if fused_kernels(hidden) and hidden.shape[0] <= 64:
+        if fused_head(hidden):
             from speccal.kernels import ops  # noqa: PLC0415
 
             return ops.linear_argmax(hidden.contiguous(), self.lm_head.weight, keys=keys)

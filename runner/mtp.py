@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speccal.runner.attention import AttnMeta, fused_kernels
+from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
 from speccal.runner.draft_families import DraftFamily
 from speccal.runner.layers import DecoderLayer, RMSNorm
-from speccal.runner.model import TargetModel
+from speccal.runner.model import TargetModel, fused_head
 
 
 class MTPHead(nn.Module):
@@ -63,7 +63,7 @@ class MTPHead(nn.Module):
     def logits(self, target: TargetModel, normed: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32 through the head's own or the target's LM head."""
         head = self.head if self.head is not None else target.lm_head
-        if fused_kernels(normed) and normed.shape[0] <= 64:
+        if fused_head(normed):
             from speccal.kernels import ops  # noqa: PLC0415
 
             return ops.linear(normed.contiguous(), head.weight).float()

@@ -58,7 +58,7 @@ from speccal.runner.buffers import StaticInputs
 from speccal.runner.device import is_pinnable, synchronize
 from speccal.runner.graphs import GraphKey, GraphSet
 from speccal.runner.kv_cache import SENTINEL_SLOT, KVCache
-from speccal.runner.model import TargetModel
+from speccal.runner.model import FUSED_HEAD_MAX_ROWS, TargetModel
 from speccal.runner.mtp import MTPHead
 from speccal.runner.request import Request
 from speccal.runner.verify_alloc import allocate_prefixes_device
@@ -529,7 +529,7 @@ class RoundRunner:
             src = torch.empty(bcap * (k + 1), dtype=torch.int64, device=dev)  # grid -> packed row
             # the LM head's packed argmax keys (ops.ArgmaxKeys), zeroed by the metadata update
             keys = (torch.empty(g, dtype=torch.int64, device=dev)
-                    if fast and g <= 64 and argmax_keys_enabled() else None)
+                    if fast and g <= FUSED_HEAD_MAX_ROWS and argmax_keys_enabled() else None)
             nv32 = t["nv32"]
             # each request's pending token is gathered from the slot state inside the launch
             ops.verify_token_update(self.ext_tokens, draft_tokens, nv32, ids, pad_id=0,
