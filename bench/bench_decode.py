@@ -15,7 +15,8 @@ One run measures, on the dense-2b preset (bf16, triton backend, graph_mode="spli
   breakdowns of the verify steps and of the B > 1 decode steps (``breakdown_verify_b*``,
   ``breakdown_decode_b*``; ``sequence_*``:
   every kernel of one replay with its start, from which ``critical_*`` derives the mean start and
-  end of each kernel of a decoder layer relative to the layer's first kernel);
+  end of each kernel of a decoder layer relative to the layer's first kernel; variants record
+  the ``critical_*`` timelines of every step they time);
 - the registers, spills and shared memory of every compiled Triton kernel (``kernel_resources``);
 - draft->target gap from torch.profiler kernel timestamps, fast path (in-graph update) vs
   fallback (host-prepared inputs) [draft_target_gap_us_fast, draft_target_gap_us_fallback].
@@ -240,12 +241,12 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
         upd = plain.runner.resolve_update(b, 0, b)
         dec[b] = target_ms(plain, b, 0, b, upd, args.repeats)
         res[f"decode_step_ms_b{b}"] = dec[b]
-        if quick:
+        if quick:  # each step's layer timeline (critical_b1, critical_decode_b*)
             if b == 1:
                 res["decode_step_floor_ratio"] = dec[1] / res["decode_floor_ms"]
-                bkey = GraphKey("target", 1, 0, 1, upd, "greedy")
-                breakdown(plain, bkey)
-                res["critical_b1"] = critical(SEQUENCES[bkey])
+            bkey = GraphKey("target", b, 0, b, upd, "greedy")
+            breakdown(plain, bkey)
+            res["critical_b1" if b == 1 else f"critical_decode_b{b}"] = critical(SEQUENCES[bkey])
             continue
         res[f"decode_step_ms_b{b}_general"] = target_ms(plain, b, 0, b, upd, args.repeats, "sample")
         if b == 1:
@@ -258,9 +259,9 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
             res["sequence_b1"] = SEQUENCES[bkey]
             res["critical_b1"] = critical(SEQUENCES[bkey])
         else:  # the B-matched decode step the verify ratio divides by
-            res[f"breakdown_decode_b{b}"] = breakdown(
-                plain, GraphKey("target", b, 0, b, upd, "greedy"), top=20
-            )
+            bkey = GraphKey("target", b, 0, b, upd, "greedy")
+            res[f"breakdown_decode_b{b}"] = breakdown(plain, bkey, top=20)
+            res[f"critical_decode_b{b}"] = critical(SEQUENCES[bkey])
         save()
     for kv in [] if quick else args.kv_sweep:  # decode step vs context (the cost tables carry no KV axis)
         for b in (1, 8):
@@ -294,9 +295,9 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
             res[f"breakdown_verify_b{b}"] = breakdown(spec, vkey, top=20)
             res[f"sequence_verify_b{b}"] = SEQUENCES[vkey]
             res[f"critical_verify_b{b}"] = critical(SEQUENCES[vkey])
-        elif b == 1:
+        else:
             breakdown(spec, vkey)
-            res["critical_verify_b1"] = critical(SEQUENCES[vkey])
+            res[f"critical_verify_b{b}"] = critical(SEQUENCES[vkey])
         save()
     res["verify_full_width_ratio"] = max(ratios)
     if quick:

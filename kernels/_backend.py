@@ -23,6 +23,8 @@ __all__ = [
     "attention_min_block_m",
     "attention_poll",
     "attention_prewait",
+    "attention_block_n",
+    "attention_stages",
     "attention_warps",
     "attention_prefetch_tiles",
     "attention_release",
@@ -336,16 +338,19 @@ def attention_release() -> int:
                                      "start, loop or early")]
 
 
-def attention_reduce_early() -> bool:
+def attention_reduce_early(successor_panel: bool | None = None) -> bool:
     """``SPECCAL_ATTN_REDUCE_RELEASE``: whether the split-KV reduce kernel lets its successor
     (the o projection) launch before its own PDL wait, so the successor's programs are resident
     while the split kernel still runs: ``early``, ``wait`` (after it) or ``auto`` (default:
-    early where the o projection is the register panel, ``SPECCAL_GEMV_PANEL``, which loads
-    its weights in that time; the streaming GEMV launched that early was slower on the H200:
-    B=1 verify +145 us, bench/RESULTS.md). A switch for benchmarks, read at launch (capture)."""
+    early where the o projection is a register panel, which loads its weights in that time;
+    ``successor_panel`` says whether it is, None: wherever panels are on, ``SPECCAL_GEMV_PANEL``).
+    A streaming GEMV launched that early was slower on the H200: B=1 verify +145 us, B=2 +77 us
+    (bench/RESULTS.md). A switch for benchmarks, read at launch (graph capture)."""
     value = _env_choice("SPECCAL_ATTN_REDUCE_RELEASE", "auto", ("auto", "early", "wait"),
                         "auto, early or wait")
-    return panel_enabled() if value == "auto" else value == "early"
+    if value != "auto":
+        return value == "early"
+    return panel_enabled() if successor_panel is None else bool(successor_panel)
 
 
 def attention_prewait(rows: int) -> bool:
@@ -365,6 +370,26 @@ def attention_warps(default: int) -> int:
     unset: ``default``). A tuning switch for benchmarks, read at launch (graph capture)."""
     value = _env_choice("SPECCAL_ATTN_WARPS", str(default), ("4", "8"), "4 or 8")
     return int(value)
+
+
+def attention_stages(default: int) -> int:
+    """``SPECCAL_ATTN_STAGES``: software-pipeline stages of the attention split kernel's K/V
+    loop, 1-4 (unset: ``default``). A tuning switch for benchmarks, read at launch (graph
+    capture)."""
+    value = _env_choice("SPECCAL_ATTN_STAGES", str(default), ("1", "2", "3", "4"), "1, 2, 3 or 4")
+    return int(value)
+
+
+def attention_block_n(default: int) -> int:
+    """``SPECCAL_ATTN_BLOCK_N``: KV tokens per tile of a split plan (``ops.plan_splits``; a power
+    of two in [16, 256]; unset: ``default``). A tuning switch for benchmarks, read when a plan is
+    made (graph capture)."""
+    value = _pow2_switch("SPECCAL_ATTN_BLOCK_N", default, 256)
+    if value < 16:
+        from speccal.errors import InputError
+
+        raise InputError("SPECCAL_ATTN_BLOCK_N", value, "a power of two in [16, 256]")
+    return value
 
 
 def norm_defer() -> str:

@@ -51,16 +51,17 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 
 # residual-add launches: o at split 1 (add in the epilogue) measured 6.4 us vs 6.5 + a reduce;
 # down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1.
-# o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs)
+# o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs; 9-16
+# rows, an M tile of 16: B=2 verification -170 us against the streaming GEMV, H200, v11)
 _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
-    (2048, 2048): [(8, GemvConfig(16, 128, 1, 8, 1, panel=True)),
+    (2048, 2048): [(16, GemvConfig(16, 128, 1, 8, 1, panel=True)),
                    (64, _cfg(16, 256, 1, 4))],  # o + residual
 }
 
-# the register panel (``panel``): at most this many rows (one row: CUDA-core FMAs; 2-8: the
-# tensor cores, an M tile of 8) and this many weight bytes per program (64 KB: 64 registers per
-# thread at 8 warps, beside an attention program on the same SM)
-PANEL_MAX_ROWS = 8
+# the register panel (``panel``): at most this many rows (one row: CUDA-core FMAs; 2-16: the
+# tensor cores, an M tile of 8 or 16; 32 spills on sm_90) and this many weight bytes per
+# program (64 KB: 64 registers per thread at 8 warps, beside an attention program on the SM)
+PANEL_MAX_ROWS = 16
 PANEL_MAX_BYTES = 64 * 1024
 
 

@@ -30,6 +30,7 @@ from speccal.errors import InputError
 from speccal.kernels import reference as ref
 from speccal.kernels._backend import (
     arrival_counters,
+    attention_block_n,
     attention_poll,
     decode_max_splits,
     defer_input_norm,
@@ -68,6 +69,7 @@ __all__ = [
     "norm_defer",
     "paged_attention",
     "plan_splits",
+    "residual_panel",
     "rms_norm",
     "rotary_kv_write",
     "verify_accept",
@@ -128,6 +130,7 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
     """
     if batch < 1 or num_kv_heads < 1 or rows < 1:
         raise InputError("batch/num_kv_heads/rows", (batch, num_kv_heads, rows), "ints >= 1")
+    block_n = attention_block_n(block_n)
     want = -(-4 * num_sms // (batch * num_kv_heads))
     cap = max(1, -(-max_len // block_n))
     splits = max(1, min(want, 64, cap))
@@ -233,6 +236,14 @@ class AttnSignal:
     target: int = 0
 
 
+def residual_panel(residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``weight [N, K]`` added into ``residual [M, N]`` (``linear(..., residual=)``,
+    ``linear_deferred_norm``) launches as the register panel (``gemv_config.launch_config``)."""
+    m, (n, k) = residual.shape[0], weight.shape
+    return launch_config(m, n, k, num_sms(residual.device), "residual",
+                         residual.element_size()).panel
+
+
 def attention_signal(residual: torch.Tensor, o_weight: torch.Tensor) -> AttnSignal | None:
     """An unarmed ``AttnSignal`` for an attention launch whose ``[M, K]`` output feeds the o
     projection ``o_weight [N, K]`` added into ``residual [M, N]`` (``linear_deferred_norm``), or
@@ -241,9 +252,7 @@ def attention_signal(residual: torch.Tensor, o_weight: torch.Tensor) -> AttnSign
     eager run)."""
     if not (attention_poll() and use_triton(residual) and pdl_enabled(residual)):
         return None
-    m, (n, k) = residual.shape[0], o_weight.shape
-    if not launch_config(m, n, k, num_sms(residual.device), "residual",
-                         residual.element_size()).panel:
+    if not residual_panel(residual, o_weight):
         return None
     cnt = arrival_counters("signal", residual.device, 2, slots=2)
     return None if cnt is None else AttnSignal(cnt)
@@ -267,6 +276,7 @@ def paged_attention(
     backend: str | None = None,
     meta_settled: bool = False,  # the previous launch writes none of the metadata
     signal: AttnSignal | None = None,  # armed here for the o projection (attention_signal)
+    successor_panel: bool | None = None,  # the next launch is a register panel (residual_panel)
 ) -> torch.Tensor:  # like q
     """Causal paged attention for decode (1 row) and verification (up to w+1 rows per request).
 
@@ -293,6 +303,10 @@ def paged_attention(
     pieces of the output there and arms the signal, so the consumer's register panel
     (``linear_deferred_norm(..., after=signal)``) polls it instead of waiting for the whole
     attention grid. Off Triton the signal stays unarmed (the consumer waits as usual).
+
+    ``successor_panel``: whether the launch after this op is a register-panel GEMV (the o
+    projection, ``residual_panel``); under ``SPECCAL_ATTN_REDUCE_RELEASE=auto`` the split-KV
+    reduce then lets it launch before the reduce's own wait (None: wherever panels are on).
     """
     _need(k_cache.dim() == 4, "k_cache.shape", _shape(k_cache),
           "[num_blocks, block_size, num_kv_heads, head_dim]")
@@ -353,7 +367,7 @@ def paged_attention(
             q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, num_splits, split_len,
             plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
             rope=rope, pdl=pdl_enabled(q), meta_settled=meta_settled and tiling is not None,
-            signal=signal if pdl_enabled(q) else None,
+            signal=signal if pdl_enabled(q) else None, successor_panel=successor_panel,
         )
     split = dict(
         num_splits=num_splits if plan.max_splits > 1 else None,

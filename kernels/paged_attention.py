@@ -36,6 +36,7 @@ from speccal.kernels._backend import (
     attention_reduce_early,
     attention_release,
     attention_spread,
+    attention_stages,
     attention_warps,
     fold_max_merge,
     interpreting,
@@ -522,6 +523,7 @@ def paged_attention_triton(
     pdl: bool = False,
     meta_settled: bool = False,
     signal=None,  # ops.AttnSignal: counted done per finished piece, its target set here
+    successor_panel: bool | None = None,  # the next launch is a register panel (reduce release)
 ) -> torch.Tensor:
     """Launch the split kernel (and the reduce when ``max_splits > 1``). Inputs are validated by
     ``ops.paged_attention`` / ``ops.rope_paged_attention``; this function trusts them.
@@ -571,6 +573,7 @@ def paged_attention_triton(
     d_pad = max(16, triton.next_power_of_2(head_dim))
     s_pad = triton.next_power_of_2(max_splits)
     num_warps = attention_warps(num_warps)
+    num_stages = attention_stages(num_stages)
     # rows merged per load by the last split program: ~64 fp32 of partials per thread
     merge_rows = max(1, min(triton.next_power_of_2(num_q_rows) * group,
                             64 * 32 * num_warps // (s_pad * d_pad)))
@@ -623,7 +626,7 @@ def paged_attention_triton(
             o3, o3.stride(0), o3.stride(1), num_q_rows, max_splits, batch,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
             S_PAD=triton.next_power_of_2(max_splits), Q_MODE=mode, PDL=pdl,
-            EARLY=pdl and attention_reduce_early(), **sig, num_warps=num_warps,
+            EARLY=pdl and attention_reduce_early(successor_panel), **sig, num_warps=num_warps,
             launch_pdl=pdl,
         )
     return out

@@ -244,6 +244,7 @@ class DecoderLayer(nn.Module):
                 q, kv[0], kv[1], meta.block_table, meta.seq_lens, meta.num_q_rows, att.scale,
                 cu_q_lens=meta.cu_q_lens, tiling=meta.tiling, plan=meta.plan,
                 rope=(k, v, rotary.cos_sin_cache, qk_norm), meta_settled=True, signal=signal,
+                successor_panel=ops.residual_panel(h, att.o_proj.weight),
             )  # [N, hq, d]; the launch before (QKV GEMV or its bias add) writes no metadata
         else:
             q_out = torch.empty(n, hq, d, dtype=h.dtype, device=h.device)

@@ -384,8 +384,8 @@ def test_prewait_and_prefetch_switches(monkeypatch):
 
 def test_attention_switches(monkeypatch):
     """``SPECCAL_ATTN_PREFETCH`` (default: the module's tile count), ``SPECCAL_ATTN_RELEASE``
-    (``start`` / ``loop``), ``SPECCAL_ATTN_PREWAIT`` and ``SPECCAL_ATTN_WARPS`` parse as
-    documented; bad values name the variable."""
+    (``start`` / ``loop``), ``SPECCAL_ATTN_PREWAIT``, ``SPECCAL_ATTN_WARPS``, ``_STAGES`` and
+    ``_BLOCK_N`` (a plan's KV tile) parse as documented; bad values name the variable."""
     from speccal.kernels import _backend
 
     monkeypatch.delenv("SPECCAL_ATTN_PREFETCH", raising=False)
@@ -411,8 +411,22 @@ def test_attention_switches(monkeypatch):
     assert _backend.attention_warps(4) == 4
     checks["SPECCAL_ATTN_PREWAIT"] = lambda: _backend.attention_prewait(1)
     checks["SPECCAL_ATTN_WARPS"] = lambda: _backend.attention_warps(4)
+    monkeypatch.delenv("SPECCAL_ATTN_STAGES", raising=False)
+    monkeypatch.delenv("SPECCAL_ATTN_BLOCK_N", raising=False)
+    assert _backend.attention_stages(2) == 2 and ops.plan_splits(1, 8).block_n == 64
+    monkeypatch.setenv("SPECCAL_ATTN_STAGES", "4")
+    monkeypatch.setenv("SPECCAL_ATTN_BLOCK_N", "32")
+    assert _backend.attention_stages(2) == 4
+    plan = ops.plan_splits(1, 8, max_len=1024)
+    assert plan.block_n == plan.min_split_len == 32 and plan.max_splits == 32
+    monkeypatch.delenv("SPECCAL_ATTN_STAGES")
+    monkeypatch.delenv("SPECCAL_ATTN_BLOCK_N")
+    checks["SPECCAL_ATTN_STAGES"] = lambda: _backend.attention_stages(2)
+    checks["SPECCAL_ATTN_BLOCK_N"] = lambda: ops.plan_splits(1, 8)
     for var, bad in (("SPECCAL_ATTN_PREFETCH", "x"), ("SPECCAL_ATTN_RELEASE", "late"),
-                     ("SPECCAL_ATTN_PREWAIT", "yes"), ("SPECCAL_ATTN_WARPS", "16")):
+                     ("SPECCAL_ATTN_PREWAIT", "yes"), ("SPECCAL_ATTN_WARPS", "16"),
+                     ("SPECCAL_ATTN_STAGES", "0"), ("SPECCAL_ATTN_STAGES", "8"),
+                     ("SPECCAL_ATTN_BLOCK_N", "8"), ("SPECCAL_ATTN_BLOCK_N", "512")):
         monkeypatch.setenv(var, bad)
         with pytest.raises(InputError, match=var):
             checks[var]()
@@ -725,10 +739,15 @@ def test_register_panel_configs_and_switches(monkeypatch):
     six = gc.pick_config(6, 2048, 2048, epilogue="residual")
     assert one.panel and six.panel and six.block_n == 16
     assert not gc.pick_config(gc.PANEL_MAX_ROWS + 1, 2048, 2048, epilogue="residual").panel
+    twelve = gc.pick_config(12, 2048, 2048, epilogue="residual")  # B = 2 verification
+    assert twelve.panel and gc.resolve(twelve, 12, 2048, 2) == twelve
+    assert not gc.resolve(twelve, 24, 2048, 2).panel  # B = 4: past PANEL_MAX_ROWS, streams
     panel = gc.pick_config(1, 2048, 2048, epilogue="residual")
-    assert not gc.panel_fits(16, 2048, panel, 2)
-    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "16")  # a bench switch: the panel past 8 rows
     assert gc.panel_fits(16, 2048, panel, 2) and not gc.panel_fits(17, 2048, panel, 2)
+    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "32")  # a bench switch: the panel past 16 rows
+    assert gc.panel_fits(32, 2048, panel, 2) and not gc.panel_fits(33, 2048, panel, 2)
+    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "8")
+    assert not gc.panel_fits(12, 2048, panel, 2)
     monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "12")
     with pytest.raises(InputError, match="SPECCAL_PANEL_MAX_ROWS"):
         gc.panel_fits(16, 2048, panel, 2)
@@ -751,14 +770,18 @@ def test_register_panel_configs_and_switches(monkeypatch):
         _backend.panel_enabled()
     monkeypatch.delenv("SPECCAL_GEMV_PANEL")
     monkeypatch.delenv("SPECCAL_ATTN_REDUCE_RELEASE", raising=False)
-    assert _backend.attention_reduce_early() is True  # auto: follows the panel switch
+    assert _backend.attention_reduce_early() is True  # auto, successor unknown: the panel switch
+    assert _backend.attention_reduce_early(successor_panel=True) is True
+    assert _backend.attention_reduce_early(successor_panel=False) is False  # a streaming o GEMV
     monkeypatch.setenv("SPECCAL_GEMV_PANEL", "0")
     assert _backend.attention_reduce_early() is False
     monkeypatch.setenv("SPECCAL_ATTN_REDUCE_RELEASE", "early")
     assert _backend.attention_reduce_early() is True
+    assert _backend.attention_reduce_early(successor_panel=False) is True
     monkeypatch.delenv("SPECCAL_GEMV_PANEL")
     monkeypatch.setenv("SPECCAL_ATTN_REDUCE_RELEASE", "wait")
     assert _backend.attention_reduce_early() is False
+    assert _backend.attention_reduce_early(successor_panel=True) is False
     monkeypatch.setenv("SPECCAL_ATTN_REDUCE_RELEASE", "late")
     with pytest.raises(InputError, match="SPECCAL_ATTN_REDUCE_RELEASE"):
         _backend.attention_reduce_early()
