@@ -46,6 +46,7 @@ __all__ = [
     "prewait_loads",
     "triton_available",
     "use_triton",
+    "verify_block_n",
     "verify_halves",
     "verify_max_splits",
 ]
@@ -200,6 +201,13 @@ def verify_halves() -> bool:
     """``SPECCAL_VERIFY_HALVE``: ``1`` (default) verification plans take half the 1-row plan's
     splits; ``0`` the same count (``ops.plan_splits``). A tuning switch for benchmarks."""
     return _env_choice("SPECCAL_VERIFY_HALVE", "1", ("0", "1"), "0 or 1") == "1"
+
+
+def verify_block_n(default: int) -> int:
+    """``SPECCAL_VERIFY_BLOCK_N``: KV tokens per tile of the wide verification plans
+    (``ops.plan_splits``; a power of two in [16, 256]; unset: ``default``). A tuning switch for
+    benchmarks, read when a plan is made (graph capture)."""
+    return _tile_switch("SPECCAL_VERIFY_BLOCK_N", default)
 
 
 def verify_max_splits(default: int) -> int:
@@ -384,11 +392,16 @@ def attention_block_n(default: int) -> int:
     """``SPECCAL_ATTN_BLOCK_N``: KV tokens per tile of a split plan (``ops.plan_splits``; a power
     of two in [16, 256]; unset: ``default``). A tuning switch for benchmarks, read when a plan is
     made (graph capture)."""
-    value = _pow2_switch("SPECCAL_ATTN_BLOCK_N", default, 256)
+    return _tile_switch("SPECCAL_ATTN_BLOCK_N", default)
+
+
+def _tile_switch(var: str, default: int) -> int:
+    """A KV tile switch ``var``: a power of two in [16, 256] (unset: ``default``)."""
+    value = _pow2_switch(var, default, 256)
     if value < 16:
         from speccal.errors import InputError
 
-        raise InputError("SPECCAL_ATTN_BLOCK_N", value, "a power of two in [16, 256]")
+        raise InputError(var, value, "a power of two in [16, 256]")
     return value
 
 

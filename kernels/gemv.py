@@ -256,6 +256,7 @@ def _panel_kernel(
     RES: tl.constexpr, RES_EARLY: tl.constexpr, PDL: tl.constexpr, DOT: tl.constexpr,
     nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1, DEFER: tl.constexpr = False,
     PRECVT: tl.constexpr = False, sig_ptr=None, sig_target=0, POLL: tl.constexpr = False,
+    TWO: tl.constexpr = False,
 ):
     # The program's whole weight panel [BLOCK_N, NCH * KC] is loaded before the PDL wait, so a
     # GEMV that follows a long kernel (the o projection after attention) has its weights in hand
@@ -270,6 +271,8 @@ def _panel_kernel(
     # inf, in its column). POLL (``ops.AttnSignal``): instead of the PDL wait, poll until the
     # attention launch has counted ``sig_target`` finished pieces of x at ``sig_ptr``; the last
     # program out zeroes the counters. RES / RES_EARLY / DEFER as in _skinny_kernel's split 1.
+    # TWO (DOT): M rows in two M tiles of BLOCK_M, one dot after the other on the same panel (an
+    # M tile of 32 spills on sm_90: 255 registers; two of 16 keep the 16-row tile's footprint).
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, KC)
@@ -287,6 +290,10 @@ def _panel_kernel(
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
     res = _early_residual(y_ptrs, y_mask, RES_EARLY)
+    if TWO:  # the second M tile's residual: rows BLOCK_M .. 2 BLOCK_M - 1
+        m_ok2 = BLOCK_M + offs_m < M
+        res2 = _early_residual(y_ptrs + BLOCK_M * stride_ym, m_ok2[:, None] & n_ok[None, :],
+                               RES_EARLY)
     if DEFER:
         nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if DOT:
@@ -301,18 +308,38 @@ def _panel_kernel(
         tl.extra.cuda.gdc_wait()
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
-    if DOT:  # x^T chunks [NCH, KC, BLOCK_M]
-        kx = offs_b[:, None, None] * KC + offs_c[None, :, None]
-        x3 = tl.load(x_ptr + offs_m[None, None, :] * stride_xm + kx,
-                     mask=m_ok[None, None, :] & (kx < K), other=0.0)
-        acc = tl.trans(tl.sum(tl.dot(w, x3, acc0), 0))  # [BLOCK_M, BLOCK_N]
+    if TWO:  # a loop of runtime trip count: the second tile's x addresses are not computed
+        # (and held) before the first tile's dot (unrolled, that took 255 registers and spilled)
+        for t in range(0, tl.cdiv(M, BLOCK_M)):
+            offs_t = t * BLOCK_M + offs_m
+            ok_t = offs_t < M
+            acc = _panel_dot(w, acc0, x_ptr, stride_xm, offs_t, ok_t, offs_b, offs_c, K, KC)
+            y_mask_t = ok_t[:, None] & n_ok[None, :]
+            _residual_store(acc, tl.where(t == 0, res, res2), y_ptrs + t * BLOCK_M * stride_ym,
+                            y_mask_t, ok_t, offs_t, offs_n, pid_n, xw_ptr, ss_ptr, stride_xw, P,
+                            nw if DEFER else acc, RES, RES_EARLY, DEFER)
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     else:
-        xr = tl.load(x_ptr + offs_c, mask=offs_c < K, other=0.0).to(tl.float32)
-        acc = tl.sum(w.to(tl.float32) * xr[None, :], 1)[None, :]  # [1, BLOCK_N]
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-    _residual_store(acc, res, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr,
-                    stride_xw, P, nw if DEFER else acc, RES, RES_EARLY, DEFER)
+        if DOT:
+            acc = _panel_dot(w, acc0, x_ptr, stride_xm, offs_m, m_ok, offs_b, offs_c, K, KC)
+        else:
+            xr = tl.load(x_ptr + offs_c, mask=offs_c < K, other=0.0).to(tl.float32)
+            acc = tl.sum(w.to(tl.float32) * xr[None, :], 1)[None, :]  # [1, BLOCK_N]
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+        _residual_store(acc, res, y_ptrs, y_mask, m_ok, offs_m, offs_n, pid_n, xw_ptr, ss_ptr,
+                        stride_xw, P, nw if DEFER else acc, RES, RES_EARLY, DEFER)
+
+
+@triton.jit
+def _panel_dot(w, acc0, x_ptr, stride_xm, offs_m, m_ok, offs_b, offs_c, K, KC: tl.constexpr):
+    """One M tile of the register panel's batched dot: x^T chunks ``[NCH, KC, BLOCK_M]`` of the
+    rows ``offs_m`` against the panel ``w [NCH, BLOCK_N, KC]`` -> ``[BLOCK_M, BLOCK_N]`` fp32."""
+    kx = offs_b[:, None, None] * KC + offs_c[None, :, None]
+    x3 = tl.load(x_ptr + offs_m[None, None, :] * stride_xm + kx,
+                 mask=m_ok[None, None, :] & (kx < K), other=0.0)
+    return tl.trans(tl.sum(tl.dot(w, x3, acc0), 0))
 
 
 @triton.jit
@@ -477,6 +504,11 @@ def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     return arrival_counters("splitk", device, needed, slots=4096)
 
 
+# the register panel's largest M tile: 32 rows spilled on sm_90 (255 registers, 192 KB of
+# shared memory); 17-32 rows run as two tiles of 16 (``_panel_kernel``'s TWO)
+PANEL_TILE_M = 16
+
+
 def _panel_chunks(m: int, k: int) -> dict:
     """The register panel's math: one row on the CUDA cores over the whole K; more rows on the
     tensor cores (M tile ``panel_min_block_m()`` or the rows' power of two, whichever is larger;
@@ -489,8 +521,12 @@ def _panel_chunks(m: int, k: int) -> dict:
     if m == 1:
         return dict(KC=pad, NCH=1, BLOCK_M=1, DOT=False)
     nch = max(1, min(panel_chunks(), pad // 16))
-    return dict(KC=pad // nch, NCH=nch, BLOCK_M=max(panel_min_block_m(), triton.next_power_of_2(m)),
-                DOT=True, PRECVT=panel_preconvert())
+    block_m = max(panel_min_block_m(), triton.next_power_of_2(m))
+    two = block_m > PANEL_TILE_M  # past PANEL_TILE_M rows: two M tiles, one after the other
+    if block_m > 2 * PANEL_TILE_M:
+        raise InputError("rows", m, f"at most {2 * PANEL_TILE_M} for the register panel")
+    return dict(KC=pad // nch, NCH=nch, BLOCK_M=block_m // 2 if two else block_m, DOT=True,
+                PRECVT=panel_preconvert(), TWO=two)
 
 
 def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int) -> dict:

@@ -110,10 +110,10 @@ def panel_fits(m: int, k: int, cfg: GemvConfig, element_size: int) -> bool:
 
 
 def panel_max_rows() -> int:
-    """``SPECCAL_PANEL_MAX_ROWS``: the most rows a register panel serves, a power of two <= 64
+    """``SPECCAL_PANEL_MAX_ROWS``: the most rows a register panel serves, a power of two <= 32
     (unset: ``PANEL_MAX_ROWS``). A tuning switch for benchmark variants (with
-    ``SPECCAL_GEMV_OVERRIDE`` giving the panel config past 8 rows), read at graph capture."""
-    return _pow2_switch("SPECCAL_PANEL_MAX_ROWS", PANEL_MAX_ROWS, 64)
+    ``SPECCAL_GEMV_OVERRIDE`` giving the panel config past 16 rows), read at graph capture."""
+    return _pow2_switch("SPECCAL_PANEL_MAX_ROWS", PANEL_MAX_ROWS, 32)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -41,6 +41,7 @@ from speccal.kernels._backend import (
     pdl_mode,
     prewait_loads,
     use_triton,
+    verify_block_n,
     verify_halves,
     verify_max_splits,
 )
@@ -86,16 +87,20 @@ class SplitPlan:
     """Static split-KV plan of one graph bucket.
 
     ``max_splits`` fixes the attention grid ``(B * KVH, max_splits)``; ``block_n`` is the KV tile
-    (split lengths are multiples of it); a split never gets fewer than ``min_split_len`` tokens.
+    (split lengths are multiples of it); a split never gets fewer than ``min_split_len`` tokens;
+    ``num_stages``: the software-pipeline stages of the split kernel's K/V loop (Triton).
     """
 
     max_splits: int = 1
     block_n: int = 64
     min_split_len: int = 64
+    num_stages: int = 2
 
     def __post_init__(self) -> None:
         if self.max_splits < 1:
             raise InputError("max_splits", self.max_splits, "an int >= 1")
+        if self.num_stages not in (1, 2, 3, 4):
+            raise InputError("num_stages", self.num_stages, "1, 2, 3 or 4")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise InputError("block_n", self.block_n, "a power of two >= 16")
         if self.min_split_len < 1:
@@ -121,12 +126,15 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
     """Split plan that gives about four programs per multiprocessor for ``batch`` requests.
 
     Static in (batch, heads, SMs, rows), so one plan per captured bucket. ``max_len`` caps the
-    splits at one KV tile each. ``rows`` > 1 (verification): half the splits of the 1-row plan
-    (each split's partials grow with the rows and the merge reads them all; the H200 dense-2b
-    sweep in bench/KERNEL_NOTES.md "v6": B=1 12 of 24, B=8 4 of 9, where 4 also lets the merge
-    fold; ``SPECCAL_VERIFY_HALVE=0`` keeps the 1-row plan's count), and at most
-    ``SPECCAL_VERIFY_SPLITS`` (default ``VERIFY_MAX_SPLITS``); 1-row plans at most
-    ``SPECCAL_DECODE_SPLITS`` (benchmark switches; unset: no cap).
+    splits at one KV tile (``block_n``, ``SPECCAL_ATTN_BLOCK_N``) each. ``rows`` > 1
+    (verification): half the splits of the 1-row plan (each split's partials grow with the rows
+    and the merge reads them all; the H200 dense-2b sweep in bench/KERNEL_NOTES.md "v6": B=1
+    12 of 24, B=8 4 of 9, where 4 also lets the merge fold; ``SPECCAL_VERIFY_HALVE=0`` keeps the
+    1-row plan's count), and at most ``SPECCAL_VERIFY_SPLITS`` (default ``VERIFY_MAX_SPLITS``);
+    its K/V loop runs ``VERIFY_STAGES`` pipeline stages, and where it holds at least
+    ``VERIFY_WIDE_PAIRS`` (request, KV head) pairs its tiles are ``VERIFY_WIDE_TILE`` tokens
+    (``SPECCAL_VERIFY_BLOCK_N``). 1-row plans: at most ``SPECCAL_DECODE_SPLITS`` splits (the
+    switches are for benchmarks; unset: no cap), 2 stages.
     """
     if batch < 1 or num_kv_heads < 1 or rows < 1:
         raise InputError("batch/num_kv_heads/rows", (batch, num_kv_heads, rows), "ints >= 1")
@@ -134,12 +142,15 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
     want = -(-4 * num_sms // (batch * num_kv_heads))
     cap = max(1, -(-max_len // block_n))
     splits = max(1, min(want, 64, cap))
-    if rows > 1:
-        half = splits // 2 if verify_halves() else splits
-        splits = max(1, min(half, verify_max_splits(VERIFY_MAX_SPLITS)))
-    else:
+    if rows == 1:
         splits = min(splits, decode_max_splits(splits))
-    return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n)
+        return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n)
+    half = splits // 2 if verify_halves() else splits
+    splits = max(1, min(half, verify_max_splits(VERIFY_MAX_SPLITS)))
+    if batch * num_kv_heads >= VERIFY_WIDE_PAIRS:
+        block_n = verify_block_n(max(block_n, VERIFY_WIDE_TILE))
+    return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n,
+                     num_stages=VERIFY_STAGES)
 
 
 # the folded split-KV merge (kernels/paged_attention.py): the last split program of a (request,
@@ -153,6 +164,14 @@ FOLD_MAX_PROGRAMS_PER_SM = 2
 # grid is resident whatever else shares the SMs (a spin on a program never scheduled would hang)
 SPREAD_MAX_PROGRAMS_PER_SM = 1
 VERIFY_MAX_SPLITS = 64  # split cap of multi-row (verification) plans (on top of the halving)
+# verification plans of at least VERIFY_WIDE_PAIRS (request, KV head) pairs take KV tiles of
+# VERIFY_WIDE_TILE tokens (fewer, larger loads per split program: on the H200, same run, B=4
+# verification -76 us and B=8 -38 us, but B=1 +49 us and B=2 +45 us, bench/RESULTS.md), and
+# every verification plan VERIFY_STAGES pipeline stages (3: B=1 and B=2 verification -5 to
+# -8 us; the 1-row plans keep 2, which measured 7-9 us faster at B=1 and B=2 decode)
+VERIFY_WIDE_PAIRS = 32
+VERIFY_WIDE_TILE = 128
+VERIFY_STAGES = 3
 
 
 def fold_wanted(batch: int, num_kv_heads: int, max_splits: int, rows: int, group: int,
@@ -366,6 +385,7 @@ def paged_attention(
         return paged_attention_triton(
             q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, num_splits, split_len,
             plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
+            num_stages=plan.num_stages,
             rope=rope, pdl=pdl_enabled(q), meta_settled=meta_settled and tiling is not None,
             signal=signal if pdl_enabled(q) else None, successor_panel=successor_panel,
         )

@@ -92,6 +92,30 @@ def test_verify_plans_halve_the_splits(monkeypatch):
         ops.plan_splits(1, 8, 132, rows=0)
 
 
+def test_verify_plan_tiles_and_stages(monkeypatch):
+    """Verification plans of at least VERIFY_WIDE_PAIRS (request, KV head) pairs take KV tiles of
+    VERIFY_WIDE_TILE (``SPECCAL_VERIFY_BLOCK_N``); every verification plan VERIFY_STAGES
+    stages, 1-row plans 2; the split count is planned as before."""
+    for var in ("SPECCAL_VERIFY_SPLITS", "SPECCAL_VERIFY_BLOCK_N", "SPECCAL_ATTN_BLOCK_N"):
+        monkeypatch.delenv(var, raising=False)
+    assert ops.VERIFY_WIDE_PAIRS == 32 and ops.VERIFY_WIDE_TILE == 128
+    narrow = ops.plan_splits(2, 8, 132, max_len=1536, rows=6)  # 16 pairs
+    wide = ops.plan_splits(4, 8, 132, max_len=1536, rows=6)  # 32 pairs
+    decode = ops.plan_splits(4, 8, 132, max_len=1536, rows=1)
+    assert (narrow.block_n, narrow.min_split_len, narrow.max_splits) == (64, 64, 12)
+    assert (wide.block_n, wide.min_split_len, wide.max_splits) == (128, 128, 8)
+    assert (decode.block_n, decode.max_splits, decode.num_stages) == (64, 17, 2)
+    assert narrow.num_stages == wide.num_stages == ops.VERIFY_STAGES == 3
+    monkeypatch.setenv("SPECCAL_VERIFY_BLOCK_N", "64")
+    assert ops.plan_splits(4, 8, 132, max_len=1536, rows=6).block_n == 64
+    monkeypatch.setenv("SPECCAL_VERIFY_BLOCK_N", "96")
+    with pytest.raises(InputError, match="SPECCAL_VERIFY_BLOCK_N"):
+        ops.plan_splits(4, 8, 132, rows=6)
+    assert ops.plan_splits(2, 8, 132, rows=6).block_n == 64  # narrow plans never read it
+    with pytest.raises(InputError, match="num_stages"):
+        ops.SplitPlan(num_stages=5)
+
+
 def test_update_ops_reject_bad_buffers():
     base = torch.tensor([1, 2])
     drafts = torch.tensor([[3, 4], [5, 6]])
@@ -748,6 +772,9 @@ def test_register_panel_configs_and_switches(monkeypatch):
     assert gc.panel_fits(32, 2048, panel, 2) and not gc.panel_fits(33, 2048, panel, 2)
     monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "8")
     assert not gc.panel_fits(12, 2048, panel, 2)
+    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "64")  # past the kernel's two M tiles of 16
+    with pytest.raises(InputError, match="SPECCAL_PANEL_MAX_ROWS"):
+        gc.panel_fits(16, 2048, panel, 2)
     monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "12")
     with pytest.raises(InputError, match="SPECCAL_PANEL_MAX_ROWS"):
         gc.panel_fits(16, 2048, panel, 2)

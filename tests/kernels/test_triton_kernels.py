@@ -515,18 +515,18 @@ def test_register_panel_matches_reference(dtype, m, shape, block_n):
                                    atol=1e-3)
 
 
-@pytest.mark.parametrize("m", [12, 16, 24])
+@pytest.mark.parametrize("m", [12, 16, 17, 24, 32])
 def test_register_panel_past_eight_rows(m, monkeypatch):
-    """``SPECCAL_PANEL_MAX_ROWS`` (a bench switch) lets the o projection's register panel serve
-    9-32 rows (M tiles 16 and 32): the product, the residual add and the deferred norm's pieces
-    against the reference, through the config the o projection would pick."""
+    """The o projection's register panel at 9-16 rows (an M tile of 16) and, under
+    ``SPECCAL_PANEL_MAX_ROWS=32`` (a bench switch), 17-32 rows (two M tiles of 16, ``TWO``): the
+    product, the residual add and the deferred norm's pieces against the reference, through
+    the config the o projection would pick (the interpreter: fp32 at an 8-column panel, 64 KB)."""
     from speccal.kernels import gemv_config as gc
 
-    if DEV == "cpu":
-        pytest.skip("the interpreter runs fp32, whose 16-column panel is past the 64 KB limit")
     monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "32")
-    monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", "2048:2048:32=16/128/1/8/1/panel")
-    dtype = DTYPES[0]
+    width = 8 if DEV == "cpu" else 16
+    monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", f"2048:2048:32={width}/128/1/8/1/panel")
+    dtype = torch.float32 if DEV == "cpu" else DTYPES[0]
     n = k = 2048
     cfg = gc.launch_config(m, n, k, epilogue="residual", element_size=2)
     assert cfg.panel
