@@ -158,7 +158,8 @@ def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int 
 # on the SMs (the merge code's registers cost occupancy once programs queue). H200, "v5" in
 # bench/KERNEL_NOTES.md: folding every shape made B=1 decode 2 % faster, B=1 full-width verify
 # (12 rows x 24 splits merged by one program) 27 % slower and B=8 decode (576 programs) slower.
-FOLD_MAX_MERGE = 64
+# 128 (v12): B=4 verification (12 x 8) folds, -12 us on the H200 (same run, bench/RESULTS.md)
+FOLD_MAX_MERGE = 128
 FOLD_MAX_PROGRAMS_PER_SM = 2
 # the spread merge's programs wait for each other: one per multiprocessor at most, so the whole
 # grid is resident whatever else shares the SMs (a spin on a program never scheduled would hang)

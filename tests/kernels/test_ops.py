@@ -291,13 +291,19 @@ def test_linear_norm_arguments_are_checked(kwargs, field):
 
 def test_fold_rule_folds_light_merges_only():
     """The dense-2b plans on 132 SMs: B=1 decode (1 row x 2 heads x 24 splits, 192 programs)
-    folds; B=1 verify (6 rows -> 12 x 32 partials) and B=8 (576 programs) keep the reduce."""
+    folds; B=1 verify (6 rows -> 16 x 16 partials) and B=8 decode (576 programs) keep the
+    reduce."""
     assert ops.fold_wanted(1, 8, 24, 1, 2)
     assert not ops.fold_wanted(1, 8, 24, 6, 2)
     assert not ops.fold_wanted(8, 8, 9, 1, 2) and not ops.fold_wanted(8, 8, 9, 6, 2)
     assert not ops.fold_wanted(1, 8, 1, 1, 2, force=True)  # one split: nothing to merge
     assert ops.fold_wanted(8, 8, 9, 6, 2, force=True)
     assert not ops.fold_wanted(1, 8, 24, 1, 2, force=False)
+    # B=4 verification (6 rows x 2 heads x 8 splits = 128, 256 programs) folds; B=2 (12 splits
+    # padded to 16: 256) does not
+    assert ops.FOLD_MAX_MERGE == 128
+    assert ops.fold_wanted(4, 8, 8, 6, 2) and not ops.fold_wanted(2, 8, 12, 6, 2)
+    assert not ops.fold_wanted(4, 8, 8, 6, 2, max_merge=64)
 
 
 def test_spread_rule_needs_a_grid_that_fits():
