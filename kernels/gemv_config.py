@@ -44,7 +44,9 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
     # qkv: 2-8 rows at 64-column tiles (H200, same run: B=1 verify -9 us, B=8 decode -11 us;
     # at 1 row +34 us), bench/RESULTS.md "Register panel"; K tiles of 256 in 3 stages there
     # (against 128 x 4: B=1 verify -7 to -11 us, B=8 decode -4 to -10 us, same run, v11)
-    (4096, 2048): [(1, _cfg(32, 128, 1, 6)), (8, _cfg(64, 256, 1, 3)), (64, _cfg(32, 128, 1, 6))],
+    # 9-32 rows (B = 2 and 4 verification) at 64 x 128 x 4: -8 us per step at each, v12
+    (4096, 2048): [(1, _cfg(32, 128, 1, 6)), (8, _cfg(64, 256, 1, 3)), (32, _cfg(64, 128, 1)),
+                   (64, _cfg(32, 128, 1, 6))],
     (2048, 2048): [(1, _cfg(64, 128, 4)), (64, _cfg(32, 128, 1, 6))],  # o
 }
 
@@ -52,9 +54,11 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 # residual-add launches: o at split 1 (add in the epilogue) measured 6.4 us vs 6.5 + a reduce;
 # down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1.
 # o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs; 9-16
-# rows, an M tile of 16: B=2 verification -170 us against the streaming GEMV, H200, v11)
+# rows, an M tile of 16: B=2 verification -170 us against the streaming GEMV, H200, v11); 17-32
+# rows 32 x 128 x 4 (B=4 verification -22 us against 16 x 256 x 4; the panel in two M tiles
+# there measured +24 us, v12)
 _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
-    (2048, 2048): [(16, GemvConfig(16, 128, 1, 8, 1, panel=True)),
+    (2048, 2048): [(16, GemvConfig(16, 128, 1, 8, 1, panel=True)), (32, _cfg(32, 128, 1)),
                    (64, _cfg(16, 256, 1, 4))],  # o + residual
 }
 

@@ -772,6 +772,8 @@ def test_register_panel_configs_and_switches(monkeypatch):
     twelve = gc.pick_config(12, 2048, 2048, epilogue="residual")  # B = 2 verification
     assert twelve.panel and gc.resolve(twelve, 12, 2048, 2) == twelve
     assert not gc.resolve(twelve, 24, 2048, 2).panel  # B = 4: past PANEL_MAX_ROWS, streams
+    assert gc.pick_config(24, 2048, 2048, epilogue="residual") == gc.GemvConfig(32, 128, 1, 4, 4)
+    assert gc.pick_config(48, 2048, 2048, epilogue="residual").block_n == 16
     panel = gc.pick_config(1, 2048, 2048, epilogue="residual")
     assert gc.panel_fits(16, 2048, panel, 2) and not gc.panel_fits(17, 2048, panel, 2)
     monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "32")  # a bench switch: the panel past 16 rows
@@ -831,7 +833,8 @@ def test_gemv_override_and_panel_chunks(monkeypatch):
     monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE",
                        "4096:2048:8=64/128/1/4/4;2048:2048:8=16/128/1/4/1/panel")
     assert gc.pick_config(6, 4096, 2048) == gc.GemvConfig(64, 128, 1, 4, 4)
-    assert gc.pick_config(9, 4096, 2048).block_n == 32  # past MAX_M: the table
+    assert gc.pick_config(9, 4096, 2048) == gc.GemvConfig(64, 128, 1, 4, 4)  # the table
+    assert gc.pick_config(33, 4096, 2048).block_n == 32  # past MAX_M: the table
     o = gc.pick_config(1, 2048, 2048, epilogue="residual")
     assert o.panel and o.num_warps == 4
     # "|" separates entries too (one bench variant); the first match wins: 1 row, then 2-8
