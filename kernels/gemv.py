@@ -471,7 +471,7 @@ def linear_triton(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DIRECT=direct,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, FMA=cfg.fma, GLU=glu,
         RES=residual is not None, PDL=int(pdl),
-        PREFETCH=min(prefetch, k_per_split // cfg.block_k) if pdl > 0 else 0,
+        PREFETCH=_prefetch(cfg, prefetch, k_per_split, pdl),
         LINE=max(1, min(cfg.block_k, 128 // weight.element_size())),
         RES_EARLY=direct and residual is not None and residual_settled, ARGMAX=False,
         **_norm_args(defer, row_scale, k), **fold,
@@ -496,6 +496,14 @@ def linear_triton(
     elif norm is not None:
         rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
     return out
+
+
+def _prefetch(cfg: GemvConfig, prefetch: int, k_per_split: int, pdl: int) -> int:
+    """Weight tiles a program prefetches into L2 before its PDL wait: the config's own count
+    (``GemvConfig.prefetch``), else the caller's, at most the program's K tiles; none without
+    PDL."""
+    tiles = prefetch if cfg.prefetch is None else cfg.prefetch
+    return min(tiles, k_per_split // cfg.block_k) if pdl > 0 else 0
 
 
 def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
@@ -577,7 +585,7 @@ def linear_argmax_triton(
         k_per_split, BLOCK_M=_block_m(m, cfg), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DIRECT=True, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, FMA=cfg.fma,
         GLU=False, RES=False, PDL=int(pdl),
-        PREFETCH=min(prefetch, k_per_split // cfg.block_k) if pdl > 0 else 0,
+        PREFETCH=_prefetch(cfg, prefetch, k_per_split, pdl),
         LINE=max(1, min(cfg.block_k, 128 // weight.element_size())), RES_EARLY=False,
         ARGMAX=1 if keys is None else 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl > 0,

@@ -28,6 +28,7 @@ class GemvConfig:
     num_stages: int = 4
     fma: bool = False
     panel: bool = False  # weights preloaded into registers before the PDL wait (panel_fits)
+    prefetch: int | None = None  # weight tiles per program into L2 before the wait (None: default)
 
 
 def _cfg(bn: int, bk: int, split: int, stages: int = 4) -> GemvConfig:
@@ -56,7 +57,7 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 # o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs; 9-16
 # rows, an M tile of 16: B=2 verification -170 us against the streaming GEMV, H200, v11); 17-32
 # rows 32 x 128 x 4 (B=4 verification -22 us against 16 x 256 x 4; the panel in two M tiles
-# there measured +24 us, v12)
+# there measured +22 to +31 us, v12)
 _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
     (2048, 2048): [(16, GemvConfig(16, 128, 1, 8, 1, panel=True)), (32, _cfg(32, 128, 1)),
                    (64, _cfg(16, 256, 1, 4))],  # o + residual
@@ -71,27 +72,33 @@ PANEL_MAX_BYTES = 64 * 1024
 
 def _override(m: int, n: int, k: int) -> GemvConfig | None:
     """``SPECCAL_GEMV_OVERRIDE``: ``;``- (or ``|``-) separated ``N:K:MAX_M=block_n/block_k/
-    split_k/num_warps/num_stages[/panel]`` entries that replace the tables' config of an (N, K)
-    product at <= ``MAX_M`` rows, whatever the epilogue; the first entry that matches wins (a
-    tuning switch for benchmark variants, read when a config is picked, i.e. at graph capture;
-    ``|`` lets one variant of ``bench_decode --variants`` hold several). Malformed entries raise
-    an InputError."""
+    split_k/num_warps/num_stages[/panel][/pfT]`` entries that replace the tables' config of an
+    (N, K) product at <= ``MAX_M`` rows, whatever the epilogue (``pfT``: ``T`` weight tiles per
+    program prefetched into L2 before the PDL wait); the first entry that matches wins (a tuning
+    switch for benchmark variants, read when a config is picked, i.e. at graph capture; ``|``
+    lets one variant of ``bench_decode --variants`` hold several). Malformed entries raise an
+    InputError."""
     spec = os.environ.get("SPECCAL_GEMV_OVERRIDE", "").replace("|", ";")
     for entry in filter(None, spec.split(";")):
         try:
             shape, _, fields = entry.partition("=")
             en, ek, emax = (int(v) for v in shape.split(":"))
             parts = fields.split("/")
-            panel = parts[5:] == ["panel"]
-            if len(parts) != 5 + panel:
+            extra = parts[5:]
+            panel = extra[:1] == ["panel"]
+            pf = extra[panel:]
+            if len(parts) < 5 or len(pf) > 1 or (pf and not pf[0].startswith("pf")):
+                raise ValueError(entry)
+            prefetch = int(pf[0][2:]) if pf else None
+            if prefetch is not None and prefetch < 0:
                 raise ValueError(entry)
             bn, bk, split, warps, stages = (int(v) for v in parts[:5])
-            cfg = GemvConfig(bn, bk, split, warps, stages, panel=panel)
+            cfg = GemvConfig(bn, bk, split, warps, stages, panel=panel, prefetch=prefetch)
         except ValueError:
             from speccal.errors import InputError
 
             raise InputError("SPECCAL_GEMV_OVERRIDE", entry, "N:K:MAX_M=block_n/block_k/split_k/"
-                             "num_warps/num_stages[/panel]") from None
+                             "num_warps/num_stages[/panel][/pfT]") from None
         if (en, ek) == (n, k) and m <= emax:
             return cfg
     return None
@@ -150,7 +157,7 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132,
     if epilogue in ("silu_mul", "argmax") and cfg.split_k > 1:
         bn = max(16, cfg.block_n // cfg.split_k)
         cfg = GemvConfig(block_n=bn, block_k=cfg.block_k, split_k=1, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, fma=cfg.fma)
+                         num_stages=cfg.num_stages, fma=cfg.fma, prefetch=cfg.prefetch)
     return cfg
 
 

@@ -167,8 +167,8 @@ SPREAD_MAX_PROGRAMS_PER_SM = 1
 VERIFY_MAX_SPLITS = 64  # split cap of multi-row (verification) plans (on top of the halving)
 # verification plans of at least VERIFY_WIDE_PAIRS (request, KV head) pairs take KV tiles of
 # VERIFY_WIDE_TILE tokens (fewer, larger loads per split program: on the H200, same run, B=4
-# verification -76 us and B=8 -38 us, but B=1 +49 us and B=2 +45 us, bench/RESULTS.md), and
-# every verification plan VERIFY_STAGES pipeline stages (3: B=1 and B=2 verification -5 to
+# verification -76 us and B=8 -35 us, but B=1 +97 us and B=2 +45 us, bench/RESULTS.md), and
+# every verification plan VERIFY_STAGES pipeline stages (3: B=1 and B=2 verification -4 and
 # -8 us; the 1-row plans keep 2, which measured 7-9 us faster at B=1 and B=2 decode)
 VERIFY_WIDE_PAIRS = 32
 VERIFY_WIDE_TILE = 128

@@ -841,7 +841,16 @@ def test_gemv_override_and_panel_chunks(monkeypatch):
     monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", "4096:2048:1=32/128/1/4/6|4096:2048:8=64/256/1/4/3")
     assert gc.pick_config(1, 4096, 2048) == gc.GemvConfig(32, 128, 1, 4, 6)
     assert gc.pick_config(6, 4096, 2048) == gc.GemvConfig(64, 256, 1, 4, 3)
-    for bad in ("4096:2048=64", "4096:2048:8=64/128/1/4", "4096:2048:8=64/128/1/4/4/wide"):
+    # /pfT: the config's own L2 prefetch depth (kept through the silu_mul split-1 rewrite)
+    monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE",
+                       "2048:2048:32=32/128/1/4/4/pf16|12288:2048:32=128/128/2/4/4/pf4")
+    assert gc.pick_config(24, 2048, 2048, epilogue="residual").prefetch == 16
+    assert gc.pick_config(24, 12288, 2048, epilogue="silu_mul") == gc.GemvConfig(
+        64, 128, 1, 4, 4, prefetch=4)
+    assert gc.pick_config(40, 2048, 2048, epilogue="residual").prefetch is None
+    for bad in ("4096:2048=64", "4096:2048:8=64/128/1/4", "4096:2048:8=64/128/1/4/4/wide",
+                "4096:2048:8=64/128/1/4/4/pf", "4096:2048:8=64/128/1/4/4/pf-1",
+                "4096:2048:8=64/128/1/4/4/pf2/panel", "4096:2048:8=64/128/1/4/4/panel/pf2/pf3"):
         monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", bad)
         with pytest.raises(InputError, match="SPECCAL_GEMV_OVERRIDE"):
             gc.pick_config(1, 4096, 2048)
@@ -854,6 +863,19 @@ def test_gemv_override_and_panel_chunks(monkeypatch):
         monkeypatch.setenv("SPECCAL_PANEL_CHUNKS", bad)
         with pytest.raises(InputError, match="SPECCAL_PANEL_CHUNKS"):
             _backend.panel_chunks()
+
+
+def test_gemv_prefetch_depth_follows_the_config():
+    """A config's own prefetch depth wins over the caller's, capped at the program's K tiles;
+    no prefetch without PDL (``gemv._prefetch``; needs Triton importable)."""
+    pytest.importorskip("triton")
+    from speccal.kernels.gemv import _prefetch
+    from speccal.kernels.gemv_config import GemvConfig
+
+    assert _prefetch(GemvConfig(prefetch=16), 2, 2048, 2) == 16
+    assert _prefetch(GemvConfig(block_k=256, prefetch=16), 2, 2048, 2) == 8  # 8 K tiles
+    assert _prefetch(GemvConfig(prefetch=0), 2, 2048, 2) == 0
+    assert _prefetch(GemvConfig(), 2, 2048, 2) == 2 and _prefetch(GemvConfig(), 2, 2048, 0) == 0
 
 
 def test_tile_and_poll_switches(monkeypatch):
