@@ -824,6 +824,25 @@ def test_register_panel_configs_and_switches(monkeypatch):
     assert _backend.attention_release() == 2
 
 
+def test_residual_panel_tells_the_reduce_what_follows(monkeypatch):
+    """``ops.residual_panel``: whether the o projection of a step launches as the register panel
+    (up to PANEL_MAX_ROWS rows, its 16 x 2048 bf16 panel within 64 KB; fp32 is not), which the
+    split-KV reduce's ``auto`` release follows (``attention_reduce_early(successor_panel=)``)."""
+    from speccal.kernels import _backend
+
+    monkeypatch.delenv("SPECCAL_GEMV_PANEL", raising=False)
+    monkeypatch.delenv("SPECCAL_GEMV_OVERRIDE", raising=False)
+    monkeypatch.delenv("SPECCAL_ATTN_REDUCE_RELEASE", raising=False)
+    w = torch.zeros(2048, 2048, dtype=torch.bfloat16)
+    panel = {m: ops.residual_panel(torch.zeros(m, 2048, dtype=torch.bfloat16), w)
+             for m in (1, 6, 12, 16, 17, 24)}
+    assert panel == {1: True, 6: True, 12: True, 16: True, 17: False, 24: False}
+    assert not ops.residual_panel(torch.zeros(6, 2048), torch.zeros(2048, 2048))  # fp32: 128 KB
+    assert [_backend.attention_reduce_early(panel[m]) for m in (12, 24)] == [True, False]
+    monkeypatch.setenv("SPECCAL_GEMV_PANEL", "0")
+    assert not ops.residual_panel(torch.zeros(6, 2048, dtype=torch.bfloat16), w)
+
+
 def test_gemv_override_and_panel_chunks(monkeypatch):
     """``SPECCAL_GEMV_OVERRIDE`` replaces the tables' config of one (N, K) up to MAX_M rows (a
     panel too); ``SPECCAL_PANEL_CHUNKS`` takes powers of two; bad values name the variable."""
