@@ -56,6 +56,7 @@ from speccal.kernels._backend import (
     panel_preconvert,
 )
 from speccal.kernels.gemv_config import (
+    PANEL_TILE_M,
     GemvConfig,
     k_splits,
     launch_config,
@@ -272,7 +273,7 @@ def _panel_kernel(
     # attention launch has counted ``sig_target`` finished pieces of x at ``sig_ptr``; the last
     # program out zeroes the counters. RES / RES_EARLY / DEFER as in _skinny_kernel's split 1.
     # TWO (DOT): M rows in two M tiles of BLOCK_M, one dot after the other on the same panel (an
-    # M tile of 32 spills on sm_90: 255 registers; two of 16 keep the 16-row tile's footprint).
+    # M tile of 32 spills on sm_90: 255 registers; two of 16 in a loop take 174, no spills).
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, KC)
@@ -510,11 +511,6 @@ def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """Arrival counters of the folded split-K reduce (``_backend.arrival_counters``, pool
     ``splitk``): None inside a capture that finds none, and the caller cannot fold."""
     return arrival_counters("splitk", device, needed, slots=4096)
-
-
-# the register panel's largest M tile: 32 rows spilled on sm_90 (255 registers, 192 KB of
-# shared memory); 17-32 rows run as two tiles of 16 (``_panel_kernel``'s TWO)
-PANEL_TILE_M = 16
 
 
 def _panel_chunks(m: int, k: int) -> dict:

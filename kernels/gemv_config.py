@@ -67,6 +67,10 @@ _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 # tensor cores, an M tile of 8 or 16; 32 spills on sm_90) and this many weight bytes per
 # program (64 KB: 64 registers per thread at 8 warps, beside an attention program on the SM)
 PANEL_MAX_ROWS = 16
+# the panel kernel's largest M tile: 32 rows spilled on sm_90 (255 registers, 192 KB of shared
+# memory); 17-32 rows run as two tiles of 16 (``gemv._panel_kernel``'s TWO), so a panel serves
+# at most 2 * PANEL_TILE_M rows
+PANEL_TILE_M = 16
 PANEL_MAX_BYTES = 64 * 1024
 
 
@@ -124,7 +128,7 @@ def panel_max_rows() -> int:
     """``SPECCAL_PANEL_MAX_ROWS``: the most rows a register panel serves, a power of two <= 32
     (unset: ``PANEL_MAX_ROWS``). A tuning switch for benchmark variants (with
     ``SPECCAL_GEMV_OVERRIDE`` giving the panel config past 16 rows), read at graph capture."""
-    return _pow2_switch("SPECCAL_PANEL_MAX_ROWS", PANEL_MAX_ROWS, 32)
+    return _pow2_switch("SPECCAL_PANEL_MAX_ROWS", PANEL_MAX_ROWS, 2 * PANEL_TILE_M)
 
 
 def _cdiv(a: int, b: int) -> int:
