@@ -264,13 +264,36 @@ def _pow2_switch(var: str, default: int, largest: int) -> int:
 # B=8 decode +23 us). bench/KERNEL_NOTES.md v10
 GEMV_MIN_BLOCK_M = 16
 PANEL_MIN_BLOCK_M = 8
+# the streaming GEMV's M tile past 16 rows: 64 (one warp group's tensor-core tile) instead of the
+# rows' power of two (32 at 17-32 rows). On the H200, same run, B=4 verification (24 rows) -121 us
+# with the 33-64 row configs, bench/KERNEL_NOTES.md v13
+GEMV_WIDE_BLOCK_M = 64
 
 
 def gemv_min_block_m() -> int:
     """``SPECCAL_GEMV_MIN_BLOCK_M``: the smallest M tile of the streaming GEMV's tensor-core dot
-    at 2 rows or more, a power of two <= 16 (unset: ``GEMV_MIN_BLOCK_M``; one row always takes
+    at 2 rows or more, a power of two <= 64 (unset: ``GEMV_MIN_BLOCK_M``; one row always takes
     16: a 1-row tile measured 2x slower). A tuning switch for benchmarks, read at launch."""
-    return _pow2_switch("SPECCAL_GEMV_MIN_BLOCK_M", GEMV_MIN_BLOCK_M, 16)
+    return _pow2_switch("SPECCAL_GEMV_MIN_BLOCK_M", GEMV_MIN_BLOCK_M, 64)
+
+
+def gemv_wide_block_m() -> int:
+    """``SPECCAL_GEMV_WIDE_BLOCK_M``: the smallest M tile of the streaming GEMV past 16 rows, 32
+    or 64 (unset: ``GEMV_WIDE_BLOCK_M``). A tuning switch for benchmarks, read at launch."""
+    value = _pow2_switch("SPECCAL_GEMV_WIDE_BLOCK_M", GEMV_WIDE_BLOCK_M, 64)
+    if value < 32:
+        from speccal.errors import InputError
+
+        raise InputError("SPECCAL_GEMV_WIDE_BLOCK_M", value, "32 or 64")
+    return value
+
+
+def defer_scale_late() -> bool:
+    """``SPECCAL_DEFER_SCALE``: where the deferred norm's consumer GEMV turns its rows' sums of
+    squares into row scales: ``late`` (default) after its K loop (the loads are issued before
+    it, so their latency hides under the weight stream), ``early`` before the loop (the K loop
+    waits for them). Read at launch (graph capture)."""
+    return _env_choice("SPECCAL_DEFER_SCALE", "late", ("late", "early"), "late or early") == "late"
 
 
 def panel_min_block_m() -> int:
@@ -419,16 +442,23 @@ def norm_defer() -> str:
 # rows of a step whose input norm ``rows`` defers: on the H200 the deferred input norm measured
 # -21 us at B=1 verification (6 rows) and -16 us at B=8 decode (8), but +30 us at B=1 decode
 # (one row: the counter round trip costs what the reduce launch did) and +37 us at B=8
-# verification (48 rows), bench/KERNEL_NOTES.md v10
-INPUT_DEFER_ROWS = (2, 8)
+# verification (48 rows), bench/KERNEL_NOTES.md v10; -25 us at B=2 verification (12 rows), +4
+# at B=4 (24 rows), v13
+INPUT_DEFER_ROWS = (2, 16)
+
+
+def input_defer_max() -> int:
+    """``SPECCAL_INPUT_DEFER_MAX``: the most rows of a step whose input norm ``rows`` defers
+    (unset: ``INPUT_DEFER_ROWS``' upper end). A tuning switch for benchmarks, read at capture."""
+    value = _env_int("SPECCAL_INPUT_DEFER_MAX", 1)
+    return INPUT_DEFER_ROWS[1] if value is None else value
 
 
 def defer_input_norm(rows: int) -> bool:
     """Whether the fused layers of a ``rows``-row step defer each layer's input RMSNorm into the
     next QKV GEMV (``norm_defer``)."""
     mode = norm_defer()
-    lo, hi = INPUT_DEFER_ROWS
-    return mode == "all" or (mode == "rows" and lo <= rows <= hi)
+    return mode == "all" or (mode == "rows" and INPUT_DEFER_ROWS[0] <= rows <= input_defer_max())
 
 
 _ARRIVAL: dict[tuple[str, torch.device], torch.Tensor] = {}

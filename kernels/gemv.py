@@ -49,7 +49,7 @@ import triton.language as tl
 from speccal.errors import InputError
 from speccal.kernels._backend import (
     arrival_counters,
-    gemv_min_block_m,
+    defer_scale_late,
     num_sms,
     panel_chunks,
     panel_min_block_m,
@@ -58,6 +58,7 @@ from speccal.kernels._backend import (
 from speccal.kernels.gemv_config import (
     PANEL_TILE_M,
     GemvConfig,
+    block_rows,
     k_splits,
     launch_config,
     pick_config,
@@ -92,7 +93,7 @@ def _skinny_kernel(
     GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr, LINE: tl.constexpr, RES_EARLY: tl.constexpr, ARGMAX: tl.constexpr,
     nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1, norm_n=1, eps=0.0, cnt_ptr=None,
-    DEFER: tl.constexpr = False, SCALE: tl.constexpr = False, P_PAD: tl.constexpr = 1,
+    DEFER: tl.constexpr = False, SCALE: tl.constexpr = 0, P_PAD: tl.constexpr = 1,
     FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
     # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]),
@@ -105,7 +106,8 @@ def _skinny_kernel(
     # DEFER (split 1, RES): the next RMSNorm, deferred: besides the updated residual h, store
     # xw = h * nw (rounded) and ss[m, pid_n] = sum of h^2 over this program's columns ([M, P]).
     # SCALE: the consumer's side: each row's product is scaled by rsqrt(sum_p ss[m, p] / norm_n
-    # + eps) before the epilogue, so x = xw gives the product of the normed rows (no norm launch).
+    # + eps) before the epilogue, so x = xw gives the product of the normed rows (no norm launch);
+    # the ss loads are issued after the PDL wait, reduced before the K loop (1) or after it (2).
     # FOLD (split K, with RES): no reduce launch: after storing its partial, a program counts
     # itself in cnt[pid_n]; the last of the SPLIT programs of its column tile sums the partials
     # (read through L2 after the acquire), adds the residual, stores h (and with DEFER the
@@ -132,11 +134,12 @@ def _skinny_kernel(
         tl.extra.cuda.gdc_wait()
         if PDL == 1:
             tl.extra.cuda.gdc_launch_dependents()
-    if SCALE:
+    if SCALE:  # 1: the row scales before the K loop; 2: loaded here, reduced after it
         offs_p = tl.arange(0, P_PAD)
         sq = tl.load(ss_ptr + offs_m[:, None] * P + offs_p[None, :],
                      mask=m_ok[:, None] & (offs_p < P)[None, :], other=0.0)
-        row_scale = tl.math.rsqrt(tl.sum(sq, 1) / norm_n + eps)  # [BLOCK_M]
+        if SCALE == 1:
+            row_scale = tl.math.rsqrt(tl.sum(sq, 1) / norm_n + eps)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
@@ -159,6 +162,8 @@ def _skinny_kernel(
             acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N]
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
+    if SCALE == 2:
+        row_scale = tl.math.rsqrt(tl.sum(sq, 1) / norm_n + eps)
     if SCALE:
         acc = acc * row_scale[:, None]
     if GLU:
@@ -382,15 +387,6 @@ def _splitk_reduce_norm_kernel(part_ptr, y_ptr, nw_ptr, xn_ptr, M, N, stride_ym,
     norm_row_store(h.to(tl.float32), w, xn_ptr + m * stride_xm, offs, ok, N, eps)
 
 
-def _block_m(m: int, cfg: GemvConfig) -> int:
-    """Rows of the M tile: every row in one tile; for ``tl.dot`` 16 at one row, else at least
-    ``gemv_min_block_m()`` (16 by default; Triton pads a smaller tile itself)."""
-    pad = triton.next_power_of_2(max(m, 1))
-    if cfg.fma:
-        return pad
-    return 16 if m == 1 else max(gemv_min_block_m(), pad)
-
-
 def linear_triton(
     x: torch.Tensor,  # [M, K], K contiguous
     weight: torch.Tensor,  # [N, K], K contiguous
@@ -455,7 +451,7 @@ def linear_triton(
         if norm is not None:
             rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
         return out
-    block_m = _block_m(m, cfg)
+    block_m = block_rows(m, cfg.fma)
     split, k_per_split = k_splits(k, cfg, glu)
     direct = split == 1
     part = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
@@ -541,7 +537,8 @@ def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int) -> dict:
                     DEFER=True)
     if row_scale is not None:
         ss, eps = row_scale
-        return dict(ss_ptr=ss, P=ss.shape[1], norm_n=k, eps=eps, SCALE=True,
+        late = defer_scale_late()
+        return dict(ss_ptr=ss, P=ss.shape[1], norm_n=k, eps=eps, SCALE=2 if late else 1,
                     P_PAD=triton.next_power_of_2(ss.shape[1]))
     return {}
 
@@ -578,7 +575,7 @@ def linear_argmax_triton(
     k_per_split = triton.cdiv(k, cfg.block_k) * cfg.block_k
     _skinny_kernel[(tiles, 1)](
         x, weight, tile_max, tile_idx, m, n, k, x.stride(0), weight.stride(0), tiles,
-        k_per_split, BLOCK_M=_block_m(m, cfg), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        k_per_split, BLOCK_M=block_rows(m, cfg.fma), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DIRECT=True, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, FMA=cfg.fma,
         GLU=False, RES=False, PDL=int(pdl),
         PREFETCH=_prefetch(cfg, prefetch, k_per_split, pdl),

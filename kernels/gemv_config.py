@@ -11,9 +11,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from speccal.kernels._backend import _pow2_switch, panel_enabled
+from speccal.kernels._backend import (
+    _pow2_switch,
+    gemv_min_block_m,
+    gemv_wide_block_m,
+    panel_enabled,
+)
 
-__all__ = ["GemvConfig", "argmax_tile_width", "deferred_norm_tiles", "k_splits",
+__all__ = ["GemvConfig", "argmax_tile_width", "block_rows", "deferred_norm_tiles", "k_splits",
            "launch_config", "panel_fits", "pick_config", "resolve"]
 
 
@@ -45,8 +50,9 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
     # qkv: 2-8 rows at 64-column tiles (H200, same run: B=1 verify -9 us, B=8 decode -11 us;
     # at 1 row +34 us), bench/RESULTS.md "Register panel"; K tiles of 256 in 3 stages there
     # (against 128 x 4: B=1 verify -7 to -11 us, B=8 decode -4 to -10 us, same run, v11)
-    # 9-32 rows (B = 2 and 4 verification) at 64 x 128 x 4: -8 us per step at each, v12
-    (4096, 2048): [(1, _cfg(32, 128, 1, 6)), (8, _cfg(64, 256, 1, 3)), (32, _cfg(64, 128, 1)),
+    # 9-16 rows (B = 2 verification) at 64 x 128 x 4: -8 us per step, v12; past 16 rows (an M
+    # tile of 64, ``block_m``) 32 x 128 x 6: B = 4 verification -2.2 us per layer, v13
+    (4096, 2048): [(1, _cfg(32, 128, 1, 6)), (8, _cfg(64, 256, 1, 3)), (16, _cfg(64, 128, 1)),
                    (64, _cfg(32, 128, 1, 6))],
     (2048, 2048): [(1, _cfg(64, 128, 4)), (64, _cfg(32, 128, 1, 6))],  # o
 }
@@ -55,12 +61,11 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 # residual-add launches: o at split 1 (add in the epilogue) measured 6.4 us vs 6.5 + a reduce;
 # down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1.
 # o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs; 9-16
-# rows, an M tile of 16: B=2 verification -170 us against the streaming GEMV, H200, v11); 17-32
-# rows 32 x 128 x 4 (B=4 verification -22 us against 16 x 256 x 4; the panel in two M tiles
-# there measured +22 to +31 us, v12)
+# rows, an M tile of 16: B=2 verification -170 us against the streaming GEMV, H200, v11); past 16
+# rows 16 x 256 x 4 at an M tile of 64 (``block_m``; at a tile of 32, 32 x 128 x 4 had measured
+# 22 us faster at B=4 verification, v12, and the panel in two M tiles +22 to +31 us)
 _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
-    (2048, 2048): [(16, GemvConfig(16, 128, 1, 8, 1, panel=True)), (32, _cfg(32, 128, 1)),
-                   (64, _cfg(16, 256, 1, 4))],  # o + residual
+    (2048, 2048): [(16, GemvConfig(16, 128, 1, 8, 1, panel=True)), (64, _cfg(16, 256, 1, 4))],
 }
 
 # the register panel (``panel``): at most this many rows (one row: CUDA-core FMAs; 2-16: the
@@ -129,6 +134,24 @@ def panel_max_rows() -> int:
     (unset: ``PANEL_MAX_ROWS``). A tuning switch for benchmark variants (with
     ``SPECCAL_GEMV_OVERRIDE`` giving the panel config past 16 rows), read at graph capture."""
     return _pow2_switch("SPECCAL_PANEL_MAX_ROWS", PANEL_MAX_ROWS, 2 * PANEL_TILE_M)
+
+
+def block_rows(m: int, fma: bool = False) -> int:
+    """Rows of the streaming GEMV's M tile at ``m`` rows: every row in one tile. CUDA-core FMAs
+    (``fma``): the rows' power of two. ``tl.dot``: 16 at one row; at 2-16 rows the power of two,
+    at least ``gemv_min_block_m()`` (Triton pads a smaller tile itself); past 16 rows at least
+    ``gemv_wide_block_m()`` (64: 24 rows in a 32-row tile measured slower in every product,
+    bench/KERNEL_NOTES.md v13)."""
+    if m < 1:
+        from speccal.errors import InputError
+
+        raise InputError("m", m, "rows >= 1")
+    pad = 1 << (m - 1).bit_length()
+    if fma:
+        return pad
+    if m == 1:
+        return 16
+    return max(gemv_min_block_m(), pad, gemv_wide_block_m() if pad > 16 else 0)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -725,19 +725,28 @@ def test_row_scale_rejects_bad_input():
 
 def test_norm_defer_switch(monkeypatch):
     """``SPECCAL_NORM_DEFER``: ``rows`` by default, ``o`` / ``all`` / ``0`` as set, else an error
-    naming it; the input norm is deferred for 2-8 row steps under ``rows``, always under
-    ``all``, never under ``o`` or ``0``."""
+    naming it; the input norm is deferred for 2-16 row steps under ``rows`` (the upper end set
+    by ``SPECCAL_INPUT_DEFER_MAX``), always under ``all``, never under ``o`` or ``0``."""
     from speccal.kernels import _backend
 
     monkeypatch.delenv("SPECCAL_NORM_DEFER", raising=False)
+    monkeypatch.delenv("SPECCAL_INPUT_DEFER_MAX", raising=False)
+    rows = (1, 2, 6, 8, 9, 12, 16, 17, 24, 48)
+    by_rows = [False] + [True] * 6 + [False] * 3
     assert _backend.norm_defer() == "rows"
-    assert [_backend.defer_input_norm(r) for r in (1, 2, 6, 8, 9, 48)] == [
-        False, True, True, True, False, False]
-    for value, expect in (("all", [True] * 6), ("o", [False] * 6), ("0", [False] * 6),
-                          ("rows", [False, True, True, True, False, False])):
+    assert [_backend.defer_input_norm(r) for r in rows] == by_rows
+    for value, expect in (("all", [True] * 10), ("o", [False] * 10), ("0", [False] * 10),
+                          ("rows", by_rows)):
         monkeypatch.setenv("SPECCAL_NORM_DEFER", value)
         assert _backend.norm_defer() == value
-        assert [_backend.defer_input_norm(r) for r in (1, 2, 6, 8, 9, 48)] == expect
+        assert [_backend.defer_input_norm(r) for r in rows] == expect
+    monkeypatch.setenv("SPECCAL_INPUT_DEFER_MAX", "8")  # the v10 rule
+    assert [_backend.defer_input_norm(r) for r in rows] == [False] + [True] * 3 + [False] * 6
+    for bad in ("0", "x", "-3"):
+        monkeypatch.setenv("SPECCAL_INPUT_DEFER_MAX", bad)
+        with pytest.raises(InputError, match="SPECCAL_INPUT_DEFER_MAX"):
+            _backend.defer_input_norm(6)
+    monkeypatch.delenv("SPECCAL_INPUT_DEFER_MAX")
     monkeypatch.setenv("SPECCAL_NORM_DEFER", "1")
     with pytest.raises(InputError, match="SPECCAL_NORM_DEFER"):
         _backend.norm_defer()
@@ -772,7 +781,7 @@ def test_register_panel_configs_and_switches(monkeypatch):
     twelve = gc.pick_config(12, 2048, 2048, epilogue="residual")  # B = 2 verification
     assert twelve.panel and gc.resolve(twelve, 12, 2048, 2) == twelve
     assert not gc.resolve(twelve, 24, 2048, 2).panel  # B = 4: past PANEL_MAX_ROWS, streams
-    assert gc.pick_config(24, 2048, 2048, epilogue="residual") == gc.GemvConfig(32, 128, 1, 4, 4)
+    assert gc.pick_config(24, 2048, 2048, epilogue="residual") == gc.GemvConfig(16, 256, 1, 4, 4)
     assert gc.pick_config(48, 2048, 2048, epilogue="residual").block_n == 16
     panel = gc.pick_config(1, 2048, 2048, epilogue="residual")
     assert gc.panel_fits(16, 2048, panel, 2) and not gc.panel_fits(17, 2048, panel, 2)
@@ -895,6 +904,43 @@ def test_gemv_prefetch_depth_follows_the_config():
     assert _prefetch(GemvConfig(block_k=256, prefetch=16), 2, 2048, 2) == 8  # 8 K tiles
     assert _prefetch(GemvConfig(prefetch=0), 2, 2048, 2) == 0
     assert _prefetch(GemvConfig(), 2, 2048, 2) == 2 and _prefetch(GemvConfig(), 2, 2048, 0) == 0
+
+
+def test_gemv_block_rows(monkeypatch):
+    """The streaming GEMV's M tile: 16 at one row, the rows' power of two (at least 16) at 2-16,
+    at least 64 past 16 rows (``SPECCAL_GEMV_WIDE_BLOCK_M`` 32 restores the power of two there),
+    the power of two for CUDA-core FMAs; bad rows and switch values name what they are."""
+    from speccal.kernels import gemv_config as gc
+
+    for var in ("SPECCAL_GEMV_MIN_BLOCK_M", "SPECCAL_GEMV_WIDE_BLOCK_M"):
+        monkeypatch.delenv(var, raising=False)
+    assert [gc.block_rows(m) for m in (1, 2, 6, 8, 12, 16)] == [16] * 6
+    assert [gc.block_rows(m) for m in (17, 24, 32, 33, 48, 64, 65)] == [64] * 6 + [128]
+    assert [gc.block_rows(m, fma=True) for m in (1, 3, 24)] == [1, 4, 32]
+    monkeypatch.setenv("SPECCAL_GEMV_WIDE_BLOCK_M", "32")
+    assert gc.block_rows(24) == 32 and gc.block_rows(48) == 64 and gc.block_rows(12) == 16
+    monkeypatch.setenv("SPECCAL_GEMV_MIN_BLOCK_M", "64")
+    assert gc.block_rows(6) == 64 and gc.block_rows(1) == 16
+    for bad in ("16", "128", "48"):
+        monkeypatch.setenv("SPECCAL_GEMV_WIDE_BLOCK_M", bad)
+        with pytest.raises(InputError, match="SPECCAL_GEMV_WIDE_BLOCK_M"):
+            gc.block_rows(24)
+    monkeypatch.delenv("SPECCAL_GEMV_WIDE_BLOCK_M")
+    with pytest.raises(InputError, match="m"):
+        gc.block_rows(0)
+
+
+def test_defer_scale_switch(monkeypatch):
+    """``SPECCAL_DEFER_SCALE``: late by default, early on request, anything else an error."""
+    from speccal.kernels import _backend
+
+    monkeypatch.delenv("SPECCAL_DEFER_SCALE", raising=False)
+    assert _backend.defer_scale_late() is True
+    monkeypatch.setenv("SPECCAL_DEFER_SCALE", "early")
+    assert _backend.defer_scale_late() is False
+    monkeypatch.setenv("SPECCAL_DEFER_SCALE", "soon")
+    with pytest.raises(InputError, match="SPECCAL_DEFER_SCALE"):
+        _backend.defer_scale_late()
 
 
 def test_tile_and_poll_switches(monkeypatch):

@@ -342,7 +342,7 @@ GEMV_SHAPES = [(2048, 2048), (4096, 2048), (2048, 6144), (1000, 2100), (151936 /
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 48])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 24, 48])
 @pytest.mark.parametrize("shape", GEMV_SHAPES)
 def test_linear_matches_reference(dtype, m, shape):
     from speccal.kernels.gemv import GemvConfig
@@ -363,15 +363,18 @@ def test_linear_matches_reference(dtype, m, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 6, 48])
+@pytest.mark.parametrize("m", [1, 6, 24, 48])
 @pytest.mark.parametrize("k_in", [2048, 6144])
-def test_deferred_norm_matches_the_norm_launch(dtype, m, k_in):
+@pytest.mark.parametrize("scale", ["late", "early"])
+def test_deferred_norm_matches_the_norm_launch(dtype, m, k_in, scale, monkeypatch):
     """The deferred-norm producer (residual add, ``xw = h * w``, per-tile sums of squares) and
     the consumer's row scale against the reference chain residual add -> RMSNorm -> SwiGLU
     GEMV. K 2048: the o projection (split 1, the epilogue); K 6144: the down projection (split
-    K, the last program of each column tile reduces; its counters end at zero)."""
+    K, the last program of each column tile reduces; its counters end at zero). The consumer
+    reduces its row scales after its K loop (``late``) or before it (``early``)."""
     from speccal.kernels import _backend
 
+    monkeypatch.setenv("SPECCAL_DEFER_SCALE", scale)
     gen = torch.Generator().manual_seed(70 + m)
     n, inter = 2048, 256
     x = torch.randn(m, k_in, generator=gen).to(dtype=dtype, device=DEV)
