@@ -9,7 +9,7 @@ machine). Configs are tuned on an H200 (bench/KERNEL_NOTES.md).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from speccal.kernels._backend import (
     _pow2_switch,
@@ -113,14 +113,26 @@ def _override(m: int, n: int, k: int) -> GemvConfig | None:
     return None
 
 
+# shared memory the streaming GEMV's pipeline stages may take (x and weight tiles per stage; the
+# sm_90 limit per program is 227 KB, the rest is left to the epilogue's layout conversions)
+STAGE_BYTES = 224 * 1024
+
+
 def resolve(cfg: GemvConfig, m: int, k: int, element_size: int) -> GemvConfig:
     """The config a launch of ``m`` rows, K ``k``, runs: a register-panel config that is switched
     off (``SPECCAL_GEMV_PANEL=0``) or does not fit (``panel_fits``) becomes the streaming
-    kernel's split-1 config at a column tile of at least 16 (``tl.dot``'s minimum)."""
+    kernel's split-1 config at a column tile of at least 16 (``tl.dot``'s minimum); a streaming
+    config whose stages of ``[block_rows(m), block_k]`` x and ``[block_n, block_k]`` weight
+    tiles would pass ``STAGE_BYTES`` keeps as many stages as fit (at least one; fp32 at an M
+    tile of 64, for one)."""
     if cfg.panel and not (panel_enabled() and panel_fits(m, k, cfg, element_size)):
-        return GemvConfig(block_n=max(16, cfg.block_n), block_k=256, split_k=1, num_warps=4,
-                          num_stages=4)
-    return cfg
+        cfg = GemvConfig(block_n=max(16, cfg.block_n), block_k=256, split_k=1, num_warps=4,
+                         num_stages=4)
+    if cfg.panel:
+        return cfg
+    stage = (block_rows(m, cfg.fma) + cfg.block_n) * cfg.block_k * element_size
+    stages = max(1, min(cfg.num_stages, STAGE_BYTES // stage))
+    return cfg if stages == cfg.num_stages else replace(cfg, num_stages=stages)
 
 
 def panel_fits(m: int, k: int, cfg: GemvConfig, element_size: int) -> bool:

@@ -930,6 +930,27 @@ def test_gemv_block_rows(monkeypatch):
         gc.block_rows(0)
 
 
+def test_resolve_keeps_the_stages_that_fit_in_shared_memory(monkeypatch):
+    """A streaming config whose pipeline stages of x and weight tiles would pass ``STAGE_BYTES``
+    keeps the stages that fit (fp32 at an M tile of 64: 256 KB at 4 stages, past the sm_90
+    limit); the ~2B preset's bf16 tables at up to 64 rows are unchanged."""
+    from speccal.kernels import gemv_config as gc
+
+    for var in ("SPECCAL_GEMV_MIN_BLOCK_M", "SPECCAL_GEMV_WIDE_BLOCK_M", "SPECCAL_GEMV_OVERRIDE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = gc.GemvConfig(64, 128, 1, 4, 4)
+    assert gc.resolve(cfg, 24, 512, 4).num_stages == 3  # (64 + 64) x 128 x 4 B = 64 KB a stage
+    assert gc.resolve(cfg, 12, 512, 4).num_stages == 4  # an M tile of 16: 40 KB a stage
+    assert gc.resolve(cfg, 24, 512, 2) == cfg
+    huge = gc.GemvConfig(256, 256, 1, 4, 8)
+    assert gc.resolve(huge, 64, 512, 4).num_stages == 1  # never below one
+    for n, k, epi in ((12288, 2048, "silu_mul"), (2048, 6144, "residual"), (4096, 2048, None),
+                      (2048, 2048, "residual"), (151936, 2048, "argmax")):
+        for m in (1, 2, 6, 8, 12, 16, 24, 32, 48, 64):
+            picked = gc.pick_config(m, n, k, epilogue=epi)
+            assert gc.launch_config(m, n, k, epilogue=epi).num_stages == picked.num_stages
+
+
 def test_defer_scale_switch(monkeypatch):
     """``SPECCAL_DEFER_SCALE``: late by default, early on request, anything else an error."""
     from speccal.kernels import _backend
