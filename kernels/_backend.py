@@ -288,12 +288,21 @@ def gemv_wide_block_m() -> int:
     return value
 
 
-def defer_scale_late() -> bool:
-    """``SPECCAL_DEFER_SCALE``: where the deferred norm's consumer GEMV turns its rows' sums of
-    squares into row scales: ``late`` (default) after its K loop (the loads are issued before
-    it, so their latency hides under the weight stream), ``early`` before the loop (the K loop
-    waits for them). Read at launch (graph capture)."""
-    return _env_choice("SPECCAL_DEFER_SCALE", "late", ("late", "early"), "late or early") == "late"
+# rows past which the deferred norm's consumer reduces its row scales after its K loop (``auto``):
+# on the H200, same runs, B=4 verification (24 rows, an M tile of 64) -14 / -16 us, B=1 (6 rows)
+# +5 / +6 us, bench/KERNEL_NOTES.md v13
+DEFER_SCALE_LATE_ROWS = 16
+
+
+def defer_scale_late(rows: int) -> bool:
+    """``SPECCAL_DEFER_SCALE``: whether the deferred norm's consumer GEMV of ``rows`` rows turns
+    its rows' sums of squares into row scales after its K loop (the loads are issued before it,
+    so their latency hides under the weight stream) rather than before it (the K loop waits for
+    them): ``late``, ``early``, or ``auto`` (default: late past ``DEFER_SCALE_LATE_ROWS`` rows).
+    Read at launch (graph capture)."""
+    mode = _env_choice("SPECCAL_DEFER_SCALE", "auto", ("auto", "late", "early"),
+                       "auto, late or early")
+    return mode == "late" or (mode == "auto" and rows > DEFER_SCALE_LATE_ROWS)
 
 
 def panel_min_block_m() -> int:

@@ -471,7 +471,7 @@ def linear_triton(
         PREFETCH=_prefetch(cfg, prefetch, k_per_split, pdl),
         LINE=max(1, min(cfg.block_k, 128 // weight.element_size())),
         RES_EARLY=direct and residual is not None and residual_settled, ARGMAX=False,
-        **_norm_args(defer, row_scale, k), **fold,
+        **_norm_args(defer, row_scale, k, m), **fold,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
     )
     if fold:  # the last program of each column tile reduced it
@@ -529,15 +529,16 @@ def _panel_chunks(m: int, k: int) -> dict:
                 PRECVT=panel_preconvert(), TWO=two)
 
 
-def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int) -> dict:
-    """Kernel arguments of the deferred norm's producer (``defer``) or consumer (``row_scale``)."""
+def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int, m: int = 1) -> dict:
+    """Kernel arguments of the deferred norm's producer (``defer``) or consumer (``row_scale``,
+    ``m`` rows)."""
     if defer is not None:
         nw, xw, ss = defer
         return dict(nw_ptr=nw, xw_ptr=xw, ss_ptr=ss, stride_xw=xw.stride(0), P=ss.shape[1],
                     DEFER=True)
     if row_scale is not None:
         ss, eps = row_scale
-        late = defer_scale_late()
+        late = defer_scale_late(m)
         return dict(ss_ptr=ss, P=ss.shape[1], norm_n=k, eps=eps, SCALE=2 if late else 1,
                     P_PAD=triton.next_power_of_2(ss.shape[1]))
     return {}

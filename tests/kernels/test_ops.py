@@ -952,16 +952,21 @@ def test_resolve_keeps_the_stages_that_fit_in_shared_memory(monkeypatch):
 
 
 def test_defer_scale_switch(monkeypatch):
-    """``SPECCAL_DEFER_SCALE``: late by default, early on request, anything else an error."""
+    """``SPECCAL_DEFER_SCALE``: ``auto`` by default (late past ``DEFER_SCALE_LATE_ROWS`` rows),
+    ``late`` / ``early`` at every row count, anything else an error naming it."""
     from speccal.kernels import _backend
 
     monkeypatch.delenv("SPECCAL_DEFER_SCALE", raising=False)
-    assert _backend.defer_scale_late() is True
+    edge = _backend.DEFER_SCALE_LATE_ROWS
+    assert [_backend.defer_scale_late(r) for r in (1, 6, edge, edge + 1, 48)] == [
+        False, False, False, True, True]
+    monkeypatch.setenv("SPECCAL_DEFER_SCALE", "late")
+    assert _backend.defer_scale_late(1) and _backend.defer_scale_late(48)
     monkeypatch.setenv("SPECCAL_DEFER_SCALE", "early")
-    assert _backend.defer_scale_late() is False
+    assert not _backend.defer_scale_late(1) and not _backend.defer_scale_late(48)
     monkeypatch.setenv("SPECCAL_DEFER_SCALE", "soon")
     with pytest.raises(InputError, match="SPECCAL_DEFER_SCALE"):
-        _backend.defer_scale_late()
+        _backend.defer_scale_late(6)
 
 
 def test_tile_and_poll_switches(monkeypatch):
