@@ -51,7 +51,7 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
     # at 1 row +34 us), bench/RESULTS.md "Register panel"; K tiles of 256 in 3 stages there
     # (against 128 x 4: B=1 verify -7 to -11 us, B=8 decode -4 to -10 us, same run, v11)
     # 9-16 rows (B = 2 verification) at 64 x 128 x 4: -8 us per step, v12; past 16 rows (an M
-    # tile of 64, ``block_m``) 32 x 128 x 6: B = 4 verification -2.2 us per layer, v13
+    # tile of 64, ``block_rows``) 32 x 128 x 6: B = 4 verification -2.3 us per layer, v13
     (4096, 2048): [(1, _cfg(32, 128, 1, 6)), (8, _cfg(64, 256, 1, 3)), (16, _cfg(64, 128, 1)),
                    (64, _cfg(32, 128, 1, 6))],
     (2048, 2048): [(1, _cfg(64, 128, 4)), (64, _cfg(32, 128, 1, 6))],  # o
@@ -62,7 +62,7 @@ _TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
 # down keeps split 4 (10.7 us) and adds in the reduce (split 1 measured 13.4 us), H200, M = 1.
 # o at <= PANEL_MAX_ROWS rows: the register panel (its weights load while attention runs; 9-16
 # rows, an M tile of 16: B=2 verification -170 us against the streaming GEMV, H200, v11); past 16
-# rows 16 x 256 x 4 at an M tile of 64 (``block_m``; at a tile of 32, 32 x 128 x 4 had measured
+# rows 16 x 256 x 4 at an M tile of 64 (``block_rows``; at a tile of 32, 32 x 128 x 4 had measured
 # 22 us faster at B=4 verification, v12, and the panel in two M tiles +22 to +31 us)
 _RESIDUAL_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {
     (2048, 2048): [(16, GemvConfig(16, 128, 1, 8, 1, panel=True)), (64, _cfg(16, 256, 1, 4))],
