@@ -31,9 +31,12 @@ __all__ = [
     "attention_spread",
     "decode_max_splits",
     "defer_input_norm",
+    "defer_scale_late",
     "fold_max_merge",
     "gemv_min_block_m",
     "gemv_prefetch_tiles",
+    "gemv_wide_block_m",
+    "input_defer_max",
     "interpreting",
     "norm_defer",
     "num_sms",
@@ -246,14 +249,15 @@ def panel_chunks() -> int:
     return _pow2_switch("SPECCAL_PANEL_CHUNKS", PANEL_CHUNKS, 1 << 16)
 
 
-def _pow2_switch(var: str, default: int, largest: int) -> int:
-    """A power-of-two switch ``var`` in ``[1, largest]`` (unset: ``default``), else an
+def _pow2_switch(var: str, default: int, largest: int, smallest: int = 1) -> int:
+    """A power-of-two switch ``var`` in ``[smallest, largest]`` (unset: ``default``), else an
     InputError naming it."""
     value = _positive_int(var)
-    if value is not None and (value & (value - 1) or value > largest):
+    if value is not None and (value & (value - 1) or not smallest <= value <= largest):
         from speccal.errors import InputError
 
-        raise InputError(var, value, f"a power of two <= {largest}")
+        bounds = f"<= {largest}" if smallest == 1 else f"in [{smallest}, {largest}]"
+        raise InputError(var, value, f"a power of two {bounds}")
     return default if value is None else value
 
 
@@ -280,12 +284,7 @@ def gemv_min_block_m() -> int:
 def gemv_wide_block_m() -> int:
     """``SPECCAL_GEMV_WIDE_BLOCK_M``: the smallest M tile of the streaming GEMV past 16 rows, 32
     or 64 (unset: ``GEMV_WIDE_BLOCK_M``). A tuning switch for benchmarks, read at launch."""
-    value = _pow2_switch("SPECCAL_GEMV_WIDE_BLOCK_M", GEMV_WIDE_BLOCK_M, 64)
-    if value < 32:
-        from speccal.errors import InputError
-
-        raise InputError("SPECCAL_GEMV_WIDE_BLOCK_M", value, "32 or 64")
-    return value
+    return _pow2_switch("SPECCAL_GEMV_WIDE_BLOCK_M", GEMV_WIDE_BLOCK_M, 64, 32)
 
 
 # rows past which the deferred norm's consumer reduces its row scales after its K loop (``auto``):
@@ -429,12 +428,7 @@ def attention_block_n(default: int) -> int:
 
 def _tile_switch(var: str, default: int) -> int:
     """A KV tile switch ``var``: a power of two in [16, 256] (unset: ``default``)."""
-    value = _pow2_switch(var, default, 256)
-    if value < 16:
-        from speccal.errors import InputError
-
-        raise InputError(var, value, "a power of two in [16, 256]")
-    return value
+    return _pow2_switch(var, default, 256, 16)
 
 
 def norm_defer() -> str:

@@ -445,7 +445,7 @@ def linear_triton(
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
             BLOCK_N=cfg.block_n, **_panel_chunks(m, k), RES=residual is not None,
             RES_EARLY=residual is not None and residual_settled, PDL=int(pdl),
-            **_norm_args(defer, None, k), **poll, num_warps=cfg.num_warps, num_stages=1,
+            **_norm_args(defer, None, k, m), **poll, num_warps=cfg.num_warps, num_stages=1,
             launch_pdl=pdl > 0,
         )
         if norm is not None:
@@ -529,7 +529,7 @@ def _panel_chunks(m: int, k: int) -> dict:
                 PRECVT=panel_preconvert(), TWO=two)
 
 
-def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int, m: int = 1) -> dict:
+def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int, m: int) -> dict:
     """Kernel arguments of the deferred norm's producer (``defer``) or consumer (``row_scale``,
     ``m`` rows)."""
     if defer is not None:
@@ -564,7 +564,7 @@ def linear_argmax_triton(
     """
     m = x.shape[0]
     n, k = weight.shape
-    cfg = config or pick_config(m, n, k, num_sms(x.device), epilogue="argmax")
+    cfg = launch_config(m, n, k, num_sms(x.device), "argmax", x.element_size(), config)
     if cfg.split_k != 1:
         raise InputError("config.split_k", cfg.split_k, "1 for the argmax epilogue")
     tiles = triton.cdiv(n, cfg.block_n)

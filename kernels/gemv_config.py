@@ -194,9 +194,7 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132,
     table = (c for max_m, c in first + _TABLE.get((n, k), []) if m <= max_m)
     cfg = _override(m, n, k) or next(table, None) or _heuristic(m, n, k, num_sms)
     if epilogue in ("silu_mul", "argmax") and cfg.split_k > 1:
-        bn = max(16, cfg.block_n // cfg.split_k)
-        cfg = GemvConfig(block_n=bn, block_k=cfg.block_k, split_k=1, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, fma=cfg.fma, prefetch=cfg.prefetch)
+        cfg = replace(cfg, block_n=max(16, cfg.block_n // cfg.split_k), split_k=1, panel=False)
     return cfg
 
 

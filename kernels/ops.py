@@ -29,6 +29,7 @@ import torch
 from speccal.errors import InputError
 from speccal.kernels import reference as ref
 from speccal.kernels._backend import (
+    argmax_keys_enabled,
     arrival_counters,
     attention_block_n,
     attention_poll,
@@ -54,6 +55,7 @@ from speccal.kernels.gemv_config import (
 
 __all__ = [
     "ArgmaxKeys",
+    "argmax_keys_enabled",
     "AttnSignal",
     "DeferredNorm",
     "SplitPlan",

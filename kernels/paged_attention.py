@@ -625,7 +625,7 @@ def paged_attention_triton(
             q_lens if q_lens is not None else dummy, cu_q_lens if cu_q_lens is not None else dummy,
             o3, o3.stride(0), o3.stride(1), num_q_rows, max_splits, batch,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-            S_PAD=triton.next_power_of_2(max_splits), Q_MODE=mode, PDL=pdl,
+            S_PAD=s_pad, Q_MODE=mode, PDL=pdl,
             EARLY=pdl and attention_reduce_early(successor_panel), **sig, num_warps=num_warps,
             launch_pdl=pdl,
         )

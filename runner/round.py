@@ -518,7 +518,6 @@ class RoundRunner:
         grid_tok = grid_logits = None
         if x.update == "in_graph":
             from speccal.kernels import ops  # noqa: PLC0415
-            from speccal.kernels._backend import argmax_keys_enabled  # noqa: PLC0415
 
             dev = self.device
             ids = torch.empty(g, dtype=torch.int64, device=dev)
@@ -529,7 +528,7 @@ class RoundRunner:
             src = torch.empty(bcap * (k + 1), dtype=torch.int64, device=dev)  # grid -> packed row
             # the LM head's packed argmax keys (ops.ArgmaxKeys), zeroed by the metadata update
             keys = (torch.empty(g, dtype=torch.int64, device=dev)
-                    if fast and g <= FUSED_HEAD_MAX_ROWS and argmax_keys_enabled() else None)
+                    if fast and g <= FUSED_HEAD_MAX_ROWS and ops.argmax_keys_enabled() else None)
             nv32 = t["nv32"]
             # each request's pending token is gathered from the slot state inside the launch
             ops.verify_token_update(self.ext_tokens, draft_tokens, nv32, ids, pad_id=0,
