@@ -12,11 +12,11 @@ Steps, all in this process on one machine:
 2. build the live engine (same model, seed, buckets; synthetic acceptance) and load the table
    against its compatibility (``load_table(expect=...)``);
 3. run the same workload live under ``fixed:1..w`` and ``adaptive-step``
-   (``speccal.runner.live.run_live``): ``--num-requests`` random prompts (lengths spread over
+   (``speccal.live.policies.run_live``): ``--num-requests`` random prompts (lengths spread over
    ``[--prompt-min, --prompt-max]``) of ``--max-tokens`` tokens each, at most the largest bucket
    in flight, acceptance profile ``--profile`` switching to ``--phase`` profiles at emitted-token
    fractions (default: the ``transition`` scenario shape, easy then hard); with ``--repeats N``
-   each policy runs ``N`` times, interleaved (``speccal.runner.live.run_interleaved``): cycle
+   each policy runs ``N`` times, interleaved (``speccal.live.policies.run_interleaved``): cycle
    ``c`` is the policy list rotated left by ``c`` (``fixed:1 fixed:2 fixed:3 adaptive-step``,
    ``fixed:2 fixed:3 adaptive-step fixed:1``, ...), so drift over the sequence does not always
    land on one policy; ``N = 1`` is the single pass in that order;
@@ -101,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from speccal.calibrate.pipeline import CalibrateOptions, calibrate
     from speccal.costmodel.table import load_table
-    from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel, make_policy
-    from speccal.runner.engine import Engine, EngineConfig
-    from speccal.runner.live import (
+    from speccal.live.policies import (
         Phase,
         live_cost_model,
         median_summary,
@@ -111,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         run_interleaved,
         run_live,
     )
+    from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel, make_policy
+    from speccal.runner.engine import Engine, EngineConfig
     from speccal.runner.sampling import SamplingParams
 
     if args.threads:

@@ -17,8 +17,8 @@ import sys
 
 from results import append_results, git_commit
 
+from speccal.live.generate import bench
 from speccal.runner.engine import EngineConfig
-from speccal.runner.generate import bench
 
 
 def main() -> None:

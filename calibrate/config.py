@@ -34,10 +34,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
 
+from speccal.base.errors import InputError
+from speccal.base.geometry import MAX_REQUEST_BUCKETS, Geometry
 from speccal.calibrate.feasibility import check_buckets_captured, default_context, reserve_tokens
 from speccal.costmodel.grid import check_contexts
-from speccal.errors import InputError
-from speccal.geometry import MAX_REQUEST_BUCKETS, Geometry
 
 MODELS = ("additive", "sps")
 MODES = ("target_verify", "draft_step")

@@ -41,11 +41,11 @@ from typing import Any
 
 import numpy as np
 
+from speccal.base.errors import SpeccalError
 from speccal.calibrate.config import CalibrationConfig
 from speccal.calibrate.feasibility import reserve_tokens
 from speccal.calibrate.grid import GridPoint
 from speccal.calibrate.journal import Journal
-from speccal.errors import SpeccalError
 
 
 class ShapeMismatchError(SpeccalError):

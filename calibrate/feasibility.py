@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from speccal.base.errors import InputError
+from speccal.base.geometry import Geometry
 from speccal.calibrate.grid import build_grid, check_connected
-from speccal.errors import InputError
-from speccal.geometry import Geometry
 
 if TYPE_CHECKING:
     from speccal.calibrate.config import CalibrationConfig

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from speccal.base.errors import GridError
 from speccal.costmodel import grid
-from speccal.errors import GridError
 
 if TYPE_CHECKING:
     from speccal.calibrate.config import CalibrationConfig

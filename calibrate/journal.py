@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speccal.atomic import write_text_atomic
-from speccal.errors import InputError, SchemaError
+from speccal.base.atomic import write_text_atomic
+from speccal.base.errors import InputError, SchemaError
 
 JOURNAL_VERSION = 1
 

@@ -36,13 +36,13 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from speccal.base.errors import InputError
 from speccal.calibrate import report
 from speccal.calibrate.config import UserConfig, parse_config_file, resolve_config
 from speccal.calibrate.driver import drive
 from speccal.calibrate.feasibility import check_feasible
 from speccal.calibrate.grid import build_grid
 from speccal.calibrate.journal import open_journal
-from speccal.errors import InputError
 
 
 def _invocation() -> str | None:

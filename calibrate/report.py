@@ -12,9 +12,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from speccal.base.geometry import Geometry
 from speccal.calibrate.config import KEYS, CalibrationConfig
 from speccal.calibrate.grid import GridPoint
-from speccal.geometry import Geometry
 
 
 def _value(cfg: CalibrationConfig, key: str) -> str:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from speccal.errors import CompatibilityError, InputError
+from speccal.base.errors import CompatibilityError, InputError
 
 SEMANTIC_FIELDS = (
     "draft_width",

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from speccal.base.errors import GridError
 from speccal.costmodel.additive import AdditiveCostModel, design_matrix, level_lookup
 from speccal.costmodel.estimator import single_thread_blas
 from speccal.costmodel.sps import SPSCostModel, sps_interp
-from speccal.errors import GridError
 
 # h_ii this close to 1 means the remaining design loses rank without the point.
 _HAT_TOL = 1e-9

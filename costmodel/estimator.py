@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from sklearn.utils.validation import validate_data
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 
 COMBINE = ("median", "mean")
 

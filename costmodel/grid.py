@@ -15,7 +15,7 @@ import numpy as np
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from speccal.errors import GridError
+from speccal.base.errors import GridError
 
 
 def check_contexts(intervals: Mapping[int, tuple[int, int, int]]) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from speccal.atomic import write_bytes_atomic
-from speccal.errors import GridError, InputError
+from speccal.base.atomic import write_bytes_atomic
+from speccal.base.errors import GridError, InputError
 
 #: Required columns and their kind: ``int`` or ``float``.
 REQUIRED_COLUMNS: dict[str, str] = {

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from speccal.base.errors import InputError
 from speccal.costmodel.measurements import MODES, validate_measurements
-from speccal.errors import InputError
 
 DEFAULT_CONTEXTS: tuple[tuple[int, int, int], ...] = ((2048, 1, 4096),)
 

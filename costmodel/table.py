@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from speccal import __version__
-from speccal.atomic import write_json_atomic
+from speccal.base.atomic import write_json_atomic
+from speccal.base.errors import GridError, SchemaError
+from speccal.base.geometry import Geometry, default_target_rows
 from speccal.costmodel.compat import Compatibility, check_compatibility
 from speccal.costmodel.grid import check_contexts
 from speccal.costmodel.table_schema import SCHEMA_VERSION, CostTable, validate_block
-from speccal.errors import GridError, SchemaError
-from speccal.geometry import Geometry, default_target_rows
 
 LEGACY_DRAFT_WIDTH = 7
 SCHEMA_PATH = (

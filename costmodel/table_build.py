@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from speccal.base.errors import InputError
+from speccal.base.geometry import Geometry, default_target_rows
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.compat import Compatibility, SpeccalWarning, as_compatibility
 from speccal.costmodel.diagnostics import diagnose
@@ -38,8 +40,6 @@ from speccal.costmodel.table_schema import (
     Window,
     validate_block,
 )
-from speccal.errors import InputError
-from speccal.geometry import Geometry, default_target_rows
 
 MODELS = ("additive", "sps")
 #: Cells listed by name in a :class:`NonPositiveCostWarning` before "... and N more".
@@ -74,7 +74,7 @@ def build_table(
     calibration : the effective calibration config; default: read back from the rows
         (``sources`` say ``measurements`` or ``default``).
     geometry : the captured geometry; default: the measured Bcaps, each with its measured G plus
-        its default legal buckets (``speccal.geometry.default_target_rows``).
+        its default legal buckets (``speccal.base.geometry.default_target_rows``).
     provenance : default: :meth:`Provenance.now`.
     combine : how repeated windows are combined (``median``, ``mean``).
 

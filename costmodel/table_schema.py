@@ -9,7 +9,7 @@ The document (JSON Schema committed under ``tables/schema/cost_table.v1.schema.j
                      target_graph_rows, contexts, warmup_steps, window_steps,
                      windows_per_point, token_seed, policy, sources},
      "compatibility": {...see speccal.costmodel.compat},
-     "geometry": {...speccal.geometry.Geometry.to_dict()},
+     "geometry": {...speccal.base.geometry.Geometry.to_dict()},
      "fits": [{context_index, prefill_tokens, min_kv_length, max_kv_length, model, combine,
                "additive": {bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, reference}
                  or "sps": {g_levels, cost_ms, bcap_levels},
@@ -37,12 +37,12 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from speccal import __version__
-from speccal.atomic import dumps_json
+from speccal.base.atomic import dumps_json
+from speccal.base.geometry import Geometry
 from speccal.costmodel.additive import AdditiveCostModel, level_lookup
 from speccal.costmodel.compat import Compatibility
 from speccal.costmodel.measurements import validate_measurements
 from speccal.costmodel.sps import SPSCostModel, sps_interp
-from speccal.geometry import Geometry
 
 SCHEMA_VERSION = 1
 #: Reason a lookup gives for a cell whose fitted cost is zero or negative (not a physical cost).
@@ -240,7 +240,7 @@ class CostTable(_Strict):
     calibration: CalibrationConfig
     compatibility: Compatibility
     # Stored under the JSON key "geometry"; the attribute name leaves ``geometry()`` free for the
-    # method returning ``speccal.geometry.Geometry`` (the package contract).
+    # method returning ``speccal.base.geometry.Geometry`` (the package contract).
     geometry_block: GeometryBlock = Field(alias="geometry")
     fits: list[ContextFit] = Field(min_length=1)
     provenance: Provenance
@@ -263,7 +263,7 @@ class CostTable(_Strict):
         return self.compatibility.draft_width
 
     def geometry(self) -> Geometry:
-        """The captured geometry the table was calibrated on (``speccal.geometry.Geometry``)."""
+        """The captured geometry the table was calibrated on (``speccal.base.geometry.Geometry``)."""
         return Geometry.from_dict(self.geometry_block.model_dump())
 
     # -- lookup

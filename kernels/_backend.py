@@ -80,14 +80,14 @@ def use_triton(t: torch.Tensor, backend: str | None = None) -> bool:
         backend = _env_choice("SPECCAL_KERNELS", "auto", ("auto", "triton", "reference"),
                               "auto, triton or reference")
     elif backend not in ("triton", "reference"):
-        from speccal.errors import InputError
+        from speccal.base.errors import InputError
 
         raise InputError("backend", backend, "triton, reference or None")
     if backend == "reference":
         return False
     ok = triton_available() and (t.is_cuda or interpreting())
     if backend == "triton" and not ok:
-        from speccal.errors import UnsupportedError
+        from speccal.base.errors import UnsupportedError
 
         raise UnsupportedError("backend='triton' needs a CUDA tensor and an importable triton")
     return ok
@@ -165,7 +165,7 @@ def _env_choice(var: str, default: str, choices, expected: str) -> str:
     naming the variable, the value and ``expected``."""
     value = os.environ.get(var, default)
     if value not in choices:
-        from speccal.errors import InputError
+        from speccal.base.errors import InputError
 
         raise InputError(var, value, expected)
     return value
@@ -177,7 +177,7 @@ def _env_int(var: str, minimum: int) -> int | None:
     if not value:
         return None
     if not value.isdigit() or int(value) < minimum:
-        from speccal.errors import InputError
+        from speccal.base.errors import InputError
 
         raise InputError(var, value, f"an int >= {minimum} (or unset)")
     return int(value)
@@ -254,7 +254,7 @@ def _pow2_switch(var: str, default: int, largest: int, smallest: int = 1) -> int
     InputError naming it."""
     value = _positive_int(var)
     if value is not None and (value & (value - 1) or not smallest <= value <= largest):
-        from speccal.errors import InputError
+        from speccal.base.errors import InputError
 
         bounds = f"<= {largest}" if smallest == 1 else f"in [{smallest}, {largest}]"
         raise InputError(var, value, f"a power of two {bounds}")

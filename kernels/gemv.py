@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 from speccal.kernels._backend import (
     arrival_counters,
     defer_scale_late,

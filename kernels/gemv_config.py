@@ -104,7 +104,7 @@ def _override(m: int, n: int, k: int) -> GemvConfig | None:
             bn, bk, split, warps, stages = (int(v) for v in parts[:5])
             cfg = GemvConfig(bn, bk, split, warps, stages, panel=panel, prefetch=prefetch)
         except ValueError:
-            from speccal.errors import InputError
+            from speccal.base.errors import InputError
 
             raise InputError("SPECCAL_GEMV_OVERRIDE", entry, "N:K:MAX_M=block_n/block_k/split_k/"
                              "num_warps/num_stages[/panel][/pfT]") from None
@@ -155,7 +155,7 @@ def block_rows(m: int, fma: bool = False) -> int:
     ``gemv_wide_block_m()`` (64: 24 rows in a 32-row tile measured slower in every product,
     bench/KERNEL_NOTES.md v13)."""
     if m < 1:
-        from speccal.errors import InputError
+        from speccal.base.errors import InputError
 
         raise InputError("m", m, "rows >= 1")
     pad = 1 << (m - 1).bit_length()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 from speccal.kernels import reference as ref
 from speccal.kernels._backend import (
     argmax_keys_enabled,

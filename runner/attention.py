@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speccal.errors import InputError, UnsupportedError
+from speccal.base.errors import InputError, UnsupportedError
 
 ATTENTION_BACKENDS = ("torch", "triton")
 MAX_KERNEL_Q_ROWS = 64  # query rows per request the Triton kernel serves (decode / verify)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
-from speccal.errors import InputError, SchemaError
+from speccal.base.errors import InputError, SchemaError
 
 _FULL_HASH_LIMIT = 2 * 1024**3  # hash whole files below this total size, else sample them
 _SAMPLE_CHUNKS = 64

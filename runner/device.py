@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from speccal.errors import InputError, UnsupportedError
+from speccal.base.errors import InputError, UnsupportedError
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|npu)(?::(\d+))?$")
 

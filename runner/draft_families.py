@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from speccal.errors import InputError, UnsupportedError
+from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.config import MTP_DEPTH_FIELDS
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from speccal.errors import CapacityError, InputError, UnsupportedError
-from speccal.geometry import Geometry
+from speccal.base.errors import CapacityError, InputError, UnsupportedError
+from speccal.base.geometry import Geometry
 from speccal.runner.attention import set_attention_backend
 from speccal.runner.device import (
     default_dtype,

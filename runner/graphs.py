@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speccal.errors import UnsupportedError
+from speccal.base.errors import UnsupportedError
 
 
 @dataclass(frozen=True, order=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from speccal.errors import CapacityError
+from speccal.base.errors import CapacityError
 
 SENTINEL_SLOT = 0
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from speccal.errors import InputError, UnsupportedError
+from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.checkpoint import SafetensorsFolder, TensorSource
 from speccal.runner.config import ModelConfig, config_from_hf
 from speccal.runner.draft_families import REGISTRY, DraftFamily, is_any_draft_key, recognise

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from speccal.errors import UnsupportedError
+from speccal.base.errors import UnsupportedError
 from speccal.runner import sampling
 from speccal.runner.attention import AttnMeta, attention_backend
 from speccal.runner.buffers import StaticInputs

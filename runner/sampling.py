@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speccal.errors import InputError, UnsupportedError
+from speccal.base.errors import InputError, UnsupportedError
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""

@@ -16,7 +16,7 @@
 
 Both take an optional ``title`` (a second title line; ``speccal.plots_table.table_title`` names
 the table's model fingerprint and device). Each ``plot_*`` writes the figure its ``*_figure``
-twin builds, atomically (PNG rendered to memory, then ``speccal.atomic``).
+twin builds, atomically (PNG rendered to memory, then ``speccal.base.atomic``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speccal.atomic import write_bytes_atomic
+from speccal.base.atomic import write_bytes_atomic
 from speccal.replay import PolicyRun, ReplayReport
 
 #: Largest vertical offset between two timeline lines, as a fraction of the level spacing.

@@ -19,7 +19,7 @@ and notebooks inspect what is drawn).
 
 Replay figures (decision timeline, throughput per policy) live in ``speccal.plots_replay``.
 Pure matplotlib/numpy on a ``speccal.costmodel.table_schema.CostTable``: no torch. PNGs are rendered
-to memory and written atomically (``speccal.atomic``).
+to memory and written atomically (``speccal.base.atomic``).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from speccal.atomic import write_bytes_atomic
+from speccal.base.atomic import write_bytes_atomic
+from speccal.base.errors import InputError
 from speccal.costmodel.table_schema import ContextFit, CostTable
-from speccal.errors import InputError
 
 #: Residual maps annotate each cell with its value up to this many G columns.
 MAX_ANNOTATED_COLUMNS = 16

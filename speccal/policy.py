@@ -4,7 +4,7 @@ Owns the stateful side of SPEC section 6 and the small objects the runner exchan
 pure decision rules they apply live in :mod:`speccal.policy_rules`:
 
 - :class:`CostModel`: a vectorised full-round cost ``cost(bcap, g, kv_length) -> ms`` (NaN =
-  uncalibrated) plus the :class:`~speccal.geometry.Geometry` and table ``mode`` it belongs to.
+  uncalibrated) plus the :class:`~speccal.base.geometry.Geometry` and table ``mode`` it belongs to.
   ``CostModel.from_table(table)`` adapts a ``speccal.costmodel.table_schema.CostTable``.
 - :class:`BatchState` (what the runner knows before a round), :class:`Decision` (the plan:
   ``k`` draft forwards, padded target rows ``g``, optional per-request ``verify_tokens``) and
@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from speccal.errors import InputError, UnsupportedError
-from speccal.geometry import Geometry
+from speccal.base.errors import InputError, UnsupportedError
+from speccal.base.geometry import Geometry
 from speccal.policy_rules import (
     CURVE_RESOLUTION,
     allocate_prefixes,

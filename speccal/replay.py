@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from speccal.errors import InputError, UnsupportedError
+from speccal.base.errors import InputError, UnsupportedError
 from speccal.policy import (
     AdaptiveStepConfig,
     AdaptiveVerifyConfig,

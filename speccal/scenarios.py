@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from speccal.errors import InputError
-from speccal.geometry import Geometry, default_request_buckets
+from speccal.base.errors import InputError
+from speccal.base.geometry import Geometry, default_request_buckets
 from speccal.policy import CostModel
 from speccal.trace import RoundTrace
 

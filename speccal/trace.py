@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from speccal.atomic import write_bytes_atomic
-from speccal.errors import InputError, SchemaError
+from speccal.base.atomic import write_bytes_atomic
+from speccal.base.errors import InputError, SchemaError
 
 SCHEMA_VERSION = 1
 KINDS = ("rounds", "tokens")

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from speccal.base.errors import InputError
+from speccal.base.geometry import Geometry
 from speccal.calibrate.config import (
     DEFAULT_MAX_KV_LENGTH,
     DEFAULT_PREFILL_TOKENS,
@@ -16,8 +18,6 @@ from speccal.calibrate.config import (
     resolve_config,
 )
 from speccal.calibrate.feasibility import reserve_tokens
-from speccal.errors import InputError
-from speccal.geometry import Geometry
 
 # The two files of the xLLM adaptive speculative decoding document, verbatim.
 ADAPTIVE_STEP_FILE = """{

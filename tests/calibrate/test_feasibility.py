@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from speccal.base.errors import GridError, InputError
+from speccal.base.geometry import Geometry
 from speccal.calibrate.config import UserConfig, parse_config_obj, resolve_config
 from speccal.calibrate.feasibility import check_feasible, reserve_tokens
 from speccal.calibrate.grid import build_grid, split_rows
-from speccal.errors import GridError, InputError
-from speccal.geometry import Geometry
 
 GEO = Geometry(
     draft_width=3, request_buckets=(1, 2, 4), kv_capacity_tokens=4 * 4096, max_model_len=4096

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from speccal.base.errors import InputError, SchemaError
 from speccal.calibrate.journal import open_journal
-from speccal.errors import InputError, SchemaError
 
 HEADER = {"config": {"a": 1}, "geometry": {"w": 3}, "compatibility": {"draft_width": 3}}
 

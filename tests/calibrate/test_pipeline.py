@@ -9,9 +9,9 @@ import math
 import pytest
 from rich.console import Console
 
+from speccal.base.errors import GridError, InputError
 from speccal.calibrate.pipeline import CalibrateOptions, calibrate
 from speccal.costmodel.table import load_table
-from speccal.errors import GridError, InputError
 
 
 def quiet() -> Console:

@@ -1,4 +1,4 @@
-"""speccal.atomic: a failed write leaves the old file intact and no temp file behind."""
+"""speccal.base.atomic: a failed write leaves the old file intact and no temp file behind."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from speccal import atomic
-from speccal.atomic import write_bytes_atomic, write_json_atomic
+from speccal.base import atomic
+from speccal.base.atomic import write_bytes_atomic, write_json_atomic
 
 
 def test_write_replaces_content_and_keeps_mode(tmp_path):

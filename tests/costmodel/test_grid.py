@@ -5,10 +5,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from speccal.base.errors import GridError
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.grid import check_connected, check_contexts, grid_components
 from speccal.costmodel.measurements import validate_measurements
-from speccal.errors import GridError
 
 from .helpers import measurements
 

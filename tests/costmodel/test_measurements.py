@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from speccal.base.errors import GridError, InputError
 from speccal.costmodel.measurements import (
     REQUIRED_COLUMNS,
     combine_windows,
@@ -13,7 +14,6 @@ from speccal.costmodel.measurements import (
     validate_measurements,
     write_measurements,
 )
-from speccal.errors import GridError, InputError
 
 from .helpers import measurements
 

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from speccal.base.errors import CompatibilityError, GridError, InputError, SchemaError
 from speccal.costmodel.compat import CompatibilityWarning, SpeccalWarning
 from speccal.costmodel.synthetic import make_measurements
 from speccal.costmodel.table import json_schema, load_table, parse_table, save_table
 from speccal.costmodel.table_build import NonPositiveCostWarning, build_table, refit_table
 from speccal.costmodel.table_schema import SCHEMA_VERSION, CostTable
-from speccal.errors import CompatibilityError, GridError, InputError, SchemaError
 
 from .helpers import (
     ALPHA,

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 from speccal.kernels import ops
 from speccal.kernels import reference as ref
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 from speccal.runner.attention import attention_backend, paged_attention, set_attention_backend
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from speccal.live.generate import generate
 from speccal.runner.engine import Engine, EngineConfig
-from speccal.runner.generate import generate
 from speccal.runner.prefill import prefill
 from speccal.runner.request import Request
 from speccal.runner.sampling import SamplingParams

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from speccal.errors import InputError, UnsupportedError
+from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.sampling import SamplingParams
 
@@ -307,7 +307,7 @@ def test_target_loader_drops_draft_keys_and_plain_matches_spec(tmp_path):
     assert plain.loaded.draft is None and len(plain.kv.layers) == L
     spec = _engine(tmp_path / "c", acceptance="greedy")
     assert len(spec.kv.layers) == L + 1
-    from speccal.runner.generate import generate
+    from speccal.live.generate import generate
 
     prm = SamplingParams(max_tokens=12, ignore_eos=True)
     assert generate(plain, [[1, 2, 3, 4, 5]], prm, 0) == generate(spec, [[1, 2, 3, 4, 5]], prm, 3)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from speccal.errors import CapacityError, InputError, UnsupportedError
-from speccal.geometry import Geometry
+from speccal.base.errors import CapacityError, InputError, UnsupportedError
+from speccal.base.geometry import Geometry
+from speccal.live.generate import generate
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
-from speccal.runner.generate import generate
 from speccal.runner.sampling import SamplingParams
 
 

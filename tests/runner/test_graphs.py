@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speccal.errors import UnsupportedError
+from speccal.base.errors import UnsupportedError
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.sampling import SamplingParams
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 from speccal.runner import sampling
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.graphs import GraphKey

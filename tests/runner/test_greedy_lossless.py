@@ -12,8 +12,8 @@ import functools
 import numpy as np
 import pytest
 
+from speccal.live.generate import generate
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
-from speccal.runner.generate import generate
 from speccal.runner.sampling import SamplingParams
 
 W = 5

@@ -12,9 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from speccal.live.generate import generate  # noqa: E402
 from speccal.runner.config import config_from_hf  # noqa: E402
 from speccal.runner.engine import Engine, EngineConfig  # noqa: E402
-from speccal.runner.generate import generate  # noqa: E402
 from speccal.runner.rope import inv_freq_and_scale  # noqa: E402
 from speccal.runner.sampling import SamplingParams  # noqa: E402
 

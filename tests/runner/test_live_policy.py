@@ -1,4 +1,4 @@
-"""Live policy loop (``speccal.runner.live``) and the engine's plan hook, on the tiny CPU preset.
+"""Live policy loop (``speccal.live.policies``) and the engine's plan hook, on the tiny CPU preset.
 
 The live adaptive-step policy must make exactly the decisions its twin makes when replayed on
 the run's own recorded trace; adaptive-verify plans must stay inside the budget, prefix-closed,
@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speccal.errors import InputError, UnsupportedError
-from speccal.geometry import Geometry
+from speccal.base.errors import InputError, UnsupportedError
+from speccal.base.geometry import Geometry
+from speccal.live.policies import Phase, replay_prediction, run_live
 from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel, make_policy
 from speccal.policy_rules import allocate_prefixes
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan, RoundState
-from speccal.runner.live import Phase, replay_prediction, run_live
 from speccal.runner.sampling import SamplingParams
 from speccal.trace import load_trace, save_trace
 
@@ -203,7 +203,7 @@ def test_live_loop_refusals():
 def test_live_cost_model_equals_the_table_cost_model(model):
     from speccal.costmodel.synthetic import make_measurements
     from speccal.costmodel.table_build import build_table
-    from speccal.runner.live import live_cost_model
+    from speccal.live.policies import live_cost_model
 
     df = make_measurements(
         bias_ms=5.0,
@@ -264,7 +264,7 @@ def test_device_allocation_equals_the_policy_rule():
 
 
 def test_interleaved_order_is_round_robin_rotated_each_cycle():
-    from speccal.runner.live import interleaved_order
+    from speccal.live.policies import interleaved_order
 
     order = interleaved_order(["A", "B", "C"], 4)
     assert "".join(n for _, _, n in order) == "ABCBCACABABC"
@@ -283,7 +283,7 @@ def test_interleaved_order_is_round_robin_rotated_each_cycle():
 def test_run_interleaved_fresh_policy_per_run_and_timestamps():
     from datetime import datetime
 
-    from speccal.runner.live import run_interleaved
+    from speccal.live.policies import run_interleaved
 
     eng = _engine(profile=(1.0, 1.0, 1.0))
     cost = _cost(eng.geometry)
@@ -322,7 +322,7 @@ def test_run_interleaved_fresh_policy_per_run_and_timestamps():
 
 
 def test_median_summary_takes_medians_over_the_runs():
-    from speccal.runner.live import median_summary
+    from speccal.live.policies import median_summary
 
     def summ(tps, err, match=True):
         return {

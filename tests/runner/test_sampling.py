@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from speccal.errors import InputError, UnsupportedError
+from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.sampling import (
     GREEDY_TEMPERATURE,
     SamplingParams,

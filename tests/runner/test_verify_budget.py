@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from speccal.live.generate import generate
+from speccal.live.policies import replay_prediction, run_live
 from speccal.policy import CostModel, make_policy
 from speccal.policy_rules import allocate_prefixes
 from speccal.runner import round as round_mod
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
-from speccal.runner.generate import generate
-from speccal.runner.live import replay_prediction, run_live
 from speccal.runner.sampling import SamplingParams
 from speccal.trace import load_trace, save_trace
 

@@ -21,7 +21,7 @@ def test_no_bare_top_level_module_is_imported():
 
 def test_torch_free_core_does_not_import_torch():
     code = (
-        "import sys, speccal.costmodel, speccal.errors\n"
+        "import sys, speccal.costmodel, speccal.base.errors\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
+from speccal.base.errors import InputError
 from speccal.costmodel.synthetic import make_measurements
 from speccal.costmodel.table_build import build_table, refit_table
-from speccal.errors import InputError
 from speccal.plots_table import (
     components_figure,
     fit_figure,

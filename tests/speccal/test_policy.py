@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from speccal.errors import InputError, UnsupportedError
-from speccal.geometry import Geometry
+from speccal.base.errors import InputError, UnsupportedError
+from speccal.base.geometry import Geometry
 from speccal.policy import (
     AdaptiveStepConfig,
     AdaptiveStepPolicy,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from speccal.base.errors import InputError, UnsupportedError
 from speccal.cli import app
-from speccal.errors import InputError, UnsupportedError
 from speccal.policy import AdaptiveStepConfig, AdaptiveVerifyConfig, CostModel, make_policy
 from speccal.replay import ReplayConfig, replay, run_sequential
 from speccal.scenarios import (

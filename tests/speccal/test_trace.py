@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from speccal.errors import InputError, SchemaError
+from speccal.base.errors import InputError, SchemaError
 from speccal.trace import (
     RoundTrace,
     RoundTraceBuilder,

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 
 err_console = Console(stderr=True)
 

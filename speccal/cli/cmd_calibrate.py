@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 
 _err = Console(stderr=True)
 

@@ -1,7 +1,7 @@
 """The speccal command line (Typer app).
 
-Commands live in ``speccal/cmd_*.py``; each module exposes ``register(app)``. Commands only parse
-options, build a config, call a library function and map domain errors (``speccal.errors``) to a
+Commands live in ``speccal/cli/cmd_*.py``; each module exposes ``register(app)``. Commands only parse
+options, build a config, call a library function and map domain errors (``speccal.base.errors``) to a
 one-line message on stderr and an exit code: 2 for bad input, 1 for runtime failures.
 """
 
@@ -15,7 +15,8 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from speccal import __version__
-from speccal.errors import SpeccalError
+from speccal.base.errors import SpeccalError
+from speccal.cli import cmd_calibrate, cmd_fit, cmd_plot, cmd_replay, cmd_run, cmd_table
 
 err_console = Console(stderr=True)
 
@@ -60,14 +61,8 @@ def _root(
     """speccal: cost tables for speculative decoding."""
 
 
-def _register_commands() -> None:
-    from speccal import cmd_calibrate, cmd_fit, cmd_plot, cmd_replay, cmd_run, cmd_table
-
-    for module in (cmd_fit, cmd_table, cmd_run, cmd_calibrate, cmd_replay, cmd_plot):
-        module.register(app)
-
-
-_register_commands()
+for _module in (cmd_fit, cmd_table, cmd_run, cmd_calibrate, cmd_replay, cmd_plot):
+    _module.register(app)
 
 
 def main() -> None:

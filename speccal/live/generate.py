@@ -3,7 +3,7 @@
 This module owns :func:`generate` (run requests to completion on an engine), :func:`bench`
 (speculative vs plain decoding of the same prompts in one process, with timing and acceptance
 statistics) and :func:`bench_policies` (``speccal bench --policy``: the same workload under each
-policy object through ``speccal.runner.live``, each policy ``repeats`` times in an interleaved,
+policy object through ``speccal.live.policies``, each policy ``repeats`` times in an interleaved,
 rotated order with per-policy medians). Timing edges are device-synchronised; prefill is
 timed apart from decoding.
 """
@@ -190,7 +190,7 @@ def bench_policies(
     ``policies`` are policy specs (``fixed:K``, ``adaptive-step``, ``adaptive-verify``); every run
     builds a fresh object on ``cost`` (a ``speccal.policy.CostModel``). A short warm-up run at
     every ``k`` precedes the timed runs. Each policy runs ``repeats`` times, interleaved
-    (``speccal.runner.live.interleaved_order``). Returns ``{"policies": [summary...], "runs":
+    (``speccal.live.policies.interleaved_order``). Returns ``{"policies": [summary...], "runs":
     [TimedRun...], "best_fixed", "setup"}``: one summary per policy (``median_summary`` of its
     runs), each with ``gain_vs_best_fixed_pct`` (median ``round_tokens_per_s``) and, when the cost
     model prices the run, its ``replay`` prediction (a fresh twin replayed on each run's own
@@ -198,14 +198,14 @@ def bench_policies(
     policy sequence) and ``run_log`` (per run: cycle, position, UTC start/end, tokens/s, replay
     error).
     """
-    from speccal.policy import make_policy
-    from speccal.runner.live import (
+    from speccal.live.policies import (
         interleaved_order,
         median_summary,
         replay_prediction,
         run_interleaved,
         run_live,
     )
+    from speccal.policy import make_policy
 
     interleaved_order(policies, repeats)  # refuses a bad repeats before anything runs
     prompts = workload_prompts(engine.loaded.config.vocab_size, num_requests, prompt_len, seed)

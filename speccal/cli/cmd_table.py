@@ -15,8 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from speccal.atomic import dumps_json, write_text_atomic
-from speccal.errors import InputError
+from speccal.base.atomic import dumps_json, write_text_atomic
+from speccal.base.errors import InputError
 
 err_console = Console(stderr=True)
 

@@ -5,13 +5,13 @@ the speculative engine and prints the generated ids (and text); ``bench`` compar
 and plain decoding of the same random prompts in one process (tokens/s, TPOT, acceptance rate,
 mean accepted length, speed-up). ``bench --policy P`` (repeatable or comma list: ``fixed:K``,
 ``adaptive-step``, ``adaptive-verify``; the two adaptive modes together are refused before
-anything runs) instead runs the same workload live under each policy (``speccal.runner.live``)
+anything runs) instead runs the same workload live under each policy (``speccal.live.policies``)
 with ``--cost-table`` (loaded against the engine's compatibility; required by adaptive
 policies), reports tokens/s, TPOT, acceptance, decisions, gain over the best fixed ``k`` and the
 replay prediction of each run from its own trace; ``--trace-out`` writes the run traces.
 ``bench --policy ... --repeats N`` runs each policy ``N`` times on the same workload in an
 interleaved order (round-robin, rotated each cycle: A B C, B C A, C A B, ...;
-``speccal.runner.live.interleaved_order``) and reports per policy the median tokens/s with its
+``speccal.live.policies.interleaved_order``) and reports per policy the median tokens/s with its
 min-max spread, the median replay error and the gain over the best fixed ``k`` from medians;
 ``--json`` adds ``repeats``, ``order`` and ``run_log`` (per-run cycle, position, UTC start/end).
 ``N = 1`` (the ``--policy`` default) is one run per policy, output as before.
@@ -32,7 +32,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 
 err_console = Console(stderr=True)
 
@@ -192,8 +192,8 @@ def generate(
     ] = False,
 ) -> None:
     """Generate tokens with the embedded speculative runner (token ids in and out)."""
+    from speccal.live.generate import generate as run_generate
     from speccal.runner.engine import Engine
-    from speccal.runner.generate import generate as run_generate
     from speccal.runner.sampling import SamplingParams
 
     if not prompt_ids and not prompt:
@@ -379,7 +379,7 @@ def bench(
 
     With --policy: the same workload live under each policy (one engine), with the replay
     prediction of every run from its own trace."""
-    from speccal.runner.generate import bench as run_bench
+    from speccal.live.generate import bench as run_bench
 
     if repeats is not None and repeats < 1:
         raise InputError("--repeats", repeats, "an integer >= 1")
@@ -501,7 +501,7 @@ def _parse_policies(values: list[str]) -> list[str]:
 
 
 def _parse_phases(values: list[str] | None, draft_width: int, acceptance: str) -> list:
-    from speccal.runner.live import Phase
+    from speccal.live.policies import Phase
 
     if not values:
         return []
@@ -566,8 +566,8 @@ def _bench_policies(
             raise InputError(
                 "--request-buckets", request_buckets, "integers, e.g. 1,2,4,8"
             ) from None
+    from speccal.live.generate import bench_policies
     from speccal.runner.engine import Engine
-    from speccal.runner.generate import bench_policies
 
     cfg = _engine_config(
         model,
@@ -584,7 +584,7 @@ def _bench_policies(
         attention_backend=attention_backend,
     )
     if phases and any(not p.profile for p in phases):
-        from speccal.runner.live import Phase
+        from speccal.live.policies import Phase
 
         phases = [Phase(0.0, cfg.acceptance_profile)] + [p for p in phases if p.profile]
     engine = Engine(cfg)
@@ -600,7 +600,7 @@ def _bench_policies(
                 runtime_versions=engine.runtime_versions(),
             )
         table_warnings = [str(w.message) for w in caught]
-        from speccal.runner.live import live_cost_model
+        from speccal.live.policies import live_cost_model
 
         cost = live_cost_model(table)
     else:

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 
 err_console = Console(stderr=True)
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 from speccal.policy import BatchState, CostModel, Decision, Feedback, Policy
 from speccal.runner.engine import Engine, RoundPlan, RoundState
 from speccal.runner.sampling import SamplingParams

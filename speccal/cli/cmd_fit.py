@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 
 BARE_COMPAT = {
     "model": {
@@ -78,7 +78,7 @@ def fit(
     ] = False,
 ) -> None:
     """Fit an SPS or additive cost model per context interval and write a cost table."""
-    from speccal.cmd_table import _echo_json, err_console, fit_report
+    from speccal.cli.cmd_table import _echo_json, err_console, fit_report
     from speccal.costmodel.measurements import read_measurements
     from speccal.costmodel.report import summary
     from speccal.costmodel.table import save_table

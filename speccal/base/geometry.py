@@ -16,7 +16,7 @@ import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from speccal.errors import InputError
+from speccal.base.errors import InputError
 
 MAX_REQUEST_BUCKETS = 128
 
