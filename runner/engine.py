@@ -547,8 +547,7 @@ class Engine:
     def _budget_rows(self, budget: int, n: int, bcap: int) -> tuple[int | None, int]:
         """``(G, draft rows)`` of a verify budget: the largest target bucket of ``bcap`` that
         fits ``budget`` (else the smallest holding the ``n`` bonus rows) and ``min(G, budget) - n``."""
-        levels = [g for g in self.geometry.target_rows.get(bcap, ()) if n <= g <= budget]
-        g = max(levels) if levels else self.geometry.g_for(bcap, n)
+        g = self.geometry.g_within(bcap, int(budget), n)
         return g, (min(g, int(budget)) - n if g is not None else 0)
 
     def step(self, plan: RoundPlan | PlanFn) -> RoundResult:

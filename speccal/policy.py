@@ -81,27 +81,12 @@ class CostModel:
         return self.geometry.draft_width
 
     def bcap(self, num_requests: np.ndarray) -> np.ndarray:
-        """Vectorised ``geometry.bcap_for``; 0 where no captured bucket holds the batch."""
-        buckets = np.asarray(self.geometry.request_buckets, dtype=np.int64)
-        b = np.asarray(num_requests, dtype=np.int64)
-        i = np.searchsorted(buckets, b, side="left")
-        ok = i < len(buckets)
-        return np.where(ok, buckets[np.minimum(i, len(buckets) - 1)], 0)
+        """``geometry.pad_requests``: the request bucket of each batch, 0 where none holds it."""
+        return self.geometry.pad_requests(num_requests)
 
     def g(self, bcap: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Vectorised ``geometry.g_for``; 0 where no captured target bucket holds the rows."""
-        bcap = np.asarray(bcap, dtype=np.int64)
-        rows = np.asarray(rows, dtype=np.int64)
-        bcap, rows = np.broadcast_arrays(bcap, rows)
-        out = np.zeros(bcap.shape, dtype=np.int64)
-        for b, gs in self.geometry.target_rows.items():
-            sel = bcap == b
-            if not sel.any():
-                continue
-            levels = np.asarray(gs, dtype=np.int64)
-            j = np.searchsorted(levels, rows[sel], side="left")
-            out[sel] = np.where(j < len(levels), levels[np.minimum(j, len(levels) - 1)], 0)
-        return out
+        """``geometry.pad_rows``: the captured target bucket holding the rows, 0 where none does."""
+        return self.geometry.pad_rows(bcap, rows)
 
     def lookup(self, bcap: np.ndarray, g: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
         """Cost in ms with NaN for a missing bucket (0) or an uncalibrated point."""

@@ -7,7 +7,11 @@ buckets, and the legal target buckets of ``Bcap`` are those between ``Bcap`` and
 ``Bcap * (w + 1)``: full verification of ``k`` drafts for ``B`` requests pads ``B * (k + 1)`` rows
 up to the next legal bucket, and every trimmed verify budget has a captured shape.
 
-Pure Python: no torch, no numpy.
+This module owns the bucketing rules, once each: padding a batch to its request bucket
+(:meth:`Geometry.bcap_for`, vectorised :meth:`Geometry.pad_requests`), padding target rows up to a
+captured target bucket (:meth:`Geometry.g_for`, vectorised :meth:`Geometry.pad_rows`) and fitting
+a verify budget into the captured buckets (:meth:`Geometry.g_within`). The runner, the policies
+and the replay call these; none of them pads on its own. No torch: numpy only.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
 
 from speccal.base.errors import InputError
 
@@ -95,16 +103,46 @@ class Geometry:
 
     def bcap_for(self, num_requests: int) -> int | None:
         """Smallest captured request bucket holding ``num_requests``; None when none does."""
-        i = bisect.bisect_left(self.request_buckets, num_requests)
-        return self.request_buckets[i] if i < len(self.request_buckets) else None
+        return int(self.pad_requests(num_requests)) or None
 
     def g_for(self, bcap: int, rows: int) -> int | None:
         """Smallest captured target bucket of ``bcap`` holding ``rows`` rows; None when none does."""
-        gs = self.target_rows.get(bcap)
-        if gs is None:
-            return None
-        i = bisect.bisect_left(gs, rows)
-        return gs[i] if i < len(gs) else None
+        return int(self.pad_rows(bcap, rows)) or None
+
+    def pad_requests(self, num_requests: Any) -> np.ndarray:
+        """Vectorised :meth:`bcap_for` (int64, same shape as ``num_requests``); 0 where none holds it."""
+        buckets = np.asarray(self.request_buckets, dtype=np.int64)
+        i = np.searchsorted(buckets, np.asarray(num_requests, dtype=np.int64), side="left")
+        return np.where(i < buckets.size, buckets[np.minimum(i, buckets.size - 1)], 0)
+
+    def pad_rows(self, bcap: Any, rows: Any) -> np.ndarray:
+        """Vectorised :meth:`g_for` (int64, broadcast shape of the inputs); 0 where no captured
+        target bucket of ``bcap`` holds the rows (or ``bcap`` is not a request bucket)."""
+        keys, span = self._row_keys
+        bcap = np.asarray(bcap, dtype=np.int64)
+        # rows clipped to [0, span]: a query never reaches into a neighbouring bucket's keys
+        rows = np.clip(np.asarray(rows, dtype=np.int64), 0, span)
+        j = np.searchsorted(keys, bcap * span + rows, side="left")
+        hit = keys[np.minimum(j, keys.size - 1)]
+        return np.where((j < keys.size) & (hit // span == bcap), hit % span, 0)
+
+    def g_within(self, bcap: int, budget: int, min_rows: int) -> int | None:
+        """Target bucket of a verify budget: the largest captured target bucket of ``bcap`` in
+        ``[min_rows, budget]``, else the smallest holding ``min_rows`` (the bonus rows); None
+        when none does."""
+        gs = self.target_rows.get(bcap, ())
+        i = bisect.bisect_right(gs, budget) - 1
+        if i >= 0 and gs[i] >= min_rows:
+            return gs[i]
+        return self.g_for(bcap, min_rows)
+
+    @cached_property
+    def _row_keys(self) -> tuple[np.ndarray, int]:
+        """Every captured ``(Bcap, G)`` as one sorted key ``Bcap * span + G`` (``span`` > every G),
+        so :meth:`pad_rows` is one ``searchsorted`` over all buckets."""
+        span = max(max(gs) for gs in self.target_rows.values()) + 1
+        keys = [b * span + g for b in self.request_buckets for g in self.target_rows[b]]
+        return np.asarray(keys, dtype=np.int64), span
 
     def to_dict(self) -> dict:
         return {
