@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,7 +31,6 @@ from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.geometry import Geometry
 from speccal.policy_rules import (
     CURVE_RESOLUTION,
-    allocate_prefixes,
     choose_budget,
     choose_step,
     position_counts,
@@ -171,7 +170,7 @@ class Decision:
         has no captured bucket.
     verify_tokens : ``[B]`` drafted tokens per request sent to the target (prefix-closed), or
         None = all ``k``. Adaptive verify leaves it None; the device fills it with
-        :func:`allocate_prefixes` from the current round's scores inside ``g``.
+        :func:`~speccal.policy_rules.allocate_prefixes` from the current round's scores inside ``g``.
     reason : ``fixed``, ``warmup`` (no feedback yet), ``switch``, ``hold``, ``uncalibrated``
         or ``scored`` (adaptive verify).
     predicted_gain : predicted relative gain of the chosen plan over the previous one (NaN when
@@ -431,8 +430,8 @@ class AdaptiveVerifyPolicy:
     ``decide`` releases feedback at least ``feedback_lag`` rounds old from its
     :class:`LaggedFeedback`, folds each into a window of survival curves, and picks the budget
     ``g`` maximizing ``B * (1 + f((g - B) / B)) / cost(Bcap, g, kv)``. The device then fills
-    ``verify_tokens`` with :func:`allocate_prefixes` on the current round's scores (the current
-    scores never reach the host before the target runs).
+    ``verify_tokens`` with :func:`~speccal.policy_rules.allocate_prefixes` on the current round's
+    scores (the current scores never reach the host before the target runs).
     """
 
     def __init__(self, cost: CostModel, config: AdaptiveVerifyConfig | None = None):
@@ -463,10 +462,6 @@ class AdaptiveVerifyPolicy:
         if curve is not None and not np.isfinite(costs).any():
             reason = "uncalibrated"
         return Decision(k=self.cost.draft_width, g=int(g), reason=reason)
-
-    def allocate(self, decision: Decision, scores: np.ndarray) -> np.ndarray:
-        """Host reference of the device step: ``verify_tokens`` for ``scores`` ``[B, w]``."""
-        return allocate_prefixes(scores, decision.g - np.asarray(scores).shape[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -533,14 +528,3 @@ def make_policy(
     if p.kind == "adaptive-step":
         return AdaptiveStepPolicy(cost, step_config)
     return AdaptiveVerifyPolicy(cost, verify_config)
-
-
-def make_policies(specs: Sequence[str], cost: CostModel, **kwargs: Any) -> list[Policy]:
-    """Build several policies; refuses duplicate specs."""
-    parsed = [parse_policy(s) for s in specs]
-    seen = set()
-    for p in parsed:
-        if p.text in seen:
-            raise InputError("policy", p.text, "each policy at most once")
-        seen.add(p.text)
-    return [make_policy(p, cost, **kwargs) for p in parsed]

@@ -3,12 +3,14 @@
 Owns the one implementation of each rule of SPEC section 6 that both the live policy objects
 (``speccal.policy``) and the vectorised replay (``speccal.replay``) call:
 
-- adaptive draft step: :func:`position_counts`, :func:`conditional_acceptance`,
-  :func:`prefix_acceptance` (and its plain-list twin :func:`prefix_acceptance_list`),
+- adaptive draft step: :func:`position_counts`, :func:`prefix_acceptance` (and its plain-list
+  twin :func:`prefix_acceptance_list`),
   :func:`score_steps`, :func:`choose_step`;
 - adaptive target verify: :func:`survival`, :func:`survival_curve` / :func:`survival_curves`,
-  :func:`choose_budget`, :func:`allocate_prefixes` (and its batched twin
-  :func:`allocate_prefixes_batch`), on the grid of :data:`CURVE_RESOLUTION`.
+  :func:`choose_budget`, :func:`allocate_prefixes_batch` (the prefix allocation rule, over
+  rounds; :func:`allocate_prefixes` is its one-round call), on the grid of
+  :data:`CURVE_RESOLUTION`. ``speccal.runner.verify_alloc.allocate_prefixes_device`` is the
+  device twin of the allocation rule, tested against it.
 
 Layouts: ``w`` is the draft width; per-position arrays are ``[w]`` indexed by draft position
 ``i = 0..w-1``; step arrays ``[..., w]`` are indexed by ``k - 1`` for ``k = 1..w``; draft scores
@@ -50,17 +52,6 @@ def position_counts(
     reached = np.concatenate(([float(acc.size)], survived[:-1]))
     drafted = i < k
     return np.where(drafted, survived, 0.0), np.where(drafted, reached, 0.0)
-
-
-def conditional_acceptance(survived: np.ndarray, reached: np.ndarray) -> np.ndarray | None:
-    """Conditional acceptance ``c_i = survived_i / reached_i`` over a window, ``[w]``.
-
-    Positions never reached (not drafted in the window, or nobody survived to them) repeat the
-    deepest known value (geometric tail), so deeper steps can be scored from shallow feedback.
-    Returns None when position 0 has no data (no feedback yet).
-    """
-    c = _conditional(_floats(survived), _floats(reached))
-    return None if c is None else np.asarray(c)
 
 
 def prefix_acceptance(survived: np.ndarray, reached: np.ndarray) -> np.ndarray | None:
@@ -172,34 +163,19 @@ def survival(scores: np.ndarray) -> np.ndarray:
     return np.cumprod(s, axis=-1)
 
 
-def _tie_order(num_requests: int, width: int) -> np.ndarray:
-    """Flat index order ``[B * w]`` that visits position-major: all position-0 items first."""
-    return np.arange(num_requests * width).reshape(num_requests, width).T.reshape(-1)
-
-
 def allocate_prefixes(scores: np.ndarray, budget_rows: int) -> np.ndarray:
-    """Prefix-closed verify allocation inside a budget: ``verify_tokens`` ``[B]``.
+    """Prefix-closed verify allocation of one round inside a budget: ``verify_tokens`` ``[B]``.
 
-    The ``budget_rows`` draft rows (target rows minus the ``B`` bonus rows) go to the
-    (request, position) items of highest prefix survival first; ties go to the shallower
-    position, then the lower request index, which keeps every request's allocation a prefix
-    (survival never increases along a prefix). This is the reference of the device allocation.
+    :func:`allocate_prefixes_batch` on one round (the rule is written once, there).
 
     Parameters
     ----------
     scores : ``[B, w]`` draft probabilities of the selected tokens.
     budget_rows : draft rows the target may verify in total (``g - B``), clipped to ``[0, B*w]``.
     """
-    s = survival(scores)
-    b, w = s.shape
-    m = int(min(max(budget_rows, 0), b * w))
-    order = _tie_order(b, w)
-    flat = s.reshape(-1)[order]
-    # Stable sort on -survival keeps position-major order among ties.
-    picked = order[np.argsort(-flat, kind="stable")[:m]]
-    verify = np.zeros(b, dtype=np.int64)
-    np.add.at(verify, picked // w, 1)
-    return verify
+    s = np.asarray(scores, dtype=np.float64)
+    b = s.shape[0]
+    return allocate_prefixes_batch(s[None], np.array([b]), np.array([budget_rows]))[0]
 
 
 def allocate_prefixes_batch(
@@ -209,18 +185,24 @@ def allocate_prefixes_batch(
     *,
     presurvived: bool = False,
 ) -> np.ndarray:
-    """Vectorised :func:`allocate_prefixes` over rounds: ``[R, Bmax, w]`` -> ``[R, Bmax]``.
+    """Prefix-closed verify allocation inside a budget, over rounds: ``[R, Bmax, w]`` -> ``[R, Bmax]``.
 
-    Same rule and tie order (survival descending, then shallower position, then lower request);
-    rows ``>= num_requests[r]`` are padding and get 0. One sort per round, then a threshold: items
-    above the ``m``-th largest survival are taken, and the remaining ``m`` minus that count are
-    taken from the items equal to it in position-major order. ``presurvived``: ``scores`` already
-    hold :func:`survival` values.
+    The rule (the reference of the device allocation): round ``r``'s ``m = budget_rows[r]`` draft
+    rows (target rows minus the ``B`` bonus rows, clipped to ``[0, B*w]``) go to the (request,
+    position) items of highest prefix survival first; ties go to the shallower position, then the
+    lower request index, which keeps every request's allocation a prefix (survival never
+    increases along a prefix). Rows ``>= num_requests[r]`` are padding and get 0.
+
+    One sort per round, then a threshold: items above the ``m``-th largest survival are taken,
+    and the remaining ``m`` minus that count are taken from the items equal to it in
+    position-major order. ``presurvived``: ``scores`` already hold :func:`survival` values.
     """
     s = np.asarray(scores, dtype=np.float64) if presurvived else survival(scores)
     r, bmax, w = s.shape
     nreq = np.asarray(num_requests, dtype=np.int64)
     m = np.clip(np.asarray(budget_rows, dtype=np.int64), 0, nreq * w)
+    if bmax * w == 0:
+        return np.zeros((r, bmax), dtype=np.int64)
     pad = np.arange(bmax)[None, :, None] >= nreq[:, None, None]
     s = np.where(pad, -1.0, s)
     flat = s.transpose(0, 2, 1).reshape(r, w * bmax)  # position-major: index i * Bmax + b

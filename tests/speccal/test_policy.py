@@ -297,17 +297,30 @@ def test_allocation_ties_go_shallow_first_then_lower_request():
     np.testing.assert_array_equal(v, [0, 2])  # a deep 0.81 beats a shallow 0.5
 
 
-def test_batched_allocation_equals_reference():
+def _sorted_allocation(scores: np.ndarray, budget_rows: int) -> np.ndarray:
+    """The allocation rule written the slow, obvious way: visit items position-major, stable-sort
+    them by survival descending and take the first ``budget_rows``."""
+    s = survival(scores)
+    b, w = s.shape
+    order = np.arange(b * w).reshape(b, w).T.reshape(-1)  # position-major
+    picked = order[np.argsort(-s.reshape(-1)[order], kind="stable")[: max(budget_rows, 0)]]
+    return np.bincount(picked // w, minlength=b)
+
+
+def test_batched_allocation_equals_the_sorted_rule():
     rng = np.random.default_rng(5)
     nreq = rng.integers(1, 6, size=40)
     scores = rng.uniform(0, 1, size=(40, 5, 3))
     scores[rng.uniform(size=scores.shape) < 0.3] = 1.0
+    scores[rng.uniform(size=scores.shape) < 0.05] = np.nan  # not drafted: survival 0
     budgets = rng.integers(-1, 18, size=40)
     got = allocate_prefixes_batch(scores, nreq, budgets)
     for r in range(40):
-        ref = allocate_prefixes(scores[r, : nreq[r]], budgets[r])
+        ref = _sorted_allocation(scores[r, : nreq[r]], budgets[r])
         np.testing.assert_array_equal(got[r, : nreq[r]], ref)
+        np.testing.assert_array_equal(allocate_prefixes(scores[r, : nreq[r]], budgets[r]), ref)
         assert (got[r, nreq[r] :] == 0).all()
+    assert allocate_prefixes(np.zeros((0, 3)), 4).shape == (0,)
 
 
 # ------------------------------------------------------------------ specs, fixed, feedback
