@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         factory = None
         if args.graph_mode or args.attention_backend:
+            from speccal.kernels.config import KernelConfig
             from speccal.runner.engine import Engine, EngineConfig
 
             def factory(o: CalibrateOptions) -> Engine:
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                     kwargs["graph_mode"] = args.graph_mode
                 if args.attention_backend:
                     kwargs["attention_backend"] = args.attention_backend
-                return Engine(EngineConfig(**kwargs))
+                return Engine(EngineConfig.flat(kernels=KernelConfig.from_env(), **kwargs))
 
         summary = calibrate(opts, console=Console(stderr=True), engine_factory=factory)
         if args.table_out:

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from cuda_timing import env_vars, events_ms
+from cuda_timing import events_ms
 
+from speccal.kernels.config import KernelConfig
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.graphs import GraphKey
 from speccal.runner.sampling import SamplingParams
@@ -209,10 +210,13 @@ def gap_us(eng: Engine, k: int, rounds: int) -> float:
     return statistics.median(gaps)
 
 
-def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
-    """Every figure of one variant into ``res`` (see the module docstring); ``quick``: only the
-    decode and verify steps (no general-path graph, breakdowns, KV sweep or gaps)."""
+def measure(args, res: dict, bw: float, save, kernels: KernelConfig, quick: bool = False) -> None:
+    """Every figure of one variant (its kernel configuration ``kernels``) into ``res`` (see the
+    module docstring); ``quick``: only the decode and verify steps (no general-path graph,
+    breakdowns, KV sweep or gaps)."""
+    res["kernels_digest"] = kernels.digest()
     common = dict(
+        kernels=kernels,
         model=args.model,
         device="cuda",
         dtype="bfloat16",
@@ -224,7 +228,7 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
     t0 = time.time()
     # acceptance="sample": both plain graphs (greedy fast path, general sampler) are captured
     plain = Engine(
-        EngineConfig(
+        EngineConfig.flat(
             **common,
             speculative=False,
             request_buckets=tuple(args.batches),
@@ -273,7 +277,7 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
     torch.cuda.empty_cache()
     t0 = time.time()
     spec = Engine(
-        EngineConfig(
+        EngineConfig.flat(
             **common,
             draft_width=5,
             request_buckets=tuple(args.batches),
@@ -307,7 +311,7 @@ def measure(args, res: dict, bw: float, save, quick: bool = False) -> None:
     del spec
     torch.cuda.empty_cache()
     host = Engine(
-        EngineConfig(
+        EngineConfig.flat(
             **common,
             draft_width=5,
             request_buckets=(1,),
@@ -350,21 +354,22 @@ def main() -> None:
     bw = copy_bandwidth()
     res["copy_bandwidth_gbs"] = bw / 1e9
     modes = args.pdl.split(",")
+    def config(env: dict[str, str]) -> KernelConfig:  # the benchmark's switches, this variant's
+        return KernelConfig.from_env({**os.environ, **env})
+
+    first = {"SPECCAL_PDL": {"off": "0"}.get(modes[0], modes[0])}
     for i, mode in enumerate(modes):  # the first mode's figures at the top level
-        os.environ["SPECCAL_PDL"] = {"off": "0"}.get(mode, mode)
         sub: dict[str, object] = res if i == 0 else {}
         if i:
             res[f"pdl_{mode}"] = sub
         res.setdefault("pdl_modes", modes)
-        measure(args, sub, bw, save)
+        measure(args, sub, bw, save, config({"SPECCAL_PDL": {"off": "0"}.get(mode, mode)}))
         torch.cuda.empty_cache()
-    os.environ["SPECCAL_PDL"] = {"off": "0"}.get(modes[0], modes[0])
     for spec in filter(None, args.variants.split(";")):
         name, _, assigns = spec.partition(":")
         env = dict(a.split("=", 1) for a in assigns.split(",") if a)
         sub = res[f"variant_{name}"] = {"env": env}
-        with env_vars(env):
-            measure(args, sub, bw, save, quick=True)
+        measure(args, sub, bw, save, config({**first, **env}), quick=True)
         torch.cuda.empty_cache()
     show(res)
 

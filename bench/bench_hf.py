@@ -40,11 +40,12 @@ T0 = time.time()
 
 
 def ours(batches: tuple[int, ...]) -> dict[int, float]:
+    from speccal.kernels.config import KernelConfig
     from speccal.runner.engine import Engine, EngineConfig, RoundPlan  # noqa: PLC0415
     from speccal.runner.sampling import SamplingParams  # noqa: PLC0415
 
     eng = Engine(
-        EngineConfig(
+        EngineConfig.flat(kernels=KernelConfig.from_env(),
             model="dense-2b",
             device="cuda",
             dtype="bfloat16",

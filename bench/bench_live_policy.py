@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from speccal.calibrate.pipeline import CalibrateOptions, calibrate
     from speccal.costmodel.table import load_table
+    from speccal.kernels.config import KernelConfig
     from speccal.live.policies import (
         Phase,
         live_cost_model,
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             )
 
             def factory(o: CalibrateOptions) -> Engine:
-                return Engine(EngineConfig(**common, acceptance="forced"))
+                return Engine(EngineConfig.flat(kernels=KernelConfig.from_env(), **common, acceptance="forced"))
 
             calib_summary = calibrate(opts, console=console, engine_factory=factory)
             gc.collect()  # the calibration engine (and its graphs) before the live one
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # 2. live engine + table checked against it
         engine = Engine(
-            EngineConfig(**common, acceptance="synthetic", acceptance_profile=floats(args.profile))
+            EngineConfig.flat(kernels=KernelConfig.from_env(), **common, acceptance="synthetic", acceptance_profile=floats(args.profile))
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speccal.kernels.config import KernelConfig
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.sampling import SamplingParams
 
@@ -82,7 +83,7 @@ class _Timer:
 
 def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=None) -> dict:
     eng = eng or Engine(
-        EngineConfig(
+        EngineConfig.flat(kernels=KernelConfig.from_env(),
             model=args.model,
             device=args.device,
             dtype=args.dtype,
@@ -164,7 +165,7 @@ def calibration_check(args) -> dict:
         draft_width=w,
         request_buckets=buckets,
     )
-    eng = Engine(EngineConfig(**common, graph_mode=args.graph_mode,
+    eng = Engine(EngineConfig.flat(kernels=KernelConfig.from_env(), **common, graph_mode=args.graph_mode,
                               attention_backend=args.attention_backend, acceptance="forced"))
     cuda = args.device.startswith("cuda")
     timer = _Timer.of(eng.runner, cuda)

@@ -17,6 +17,7 @@ import sys
 
 from results import append_results, git_commit
 
+from speccal.kernels.config import KernelConfig
 from speccal.live.generate import bench
 from speccal.runner.engine import EngineConfig
 
@@ -39,7 +40,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    cfg = EngineConfig(
+    cfg = EngineConfig.flat(kernels=KernelConfig.from_env(),
         model=args.model,
         device=args.device,
         dtype=args.dtype,

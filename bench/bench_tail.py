@@ -25,15 +25,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from cuda_timing import capture, env_vars, events_ms
+from cuda_timing import capture, events_ms
 
 from speccal.kernels import gemv, ops
+from speccal.kernels.config import KernelConfig
 from speccal.kernels.gemv import GemvConfig
 
 HIDDEN, QKV_N = 2048, 4096
@@ -149,6 +151,7 @@ def main() -> None:
     nw = torch.rand(HIDDEN, device=dev, dtype=DT) + 0.5
     res: dict = {"spin_us": args.spin_us, "reps": args.reps, "repeats": args.repeats,
                  "device": torch.cuda.get_device_name(), "cases": {}}
+    state = {"tune": KernelConfig.from_env()}  # each case's kernel configuration (its env)
 
     def o_case(m: int, how: str):
         x = torch.randn(m, HIDDEN, device=dev, dtype=DT)
@@ -157,9 +160,10 @@ def main() -> None:
         def run(i):
             w = wo[i % len(wo)]
             if how == "defer":
-                ops.linear_deferred_norm(x, w, h, nw, 1e-6, residual_settled=True)
+                ops.linear_deferred_norm(x, w, h, nw, 1e-6, residual_settled=True,
+                                         tune=state["tune"])
             else:
-                ops.linear(x, w, residual=h, residual_settled=True)
+                ops.linear(x, w, residual=h, residual_settled=True, tune=state["tune"])
         return run
 
     def try_case(m: int, xa: bool, xearly: bool, defer: bool, nch: int = 4, block_n: int = 16,
@@ -174,11 +178,11 @@ def main() -> None:
     def qkv_case(m: int, config: GemvConfig | None = None, scaled: bool = True):
         hh = torch.randn(m, HIDDEN, device=dev, dtype=DT)
         xo = torch.randn(m, HIDDEN, device=dev, dtype=DT)
-        dn = ops.linear_deferred_norm(xo, wo[0], hh, nw, 1e-6)  # the row factors' source
+        dn = ops.linear_deferred_norm(xo, wo[0], hh, nw, 1e-6, tune=state["tune"])  # row factors
 
         def run(i):
             ops.linear(dn.xw, wqkv[i % len(wqkv)], row_scale=dn if scaled else None,
-                       config=config)
+                       config=config, tune=state["tune"])
         return run
 
     def cfg(bn, bk, stages, warps=4):
@@ -256,27 +260,25 @@ def main() -> None:
                   (ss - ref.ss).abs().max().item() / ref.ss.abs().max().item())
         print(f"panel_try xa={xa}: max abs diff vs the runner's launch {err:.3g}", flush=True)
         res[f"check_xa{int(xa)}"] = err
-    block_m_default = gemv._block_m
     only = [c for c in args.only.split(",") if c]
     names = only or list(cases)
     for name in names:
         env, build = cases[name]
         env = dict(env)
-        block_m = int(env.pop("BLOCK_M", 0))
-        # a bench-only M tile for the streaming kernel (tl.dot pads M below 16 on the H200)
-        gemv._block_m = (lambda m, c, bm=block_m: max(bm, triton.next_power_of_2(m))) \
-            if block_m else block_m_default
-        with env_vars(env):
-            fn = build()
-            if args.eager:
-                for i in range(args.eager):
-                    spin(ns, dummy)
-                    fn(i)
-                torch.cuda.synchronize()
-                continue
-            both = graph_us([lambda i: spin(ns, dummy), fn], args.reps, args.repeats)
-            alone = graph_us([lambda i: spin(ns, dummy)], args.reps, args.repeats)
-            cold = graph_us([fn], args.reps, args.repeats)
+        block_m = env.pop("BLOCK_M", None)
+        if block_m:  # the streaming kernel's smallest M tile (tl.dot pads M below 16 on the H200)
+            env["SPECCAL_GEMV_MIN_BLOCK_M"] = block_m
+        state["tune"] = KernelConfig.from_env({**os.environ, **env})
+        fn = build()
+        if args.eager:
+            for i in range(args.eager):
+                spin(ns, dummy)
+                fn(i)
+            torch.cuda.synchronize()
+            continue
+        both = graph_us([lambda i: spin(ns, dummy), fn], args.reps, args.repeats)
+        alone = graph_us([lambda i: spin(ns, dummy)], args.reps, args.repeats)
+        cold = graph_us([fn], args.reps, args.repeats)
         res["cases"][name] = {"tail_us": both - alone, "pair_us": both, "spin_us": alone,
                               "alone_us": cold, "env": env}
         print(f"{name:22s} tail {both - alone:6.2f} us  (pair {both:6.2f}, spin {alone:6.2f}, "

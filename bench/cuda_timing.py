@@ -2,16 +2,14 @@
 
 The scripts import this module as ``cuda_timing`` (``python3 bench/x.py`` puts ``bench/`` first
 on ``sys.path``): CUDA-event timing of a callable, the capture of launches into one CUDA graph
-(warmed on a side stream first, as capture requires), and environment switches set for one
-measurement (the kernels read ``SPECCAL_*`` switches at launch / capture).
+(warmed on a side stream first, as capture requires). Kernel switches are a
+``KernelConfig.from_env`` each script builds per variant and passes down.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,18 +47,3 @@ def capture(fns: Sequence[Callable[[], object]], reps: int = 1) -> torch.cuda.CU
                 f()
     torch.cuda.synchronize()
     return g
-
-
-@contextmanager
-def env_vars(env: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` updated with ``env`` inside the block, restored after it."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -47,14 +47,8 @@ import triton
 import triton.language as tl
 
 from speccal.base.errors import InputError
-from speccal.kernels._backend import (
-    arrival_counters,
-    defer_scale_late,
-    num_sms,
-    panel_chunks,
-    panel_min_block_m,
-    panel_preconvert,
-)
+from speccal.kernels._backend import arrival_counters, num_sms
+from speccal.kernels.config import DEFAULT_KERNELS, KernelConfig
 from speccal.kernels.gemv_config import (
     PANEL_TILE_M,
     GemvConfig,
@@ -94,8 +88,10 @@ def _skinny_kernel(
     PREFETCH: tl.constexpr, LINE: tl.constexpr, RES_EARLY: tl.constexpr, ARGMAX: tl.constexpr,
     nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1, norm_n=1, eps=0.0, cnt_ptr=None,
     DEFER: tl.constexpr = False, SCALE: tl.constexpr = 0, P_PAD: tl.constexpr = 1,
-    FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, PREC: tl.constexpr = None,
 ):
+    # PREC: tl.dot's input_precision (``Precision.dot``: "ieee" for fp32 operands, so fp32 is
+    # fp32; None, Triton's default, for bf16 / fp16).
     # GLU: weight rows interleave (gate_i, up_i); y[:, i] = silu(gate_i) * up_i (y is [M, N/2]),
     # split 1 only. RES: y += acc (y is the residual stream; at split > 1 the reduce adds).
     # ARGMAX (split 1): no logits; 1: y is tile_max [M, T] fp32 and part tile_idx [M, T] int32
@@ -159,7 +155,7 @@ def _skinny_kernel(
             prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             acc += tl.sum(prod, 2)  # [BLOCK_M, BLOCK_N]
         else:
-            acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N]
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)  # [BLOCK_M, BLOCK_N]
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     if SCALE == 2:
@@ -262,7 +258,7 @@ def _panel_kernel(
     RES: tl.constexpr, RES_EARLY: tl.constexpr, PDL: tl.constexpr, DOT: tl.constexpr,
     nw_ptr=None, xw_ptr=None, ss_ptr=None, stride_xw=0, P=1, DEFER: tl.constexpr = False,
     PRECVT: tl.constexpr = False, sig_ptr=None, sig_target=0, POLL: tl.constexpr = False,
-    TWO: tl.constexpr = False,
+    TWO: tl.constexpr = False, PREC: tl.constexpr = None,
 ):
     # The program's whole weight panel [BLOCK_N, NCH * KC] is loaded before the PDL wait, so a
     # GEMV that follows a long kernel (the o projection after attention) has its weights in hand
@@ -304,7 +300,7 @@ def _panel_kernel(
         nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if DOT:
         if PRECVT:
-            acc0 = tl.dot(w, tl.zeros([NCH, KC, BLOCK_M], dtype=w.dtype))
+            acc0 = tl.dot(w, tl.zeros([NCH, KC, BLOCK_M], dtype=w.dtype), input_precision=PREC)
         else:
             acc0 = tl.zeros([NCH, BLOCK_N, BLOCK_M], dtype=tl.float32)
     if POLL:
@@ -319,7 +315,8 @@ def _panel_kernel(
         for t in range(0, tl.cdiv(M, BLOCK_M)):
             offs_t = t * BLOCK_M + offs_m
             ok_t = offs_t < M
-            acc = _panel_dot(w, acc0, x_ptr, stride_xm, offs_t, ok_t, offs_b, offs_c, K, KC)
+            acc = _panel_dot(w, acc0, x_ptr, stride_xm, offs_t, ok_t, offs_b, offs_c, K, KC,
+                             PREC)
             y_mask_t = ok_t[:, None] & n_ok[None, :]
             _residual_store(acc, tl.where(t == 0, res, res2), y_ptrs + t * BLOCK_M * stride_ym,
                             y_mask_t, ok_t, offs_t, offs_n, pid_n, xw_ptr, ss_ptr, stride_xw, P,
@@ -328,7 +325,8 @@ def _panel_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     else:
         if DOT:
-            acc = _panel_dot(w, acc0, x_ptr, stride_xm, offs_m, m_ok, offs_b, offs_c, K, KC)
+            acc = _panel_dot(w, acc0, x_ptr, stride_xm, offs_m, m_ok, offs_b, offs_c, K, KC,
+                             PREC)
         else:
             xr = tl.load(x_ptr + offs_c, mask=offs_c < K, other=0.0).to(tl.float32)
             acc = tl.sum(w.to(tl.float32) * xr[None, :], 1)[None, :]  # [1, BLOCK_N]
@@ -339,13 +337,14 @@ def _panel_kernel(
 
 
 @triton.jit
-def _panel_dot(w, acc0, x_ptr, stride_xm, offs_m, m_ok, offs_b, offs_c, K, KC: tl.constexpr):
+def _panel_dot(w, acc0, x_ptr, stride_xm, offs_m, m_ok, offs_b, offs_c, K, KC: tl.constexpr,
+               PREC: tl.constexpr):
     """One M tile of the register panel's batched dot: x^T chunks ``[NCH, KC, BLOCK_M]`` of the
     rows ``offs_m`` against the panel ``w [NCH, BLOCK_N, KC]`` -> ``[BLOCK_M, BLOCK_N]`` fp32."""
     kx = offs_b[:, None, None] * KC + offs_c[None, :, None]
     x3 = tl.load(x_ptr + offs_m[None, None, :] * stride_xm + kx,
                  mask=m_ok[None, None, :] & (kx < K), other=0.0)
-    return tl.trans(tl.sum(tl.dot(w, x3, acc0), 0))
+    return tl.trans(tl.sum(tl.dot(w, x3, acc0, input_precision=PREC), 0))
 
 
 @triton.jit
@@ -398,6 +397,7 @@ def linear_triton(
     pdl: int = 0,  # 0 off, 1 next kernel may launch at once, 2 after this one's K loop
     norm: tuple | None = None,  # (weight [N], eps, out [M, N]): out = rmsnorm(residual) * weight
     prefetch: int = 0,  # weight tiles per program prefetched into L2 before the PDL wait
+    tune: KernelConfig = DEFAULT_KERNELS,  # the caller's kernel configuration
     residual_settled: bool = False,  # the previous kernel does not write ``residual``
     defer: tuple | None = None,  # (norm weight [N], xw [M, N], ss [M, P]), residual at split 1
     row_scale: tuple | None = None,  # (ss [M, P] fp32, eps): rows scaled by rsqrt(sum/K + eps)
@@ -425,7 +425,9 @@ def linear_triton(
     n, k = weight.shape
     glu = epilogue == "silu_mul"
     cfg = launch_config(m, n, k, num_sms(x.device),
-                        "residual" if residual is not None else epilogue, x.element_size(), config)
+                        "residual" if residual is not None else epilogue, x.element_size(), config,
+                        tune.gemv)
+    prec = _precision(x, tune)
     if glu and cfg.block_n % 2:
         raise InputError("config.block_n", cfg.block_n, "even for the silu_mul epilogue")
     if residual is not None:
@@ -443,15 +445,16 @@ def linear_triton(
             poll = dict(sig_ptr=after.counters, sig_target=after.target, POLL=True)
         _panel_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            BLOCK_N=cfg.block_n, **_panel_chunks(m, k), RES=residual is not None,
+            BLOCK_N=cfg.block_n, **_panel_chunks(m, k, tune), RES=residual is not None,
             RES_EARLY=residual is not None and residual_settled, PDL=int(pdl),
-            **_norm_args(defer, None, k, m), **poll, num_warps=cfg.num_warps, num_stages=1,
+            **_norm_args(defer, None, k, m, tune), **poll, PREC=prec, num_warps=cfg.num_warps,
+            num_stages=1,
             launch_pdl=pdl > 0,
         )
         if norm is not None:
             rms_norm_triton(out, norm[0], norm[1], out=norm[2], pdl=pdl > 0)
         return out
-    block_m = block_rows(m, cfg.fma)
+    block_m = block_rows(m, cfg.fma, tune.gemv)
     split, k_per_split = k_splits(k, cfg, glu)
     direct = split == 1
     part = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
@@ -471,7 +474,7 @@ def linear_triton(
         PREFETCH=_prefetch(cfg, prefetch, k_per_split, pdl),
         LINE=max(1, min(cfg.block_k, 128 // weight.element_size())),
         RES_EARLY=direct and residual is not None and residual_settled, ARGMAX=False,
-        **_norm_args(defer, row_scale, k, m), **fold,
+        **_norm_args(defer, row_scale, k, m, tune), **fold, PREC=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl > 0,
     )
     if fold:  # the last program of each column tile reduced it
@@ -509,10 +512,16 @@ def fold_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     return arrival_counters("splitk", device, needed, slots=4096)
 
 
-def _panel_chunks(m: int, k: int) -> dict:
+def _precision(x: torch.Tensor, tune: KernelConfig) -> str | None:
+    """``tl.dot``'s input_precision for operands like ``x``: the config's fp32 precision
+    (``ieee`` by default) for float32, Triton's default (None) otherwise."""
+    return tune.precision.fp32_dot if x.dtype == torch.float32 else None
+
+
+def _panel_chunks(m: int, k: int, tune: KernelConfig) -> dict:
     """The register panel's math: one row on the CUDA cores over the whole K; more rows on the
-    tensor cores (M tile ``panel_min_block_m()`` or the rows' power of two, whichever is larger;
-    tl.dot pads it to the instruction), K in ``panel_chunks()`` chunks of one batched dot, so that
+    tensor cores (M tile ``tune.gemv.panel_min_block_m`` or the rows' power of two, whichever is larger;
+    tl.dot pads it to the instruction), K in ``tune.gemv.panel_chunks`` chunks of one batched dot, so that
     many accumulation chains run side by side. On the H200 the CUDA-core panel at 6-8 rows
     kept an fp32 copy of the panel live across its rows (193 registers at 8 x 16, too many to
     sit beside the attention programs), and in K chunks its row x chunk reductions were 2-3x
@@ -520,16 +529,17 @@ def _panel_chunks(m: int, k: int) -> dict:
     pad = triton.next_power_of_2(k)
     if m == 1:
         return dict(KC=pad, NCH=1, BLOCK_M=1, DOT=False)
-    nch = max(1, min(panel_chunks(), pad // 16))
-    block_m = max(panel_min_block_m(), triton.next_power_of_2(m))
+    nch = max(1, min(tune.gemv.panel_chunks, pad // 16))
+    block_m = max(tune.gemv.panel_min_block_m, triton.next_power_of_2(m))
     two = block_m > PANEL_TILE_M  # past PANEL_TILE_M rows: two M tiles, one after the other
     if block_m > 2 * PANEL_TILE_M:
         raise InputError("rows", m, f"at most {2 * PANEL_TILE_M} for the register panel")
     return dict(KC=pad // nch, NCH=nch, BLOCK_M=block_m // 2 if two else block_m, DOT=True,
-                PRECVT=panel_preconvert(), TWO=two)
+                PRECVT=tune.gemv.panel_preconvert, TWO=two)
 
 
-def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int, m: int) -> dict:
+def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int, m: int,
+               tune: KernelConfig) -> dict:
     """Kernel arguments of the deferred norm's producer (``defer``) or consumer (``row_scale``,
     ``m`` rows)."""
     if defer is not None:
@@ -538,7 +548,7 @@ def _norm_args(defer: tuple | None, row_scale: tuple | None, k: int, m: int) -> 
                     DEFER=True)
     if row_scale is not None:
         ss, eps = row_scale
-        late = defer_scale_late(m)
+        late = tune.gemv.scale_late(m)
         return dict(ss_ptr=ss, P=ss.shape[1], norm_n=k, eps=eps, SCALE=2 if late else 1,
                     P_PAD=triton.next_power_of_2(ss.shape[1]))
     return {}
@@ -552,6 +562,7 @@ def linear_argmax_triton(
     pdl: int = 0,  # as in linear_triton
     prefetch: int = 0,  # as in linear_triton
     keys: torch.Tensor | None = None,  # [M] int64, zeros: one packed key per row instead
+    tune: KernelConfig = DEFAULT_KERNELS,  # the caller's kernel configuration
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:  # (tile_max, tile_idx) or keys
     """Per-tile argmax of ``x @ weight.T`` (the GEMV's ``ARGMAX`` epilogue): no logits written.
     With ``keys``: each row's whole argmax as a packed key (``reference.argmax_keys_ref``),
@@ -564,7 +575,8 @@ def linear_argmax_triton(
     """
     m = x.shape[0]
     n, k = weight.shape
-    cfg = launch_config(m, n, k, num_sms(x.device), "argmax", x.element_size(), config)
+    cfg = launch_config(m, n, k, num_sms(x.device), "argmax", x.element_size(), config,
+                        tune.gemv)
     if cfg.split_k != 1:
         raise InputError("config.split_k", cfg.split_k, "1 for the argmax epilogue")
     tiles = triton.cdiv(n, cfg.block_n)
@@ -576,12 +588,12 @@ def linear_argmax_triton(
     k_per_split = triton.cdiv(k, cfg.block_k) * cfg.block_k
     _skinny_kernel[(tiles, 1)](
         x, weight, tile_max, tile_idx, m, n, k, x.stride(0), weight.stride(0), tiles,
-        k_per_split, BLOCK_M=block_rows(m, cfg.fma), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        k_per_split, BLOCK_M=block_rows(m, cfg.fma, tune.gemv), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DIRECT=True, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, FMA=cfg.fma,
         GLU=False, RES=False, PDL=int(pdl),
         PREFETCH=_prefetch(cfg, prefetch, k_per_split, pdl),
         LINE=max(1, min(cfg.block_k, 128 // weight.element_size())), RES_EARLY=False,
-        ARGMAX=1 if keys is None else 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ARGMAX=1 if keys is None else 2, PREC=_precision(x, tune), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl > 0,
     )
     return keys if keys is not None else (tile_max, tile_idx)

@@ -3,20 +3,19 @@
 Owns ``GemvConfig`` and ``pick_config`` without importing Triton, so the dispatcher and the
 pure-torch references can ask for the same config as the kernel (``argmax_tile_width``: the
 column tile of the LM head's argmax partials, which the reference must reproduce on a CPU-only
-machine). Configs are tuned on an H200 (bench/KERNEL_NOTES.md).
+machine). Configs are tuned on an H200 (bench/KERNEL_NOTES.md). The tuning switches come from the
+caller's ``KernelConfig.gemv`` (:class:`~speccal.kernels.config.GemvTuning`); ``launch_config``
+is memoised per (shape, epilogue, tuning), so a launch config is resolved once per shape, at
+capture or first use, not per launch.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 from dataclasses import dataclass, replace
 
-from speccal.kernels._backend import (
-    _pow2_switch,
-    gemv_min_block_m,
-    gemv_wide_block_m,
-    panel_enabled,
-)
+from speccal.base.errors import InputError
+from speccal.kernels.config import DEFAULT_KERNELS, GemvOverride, GemvTuning
 
 __all__ = ["GemvConfig", "argmax_tile_width", "block_rows", "deferred_norm_tiles", "k_splits",
            "launch_config", "panel_fits", "pick_config", "resolve"]
@@ -79,38 +78,15 @@ PANEL_TILE_M = 16
 PANEL_MAX_BYTES = 64 * 1024
 
 
-def _override(m: int, n: int, k: int) -> GemvConfig | None:
-    """``SPECCAL_GEMV_OVERRIDE``: ``;``- (or ``|``-) separated ``N:K:MAX_M=block_n/block_k/
-    split_k/num_warps/num_stages[/panel][/pfT]`` entries that replace the tables' config of an
-    (N, K) product at <= ``MAX_M`` rows, whatever the epilogue (``pfT``: ``T`` weight tiles per
-    program prefetched into L2 before the PDL wait); the first entry that matches wins (a tuning
-    switch for benchmark variants, read when a config is picked, i.e. at graph capture; ``|``
-    lets one variant of ``bench_decode --variants`` hold several). Malformed entries raise an
-    InputError."""
-    spec = os.environ.get("SPECCAL_GEMV_OVERRIDE", "").replace("|", ";")
-    for entry in filter(None, spec.split(";")):
-        try:
-            shape, _, fields = entry.partition("=")
-            en, ek, emax = (int(v) for v in shape.split(":"))
-            parts = fields.split("/")
-            extra = parts[5:]
-            panel = extra[:1] == ["panel"]
-            pf = extra[panel:]
-            if len(parts) < 5 or len(pf) > 1 or (pf and not pf[0].startswith("pf")):
-                raise ValueError(entry)
-            prefetch = int(pf[0][2:]) if pf else None
-            if prefetch is not None and prefetch < 0:
-                raise ValueError(entry)
-            bn, bk, split, warps, stages = (int(v) for v in parts[:5])
-            cfg = GemvConfig(bn, bk, split, warps, stages, panel=panel, prefetch=prefetch)
-        except ValueError:
-            from speccal.base.errors import InputError
-
-            raise InputError("SPECCAL_GEMV_OVERRIDE", entry, "N:K:MAX_M=block_n/block_k/split_k/"
-                             "num_warps/num_stages[/panel][/pfT]") from None
-        if (en, ek) == (n, k) and m <= emax:
-            return cfg
-    return None
+def _override(m: int, n: int, k: int, tuning: GemvTuning) -> GemvConfig | None:
+    """``tuning.overrides``: the first :class:`~speccal.kernels.config.GemvOverride` of an
+    ``(N, K)`` product that covers ``m`` rows replaces the tables' config, whatever the epilogue
+    (benchmark variants: ``bench_decode --variants``)."""
+    o: GemvOverride | None = tuning.override_for(m, n, k)
+    if o is None:
+        return None
+    return GemvConfig(o.block_n, o.block_k, o.split_k, o.num_warps, o.num_stages, panel=o.panel,
+                      prefetch=o.prefetch)
 
 
 # shared memory the streaming GEMV's pipeline stages may take (x and weight tiles per stage; the
@@ -118,52 +94,46 @@ def _override(m: int, n: int, k: int) -> GemvConfig | None:
 STAGE_BYTES = 224 * 1024
 
 
-def resolve(cfg: GemvConfig, m: int, k: int, element_size: int) -> GemvConfig:
+def resolve(cfg: GemvConfig, m: int, k: int, element_size: int,
+            tuning: GemvTuning = DEFAULT_KERNELS.gemv) -> GemvConfig:
     """The config a launch of ``m`` rows, K ``k``, runs: a register-panel config that is switched
-    off (``SPECCAL_GEMV_PANEL=0``) or does not fit (``panel_fits``) becomes the streaming
+    off (``tuning.panel`` false) or does not fit (``panel_fits``) becomes the streaming
     kernel's split-1 config at a column tile of at least 16 (``tl.dot``'s minimum); a streaming
     config whose stages of ``[block_rows(m), block_k]`` x and ``[block_n, block_k]`` weight
     tiles would pass ``STAGE_BYTES`` keeps as many stages as fit (at least one; fp32 at an M
     tile of 64, for one)."""
-    if cfg.panel and not (panel_enabled() and panel_fits(m, k, cfg, element_size)):
+    if cfg.panel and not (tuning.panel and panel_fits(m, k, cfg, element_size, tuning)):
         cfg = GemvConfig(block_n=max(16, cfg.block_n), block_k=256, split_k=1, num_warps=4,
                          num_stages=4)
     if cfg.panel:
         return cfg
-    stage = (block_rows(m, cfg.fma) + cfg.block_n) * cfg.block_k * element_size
+    stage = (block_rows(m, cfg.fma, tuning) + cfg.block_n) * cfg.block_k * element_size
     stages = max(1, min(cfg.num_stages, STAGE_BYTES // stage))
     return cfg if stages == cfg.num_stages else replace(cfg, num_stages=stages)
 
 
-def panel_fits(m: int, k: int, cfg: GemvConfig, element_size: int) -> bool:
-    """Whether the register panel of ``cfg`` serves ``m`` rows of a K-``k`` product."""
+def panel_fits(m: int, k: int, cfg: GemvConfig, element_size: int,
+               tuning: GemvTuning = DEFAULT_KERNELS.gemv) -> bool:
+    """Whether the register panel of ``cfg`` serves ``m`` rows of a K-``k`` product (at most
+    ``tuning.panel_max_rows`` rows, ``PANEL_MAX_BYTES`` of weights per program)."""
     pad = 1 << max(0, k - 1).bit_length()
-    return m <= panel_max_rows() and cfg.block_n * pad * element_size <= PANEL_MAX_BYTES
+    return m <= tuning.panel_max_rows and cfg.block_n * pad * element_size <= PANEL_MAX_BYTES
 
 
-def panel_max_rows() -> int:
-    """``SPECCAL_PANEL_MAX_ROWS``: the most rows a register panel serves, a power of two <= 32
-    (unset: ``PANEL_MAX_ROWS``). A tuning switch for benchmark variants (with
-    ``SPECCAL_GEMV_OVERRIDE`` giving the panel config past 16 rows), read at graph capture."""
-    return _pow2_switch("SPECCAL_PANEL_MAX_ROWS", PANEL_MAX_ROWS, 2 * PANEL_TILE_M)
-
-
-def block_rows(m: int, fma: bool = False) -> int:
+def block_rows(m: int, fma: bool = False, tuning: GemvTuning = DEFAULT_KERNELS.gemv) -> int:
     """Rows of the streaming GEMV's M tile at ``m`` rows: every row in one tile. CUDA-core FMAs
     (``fma``): the rows' power of two. ``tl.dot``: 16 at one row; at 2-16 rows the power of two,
-    at least ``gemv_min_block_m()`` (Triton pads a smaller tile itself); past 16 rows at least
-    ``gemv_wide_block_m()`` (64: 24 rows in a 32-row tile measured slower in every product,
+    at least ``tuning.min_block_m`` (Triton pads a smaller tile itself); past 16 rows at least
+    ``tuning.wide_block_m`` (64: 24 rows in a 32-row tile measured slower in every product,
     bench/KERNEL_NOTES.md v13)."""
     if m < 1:
-        from speccal.base.errors import InputError
-
         raise InputError("m", m, "rows >= 1")
     pad = 1 << (m - 1).bit_length()
     if fma:
         return pad
     if m == 1:
         return 16
-    return max(gemv_min_block_m(), pad, gemv_wide_block_m() if pad > 16 else 0)
+    return max(tuning.min_block_m, pad, tuning.wide_block_m if pad > 16 else 0)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -181,8 +151,8 @@ def _heuristic(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     return _cfg(block_n, block_k, split)
 
 
-def pick_config(m: int, n: int, k: int, num_sms: int = 132,
-                epilogue: str | None = None) -> GemvConfig:
+def pick_config(m: int, n: int, k: int, num_sms: int = 132, epilogue: str | None = None,
+                tuning: GemvTuning = DEFAULT_KERNELS.gemv) -> GemvConfig:
     """Config for an ``[m, k] x [n, k]^T`` product: the tuned table, else a heuristic.
 
     ``epilogue``: ``"residual"`` looks in ``_RESIDUAL_TABLE`` first (split 1 where adding in the
@@ -192,18 +162,19 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132,
     """
     first = _RESIDUAL_TABLE.get((n, k), []) if epilogue == "residual" else []
     table = (c for max_m, c in first + _TABLE.get((n, k), []) if m <= max_m)
-    cfg = _override(m, n, k) or next(table, None) or _heuristic(m, n, k, num_sms)
+    cfg = _override(m, n, k, tuning) or next(table, None) or _heuristic(m, n, k, num_sms)
     if epilogue in ("silu_mul", "argmax") and cfg.split_k > 1:
         cfg = replace(cfg, block_n=max(16, cfg.block_n // cfg.split_k), split_k=1, panel=False)
     return cfg
 
 
 def argmax_tile_width(m: int, n: int, k: int, num_sms: int = 132,
-                      config: GemvConfig | None = None) -> int:
+                      config: GemvConfig | None = None,
+                      tuning: GemvTuning = DEFAULT_KERNELS.gemv) -> int:
     """Columns per argmax partial of an ``[m, k] x [n, k]^T`` product: the ``block_n`` of the
     GEMV config the argmax epilogue launches with (``config``, else ``pick_config(...,
     epilogue="argmax")``). The partials are ``[m, cdiv(n, width)]``."""
-    return (config or pick_config(m, n, k, num_sms, epilogue="argmax")).block_n
+    return (config or pick_config(m, n, k, num_sms, epilogue="argmax", tuning=tuning)).block_n
 
 
 def k_splits(k: int, cfg: GemvConfig, glu: bool = False) -> tuple[int, int]:
@@ -214,19 +185,22 @@ def k_splits(k: int, cfg: GemvConfig, glu: bool = False) -> tuple[int, int]:
     return _cdiv(k, k_per_split), k_per_split
 
 
+@functools.lru_cache(maxsize=4096)
 def launch_config(m: int, n: int, k: int, num_sms: int = 132, epilogue: str | None = None,
-                  element_size: int = 2, config: GemvConfig | None = None) -> GemvConfig:
+                  element_size: int = 2, config: GemvConfig | None = None,
+                  tuning: GemvTuning = DEFAULT_KERNELS.gemv) -> GemvConfig:
     """The config an ``[m, k] x [n, k]^T`` launch runs (``element_size`` bytes per element):
-    ``config``, else ``pick_config``'s, through ``resolve``."""
-    cfg = config or pick_config(m, n, k, num_sms, epilogue=epilogue)
-    return resolve(cfg, m, k, element_size)
+    ``config``, else ``pick_config``'s, through ``resolve``. Memoised: every argument is a
+    value, so one (shape, epilogue, tuning) is resolved once."""
+    cfg = config or pick_config(m, n, k, num_sms, epilogue=epilogue, tuning=tuning)
+    return resolve(cfg, m, k, element_size, tuning)
 
 
-def deferred_norm_tiles(m: int, n: int, k: int, num_sms: int = 132,
-                        element_size: int = 2) -> tuple[int, bool]:
+def deferred_norm_tiles(m: int, n: int, k: int, num_sms: int = 132, element_size: int = 2,
+                        tuning: GemvTuning = DEFAULT_KERNELS.gemv) -> tuple[int, bool]:
     """``(P, folded)`` of a deferred norm's producer GEMV (``x [m, k] @ w [n, k].T`` added into
     a residual, ``element_size`` bytes per element; ``ops.linear_deferred_norm``): its column
     tiles, and whether its config splits K, so that the last program of each column tile
     reduces it (arrival counters)."""
-    cfg = launch_config(m, n, k, num_sms, "residual", element_size)
+    cfg = launch_config(m, n, k, num_sms, "residual", element_size, None, tuning)
     return -(-n // cfg.block_n), k_splits(k, cfg)[0] > 1

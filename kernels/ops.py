@@ -28,24 +28,8 @@ import torch
 
 from speccal.base.errors import InputError
 from speccal.kernels import reference as ref
-from speccal.kernels._backend import (
-    argmax_keys_enabled,
-    arrival_counters,
-    attention_block_n,
-    attention_poll,
-    decode_max_splits,
-    defer_input_norm,
-    gemv_prefetch_tiles,
-    norm_defer,
-    num_sms,
-    pdl_enabled,
-    pdl_mode,
-    prewait_loads,
-    use_triton,
-    verify_block_n,
-    verify_halves,
-    verify_max_splits,
-)
+from speccal.kernels._backend import arrival_counters, num_sms, pdl_level, use_triton
+from speccal.kernels.config import DEFAULT_KERNELS, KernelConfig
 from speccal.kernels.gemv_config import (
     GemvConfig,
     argmax_tile_width,
@@ -55,21 +39,18 @@ from speccal.kernels.gemv_config import (
 
 __all__ = [
     "ArgmaxKeys",
-    "argmax_keys_enabled",
     "AttnSignal",
     "DeferredNorm",
     "SplitPlan",
     "argmax_tile_width",
     "attention_signal",
     "attention_tiling_update",
-    "defer_input_norm",
     "embed_rms_norm",
     "fold_wanted",
     "spread_wanted",
     "linear",
     "linear_argmax",
     "linear_deferred_norm",
-    "norm_defer",
     "paged_attention",
     "plan_splits",
     "residual_panel",
@@ -124,33 +105,34 @@ class ArgmaxKeys:
 
 
 def plan_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_len: int = 1 << 20,
-                block_n: int = 64, rows: int = 1) -> SplitPlan:
+                block_n: int = 64, rows: int = 1, tune: KernelConfig = DEFAULT_KERNELS) -> SplitPlan:
     """Split plan that gives about four programs per multiprocessor for ``batch`` requests.
 
     Static in (batch, heads, SMs, rows), so one plan per captured bucket. ``max_len`` caps the
-    splits at one KV tile (``block_n``, ``SPECCAL_ATTN_BLOCK_N``) each. ``rows`` > 1
+    splits at one KV tile (``block_n``, or ``AttentionTuning.block_n``) each. ``rows`` > 1
     (verification): half the splits of the 1-row plan (each split's partials grow with the rows
     and the merge reads them all; the H200 dense-2b sweep in bench/KERNEL_NOTES.md "v6": B=1
-    12 of 24, B=8 4 of 9, where 4 also lets the merge fold; ``SPECCAL_VERIFY_HALVE=0`` keeps the
-    1-row plan's count), and at most ``SPECCAL_VERIFY_SPLITS`` (default ``VERIFY_MAX_SPLITS``);
+    12 of 24, B=8 4 of 9, where 4 also lets the merge fold; ``verify_halve`` false keeps the
+    1-row plan's count), and at most ``verify_splits`` (default ``VERIFY_MAX_SPLITS``);
     its K/V loop runs ``VERIFY_STAGES`` pipeline stages, and where it holds at least
     ``VERIFY_WIDE_PAIRS`` (request, KV head) pairs its tiles are ``VERIFY_WIDE_TILE`` tokens
-    (``SPECCAL_VERIFY_BLOCK_N``). 1-row plans: at most ``SPECCAL_DECODE_SPLITS`` splits (the
-    switches are for benchmarks; unset: no cap), 2 stages.
+    (``verify_block_n``). 1-row plans: at most ``decode_splits`` splits (None: no cap), 2
+    stages. The switches are ``tune.attention``'s (:class:`~speccal.kernels.config.AttentionTuning`).
     """
     if batch < 1 or num_kv_heads < 1 or rows < 1:
         raise InputError("batch/num_kv_heads/rows", (batch, num_kv_heads, rows), "ints >= 1")
-    block_n = attention_block_n(block_n)
+    att = tune.attention
+    block_n = att.block_n or block_n
     want = -(-4 * num_sms // (batch * num_kv_heads))
     cap = max(1, -(-max_len // block_n))
     splits = max(1, min(want, 64, cap))
     if rows == 1:
-        splits = min(splits, decode_max_splits(splits))
+        splits = min(splits, att.decode_splits or splits)
         return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n)
-    half = splits // 2 if verify_halves() else splits
-    splits = max(1, min(half, verify_max_splits(VERIFY_MAX_SPLITS)))
+    half = splits // 2 if att.verify_halve else splits
+    splits = max(1, min(half, att.verify_splits or VERIFY_MAX_SPLITS))
     if batch * num_kv_heads >= VERIFY_WIDE_PAIRS:
-        block_n = verify_block_n(max(block_n, VERIFY_WIDE_TILE))
+        block_n = att.verify_block_n or max(block_n, VERIFY_WIDE_TILE)
     return SplitPlan(max_splits=splits, block_n=block_n, min_split_len=block_n,
                      num_stages=VERIFY_STAGES)
 
@@ -249,7 +231,7 @@ def _check_int(t: torch.Tensor, field: str, shape: tuple[int, ...], dtypes=_INTS
 @dataclass
 class AttnSignal:
     """A flag from an attention launch to the o projection that consumes its output
-    (``SPECCAL_ATTN_POLL``): ``counters`` (int32 ``[2]``: pieces done, consumer programs out,
+    (``AttentionTuning.poll``): ``counters`` (int32 ``[2]``: pieces done, consumer programs out,
     zero between launches) and ``target``, the pieces the launch that armed it will count (0:
     unarmed, the consumer takes its PDL wait). The register-panel o GEMV then starts on the
     count (``pdl.await_signal``) instead of the attention grid's completion."""
@@ -258,23 +240,26 @@ class AttnSignal:
     target: int = 0
 
 
-def residual_panel(residual: torch.Tensor, weight: torch.Tensor) -> bool:
+def residual_panel(residual: torch.Tensor, weight: torch.Tensor,
+                   tune: KernelConfig = DEFAULT_KERNELS) -> bool:
     """Whether ``weight [N, K]`` added into ``residual [M, N]`` (``linear(..., residual=)``,
     ``linear_deferred_norm``) launches as the register panel (``gemv_config.launch_config``)."""
     m, (n, k) = residual.shape[0], weight.shape
     return launch_config(m, n, k, num_sms(residual.device), "residual",
-                         residual.element_size()).panel
+                         residual.element_size(), None, tune.gemv).panel
 
 
-def attention_signal(residual: torch.Tensor, o_weight: torch.Tensor) -> AttnSignal | None:
+def attention_signal(residual: torch.Tensor, o_weight: torch.Tensor,
+                     tune: KernelConfig = DEFAULT_KERNELS) -> AttnSignal | None:
     """An unarmed ``AttnSignal`` for an attention launch whose ``[M, K]`` output feeds the o
     projection ``o_weight [N, K]`` added into ``residual [M, N]`` (``linear_deferred_norm``), or
-    None where that consumer would not poll: ``SPECCAL_ATTN_POLL`` off, not Triton with PDL, the
+    None where that consumer would not poll: ``tune.attention.poll`` off, not Triton with PDL, the
     o GEMV not a register panel (``gemv_config.launch_config``), or no counters (a capture before any
     eager run)."""
-    if not (attention_poll() and use_triton(residual) and pdl_enabled(residual)):
+    if not (tune.attention.poll and use_triton(residual, tune.backend)
+            and pdl_level(residual, tune) > 0):
         return None
-    if not residual_panel(residual, o_weight):
+    if not residual_panel(residual, o_weight, tune):
         return None
     cnt = arrival_counters("signal", residual.device, 2, slots=2)
     return None if cnt is None else AttnSignal(cnt)
@@ -295,7 +280,8 @@ def paged_attention(
     plan: SplitPlan | None = None,
     out: torch.Tensor | None = None,  # like q
     rope: tuple | None = None,  # (k_new [T, KVH, D], v_new, cos_sin_cache [P, D], qk_norm | None)
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
     meta_settled: bool = False,  # the previous launch writes none of the metadata
     signal: AttnSignal | None = None,  # armed here for the o projection (attention_signal)
     successor_panel: bool | None = None,  # the next launch is a register panel (residual_panel)
@@ -327,7 +313,7 @@ def paged_attention(
     attention grid. Off Triton the signal stays unarmed (the consumer waits as usual).
 
     ``successor_panel``: whether the launch after this op is a register-panel GEMV (the o
-    projection, ``residual_panel``); under ``SPECCAL_ATTN_REDUCE_RELEASE=auto`` the split-KV
+    projection, ``residual_panel``); under ``AttentionTuning.reduce_release="auto"`` the split-KV
     reduce then lets it launch before the reduce's own wait (None: wherever panels are on).
     """
     _need(k_cache.dim() == 4, "k_cache.shape", _shape(k_cache),
@@ -376,21 +362,23 @@ def paged_attention(
     if tiling is None:
         num_splits = torch.empty(batch, dtype=torch.int32, device=q.device)
         split_len = torch.empty(batch, dtype=torch.int32, device=q.device)
-        attention_tiling_update(seq_lens, num_splits, split_len, plan, backend=backend)
+        attention_tiling_update(seq_lens, num_splits, split_len, plan, backend=backend,
+                                tune=tune)
     else:
         num_splits, split_len = tiling
         _check_int(num_splits, "tiling[0] (num_splits)", (batch,), (torch.int32,))
         _check_int(split_len, "tiling[1] (split_len)", (batch,), (torch.int32,))
 
-    if use_triton(q, backend):
+    if use_triton(q, backend or tune.backend):
         from speccal.kernels.paged_attention import paged_attention_triton
 
         return paged_attention_triton(
             q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, num_splits, split_len,
             plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
             num_stages=plan.num_stages,
-            rope=rope, pdl=pdl_enabled(q), meta_settled=meta_settled and tiling is not None,
-            signal=signal if pdl_enabled(q) else None, successor_panel=successor_panel,
+            rope=rope, pdl=pdl_level(q, tune) > 0, meta_settled=meta_settled and tiling is not None,
+            signal=signal if pdl_level(q, tune) > 0 else None, successor_panel=successor_panel,
+            tune=tune,
         )
     split = dict(
         num_splits=num_splits if plan.max_splits > 1 else None,
@@ -455,7 +443,8 @@ def verify_token_update(
     pad_id: int = -1,
     *,
     base_index: torch.Tensor | None = None,  # [B] int: flat index into base_tokens
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:  # input_ids
     """Write base token + first ``verify_lens[b]`` drafts of each request into ``input_ids``.
 
@@ -483,7 +472,7 @@ def verify_token_update(
           "input_ids", (_shape(input_ids), input_ids.dtype), "a contiguous [G] int tensor")
     _need(draft_tokens.stride(1) == 1 or draft_tokens.shape[1] <= 1, "draft_tokens", "strided",
           "last dim contiguous")
-    if use_triton(input_ids, backend):
+    if use_triton(input_ids, backend or tune.backend):
         from speccal.kernels.verify_tokens import verify_token_update_triton
 
         return verify_token_update_triton(base_tokens, draft_tokens, verify_lens, input_ids,
@@ -503,7 +492,8 @@ def verify_accept(
     ext_hidden: torch.Tensor,  # [slots, W, H], written
     *,
     greedy: bool = True,
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, tokens [B, k + 1] int64
     """Greedy (or forced) acceptance from the packed rows' argmax plus the next round's slot
     state, in one launch on Triton (``reference.verify_accept_ref`` for the semantics).
@@ -542,11 +532,11 @@ def verify_accept(
           and ext_hidden.dtype == hidden.dtype and ext_hidden.stride(2) == 1, "ext_hidden",
           (_shape(ext_hidden), ext_hidden.dtype),
           f"[{ext_tokens.shape[0]}, >= {k + 1}, {h}] {hidden.dtype}, H contiguous")
-    if use_triton(hidden, backend):
+    if use_triton(hidden, backend or tune.backend):
         from speccal.kernels.verify_accept import verify_accept_triton
 
         return verify_accept_triton(row_tokens, grid_rows, draft_tokens, num_verify, slot_index,
-                                    hidden, ext_tokens, ext_hidden, greedy, pdl_enabled(hidden))
+                                    hidden, ext_tokens, ext_hidden, greedy, pdl_level(hidden, tune) > 0)
     if partials:
         row_tokens = ref.reduce_argmax_partials_ref(*row_tokens)
     elif isinstance(row_tokens, ArgmaxKeys):
@@ -591,7 +581,8 @@ def verify_metadata_update(
     grid_rows: torch.Tensor | None = None,  # [B * (k_max + 1)] int64, written
     max_cu: int | None = None,
     argmax_keys: torch.Tensor | None = None,  # [G] int64, zeroed
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> None:
     """Positions, slot mapping (padding -> slot 0), ``seq_lens`` and ``cu_q_lens`` on device;
     with ``grid_rows`` also each ``[B, k_max + 1]`` grid cell's packed row (clamped to G - 1),
@@ -626,12 +617,12 @@ def verify_metadata_update(
         _check_keys(argmax_keys, g, "argmax_keys")
     for name, t in outs:
         _need(t.is_contiguous(), name, "non-contiguous", "contiguous")
-    if use_triton(positions, backend):
+    if use_triton(positions, backend or tune.backend):
         from speccal.kernels.verify_metadata import verify_metadata_update_triton
 
         verify_metadata_update_triton(verify_lens, context_lens, block_table, block_size,
                                       positions, slot_mapping, seq_lens, cu_q_lens, k_max,
-                                      grid_rows, max_cu, pdl=pdl_enabled(seq_lens),
+                                      grid_rows, max_cu, pdl=pdl_level(seq_lens, tune) > 0,
                                       argmax_keys=argmax_keys)
         return
     ref.verify_metadata_update_ref(verify_lens, context_lens, block_table, block_size, positions,
@@ -646,7 +637,8 @@ def attention_tiling_update(
     split_len: torch.Tensor,  # [B] int32, written
     plan: SplitPlan,
     *,
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> None:
     """Per-request split count and split length for ``paged_attention`` (see ``SplitPlan``)."""
     _need(seq_lens.dim() == 1, "seq_lens.shape", _shape(seq_lens), "[B]")
@@ -655,12 +647,12 @@ def attention_tiling_update(
     _check_int(num_splits, "num_splits", (batch,), (torch.int32,))
     _check_int(split_len, "split_len", (batch,), (torch.int32,))
     _need(isinstance(plan, SplitPlan), "plan", type(plan).__name__, "a SplitPlan")
-    if use_triton(seq_lens, backend):
+    if use_triton(seq_lens, backend or tune.backend):
         from speccal.kernels.attention_tiling import attention_tiling_update_triton
 
         attention_tiling_update_triton(seq_lens, num_splits, split_len, plan.max_splits,
                                        plan.block_n, plan.min_split_len,
-                                       pdl=pdl_enabled(seq_lens))
+                                       pdl=pdl_level(seq_lens, tune) > 0)
         return
     ref.attention_tiling_update_ref(seq_lens, num_splits, split_len, plan.max_splits,
                                     plan.block_n, plan.min_split_len)
@@ -680,7 +672,8 @@ def linear(
     norm: tuple | None = None,  # (weight [N], eps, out [M, N]), with residual only
     residual_settled: bool = False,
     row_scale: DeferredNorm | None = None,  # x is row_scale.xw: the product of the normed rows
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:  # [M, N]
     """``x @ weight.T`` for small M (decode/verify rows): split-K Triton GEMV on CUDA.
 
@@ -734,14 +727,14 @@ def linear(
               and ss.is_contiguous(), "row_scale.ss", (_shape(ss), ss.dtype),
               f"[{m}, P] float32, contiguous")
         scale = (ss, row_scale.eps)
-    if use_triton(x, backend):
+    if use_triton(x, backend or tune.backend):
         from speccal.kernels.gemv import linear_triton
 
         return linear_triton(x, weight, out=out, config=config, epilogue=epilogue,
-                             residual=residual, pdl=pdl_mode(x), norm=norm,
-                             prefetch=gemv_prefetch_tiles(),
-                             residual_settled=residual_settled and prewait_loads(),
-                             row_scale=scale)
+                             residual=residual, pdl=pdl_level(x, tune), norm=norm,
+                             prefetch=tune.gemv.prefetch_tiles,
+                             residual_settled=residual_settled and tune.prewait,
+                             row_scale=scale, tune=tune)
     rs = None
     if scale is not None:
         rs = torch.rsqrt(scale[0].sum(1) / x.shape[1] + scale[1])
@@ -774,7 +767,8 @@ def linear_deferred_norm(
     *,
     residual_settled: bool = False,
     after: AttnSignal | None = None,  # the attention launch that wrote x (attention_signal)
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> DeferredNorm:
     """``residual += x @ weight.T``, then the RMSNorm of the updated residual left to its
     consumer: the GEMV's epilogue writes ``xw = residual * norm_weight`` and per-tile sums of
@@ -798,8 +792,9 @@ def linear_deferred_norm(
     _need(_shape(norm_weight) == (n,) and norm_weight.dtype == x.dtype, "norm_weight",
           (_shape(norm_weight), norm_weight.dtype), f"[{n}] {x.dtype}")
     _need(isinstance(eps, float) and eps > 0, "eps", eps, "a float > 0")
-    tiles, folded = deferred_norm_tiles(m, n, k, num_sms(x.device), x.element_size())
-    if use_triton(x, backend):
+    tiles, folded = deferred_norm_tiles(m, n, k, num_sms(x.device), x.element_size(),
+                                        tune.gemv)
+    if use_triton(x, backend or tune.backend):
         from speccal.kernels.gemv import fold_counters, linear_triton
 
         if folded and fold_counters(x.device, tiles) is None:  # a capture before any eager run
@@ -809,14 +804,15 @@ def linear_deferred_norm(
     if tiles is not None:
         xw = torch.empty_like(residual)
         ss = torch.empty(m, tiles, dtype=torch.float32, device=x.device)
-        linear_triton(x, weight, residual=residual, pdl=pdl_mode(x),
-                      prefetch=gemv_prefetch_tiles(),
-                      residual_settled=residual_settled and prewait_loads(),
-                      defer=(norm_weight, xw, ss), after=after)
+        linear_triton(x, weight, residual=residual, pdl=pdl_level(x, tune),
+                      prefetch=tune.gemv.prefetch_tiles,
+                      residual_settled=residual_settled and tune.prewait,
+                      defer=(norm_weight, xw, ss), after=after, tune=tune)
         return DeferredNorm(xw, ss, eps)
     if after is not None and after.target:  # counted by attention, not polled: zero it (in order)
         after.counters.zero_()
-    linear(x, weight, residual=residual, residual_settled=residual_settled, backend=backend)
+    linear(x, weight, residual=residual, residual_settled=residual_settled, backend=backend,
+           tune=tune)
     hf = residual.float()
     return DeferredNorm((hf * norm_weight.float()).to(residual.dtype),
                         hf.pow(2).sum(1, keepdim=True), eps)
@@ -828,7 +824,8 @@ def linear_argmax(
     *,
     config: GemvConfig | None = None,  # split_k 1; None: pick_config(..., epilogue="argmax")
     keys: torch.Tensor | None = None,  # [M] int64 holding zeros: whole-row keys instead
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor] | ArgmaxKeys:  # (tile_max [M, T], tile_idx [M, T])
     """Per-tile argmax partials of ``x @ weight.T`` (the LM head of argmax-only rounds).
 
@@ -856,18 +853,18 @@ def linear_argmax(
     if keys is not None:
         _check_keys(keys, m, "keys")
         _need(keys.device == x.device, "keys.device", keys.device, str(x.device))
-    if use_triton(x, backend):
+    if use_triton(x, backend or tune.backend):
         from speccal.kernels.gemv import linear_argmax_triton
 
-        out = linear_argmax_triton(x, weight, config, pdl=pdl_mode(x),
-                                   prefetch=gemv_prefetch_tiles(), keys=keys)
+        out = linear_argmax_triton(x, weight, config, pdl=pdl_level(x, tune),
+                                   prefetch=tune.gemv.prefetch_tiles, keys=keys, tune=tune)
         return out if keys is None else ArgmaxKeys(keys)
     if keys is not None:  # the keys' unsigned max with what they hold (zeros: the keys)
         new = ref.argmax_keys_ref(ref.linear_ref(x, weight))
         flip = -(1 << 63)  # unsigned order = signed order with the sign bit flipped
         keys.copy_(torch.maximum(keys ^ flip, new ^ flip) ^ flip)
         return ArgmaxKeys(keys)
-    width = argmax_tile_width(m, n, k, num_sms(x.device), config)
+    width = argmax_tile_width(m, n, k, num_sms(x.device), config, tune.gemv)
     return ref.linear_argmax_ref(x, weight, width)
 
 
@@ -878,7 +875,8 @@ def rms_norm(
     *,
     residual: torch.Tensor | None = None,  # [M, N], becomes x + residual (in place)
     out: torch.Tensor | None = None,  # [M, N]
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:  # [M, N]
     """RMSNorm (fp32 math); with ``residual``: ``residual += x`` then norm of that sum."""
     _need(x.dim() == 2 and x.stride(1) == 1, "x", _shape(x), "[M, N], N contiguous")
@@ -892,10 +890,10 @@ def rms_norm(
     if out is not None:
         _need(_shape(out) == _shape(x) and out.dtype == x.dtype and out.stride(1) == 1, "out",
               (_shape(out), out.dtype), f"{_shape(x)} {x.dtype}")
-    if use_triton(x, backend):
+    if use_triton(x, backend or tune.backend):
         from speccal.kernels.rmsnorm import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, residual=residual, out=out, pdl=pdl_enabled(x))
+        return rms_norm_triton(x, weight, eps, residual=residual, out=out, pdl=pdl_level(x, tune) > 0)
     res = ref.rms_norm_ref(x, weight, eps, residual)
     if residual is not None:
         y, h = res
@@ -913,7 +911,8 @@ def embed_rms_norm(
     *,
     out_h: torch.Tensor | None = None,  # [M, N] table.dtype, written: the embedding rows
     out: torch.Tensor | None = None,  # [M, N] table.dtype, written: their norm
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (out_h, out)
     """Embedding gather and RMSNorm in one launch: ``out_h = table[input_ids]`` (what
     ``nn.Embedding`` returns: the residual stream of layer 0) and ``out = rms_norm(out_h,
@@ -946,11 +945,11 @@ def embed_rms_norm(
         out_h = torch.empty(m, n, dtype=table.dtype, device=table.device)
     if out is None:
         out = torch.empty(m, n, dtype=table.dtype, device=table.device)
-    if use_triton(table, backend):
+    if use_triton(table, backend or tune.backend):
         from speccal.kernels.rmsnorm import embed_rms_norm_triton
 
         return embed_rms_norm_triton(input_ids, table, weight, eps, out_h, out,
-                                     pdl=pdl_enabled(table))
+                                     pdl=pdl_level(table, tune) > 0)
     h, y = ref.embed_rms_norm_ref(input_ids, table, weight, eps)
     return out_h.copy_(h), out.copy_(y)
 
@@ -967,7 +966,8 @@ def rotary_kv_write(
     *,
     q_out: torch.Tensor | None = None,  # [T, H, D], written; None: q in place
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q_w [D], k_w [D], eps)
-    backend: str | None = None,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:  # q_out (q when None)
     """Neox rotary on q and k; rotated q to ``q_out`` (q in place by default), rotated k and v
     written to ``slot_mapping`` slots. ``qk_norm``: per-head RMSNorm of q and k first (fp32)."""
@@ -992,10 +992,10 @@ def rotary_kv_write(
         _need(_shape(q_out) == _shape(q) and q_out.dtype == q.dtype and q_out.stride(-1) == 1,
               "q_out", (_shape(q_out), q_out.dtype), f"{_shape(q)} {q.dtype}, D contiguous")
     _check_qk_norm(qk_norm, d, "qk_norm")
-    if use_triton(q, backend):
+    if use_triton(q, backend or tune.backend):
         from speccal.kernels.rotary_kv import rotary_kv_write_triton
 
         return rotary_kv_write_triton(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
-                                      v_cache, q_out=q_out, qk_norm=qk_norm, pdl=pdl_enabled(q))
+                                      v_cache, q_out=q_out, qk_norm=qk_norm, pdl=pdl_level(q, tune) > 0)
     return ref.rotary_kv_write_ref(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
                                    v_cache, q_out, qk_norm)

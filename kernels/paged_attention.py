@@ -12,7 +12,8 @@ tile is read once for all of them. Partial results ``[B, max_splits, R, H, D]`` 
 log2-sum-exp ``[B, max_splits, R, H]`` go to a workspace; a second kernel merges the splits,
 one program per (request, row, head) loading every split at once (a serial loop over splits was
 the slow part of version 1, see bench/KERNEL_NOTES.md). Where the merge is light
-(``ops.fold_wanted``: few rows x splits, a grid that fits the SMs; ``FOLD_REDUCE`` forces it)
+(``ops.fold_wanted``: few rows x splits, a grid that fits the SMs; ``AttentionTuning.fold``
+forces or forbids it)
 the split program that finishes last for its (request, KV head) merges instead (an arrival
 counter per pair, acquire/release, reset by that program; a CUDA graph capture that finds no
 counters yet falls back to the reduce launch).
@@ -27,22 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from speccal.kernels._backend import (
-    arrival_counters,
-    attention_fold_override,
-    attention_min_block_m,
-    attention_prefetch_tiles,
-    attention_prewait,
-    attention_reduce_early,
-    attention_release,
-    attention_spread,
-    attention_stages,
-    attention_warps,
-    fold_max_merge,
-    interpreting,
-    num_sms,
-    prewait_loads,
-)
+from speccal.kernels._backend import arrival_counters, interpreting, num_sms
+from speccal.kernels.config import DEFAULT_KERNELS, KernelConfig
 from speccal.kernels.ops import fold_wanted, spread_wanted
 from speccal.kernels.pdl import await_signal, depart, pdl_enter, signal_done
 
@@ -50,12 +37,6 @@ __all__ = ["paged_attention_triton"]
 
 # q layout modes (constexpr)
 _DENSE, _DENSE_QLENS, _PACKED = 0, 1, 2
-
-# Split-KV merge in the split kernel's last program per (request, KV head) instead of a reduce
-# launch: True / False force it; None (default) folds only light merges (``ops.fold_wanted``;
-# ``SPECCAL_ATTN_FOLD`` = 0 / 1 overrides None, for benchmark variants).
-FOLD_REDUCE: bool | None = None
-
 
 def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """The folded reduce's arrival counters (``_backend.arrival_counters``, pool ``attention``)."""
@@ -201,16 +182,18 @@ def _split_setup(b, s, kvh, q_lens_ptr, cu_q_ptr, seq_lens_ptr, nsplit_ptr, spli
 
 
 @triton.jit
-def _attend_tile(q, k, v, offs_n, n_ok, pos, row_ok, scale_log2, m_i, l_i, acc):
-    """One K/V tile ``[BLOCK_N, D_PAD]`` into the online softmax of the query rows ``q``."""
-    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+def _attend_tile(q, k, v, offs_n, n_ok, pos, row_ok, scale_log2, m_i, l_i, acc,
+                 PREC: tl.constexpr):
+    """One K/V tile ``[BLOCK_N, D_PAD]`` into the online softmax of the query rows ``q``
+    (``PREC``: the dots' input_precision, "ieee" for fp32 caches)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N] fp32
     ok = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :] & row_ok[:, None]
     qk = tl.where(ok, qk * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
 
 
@@ -239,6 +222,7 @@ def _split_kernel(
     FOLD: tl.constexpr, S_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, G_PAD: tl.constexpr,
     META_EARLY: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, RELEASE: tl.constexpr,
     sig_ptr=None, SIGNAL: tl.constexpr = False, SPREAD: tl.constexpr = False,
+    PREC: tl.constexpr = None,
 ):
     # META_EARLY: the caller vouches that the predecessor kernel writes no metadata (seq_lens,
     # cu_q_lens, tiling, block table), so the setup (``_split_setup``: row layout, KV range,
@@ -336,7 +320,7 @@ def _split_kernel(
                 mask=kv_mask, other=0.0,
             )  # [BLOCK_N, D_PAD]
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n, n_ok, pos, row_ok, scale_log2,
-                                         m_i, l_i, acc)
+                                         m_i, l_i, acc, PREC)
         if PDL and RELEASE == 1:
             tl.extra.cuda.gdc_launch_dependents()
         has = l_i > 0
@@ -501,6 +485,11 @@ def _reduce_kernel(
         signal_done(sig_ptr)
 
 
+def _panel_successor(successor_panel: bool | None, tune: KernelConfig) -> bool:
+    """Whether the launch after attention is a register panel (None: wherever panels are on)."""
+    return tune.gemv.panel if successor_panel is None else bool(successor_panel)
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [B, R, H, D] dense or [T, H, D] packed
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -524,6 +513,7 @@ def paged_attention_triton(
     meta_settled: bool = False,
     signal=None,  # ops.AttnSignal: counted done per finished piece, its target set here
     successor_panel: bool | None = None,  # the next launch is a register panel (reduce release)
+    tune: KernelConfig = DEFAULT_KERNELS,  # the caller's kernel configuration
 ) -> torch.Tensor:
     """Launch the split kernel (and the reduce when ``max_splits > 1``). Inputs are validated by
     ``ops.paged_attention`` / ``ops.rope_paged_attention``; this function trusts them.
@@ -535,7 +525,7 @@ def paged_attention_triton(
     ``meta_settled``: the caller vouches that the kernel launched just before this one writes
     none of the metadata (``seq_lens``, ``q_lens``/``cu_q_lens``, the tiling, the block table), so
     each program reads it (and, with PDL, prefetches its first cached K/V tiles into L2,
-    ``SPECCAL_ATTN_PREFETCH``) before its PDL wait.
+    ``AttentionTuning.prefetch_tiles``) before its PDL wait.
 
     ``signal`` (an ``ops.AttnSignal``, PDL only): the launch counts its finished pieces in
     ``signal.counters[0]`` (one per program of a single-split or reduce launch, one per merge of
@@ -558,22 +548,22 @@ def paged_attention_triton(
     else:
         mode = _DENSE
     dummy = seq_lens
-    force = FOLD_REDUCE if FOLD_REDUCE is not None else attention_fold_override()
+    att = tune.attention
     fold = not direct and fold_wanted(batch, num_kv_heads, max_splits, num_q_rows, group,
-                                      num_sms(q.device), force, fold_max_merge())
+                                      num_sms(q.device), att.fold_override, att.fold_max_merge)
     cnt = _counters(q.device, batch * num_kv_heads) if fold else None
     fold = cnt is not None
     spread = (not direct and not fold and signal is None and not interpreting()
               and spread_wanted(batch, num_kv_heads, max_splits, num_q_rows, num_sms(q.device),
-                                attention_spread()))
+                                att.spread_override))
     if spread:  # [B * KVH, 2]: arrivals, departures
         cnt = arrival_counters("attention_spread", q.device, 2 * batch * num_kv_heads)
         spread = cnt is not None
-    block_m = max(attention_min_block_m(), triton.next_power_of_2(num_q_rows * group))
+    block_m = max(att.min_block_m, triton.next_power_of_2(num_q_rows * group))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     s_pad = triton.next_power_of_2(max_splits)
-    num_warps = attention_warps(num_warps)
-    num_stages = attention_stages(num_stages)
+    num_warps = att.warps or num_warps
+    num_stages = att.stages or num_stages
     # rows merged per load by the last split program: ~64 fp32 of partials per thread
     merge_rows = max(1, min(triton.next_power_of_2(num_q_rows) * group,
                             64 * 32 * num_warps // (s_pad * d_pad)))
@@ -586,7 +576,7 @@ def paged_attention_triton(
         part_lse = torch.empty(batch, max_splits, num_q_rows, num_heads,
                                dtype=torch.float32, device=q.device)
     log2e = 1.4426950408889634
-    early = meta_settled and prewait_loads() and attention_prewait(num_q_rows)
+    early = meta_settled and tune.prewait and att.prewait_rows(num_q_rows)
     if rope is not None:
         k_new, v_new, cos_sin, qk_norm = rope
         qw, kw, eps = qk_norm if qk_norm is not None else (cos_sin, cos_sin, 0.0)
@@ -614,8 +604,9 @@ def paged_attention_triton(
         ROPE=rope is not None, QK_NORM=rope is not None and rope[3] is not None,
         R_PAD=triton.next_power_of_2(num_q_rows), PDL=pdl, FOLD=fold, S_PAD=s_pad,
         MERGE_ROWS=merge_rows, G_PAD=triton.next_power_of_2(group),
-        META_EARLY=early, PREFETCH=attention_prefetch_tiles() if pdl and early else 0,
-        LINE=max(1, 128 // k_cache.element_size()), RELEASE=attention_release() if pdl else 0,
+        META_EARLY=early, PREFETCH=att.prefetch_tiles if pdl and early else 0,
+        LINE=max(1, 128 // k_cache.element_size()), RELEASE=att.release_level if pdl else 0,
+        PREC=tune.precision.fp32_dot if k_cache.dtype == torch.float32 else None,
         **(sig if direct or fold else {}),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
@@ -626,7 +617,8 @@ def paged_attention_triton(
             o3, o3.stride(0), o3.stride(1), num_q_rows, max_splits, batch,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
             S_PAD=s_pad, Q_MODE=mode, PDL=pdl,
-            EARLY=pdl and attention_reduce_early(successor_panel), **sig, num_warps=num_warps,
+            EARLY=pdl and att.reduce_early(_panel_successor(successor_panel, tune)), **sig,
+            num_warps=num_warps,
             launch_pdl=pdl,
         )
     return out

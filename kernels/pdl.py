@@ -1,6 +1,6 @@
 """The programmatic-dependent-launch (PDL) prologue shared by the Triton kernels.
 
-Owns the one rule every PDL kernel of ``speccal.kernels`` follows (``_backend.pdl_mode``): wait
+Owns the one rule every PDL kernel of ``speccal.kernels`` follows (``KernelConfig.pdl``, ``_backend.pdl_level``): wait
 for the predecessor grid before reading anything it may write, then let the successor launch.
 Kernels that release later (the GEMVs after their K loop, ``SPECCAL_PDL=late``; the attention
 split kernel with ``SPECCAL_ATTN_RELEASE=loop``) call ``gdc_wait`` / ``gdc_launch_dependents``

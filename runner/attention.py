@@ -1,8 +1,9 @@
 """Paged attention for the runner: KV writes, the pure-torch attention, the backend switch.
 
 This module owns the attention metadata of one forward (:class:`AttnMeta`) and the single entry
-point :func:`paged_attention` every layer calls, so that Triton kernels (``speccal.kernels``, same
-signature) can replace the pure-torch path by one switch (:func:`set_attention_backend`).
+point :func:`attend_rows` every layer calls with its engine's execution path: the pure-torch
+attention (:func:`paged_attention_torch`) or the Triton kernel (``speccal.kernels.ops``, same
+arguments), chosen by ``path.attention_backend``.
 
 Data layout (shared with ``speccal.kernels``, see docs/ARCHITECTURE.md):
 
@@ -18,14 +19,13 @@ Data layout (shared with ``speccal.kernels``, see docs/ARCHITECTURE.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from speccal.base.errors import InputError, UnsupportedError
+from speccal.kernels import ops
+from speccal.runner.path import ExecutionPath
 
-ATTENTION_BACKENDS = ("torch", "triton")
 MAX_KERNEL_Q_ROWS = 64  # query rows per request the Triton kernel serves (decode / verify)
 
 
@@ -48,11 +48,6 @@ class AttnMeta:
     cu_q_lens: torch.Tensor | None = None  # [B + 1] int32 (packed layout)
     tiling: tuple[torch.Tensor, torch.Tensor] | None = None  # (num_splits [B], split_len [B])
     plan: object | None = None  # speccal.kernels.ops.SplitPlan of the bucket
-
-
-def fused_kernels(x: torch.Tensor) -> bool:
-    """True when layers should use the fused Triton ops (``triton`` backend, CUDA tensor)."""
-    return _backend["name"] == "triton" and x.is_cuda
 
 
 def write_kv(
@@ -106,54 +101,19 @@ def paged_attention_torch(
     return out.reshape(num_b, num_r, num_heads, head_dim)
 
 
-_backend: dict[str, Callable] = {"fn": paged_attention_torch, "name": "torch"}
-
-
-def set_attention_backend(name: str) -> None:
-    """Route :func:`paged_attention` to ``torch`` (reference) or ``triton`` (``speccal.kernels``)."""
-    if name not in ATTENTION_BACKENDS:
-        raise InputError("attention_backend", name, f"one of {', '.join(ATTENTION_BACKENDS)}")
-    if name == "torch":
-        _backend.update(fn=paged_attention_torch, name="torch")
-        return
-    try:
-        from speccal.kernels.ops import paged_attention as kernel  # noqa: PLC0415
-    except ImportError as exc:
-        raise UnsupportedError(f"attention_backend='triton' is unavailable: {exc}") from exc
-    _backend.update(fn=kernel, name="triton")
-
-
-def attention_backend() -> str:
-    return str(_backend["name"])
-
-
-def paged_attention(
-    q: torch.Tensor,  # [B, R, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    num_q_rows: int,
-    scale: float,
-) -> torch.Tensor:  # [B, R, num_heads, head_dim]
-    """The one attention entry point of the runner (backend chosen by :func:`set_attention_backend`)."""
-    return _backend["fn"](q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale)
-
-
 def attend_rows(
     q: torch.Tensor,  # [N, num_heads, head_dim]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMeta,
     scale: float,
+    path: ExecutionPath,
 ) -> torch.Tensor:  # [N, num_heads, head_dim]
-    """Scatter flat query rows into the ``[B, R]`` grid, attend, gather them back.
-
-    Packed metadata (``meta.cu_q_lens``) skips the scatter: the kernel reads the rows in place.
+    """Scatter flat query rows into the ``[B, R]`` grid, attend with ``path``'s backend, gather
+    them back. Packed metadata (``meta.cu_q_lens``) skips the scatter: the kernel reads the rows
+    in place.
     """
     if meta.cu_q_lens is not None:
-        from speccal.kernels import ops  # noqa: PLC0415
-
         return ops.paged_attention(
             q.contiguous(),
             k_cache,
@@ -165,17 +125,20 @@ def attend_rows(
             cu_q_lens=meta.cu_q_lens,
             tiling=meta.tiling,
             plan=meta.plan,
+            tune=path.kernels,
         )
     num_b = meta.block_table.shape[0]
     num_r = meta.num_q_rows
     grid = q.new_zeros(num_b * num_r + 1, *q.shape[1:])
     grid.index_copy_(0, meta.row_index, q)
     extra = {}
-    fn = _backend["fn"]
-    if num_r > MAX_KERNEL_Q_ROWS:  # prefill chunks: the kernel is built for decode/verify rows
-        fn = paged_attention_torch
-    elif meta.plan is not None and _backend["name"] == "triton":
-        extra = {"plan": meta.plan, "tiling": meta.tiling}
+    fn = paged_attention_torch
+    # prefill chunks stay on torch: the kernel is built for decode/verify rows
+    if path.attention_backend == "triton" and num_r <= MAX_KERNEL_Q_ROWS:
+        fn = ops.paged_attention
+        extra = {"tune": path.kernels}
+        if meta.plan is not None:
+            extra.update(plan=meta.plan, tiling=meta.tiling)
     out = fn(
         grid[: num_b * num_r].view(num_b, num_r, *q.shape[1:]),
         k_cache,

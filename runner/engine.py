@@ -18,13 +18,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from speccal.base.errors import CapacityError, InputError, UnsupportedError
 from speccal.base.geometry import Geometry
-from speccal.runner.attention import set_attention_backend
 from speccal.runner.device import (
     default_dtype,
     device_name,
@@ -34,6 +34,7 @@ from speccal.runner.device import (
 )
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.loader import LoadedModel, load_model
+from speccal.runner.path import ExecutionPath, bind_path
 from speccal.runner.prefill import prefill
 from speccal.runner.presets import PRESETS
 from speccal.runner.request import Request
@@ -42,8 +43,6 @@ from speccal.runner.sampling import SamplingParams, check_supported
 from speccal.runner.stats import SpecStats
 
 ACCEPTANCE_MODES = ("greedy", "sample", "synthetic", "forced")
-GRAPH_MODES = ("eager", "split")
-INPUT_UPDATES = ("auto", "in_graph", "host")
 
 
 @dataclass(frozen=True)
@@ -66,12 +65,10 @@ class EngineConfig:
     kv_capacity_tokens : KV slots for requests; None = ``max bucket * (max_model_len + w + 1)``.
     prefill_chunk : most prompt tokens per prefill forward (chunked prefill).
     speculative : False runs plain decoding (``k = 0`` rounds, no draft head loaded).
-    attention_backend : ``torch`` (reference) or ``triton`` (``speccal.kernels``).
-    graph_mode : ``eager`` or ``split`` (CUDA graphs: a draft graph per (Bcap, k), a target graph
-        per (Bcap, k, G), captured at construction; cuda/npu only, see ``runner/graphs.py``).
-    input_update : ``auto`` | ``in_graph`` | ``host``: how the target's verify inputs are built
-        (device update kernels inside the target graph, or host-prepared; ``auto`` follows the
-        capability contract in ``RoundRunner.resolve_update``).
+    path : the program measured (:class:`~speccal.runner.path.ExecutionPath`: graph mode,
+        attention backend, input update, kernel configuration); recorded in
+        :meth:`Engine.compatibility`. ``path.graph_mode="split"`` captures a draft graph per
+        (Bcap, k) and a target graph per (Bcap, k, G) at construction (cuda/npu only).
     draft_family : presets only: key layout of the random MTP head.
     """
 
@@ -89,25 +86,26 @@ class EngineConfig:
     kv_capacity_tokens: int | None = None
     prefill_chunk: int = 512
     speculative: bool = True
-    attention_backend: str = "torch"
-    graph_mode: str = "eager"
+    path: ExecutionPath = field(default_factory=ExecutionPath)
     draft_family: str | None = None
-    input_update: str = "auto"
+
+    @classmethod
+    def flat(cls, **kw: Any) -> EngineConfig:
+        """Build from one flat keyword set: ``graph_mode``, ``attention_backend``,
+        ``input_update`` and ``kernels`` go into ``path`` (the form benches and tests write)."""
+        fields_ = {"graph_mode", "attention_backend", "input_update", "kernels"}
+        path = kw.pop("path", None) or ExecutionPath()
+        changes = {k: kw.pop(k) for k in fields_ & kw.keys()}
+        return cls(path=path.with_(**changes), **kw)
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_width, int) or self.draft_width < 1:
             raise InputError("draft_width", self.draft_width, "an integer >= 1")
         if self.acceptance not in ACCEPTANCE_MODES:
             raise InputError("acceptance", self.acceptance, f"one of {', '.join(ACCEPTANCE_MODES)}")
-        if self.graph_mode not in GRAPH_MODES:
-            raise UnsupportedError(
-                f"graph_mode={self.graph_mode!r}: one of {', '.join(GRAPH_MODES)}"
-            )
-        if self.input_update not in INPUT_UPDATES:
-            raise InputError(
-                "input_update", self.input_update, f"one of {', '.join(INPUT_UPDATES)}"
-            )
-        if self.graph_mode == "split" and not self.device.startswith(("cuda", "npu")):
+        if not isinstance(self.path, ExecutionPath):
+            raise InputError("path", type(self.path).__name__, "an ExecutionPath")
+        if self.path.graph_mode == "split" and not self.device.startswith(("cuda", "npu")):
             raise UnsupportedError(
                 f"graph_mode='split' captures CUDA/NPU graphs; device {self.device!r} runs 'eager'"
             )
@@ -210,7 +208,8 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
-        set_attention_backend(config.attention_backend)
+        self.path = config.path
+        self.path.check_device(self.device)
         preset = PRESETS.get(config.model)
         dtype = config.dtype or (
             default_dtype(self.device) if preset is None or self.device.type != "cpu" else "float32"
@@ -286,16 +285,18 @@ class Engine:
             generator=self.generator,
             device=self.device,
             dtype=torch_dtype,
-            graph_mode=config.graph_mode,
-            input_update=config.input_update,
+            path=self.path,
             max_model_len=max_len,
         )
-        if config.attention_backend == "triton" and self.device.type == "cuda":
+        for module in (self.loaded.target, self.loaded.draft):
+            if module is not None:
+                bind_path(module, self.path)
+        if self.path.attention_backend == "triton" and self.device.type == "cuda":
             self.loaded.target.fuse_weights()
             if self.loaded.draft is not None:
                 self.loaded.draft.layer.self_attn.fuse_weights()
                 self.loaded.draft.layer.mlp.fuse_weights()
-        if config.graph_mode == "split":
+        if self.path.graph_mode == "split":
             self._capture_graphs()
         self.stats = SpecStats(w)
         self._ids = itertools.count()
@@ -349,10 +350,22 @@ class Engine:
                 "quantization": "none",
             },
             "topology": {"tp": 1, "dp": 1},
-            "graph_mode": self.config.graph_mode,
+            "graph_mode": self.path.graph_mode,
             "verification_mode": self.config.acceptance,
             "device": {"kind": self.device.type, "name": device_name(self.device)},
+            "attention_backend": self.path.attention_backend,
+            "input_update": self.input_update,
+            "kernels": {"digest": self.path.kernels.digest(),
+                        "config": self.path.kernels.to_dict()},
         }
+
+    @property
+    def input_update(self) -> str:
+        """The verify-input update the full-width rounds take (``in_graph`` or ``host``):
+        ``path.input_update`` resolved by the capability contract (``RoundRunner.resolve_update``)."""
+        bcap = max(self.geometry.request_buckets)
+        k = self.config.draft_width if self.config.speculative else 0
+        return self.runner.resolve_update(bcap, k, bcap * (k + 1))
 
     def runtime_versions(self) -> dict[str, str | None]:
         """speccal/torch/driver versions of this process (performance-only table metadata)."""

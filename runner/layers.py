@@ -4,7 +4,9 @@ This module owns one decoder layer (:class:`DecoderLayer`) shared by the target 
 head. Parameter names match Hugging Face checkpoints (``self_attn.q_proj``, ``mlp.gate_proj``,
 ``input_layernorm``...), so a layer's ``state_dict`` loads by prefix. Layers run on ``N`` flat
 token rows ``[N, hidden]``; attention reads and writes the paged KV cache through
-``speccal.runner.attention`` (layout documented there).
+``speccal.runner.attention`` (layout documented there). Each module is :class:`PathBound`: it
+dispatches on the engine's execution path (``self.path``: Triton ops on CUDA tensors under the
+``triton`` backend, each op given ``path.kernels``) and never on process state.
 """
 
 from __future__ import annotations
@@ -12,49 +14,49 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speccal.runner.attention import AttnMeta, attend_rows, fused_kernels, write_kv
+from speccal.kernels import ops
+from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig
+from speccal.runner.path import ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
 
 SKINNY_ROWS = 64  # the split-K GEMV's tuned range (decode / verify rows)
 
 
-def _ops():
-    from speccal.kernels import ops  # noqa: PLC0415  (lazy: CPU runs never need it)
-
-    return ops
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` through the split-K Triton GEMV when fused kernels are on."""
-    if not fused_kernels(x) or x.shape[0] > SKINNY_ROWS:  # prefill chunks: cuBLAS
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            path: ExecutionPath) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` through the split-K Triton GEMV when ``path`` fuses ``x``."""
+    if not path.fused(x) or x.shape[0] > SKINNY_ROWS:  # prefill chunks: cuBLAS
         return nn.functional.linear(x, weight, bias)
-    y = _ops().linear(x.contiguous(), weight)
+    y = ops.linear(x.contiguous(), weight, tune=path.kernels)
     return y if bias is None else y + bias
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(PathBound, nn.Module):
     """``x / rms(x) * weight``, computed in float32 as the HF models do."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
+        self._init_path()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        if fused_kernels(x) and x.is_contiguous():
-            return _ops().rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        if self.path.fused(x) and x.is_contiguous():
+            return ops.rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps,
+                                   tune=self.kx).view(x.shape)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
 
-class Attention(nn.Module):
+class Attention(PathBound, nn.Module):
     """GQA self-attention with optional q/k/v bias and per-head q/k RMSNorm (before RoPE)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self._init_path()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -82,25 +84,27 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [N, hidden]
         n = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_weight is not None and fused_kernels(x):
-            qkv = _linear(x, self.qkv_weight, self.qkv_bias)  # [N, (hq + 2 hk) d]
+        path = self.path
+        if self.qkv_weight is not None and path.fused(x):
+            qkv = _linear(x, self.qkv_weight, self.qkv_bias, path)  # [N, (hq + 2 hk) d]
             q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
             q, k, v = q.reshape(n, hq, d), k.reshape(n, hk, d), v.reshape(n, hk, d)
         else:
-            q = _linear(x, self.q_proj.weight, self.q_proj.bias).view(n, hq, d)
-            k = _linear(x, self.k_proj.weight, self.k_proj.bias).view(n, hk, d)
-            v = _linear(x, self.v_proj.weight, self.v_proj.bias).view(n, hk, d)
+            q = _linear(x, self.q_proj.weight, self.q_proj.bias, path).view(n, hq, d)
+            k = _linear(x, self.k_proj.weight, self.k_proj.bias, path).view(n, hk, d)
+            v = _linear(x, self.v_proj.weight, self.v_proj.bias, path).view(n, hk, d)
         if self.q_norm is not None:
             q = self.q_norm(q.contiguous())
             k = self.k_norm(k.contiguous())
-        cos_sin = rotary.cos_sin_cache if fused_kernels(x) else None
+        cos_sin = rotary.cos_sin_cache if path.fused(x) else None
         if cos_sin is not None:  # rotary on q in place; rotated k and v straight into the cache
-            _ops().rotary_kv_write(q, k, v, positions, cos_sin, meta.slot_mapping, kv[0], kv[1])
+            ops.rotary_kv_write(q, k, v, positions, cos_sin, meta.slot_mapping, kv[0], kv[1],
+                                   tune=path.kernels)
         else:
             q, k = rotary(q, k, positions)
             write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        out = attend_rows(q, kv[0], kv[1], meta, self.scale)  # [N, heads, head_dim]
-        return _linear(out.reshape(n, hq * d), self.o_proj.weight, None)
+        out = attend_rows(q, kv[0], kv[1], meta, self.scale, path)  # [N, heads, head_dim]
+        return _linear(out.reshape(n, hq * d), self.o_proj.weight, None, path)
 
     def fuse_weights(self) -> None:
         """Make q/k/v weights views of one ``[(hq + 2 hk) d, hidden]`` matrix (one GEMV launch)."""
@@ -120,24 +124,26 @@ class Attention(nn.Module):
                 offs += b.shape[0]
 
 
-class MLP(nn.Module):
+class MLP(PathBound, nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self._init_path()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # set by fuse_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        if self.gate_up_weight is not None and fused_kernels(x):
-            gate_up = _linear(x, self.gate_up_weight, None)  # [N, 2 inter], (gate_i, up_i) pairs
+        path = self.path
+        if self.gate_up_weight is not None and path.fused(x):
+            gate_up = _linear(x, self.gate_up_weight, None, path)  # [N, 2 inter], (gate_i, up_i)
             gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
         else:
-            gate = _linear(x, self.gate_proj.weight, None)
-            up = _linear(x, self.up_proj.weight, None)
-        return _linear(nn.functional.silu(gate) * up, self.down_proj.weight, None)
+            gate = _linear(x, self.gate_proj.weight, None, path)
+            up = _linear(x, self.up_proj.weight, None, path)
+        return _linear(nn.functional.silu(gate) * up, self.down_proj.weight, None, path)
 
     def fuse_weights(self) -> None:
         """Make gate/up weights views of one ``[2 inter, hidden]`` matrix whose rows interleave
@@ -149,11 +155,12 @@ class MLP(nn.Module):
         self.gate_up_weight = gu
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PathBound, nn.Module):
     """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self._init_path()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -177,7 +184,7 @@ class DecoderLayer(nn.Module):
         full rotary (the fused rotary kernel's table). Only ``x``'s device and row count are
         read, so the rows' token ids ``[N]`` answer as their hidden states would."""
         return (
-            fused_kernels(x)
+            self.path.fused(x)
             and x.shape[0] <= SKINNY_ROWS
             and rotary.cos_sin_cache is not None
             and self.self_attn.qkv_weight is not None
@@ -208,7 +215,7 @@ class DecoderLayer(nn.Module):
         where the merge folds into the split kernel; with ``fuse_rope`` and the packed layout the
         split kernel also does q/k norm + rotary + the new rows' KV write, else one more launch
         does them first), o GEMV with the residual add in its epilogue and the post-attention
-        norm deferred into it and into the gate/up GEMV (``SPECCAL_NORM_DEFER``; else a norm
+        norm deferred into it and into the gate/up GEMV (``NormFusion.defer``; else a norm
         launch), gate/up GEMV with SwiGLU in its epilogue (interleaved rows), down GEMV +
         residual add (split-K reduce), which with ``next_norm`` also writes that norm of the
         result into its ``out`` (the next layer's ``normed``, or the final norm). With
@@ -218,16 +225,16 @@ class DecoderLayer(nn.Module):
         requires ``positions`` to be the packed rows' own positions (``seq_lens - q_len + i``),
         as the target's verify/decode metadata is.
         """
-        ops = _ops()
+        kx = self.kx
         att, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         n = h.shape[0]
         hq, hk, d = att.num_heads, att.num_kv_heads, att.head_dim
         if isinstance(normed, ops.DeferredNorm):
-            qkv = ops.linear(normed.xw, att.qkv_weight, row_scale=normed)
+            qkv = ops.linear(normed.xw, att.qkv_weight, row_scale=normed, tune=kx)
         else:
-            x = normed if normed is not None else ops.rms_norm(h, ln1.weight, ln1.eps)
-            qkv = ops.linear(x, att.qkv_weight)  # [N, (hq + 2 hk) d]
+            x = normed if normed is not None else ops.rms_norm(h, ln1.weight, ln1.eps, tune=kx)
+            qkv = ops.linear(x, att.qkv_weight, tune=kx)  # [N, (hq + 2 hk) d]
         if att.qkv_bias is not None:
             qkv = qkv + att.qkv_bias
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
@@ -235,39 +242,40 @@ class DecoderLayer(nn.Module):
         qk_norm = None
         if att.q_norm is not None:
             qk_norm = (att.q_norm.weight, att.k_norm.weight, att.q_norm.eps)
-        defer_post = ops.norm_defer() != "0"  # the post-attention norm into the o / gate-up GEMVs
+        defer_post = kx.norm.defer_post  # the post-attention norm into the o / gate-up GEMVs
         signal = None
         if fuse_rope and meta.cu_q_lens is not None:  # rotary + KV write inside attention
             if defer_post:  # the o projection may start on attention's flag
-                signal = ops.attention_signal(h, att.o_proj.weight)
+                signal = ops.attention_signal(h, att.o_proj.weight, kx)
             out = ops.paged_attention(
                 q, kv[0], kv[1], meta.block_table, meta.seq_lens, meta.num_q_rows, att.scale,
                 cu_q_lens=meta.cu_q_lens, tiling=meta.tiling, plan=meta.plan,
                 rope=(k, v, rotary.cos_sin_cache, qk_norm), meta_settled=True, signal=signal,
-                successor_panel=ops.residual_panel(h, att.o_proj.weight),
+                successor_panel=ops.residual_panel(h, att.o_proj.weight, kx), tune=kx,
             )  # [N, hq, d]; the launch before (QKV GEMV or its bias add) writes no metadata
         else:
             q_out = torch.empty(n, hq, d, dtype=h.dtype, device=h.device)
             ops.rotary_kv_write(q, k, v, positions, rotary.cos_sin_cache, meta.slot_mapping,
-                                kv[0], kv[1], q_out=q_out, qk_norm=qk_norm)
-            out = attend_rows(q_out, kv[0], kv[1], meta, att.scale)  # [N, hq, d]
+                                kv[0], kv[1], q_out=q_out, qk_norm=qk_norm, tune=kx)
+            out = attend_rows(q_out, kv[0], kv[1], meta, att.scale, self.path)  # [N, hq, d]
         # h was last written three launches back (the previous down reduce or, in layer 0, the
         # embedding + norm launch), so the o GEMV may read it before its PDL wait
         if defer_post:  # the norm's row factor applied in the gate/up GEMV
             dn = ops.linear_deferred_norm(out.reshape(n, hq * d), att.o_proj.weight, h,
                                           ln2.weight, ln2.eps, residual_settled=True,
-                                          after=signal)
-            act = ops.linear(dn.xw, mlp.gate_up_weight, epilogue="silu_mul", row_scale=dn)
+                                          after=signal, tune=kx)
+            act = ops.linear(dn.xw, mlp.gate_up_weight, epilogue="silu_mul", row_scale=dn,
+                             tune=kx)
         else:
             ops.linear(out.reshape(n, hq * d), att.o_proj.weight, residual=h,
-                       residual_settled=True)
-            x = ops.rms_norm(h, ln2.weight, ln2.eps)
-            act = ops.linear(x, mlp.gate_up_weight, epilogue="silu_mul")  # [N, inter]
+                       residual_settled=True, tune=kx)
+            x = ops.rms_norm(h, ln2.weight, ln2.eps, tune=kx)
+            act = ops.linear(x, mlp.gate_up_weight, epilogue="silu_mul", tune=kx)  # [N, inter]
         if next_norm is not None and next_norm[1] is None:
             return ops.linear_deferred_norm(act, mlp.down_proj.weight, h, next_norm[0].weight,
-                                            next_norm[0].eps)
+                                            next_norm[0].eps, tune=kx)
         nrm = None if next_norm is None else (next_norm[0].weight, next_norm[0].eps, next_norm[1])
-        ops.linear(act, mlp.down_proj.weight, residual=h, norm=nrm)
+        ops.linear(act, mlp.down_proj.weight, residual=h, norm=nrm, tune=kx)
         return None if next_norm is None else next_norm[1]
 
     def forward_residual(
@@ -281,15 +289,15 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp output, residual); hidden = their sum
         """vLLM-style residual stream: the add of each sub-block folds into the next norm."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        if fused_kernels(x):
-            ops = _ops()
+        if self.path.fused(x):
+            kx = self.kx
             if residual is None:
                 residual = x.clone()
-                h = ops.rms_norm(x, ln1.weight, ln1.eps)
+                h = ops.rms_norm(x, ln1.weight, ln1.eps, tune=kx)
             else:
-                h = ops.rms_norm(x, ln1.weight, ln1.eps, residual=residual)  # residual += x
+                h = ops.rms_norm(x, ln1.weight, ln1.eps, residual=residual, tune=kx)  # += x
             a = self.self_attn(h, positions, meta, kv, rotary)
-            h = ops.rms_norm(a, ln2.weight, ln2.eps, residual=residual)  # residual += a
+            h = ops.rms_norm(a, ln2.weight, ln2.eps, residual=residual, tune=kx)  # += a
             return self.mlp(h), residual
         residual = x if residual is None else residual + x
         residual = residual + self.self_attn(ln1(residual), positions, meta, kv, rotary)

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from speccal.runner.attention import AttnMeta, fused_kernels
+from speccal.kernels import ops
+from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
 from speccal.runner.layers import DecoderLayer, RMSNorm
+from speccal.runner.path import ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
 
 # rows up to which an LM head runs on the fused GEMV kernels (``fused_head``); past them the
@@ -23,9 +25,9 @@ from speccal.runner.rope import RotaryTable
 FUSED_HEAD_MAX_ROWS = 64
 
 
-def fused_head(hidden: torch.Tensor) -> bool:
-    """Whether an LM head over ``hidden [N, H]`` runs on the fused GEMV kernels."""
-    return fused_kernels(hidden) and hidden.shape[0] <= FUSED_HEAD_MAX_ROWS
+def fused_head(hidden: torch.Tensor, path: ExecutionPath) -> bool:
+    """Whether an LM head over ``hidden [N, H]`` runs on the fused GEMV kernels under ``path``."""
+    return path.fused(hidden) and hidden.shape[0] <= FUSED_HEAD_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,12 @@ class _Body(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class TargetModel(nn.Module):
+class TargetModel(PathBound, nn.Module):
     """Dense decoder-only LM (Qwen2 / Qwen3 / MiMo family) over a paged KV cache."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, max_model_len: int):
         super().__init__()
+        self._init_path()
         self.config = cfg
         self.model = _Body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -84,10 +87,8 @@ class TargetModel(nn.Module):
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer.forward_residual(x, residual, positions, meta, kv, self.rotary)
         norm = self.model.norm
-        if fused_kernels(x):
-            from speccal.kernels import ops  # noqa: PLC0415
-
-            return ops.rms_norm(x, norm.weight, norm.eps, residual=residual)
+        if self.path.fused(x):
+            return ops.rms_norm(x, norm.weight, norm.eps, residual=residual, tune=self.kx)
         return norm(x + residual)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
@@ -95,16 +96,15 @@ class TargetModel(nn.Module):
         """Decode / verify rows through the fused layers: one launch gathers the embedding rows
         (the residual stream ``h``, updated in place by the layers) and writes layer 0's input
         norm of them; each layer's down GEMV defers the next layer's input norm into that layer's
-        QKV GEMV (``ops.defer_input_norm`` of the step's rows, ``SPECCAL_NORM_DEFER``; else its
-        reduce writes the norm, two buffers alternating), and the last one's reduce writes the final norm."""
-        from speccal.kernels import ops  # noqa: PLC0415
-
+        QKV GEMV (``NormFusion.defer_input`` of the step's rows; else its reduce writes the norm,
+        two buffers alternating), and the last one's reduce writes the final norm."""
+        kx = self.kx
         layers = self.model.layers
         ln = layers[0].input_layernorm
         h, normed = ops.embed_rms_norm(input_ids, self.model.embed_tokens.weight, ln.weight,
-                                       ln.eps)
+                                       ln.eps, tune=kx)
         spare = torch.empty_like(h)
-        defer = ops.defer_input_norm(input_ids.shape[0])
+        defer = kx.norm.defer_input(input_ids.shape[0])
         for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
             last = i + 1 == len(layers)
             nxt = self.model.norm if last else layers[i + 1].input_layernorm
@@ -126,10 +126,8 @@ class TargetModel(nn.Module):
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]``, float32 unless ``upcast`` is False (the argmax-only
         greedy path: the bf16 logits' argmax is the same index, with no fp32 copy to write)."""
-        if fused_head(hidden):
-            from speccal.kernels import ops  # noqa: PLC0415
-
-            out = ops.linear(hidden.contiguous(), self.lm_head.weight)
+        if fused_head(hidden, self.path):
+            out = ops.linear(hidden.contiguous(), self.lm_head.weight, tune=self.kx)
         else:
             out = self.lm_head(hidden)
         return out.float() if upcast else out
@@ -144,8 +142,7 @@ class TargetModel(nn.Module):
         is given (zeros: ``ops.verify_metadata_update(argmax_keys=...)``), else its per-tile
         partials (``ops.linear_argmax``: no logits written, no argmax launch); off them ``[N]``
         tokens from :meth:`logits` (the same index: the argmax of the same bf16 logits)."""
-        if fused_head(hidden):
-            from speccal.kernels import ops  # noqa: PLC0415
-
-            return ops.linear_argmax(hidden.contiguous(), self.lm_head.weight, keys=keys)
+        if fused_head(hidden, self.path):
+            return ops.linear_argmax(hidden.contiguous(), self.lm_head.weight, keys=keys,
+                                     tune=self.kx)
         return self.logits(hidden, upcast=False).argmax(dim=-1)

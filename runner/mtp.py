@@ -11,14 +11,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
 from speccal.runner.draft_families import DraftFamily
 from speccal.runner.layers import DecoderLayer, RMSNorm
 from speccal.runner.model import TargetModel, fused_head
+from speccal.runner.path import PathBound
 
 
-class MTPHead(nn.Module):
+class MTPHead(PathBound, nn.Module):
     """One MTP depth: fusion of normed embedding and hidden state, one decoder layer, a head.
 
     Parameters
@@ -31,6 +33,7 @@ class MTPHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig, family: DraftFamily):
         super().__init__()
+        self._init_path()
         h = cfg.hidden_size
         self.family = family
         self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -63,10 +66,8 @@ class MTPHead(nn.Module):
     def logits(self, target: TargetModel, normed: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32 through the head's own or the target's LM head."""
         head = self.head if self.head is not None else target.lm_head
-        if fused_head(normed):
-            from speccal.kernels import ops  # noqa: PLC0415
-
-            return ops.linear(normed.contiguous(), head.weight).float()
+        if fused_head(normed, self.path):
+            return ops.linear(normed.contiguous(), head.weight, tune=self.kx).float()
         return head(normed).float()
 
     def param_key_map(self, num_target_layers: int) -> dict[str, str]:

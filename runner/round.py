@@ -52,14 +52,16 @@ import numpy as np
 import torch
 
 from speccal.base.errors import UnsupportedError
+from speccal.kernels import ops
 from speccal.runner import sampling
-from speccal.runner.attention import AttnMeta, attention_backend
+from speccal.runner.attention import AttnMeta
 from speccal.runner.buffers import StaticInputs
 from speccal.runner.device import is_pinnable, synchronize
 from speccal.runner.graphs import GraphKey, GraphSet
 from speccal.runner.kv_cache import SENTINEL_SLOT, KVCache
 from speccal.runner.model import FUSED_HEAD_MAX_ROWS, TargetModel
 from speccal.runner.mtp import MTPHead
+from speccal.runner.path import ExecutionPath
 from speccal.runner.request import Request
 from speccal.runner.verify_alloc import allocate_prefixes_device
 
@@ -109,8 +111,7 @@ class RoundRunner:
         generator: torch.Generator,
         device: torch.device,
         dtype: torch.dtype,
-        graph_mode: str = "eager",
-        input_update: str = "auto",
+        path: ExecutionPath,
         max_model_len: int = 4096,
     ):
         self.target = target
@@ -139,9 +140,8 @@ class RoundRunner:
         self.step_rows = torch.arange(max_bucket, device=device)
         self.step_cu = torch.arange(max_bucket + 1, dtype=torch.int32, device=device)
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.graph_mode = graph_mode
-        self.static = graph_mode == "split"
-        self.input_update = input_update
+        self.path = path
+        self.static = path.graph_mode == "split"
         self.max_model_len = max_model_len
         self._plans: dict[tuple[int, int], object] = {}  # (bcap, rows) -> SplitPlan
         rows = max_bucket * w1
@@ -200,7 +200,7 @@ class RoundRunner:
         caps = self.target.capabilities
         declared = caps.supports_in_graph_input_update and caps.requires_causal_chunked_prefill
         inside = 0 <= k <= self.w and 1 <= bcap <= self.max_bucket and 1 <= g <= bcap * (k + 1)
-        mode = self.input_update
+        mode = self.path.input_update
         if mode == "host" or not declared or not inside:
             if mode == "in_graph" and not (declared and inside):
                 raise UnsupportedError(
@@ -208,23 +208,21 @@ class RoundRunner:
                     f"bcap={bcap}, k={k}, g={g}); use 'auto' to fall back"
                 )
             return "host"
-        if mode == "in_graph" or attention_backend() == "triton":
+        if mode == "in_graph" or self.path.attention_backend == "triton":
             return "in_graph"
         return "host"
 
     def plan(self, bcap: int, rows: int = 1):
         """Static split-KV plan of a request bucket with ``rows`` query rows per request
         (decode and draft steps 1, verification k + 1; triton backend only, None otherwise)."""
-        if attention_backend() != "triton" or self.device.type != "cuda":
+        if self.path.attention_backend != "triton" or self.device.type != "cuda":
             return None
         key = (bcap, rows)
         if key not in self._plans:
-            from speccal.kernels.ops import plan_splits  # noqa: PLC0415
-
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             heads = self.target.config.num_key_value_heads
-            self._plans[key] = plan_splits(bcap, heads, sms, max_len=self.max_model_len,
-                                           rows=rows)
+            self._plans[key] = ops.plan_splits(bcap, heads, sms, max_len=self.max_model_len,
+                                               rows=rows, tune=self.path.kernels)
         return self._plans[key]
 
     # ------------------------------------------------------------------ sampling kind
@@ -457,11 +455,9 @@ class RoundRunner:
     def _tiling(self, seq: torch.Tensor, plan):  # [B] int32 -> (num_splits, split_len) | None
         if plan is None:
             return None
-        from speccal.kernels import ops  # noqa: PLC0415
-
         num_splits = torch.empty_like(seq)
         split_len = torch.empty_like(seq)
-        ops.attention_tiling_update(seq, num_splits, split_len, plan)
+        ops.attention_tiling_update(seq, num_splits, split_len, plan, tune=self.path.kernels)
         return num_splits, split_len
 
     def _draft_meta(self, slot, row, bt, seq, num_r, cu, plan) -> AttnMeta:
@@ -517,8 +513,7 @@ class RoundRunner:
         fast = self.argmax_only(k, x.sampling)
         grid_tok = grid_logits = None
         if x.update == "in_graph":
-            from speccal.kernels import ops  # noqa: PLC0415
-
+            kx = self.path.kernels
             dev = self.device
             ids = torch.empty(g, dtype=torch.int64, device=dev)
             pos = torch.empty(g, dtype=torch.int64, device=dev)
@@ -528,15 +523,15 @@ class RoundRunner:
             src = torch.empty(bcap * (k + 1), dtype=torch.int64, device=dev)  # grid -> packed row
             # the LM head's packed argmax keys (ops.ArgmaxKeys), zeroed by the metadata update
             keys = (torch.empty(g, dtype=torch.int64, device=dev)
-                    if fast and g <= FUSED_HEAD_MAX_ROWS and ops.argmax_keys_enabled() else None)
+                    if fast and g <= FUSED_HEAD_MAX_ROWS and kx.gemv.argmax_keys else None)
             nv32 = t["nv32"]
             # each request's pending token is gathered from the slot state inside the launch
             ops.verify_token_update(self.ext_tokens, draft_tokens, nv32, ids, pad_id=0,
-                                    base_index=t["pending_index"])
+                                    base_index=t["pending_index"], tune=kx)
             # max_cu=g: padding requests past G get no rows
             ops.verify_metadata_update(
                 nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq, cu, k, grid_rows=src,
-                max_cu=g, argmax_keys=keys,
+                max_cu=g, argmax_keys=keys, tune=kx,
             )
             plan = self.plan(bcap, k + 1)
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
@@ -555,7 +550,7 @@ class RoundRunner:
                 greedy = k > 0 and self.acceptance not in ("forced", "synthetic")
                 num_accepted, out = ops.verify_accept(
                     row_argmax, src, draft_tokens, nv, t["slot_index"], h,
-                    self.ext_tokens, self.ext_hidden, greedy=greedy,
+                    self.ext_tokens, self.ext_hidden, greedy=greedy, tune=kx,
                 )
                 return RoundOutputs(num_accepted, out, None, t["num_verify"])
             logits = target.logits(h)  # [G, V] float32

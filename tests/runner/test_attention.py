@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speccal.base.errors import InputError
-from speccal.runner.attention import attention_backend, paged_attention, set_attention_backend
+from speccal.base.errors import InputError, UnsupportedError
+from speccal.runner.attention import paged_attention_torch
+from speccal.runner.path import ExecutionPath
 
 
 def _dense(q, k, v, q_pos, scale):  # q [R, Hq, D], k/v [T, Hkv, D]
@@ -33,7 +34,7 @@ def test_paged_equals_dense(num_q_rows):
         block_table[b, :nb] = perm[used : used + nb]
         used += nb
     q = torch.randn(3, num_q_rows, hq, d, generator=g)
-    out = paged_attention(q, k_cache, v_cache, block_table, seq_lens, num_q_rows, 0.3)
+    out = paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, num_q_rows, 0.3)
     for b, n in enumerate(seq_lens.tolist()):
         slots = torch.arange(n)
         blocks = block_table[b, slots // bs].long()
@@ -43,8 +44,13 @@ def test_paged_equals_dense(num_q_rows):
         torch.testing.assert_close(out[b], _dense(q[b], k, v, q_pos, 0.3), rtol=1e-5, atol=1e-5)
 
 
-def test_backend_switch_validates():
+def test_execution_path_validates_the_backend_and_the_device():
     with pytest.raises(InputError, match="attention_backend"):
-        set_attention_backend("flash")
-    set_attention_backend("torch")
-    assert attention_backend() == "torch"
+        ExecutionPath(attention_backend="flash")
+    with pytest.raises(InputError, match="graph_mode"):
+        ExecutionPath(graph_mode="unified")
+    with pytest.raises(UnsupportedError, match="attention_backend='triton' runs on CUDA"):
+        ExecutionPath(attention_backend="triton").check_device(torch.device("cpu"))
+    with pytest.raises(UnsupportedError, match="graph_mode='split'"):
+        ExecutionPath(graph_mode="split").check_device(torch.device("cpu"))
+    ExecutionPath().check_device(torch.device("cpu"))

@@ -163,26 +163,25 @@ def test_fused_model_forward_matches_the_torch_forward():
     torch.testing.assert_close(got[real], want[real], rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("defer", ["o", "all", "0", "rows"])
-def test_fused_forward_gathers_the_embedding_inside_the_first_norm(defer, monkeypatch):
+@pytest.mark.parametrize("defer", ["o", "all", "off", "rows"])
+def test_fused_forward_gathers_the_embedding_inside_the_first_norm(defer, monkeypatch,
+                                                                   fused_on_cpu):
     """On the fused path ``forward`` runs no embedding module and no norm launch of its own:
     one ``ops.embed_rms_norm`` writes the residual stream (the embedding rows, which the layers
     then update in place) and layer 0's normed input. The post-attention norm is deferred into
-    the o / gate-up GEMVs (``SPECCAL_NORM_DEFER=o``), with ``all`` also the next input norm
+    the o / gate-up GEMVs (``NormFusion(defer="o")``), with ``all`` also the next input norm
     into the down / next QKV GEMVs, with ``rows`` (the default) that too for this case's 5 rows
-    (2-8 rows), or they are launched / reduced (``0``). The
+    (2-8 rows), or they are launched / reduced (``off``). The
     Triton path is simulated on CPU (every op runs its reference), so this checks the launch
     plan, not the kernels."""
-    monkeypatch.setenv("SPECCAL_NORM_DEFER", defer)
     from speccal.kernels import ops
-    from speccal.runner import layers as layers_mod
-    from speccal.runner import model as model_mod
+    from speccal.kernels.config import KernelConfig, NormFusion
+    from speccal.runner.path import bind_path
 
     model, meta, pos, kv0, ids = _model_case()
     with torch.no_grad():
         want = model(ids, pos, meta, _kv(kv0))  # the torch path (CPU tensors)
-    monkeypatch.setattr(layers_mod, "fused_kernels", lambda x: True)
-    monkeypatch.setattr(model_mod, "fused_kernels", lambda x: True)
+    bind_path(model, fused_on_cpu(KernelConfig(norm=NormFusion(defer=defer))))
     calls = {"embed_rms_norm": [], "rms_norm": 0, "deferred": 0}
     real_embed, real_norm, real_defer = ops.embed_rms_norm, ops.rms_norm, ops.linear_deferred_norm
 
@@ -213,11 +212,11 @@ def test_fused_forward_gathers_the_embedding_inside_the_first_norm(defer, monkey
     # per layer only the post-attention norm may be a norm launch (the down reduce writes the
     # next); deferred, it is none
     layers = len(model.model.layers)
-    assert calls["rms_norm"] == (layers if defer == "0" else 0)
+    assert calls["rms_norm"] == (layers if defer == "off" else 0)
     # deferred: each o projection ("o"), and with "all" (and "rows" at 5 rows) each down
     # projection but the last (its reduce writes the final norm for the LM head)
     assert calls["deferred"] == {"o": layers, "all": 2 * layers - 1, "rows": 2 * layers - 1,
-                                 "0": 0}[defer]
+                                 "off": 0}[defer]
     h, _ = calls["embed_rms_norm"][0]
     assert not torch.equal(h, model.model.embed_tokens.weight[ids])  # updated in place by layers
     real = slice(0, int(meta.cu_q_lens[-1]))

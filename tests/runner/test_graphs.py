@@ -32,7 +32,7 @@ def _run(eng: Engine, rounds: int, k: int, verify=None) -> list[list[int]]:
 
 def _cfg(**kw) -> EngineConfig:
     base = dict(model="tiny", draft_width=3, request_buckets=(1, 2, 4), max_model_len=128)
-    return EngineConfig(**(base | kw))
+    return EngineConfig.flat(**(base | kw))
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -26,7 +26,7 @@ HOT = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=40, ignore
 
 def _cfg(**kw) -> EngineConfig:
     base = dict(model="tiny", draft_width=3, request_buckets=(1, 2, 4), max_model_len=128)
-    return EngineConfig(**(base | kw))
+    return EngineConfig.flat(**(base | kw))
 
 
 def _force_general(eng: Engine) -> None:
@@ -262,33 +262,39 @@ def test_captured_greedy_and_sample_graphs_equal_eager_cuda(k):
 
 
 @pytest.mark.parametrize(("acceptance", "k"), [("greedy", 0), ("greedy", 3), ("forced", 2)])
-@pytest.mark.parametrize("keys", ["1", "0"])
-def test_in_graph_fast_path_takes_argmax_partials(monkeypatch, acceptance, k, keys):
+@pytest.mark.parametrize("keys", [True, False])
+def test_in_graph_fast_path_takes_argmax_partials(monkeypatch, acceptance, k, keys, fused_on_cpu):
     """With the fused LM head (forced on here: ``ops.linear_argmax`` runs its reference on CPU,
     8 tiles of 64 over the tiny vocab), the in-graph fast path hands ``verify_accept`` the
-    argmax as packed per-row keys (``SPECCAL_ARGMAX_KEYS=1``, the default; the metadata update
-    zeroed them) or as per-tile partials (``0``) instead of row tokens, and emits the host
+    argmax as packed per-row keys (``GemvTuning.argmax_keys``, the default; the metadata update
+    zeroed them) or as per-tile partials (off) instead of row tokens, and emits the host
     path's tokens."""
     from speccal.kernels import ops
-    from speccal.runner import model
+    from speccal.kernels.config import GemvTuning, KernelConfig
+    from speccal.runner.path import bind_path
 
-    monkeypatch.setattr(model, "fused_kernels", lambda x: True)
-    monkeypatch.setenv("SPECCAL_ARGMAX_KEYS", keys)
+    kernels = KernelConfig(gemv=GemvTuning(argmax_keys=keys))
     seen: list[bool] = []
     real = ops.verify_accept
 
     def spy(row_tokens, *args, **kwargs):
-        if keys == "1":
+        if keys:
             seen.append(isinstance(row_tokens, ops.ArgmaxKeys))
         else:
             seen.append(isinstance(row_tokens, tuple) and row_tokens[0].shape[1] == 8)
         return real(row_tokens, *args, **kwargs)
 
     monkeypatch.setattr(ops, "verify_accept", spy)
-    kw = dict(acceptance=acceptance, speculative=k > 0)
-    want, _ = _run(Engine(_cfg(input_update="host", **kw)), [GREEDY] * 3, 6, k)
+    kw = dict(acceptance=acceptance, speculative=k > 0, kernels=kernels)
+
+    def engine(update):  # the target's LM head on the fused code (references on CPU)
+        eng = Engine(_cfg(input_update=update, **kw))
+        bind_path(eng.loaded.target, fused_on_cpu(kernels))
+        return eng
+
+    want, _ = _run(engine("host"), [GREEDY] * 3, 6, k)
     assert seen == []  # the host path gathers tokens itself
-    got, kinds = _run(Engine(_cfg(input_update="in_graph", **kw)), [GREEDY] * 3, 6, k)
+    got, kinds = _run(engine("in_graph"), [GREEDY] * 3, 6, k)
     assert set(kinds) == {"greedy"} and seen == [True] * 6
     assert got == want
     assert all(len(set(t)) > 3 for t in got)  # not a degenerate decode

@@ -29,7 +29,7 @@ BUDGETS = (4, 5, 7, 9, 12, 16, 6, 8, 10, 11)
 
 def _cfg(**kw) -> EngineConfig:
     base = dict(model="tiny", draft_width=W, request_buckets=(1, 2, 4), max_model_len=128, seed=0)
-    return EngineConfig(**(base | kw))
+    return EngineConfig.flat(**(base | kw))
 
 
 def _prompts(n: int, seed: int = 7) -> list[list[int]]:
