@@ -84,8 +84,9 @@ class ContextInterval:
     """One context interval: synthetic prompts of at most ``prefill_tokens`` tokens whose KV lengths
     stay inside ``[min_kv_length, max_kv_length]`` (inclusive) during measurement.
 
-    Synthetic prompt lengths are spread evenly over ``[min_kv_length, prefill_tokens]``, so
-    ``prefill_tokens`` must be at least ``min_kv_length``.
+    Synthetic prompt lengths are midpoint quantiles of ``[min_kv_length, prefill_tokens]``
+    (``speccal.calibrate.driver.prompt_lengths``), so ``prefill_tokens`` must be at least
+    ``min_kv_length``.
     """
 
     prefill_tokens: int

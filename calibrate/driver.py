@@ -21,11 +21,12 @@ all land in the same slow or fast stretch. Per (point, window):
    have run exactly the grid's (Bcap, G, k).
 
 Synthetic requests: token ids drawn from ``numpy.random.default_rng((token_seed, context, Bcap, G,
-k))`` (same prompts for a point on resume). Prompt lengths are spread evenly over
-``[min_kv_length, prefill_tokens]`` across the batch, so the batch's KV lengths cover the lower
-part of the interval from the first round and then grow by up to ``w + 1`` tokens per round
-(forced full acceptance) toward ``prefill_tokens + reserve <= max_kv_length``; every window
-records the batch's mean KV length over its rounds (``mean_kv_length``).
+k))`` (same prompts for a point on resume). Every point is measured at the same mean KV length
+(``calibrated_kv_length``), whatever its Bcap and G, because the table has no KV axis inside a
+context interval: a KV effect that differed between points would be fitted into alpha(Bcap) or
+theta(G). ``prompt_lengths`` says how (midpoint quantiles of ``[min_kv_length, prefill_tokens]``,
+each request led by the tokens its slower growth would not reach); every window records the
+batch's mean KV length over its rounds (``mean_kv_length``).
 
 Each finished window becomes one measurement row (columns of ``docs/ARCHITECTURE.md``) appended
 to the journal (fsync) before the next window starts; windows already in the journal are skipped.
@@ -76,21 +77,76 @@ class DriveStats:
     sampling_s: float
 
 
+def mean_measured_rounds(cfg: CalibrationConfig) -> float:
+    """Rounds a request has run, as ``RoundResult.kv_lengths`` counts them (after the round),
+    averaged over the measured rounds of all of a point's windows.
+
+    Round ``m`` (0-based) of window ``i`` is preceded by the ``i * window_steps`` rounds the
+    window's advanced prompt stands for, the transition round and ``warmup_steps``:
+    ``i * window_steps + 1 + warmup_steps + m + 1`` rounds after it. The mean over ``m`` and ``i``
+    is ``1 + warmup_steps + (window_steps + 1) / 2 + window_steps * (windows_per_point - 1) / 2``.
+    """
+    ws = cfg.window_steps
+    return 1 + cfg.warmup_steps + (ws + 1) / 2 + ws * (cfg.windows_per_point - 1) / 2
+
+
+def calibrated_kv_length(cfg: CalibrationConfig, context_index: int) -> float:
+    """The mean KV length every point of a context interval is measured at (see
+    ``prompt_lengths``): ``(min_kv_length + prefill_tokens) / 2 + (w + 1) * mean_measured_rounds``."""
+    ctx = cfg.contexts[context_index]
+    centre = (ctx.min_kv_length + ctx.prefill_tokens) / 2
+    return centre + (cfg.draft_width + 1) * mean_measured_rounds(cfg)
+
+
+def prompt_lengths(cfg: CalibrationConfig, point: GridPoint) -> np.ndarray:
+    """Base prompt length of each of the point's ``Bcap`` requests (before window advance).
+
+    Every point, whatever its Bcap and G, is measured at the same mean KV length
+    (``calibrated_kv_length``), in two steps:
+
+    1. **Midpoint quantiles**: request ``i`` of ``B`` takes the ``(i + 0.5) / B`` quantile of
+       ``[min_kv_length, prefill_tokens]``, so every bucket's mean prompt is the interval's centre
+       (B = 1 sits at the centre, not at ``min_kv_length``: evenly spaced end points would give
+       Bcap 1 a one-token prompt and fold a KV effect into alpha(Bcap)). Chosen over one shared
+       set of quantile levels with B = 1 rotating through them over windows: a point's cost is
+       the median of its windows, which would pick one level for B = 1 instead of the mean.
+    2. **Growth lead**: under forced acceptance request ``i`` grows by ``v_i + 1`` tokens per
+       round (``v_i`` = its verify length; ``k`` in draft_step mode), so a point with fewer target
+       rows per request would drift less far into the interval. Each prompt is lengthened by
+       ``(w - v_i) * mean_measured_rounds(cfg)``, the tokens it falls behind a full-width request
+       over the average measured round; the batch's mean KV over all windows is then
+       ``calibrated_kv_length`` for every point, up to rounding (at most half a token).
+
+    Windows still start where a back-to-back run of the point would have them (window ``i`` is
+    advanced by ``i * window_steps`` rounds, ``synthetic_prompts``). Feasibility is unchanged:
+    the mean number of rounds is below the worst case, so a request's lead plus its own growth
+    stays below a full-width request's worst-case growth and no KV length passes
+    ``prefill_tokens + reserve_tokens(...)`` (``feasibility.check_feasible``).
+    """
+    ctx = cfg.contexts[point.context_index]
+    lo, hi = ctx.min_kv_length, ctx.prefill_tokens
+    b = point.bcap
+    levels = (np.arange(b) + 0.5) / b
+    verify = np.asarray(point.verify_tokens or (point.k,) * b, dtype=float)
+    lead = (cfg.draft_width - verify) * mean_measured_rounds(cfg)
+    return np.round(lo + levels * (hi - lo) + lead).astype(int)
+
+
 def synthetic_prompts(
     cfg: CalibrationConfig, point: GridPoint, vocab_size: int, advance_rounds: int = 0
 ) -> list[list[int]]:
     """The ``point.bcap`` synthetic prompts of a point (deterministic in ``token_seed``).
 
-    ``advance_rounds``: each prompt is extended by the tokens its request emits in that many
-    rounds under forced full acceptance (``verify_tokens[b] + 1`` per round), drawn from a second
-    generator, so a window measured after a fresh transition starts at the KV lengths it would
-    have had ``advance_rounds`` rounds into a sequential run.
+    Lengths from ``prompt_lengths``. ``advance_rounds``: each prompt is extended by the tokens
+    its request emits in that many rounds under forced full acceptance (``verify_tokens[b] + 1``
+    per round), drawn from a second generator, so a window measured after a fresh transition
+    starts at the KV lengths it would have had ``advance_rounds`` rounds into a sequential run.
     """
-    ctx = cfg.contexts[point.context_index]
     key = (cfg.token_seed, point.context_index, point.bcap, point.g, point.k)
     rng = np.random.default_rng(key)
-    lengths = np.linspace(ctx.min_kv_length, ctx.prefill_tokens, point.bcap).round().astype(int)
-    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
+    prompts = [
+        rng.integers(0, vocab_size, size=int(n)).tolist() for n in prompt_lengths(cfg, point)
+    ]
     if advance_rounds > 0:
         more = np.random.default_rng((*key, advance_rounds))
         verify = point.verify_tokens or (point.k,) * point.bcap

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from speccal.base.geometry import Geometry
 from speccal.calibrate.config import KEYS, CalibrationConfig
+from speccal.calibrate.driver import calibrated_kv_length
 from speccal.calibrate.grid import GridPoint
 
 
@@ -88,11 +89,13 @@ def print_geometry(console: Console, geometry: Geometry, compatibility: Mapping[
 def print_grid(
     console: Console, points: tuple[GridPoint, ...], cfg: CalibrationConfig, done: int
 ) -> None:
-    """One line: how much will be sampled."""
+    """One line: how much will be sampled, and the mean KV length every point is measured at."""
     rounds = len(points) * (cfg.warmup_steps + cfg.windows_per_point * cfg.window_steps)
+    kv = ", ".join(f"{calibrated_kv_length(cfg, i):.1f}" for i in range(len(cfg.contexts)))
     console.print(
         f"grid: {len(points)} points x {cfg.windows_per_point} windows of {cfg.window_steps} rounds "
-        f"({cfg.mode}, ~{rounds} rounds incl. warmup); {done} windows already in the journal"
+        f"({cfg.mode}, ~{rounds} rounds incl. warmup), every point at mean KV {kv}; "
+        f"{done} windows already in the journal"
     )
 
 

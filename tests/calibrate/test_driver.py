@@ -1,14 +1,31 @@
-"""The driver's window-major order and the advanced prompts that keep each window's KV range."""
+"""The driver's window-major order, the advanced prompts that keep each window's KV range, and
+the prompt plan that measures every point at the same mean KV length."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import numpy as np
+import pytest
 from rich.console import Console
 
-from speccal.calibrate.config import UserConfig, parse_config_file, resolve_config
-from speccal.calibrate.driver import synthetic_prompts
-from speccal.calibrate.grid import GridPoint
+from speccal.base.geometry import default_target_rows
+from speccal.calibrate.config import (
+    CalibrationConfig,
+    ContextInterval,
+    UserConfig,
+    parse_config_file,
+    resolve_config,
+)
+from speccal.calibrate.driver import (
+    calibrated_kv_length,
+    mean_measured_rounds,
+    prompt_lengths,
+    synthetic_prompts,
+)
+from speccal.calibrate.feasibility import reserve_tokens
+from speccal.calibrate.grid import GridPoint, build_grid
 from speccal.calibrate.pipeline import CalibrateOptions, calibrate
 
 
@@ -57,3 +74,76 @@ def test_advanced_prompts_extend_the_base_prompts(small_config, engine_factory):
     for b, (p0, p1) in enumerate(zip(base, adv, strict=True)):
         assert p1[: len(p0)] == p0
         assert len(p1) - len(p0) == 5 * ((1, 3)[b] + 1)
+
+
+def _default_like_cfg(mode: str = "target_verify") -> CalibrationConfig:
+    """The documented defaults (prefill 2048, KV 1..4096, 8 warmup, 3 x 32-round windows) over
+    every legal G of request buckets 1..128 at w = 3."""
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+    return CalibrationConfig(
+        model="additive",
+        mode=mode,
+        draft_width=3,
+        request_buckets=buckets,
+        target_graph_rows=default_target_rows(buckets, 3),
+        contexts=(ContextInterval(2048, 1, 4096),),
+    )
+
+
+@pytest.mark.parametrize("mode", ["target_verify", "draft_step"])
+def test_every_point_is_planned_at_the_same_mean_kv(mode):
+    """Planned mean KV over a point's measured rounds (prompt + (v + 1) tokens per round) is the
+    interval's calibrated KV for every (Bcap, G) within 0.5 tokens (per-request rounding), and no
+    request outgrows the feasibility reserve. Evenly spaced end points put Bcap 1 at a 1-token
+    prompt (mean KV ~ 1 + 4 * 57.5 = 231 against ~1255 for the others)."""
+    cfg = _default_like_cfg(mode)
+    if mode == "draft_step":
+        rows = {b: tuple(b * (k + 1) for k in range(1, 4)) for b in cfg.request_buckets}
+        cfg = replace(cfg, target_graph_rows=rows)
+    rounds = mean_measured_rounds(cfg)
+    assert rounds == 1 + 8 + 33 / 2 + 32  # 57.5
+    target = calibrated_kv_length(cfg, 0)
+    assert target == (1 + 2048) / 2 + 4 * rounds
+    reserve = reserve_tokens(8, 32, 3, 3)
+    points = build_grid(cfg)
+    assert len({p.bcap for p in points}) == 8
+    for p in points:
+        lengths = prompt_lengths(cfg, p)
+        assert len(lengths) == p.bcap and lengths.min() >= 1
+        rate = np.asarray(p.verify_tokens or (p.k,) * p.bcap) + 1
+        planned = lengths.mean() + rate.mean() * rounds
+        assert abs(planned - target) <= 0.5, (p, planned, target)
+        assert (lengths + rate * (2 + 8 + 3 * 32)).max() <= 2048 + reserve, p
+
+
+def test_measured_mean_kv_is_the_same_for_every_bucket(tmp_path, engine_factory):
+    """End to end on the tiny preset (Bcap 1, 2, 4 at G/Bcap from 1 to 4, 2 windows of 2
+    rounds): every point's mean of ``mean_kv_length`` over its windows is the calibrated KV
+    within 0.5 tokens, so all points lie within 1 token of each other (before: Bcap 1 at
+    G = 1 sat at 5.5 tokens, the others at 19-35)."""
+    cfg = {
+        "request_buckets": [1, 2, 4],
+        "target_graph_rows": {"1": [1, 4], "2": [3, 4, 8], "4": [4, 6, 16]},
+        "contexts": [{"prefill_tokens": 32, "min_kv_length": 1, "max_kv_length": 128}],
+        "warmup_steps": 1,
+        "window_steps": 2,
+        "windows_per_point": 2,
+    }
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    opts = CalibrateOptions(config_path=path, out=tmp_path / "t.json", progress=False)
+    calibrate(opts, console=Console(quiet=True), engine_factory=engine_factory)
+    rows = [json.loads(x)["row"] for x in opts.journal_path.read_text().splitlines()[1:]]
+    by_point: dict = {}
+    for r in rows:
+        by_point.setdefault((r["bcap"], r["g"]), []).append(r["mean_kv_length"])
+    eff = resolve_config(
+        UserConfig.build(parse_config_file(path), {}), engine_factory.last.geometry
+    )
+    target = calibrated_kv_length(eff, 0)
+    assert target == 16.5 + 4 * (1 + 1 + 1.5 + 1)  # 34.5
+    means = {k: float(np.mean(v)) for k, v in by_point.items()}
+    assert len(means) == 8 and {b for b, _ in means} == {1, 2, 4}
+    for key, kv in means.items():
+        assert abs(kv - target) <= 0.5, (key, kv, target)
+    assert max(means.values()) - min(means.values()) <= 1.0
