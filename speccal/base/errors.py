@@ -47,6 +47,16 @@ class SchemaError(InputError):
     """A table or trace document that is unreadable, malformed or of an unsupported version."""
 
 
+class OutputError(InputError):
+    """An output that cannot be written: an existing directory, a missing parent, a parent that
+    is a file, permission denied, a filesystem that refuses new files (``/proc``), a full disk.
+
+    Raised by ``speccal.base.atomic`` (its writers and ``check_writable``) in place of the
+    ``OSError``, so every command reports it as one line and exit 2. ``value`` is the path,
+    ``hint`` the operating system's reason.
+    """
+
+
 class CapacityError(SpeccalError):
     """The runner ran out of a fixed resource (KV blocks, captured buckets)."""
 
