@@ -14,6 +14,17 @@ is refused at ``--resume`` instead of mixing its windows into this table.
 Durability: the header is written atomically (temp file, fsync, rename, directory fsync); each
 window line is appended, flushed and fsynced before the next window starts. A crash can leave at
 most one torn last line, which ``open_journal`` drops (and truncates) on resume.
+
+No measurement is lost or counted twice:
+
+- starting afresh over a journal that holds finished windows is refused unless the caller says
+  ``overwrite`` (``check_discard``; ``speccal calibrate --overwrite``), so a rerun that forgot
+  ``--resume`` does not silently throw the windows away;
+- two runs never append to one journal at once: ``speccal.calibrate.lock`` holds the output;
+- a journal written before that lock existed (two concurrent ``--resume`` runs) may hold the same
+  window twice: resume keeps the first line of each window identity (``window_identity``: mode,
+  context, Bcap, G, k, window index), drops the others and rewrites the file without them
+  (atomically), so the fit sees each window once.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speccal.base.atomic import write_text_atomic
+from speccal.base.atomic import write_bytes_atomic, write_text_atomic
 from speccal.base.errors import InputError, SchemaError
 
 JOURNAL_VERSION = 1
@@ -56,6 +67,45 @@ def window_key(row: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
     )
 
 
+def window_identity(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """(mode, context_index, bcap, g, k, window_index): one window, measured once."""
+    return (row.get("mode"), *window_key(row))
+
+
+def existing_windows(path: str | Path) -> int:
+    """Finished windows in the journal at ``path`` (complete lines after the header; 0 if the
+    file is missing or empty). Does not validate the lines (``open_journal`` does)."""
+    try:
+        data = Path(path).read_bytes()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return 0
+    except OSError as exc:
+        raise InputError(
+            "--journal", str(path), "a readable journal file", hint=exc.strerror
+        ) from None
+    return max(data.count(b"\n") - 1, 0)
+
+
+def check_discard(path: str | Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to replace a journal holding finished windows unless asked to (module docstring).
+
+    Raises
+    ------
+    InputError
+        ``path`` holds finished windows and neither ``resume`` nor ``overwrite`` is set.
+    """
+    if resume or overwrite:
+        return
+    n = existing_windows(path)
+    if n:
+        raise InputError(
+            "--journal",
+            f"{path} ({n} finished window{'s' if n != 1 else ''})",
+            "no journal to discard",
+            hint="pass --resume to continue it or --overwrite to discard its windows",
+        )
+
+
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
@@ -72,6 +122,7 @@ class Journal:
     rows: list[dict[str, Any]] = field(default_factory=list)
     resumed: bool = False
     dropped_torn_line: bool = False
+    dropped_duplicates: int = 0
     _fh: Any = None
 
     @property
@@ -99,20 +150,24 @@ class Journal:
         self.close()
 
 
-def open_journal(path: str | Path, header: Mapping[str, Any], *, resume: bool) -> Journal:
+def open_journal(
+    path: str | Path, header: Mapping[str, Any], *, resume: bool, overwrite: bool = False
+) -> Journal:
     """Open ``path`` for appending windows of the run described by ``header``.
 
     Parameters
     ----------
     path : journal file.
     header : ``{"config", "geometry", "compatibility"}`` of this run (the key is computed here).
-    resume : keep the finished windows of an existing journal of the same run; without it an
-        existing journal is replaced by a fresh one.
+    resume : keep the finished windows of an existing journal of the same run (duplicates of a
+        window dropped, ``Journal.dropped_duplicates``).
+    overwrite : without ``resume``, replace an existing journal even if it holds finished windows.
 
     Raises
     ------
     InputError
-        ``--resume`` on a journal of another run (different key) or an unreadable header.
+        ``--resume`` on a journal of another run (different key) or an unreadable header; an
+        existing journal with finished windows and neither ``resume`` nor ``overwrite``.
     SchemaError
         A corrupt line other than a torn last line.
     """
@@ -123,7 +178,8 @@ def open_journal(path: str | Path, header: Mapping[str, Any], *, resume: bool) -
     if resume and p.exists() and p.stat().st_size > 0:
         journal = _read(p, key)
     else:
-        write_text_atomic(p, _dumps(full_header) + "\n")
+        check_discard(p, resume=resume, overwrite=overwrite)
+        write_text_atomic(p, _dumps(full_header) + "\n", field="--journal")
         journal = Journal(path=p, key=key, resumed=False)
     journal._fh = open(p, "a", encoding="utf-8")  # noqa: SIM115 - closed by Journal.close
     return journal
@@ -154,9 +210,11 @@ def _read(p: Path, key: str) -> Journal:
             str(p),
             f"a journal of this same calibration (key {key[:12]})",
             hint=f"it belongs to another run (key {str(head.get('key'))[:12]}: different config, geometry "
-            "or compatibility); drop --resume or pass another --journal",
+            "or compatibility); pass --overwrite (without --resume) to replace it or another --journal",
         )
     rows = []
+    kept_lines = [complete[0]]
+    seen: set[tuple[Any, ...]] = set()
     for n, raw in enumerate(complete[1:], start=2):
         try:
             rec = json.loads(raw)
@@ -167,10 +225,26 @@ def _read(p: Path, key: str) -> Journal:
             raise SchemaError(
                 f"{p}:{n}", raw[:80].decode("utf-8", "replace"), f"a window record ({exc})"
             ) from None
+        ident = window_identity(rec["row"])
+        if ident in seen:  # the first measurement of a window stands (module docstring)
+            continue
+        seen.add(ident)
         rows.append(rec["row"])
-    if torn:
+        kept_lines.append(raw)
+    dropped = len(complete) - len(kept_lines)
+    if dropped:
+        # Rewriting also drops a torn last line.
+        write_bytes_atomic(p, b"".join(x + b"\n" for x in kept_lines), field="--journal")
+    elif torn:
         with open(p, "r+b") as fh:
             fh.truncate(good_end)
             fh.flush()
             os.fsync(fh.fileno())
-    return Journal(path=p, key=key, rows=rows, resumed=True, dropped_torn_line=torn)
+    return Journal(
+        path=p,
+        key=key,
+        rows=rows,
+        resumed=True,
+        dropped_torn_line=torn,
+        dropped_duplicates=dropped,
+    )

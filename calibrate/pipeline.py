@@ -2,14 +2,21 @@
 
 Order (nothing is sampled before every check has passed):
 
+0. check that every output (table, journal, their lock files) can be written
+   (``speccal.base.atomic.check_writable``), take the lock of the outputs for the whole run
+   (``speccal.calibrate.lock``: a second run on the same ``--out`` is refused, naming the
+   holder) and refuse to discard a journal with finished windows unless ``--resume`` or
+   ``--overwrite`` says what to do with it - all before the runner is built, so a bad output
+   path never costs a calibration;
 1. parse the calibration JSON (if any) - bad files fail before the runner is built;
 2. build and warm the runner (``Engine``, forced full acceptance) - timed as ``warmup_capture_s``;
 3. ``--cost-table``: load the table against ``Engine.compatibility()`` (semantic mismatch refused),
    print it and stop: no sampling, no fitting (warmup is not skipped);
 4. resolve the effective configuration against the captured geometry, print it, check
    feasibility, build the grid;
-5. open the journal (``--resume`` keeps finished windows of the same run), drive the grid with a
-   progress bar, appending each window (fsync) - ``sampling_s``;
+5. open the journal (``--resume`` keeps finished windows of the same run, each window once;
+   ``--overwrite`` discards them), drive the grid with a progress bar, appending each window
+   (fsync) - ``sampling_s``;
 6. fit (``speccal.costmodel.table_build.build_table``), print the fit report, write the table atomically
    at ``--out`` - ``fit_s``. A crash before this leaves the previous table untouched.
 
@@ -36,13 +43,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from speccal.base.errors import InputError
-from speccal.calibrate import report
+from speccal.base.atomic import check_writable
+from speccal.base.errors import InputError, UnsupportedError
+from speccal.calibrate import lock, report
 from speccal.calibrate.config import UserConfig, parse_config_file, resolve_config
 from speccal.calibrate.driver import drive
 from speccal.calibrate.feasibility import check_feasible
 from speccal.calibrate.grid import build_grid
-from speccal.calibrate.journal import open_journal
+from speccal.calibrate.journal import check_discard, open_journal
 
 
 def _invocation() -> str | None:
@@ -72,6 +80,7 @@ class CalibrateOptions:
     out: Path = Path("speccal-table.json")
     journal: Path | None = None
     resume: bool = False
+    overwrite: bool = False
     cost_table: Path | None = None
     max_model_len: int | None = None
     flags: Mapping[str, Any] = field(default_factory=dict)
@@ -86,9 +95,21 @@ class CalibrateOptions:
 
 
 def make_engine(opts: CalibrateOptions) -> Any:
-    """Build and warm the runner for calibration (forced full acceptance: shapes == grid)."""
-    from speccal.runner.device import default_execution_path
-    from speccal.runner.engine import Engine, EngineConfig
+    """Build and warm the runner for calibration (forced full acceptance: shapes == grid).
+
+    Raises ``UnsupportedError`` (exit 2, one line) when torch is not installed: the runner is
+    imported here, not at module level, so that the rest of calibrate stays torch-free.
+    """
+    try:
+        from speccal.runner.engine import Engine, EngineConfig
+        from speccal.runner.path import served_path
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "torch":
+            raise
+        raise UnsupportedError(
+            "speccal calibrate drives the embedded runner, which needs torch: "
+            "install it (pip install torch) or fit measurement rows with speccal fit"
+        ) from None
 
     kwargs: dict[str, Any] = {
         "model": opts.model,
@@ -106,23 +127,48 @@ def make_engine(opts: CalibrateOptions) -> Any:
         kwargs["max_model_len"] = opts.max_model_len
     # Calibrate the path a deployment serves with unless asked otherwise; a table records
     # graph_mode, so an eager table cannot serve graphs.
-    graph_mode, attention_backend = default_execution_path(opts.device)
-    kwargs["graph_mode"] = opts.graph_mode or graph_mode
-    kwargs["attention_backend"] = opts.attention_backend or attention_backend
+    served = served_path(opts.device)
+    kwargs["path"] = served.with_(
+        graph_mode=opts.graph_mode or served.graph_mode,
+        attention_backend=opts.attention_backend or served.attention_backend,
+    )
     return Engine(EngineConfig(**kwargs))
 
 
 def _check_options(opts: CalibrateOptions) -> None:
+    """Refuse contradictory options and unwritable outputs before anything is built."""
+    if opts.resume and opts.overwrite:
+        raise InputError(
+            "--overwrite", True, "not combined with --resume (keep the journal or discard it)"
+        )
     if opts.cost_table is not None:
-        for name, given in (("--resume", opts.resume), ("--journal", opts.journal is not None)):
+        for name, given in (
+            ("--resume", opts.resume),
+            ("--overwrite", opts.overwrite),
+            ("--journal", opts.journal is not None),
+        ):
             if given:
                 raise InputError(
                     name, True, "not combined with --cost-table (a reused table samples nothing)"
                 )
         if not opts.cost_table.is_file():
             raise InputError("--cost-table", str(opts.cost_table), "an existing cost table file")
-    if not opts.out.parent.exists() and opts.cost_table is None:
-        raise InputError("--out", str(opts.out), "a path in an existing directory")
+        return
+    journal_field = "--journal" if opts.journal is not None else "--out"
+    check_writable(opts.out, "--out")
+    check_writable(opts.journal_path, journal_field)
+    if opts.journal_path.resolve() == opts.out.resolve():
+        raise InputError("--journal", str(opts.journal_path), "a path other than --out")
+    for output, field_name in _locked_outputs(opts):
+        check_writable(lock.lock_path(output), field_name)
+
+
+def _locked_outputs(opts: CalibrateOptions) -> list[tuple[Path, str]]:
+    """Outputs whose lock a calibration holds: the table, and a journal kept elsewhere."""
+    outputs = [(opts.out, "--out")]
+    if opts.journal is not None:
+        outputs.append((opts.journal, "--journal"))
+    return outputs
 
 
 def calibrate(
@@ -134,14 +180,42 @@ def calibrate(
     """Run one calibration (or validate a reused table); return the ``--json`` summary.
 
     ``engine_factory(opts)`` builds the warmed runner (default ``make_engine``).
+
+    Raises
+    ------
+    InputError
+        Bad options or config, an unwritable output (``OutputError``), an output locked by
+        another run (``lock.OutputLockedError``), a journal with finished windows and neither
+        ``resume`` nor ``overwrite``; each before the runner is built.
     """
+    console = console or Console(stderr=True)
+    t_start = time.perf_counter()
+    _check_options(opts)
+    if opts.cost_table is not None:
+        return _calibrate(opts, console, engine_factory, t_start)
+    held: list[lock.OutputLock] = []
+    try:
+        for output, field_name in _locked_outputs(opts):
+            held.append(lock.acquire(output, field_name, command=_invocation()))
+        # Under the lock, so that no other run changes the journal between check and use.
+        check_discard(opts.journal_path, resume=opts.resume, overwrite=opts.overwrite)
+        return _calibrate(opts, console, engine_factory, t_start)
+    finally:
+        for h in reversed(held):
+            h.release()
+
+
+def _calibrate(
+    opts: CalibrateOptions,
+    console: Console,
+    engine_factory: Callable[[CalibrateOptions], Any] | None,
+    t_start: float,
+) -> dict[str, Any]:
+    """``calibrate`` after the option checks, with the outputs locked."""
     from speccal.costmodel.table import load_table, save_table
     from speccal.costmodel.table_build import build_table
     from speccal.costmodel.table_schema import Provenance
 
-    console = console or Console(stderr=True)
-    t_start = time.perf_counter()
-    _check_options(opts)
     parsed = parse_config_file(opts.config_path) if opts.config_path is not None else None
 
     t0 = time.perf_counter()
@@ -189,11 +263,21 @@ def calibrate(
     }
     device_label = f"{compat['device']['kind']}:{compat['device']['name']}"
     vocab_size = _vocab_size(engine)
-    with open_journal(opts.journal_path, header, resume=opts.resume) as journal:
+    with open_journal(
+        opts.journal_path, header, resume=opts.resume, overwrite=opts.overwrite
+    ) as journal:
         if journal.resumed:
+            notes = []
+            if journal.dropped_duplicates:
+                notes.append(
+                    f"dropped {journal.dropped_duplicates} duplicate window line(s), "
+                    "keeping the first of each"
+                )
+            if journal.dropped_torn_line:
+                notes.append("dropped a torn last line")
             console.print(
                 f"resuming from {opts.journal_path}: {len(journal.rows)} windows already measured"
-                + (" (dropped a torn last line)" if journal.dropped_torn_line else "")
+                + (f" ({'; '.join(notes)})" if notes else "")
             )
         report.print_grid(console, points, cfg, len(journal.rows))
         total_windows = len(points) * cfg.windows_per_point
@@ -245,7 +329,7 @@ def calibrate(
     )
     fit_s = time.perf_counter() - t_fit
     report.print_fit_report(console, table)
-    save_table(table, opts.out)
+    save_table(table, opts.out)  # --out was checked writable before the runner was built
     console.print(f"wrote {opts.out} ({stats.points_done}/{stats.points_total} points)")
     return {
         "status": "calibrated",
@@ -256,6 +340,7 @@ def calibrate(
         "points_resumed": stats.points_skipped,
         "windows": len(rows),
         "windows_measured": stats.windows_measured,
+        "journal_duplicates_dropped": journal.dropped_duplicates,
         "rounds": stats.rounds,
         "effective_config": report.effective_config_dict(cfg, geometry, compat),
         "fit": report.fit_summary(table),

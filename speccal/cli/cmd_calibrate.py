@@ -73,7 +73,12 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         out: Annotated[
-            Path, typer.Option("--out", help="Cost table to write (atomically, at the end).")
+            Path,
+            typer.Option(
+                "--out",
+                help="Cost table to write (atomically, at the end); OUT.lock marks the run "
+                "in progress, so a second run on the same --out is refused.",
+            ),
         ] = Path("speccal-table.json"),
         journal: Annotated[
             Path | None,
@@ -81,6 +86,14 @@ def register(app: typer.Typer) -> None:
         ] = None,
         resume: Annotated[
             bool, typer.Option("--resume", help="Skip windows already in the journal.")
+        ] = False,
+        overwrite: Annotated[
+            bool,
+            typer.Option(
+                "--overwrite",
+                help="Discard the finished windows of an existing journal and start afresh "
+                "(without it, or --resume, such a journal is refused).",
+            ),
         ] = False,
         cost_table: Annotated[
             Path | None,
@@ -140,6 +153,7 @@ def register(app: typer.Typer) -> None:
             out=out,
             journal=journal,
             resume=resume,
+            overwrite=overwrite,
             cost_table=cost_table,
             graph_mode=graph_mode,
             attention_backend=attention_backend,

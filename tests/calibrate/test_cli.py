@@ -1,5 +1,6 @@
 """``speccal calibrate`` through the CLI: effective-config printout, --json, table reuse refusals,
-and a real SIGKILL of a calibrating process followed by --resume."""
+a real SIGKILL of a calibrating process followed by --resume, and the journal's protection (no
+silent discard, one run per output, duplicates dropped, outputs checked before the runner)."""
 
 from __future__ import annotations
 
@@ -173,6 +174,7 @@ def test_sigkill_mid_calibration_then_resume(tmp_path, small, write_config):
         "cfg.json",
         "table.json",
         "table.json.journal.jsonl",
+        "table.json.lock",  # a dead holder's file: the kernel released its lock
     ]
     before = journal.read_bytes()
     complete = before[: before.rfind(b"\n") + 1].count(b'"kind":"window"')
@@ -189,6 +191,7 @@ def test_sigkill_mid_calibration_then_resume(tmp_path, small, write_config):
     assert after.startswith(before[: before.rfind(b"\n") + 1])  # finished windows kept as they were
     table = load_table(out)
     assert len(table.fits[0].windows) == 27
+    assert not (tmp_path / "table.json.lock").exists()  # the resumed run removed it
 
 
 @pytest.mark.parametrize(
@@ -212,4 +215,108 @@ def test_default_execution_path_follows_the_device():
 
     eng = make_engine(CalibrateOptions(model="tiny", device="cpu"))
     assert eng.compatibility()["graph_mode"] == "eager"
-    assert eng.config.attention_backend == "torch"
+    assert eng.config.path.attention_backend == "torch"
+
+
+def one_line_error(res) -> str:
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.output, res.output
+    return lines[0]
+
+
+def test_rerun_without_resume_refuses_to_discard_the_journal(tmp_path, table_w3, patched):
+    journal = tmp_path / "w3.json.journal.jsonl"
+    before = {p: p.read_bytes() for p in (table_w3, journal)}
+    patched.last = None
+    cfg = tmp_path / "cfg.json"  # written by table_w3
+    msg = one_line_error(invoke("--config", cfg, "--out", table_w3))
+    assert "8 finished windows" in msg and "--resume" in msg and "--overwrite" in msg
+    assert patched.last is None  # refused before the runner was built
+    assert {p: p.read_bytes() for p in before} == before
+    msg = one_line_error(invoke("--config", cfg, "--out", table_w3, "--resume", "--overwrite"))
+    assert "--overwrite" in msg and patched.last is None
+    res = invoke("--config", cfg, "--out", table_w3, "--overwrite", "--json")
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["windows_measured"] == summary["windows"] == 8
+    assert journal.read_bytes() != before[journal]
+
+
+def test_a_locked_output_is_refused_naming_the_holder(tmp_path, small, write_config, patched):
+    from speccal.calibrate.lock import acquire
+
+    out = tmp_path / "t.json"
+    with acquire(out, "--out", command="speccal calibrate --out t.json"):
+        msg = one_line_error(invoke("--config", write_config(small), "--out", out))
+    assert f"locked by pid {os.getpid()} on host " in msg and "since" in msg
+    assert patched.last is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.json"]
+
+
+def test_resume_fits_each_duplicated_window_once(tmp_path, table_w3, patched):
+    """A journal in which every window was appended twice (two concurrent --resume runs before
+    the lock): resume drops the 8 copies, measures nothing and fits 8 windows, not 16."""
+    journal = tmp_path / "w3.json.journal.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join(lines + lines[1:]))
+    res = invoke("--config", tmp_path / "cfg.json", "--out", table_w3, "--resume", "--json")
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert (summary["windows"], summary["windows_measured"]) == (8, 0)
+    assert summary["journal_duplicates_dropped"] == 8
+    assert "dropped 8 duplicate window line(s)" in res.stderr
+    assert len(load_table(table_w3).fits[0].windows) == 8
+    assert journal.read_text() == "".join(lines)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (
+            ["--out", "{d}/adir"],
+            "--out: got '{d}/adir', expected a file path, not an existing directory",
+        ),
+        (["--out", "{d}/missing/t.json"], "missing does not exist"),
+        (["--out", "{d}/afile/t.json"], "afile is a file"),
+        (["--out", "/proc/speccal-t.json"], "cannot create a file in /proc"),
+        (["--out", "/sys/speccal-t.json"], "cannot create a file in /sys"),
+        (["--out", "{d}/t.json", "--journal", "{d}/adir"], "--journal: got"),
+        (["--out", "{d}/t.json", "--journal", "/proc/j.jsonl"], "--journal: got '/proc/j.jsonl'"),
+        (["--out", "{d}/t.json", "--journal", "{d}/t.json"], "a path other than --out"),
+    ],
+)
+def test_outputs_checked_before_the_runner_is_built(
+    tmp_path, small, write_config, patched, args, words
+):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("keep")
+    cfg = write_config(small)
+    msg = one_line_error(invoke("--config", cfg, *(a.format(d=tmp_path) for a in args)))
+    assert words.format(d=tmp_path) in msg
+    assert patched.last is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile", "cfg.json"]
+
+
+def test_calibrate_without_torch_is_one_line(tmp_path):
+    code = (
+        "import importlib.abc, sys\n"
+        "class NoTorch(importlib.abc.MetaPathFinder):\n"  # what a machine without torch has
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] == 'torch':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "from speccal.cli import app\n"
+        f"app(['calibrate', '--out', {str(tmp_path / 't.json')!r}])\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ENV},
+        timeout=120,
+    )
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs torch" in lines[0], res.stderr
+    assert list(tmp_path.iterdir()) == []
