@@ -18,7 +18,7 @@ import sys
 from results import append_results, git_commit
 
 from speccal.kernels.config import KernelConfig
-from speccal.live.generate import bench
+from speccal.live.bench import bench
 from speccal.runner.engine import EngineConfig
 
 

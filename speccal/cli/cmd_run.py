@@ -1,14 +1,15 @@
 """CLI commands ``speccal generate`` and ``speccal bench`` (the embedded runner).
 
 ``generate`` runs prompts (token ids, or text when the checkpoint folder has a tokenizer) through
-the speculative engine and prints the generated ids (and text); ``bench`` compares speculative
-and plain decoding of the same random prompts in one process (tokens/s, TPOT, acceptance rate,
-mean accepted length, speed-up). ``bench --policy P`` (repeatable or comma list: ``fixed:K``,
-``adaptive-step``, ``adaptive-verify``; the two adaptive modes together are refused before
-anything runs) instead runs the same workload live under each policy (``speccal.live.policies``)
-with ``--cost-table`` (loaded against the engine's compatibility; required by adaptive
-policies), reports tokens/s, TPOT, acceptance, decisions, gain over the best fixed ``k`` and the
-replay prediction of each run from its own trace; ``--trace-out`` writes the run traces.
+the speculative engine (``speccal.live.generate``) and prints the generated ids (and text);
+``bench`` compares speculative and plain decoding of the same random prompts in one process
+(``speccal.live.bench.bench``: tokens/s, TPOT, acceptance rate, mean accepted length, speed-up).
+``bench --policy P`` (repeatable or comma list: ``fixed:K``, ``adaptive-step``,
+``adaptive-verify``; the two adaptive modes together are refused before anything runs) instead
+runs the same workload live under each policy (``speccal.live.bench.run_policy_bench``) with
+``--cost-table`` (loaded against the engine's compatibility; required by adaptive policies),
+reports tokens/s, TPOT, acceptance, decisions, gain over the best fixed ``k`` and the replay
+prediction of each run from its own trace; ``--trace-out`` writes the run traces.
 ``bench --policy ... --repeats N`` runs each policy ``N`` times on the same workload in an
 interleaved order (round-robin, rotated each cycle: A B C, B C A, C A B, ...;
 ``speccal.live.policies.interleaved_order``) and reports per policy the median tokens/s with its
@@ -16,13 +17,17 @@ min-max spread, the median replay error and the gain over the best fixed ``k`` f
 ``--json`` adds ``repeats``, ``order`` and ``run_log`` (per-run cycle, position, UTC start/end).
 ``N = 1`` (the ``--policy`` default) is one run per policy, output as before.
 Human output goes to stderr through Rich, ``--json`` to stdout. Random-weight presets are
-labelled as such in both outputs.
+labelled as such in both outputs. The commands only parse options into a config
+(``speccal.runner.engine.EngineConfig``, ``speccal.live.bench.PolicyBenchConfig``), call the
+library and print; ``speccal.live`` and ``speccal.runner`` are imported inside the commands,
+because they import torch and the CLI must start (and report a missing torch) without it.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -192,6 +197,7 @@ def generate(
     ] = False,
 ) -> None:
     """Generate tokens with the embedded speculative runner (token ids in and out)."""
+    # lazy: these import torch; the CLI starts (and reports a missing torch) without it
     from speccal.live.generate import generate as run_generate
     from speccal.runner.engine import Engine
     from speccal.runner.sampling import SamplingParams
@@ -225,7 +231,7 @@ def generate(
     engine = Engine(cfg)
     tokenizer = None
     if engine.loaded.tokenizer_path is not None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: only checkpoints with a tokenizer need it
 
         tokenizer = AutoTokenizer.from_pretrained(str(engine.loaded.tokenizer_path))
     prompts = [_parse_ids(p, "--prompt-ids") for p in (prompt_ids or [])]
@@ -275,17 +281,6 @@ def generate(
             f"k={num_k}: acceptance rate {stats['acceptance_rate']:.3f}, mean accepted length "
             f"{stats['mean_accepted_length']:.3f}, accepted-length histogram {stats['accepted_length_hist']}"
         )
-
-
-def _check_workload(num_requests: int, prompt_len: int, max_tokens: int) -> None:
-    """The bench workload's sizes, each an integer >= 1."""
-    for name, value in (
-        ("--num-requests", num_requests),
-        ("--prompt-len", prompt_len),
-        ("--max-tokens", max_tokens),
-    ):
-        if value < 1:
-            raise InputError(name, value, "an integer >= 1")
 
 
 def _clean(obj):
@@ -379,50 +374,19 @@ def bench(
 
     With --policy: the same workload live under each policy (one engine), with the replay
     prediction of every run from its own trace."""
-    from speccal.live.generate import bench as run_bench
+    # lazy: these import torch; the CLI starts (and reports a missing torch) without it
+    from speccal.live.bench import PolicyBenchConfig, run_policy_bench
+    from speccal.live.bench import bench as run_bench
 
-    if repeats is not None and repeats < 1:
-        raise InputError("--repeats", repeats, "an integer >= 1")
-    if policy:
-        _bench_policies(
-            policy,
-            cost_table,
-            phase,
-            request_buckets,
-            trace_out,
-            model=model,
-            device=device,
-            graph_mode=graph_mode,
-            attention_backend=attention_backend,
-            dtype=dtype,
-            draft_width=draft_width,
-            acceptance=acceptance,
-            profile=profile,
-            num_requests=num_requests,
-            prompt_len=prompt_len,
-            max_tokens=max_tokens,
-            seed=seed,
-            repeats=1 if repeats is None else repeats,
-            as_json=as_json,
-        )
-        return
-    repeats = 3 if repeats is None else repeats
-    for name, given in (
-        ("--cost-table", cost_table),
-        ("--phase", phase),
-        ("--trace-out", trace_out),
-        ("--request-buckets", request_buckets),
-    ):
-        if given:
-            raise InputError(name, str(given), "only together with --policy")
-    if acceptance == "sample":
-        raise InputError(
-            "--acceptance", acceptance, "greedy, synthetic or forced (bench uses greedy requests)"
-        )
-    _check_workload(num_requests, prompt_len, max_tokens)
-    num_k = k if k is not None else draft_width
-    if not 1 <= num_k <= draft_width:
-        raise InputError("--k", num_k, f"an integer in [1, {draft_width}] (--draft-width)")
+    if not policy:
+        for name, given in (
+            ("--cost-table", cost_table),
+            ("--phase", phase),
+            ("--trace-out", trace_out),
+            ("--request-buckets", request_buckets),
+        ):
+            if given:
+                raise InputError(name, str(given), "only together with --policy")
     cfg = _engine_config(
         model,
         device,
@@ -433,34 +397,57 @@ def bench(
         seed,
         None,
         True,
+        _parse_buckets(request_buckets),
         graph_mode=graph_mode,
         attention_backend=attention_backend,
     )
-    with Progress(
-        TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True
-    ) as bar:
-        task = bar.add_task("loading")
+    if policy:
+        config = PolicyBenchConfig(
+            engine=cfg,
+            policies=tuple(t for v in policy for t in v.split(",") if t.strip()),
+            cost_table=cost_table,
+            phases=_parse_phases(phase),
+            num_requests=num_requests,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            seed=seed,
+            repeats=1 if repeats is None else repeats,
+            trace_out=trace_out,
+        )
+        with _status_bar() as report:
+            doc = run_policy_bench(config, on_progress=report)
+        doc.pop("runs")  # the TimedRun objects (not JSON)
+        _print_policy_bench(_clean(doc), model, as_json)
+        return
+    num_k = k if k is not None else draft_width
+    with _status_bar() as report:
         res = run_bench(
             cfg,
             num_requests=num_requests,
             prompt_len=prompt_len,
             max_tokens=max_tokens,
             num_draft_steps=num_k,
-            repeats=repeats,
+            repeats=3 if repeats is None else repeats,
             seed=seed,
-            on_progress=lambda msg: bar.update(task, description=msg),
+            on_progress=report,
         )
-    res = _clean(res)
+    _print_bench(_clean(res), model, as_json)
+
+
+def _print_bench(res: dict, model: str, as_json: bool) -> None:
+    """Print a ``speccal.live.bench.bench`` result (NaN already None)."""
     if as_json:
         typer.echo(json.dumps(res, allow_nan=False, sort_keys=True))
         return
     eng = res["engine"]["spec"]
+    setup = res["setup"]
     if eng["is_random_weights"]:
         err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {eng['description']}", soft_wrap=True)
     else:
         err_console.print(eng["description"])
     table = Table(
-        title=f"{model} on {eng['compatibility']['device']['name']}, k={num_k}, {num_requests} requests"
+        title=f"{model} on {eng['compatibility']['device']['name']}, "
+        f"k={setup['num_draft_steps']}, {setup['num_requests']} requests"
     )
     for col in ("mode", "tokens/s", "decode tok/s", "TPOT ms", "acceptance", "mean accepted"):
         table.add_column(col)
@@ -483,197 +470,56 @@ def bench(
     )
 
 
-def _parse_policies(values: list[str]) -> list[str]:
-    from speccal.policy import check_adaptive_modes, parse_policy
-
-    specs = [parse_policy(t).text for v in values for t in v.split(",") if t.strip()]
-    if not specs:
-        raise InputError(
-            "--policy", values, "at least one of fixed:K, adaptive-step, adaptive-verify"
-        )
-    check_adaptive_modes(
-        adaptive_draft_step="adaptive-step" in specs,
-        adaptive_target_verify="adaptive-verify" in specs,
-    )
-    if len(set(specs)) != len(specs):
-        raise InputError("--policy", ",".join(specs), "each policy at most once")
-    return specs
+def _parse_buckets(text: str | None) -> tuple[int, ...]:
+    """``--request-buckets``: comma- or space-separated integers (default :data:`DEFAULT_BUCKETS`)."""
+    if not text:
+        return DEFAULT_BUCKETS
+    try:
+        return tuple(int(b) for b in text.replace(",", " ").split())
+    except ValueError:
+        raise InputError("--request-buckets", text, "integers, e.g. 1,2,4,8") from None
 
 
-def _parse_phases(values: list[str] | None, draft_width: int, acceptance: str) -> list:
-    from speccal.live.policies import Phase
+def _parse_phases(values: list[str] | None) -> tuple:
+    """``--phase FRACTION:p1,..,pw`` values as ``speccal.live.policies.Phase`` objects."""
+    from speccal.live.policies import Phase  # lazy: speccal.live imports torch
 
-    if not values:
-        return []
-    if acceptance != "synthetic":
-        raise InputError("--phase", values[0], "only with --acceptance synthetic")
     out = []
-    for v in values:
+    for v in values or ():
         frac, _, prof = v.partition(":")
         try:
             f = float(frac)
         except ValueError:
             raise InputError("--phase", v, "FRACTION:p1,..,pw, e.g. 0.5:0.4,0.3,0.2") from None
-        probs = _parse_floats(prof, "--phase") or ()
-        if len(probs) != draft_width or not all(0.0 <= p <= 1.0 for p in probs):
-            raise InputError("--phase", v, f"{draft_width} probabilities in [0, 1] after the ':'")
-        out.append(Phase(f, probs))
-    if min(p.start_fraction for p in out) != 0.0:
-        out.append(Phase(0.0, ()))  # placeholder replaced below with the engine's profile
-    return out
+        out.append(Phase(f, _parse_floats(prof, "--phase") or ()))
+    return tuple(out)
 
 
-def _bench_policies(
-    policy_values,
-    cost_table,
-    phase_values,
-    request_buckets,
-    trace_out,
-    *,
-    model,
-    device,
-    graph_mode,
-    attention_backend,
-    dtype,
-    draft_width,
-    acceptance,
-    profile,
-    num_requests,
-    prompt_len,
-    max_tokens,
-    seed,
-    repeats,
-    as_json,
-) -> None:
-    from speccal.policy import CostModel
-
-    specs = _parse_policies(policy_values)  # refusals come before anything is built
-    if any(s.startswith("adaptive") for s in specs) and cost_table is None:
-        raise InputError(
-            "--cost-table", None, "a cost table path (adaptive policies price rounds with it)"
-        )
-    if cost_table is not None and not cost_table.is_file():
-        raise InputError("--cost-table", str(cost_table), "an existing cost table file")
-    if acceptance == "sample":
-        raise InputError("--acceptance", acceptance, "greedy, synthetic or forced")
-    _check_workload(num_requests, prompt_len, max_tokens)
-    phases = _parse_phases(phase_values, draft_width, acceptance)
-    buckets = DEFAULT_BUCKETS
-    if request_buckets:
-        try:
-            buckets = tuple(int(b) for b in request_buckets.replace(",", " ").split())
-        except ValueError:
-            raise InputError(
-                "--request-buckets", request_buckets, "integers, e.g. 1,2,4,8"
-            ) from None
-    from speccal.live.generate import bench_policies
-    from speccal.runner.engine import Engine
-
-    cfg = _engine_config(
-        model,
-        device,
-        dtype,
-        draft_width,
-        acceptance,
-        profile,
-        seed,
-        None,
-        True,
-        buckets,
-        graph_mode=graph_mode,
-        attention_backend=attention_backend,
-    )
-    if phases and any(not p.profile for p in phases):
-        from speccal.live.policies import Phase
-
-        phases = [Phase(0.0, cfg.acceptance_profile)] + [p for p in phases if p.profile]
-    engine = Engine(cfg)
-    table_warnings: list[str] = []
-    if cost_table is not None:
-        from speccal.costmodel.table import load_table
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            table = load_table(
-                cost_table,
-                expect=engine.compatibility(),
-                runtime_versions=engine.runtime_versions(),
-            )
-        table_warnings = [str(w.message) for w in caught]
-        from speccal.live.policies import live_cost_model
-
-        cost = live_cost_model(table)
-    else:
-        import numpy as np
-
-        def nan_cost(bcap, g, kv):
-            return np.full(np.broadcast(bcap, g, kv).shape, np.nan)
-
-        cost = CostModel(cost=nan_cost, geometry=engine.geometry, mode="draft_step")
-    if cost.draft_width != draft_width:
-        raise InputError("--cost-table", str(cost_table), f"a table of draft_width={draft_width}")
+@contextmanager
+def _status_bar() -> Iterator[Callable[[str], None]]:
+    """A transient Rich status line on stderr; yields ``report(message)``."""
     with Progress(
         TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True
     ) as bar:
-        task = bar.add_task("running")
-        res = bench_policies(
-            engine,
-            specs,
-            cost,
-            num_requests=num_requests,
-            prompt_len=prompt_len,
-            max_tokens=max_tokens,
-            phases=phases,
-            seed=seed,
-            repeats=repeats,
-            on_progress=lambda msg: bar.update(task, description=msg),
-        )
-    runs = res.pop("runs")
-    written = {}
-    if trace_out is not None:
-        from speccal.trace import save_trace
+        task = bar.add_task("loading")
+        yield lambda msg: bar.update(task, description=msg)
 
-        for tr in runs:
-            # one file per run: '.<policy>' with several policies, '.r<cycle>' with repeats
-            tag = tr.policy.replace(":", "") if len(specs) > 1 else ""
-            if repeats > 1:
-                tag = f"{tag}.r{tr.cycle + 1}" if tag else f"r{tr.cycle + 1}"
-            key = tr.policy if repeats == 1 else f"{tr.policy}#{tr.cycle + 1}"
-            path = trace_out
-            if tag:
-                path = trace_out.with_name(f"{trace_out.stem}.{tag}{trace_out.suffix}")
-            written[key] = str(save_trace(tr.run.trace, path))
-    doc = _clean(
-        {
-            **res,
-            "cost_table": None if cost_table is None else str(cost_table),
-            "table_mode": cost.mode,
-            "table_warnings": table_warnings,
-            "traces": written,
-            "engine": {
-                "description": engine.description,
-                "is_random_weights": engine.is_random_weights,
-                "compatibility": engine.compatibility(),
-            },
-            "setup": {
-                **res["setup"],
-                "model": model,
-                "device": device,
-                "dtype": engine.dtype_name,
-                "draft_width": draft_width,
-                "acceptance": acceptance,
-                "request_buckets": list(buckets),
-            },
-        }
-    )
+
+def _print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
+    """Print a ``speccal.live.bench.run_policy_bench`` document (NaN already None)."""
+    eng = doc["engine"]
+    repeats = doc.get("repeats", 1)
+    setup = doc["setup"]
     if as_json:
         typer.echo(json.dumps(doc, allow_nan=False, sort_keys=True))
         return
-    if engine.is_random_weights:
-        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}", soft_wrap=True)
-    for msg in table_warnings:
+    if eng["is_random_weights"]:
+        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {eng['description']}", soft_wrap=True)
+    for msg in doc["table_warnings"]:
         err_console.print(f"[yellow]warning[/]: {msg}", soft_wrap=True)
-    title = f"{model} live policies, {num_requests} requests x {max_tokens} tokens"
+    title = (
+        f"{model} live policies, {setup['num_requests']} requests x {setup['max_tokens']} tokens"
+    )
     if repeats > 1:
         title += f", median of {repeats} interleaved runs"
     table = Table(title=title)
@@ -721,7 +567,7 @@ def _bench_policies(
                 ),
                 soft_wrap=True,
             )
-    for name, path in written.items():
+    for name, path in doc["traces"].items():
         err_console.print(f"trace of {name}: {path}")
 
 

@@ -51,6 +51,7 @@ import numpy as np
 
 from speccal.base.errors import InputError
 from speccal.policy import BatchState, CostModel, Decision, Feedback, Policy
+from speccal.replay import run_sequential
 from speccal.runner.engine import Engine, RoundPlan, RoundState
 from speccal.runner.sampling import SamplingParams
 from speccal.trace import RoundTrace, RoundTraceBuilder
@@ -347,8 +348,6 @@ def replay_prediction(run: LiveRun, cost: CostModel, policy: Policy) -> dict[str
     verify this checks the device allocation against the host rule on the recorded scores), and
     ``error_pct`` = ``|predicted - live| / live`` of ``round_tokens_per_s``.
     """
-    from speccal.replay import run_sequential
-
     pred = run_sequential(run.trace, cost, policy)
     totals = pred.totals() if pred.priced else {}
     live = run.summary()["round_tokens_per_s"]

@@ -161,6 +161,16 @@ def tiny_table(tmp_path_factory):
     return out
 
 
+def _forbid_engine(monkeypatch) -> None:
+    """Building an engine fails the test: refusals must come first."""
+    import speccal.live.bench as bench_mod
+
+    def no_engine(*a, **k):
+        raise AssertionError("refusal must come before the engine is built")
+
+    monkeypatch.setattr(bench_mod, "Engine", no_engine)
+
+
 POLICY_ARGS = ["--acceptance", "synthetic", "--profile", "0.95,0.95,0.95", "--prompt-len", "8"]
 
 
@@ -195,7 +205,7 @@ def test_bench_policies_json_live_vs_replay(tiny_table, tmp_path):
     assert doc["best_fixed"] in ("fixed:1", "fixed:3") and doc["table_mode"] == "draft_step"
     assert pols[doc["best_fixed"]]["gain_vs_best_fixed_pct"] == 0.0
     assert doc["setup"]["phases"] == ["from 0: 0.95,0.95,0.95", "from 0.5: 0.1,0.1,0.1"]
-    assert any("verification_mode" in w for w in doc["table_warnings"])  # forced vs synthetic
+    assert doc["table_warnings"] == []  # calibrated forced, run synthetic: one argmax path
     for name, p in pols.items():
         assert p["round_tokens_per_s"] > 0 and p["output_tokens"] == 4 * 40
         assert p["replay"]["priced"] and p["replay"]["decisions_match"], name
@@ -206,6 +216,18 @@ def test_bench_policies_json_live_vs_replay(tiny_table, tmp_path):
     tr = load_trace(doc["traces"]["adaptive-step"])
     assert tr.num_rounds == ad["rounds"] and tr.meta["policy"] == "adaptive-step"
     assert tr.meta["phases"] == doc["setup"]["phases"]
+
+
+def test_bench_policy_reports_performance_only_table_warnings(tiny_table, tmp_path):
+    doc = json.loads(tiny_table.read_text())
+    doc["compatibility"]["device"]["name"] = "another cpu"  # performance-only: warns
+    other = tmp_path / "other-device.json"
+    other.write_text(json.dumps(doc))
+    r = _run("bench", "--policy", "fixed:1", "--cost-table", str(other),
+             *REPEAT_ARGS, *POLICY_ARGS)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    warned = json.loads(r.stdout)["table_warnings"]
+    assert any("device.name" in w and "another cpu" in w for w in warned), warned
 
 
 def test_bench_policy_uncalibrated_bucket_runs_full_width(tiny_table):
@@ -269,12 +291,7 @@ def test_bench_policy_human_table(tiny_table):
     ],
 )
 def test_bench_policy_refusals(args, match, monkeypatch):
-    import speccal.runner.engine as engine_mod
-
-    def no_engine(*a, **k):
-        raise AssertionError("refusal must come before the engine is built")
-
-    monkeypatch.setattr(engine_mod, "Engine", no_engine)
+    _forbid_engine(monkeypatch)
     r = _run("bench", *args, "--acceptance", "synthetic", "--profile", "0.5,0.5,0.5")
     assert 2 in (r.exit_code, getattr(r.exception, "exit_code", None)), r.output
     assert match in r.stderr and "Traceback" not in r.stderr
@@ -370,12 +387,7 @@ def test_bench_policy_repeats_human_table(tiny_table):
 @pytest.mark.parametrize("policy", [["--policy", "fixed:1"], []])
 @pytest.mark.parametrize("n", ["0", "-2"])
 def test_bench_bad_repeats_refused(policy, n, monkeypatch):
-    import speccal.runner.engine as engine_mod
-
-    def no_engine(*a, **k):
-        raise AssertionError("refusal must come before the engine is built")
-
-    monkeypatch.setattr(engine_mod, "Engine", no_engine)
+    _forbid_engine(monkeypatch)
     r = _run("bench", *policy, "--repeats", n)
     assert 2 in (r.exit_code, getattr(r.exception, "exit_code", None)), r.output
     assert f"--repeats: got {n}" in r.stderr and "Traceback" not in r.stderr

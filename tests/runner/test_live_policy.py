@@ -7,11 +7,14 @@ by the rule of ``speccal.policy_rules.allocate_prefixes``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.geometry import Geometry
+from speccal.live.bench import PolicyBenchConfig, run_policy_bench
 from speccal.live.policies import Phase, replay_prediction, run_live
 from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel, make_policy
 from speccal.policy_rules import allocate_prefixes
@@ -345,3 +348,57 @@ def test_median_summary_takes_medians_over_the_runs():
     assert m["repeats"] == 4 and m["spread"]["round_tokens_per_s"] == [90.0, 300.0]
     assert m["spread"]["replay_error_pct"] == [1.0, 8.0]
     assert median_summary(runs[:3])["round_tokens_per_s"] == 110.0
+
+
+# ------------------------------------------------------------------ the policy bench library
+
+
+def _bench_engine_config(**kw) -> EngineConfig:
+    base = dict(model="tiny", draft_width=W, request_buckets=(1, 2, 4), seed=0)
+    base.update(acceptance="synthetic", acceptance_profile=(0.9, 0.9, 0.9))
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def test_policy_bench_library_without_a_table_runs_fixed_policies_unpriced(tmp_path):
+    cfg = PolicyBenchConfig(
+        engine=_bench_engine_config(),
+        policies=("fixed:1", " FIXED:3 "),
+        phases=(Phase(0.5, (0.1, 0.1, 0.1)),),
+        num_requests=2,
+        prompt_len=8,
+        max_tokens=8,
+        trace_out=tmp_path / "t.jsonl",
+    )
+    assert cfg.policies == ("fixed:1", "fixed:3")  # normalised
+    assert cfg.phases[0] == Phase(0.0, (0.9, 0.9, 0.9))  # the engine's profile until 0.5
+    doc = run_policy_bench(cfg)
+    assert [p["policy"] for p in doc["policies"]] == ["fixed:1", "fixed:3"]
+    assert [tr.policy for tr in doc["runs"]] == ["fixed:1", "fixed:3"]
+    assert doc["cost_table"] is None and doc["table_warnings"] == []
+    assert all(p["replay"]["priced"] is False for p in doc["policies"])
+    assert doc["traces"]["fixed:3"].endswith("t.fixed3.jsonl")
+    assert load_trace(doc["traces"]["fixed:1"]).meta["policy"] == "fixed:1"
+    assert doc["setup"]["request_buckets"] == [1, 2, 4] and doc["setup"]["max_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"policies": ()}, "at least one of"),
+        ({"policies": ("adaptive-step",)}, "--cost-table"),
+        ({"policies": ("fixed:1", "fixed:1")}, "each policy at most once"),
+        ({"repeats": 0}, "--repeats"),
+        ({"num_requests": 0}, "--num-requests"),
+        ({"cost_table": Path("/nonexistent/table.json")}, "an existing cost table file"),
+        ({"phases": (Phase(0.2, (0.5, 0.5)),)}, "3 probabilities"),
+        ({"engine": _bench_engine_config(acceptance="greedy", acceptance_profile=None),
+          "phases": (Phase(0.2, (0.5, 0.5, 0.5)),)}, "only with --acceptance synthetic"),  # fmt: skip
+        ({"engine": _bench_engine_config(acceptance="sample", acceptance_profile=None)},
+         "--acceptance"),  # fmt: skip
+    ],
+)
+def test_policy_bench_config_refuses_bad_input(kw, match):
+    args = {"engine": _bench_engine_config(), "policies": ("fixed:1",), **kw}
+    with pytest.raises(InputError, match=match):
+        PolicyBenchConfig(**args)
