@@ -105,10 +105,6 @@ class ModelConfig:
                 f"(supported: {', '.join(ROPE_TYPES)})"
             )
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
 
 # MTP depth fields published by the families speccal knows (data, read by draft_families too).
 MTP_DEPTH_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")

@@ -80,11 +80,3 @@ class KVCache:
             for _ in range(num_layers)
         ]
         self.allocator = BlockAllocator(num_blocks, block_size)
-
-    @staticmethod
-    def bytes_per_token(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        return (
-            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        )
