@@ -3,7 +3,11 @@
 Owns the public API the runner calls. Each op checks shapes and dtypes on the host (static
 facts only: no device value is read, so every op is CUDA-graph capturable), then runs the Triton
 kernel when ``_backend.use_triton`` says so (CUDA tensor and triton importable) and the pure-torch
-reference in ``reference`` otherwise. ``backend="reference"``/``"triton"`` forces one. Layouts
+reference in ``reference`` otherwise. Every op takes the caller's ``tune`` (a
+:class:`~speccal.kernels.config.KernelConfig`: backend, PDL, tiles, fusion, fp32 dot precision);
+``backend="reference"``/``"triton"`` overrides its backend. The Triton kernel modules are
+imported inside the ops that launch them, so this module (and the CPU paths) import without
+triton. Layouts
 are those of ``reference`` (KV cache ``[num_blocks, block_size, KVH, D]``, block table
 ``[B, max_blocks] int32``, ``seq_lens [B] int32``, packed verify rows padded to ``G``).
 

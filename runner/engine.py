@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from speccal import __version__
 from speccal.base.errors import CapacityError, InputError, UnsupportedError
 from speccal.base.geometry import Geometry
 from speccal.runner.device import (
@@ -32,6 +33,7 @@ from speccal.runner.device import (
     resolve_device,
     synchronize,
 )
+from speccal.runner.graphs import GraphKey
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.loader import LoadedModel, load_model
 from speccal.runner.path import ExecutionPath, bind_path
@@ -309,8 +311,6 @@ class Engine:
 
     def _capture_graphs(self) -> None:
         """Capture every (Bcap, k[, G]) graph the geometry allows, largest first (one pool)."""
-        from speccal.runner.graphs import GraphKey  # noqa: PLC0415
-
         runner = self.runner
         ks = range(1, self.config.draft_width + 1) if self.config.speculative else [0]
         keys = []
@@ -369,8 +369,6 @@ class Engine:
 
     def runtime_versions(self) -> dict[str, str | None]:
         """speccal/torch/driver versions of this process (performance-only table metadata)."""
-        from speccal import __version__
-
         return {
             "speccal_version": __version__,
             "torch_version": torch.__version__,
