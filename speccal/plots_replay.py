@@ -1,4 +1,4 @@
-"""Replay plots (matplotlib, Agg backend, PNG files): decision timeline and throughput by policy.
+"""Replay plots (matplotlib figures, PNG files): decision timeline and throughput by policy.
 
 - :func:`timeline_figure`: ``k`` (draft step) or padded target rows ``G`` (target verify)
   against the round index, one step line per adaptive policy, the per-phase oracle and the best
@@ -16,17 +16,20 @@
 
 Both take an optional ``title`` (a second title line; ``speccal.plots_table.table_title`` names
 the table's model fingerprint and device). Each ``plot_*`` writes the figure its ``*_figure``
-twin builds, atomically (PNG rendered to memory, then ``speccal.base.atomic``).
+twin builds, atomically (``speccal.plots_table.save_png``).
 """
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import FixedLocator, MaxNLocator
 
-from speccal.base.atomic import write_bytes_atomic
+from speccal.base.atomic import ensure_dir
+from speccal.plots_table import save_png
 from speccal.replay import PolicyRun, ReplayReport
 
 #: Largest vertical offset between two timeline lines, as a fraction of the level spacing.
@@ -45,22 +48,6 @@ STYLE = {
     "best": ("tab:orange", ":", "^"),
     "fixed": ("tab:grey", "-", None),
 }
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _pyplot().close(fig)
-    return write_bytes_atomic(path, buf.getvalue())
 
 
 def _title(text: str, title: str | None) -> str:
@@ -83,11 +70,9 @@ def timeline_figure(report: ReplayReport, max_points: int = 20_000, title: str |
     Lines are labelled ``<policy name>`` plus the offset they are drawn with (``drawn +0.08``);
     the y data of each line is its decision plus that offset.
     """
-    from matplotlib.ticker import FixedLocator, MaxNLocator
-
-    plt = _pyplot()
     verify = report.mode == "target_verify"
-    fig, ax = plt.subplots(figsize=(11, 4.2))
+    fig = Figure(figsize=(11, 4.2))
+    ax = fig.subplots()
     shown = [r for r in report.runs if r.kind in ("adaptive-step", "adaptive-verify", "oracle")]
     shown.append(report.run(report.best_fixed))
     values = [np.asarray(r.g if verify else r.k) for r in shown]
@@ -165,7 +150,7 @@ def plot_timeline(
     report: ReplayReport, path: str | Path, max_points: int = 20_000, title: str | None = None
 ) -> Path:
     """Write :func:`timeline_figure` as a PNG at ``path`` (atomically); returns the path."""
-    return _save(timeline_figure(report, max_points, title), Path(path))
+    return save_png(timeline_figure(report, max_points, title), Path(path))
 
 
 def throughput_figure(report: ReplayReport, title: str | None = None):
@@ -174,13 +159,11 @@ def throughput_figure(report: ReplayReport, title: str | None = None):
     Bars in report order (policies, oracle, fixed ``k``); each priced bar is labelled
     ``<tokens/s> (<gain vs best fixed>%)``; unpriced policies are labelled ``not priced``.
     """
-    from matplotlib.patches import Patch
-
-    plt = _pyplot()
     runs = report.runs
     best = report.run(report.best_fixed).totals()["tokens_per_s"]
     tps = [r.totals()["tokens_per_s"] if r.priced else 0.0 for r in runs]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(runs) + 1.6))
+    fig = Figure(figsize=(9, 0.45 * len(runs) + 1.6))
+    ax = fig.subplots()
     ax.barh([r.name for r in runs], tps, color=[_style(report, r)[0] for r in runs])
     ax.axvline(best, color=STYLE["best"][0], linestyle="--", linewidth=1, zorder=2)
     labels = []
@@ -239,7 +222,7 @@ def throughput_figure(report: ReplayReport, title: str | None = None):
 
 def plot_throughput(report: ReplayReport, path: str | Path, title: str | None = None) -> Path:
     """Write :func:`throughput_figure` as a PNG at ``path`` (atomically); returns the path."""
-    return _save(throughput_figure(report, title), Path(path))
+    return save_png(throughput_figure(report, title), Path(path))
 
 
 def write_plots(
@@ -249,8 +232,7 @@ def write_plots(
 
     ``title``: a second title line for both figures (e.g. ``table_title(table)``).
     """
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    d = ensure_dir(directory, "out")  # OutputError: a file there, or no permission
     return [
         plot_timeline(report, d / TIMELINE_PNG, title=title),
         plot_throughput(report, d / THROUGHPUT_PNG, title=title),

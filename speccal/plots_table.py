@@ -1,4 +1,4 @@
-"""Cost-table plots (matplotlib, Agg backend, PNG files): what a table measured and what it fitted.
+"""Cost-table plots (matplotlib figures, PNG files): what a table measured and what it fitted.
 
 Every figure is titled with the table's identity (:func:`table_title`: model architecture and a
 shortened weight fingerprint, device kind and name, fitted model and mode), and draws one panel
@@ -28,9 +28,13 @@ import io
 import math
 from pathlib import Path
 
+import matplotlib
 import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-from speccal.base.atomic import write_bytes_atomic
+from speccal.base.atomic import ensure_dir, write_bytes_atomic
 from speccal.base.errors import InputError
 from speccal.costmodel.table_schema import ContextFit, CostTable
 
@@ -42,19 +46,10 @@ COMPONENTS_PNG = "table_components.png"
 BCAP_LINESTYLES = ("-", (0, (6, 2)), (0, (2, 1.5)), (0, (6, 2, 1.5, 2)))
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: str | Path) -> Path:
+def save_png(fig: Figure, path: str | Path) -> Path:
+    """Render ``fig`` to PNG in memory and write it atomically (the plots' one writer)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _pyplot().close(fig)
     return write_bytes_atomic(Path(path), buf.getvalue())
 
 
@@ -86,8 +81,7 @@ def _context_label(fit: ContextFit) -> str:
 
 
 def _bcap_colors(bcaps: list[int]) -> dict[int, tuple]:
-    plt = _pyplot()
-    cmap = plt.get_cmap("viridis")
+    cmap = matplotlib.colormaps["viridis"]
     n = max(len(bcaps) - 1, 1)
     # Stop short of viridis' pale yellow end, which vanishes on a white background.
     return {b: cmap(0.9 * i / n) for i, b in enumerate(bcaps)}
@@ -95,8 +89,6 @@ def _bcap_colors(bcaps: list[int]) -> dict[int, tuple]:
 
 def _g_axis(ax, g_levels: list[int]) -> None:
     """Log2 G axis with a tick at each measured G (buckets are multiples of Bcap)."""
-    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
-
     ax.set_xscale("log", base=2)
     ticks = sorted(set(g_levels))
     if len(ticks) > 14:  # keep tick labels readable: every other level, always the ends
@@ -107,9 +99,8 @@ def _g_axis(ax, g_levels: list[int]) -> None:
 
 
 def _panels(n: int, width: float, height: float, ncols: int = 1):
-    plt = _pyplot()
-    fig, axes = plt.subplots(n, ncols, figsize=(width, height * n), squeeze=False)
-    return fig, axes
+    fig = Figure(figsize=(width, height * n))
+    return fig, fig.subplots(n, ncols, squeeze=False)
 
 
 def fit_figure(table: CostTable):
@@ -161,8 +152,6 @@ def fit_figure(table: CostTable):
         ax.set_title(_context_label(fit), fontsize=10)
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
-        from matplotlib.lines import Line2D
-
         handles += [
             Line2D([], [], marker="o", linestyle="", color="grey", alpha=0.5, markersize=4),
             Line2D(
@@ -187,7 +176,7 @@ def fit_figure(table: CostTable):
 
 def plot_fit(table: CostTable, path: str | Path) -> Path:
     """Write :func:`fit_figure` as a PNG at ``path`` (atomically); returns the path."""
-    return _save(fit_figure(table), path)
+    return save_png(fit_figure(table), path)
 
 
 def _residual_grid(fit: ContextFit) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
@@ -203,11 +192,10 @@ def _residual_grid(fit: ContextFit) -> tuple[list[int], list[int], np.ndarray, n
 
 
 def _heatmap(fig, ax, data: np.ndarray, bcaps: list[int], gs: list[int], unit: str, fmt: str):
-    plt = _pyplot()
     lim = float(np.nanmax(np.abs(data))) if np.isfinite(data).any() else 1.0
     lim = lim if lim > 0 else 1.0
     # Unmeasured cells in a mid grey: a near-white "0.0" and "not measured" must not look alike.
-    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#b0b0b0")
+    cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="#b0b0b0")
     im = ax.imshow(
         np.ma.masked_invalid(data), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto", origin="lower"
     )
@@ -273,7 +261,7 @@ def residuals_figure(table: CostTable):
 
 def plot_residuals(table: CostTable, path: str | Path) -> Path:
     """Write :func:`residuals_figure` as a PNG at ``path`` (atomically); returns the path."""
-    return _save(residuals_figure(table), path)
+    return save_png(residuals_figure(table), path)
 
 
 def components_figure(table: CostTable):
@@ -290,9 +278,9 @@ def components_figure(table: CostTable):
     """
     if table.model != "additive":
         raise InputError("table.model", table.model, "an additive table (sps has no components)")
-    plt = _pyplot()
-    fig, (ax_a, ax_t) = plt.subplots(1, 2, figsize=(13.0, 4.4))
-    cmap = plt.get_cmap("tab10")
+    fig = Figure(figsize=(13.0, 4.4))
+    ax_a, ax_t = fig.subplots(1, 2)
+    cmap = matplotlib.colormaps["tab10"]
     all_b: set[int] = set()
     all_g: set[int] = set()
     for i, fit in enumerate(table.fits):
@@ -340,7 +328,7 @@ def plot_components(table: CostTable, path: str | Path) -> Path:
 
     Raises ``InputError`` for a table that is not additive.
     """
-    return _save(components_figure(table), path)
+    return save_png(components_figure(table), path)
 
 
 def write_table_plots(table: CostTable, directory: str | Path) -> list[Path]:
@@ -349,10 +337,7 @@ def write_table_plots(table: CostTable, directory: str | Path) -> list[Path]:
     ``table_fit.png`` and ``table_residuals.png`` always; ``table_components.png`` for additive
     tables. Returns the written paths.
     """
-    d = Path(directory)
-    if d.exists() and not d.is_dir():
-        raise InputError("out", str(d), "a directory (or a path that does not exist yet)")
-    d.mkdir(parents=True, exist_ok=True)
+    d = ensure_dir(directory, "out")  # OutputError: a file there, or no permission
     out = [plot_fit(table, d / FIT_PNG), plot_residuals(table, d / RESIDUALS_PNG)]
     if table.model == "additive":
         out.append(plot_components(table, d / COMPONENTS_PNG))

@@ -24,6 +24,7 @@ accepted drafts per request-round.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -626,8 +627,6 @@ def replay(
     Raises ``InputError`` / ``UnsupportedError`` before simulating anything (see
     :func:`check_replayable`).
     """
-    import time
-
     cfg = config or ReplayConfig()
     specs = [parse_policy(p) for p in cfg.policies]
     check_replayable(trace, cost, specs)

@@ -25,6 +25,8 @@ import numpy as np
 
 from speccal.base.errors import InputError
 from speccal.base.geometry import Geometry, default_request_buckets
+from speccal.costmodel.synthetic import make_measurements
+from speccal.costmodel.table_build import build_table
 from speccal.policy import CostModel
 from speccal.trace import RoundTrace
 
@@ -269,9 +271,6 @@ def synthetic_table(
     ``speccal.costmodel.table_build.build_table`` fits them, so replay exercises the same code path
     as with a calibrated table. Compatibility metadata says ``synthetic``.
     """
-    from speccal.costmodel.synthetic import make_measurements
-    from speccal.costmodel.table_build import build_table
-
     t = truth or SyntheticTableTruth()
     w = geometry.draft_width
     if mode == "target_verify":

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from speccal.base.atomic import write_bytes_atomic
 from speccal.base.errors import InputError, SchemaError
@@ -338,9 +340,6 @@ def _check_header(h: Any) -> dict[str, Any]:
 
 
 def _to_parquet(trace: Trace) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     w = trace.draft_width
     if isinstance(trace, RoundTrace):
         offsets = pa.array(trace.cu_requests.astype(np.int64))
@@ -378,8 +377,6 @@ def _to_parquet(trace: Trace) -> bytes:
 
 
 def _from_parquet(path: Path) -> Trace:
-    import pyarrow.parquet as pq
-
     table = pq.read_table(path)
     md = table.schema.metadata or {}
     if META_KEY not in md:
