@@ -17,7 +17,7 @@ def _cfg(**kw):
     base = dict(
         model="tiny", draft_width=3, request_buckets=(1, 2, 4), max_model_len=128, block_size=8
     )
-    return EngineConfig(**(base | kw))
+    return EngineConfig.flat(**(base | kw))
 
 
 def test_geometry_and_compatibility():
