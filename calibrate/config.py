@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
 
+from speccal.base.atomic import read_text
 from speccal.base.errors import InputError
 from speccal.base.geometry import MAX_REQUEST_BUCKETS, Geometry
 from speccal.calibrate.feasibility import check_buckets_captured, default_context, reserve_tokens
@@ -329,12 +330,7 @@ def parse_config_obj(obj: Any, *, source: str = "config") -> ParsedFile:
 def parse_config_file(path: str | Path) -> ParsedFile:
     """Read and validate a calibration JSON file (see ``parse_config_obj``)."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(
-            "--config", str(p), "a readable JSON file", hint=exc.strerror or str(exc)
-        ) from None
+    text = read_text(p, "--config")  # missing, a directory, unreadable, not UTF-8: InputError
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
