@@ -98,7 +98,7 @@ def target_ms(
 def breakdown(eng: Engine, key: GraphKey, replays: int = 5, top: int = 12) -> list:
     """Kernel time per step of one graph: ``[name, us per step, launches per step]``, largest
     first, then ``["(all kernels)", ...]`` and ``["(span incl. gaps)", ...]``."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile
 
     eng.runner.graphs.replay(key)
     torch.cuda.synchronize()
@@ -158,9 +158,9 @@ def critical(seq: list) -> list:
 def kernel_resources() -> list:
     """``[kernel, num_warps, registers per thread, spills, shared bytes]`` of every Triton
     kernel compiled in this process (the specialisations of ``speccal.kernels``)."""
-    import importlib  # noqa: PLC0415
+    import importlib
 
-    import triton  # noqa: PLC0415
+    import triton
 
     rows = []
     for mod in ("gemv", "paged_attention", "rmsnorm", "rotary_kv", "verify_accept",
@@ -173,7 +173,7 @@ def kernel_resources() -> list:
                 for k in (cache[0] if isinstance(cache, tuple) else cache).values():
                     try:
                         k._init_handles()
-                    except Exception:  # noqa: BLE001 - a resource probe, never fatal
+                    except Exception:  # a resource probe, never fatal
                         pass
                     md = getattr(k, "metadata", None)
                     rows.append([f"{mod}.{name}", getattr(md, "num_warps", None),
@@ -192,7 +192,7 @@ def kernels_of(prof) -> list[tuple[float, float]]:
 
 def gap_us(eng: Engine, k: int, rounds: int) -> float:
     """Median gap (us) between the last draft kernel and the target's first kernel of a round."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile
 
     fill(eng, 1, k)
     key = GraphKey("draft", 1, k)

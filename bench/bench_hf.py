@@ -41,8 +41,8 @@ T0 = time.time()
 
 def ours(batches: tuple[int, ...]) -> dict[int, float]:
     from speccal.kernels.config import KernelConfig
-    from speccal.runner.engine import Engine, EngineConfig, RoundPlan  # noqa: PLC0415
-    from speccal.runner.sampling import SamplingParams  # noqa: PLC0415
+    from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+    from speccal.runner.sampling import SamplingParams
 
     eng = Engine(
         EngineConfig.flat(kernels=KernelConfig.from_env(),
@@ -81,9 +81,9 @@ def ours(batches: tuple[int, ...]) -> dict[int, float]:
 
 
 def hf_model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: PLC0415
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from speccal.runner.presets import PRESETS  # noqa: PLC0415
+    from speccal.runner.presets import PRESETS
 
     cfg = dict(PRESETS["dense-2b"].config)
     conf = Qwen3Config(**{k: v for k, v in cfg.items() if k in Qwen3Config().to_dict()})
@@ -99,7 +99,7 @@ def hf_model():
 
 
 def static_cache(conf, batch: int):
-    from transformers import StaticCache  # noqa: PLC0415
+    from transformers import StaticCache
 
     length = PROMPT + WARMUP + STEPS + 16
     try:

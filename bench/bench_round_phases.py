@@ -150,10 +150,10 @@ def calibration_check(args) -> dict:
     Per grid point: table step ms of each calibration and the median device time of its rounds
     (transition and warm-up included). Separates "the device ran slower during the windows" from
     "host time between launches grew" when a table disagrees with live rounds."""
-    import tempfile  # noqa: PLC0415
+    import tempfile
 
-    from speccal.calibrate.pipeline import CalibrateOptions, calibrate  # noqa: PLC0415
-    from speccal.costmodel.table import load_table  # noqa: PLC0415
+    from speccal.calibrate.pipeline import CalibrateOptions, calibrate
+    from speccal.costmodel.table import load_table
 
     w = max(args.ks)
     buckets = (1, 2, 4, 8)

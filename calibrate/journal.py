@@ -181,7 +181,7 @@ def open_journal(
         check_discard(p, resume=resume, overwrite=overwrite)
         write_text_atomic(p, _dumps(full_header) + "\n", field="--journal")
         journal = Journal(path=p, key=key, resumed=False)
-    journal._fh = open(p, "a", encoding="utf-8")  # noqa: SIM115 - closed by Journal.close
+    journal._fh = open(p, "a", encoding="utf-8")  # closed by Journal.close
     return journal
 
 

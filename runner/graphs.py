@@ -55,7 +55,7 @@ def _graph_api(device: torch.device):
         return torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.graph_pool_handle
     if device.type == "npu":  # pragma: no cover - untested: no NPU here
         try:
-            import torch_npu  # noqa: F401, PLC0415
+            import torch_npu  # noqa: F401
         except ImportError as exc:
             raise UnsupportedError(f"graph_mode='split' on npu needs torch_npu: {exc}") from exc
         npu = torch.npu
