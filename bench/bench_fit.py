@@ -25,24 +25,20 @@ import numpy as np
 from results import append_results, git_commit
 
 from speccal.costmodel.additive import AdditiveCostModel
+from speccal.costmodel.compat import make_compatibility
 from speccal.costmodel.sps import SPSCostModel
 from speccal.costmodel.synthetic import make_measurements
 from speccal.costmodel.table_build import build_table
 
 DEVICE = "cpu (2-core dev machine)"
-COMPAT = {
-    "draft_width": 7,
-    "model": {
-        "architecture": "bench",
-        "fingerprint": "bench",
-        "dtype": "float32",
-        "quantization": "none",
-    },
-    "topology": {"tp": 1, "dp": 1},
-    "graph_mode": "split",
-    "verification_mode": "forced",
-    "device": {"kind": "cpu", "name": "bench"},
-}
+COMPAT = make_compatibility(
+    draft_width=7,
+    architecture="bench",
+    fingerprint="bench",
+    dtype="float32",
+    quantization="none",
+    device_name="bench",
+)
 
 
 def median_time(fn, repeats: int) -> float:

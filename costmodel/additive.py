@@ -25,16 +25,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from speccal.costmodel.estimator import check_xy, combine_points, single_thread_blas
 from speccal.costmodel.grid import check_connected
-
-
-def level_lookup(values: np.ndarray, levels: np.ndarray, params: np.ndarray) -> np.ndarray:
-    """``params[i]`` where ``values == levels[i]``; NaN where a value is not a level."""
-    values = np.asarray(values, dtype=np.float64)
-    idx = np.searchsorted(levels, values)
-    idx_c = np.clip(idx, 0, len(levels) - 1)
-    hit = levels[idx_c] == values
-    out = np.where(hit, params[idx_c], np.nan)
-    return out
+from speccal.costmodel.lookup import level_lookup
 
 
 def design_matrix(points: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray) -> np.ndarray:

@@ -1,28 +1,39 @@
 """Compatibility metadata of a cost table and the check of a table against a running config.
 
 The metadata is the plain dict the runner produces (``Engine.compatibility()``, layout in
-``docs/ARCHITECTURE.md``), validated here as a pydantic model with ``extra="forbid"``.
+``docs/TABLES.md``), validated here as a pydantic model with ``extra="forbid"``. Since table
+schema version 2 it records the measured program: ``graph_mode``, ``attention_backend``,
+``input_update`` and ``kernels = {"digest", "config"}``, where ``config`` is the runner's kernel
+configuration as a nested JSON object (groups such as ``pdl``, ``gemv``, ``attention``) and
+``digest`` is :func:`kernel_digest` of it (``"unknown"``, with ``config`` null, for a table
+migrated from version 1).
 
-Which differences refuse a table and which only warn:
+Which differences refuse a table and which only warn (``expected`` = running config, ``found`` =
+table):
 
 - **semantic** (refused with ``CompatibilityError`` naming every expected vs found value):
   ``draft_width``, ``model.*`` (architecture, weight fingerprint, dtype, quantization),
-  ``topology.tp``, ``topology.dp``, ``graph_mode``, ``device.kind``. A cost measured under any of
-  these is a cost of a different program.
-- **performance-only** (``CompatibilityWarning``): ``device.name``, ``verification_mode`` (the
-  seeds calibrate with a greedy or forced target and serve sampled targets: the extra sampling
-  work is not in the table, but the shapes are the same), and the provenance versions
+  ``topology.tp``, ``topology.dp``, ``graph_mode``, ``device.kind``, ``attention_backend``
+  (another attention kernel family is another program). An ``attention_backend`` recorded as
+  ``unknown`` on either side (a migrated version 1 table) only warns.
+- **performance-only** (``CompatibilityWarning``): ``device.name``, ``input_update`` (in-graph
+  or host metadata update: the same round, another launch schedule), the kernel configuration
+  (a digest mismatch names every differing field of the two configs by dotted key,
+  ``gemv.panel: table=X running=Y``; a configuration recorded as unknown on either side says
+  so), ``verification_mode`` (see :func:`verification_mismatch`) and the provenance versions
   (speccal, torch, driver).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from speccal.base.errors import CompatibilityError, InputError
 
@@ -37,8 +48,20 @@ SEMANTIC_FIELDS = (
     "graph_mode",
     "device.kind",
 )
-PERFORMANCE_FIELDS = ("device.name", "verification_mode")
+PERFORMANCE_FIELDS = ("device.name", "input_update")
 VERSION_FIELDS = ("speccal_version", "torch_version", "driver_version")
+UNKNOWN = "unknown"
+#: Verification modes whose acceptance is decided by the plan or a profile, not by the model's
+#: outputs: the ones calibration measures with. They and ``greedy`` run the target's argmax
+#: token path; only ``sample`` (temperature > 0) adds the sampling work.
+MEASUREMENT_MODES = ("forced", "synthetic")
+#: What a table that never recorded its execution path (schema version 1) says about it.
+UNKNOWN_EXECUTION: dict[str, Any] = {
+    "attention_backend": UNKNOWN,
+    "input_update": UNKNOWN,
+    "kernels": {"digest": UNKNOWN, "config": None},
+}
+DIGEST_CHARS = 16
 
 
 class SpeccalWarning(UserWarning):
@@ -47,6 +70,79 @@ class SpeccalWarning(UserWarning):
 
 class CompatibilityWarning(SpeccalWarning):
     """A table loaded against a config that differs only in performance-relevant metadata."""
+
+
+class _Absent:
+    """Marks a kernel-config key one side does not have (distinct from a JSON null)."""
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT = _Absent()
+
+
+# ---------------------------------------------------------------- kernel configuration
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, no whitespace, no NaN: the text :func:`kernel_digest` hashes."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def kernel_digest(config: Mapping[str, Any]) -> str:
+    """The digest of a kernel configuration: sha256 of its canonical JSON, first 16 hex chars.
+
+    The runner records ``{"digest": kernel_digest(config), "config": config}``; tables are
+    compared by digest. Tuples hash as the lists JSON writes, so a config hashes the same
+    before and after a JSON round trip.
+
+    Raises
+    ------
+    InputError
+        ``config`` is not a JSON object of finite scalars, lists and objects.
+    """
+    if not isinstance(config, Mapping):
+        raise InputError("kernels.config", type(config).__name__, "a JSON object (dict)")
+    try:
+        text = canonical_json(dict(config))
+    except (TypeError, ValueError) as exc:
+        raise InputError(
+            "kernels.config", str(exc), "a JSON object of finite scalars, lists and objects"
+        ) from None
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:DIGEST_CHARS]
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested objects to dotted keys (``{"gemv": {"panel": 8}}`` -> ``{"gemv.panel": 8}``).
+
+    Lists and scalars are leaves; an empty object is a leaf too (so ``{"norm": {}}`` differs
+    from a config without ``norm``).
+    """
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten_config(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def diff_kernel_configs(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every dotted field where two kernel configs differ: ``[(field, a_value, b_value)]``.
+
+    Sorted by field; a key one side lacks is :data:`ABSENT` on that side.
+    """
+    fa, fb = flatten_config(a), flatten_config(b)
+    return [
+        (k, fa.get(k, ABSENT), fb.get(k, ABSENT))
+        for k in sorted(set(fa) | set(fb))
+        if fa.get(k, ABSENT) != fb.get(k, ABSENT)
+    ]
+
+
+# ---------------------------------------------------------------- the metadata model
 
 
 class _Strict(BaseModel):
@@ -70,6 +166,35 @@ class DeviceInfo(_Strict):
     name: str
 
 
+class KernelsInfo(_Strict):
+    """The kernel configuration measured: ``digest`` = :func:`kernel_digest` of ``config``.
+
+    ``config`` null means unknown (a table migrated from version 1); then ``digest`` is
+    ``"unknown"``.
+    """
+
+    config: dict[str, Any] | None  # validated before ``digest``, which is checked against it
+    digest: str = Field(pattern=rf"^([0-9a-f]{{{DIGEST_CHARS}}}|{UNKNOWN})$")
+
+    @field_validator("digest")
+    @classmethod
+    def _digest_matches_config(cls, digest: str, info: ValidationInfo) -> str:
+        if "config" not in info.data:
+            return digest  # the config itself was refused; that error is reported
+        config = info.data["config"]
+        want = UNKNOWN if config is None else kernel_digest(config)
+        if digest != want:
+            raise ValueError(
+                f"{want!r}: kernel_digest of the recorded config ('unknown' exactly when the "
+                "config is null)"
+            )
+        return digest
+
+    @property
+    def known(self) -> bool:
+        return self.config is not None
+
+
 class Compatibility(_Strict):
     """What a cost table is valid for (see module docstring for semantic vs performance)."""
 
@@ -77,6 +202,9 @@ class Compatibility(_Strict):
     model: ModelIdentity
     topology: Topology
     graph_mode: Literal["eager", "split", "unified"]
+    attention_backend: Literal["torch", "triton", "unknown"]
+    input_update: Literal["in_graph", "host", "unknown"]
+    kernels: KernelsInfo
     verification_mode: Literal["greedy", "sample", "synthetic", "forced"]
     device: DeviceInfo
 
@@ -97,7 +225,67 @@ def as_compatibility(
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
-        raise InputError(f"{field}.{loc}", err.get("input"), err["msg"]) from None
+        where = f"{field}.{loc}" if loc else field
+        if err["type"] == "missing":
+            raise InputError(where, "missing", "a required key") from None
+        raise InputError(where, err.get("input"), pydantic_message(err)) from None
+
+
+def pydantic_message(err: Mapping[str, Any]) -> str:
+    """A pydantic error's message without its ``Value error, `` prefix."""
+    return str(err["msg"]).removeprefix("Value error, ")
+
+
+def make_compatibility(
+    *,
+    draft_width: int,
+    architecture: str = UNKNOWN,
+    fingerprint: str = UNKNOWN,
+    dtype: str = UNKNOWN,
+    quantization: str = UNKNOWN,
+    tp: int = 1,
+    dp: int = 1,
+    graph_mode: str = "split",
+    attention_backend: str = UNKNOWN,
+    input_update: str = UNKNOWN,
+    kernel_config: Mapping[str, Any] | None = None,
+    verification_mode: str = "forced",
+    device_kind: str = "cpu",
+    device_name: str = UNKNOWN,
+) -> dict[str, Any]:
+    """A complete, validated compatibility dict for a table no runner measured.
+
+    For a bare ``speccal fit``, synthetic scenarios, benches and tests; a real run records
+    ``Engine.compatibility()``. Every identity defaults to ``unknown``, so a table built with
+    the defaults is refused against any real engine (it fails closed). ``kernel_config`` None
+    records the kernels as unknown; otherwise the digest is :func:`kernel_digest` of it.
+    """
+    if kernel_config is None:
+        kernels = dict(UNKNOWN_EXECUTION["kernels"])
+    else:
+        digest = kernel_digest(kernel_config)  # refuses what JSON cannot hold
+        # Through JSON, so tuples become the lists a saved table holds (same digest).
+        kernels = {"digest": digest, "config": json.loads(canonical_json(dict(kernel_config)))}
+    doc = {
+        "draft_width": draft_width,
+        "model": {
+            "architecture": architecture,
+            "fingerprint": fingerprint,
+            "dtype": dtype,
+            "quantization": quantization,
+        },
+        "topology": {"tp": tp, "dp": dp},
+        "graph_mode": graph_mode,
+        "attention_backend": attention_backend,
+        "input_update": input_update,
+        "kernels": kernels,
+        "verification_mode": verification_mode,
+        "device": {"kind": device_kind, "name": device_name},
+    }
+    return as_compatibility(doc).model_dump(mode="json")
+
+
+# ---------------------------------------------------------------- comparison
 
 
 def _get(obj: Any, dotted: str) -> Any:
@@ -108,15 +296,68 @@ def _get(obj: Any, dotted: str) -> Any:
 
 @dataclass(frozen=True)
 class Mismatch:
-    """One differing field: ``expected`` is the running config, ``found`` the table's value."""
+    """One differing field: ``expected`` is the running config, ``found`` the table's value.
+
+    ``detail`` says more where the two values alone do not (the differing kernel-config fields).
+    """
 
     field: str
     expected: Any
     found: Any
     semantic: bool
+    detail: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.field}: expected {self.expected!r}, found {self.found!r}"
+        text = f"{self.field}: expected {self.expected!r}, found {self.found!r}"
+        return f"{text} ({self.detail})" if self.detail else text
+
+
+def verification_mismatch(expected: str, found: str) -> Mismatch | None:
+    """The verification-mode difference worth a warning, or None.
+
+    ``greedy``, ``forced`` and ``synthetic`` verification all run the target's argmax token path
+    (``speccal.runner.round``); ``forced`` and ``synthetic`` only decide acceptance from the plan
+    or a profile instead of the outputs, which is how calibration measures every grid shape. So a
+    table measured with any of the three loads silently into every run, sampled runs included
+    (the sampling work at temperature > 0 is outside every calibrated table, by design, as in the
+    seeds). Only a table measured with ``sample`` verification holds sampling work that a run
+    on the argmax path does not do: it warns when the running mode is not ``sample``.
+    """
+    if expected == found or found != "sample":
+        return None
+    return Mismatch(
+        "verification_mode",
+        expected,
+        found,
+        False,
+        "the table's costs include sampling work this run does not do",
+    )
+
+
+def kernels_mismatch(expected: KernelsInfo, found: KernelsInfo) -> Mismatch | None:
+    """A warning for differing kernel configurations (naming the fields), or None."""
+    if not (expected.known and found.known):
+        side = " and ".join(
+            s for s, k in (("table", found.known), ("running config", expected.known)) if not k
+        )
+        return Mismatch(
+            "kernels",
+            expected.digest,
+            found.digest,
+            False,
+            f"kernel configuration recorded as unknown ({side}): costs may be of other kernels",
+        )
+    if expected.digest == found.digest:
+        return None
+    fields = "; ".join(
+        f"{k}: table={_show(t)} running={_show(r)}"
+        for k, t, r in diff_kernel_configs(found.config, expected.config)
+    )
+    return Mismatch("kernels.digest", expected.digest, found.digest, False, fields)
+
+
+def _show(value: Any) -> str:
+    return repr(value) if value is ABSENT else canonical_json(value)
 
 
 def compare(
@@ -135,11 +376,28 @@ def compare(
         for f in SEMANTIC_FIELDS
         if _get(expected, f) != _get(found, f)
     ]
+    if expected.attention_backend != found.attention_backend:
+        known = UNKNOWN not in (expected.attention_backend, found.attention_backend)
+        out.append(
+            Mismatch(
+                "attention_backend",
+                expected.attention_backend,
+                found.attention_backend,
+                known,
+                None if known else "recorded as unknown: costs may be of another backend",
+            )
+        )
     out += [
         Mismatch(f, _get(expected, f), _get(found, f), False)
         for f in PERFORMANCE_FIELDS
         if _get(expected, f) != _get(found, f)
     ]
+    for extra in (
+        kernels_mismatch(expected.kernels, found.kernels),
+        verification_mismatch(expected.verification_mode, found.verification_mode),
+    ):
+        if extra is not None:
+            out.append(extra)
     ev, fv = expected_versions or {}, found_versions or {}
     for f in VERSION_FIELDS:
         a, b = ev.get(f), fv.get(f)
@@ -162,6 +420,11 @@ def check_compatibility(
     ------
     CompatibilityError
         Naming every semantic field with its expected and found value.
+
+    Warns
+    -----
+    CompatibilityWarning
+        Naming every performance-only difference (one warning).
     """
     exp = as_compatibility(expected, "expect")
     diffs = compare(exp, found, expected_versions=expected_versions, found_versions=found_versions)

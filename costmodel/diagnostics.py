@@ -32,9 +32,11 @@ import numpy as np
 import pandas as pd
 
 from speccal.base.errors import GridError
-from speccal.costmodel.additive import AdditiveCostModel, design_matrix, level_lookup
+from speccal.costmodel.additive import AdditiveCostModel, design_matrix
 from speccal.costmodel.estimator import single_thread_blas
-from speccal.costmodel.sps import SPSCostModel, sps_interp
+from speccal.costmodel.lookup import level_lookup, sps_interp
+from speccal.costmodel.measurements import combine_windows
+from speccal.costmodel.sps import SPSCostModel
 
 # h_ii this close to 1 means the remaining design loses rank without the point.
 _HAT_TOL = 1e-9
@@ -94,8 +96,6 @@ def diagnose(model, windows: pd.DataFrame) -> FitDiagnostics:
     windows : validated measurement rows of one context interval (at least ``bcap, g, k,
         step_ms, mean_kv_length, context_index``).
     """
-    from speccal.costmodel.measurements import combine_windows
-
     points = combine_windows(windows)
     X = points[["bcap", "g"]].to_numpy(dtype=np.float64)
     y = points["step_ms"].to_numpy(dtype=np.float64)

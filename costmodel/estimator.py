@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from sklearn.utils.validation import validate_data
+from threadpoolctl import ThreadpoolController
 
 from speccal.base.errors import InputError
 
@@ -34,8 +35,6 @@ def single_thread_blas():
     """
     global _CONTROLLER
     if _CONTROLLER is None:
-        from threadpoolctl import ThreadpoolController
-
         _CONTROLLER = ThreadpoolController()
     return _CONTROLLER.limit(limits=1, user_api="blas")
 

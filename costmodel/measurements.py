@@ -21,6 +21,7 @@ import pandas as pd
 
 from speccal.base.atomic import write_bytes_atomic
 from speccal.base.errors import GridError, InputError
+from speccal.costmodel.grid import check_contexts
 
 #: Required columns and their kind: ``int`` or ``float``.
 REQUIRED_COLUMNS: dict[str, str] = {
@@ -136,8 +137,6 @@ def validate_measurements(df: pd.DataFrame) -> pd.DataFrame:
                 raise InputError(f"measurements.{col}[row {i}]", values.iloc[i], need)
             out[col] = arr
     _check_consistency(out)
-    from speccal.costmodel.grid import check_contexts
-
     check_contexts(context_intervals(out))
     return out.sort_values(
         ["context_index", "bcap", "g", "window_index"], kind="stable"

@@ -1,11 +1,12 @@
 """Plain-data views of a cost table for the CLI and notebooks (no Rich, no printing).
 
-- :func:`summary`: a JSON-ready dict (identity, compatibility, provenance, one entry per fit
-  with its parameters, error summaries and the cells where it predicts a non-positive cost);
+- :func:`summary`: a JSON-ready dict (identity, compatibility, the measured execution path with
+  its kernel configuration flattened to dotted fields, provenance, one entry per fit with its
+  parameters, error summaries and the cells where it predicts a non-positive cost);
 - :func:`cost_grid`: one row per (context, Bcap, captured G) with the looked-up cost, so a
   table can be exported to CSV/markdown or plotted;
-- :func:`diff_tables`: what differs between two tables (metadata fields and costs at common
-  grid cells);
+- :func:`diff_tables`: what differs between two tables (metadata fields by dotted name, kernel
+  configuration fields included, and costs at common grid cells);
 - :func:`to_markdown`: a DataFrame as a GitHub markdown table.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from speccal.costmodel.compat import flatten_config
 from speccal.costmodel.table_schema import CostTable
 
 ERROR_KEYS = ("residuals", "leave_one_point_out", "leave_one_g_out")
@@ -54,10 +56,25 @@ def summary(table: CostTable) -> dict[str, Any]:
         "model": table.model,
         "mode": table.mode,
         "draft_width": table.draft_width,
+        "execution": execution_path(table),
         "compatibility": table.compatibility.model_dump(mode="json"),
         "calibration": table.calibration.model_dump(mode="json"),
         "provenance": table.provenance.model_dump(mode="json"),
         "fits": fits,
+    }
+
+
+def execution_path(table: CostTable) -> dict[str, Any]:
+    """The program the table measured: ``graph_mode``, ``attention_backend``, ``input_update``,
+    ``kernel_digest`` and ``kernel_config`` (dotted field -> value; None when unknown)."""
+    c = table.compatibility
+    config = c.kernels.config
+    return {
+        "graph_mode": c.graph_mode,
+        "attention_backend": c.attention_backend,
+        "input_update": c.input_update,
+        "kernel_digest": c.kernels.digest,
+        "kernel_config": None if config is None else flatten_config(config),
     }
 
 
@@ -96,15 +113,6 @@ def cost_grid(table: CostTable) -> pd.DataFrame:
     return df
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
-
-
 def diff_tables(a: CostTable, b: CostTable) -> dict[str, Any]:
     """Differences between two tables.
 
@@ -112,13 +120,15 @@ def diff_tables(a: CostTable, b: CostTable) -> dict[str, Any]:
     -------
     ``{"metadata": [{"field", "a", "b"}], "costs": [{"context_index", "bcap", "g", "a_ms",
     "b_ms", "delta_ms", "delta_pct"}], "max_abs_delta_pct": float | None, "only_in_a": int,
-    "only_in_b": int}``: metadata covers compatibility, calibration and geometry; costs cover
-    grid cells calibrated in both (by context index and Bcap, G).
+    "only_in_b": int}``: metadata covers compatibility (the kernel configuration field by field,
+    ``compatibility.kernels.config.gemv.stages``), calibration and geometry, by dotted name
+    (None where one table lacks the field); costs cover grid cells calibrated in both (by
+    context index and Bcap, G).
     """
     meta = []
     for block in ("compatibility", "calibration", "geometry"):
-        fa = _flatten(a.to_json_dict()[block], f"{block}.")
-        fb = _flatten(b.to_json_dict()[block], f"{block}.")
+        fa = flatten_config(a.to_json_dict()[block], f"{block}.")
+        fb = flatten_config(b.to_json_dict()[block], f"{block}.")
         for key in sorted(set(fa) | set(fb)):
             if fa.get(key) != fb.get(key):
                 meta.append({"field": key, "a": fa.get(key), "b": fb.get(key)})

@@ -20,14 +20,7 @@ from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 
 from speccal.costmodel.estimator import check_xy, combine_points
-
-
-def sps_interp(g: np.ndarray, g_levels: np.ndarray, cost_ms: np.ndarray) -> np.ndarray:
-    """Linear-in-ms interpolation of ``cost_ms`` over ``g_levels``; NaN outside the range."""
-    g = np.asarray(g, dtype=np.float64)
-    out = np.interp(g, g_levels, cost_ms)
-    out[(g < g_levels[0]) | (g > g_levels[-1])] = np.nan
-    return out
+from speccal.costmodel.lookup import sps_interp
 
 
 class SPSCostModel(RegressorMixin, BaseEstimator):

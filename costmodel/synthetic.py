@@ -113,22 +113,3 @@ def make_measurements(
                     }
                 )
     return validate_measurements(pd.DataFrame(rows))
-
-
-def linear_truth(
-    bcaps: Sequence[int],
-    g_levels: Sequence[int],
-    *,
-    bias_ms: float = 5.0,
-    per_bcap_ms: float = 0.05,
-    per_row_ms: float = 0.02,
-) -> tuple[float, dict[int, float], dict[int, float]]:
-    """A plausible truth for examples: costs growing linearly in Bcap and in G.
-
-    Returns ``(bias_ms, alpha_ms, theta_ms)`` for :func:`make_measurements`.
-    """
-    return (
-        float(bias_ms),
-        {int(b): per_bcap_ms * int(b) for b in bcaps},
-        {int(g): per_row_ms * int(g) for g in g_levels},
-    )

@@ -1,15 +1,24 @@
 """The cost-table file: save, load (with migration and compatibility checks), parse, JSON Schema.
 
-A table file is one JSON document of ``speccal.costmodel.table_schema`` (schema version 1, JSON
-Schema committed under ``tables/schema/cost_table.v1.schema.json``). Files are written
-canonically (sorted keys, ``allow_nan=False``) and atomically, so save -> load -> save is
-byte-identical. Building a table from measurements is ``speccal.costmodel.table_build``.
+A table file is one JSON document of ``speccal.costmodel.table_schema`` (schema version 2; the
+JSON Schema of every version is committed under ``tables/schema/cost_table.vN.schema.json``).
+Files are written canonically (sorted keys, ``allow_nan=False``) and atomically, so save -> load
+-> save is byte-identical. Saving always writes the latest version. Building a table from
+measurements is ``speccal.costmodel.table_build``.
 
-Loading: no ``schema_version`` is a legacy (unversioned) table, migrated forward (a missing
-``draft_width`` means 7, a missing geometry is rebuilt from the fits); a newer version is refused
-with ``SchemaError``; unreadable JSON and unknown keys are ``SchemaError``; the content is checked
-for internal consistency; with ``expect`` the compatibility metadata is checked
-(``speccal.costmodel.compat``).
+Loading migrates older documents forward, one version at a time (:data:`MIGRATIONS`):
+
+- no ``schema_version`` (legacy, unversioned) -> 1: a missing ``draft_width`` means 7, a missing
+  geometry is rebuilt from the fits, a missing provenance is marked unknown;
+- 1 -> 2: the execution path was never recorded: ``attention_backend`` and ``input_update``
+  become ``unknown``, ``kernels`` ``{"digest": "unknown", "config": null}`` (loading such a table
+  against a running config warns that its kernel configuration is unknown).
+
+``provenance.migrated_from`` names the oldest version a document came from (``legacy``, ``v1``).
+A newer version is refused with ``SchemaError``; so are unreadable JSON, unknown or missing keys,
+NaN or Infinity anywhere, unphysical measured values (a negative bias, non-positive window times
+or sps costs) and internally inconsistent content. With ``expect`` the compatibility metadata is
+checked (``speccal.costmodel.compat``).
 """
 
 from __future__ import annotations
@@ -17,26 +26,32 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from speccal import __version__
-from speccal.base.atomic import write_json_atomic
-from speccal.base.errors import GridError, SchemaError
+from speccal.base.atomic import read_bytes, write_json_atomic
+from speccal.base.errors import GridError, InputError, SchemaError
 from speccal.base.geometry import Geometry, default_target_rows
-from speccal.costmodel.compat import Compatibility, check_compatibility
+from speccal.costmodel.compat import UNKNOWN_EXECUTION, Compatibility, check_compatibility
 from speccal.costmodel.grid import check_contexts
 from speccal.costmodel.table_schema import SCHEMA_VERSION, CostTable, validate_block
 
 LEGACY_DRAFT_WIDTH = 7
-SCHEMA_PATH = (
-    Path(__file__).resolve().parent.parent / "tables" / "schema" / "cost_table.v1.schema.json"
-)
+SCHEMA_DIR = Path(__file__).resolve().parent.parent / "tables" / "schema"
+
+
+def schema_path(version: int = SCHEMA_VERSION) -> Path:
+    """The committed JSON Schema file of table ``version``."""
+    return SCHEMA_DIR / f"cost_table.v{version}.schema.json"
+
+
+SCHEMA_PATH = schema_path()
 
 
 def save_table(table: CostTable, path: str | os.PathLike) -> Path:
-    """Write ``table`` atomically as canonical JSON (schema version 1)."""
+    """Write ``table`` atomically as canonical JSON (the latest schema version)."""
     return write_json_atomic(path, table.to_json_dict())
 
 
@@ -70,9 +85,11 @@ def load_table(
     """
     p = Path(path)
     try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise SchemaError("table", str(p), f"a readable cost table file ({exc.strerror})") from None
+        raw = read_bytes(p, "table")  # refuses a FIFO or device, which would block or never end
+    except InputError as exc:
+        raise SchemaError(
+            "table", str(p), f"a readable cost table file ({exc.hint or exc.expected})"
+        ) from None
     table = parse_table(raw, source=str(p))
     if expect is not None:
         versions = runtime_versions
@@ -93,7 +110,7 @@ def load_table(
 
 
 def parse_table(raw: bytes | str, source: str = "table") -> CostTable:
-    """Parse table bytes (see :func:`load_table`), migrating legacy documents."""
+    """Parse table bytes (see :func:`load_table`), migrating older documents forward."""
     text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
     if not text.strip():
         raise SchemaError(source, "empty file", "a JSON cost table")
@@ -118,13 +135,16 @@ def parse_table(raw: bytes | str, source: str = "table") -> CostTable:
             version,
             f"<= {SCHEMA_VERSION}: written by a newer speccal; upgrade speccal to read it",
         )
+    while doc["schema_version"] < SCHEMA_VERSION:
+        doc = MIGRATIONS[doc["schema_version"]](doc, source)
     table = validate_block(CostTable, doc, source, SchemaError)
     _check_consistent(table, source)
     return table
 
 
 def migrate_legacy(doc: dict, source: str = "table") -> dict:
-    """Migrate an unversioned (legacy) table document forward to schema version 1.
+    """Migrate an unversioned (legacy) table document to schema version 1 (then see
+    :data:`MIGRATIONS`).
 
     A legacy table is laid out like version 1 without ``schema_version``; ``draft_width`` may be
     absent anywhere (read as width 7, as the xLLM seed specifies), ``geometry`` and
@@ -160,8 +180,37 @@ def migrate_legacy(doc: dict, source: str = "table") -> dict:
     if "provenance" not in doc:
         doc["provenance"] = {"speccal_version": "unknown", "created": "unknown"}
     doc["provenance"]["migrated_from"] = "legacy"
-    doc["schema_version"] = SCHEMA_VERSION
+    doc["schema_version"] = 1
     return doc
+
+
+def migrate_v1(doc: dict, source: str = "table") -> dict:
+    """Migrate a schema version 1 document to version 2: the execution path becomes unknown.
+
+    Version 1 recorded no ``attention_backend``, ``input_update`` or kernel configuration; a v1
+    document that has one of them is malformed and refused.
+    """
+    doc = json.loads(json.dumps(doc))
+    compat = doc.get("compatibility")
+    if not isinstance(compat, dict):
+        raise SchemaError(f"{source}: compatibility", compat, "a compatibility object")
+    for key, value in UNKNOWN_EXECUTION.items():
+        if key in compat:
+            raise SchemaError(
+                f"{source}: compatibility.{key}",
+                compat[key],
+                "no such key in a schema version 1 table (added in version 2)",
+            )
+        compat[key] = json.loads(json.dumps(value))
+    prov = doc.get("provenance")
+    if isinstance(prov, dict):
+        prov["migrated_from"] = prov.get("migrated_from") or "v1"
+    doc["schema_version"] = 2
+    return doc
+
+
+#: ``{version: migrate to version + 1}``; :func:`parse_table` applies them in order.
+MIGRATIONS: dict[int, Callable[[dict, str], dict]] = {1: migrate_v1}
 
 
 def _check_consistent(t: CostTable, source: str) -> None:
@@ -204,14 +253,12 @@ def _check_consistent(t: CostTable, source: str) -> None:
                 raise SchemaError(
                     f"{where}.{f.model}.{lv}", a, f"ascending distinct levels, one {val} each"
                 )
-        if f.model == "sps" and (not f.sps.bcap_levels or any(c <= 0 for c in f.sps.cost_ms)):
-            raise SchemaError(
-                f"{where}.sps", f.sps.cost_ms, "positive costs and non-empty bcap_levels"
-            )
+        if f.model == "sps" and not f.sps.bcap_levels:
+            raise SchemaError(f"{where}.sps.bcap_levels", [], "the request buckets measured")
 
 
 def json_schema() -> dict:
-    """The JSON Schema of the current table version (committed under ``tables/schema/``)."""
+    """The JSON Schema of the current table version (committed as :data:`SCHEMA_PATH`)."""
     return CostTable.model_json_schema(mode="serialization", by_alias=True)
 
 

@@ -17,15 +17,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from speccal.base.errors import InputError
+from speccal.base.errors import GridError, InputError
 from speccal.base.geometry import Geometry, default_target_rows
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.compat import Compatibility, SpeccalWarning, as_compatibility
 from speccal.costmodel.diagnostics import diagnose
+from speccal.costmodel.lookup import NOT_POSITIVE
 from speccal.costmodel.measurements import context_intervals, validate_measurements
 from speccal.costmodel.sps import SPSCostModel
 from speccal.costmodel.table_schema import (
-    NOT_POSITIVE,
     AdditiveParams,
     CalibrationConfig,
     ContextFit,
@@ -81,7 +81,8 @@ def build_table(
     Raises
     ------
     InputError, GridError
-        Bad rows, overlapping contexts, a disconnected additive grid, inconsistent draft widths.
+        Bad rows, overlapping contexts, a disconnected additive grid, inconsistent draft widths,
+        an additive fit with a negative bias (the reference cell's cost; a table refuses it).
 
     Warns
     -----
@@ -120,6 +121,15 @@ def build_table(
         bcaps = sorted(int(b) for b in windows["bcap"].unique())
         params: dict[str, Any] = {}
         if model == "additive":
+            if est.bias_ms_ < 0:
+                raise GridError(
+                    f"fits.{len(fits)}.additive.bias_ms",
+                    round(float(est.bias_ms_), 6),
+                    f">= 0 ms: the fitted cost of the reference cell (Bcap "
+                    f"{int(est.bcap_levels_[0])}, G {int(est.g_levels_[0])}) of context {ci} is "
+                    "negative, so the additive model does not describe these measurements "
+                    "(check them for outliers, or fit sps)",
+                )
             params["additive"] = AdditiveParams(
                 bias_ms=est.bias_ms_,
                 bcap_levels=est.bcap_levels_.tolist(),

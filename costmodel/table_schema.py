@@ -1,14 +1,17 @@
-"""The cost-table document (schema version 1): its pydantic blocks and lookups on it.
+"""The cost-table document (schema version 2): its pydantic blocks.
 
-Owns the in-memory shape of a table and the answers it gives; building one from measurements is
-``speccal.costmodel.table_build``, reading and writing the file is ``speccal.costmodel.table``.
-The document (JSON Schema committed under ``tables/schema/cost_table.v1.schema.json``)::
+Owns the in-memory shape of a table; what it answers at a cell is
+``speccal.costmodel.lookup`` (reached through :meth:`CostTable.lookup`), building one from
+measurements is ``speccal.costmodel.table_build``, reading and writing the file (and migrating
+older versions) is ``speccal.costmodel.table``. The document (JSON Schema committed under
+``tables/schema/cost_table.v2.schema.json``)::
 
-    {"schema_version": 1,
+    {"schema_version": 2,
      "calibration": {...effective config: model, draft_width, mode, request_buckets,
                      target_graph_rows, contexts, warmup_steps, window_steps,
                      windows_per_point, token_seed, policy, sources},
-     "compatibility": {...see speccal.costmodel.compat},
+     "compatibility": {...see speccal.costmodel.compat: identity, topology and the measured
+                       program: graph_mode, attention_backend, input_update, kernels},
      "geometry": {...speccal.base.geometry.Geometry.to_dict()},
      "fits": [{context_index, prefill_tokens, min_kv_length, max_kv_length, model, combine,
                "additive": {bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, reference}
@@ -18,39 +21,38 @@ The document (JSON Schema committed under ``tables/schema/cost_table.v1.schema.j
      "provenance": {speccal_version, created, command, python_version, torch_version,
                     driver_version, migrated_from}}
 
-Costs are in milliseconds per full step. :meth:`CostTable.cost_ms` answers one cell (NaN and a
-reason when uncalibrated); :meth:`CostTable.cost_surface` is the vectorised numpy form.
-:func:`validate_block` turns a pydantic validation failure into a domain error.
+Costs are in milliseconds per full step. Every number is finite (``allow_inf_nan=False``) and
+every measured quantity physical: the additive bias (the cost of the reference cell) is not
+negative, sps costs and window times are positive. :meth:`CostTable.cost_ms` answers one cell
+(NaN and a reason when uncalibrated); :meth:`CostTable.cost_surface` is the vectorised numpy
+form. :func:`validate_block` turns a pydantic validation failure into a domain error.
 """
 
 from __future__ import annotations
 
-import math
 import platform
 import sys
-from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal
 
-import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from speccal import __version__
 from speccal.base.atomic import dumps_json
 from speccal.base.geometry import Geometry
-from speccal.costmodel.additive import AdditiveCostModel, level_lookup
-from speccal.costmodel.compat import Compatibility
+from speccal.costmodel.additive import AdditiveCostModel
+from speccal.costmodel.compat import Compatibility, pydantic_message
+from speccal.costmodel.lookup import CostLookup, TableLookup
 from speccal.costmodel.measurements import validate_measurements
-from speccal.costmodel.sps import SPSCostModel, sps_interp
+from speccal.costmodel.sps import SPSCostModel
 
-SCHEMA_VERSION = 1
-#: Reason a lookup gives for a cell whose fitted cost is zero or negative (not a physical cost).
-NOT_POSITIVE = "fitted cost not positive"
+SCHEMA_VERSION = 2
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity are refused everywhere (JSON has neither; Python's json reads both).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------- calibration config block
@@ -105,7 +107,7 @@ class GeometryBlock(_Strict):
 
 
 class AdditiveParams(_Strict):
-    bias_ms: float
+    bias_ms: float = Field(ge=0)  # the cost of the reference cell: a measured step cost
     bcap_levels: list[int]
     alpha_ms: list[float]
     g_levels: list[int]
@@ -115,22 +117,22 @@ class AdditiveParams(_Strict):
 
 class SPSParams(_Strict):
     g_levels: list[int]
-    cost_ms: list[float]
+    cost_ms: list[Annotated[float, Field(gt=0)]]
     bcap_levels: list[int]  # coverage: request buckets the curve was measured with
 
 
 class Window(_Strict):
     """One raw measured window (the context columns live on the enclosing fit)."""
 
-    bcap: int
-    num_requests: int
-    g: int
-    k: int
-    window_index: int
-    window_steps: int
-    elapsed_s: float
-    step_ms: float
-    mean_kv_length: float
+    bcap: int = Field(ge=1)
+    num_requests: int = Field(ge=1)
+    g: int = Field(ge=1)
+    k: int = Field(ge=0)
+    window_index: int = Field(ge=0)
+    window_steps: int = Field(ge=1)
+    elapsed_s: float = Field(gt=0)
+    step_ms: float = Field(gt=0)
+    mean_kv_length: float = Field(ge=0)
 
 
 class ErrorBlock(_Strict):
@@ -146,9 +148,9 @@ class ErrorBlock(_Strict):
 class PointBlock(_Strict):
     bcap: int
     g: int
-    n_windows: int
-    step_ms: float
-    spread_ms: float
+    n_windows: int = Field(ge=1)
+    step_ms: float = Field(gt=0)
+    spread_ms: float = Field(ge=0)
     predicted_ms: float | None
     residual_ms: float | None
     residual_pct: float | None
@@ -220,14 +222,6 @@ class Provenance(_Strict):
         }
 
 
-class CostLookup(NamedTuple):
-    """Answer of :meth:`CostTable.cost_ms`: NaN cost and a reason when uncalibrated."""
-
-    cost_ms: float
-    calibrated: bool
-    reason: str | None
-
-
 # ---------------------------------------------------------------- the table
 
 
@@ -236,7 +230,7 @@ class CostTable(_Strict):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     calibration: CalibrationConfig
     compatibility: Compatibility
     # Stored under the JSON key "geometry"; the attribute name leaves ``geometry()`` free for the
@@ -245,8 +239,7 @@ class CostTable(_Strict):
     fits: list[ContextFit] = Field(min_length=1)
     provenance: Provenance
 
-    _surface: Callable | None = PrivateAttr(default=None)
-    _raw_surface: Callable | None = PrivateAttr(default=None)
+    _lookup: TableLookup | None = PrivateAttr(default=None)
 
     # -- identity
     @property
@@ -266,7 +259,13 @@ class CostTable(_Strict):
         """The captured geometry the table was calibrated on (``speccal.base.geometry.Geometry``)."""
         return Geometry.from_dict(self.geometry_block.model_dump())
 
-    # -- lookup
+    # -- lookup (the rules live in speccal.costmodel.lookup)
+    def lookup(self) -> TableLookup:
+        """The table's :class:`~speccal.costmodel.lookup.TableLookup`, built once and cached."""
+        if self._lookup is None:
+            self._lookup = TableLookup(self)
+        return self._lookup
+
     def fit_for(self, kv_length: float) -> ContextFit | None:
         """The fit whose context interval holds ``kv_length`` (inclusive), or None."""
         for f in self.fits:
@@ -274,98 +273,33 @@ class CostTable(_Strict):
                 return f
         return None
 
-    def cost_surface(self) -> Callable[[Any, Any, Any], np.ndarray]:
+    def cost_surface(self):
         """A vectorised ``f(bcap, g, kv_length) -> ndarray`` of ms (NaN = uncalibrated).
 
-        Arguments broadcast against each other. Built once per table and cached; it captures
-        plain numpy arrays only (no pydantic objects) so replay can call it 10^6 times cheaply.
-        A cell whose fitted cost is not positive is NaN (uncalibrated): a step cost is physical,
-        and a policy dividing by a negative cost would prefer exactly the cell the fit got wrong.
+        :meth:`TableLookup.surface <speccal.costmodel.lookup.TableLookup.surface>`: arguments
+        broadcast; a cell whose fitted cost is not positive is NaN (uncalibrated).
         """
-        if self._surface is None:
-            self._surface = _build_surface(self, positive_only=True)
-        return self._surface
-
-    def _fitted_surface(self) -> Callable[[Any, Any, Any], np.ndarray]:
-        """:meth:`cost_surface` without the positivity mask (what the fits predict)."""
-        if self._raw_surface is None:
-            self._raw_surface = _build_surface(self, positive_only=False)
-        return self._raw_surface
+        return self.lookup().surface
 
     def cost_ms(self, bcap: int, g: int, kv_length: float) -> CostLookup:
         """Full-step cost in ms at ``(bcap, g)`` and ``kv_length``, or an explicit uncalibrated answer.
 
-        Reasons: KV length outside every context interval; Bcap not a calibrated request bucket;
-        G not a captured target bucket of that Bcap; G not a calibrated level (additive) or
-        outside the measured G range (sps); the fitted cost is not positive (``"fitted cost
-        not positive"``, with the predicted value).
+        :meth:`TableLookup.cost_ms <speccal.costmodel.lookup.TableLookup.cost_ms>` (reasons:
+        KV length outside every context interval; Bcap not a calibrated request bucket; G not a
+        captured target bucket of that Bcap; G not a calibrated level (additive) or outside the
+        measured G range (sps); ``"fitted cost not positive"``, with the predicted value).
         """
-        reason = self._uncalibrated_reason(bcap, g, kv_length)
-        if reason is not None:
-            return CostLookup(math.nan, False, reason)
-        value = float(self._fitted_surface()(bcap, g, kv_length))
-        if not value > 0:
-            return CostLookup(
-                math.nan,
-                False,
-                f"{NOT_POSITIVE} ({value:.3f} ms at bcap {bcap}, g {g}): the {self.model} fit "
-                "is not physical here",
-            )
-        return CostLookup(value, True, None)
+        return self.lookup().cost_ms(bcap, g, kv_length)
 
     def nonpositive_cells(self) -> list[dict[str, Any]]:
         """Calibrated cells where a fit predicts a step cost ``<= 0`` ms, per context interval.
 
-        Every captured ``(bcap, g)`` of the geometry that would otherwise be calibrated is
-        checked (a fit is constant over its KV interval). Returns one dict per cell:
-        ``context_index, min_kv_length, max_kv_length, bcap, g, cost_ms, measured``.
+        See :meth:`TableLookup.nonpositive_cells
+        <speccal.costmodel.lookup.TableLookup.nonpositive_cells>` for the dict layout.
         """
-        # A fresh surface, not the cache: build_table calls this, and a cached callable would
-        # make the new table compare unequal to the same table parsed back from its JSON.
-        raw = _build_surface(self, positive_only=False)
-        cells = []
-        for f in self.fits:
-            measured = {(p.bcap, p.g) for p in f.diagnostics.points}
-            for b in f.bcap_levels():
-                for g in self.geometry_block.target_rows.get(b, []):
-                    if self._uncalibrated_reason(b, g, f.min_kv_length) is not None:
-                        continue
-                    value = float(raw(b, g, f.min_kv_length))
-                    if not value > 0:
-                        cells.append(
-                            {
-                                "context_index": f.context_index,
-                                "min_kv_length": f.min_kv_length,
-                                "max_kv_length": f.max_kv_length,
-                                "bcap": b,
-                                "g": g,
-                                "cost_ms": value,
-                                "measured": (b, g) in measured,
-                            }
-                        )
-        return cells
-
-    def _uncalibrated_reason(self, bcap: int, g: int, kv_length: float) -> str | None:
-        fit = self.fit_for(kv_length)
-        if fit is None:
-            spans = [[f.min_kv_length, f.max_kv_length] for f in self.fits]
-            return f"kv_length {kv_length} outside every calibrated context interval {spans}"
-        levels = fit.bcap_levels()
-        if bcap not in levels:
-            return f"bcap {bcap} is not a calibrated request bucket (calibrated: {levels})"
-        rows = self.geometry_block.target_rows.get(bcap, [])
-        if g not in rows:
-            return f"g {g} is not a captured target bucket of bcap {bcap} (captured: {rows})"
-        if fit.model == "additive":
-            if g not in fit.additive.g_levels:
-                return (
-                    f"g {g} is not a calibrated target bucket (calibrated: {fit.additive.g_levels})"
-                )
-        else:
-            lo, hi = fit.sps.g_levels[0], fit.sps.g_levels[-1]
-            if not lo <= g <= hi:
-                return f"g {g} is outside the calibrated range [{lo}, {hi}] (no extrapolation)"
-        return None
+        # A fresh lookup, not the cache: build_table calls this, and a cached lookup would make
+        # the new table compare unequal to the same table parsed back from its JSON.
+        return TableLookup(self).nonpositive_cells()
 
     # -- data
     def measurements(self) -> pd.DataFrame:
@@ -394,77 +328,6 @@ class CostTable(_Strict):
         return dumps_json(self.to_json_dict())
 
 
-def _build_surface(
-    table: CostTable, *, positive_only: bool
-) -> Callable[[Any, Any, Any], np.ndarray]:
-    geom = table.geometry_block
-    gmax = max((max(v) for v in geom.target_rows.values() if v), default=0) + 1
-    legal = np.array(
-        sorted(b * gmax + g for b, rows in geom.target_rows.items() for g in rows), dtype=np.float64
-    )
-    parts = []
-    for f in table.fits:
-        if f.model == "additive":
-            p = f.additive
-            parts.append(
-                (
-                    float(f.min_kv_length),
-                    float(f.max_kv_length),
-                    "additive",
-                    (
-                        p.bias_ms,
-                        np.asarray(p.bcap_levels, dtype=np.float64),
-                        np.asarray(p.alpha_ms, dtype=np.float64),
-                        np.asarray(p.g_levels, dtype=np.float64),
-                        np.asarray(p.theta_ms, dtype=np.float64),
-                    ),
-                )
-            )
-        else:
-            p = f.sps
-            parts.append(
-                (
-                    float(f.min_kv_length),
-                    float(f.max_kv_length),
-                    "sps",
-                    (
-                        np.asarray(p.bcap_levels, dtype=np.float64),
-                        np.asarray(p.g_levels, dtype=np.float64),
-                        np.asarray(p.cost_ms, dtype=np.float64),
-                    ),
-                )
-            )
-
-    def surface(bcap, g, kv_length) -> np.ndarray:
-        b, gg, kv = np.broadcast_arrays(
-            np.asarray(bcap, dtype=np.float64),
-            np.asarray(g, dtype=np.float64),
-            np.asarray(kv_length, dtype=np.float64),
-        )
-        out = np.full(b.shape, np.nan)
-        for lo, hi, kind, arrs in parts:
-            m = (kv >= lo) & (kv <= hi)
-            if not m.any():
-                continue
-            bm, gm = b[m], gg[m]
-            if kind == "additive":
-                bias, bl, alpha, gl, theta = arrs
-                out[m] = bias + level_lookup(bm, bl, alpha) + level_lookup(gm, gl, theta)
-            else:
-                bl, gl, cost = arrs
-                ok_b = level_lookup(bm, bl, np.zeros(len(bl)))  # 0 where calibrated, NaN where not
-                out[m] = sps_interp(gm, gl, cost) + ok_b
-        key = b * gmax + gg
-        idx = np.clip(np.searchsorted(legal, key), 0, max(len(legal) - 1, 0))
-        is_legal = (legal[idx] == key) if len(legal) else np.zeros(b.shape, dtype=bool)
-        out[~is_legal] = np.nan
-        if positive_only:
-            out[~(out > 0)] = np.nan  # NaN stays NaN; zero and negative fitted costs join it
-        return out if out.ndim else out[()]
-
-    return surface
-
-
 def validate_block(cls, doc, source: str, error):
     """``cls.model_validate(doc)``, raising ``error(field, value, expected)`` on the first problem."""
     try:
@@ -476,4 +339,4 @@ def validate_block(cls, doc, source: str, error):
             raise error(f"{source}: {loc}", err.get("input"), "no such key (unknown key)") from None
         if err["type"] == "missing":
             raise error(f"{source}: {loc}", "missing", "a required key") from None
-        raise error(f"{source}: {loc}", err.get("input"), err["msg"]) from None
+        raise error(f"{source}: {loc}", err.get("input"), pydantic_message(err)) from None

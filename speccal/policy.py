@@ -5,7 +5,8 @@ pure decision rules they apply live in :mod:`speccal.policy_rules`:
 
 - :class:`CostModel`: a vectorised full-round cost ``cost(bcap, g, kv_length) -> ms`` (NaN =
   uncalibrated) plus the :class:`~speccal.base.geometry.Geometry` and table ``mode`` it belongs to.
-  ``CostModel.from_table(table)`` adapts a ``speccal.costmodel.table_schema.CostTable``.
+  ``CostModel.from_table(table, memo=...)`` adapts a ``speccal.costmodel.table_schema.CostTable``;
+  what a table answers, and the one memo of scalar answers, are ``speccal.costmodel.lookup``.
 - :class:`BatchState` (what the runner knows before a round), :class:`Decision` (the plan:
   ``k`` draft forwards, padded target rows ``g``, optional per-request ``verify_tokens``) and
   :class:`Feedback` (built from the runner's normal ``RoundResult``: accepted lengths, draft
@@ -29,6 +30,7 @@ import numpy as np
 
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.geometry import Geometry
+from speccal.costmodel.lookup import LookupMemo, evaluate, memoised
 from speccal.policy_rules import (
     CURVE_RESOLUTION,
     choose_budget,
@@ -58,11 +60,14 @@ class CostModel:
     geometry : captured buckets; ``bcap_for`` / ``g_for`` pad logical sizes up.
     mode : ``draft_step`` (``G = Bcap * (k + 1)`` means ``k`` draft forwards) or
         ``target_verify`` (the draft always runs ``w`` steps; ``G`` is the trimmed verify budget).
+    memo : a :class:`~speccal.costmodel.lookup.LookupMemo` of scalar answers (exact for a
+        table's cost), or None (every call computes).
     """
 
     cost: CostFn
     geometry: Geometry
     mode: str = "draft_step"
+    memo: LookupMemo | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -71,35 +76,39 @@ class CostModel:
             raise InputError("cost", self.cost, "a callable f(bcap, g, kv_length) -> ndarray")
 
     @classmethod
-    def from_table(cls, table: Any) -> CostModel:
-        """Adapt a ``speccal.costmodel.table_schema.CostTable`` (its cost surface, geometry and mode)."""
-        return cls(cost=table.cost_surface(), geometry=table.geometry(), mode=str(table.mode))
+    def from_table(cls, table: Any, *, memo: bool = False) -> CostModel:
+        """Adapt a ``speccal.costmodel.table_schema.CostTable`` (its cost surface, geometry and mode).
+
+        ``memo=True`` memoises scalar answers (the live loop; same values, see
+        ``speccal.costmodel.lookup``).
+        """
+        lookup = table.lookup()
+        return cls(
+            cost=lookup.surface,
+            geometry=table.geometry(),
+            mode=str(table.mode),
+            memo=lookup.memo() if memo else None,
+        )
 
     @property
     def draft_width(self) -> int:
         return self.geometry.draft_width
 
+    @memoised("bcap", kv=False)
     def bcap(self, num_requests: np.ndarray) -> np.ndarray:
         """``geometry.pad_requests``: the request bucket of each batch, 0 where none holds it."""
         return self.geometry.pad_requests(num_requests)
 
+    @memoised("g", kv=False)
     def g(self, bcap: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """``geometry.pad_rows``: the captured target bucket holding the rows, 0 where none does."""
         return self.geometry.pad_rows(bcap, rows)
 
     def lookup(self, bcap: np.ndarray, g: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
         """Cost in ms with NaN for a missing bucket (0) or an uncalibrated point."""
-        bcap, g, kv = np.broadcast_arrays(
-            np.asarray(bcap, dtype=np.int64),
-            np.asarray(g, dtype=np.int64),
-            np.asarray(kv_length, dtype=np.float64),
-        )
-        ok = (bcap > 0) & (g > 0)
-        out = np.full(bcap.shape, np.nan)
-        if ok.any():
-            out[ok] = np.asarray(self.cost(bcap[ok], g[ok], kv[ok]), dtype=np.float64)
-        return out
+        return evaluate(self.cost, bcap, g, kv_length)
 
+    @memoised("step", kv=True)
     def step_costs(self, num_requests: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
         """Cost of ``k = 1..w`` full-verify rounds, ``[..., w]``: G = g_for(Bcap, B * (k + 1))."""
         b, kv, inv = _unique_states(num_requests, kv_length)
@@ -108,6 +117,7 @@ class CostModel:
         out = self.lookup(bcap, self.g(bcap, b[:, None] * (ks + 1)), kv[:, None])
         return out[inv].reshape(np.shape(num_requests) + (self.draft_width,))
 
+    @memoised("verify", kv=True)
     def verify_candidates(
         self, num_requests: np.ndarray, kv_length: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:

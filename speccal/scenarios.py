@@ -25,6 +25,7 @@ import numpy as np
 
 from speccal.base.errors import InputError
 from speccal.base.geometry import Geometry, default_request_buckets
+from speccal.costmodel.compat import make_compatibility
 from speccal.costmodel.synthetic import make_measurements
 from speccal.costmodel.table_build import build_table
 from speccal.policy import CostModel
@@ -291,19 +292,15 @@ def synthetic_table(
         noise_ms=t.noise_ms,
         seed=t.seed,
     )
-    compat = {
-        "draft_width": w,
-        "model": {
-            "architecture": "synthetic",
-            "fingerprint": "synthetic",
-            "dtype": "float32",
-            "quantization": "none",
-        },
-        "topology": {"tp": 1, "dp": 1},
-        "graph_mode": "split",
-        "verification_mode": "synthetic",
-        "device": {"kind": "cpu", "name": "synthetic"},
-    }
+    compat = make_compatibility(
+        draft_width=w,
+        architecture="synthetic",
+        fingerprint="synthetic",
+        dtype="float32",
+        quantization="none",
+        verification_mode="synthetic",
+        device_name="synthetic",
+    )
     return build_table(df, compatibility=compat, geometry=geometry)
 
 

@@ -15,18 +15,6 @@ import typer
 
 from speccal.base.errors import InputError
 
-BARE_COMPAT = {
-    "model": {
-        "architecture": "unknown",
-        "fingerprint": "unknown",
-        "dtype": "unknown",
-        "quantization": "unknown",
-    },
-    "topology": {"tp": 1, "dp": 1},
-    "graph_mode": "split",
-    "verification_mode": "forced",
-    "device": {"kind": "cpu", "name": "unknown"},
-}
 DEFAULT_DRAFT_WIDTH = 7
 
 
@@ -79,6 +67,7 @@ def fit(
 ) -> None:
     """Fit an SPS or additive cost model per context interval and write a cost table."""
     from speccal.cli.cmd_table import _echo_json, err_console, fit_report
+    from speccal.costmodel.compat import make_compatibility
     from speccal.costmodel.measurements import read_measurements
     from speccal.costmodel.report import summary
     from speccal.costmodel.table import save_table
@@ -100,7 +89,8 @@ def fit(
                 f"the --compat draft_width ({comp.get('draft_width')!r})",
             )
     else:
-        comp = {**BARE_COMPAT, "draft_width": draft_width or DEFAULT_DRAFT_WIDTH}
+        # every identity and the execution path "unknown": refused by any real engine
+        comp = make_compatibility(draft_width=draft_width or DEFAULT_DRAFT_WIDTH)
     cal = _read_json(calibration, "--calibration") if calibration is not None else None
     if out.suffix.lower() != ".json":
         raise InputError("--out", str(out), "a path ending in .json")

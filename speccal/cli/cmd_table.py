@@ -2,6 +2,8 @@
 
 Human output is Rich on stderr; ``--json`` writes machine-readable results to stdout. Domain
 errors (unreadable table, refused compatibility) are raised and turned into exit 2 by the root.
+``speccal.costmodel`` is imported inside the commands: it brings pandas and scikit-learn (about
+2 s), which every other command's start-up (``speccal --help`` included) would pay otherwise.
 """
 
 from __future__ import annotations
@@ -110,6 +112,21 @@ def _params_tables(table, console: Console) -> None:
         console.print(t)
 
 
+def _execution_table(path: dict[str, Any], console: Console) -> None:
+    """The measured program: graph mode, attention backend, input update, kernel configuration."""
+    t = Table(title="execution path", title_justify="left")
+    t.add_column("field")
+    t.add_column("value")
+    for key in ("graph_mode", "attention_backend", "input_update", "kernel_digest"):
+        t.add_row(key, str(path[key]))
+    config = path["kernel_config"]
+    if config is None:
+        t.add_row("kernels", "unknown (not recorded)")
+    for key, value in (config or {}).items():
+        t.add_row(f"kernels.{key}", json.dumps(value))
+    console.print(t)
+
+
 def _echo_json(obj: Any) -> None:
     typer.echo(dumps_json(obj), nl=False)
 
@@ -134,13 +151,14 @@ def show(
         bool, typer.Option("--params/--no-params", help="Also print fitted parameters.")
     ] = True,
 ) -> None:
-    """Show a table: identity, compatibility, provenance, fit report and parameters."""
+    """Show a table: identity, compatibility, execution path, provenance, fit report, parameters."""
     from speccal.costmodel.report import summary
     from speccal.costmodel.table import load_table
 
     table = load_table(table_path)
+    s = summary(table)
     if as_json:
-        _echo_json(summary(table))
+        _echo_json(s)
         return
     c = table.compatibility
     m = c.model
@@ -150,6 +168,7 @@ def show(
         f"tp={c.topology.tp} dp={c.topology.dp}; graph {c.graph_mode}; verify {c.verification_mode}; "
         f"device {c.device.kind}/{c.device.name}"
     )
+    _execution_table(s["execution"], err_console)
     p = table.provenance
     err_console.print(
         f"speccal {p.speccal_version}, created {p.created}, torch {p.torch_version or '?'}"
@@ -208,9 +227,10 @@ def diff(
         _echo_json(d)
         return
     if d["metadata"]:
-        t = Table(title="metadata", title_justify="left")
-        for col in ("field", str(a), str(b)):
-            t.add_column(col)
+        t = Table(title=f"metadata (a = {a}, b = {b})", title_justify="left")
+        t.add_column("field", no_wrap=True)  # dotted names, kernel-config fields included
+        for col in ("a", "b"):
+            t.add_column(col, overflow="fold")
         for m in d["metadata"]:
             t.add_row(m["field"], json.dumps(m["a"]), json.dumps(m["b"]))
         err_console.print(t)

@@ -4,8 +4,8 @@ This module owns :func:`run_live` (one workload under one policy on a warmed
 :class:`~speccal.runner.engine.Engine`), :class:`Phase` (a synthetic acceptance profile that takes
 over once a fraction of the workload's tokens has been emitted), :class:`LiveRun` (what one run
 measured), :func:`replay_prediction` (the same policy replayed on the run's own trace) and
-:func:`live_cost_model` (a table's :class:`~speccal.policy.CostModel` with scalar lookups cached
-per batch size and context interval, so planning a round costs microseconds; same values).
+:func:`live_cost_model` (a table's :class:`~speccal.policy.CostModel` with scalar lookups memoised
+by ``speccal.costmodel.lookup``, so planning a round costs microseconds; same values).
 
 Per round: the engine admits and prefills waiting requests (``Engine.prefill_pending``, timed
 apart, device-synchronised), then ``Engine.step`` calls the plan callback with the round's
@@ -146,66 +146,9 @@ class LiveRun:
         ]
 
 
-@dataclass(frozen=True)
-class _CachedCostModel(CostModel):
-    """A table's cost model whose scalar lookups are memoised.
-
-    A table's cost depends on the KV length only through which context intervals hold it (see
-    ``speccal.costmodel.table``), so ``(B, intervals holding kv)`` keys the answer exactly.
-    """
-
-    intervals: tuple[tuple[float, float], ...] = ()
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def _key(self, name: str, b: Any, kv: Any) -> tuple | None:
-        if np.ndim(b) or np.ndim(kv):
-            return None
-        kv = float(kv)
-        return (name, int(b), tuple(lo <= kv <= hi for lo, hi in self.intervals))
-
-    def step_costs(self, num_requests: Any, kv_length: Any) -> np.ndarray:
-        key = self._key("step", num_requests, kv_length)
-        if key is None:
-            return super().step_costs(num_requests, kv_length)
-        if key not in self.memo:
-            self.memo[key] = super().step_costs(num_requests, kv_length)
-        return self.memo[key].copy()
-
-    def verify_candidates(self, num_requests: Any, kv_length: Any) -> tuple[np.ndarray, np.ndarray]:
-        key = self._key("verify", num_requests, kv_length)
-        if key is None:
-            return super().verify_candidates(num_requests, kv_length)
-        if key not in self.memo:
-            self.memo[key] = super().verify_candidates(num_requests, kv_length)
-        gs, cs = self.memo[key]
-        return gs.copy(), cs.copy()
-
-    def bcap(self, num_requests: Any) -> Any:
-        if np.ndim(num_requests):
-            return super().bcap(num_requests)
-        key = ("bcap", int(num_requests))
-        if key not in self.memo:
-            self.memo[key] = super().bcap(num_requests)
-        return self.memo[key]
-
-    def g(self, bcap: Any, rows: Any) -> Any:
-        if np.ndim(bcap) or np.ndim(rows):
-            return super().g(bcap, rows)
-        key = ("g", int(bcap), int(rows))
-        if key not in self.memo:
-            self.memo[key] = super().g(bcap, rows)
-        return self.memo[key]
-
-
 def live_cost_model(table: Any) -> CostModel:
-    """``CostModel.from_table(table)`` with cached scalar lookups (identical values)."""
-    base = CostModel.from_table(table)
-    return _CachedCostModel(
-        cost=base.cost,
-        geometry=base.geometry,
-        mode=base.mode,
-        intervals=tuple((float(f.min_kv_length), float(f.max_kv_length)) for f in table.fits),
-    )
+    """``CostModel.from_table(table, memo=True)``: scalar lookups memoised (identical values)."""
+    return CostModel.from_table(table, memo=True)
 
 
 def to_plan(decision: Decision, mode: str) -> RoundPlan:

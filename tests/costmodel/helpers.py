@@ -6,21 +6,35 @@ import copy
 
 import numpy as np
 
+from speccal.costmodel.compat import kernel_digest, make_compatibility
 from speccal.costmodel.synthetic import make_measurements
 
-COMPAT = {
-    "draft_width": 3,
-    "model": {
-        "architecture": "tiny-mtp",
-        "fingerprint": "sha256:abc",
-        "dtype": "float32",
-        "quantization": "none",
-    },
-    "topology": {"tp": 1, "dp": 1},
-    "graph_mode": "split",
-    "verification_mode": "forced",
-    "device": {"kind": "cpu", "name": "test-cpu"},
+#: A kernel configuration shaped like the runner's (``KernelConfig.to_dict()``): groups of
+#: scalars and lists; the tests treat it as an opaque nested JSON object.
+KERNELS = {
+    "backend": "triton",
+    "prewait": True,
+    "pdl": {"mode": "late"},
+    "gemv": {"panel_max_rows": 16, "stages": 3, "overrides": ["qkv:2-8:64x256x3"]},
+    "attention": {"m_tile": 2, "fold_reduce": True},
+    "norm": {"defer_input": True},
+    "precision": {"fp32_dot": "ieee"},
 }
+
+#: The compatibility of the tables these tests build (the one shared builder:
+#: ``speccal.costmodel.compat.make_compatibility``).
+COMPAT = make_compatibility(
+    draft_width=3,
+    architecture="tiny-mtp",
+    fingerprint="sha256:abc",
+    dtype="float32",
+    quantization="none",
+    attention_backend="triton",
+    input_update="in_graph",
+    kernel_config=KERNELS,
+    verification_mode="forced",
+    device_name="test-cpu",
+)
 
 BCAPS = (1, 2, 4, 8)
 W = 3
@@ -31,14 +45,31 @@ ALPHA = {1: 0.0, 2: 0.25, 4: 0.8, 8: 2.1}
 THETA = {g: 0.04 * g + (0.3 if g % 3 == 0 else 0.0) for g in GS}
 
 
-def compat(**changes) -> dict:
-    """COMPAT with dotted-key changes, e.g. compat(**{"model.dtype": "bfloat16"})."""
+def compat(*, kernels: dict | None = None, **changes) -> dict:
+    """COMPAT with dotted-key changes, e.g. compat(**{"model.dtype": "bfloat16"}).
+
+    ``kernels`` replaces the kernel config (its digest recomputed).
+    """
     out = copy.deepcopy(COMPAT)
+    if kernels is not None:
+        out["kernels"] = {"digest": kernel_digest(kernels), "config": copy.deepcopy(kernels)}
     for key, value in changes.items():
         node = out
         *parents, leaf = key.split(".")
         for p in parents:
             node = node[p]
+        node[leaf] = value
+    return out
+
+
+def kernels_with(**dotted) -> dict:
+    """KERNELS with dotted-key changes, e.g. kernels_with(**{"gemv.stages": 4})."""
+    out = copy.deepcopy(KERNELS)
+    for key, value in dotted.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
         node[leaf] = value
     return out
 

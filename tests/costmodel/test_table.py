@@ -1,7 +1,12 @@
-"""Cost tables: build, lookup, save/load, migration, refusal, compatibility, schema drift."""
+"""Cost tables: build, lookup, save/load, migration, refusal, compatibility, schema drift.
+
+The compatibility rules themselves (kernel digests, verification modes) are test_compat.py; the
+lookup module and its memo are test_lookup.py.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import warnings
@@ -15,7 +20,14 @@ from hypothesis import strategies as st
 from speccal.base.errors import CompatibilityError, GridError, InputError, SchemaError
 from speccal.costmodel.compat import CompatibilityWarning, SpeccalWarning
 from speccal.costmodel.synthetic import make_measurements
-from speccal.costmodel.table import json_schema, load_table, parse_table, save_table
+from speccal.costmodel.table import (
+    MIGRATIONS,
+    json_schema,
+    load_table,
+    parse_table,
+    save_table,
+    schema_path,
+)
 from speccal.costmodel.table_build import NonPositiveCostWarning, build_table, refit_table
 from speccal.costmodel.table_schema import SCHEMA_VERSION, CostTable
 
@@ -31,7 +43,18 @@ from .helpers import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SCHEMA_FILE = Path(__file__).parents[2] / "tables" / "schema" / "cost_table.v1.schema.json"
+SCHEMA_DIR = Path(__file__).parents[2] / "tables" / "schema"
+SCHEMA_FILE = SCHEMA_DIR / f"cost_table.v{SCHEMA_VERSION}.schema.json"
+#: Past versions' JSON Schemas are frozen: sha256 of the committed file.
+FROZEN_SCHEMAS = {1: "c6599d40c326760cc8d9159d8b381719433c72d72b830357152573adb70939e2"}
+#: Golden files of every version: name -> (schema version on disk, migrated_from after load).
+GOLDEN = {
+    "table_legacy_no_draft_width.json": (None, "legacy"),
+    "table_v1_additive.json": (1, "v1"),
+    "table_v1_sps.json": (1, "v1"),
+    "table_v2_additive.json": (2, None),
+    "table_v2_sps.json": (2, None),
+}
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +253,7 @@ SEMANTIC = [
     ("topology.tp", 2),
     ("topology.dp", 2),
     ("graph_mode", "unified"),
+    ("attention_backend", "torch"),
     ("device.kind", "cuda"),
 ]
 
@@ -251,7 +275,7 @@ def test_semantic_mismatch_is_refused_naming_expected_and_found(tmp_path, additi
     ("expect", "versions", "field"),
     [
         (compat(**{"device.name": "other-cpu"}), None, "device.name"),
-        (compat(verification_mode="greedy"), None, "verification_mode"),
+        (compat(input_update="host"), None, "input_update: expected 'host', found 'in_graph'"),
         (COMPAT, {"speccal_version": "9.9.9"}, "provenance.speccal_version"),
         (COMPAT, {"torch_version": "0.0.1"}, "provenance.torch_version"),
     ],
@@ -270,19 +294,96 @@ def test_matching_config_loads_silently(tmp_path, additive):
         load_table(path, expect=COMPAT, runtime_versions=additive.provenance.versions())
 
 
+def test_compatibility_without_the_execution_path_is_refused(additive):
+    old = {k: v for k, v in COMPAT.items() if k != "attention_backend"}
+    with pytest.raises(InputError, match="expect.attention_backend: got 'missing'"):
+        load_table(FIXTURES / "table_v2_additive.json", expect=old)
+    with pytest.raises(InputError, match="compatibility.kernels.digest"):
+        build_table(measurements(), compatibility=compat(**{"kernels.digest": "0" * 16}))
+
+
+# ------------------------------------------------------------------------ unphysical values
+
+
+def _edited(doc: dict, where: str, value) -> str:
+    node = doc
+    *parents, leaf = where.split(".")
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node[part]
+    node[int(leaf) if leaf.isdigit() else leaf] = value
+    return json.dumps(doc)  # Python writes NaN / Infinity tokens, which Python's json reads back
+
+
+@pytest.mark.parametrize(
+    ("name", "where", "value", "expected"),
+    [
+        ("table_v2_additive.json", "fits.0.additive.bias_ms", math.nan, "finite number"),
+        ("table_v2_additive.json", "fits.1.additive.theta_ms.2", math.inf, "finite number"),
+        ("table_v2_additive.json", "fits.0.additive.alpha_ms.1", -math.inf, "finite number"),
+        ("table_v2_additive.json", "fits.0.additive.bias_ms", -0.5, "greater than or equal to 0"),
+        ("table_v2_additive.json", "fits.0.windows.3.elapsed_s", -0.01, "greater than 0"),
+        ("table_v2_additive.json", "fits.0.windows.3.elapsed_s", 0.0, "greater than 0"),
+        ("table_v2_additive.json", "fits.1.windows.0.elapsed_s", math.nan, "finite number"),
+        ("table_v2_additive.json", "fits.0.windows.5.step_ms", -2.0, "greater than 0"),
+        ("table_v2_sps.json", "fits.0.sps.cost_ms.1", math.nan, "finite number"),
+        ("table_v2_sps.json", "fits.0.sps.cost_ms.0", 0.0, "greater than 0"),
+        ("table_v1_additive.json", "fits.0.additive.bias_ms", math.nan, "finite number"),
+    ],
+)
+def test_unphysical_values_are_refused_naming_field_and_value(name, where, value, expected):
+    text = _edited(json.loads((FIXTURES / name).read_text()), where, value)
+    with pytest.raises(SchemaError) as info:
+        parse_table(text, source="t.json")
+    msg = str(info.value)
+    assert f"t.json: {where}: got {value!r}" in msg and expected in msg
+
+
+def test_build_refuses_a_negative_additive_bias():
+    # One cycle (1, 2) - (1, 4) - (2, 2) + (2, 4) = 39 ms, spread by least squares over the four
+    # points: the reference cell (1, 2) is fitted at 1 - 39 / 4 = -8.75 ms.
+    df = make_measurements(
+        bias_ms=1.0, alpha_ms={1: 0.0, 2: 0.0}, theta_ms={2: 0.0, 4: 0.0}, draft_width=3
+    )
+    df.loc[(df.bcap == 2) & (df.g == 4), "step_ms"] = 40.0
+    df["elapsed_s"] = df["step_ms"] * df["window_steps"] / 1000.0
+    with pytest.raises(GridError, match=r"fits.0.additive.bias_ms: got -8.75.*Bcap 1, G 2"):
+        build_table(df, compatibility=COMPAT)
+
+
 # ------------------------------------------------------------------------ golden files, schema
 
 
-@pytest.mark.parametrize("name", ["table_v1_additive.json", "table_v1_sps.json"])
-def test_golden_v1_files_load_and_resave_byte_identically(name):
+@pytest.mark.parametrize("name", ["table_v2_additive.json", "table_v2_sps.json"])
+def test_golden_current_files_load_and_resave_byte_identically(name):
     raw = (FIXTURES / name).read_bytes()
     table = parse_table(raw)
     assert table.to_json().encode() == raw
     assert table.draft_width == 3 and table.provenance.migrated_from is None
+    assert table.compatibility.kernels.config["pdl"] == {"mode": "late"}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_files_of_every_version_load_as_the_latest(name):
+    on_disk, origin = GOLDEN[name]
+    doc = json.loads((FIXTURES / name).read_text())
+    assert doc.get("schema_version") == on_disk
+    table = load_table(FIXTURES / name)
+    assert table.schema_version == SCHEMA_VERSION and table.provenance.migrated_from == origin
+    if on_disk != SCHEMA_VERSION:
+        c = table.compatibility
+        assert (c.attention_backend, c.input_update) == ("unknown", "unknown")
+        assert (c.kernels.digest, c.kernels.config) == ("unknown", None)
+    current = load_table(FIXTURES / f"table_v2_{table.model}.json")
+    assert table.fits == current.fits  # the same measurements and fits in every version
+    assert table.cost_ms(2, 8, 3000) == current.cost_ms(2, 8, 3000)
+
+
+def test_every_past_version_has_a_migration():
+    assert sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION))
 
 
 def test_golden_additive_lookup_values():
-    table = load_table(FIXTURES / "table_v1_additive.json")
+    table = load_table(FIXTURES / "table_v2_additive.json")
     fit = table.fits[1]
     p = fit.additive
     expected = p.bias_ms + p.alpha_ms[p.bcap_levels.index(2)] + p.theta_ms[p.g_levels.index(8)]
@@ -295,14 +396,34 @@ def test_legacy_table_without_draft_width_reads_as_width_7(tmp_path):
     table = load_table(FIXTURES / "table_legacy_no_draft_width.json")
     assert table.draft_width == 7 == table.calibration.draft_width == table.geometry().draft_width
     assert table.provenance.migrated_from == "legacy"
-    golden = load_table(FIXTURES / "table_v1_additive.json")
-    assert table.fits == golden.fits
-    assert table.cost_ms(2, 8, 3000) == golden.cost_ms(2, 8, 3000)
     with pytest.raises(CompatibilityError, match="draft_width"):
         load_table(FIXTURES / "table_legacy_no_draft_width.json", expect=compat(draft_width=5))
     # Saving writes the latest version.
     resaved = json.loads(save_table(table, tmp_path / "t.json").read_text())
-    assert resaved["schema_version"] == 1 and resaved["compatibility"]["draft_width"] == 7
+    assert (
+        resaved["schema_version"] == SCHEMA_VERSION and resaved["compatibility"]["draft_width"] == 7
+    )
+    assert resaved["provenance"]["migrated_from"] == "legacy"
+
+
+def test_migrated_v1_table_against_a_known_path_warns_and_loads():
+    # The execution path of a v1 table is unknown: its attention backend and kernels warn
+    # (they cannot be refused: nothing says they differ), and the table is used.
+    expect = compat(**{"model.fingerprint": "sha256:0f1e2d", "device.name": "golden-cpu"})
+    with pytest.warns(CompatibilityWarning) as caught:
+        table = load_table(FIXTURES / "table_v1_additive.json", expect=expect)
+    msg = " ".join(str(w.message) for w in caught)
+    assert "attention_backend: expected 'triton', found 'unknown'" in msg
+    assert "kernel configuration recorded as unknown (table)" in msg
+    assert "input_update: expected 'in_graph', found 'unknown'" in msg
+    assert table.cost_ms(2, 8, 3000).calibrated
+
+
+def test_v1_document_with_a_v2_key_is_refused():
+    doc = json.loads((FIXTURES / "table_v1_additive.json").read_text())
+    doc["compatibility"]["attention_backend"] = "triton"
+    with pytest.raises(SchemaError, match="compatibility.attention_backend.*added in version 2"):
+        parse_table(json.dumps(doc))
 
 
 def test_committed_json_schema_matches_the_models():
@@ -311,11 +432,33 @@ def test_committed_json_schema_matches_the_models():
         "cost table models changed: bump schema_version if old readers break, then run "
         "python3 -c 'from speccal.costmodel.table import write_json_schema; write_json_schema()'"
     )
+    assert schema_path() == SCHEMA_FILE.resolve()
 
 
-def test_saved_tables_validate_against_the_committed_schema(additive):
+@pytest.mark.parametrize("version", sorted(FROZEN_SCHEMAS))
+def test_past_json_schemas_are_frozen(version):
+    path = SCHEMA_DIR / f"cost_table.v{version}.schema.json"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == FROZEN_SCHEMAS[version], (
+        f"{path.name} is the schema of a released version: never edit it"
+    )
+    assert set(FROZEN_SCHEMAS) | {SCHEMA_VERSION} == set(range(1, SCHEMA_VERSION + 1))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (v, _) in GOLDEN.items() if v is not None))
+def test_golden_files_validate_against_their_versions_schema(name):
     jsonschema = pytest.importorskip("jsonschema")
-    jsonschema.validate(additive.to_json_dict(), json.loads(SCHEMA_FILE.read_text()))
+    doc = json.loads((FIXTURES / name).read_text())
+    schema = json.loads(
+        (SCHEMA_DIR / f"cost_table.v{doc['schema_version']}.schema.json").read_text()
+    )
+    jsonschema.validate(doc, schema)
+
+
+def test_saved_and_migrated_tables_validate_against_the_committed_schema(additive):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(SCHEMA_FILE.read_text())
+    jsonschema.validate(additive.to_json_dict(), schema)
+    jsonschema.validate(load_table(FIXTURES / "table_v1_sps.json").to_json_dict(), schema)
 
 
 # ------------------------------------------------------------------------ round trip property
@@ -328,7 +471,7 @@ def test_saved_tables_validate_against_the_committed_schema(additive):
     first=st.integers(0, 3),
     count=st.integers(1, 4),
     bias=st.floats(0.01, 1e4, allow_subnormal=False),
-    noise=st.floats(0.0, 1.0),
+    noise=st.floats(0.0, 0.1),  # relative to the bias: a fit never prices a cell below 0
     windows=st.integers(1, 3),
     split=st.integers(2, 4096),
     seed=st.integers(0, 2**32 - 1),
@@ -347,7 +490,7 @@ def test_generated_tables_round_trip_byte_identically(
         draft_width=width,
         contexts=((128, 1, split - 1), (4096, split, 8192)) if split > 2 else ((128, 1, 8192),),
         windows_per_point=windows,
-        noise_ms=noise,
+        noise_ms=noise * bias,
         seed=seed,
     )
     table = build_table(df, model=model, compatibility=compat(draft_width=width))

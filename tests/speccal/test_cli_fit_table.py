@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -12,8 +14,11 @@ from typer.testing import CliRunner
 from speccal.cli import app
 from speccal.costmodel.measurements import write_measurements
 from speccal.costmodel.synthetic import make_measurements
+from speccal.costmodel.table_schema import SCHEMA_VERSION
 
-from ..costmodel.helpers import COMPAT
+from ..costmodel.helpers import COMPAT, compat, kernels_with
+
+GOLDEN = Path(__file__).parents[1] / "costmodel" / "fixtures" / "table_v2_additive.json"
 
 ENV = {"COLUMNS": "120", "NO_COLOR": "1"}
 
@@ -65,7 +70,7 @@ def test_fit_prints_the_report_and_writes_a_loadable_table(files, tables):
     assert "leave-1-point-out" in result.stderr and "leave-1-G-out" in result.stderr
     assert result.stdout == ""
     doc = json.loads((files / "again.json").read_text())
-    assert doc["schema_version"] == 1 and doc["compatibility"] == COMPAT
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["compatibility"] == COMPAT
     assert doc["provenance"]["command"].startswith("speccal fit")
 
 
@@ -103,7 +108,7 @@ def test_validate_with_expect(files, tables):
     assert ok.exit_code == 0 and json.loads(ok.stdout) == {
         "path": str(a),
         "valid": True,
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "warnings": json.loads(ok.stdout)["warnings"],
     }
     # The bare SPS fit has an unknown model fingerprint: refused, one line, no traceback.
@@ -116,6 +121,107 @@ def test_validate_with_expect(files, tables):
     warned = run("table", "validate", a, "--expect", files / "other_gpu.json", "--json")
     assert warned.exit_code == 0
     assert any("device.name" in w for w in json.loads(warned.stdout)["warnings"])
+
+
+def test_show_displays_the_execution_path(tables):
+    a, s = tables
+    human = run("table", "show", a, "--no-params")
+    assert human.exit_code == 0, human.output
+    for text in (
+        "attention_backend",
+        "triton",
+        "in_graph",
+        COMPAT["kernels"]["digest"],
+        "kernels.gemv.stages",
+        "kernels.pdl.mode",
+        '"late"',
+    ):
+        assert text in human.stderr, text
+    execution = json.loads(run("table", "show", a, "--json").stdout)["execution"]
+    assert execution["kernel_config"]["gemv.panel_max_rows"] == 16
+    bare = run("table", "show", s, "--no-params")  # a bare fit records no kernels
+    assert "kernels" in bare.stderr and "unknown (not recorded)" in bare.stderr
+
+
+def test_diff_names_differing_kernel_fields(files, tables):
+    a, _ = tables
+    other = compat(kernels=kernels_with(**{"gemv.stages": 4}), input_update="host")
+    (files / "other_kernels.json").write_text(json.dumps(other))
+    fitted = run(
+        "fit", files / "m.csv", "--compat", files / "other_kernels.json", "--out", files / "k.json"
+    )
+    assert fitted.exit_code == 0, fitted.output
+    out = json.loads(run("table", "diff", a, files / "k.json", "--json").stdout)
+    meta = {m["field"]: (m["a"], m["b"]) for m in out["metadata"]}
+    assert meta == {
+        "compatibility.input_update": ("in_graph", "host"),
+        "compatibility.kernels.config.gemv.stages": (3, 4),
+        "compatibility.kernels.digest": (COMPAT["kernels"]["digest"], other["kernels"]["digest"]),
+    }
+    human = run("table", "diff", a, files / "k.json")
+    assert "compatibility.kernels.config.gemv.stages" in human.stderr
+    warned = run("table", "validate", files / "k.json", "--expect", files / "compat.json", "--json")
+    (note,) = json.loads(warned.stdout)["warnings"]
+    assert "gemv.stages: table=4 running=3" in note
+
+
+def _nan_table(tmp_path, where: str, value: float) -> Path:
+    doc = json.loads(GOLDEN.read_text())
+    node = doc
+    *parents, leaf = where.split(".")
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node[part]
+    node[int(leaf) if leaf.isdigit() else leaf] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))  # NaN / Infinity tokens, as a careless writer leaves them
+    return path
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        ("fits.0.additive.bias_ms", math.nan),
+        ("fits.1.additive.theta_ms.3", math.inf),
+        ("fits.0.additive.bias_ms", -1.0),
+        ("fits.0.windows.2.elapsed_s", -0.5),
+    ],
+)
+@pytest.mark.parametrize("command", ["validate", "show"])
+def test_validate_and_show_refuse_unphysical_tables(tmp_path, command, where, value):
+    bad = _nan_table(tmp_path, where, value)
+    result = run("table", command, bad)
+    assert result.exit_code == 2, result.output
+    assert f"{where}: got {value!r}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_bench_with_an_all_nan_table_is_refused_with_the_real_cause(tmp_path):
+    doc = json.loads(GOLDEN.read_text())
+    for f in doc["fits"]:
+        p = f["additive"]
+        p["bias_ms"] = math.nan
+        p["alpha_ms"] = [math.nan] * len(p["alpha_ms"])
+        p["theta_ms"] = [math.nan] * len(p["theta_ms"])
+    bad = tmp_path / "nan.json"
+    bad.write_text(json.dumps(doc))
+    result = run(
+        "bench",
+        "--policy",
+        "adaptive-step",
+        "--cost-table",
+        bad,
+        "--request-buckets",
+        "1,2,4",
+        "--num-requests",
+        "2",
+        "--max-tokens",
+        "4",
+        "--prompt-len",
+        "8",
+    )
+    assert result.exit_code == 2, result.output
+    assert "fits.0.additive.bias_ms: got nan" in result.stderr and "finite" in result.stderr
+    assert "Traceback" not in result.output
 
 
 def test_diff_reports_cost_deltas(tables):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from speccal.base.errors import InputError
+from speccal.costmodel.compat import make_compatibility
 from speccal.costmodel.synthetic import make_measurements
 from speccal.costmodel.table_build import build_table, refit_table
 from speccal.plots_table import (
@@ -26,19 +27,14 @@ CONTEXTS = ((512, 1, 1024), (2048, 1025, 4096))
 
 
 def compat(w: int = 3) -> dict:
-    return {
-        "draft_width": w,
-        "model": {
-            "architecture": "tiny-mtp",
-            "fingerprint": FINGERPRINT,
-            "dtype": "float32",
-            "quantization": "none",
-        },
-        "topology": {"tp": 1, "dp": 1},
-        "graph_mode": "split",
-        "verification_mode": "forced",
-        "device": {"kind": "cpu", "name": "test-cpu-9000"},
-    }
+    return make_compatibility(
+        draft_width=w,
+        architecture="tiny-mtp",
+        fingerprint=FINGERPRINT,
+        dtype="float32",
+        quantization="none",
+        device_name="test-cpu-9000",
+    )
 
 
 def make_table(points=None, model="additive"):

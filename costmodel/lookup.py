@@ -1,0 +1,346 @@
+"""Lookups on a cost table: the one owner of what a table answers at ``(Bcap, G, kv_length)``.
+
+:class:`TableLookup` is built once from a ``speccal.costmodel.table_schema.CostTable`` and holds
+plain numpy arrays and lists only (no pydantic objects), so replay can call it 10^6 times:
+
+- :meth:`TableLookup.reason`: why a point is uncalibrated, or None. Uncalibrated: KV length
+  outside every context interval (inclusive bounds); Bcap not a calibrated request bucket; G not
+  a captured target bucket of that Bcap in the table's geometry; additive: G not a calibrated
+  level (no interpolation of categorical levels); sps: G outside the measured range.
+- :meth:`TableLookup.fitted`: what the fits predict, vectorised and broadcasting (NaN where
+  uncalibrated); :meth:`TableLookup.surface`: the same with every cell whose fitted cost is not
+  positive set to NaN (a step cost is physical: a policy dividing by a negative cost would prefer
+  exactly the cell the fit got wrong). The surface is what policies and replay price rounds with.
+- :meth:`TableLookup.cost_ms`: one cell as a :class:`CostLookup` (NaN and the reason when
+  uncalibrated); :meth:`TableLookup.nonpositive_cells`: the cells the fits price at <= 0 ms.
+- The fitted models' own primitives: :func:`level_lookup` (categorical levels of the additive
+  model) and :func:`sps_interp` (linear in ms between measured G, never extrapolated).
+- :func:`evaluate`: any cost function ``f(bcap, g, kv) -> ms`` at padded buckets, NaN where a
+  bucket is 0 (no captured bucket holds the batch) - the guard the policies' cost model uses.
+- The one memoising option, :class:`LookupMemo` with the :func:`memoised` method decorator: a
+  table's cost depends on the KV length only through which context intervals hold it (a fit is
+  constant over its interval), so scalar answers keyed by ``(integer arguments, intervals
+  holding kv)`` are exact. The live policy loop plans each round from the memo in microseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:  # the table module imports this one
+    from speccal.costmodel.table_schema import CostTable
+
+#: Reason a lookup gives for a cell whose fitted cost is zero or negative (not a physical cost).
+NOT_POSITIVE = "fitted cost not positive"
+
+
+class CostLookup(NamedTuple):
+    """Answer of a one-cell lookup: NaN cost and a reason when uncalibrated."""
+
+    cost_ms: float
+    calibrated: bool
+    reason: str | None
+
+
+def level_lookup(values: np.ndarray, levels: np.ndarray, params: np.ndarray) -> np.ndarray:
+    """``params[i]`` where ``values == levels[i]``; NaN where a value is not a level."""
+    values = np.asarray(values, dtype=np.float64)
+    idx_c = np.clip(np.searchsorted(levels, values), 0, len(levels) - 1)
+    return np.where(levels[idx_c] == values, params[idx_c], np.nan)
+
+
+def sps_interp(g: np.ndarray, g_levels: np.ndarray, cost_ms: np.ndarray) -> np.ndarray:
+    """Linear-in-ms interpolation of ``cost_ms`` over ``g_levels``; NaN outside the range."""
+    g = np.asarray(g, dtype=np.float64)
+    out = np.interp(g, g_levels, cost_ms)
+    out[(g < g_levels[0]) | (g > g_levels[-1])] = np.nan
+    return out
+
+
+class _Fit(NamedTuple):
+    """One context interval's model as plain arrays (``g_levels`` as a list for messages)."""
+
+    lo: float
+    hi: float
+    kind: str  # "additive" or "sps"
+    bcap_levels: list[int]
+    g_levels: list[int]
+    arrays: tuple
+    measured: frozenset[tuple[int, int]]
+    context_index: int
+
+
+class TableLookup:
+    """Every lookup on one cost table (see the module docstring for the rules).
+
+    Parameters
+    ----------
+    table : a ``CostTable``; its fits and geometry are copied into numpy arrays here.
+    """
+
+    def __init__(self, table: CostTable):
+        rows = table.geometry_block.target_rows
+        self.target_rows: dict[int, list[int]] = {int(b): list(gs) for b, gs in rows.items()}
+        self._gmax = max((max(v) for v in rows.values() if v), default=0) + 1
+        self._legal = np.array(
+            sorted(b * self._gmax + g for b, gs in self.target_rows.items() for g in gs),
+            dtype=np.float64,
+        )
+        fits = []
+        for f in table.fits:
+            if f.model == "additive":
+                p = f.additive
+                arrays = (
+                    float(p.bias_ms),
+                    np.asarray(p.bcap_levels, dtype=np.float64),
+                    np.asarray(p.alpha_ms, dtype=np.float64),
+                    np.asarray(p.g_levels, dtype=np.float64),
+                    np.asarray(p.theta_ms, dtype=np.float64),
+                )
+            else:
+                p = f.sps
+                arrays = (
+                    np.asarray(p.bcap_levels, dtype=np.float64),
+                    np.asarray(p.g_levels, dtype=np.float64),
+                    np.asarray(p.cost_ms, dtype=np.float64),
+                )
+            fits.append(
+                _Fit(
+                    float(f.min_kv_length),
+                    float(f.max_kv_length),
+                    f.model,
+                    list(p.bcap_levels),
+                    list(p.g_levels),
+                    arrays,
+                    frozenset((pt.bcap, pt.g) for pt in f.diagnostics.points),
+                    f.context_index,
+                )
+            )
+        self._fits = tuple(fits)
+        self.model = table.model
+        #: Inclusive KV bounds of each context interval, in the table's order.
+        self.intervals: tuple[tuple[float, float], ...] = tuple((f.lo, f.hi) for f in fits)
+
+    # -- scalar answers
+    def _fit_for(self, kv_length: float) -> _Fit | None:
+        for f in self._fits:
+            if f.lo <= kv_length <= f.hi:
+                return f
+        return None
+
+    def reason(self, bcap: int, g: int, kv_length: float) -> str | None:
+        """Why ``(bcap, g, kv_length)`` is structurally uncalibrated, or None (it has a fit).
+
+        The positivity of the fitted value is :meth:`cost_ms`'s concern.
+        """
+        fit = self._fit_for(kv_length)
+        if fit is None:
+            spans = [[int(f.lo), int(f.hi)] for f in self._fits]
+            return f"kv_length {kv_length} outside every calibrated context interval {spans}"
+        if bcap not in fit.bcap_levels:
+            return f"bcap {bcap} is not a calibrated request bucket (calibrated: {fit.bcap_levels})"
+        rows = self.target_rows.get(bcap, [])
+        if g not in rows:
+            return f"g {g} is not a captured target bucket of bcap {bcap} (captured: {rows})"
+        if fit.kind == "additive":
+            if g not in fit.g_levels:
+                return f"g {g} is not a calibrated target bucket (calibrated: {fit.g_levels})"
+        elif not fit.g_levels[0] <= g <= fit.g_levels[-1]:
+            lo, hi = fit.g_levels[0], fit.g_levels[-1]
+            return f"g {g} is outside the calibrated range [{lo}, {hi}] (no extrapolation)"
+        return None
+
+    def cost_ms(self, bcap: int, g: int, kv_length: float) -> CostLookup:
+        """Full-step cost in ms at ``(bcap, g)`` and ``kv_length``, or an uncalibrated answer.
+
+        Reasons: those of :meth:`reason`, or ``"fitted cost not positive"`` with the predicted
+        value.
+        """
+        why = self.reason(bcap, g, kv_length)
+        if why is not None:
+            return CostLookup(math.nan, False, why)
+        value = float(self.fitted(bcap, g, kv_length))
+        if not value > 0:
+            return CostLookup(
+                math.nan,
+                False,
+                f"{NOT_POSITIVE} ({value:.3f} ms at bcap {bcap}, g {g}): the {self.model} fit "
+                "is not physical here",
+            )
+        return CostLookup(value, True, None)
+
+    def nonpositive_cells(self) -> list[dict[str, Any]]:
+        """Calibrated cells where a fit predicts a step cost ``<= 0`` ms, per context interval.
+
+        Every captured ``(bcap, g)`` of the geometry that would otherwise be calibrated is
+        checked (a fit is constant over its KV interval). Returns one dict per cell:
+        ``context_index, min_kv_length, max_kv_length, bcap, g, cost_ms, measured``.
+        """
+        cells = []
+        for f in self._fits:
+            for b in f.bcap_levels:
+                for g in self.target_rows.get(b, []):
+                    if self.reason(b, g, f.lo) is not None:
+                        continue
+                    value = float(self.fitted(b, g, f.lo))
+                    if not value > 0:
+                        cells.append(
+                            {
+                                "context_index": f.context_index,
+                                "min_kv_length": int(f.lo),
+                                "max_kv_length": int(f.hi),
+                                "bcap": b,
+                                "g": g,
+                                "cost_ms": value,
+                                "measured": (b, g) in f.measured,
+                            }
+                        )
+        return cells
+
+    # -- vectorised answers
+    def fitted(self, bcap: Any, g: Any, kv_length: Any) -> np.ndarray:
+        """What the fits predict in ms, broadcasting the arguments; NaN where uncalibrated."""
+        b, gg, kv = np.broadcast_arrays(
+            np.asarray(bcap, dtype=np.float64),
+            np.asarray(g, dtype=np.float64),
+            np.asarray(kv_length, dtype=np.float64),
+        )
+        out = np.full(b.shape, np.nan)
+        for f in self._fits:
+            m = (kv >= f.lo) & (kv <= f.hi)
+            if not m.any():
+                continue
+            bm, gm = b[m], gg[m]
+            if f.kind == "additive":
+                bias, bl, alpha, gl, theta = f.arrays
+                out[m] = bias + level_lookup(bm, bl, alpha) + level_lookup(gm, gl, theta)
+            else:
+                bl, gl, cost = f.arrays
+                covered = level_lookup(bm, bl, np.zeros(len(bl)))  # 0 if calibrated, else NaN
+                out[m] = sps_interp(gm, gl, cost) + covered
+        key = b * self._gmax + gg
+        if len(self._legal):
+            idx = np.clip(np.searchsorted(self._legal, key), 0, len(self._legal) - 1)
+            out[self._legal[idx] != key] = np.nan
+        else:
+            out[...] = np.nan
+        return out if out.ndim else out[()]
+
+    def surface(self, bcap: Any, g: Any, kv_length: Any) -> np.ndarray:
+        """:meth:`fitted` with cells whose fitted cost is not positive as NaN (uncalibrated)."""
+        out = np.asarray(self.fitted(bcap, g, kv_length), dtype=np.float64)
+        out = np.where(out > 0, out, np.nan)  # NaN stays NaN; zero and negative costs join it
+        return out if out.ndim else out[()]
+
+    def memo(self) -> LookupMemo:
+        """A fresh exact memo for scalar lookups on this table."""
+        return LookupMemo(self.intervals)
+
+
+def evaluate(
+    cost: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+    bcap: Any,
+    g: Any,
+    kv_length: Any,
+) -> np.ndarray:
+    """``cost`` at padded buckets, broadcasting; NaN where ``bcap`` or ``g`` is 0 (no bucket).
+
+    ``cost`` is only called on the points that have both buckets (a table's
+    :meth:`TableLookup.surface` or any ``f(bcap, g, kv) -> ms`` with NaN = uncalibrated).
+    """
+    b, gg, kv = np.broadcast_arrays(
+        np.asarray(bcap, dtype=np.int64),
+        np.asarray(g, dtype=np.int64),
+        np.asarray(kv_length, dtype=np.float64),
+    )
+    ok = (b > 0) & (gg > 0)
+    out = np.full(b.shape, np.nan)
+    if ok.any():
+        out[ok] = np.asarray(cost(b[ok], gg[ok], kv[ok]), dtype=np.float64)
+    return out
+
+
+class LookupMemo:
+    """Exact memo of scalar lookups on one table (see the module docstring for the key).
+
+    Parameters
+    ----------
+    intervals : inclusive ``(min_kv_length, max_kv_length)`` of the table's context intervals.
+    """
+
+    def __init__(self, intervals: Sequence[tuple[float, float]]):
+        self.intervals = tuple((float(lo), float(hi)) for lo, hi in intervals)
+        self._values: dict[tuple, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def key(self, name: str, ints: Sequence[Any], kv_length: Any = None) -> tuple | None:
+        """The memo key, or None when an argument is not a scalar (integral for ``ints``)."""
+        parts: list[Any] = [name]
+        for x in ints:
+            x = _scalar(x)
+            if x is None or not float(x).is_integer():
+                return None
+            parts.append(int(x))
+        if kv_length is not None:
+            kv = _scalar(kv_length)
+            if kv is None:
+                return None
+            kv = float(kv)
+            parts.append(tuple(lo <= kv <= hi for lo, hi in self.intervals))
+        return tuple(parts)
+
+    def get(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """The memoised value of ``key`` (computed once); arrays are returned as copies."""
+        if key not in self._values:
+            self._values[key] = compute()
+        return _copy(self._values[key])
+
+
+_SCALARS = (int, float, np.integer, np.floating)
+
+
+def _scalar(x: Any) -> int | float | None:
+    """``x`` as a Python number when it is a real scalar (0-d arrays too), else None."""
+    if isinstance(x, _SCALARS) and not isinstance(x, bool):
+        return x
+    if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf":
+        return x.item()
+    return None
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, tuple):
+        return tuple(_copy(v) for v in value)
+    return value
+
+
+def memoised(name: str, *, kv: bool):
+    """Method decorator: memoise on ``self.memo`` (a :class:`LookupMemo`, or None = off).
+
+    The method's positional arguments are integer scalars, followed by a KV length when ``kv``;
+    an array argument, or any keyword argument, bypasses the memo (such calls compute directly).
+    """
+
+    def decorate(method):
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            memo = self.memo
+            if memo is None or kwargs or not args:
+                return method(self, *args, **kwargs)
+            key = memo.key(name, args[:-1], args[-1]) if kv else memo.key(name, args)
+            if key is None:
+                return method(self, *args)
+            return memo.get(key, lambda: method(self, *args))
+
+        return wrapper
+
+    return decorate
