@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
+from pathlib import Path
+from statistics import median
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
+import speccal.live.bench as bench_mod
+from speccal.calibrate.pipeline import CalibrateOptions, calibrate
 from speccal.cli import app
 from speccal.live.generate import generate
 from speccal.runner.engine import Engine, EngineConfig
 from speccal.runner.sampling import SamplingParams
+from speccal.trace import load_trace
 
 ENV = {"COLUMNS": "120"}
 
@@ -126,12 +133,6 @@ def test_bench_human_table():
 @pytest.fixture(scope="module")
 def tiny_table(tmp_path_factory):
     """A real draft_step calibration of the tiny preset (small grid, CPU, about a second)."""
-    from pathlib import Path
-
-    from rich.console import Console
-
-    from speccal.calibrate.pipeline import CalibrateOptions, calibrate
-
     d = tmp_path_factory.mktemp("table")
     cfg = d / "cfg.json"
     cfg.write_text(
@@ -163,8 +164,6 @@ def tiny_table(tmp_path_factory):
 
 def _forbid_engine(monkeypatch) -> None:
     """Building an engine fails the test: refusals must come first."""
-    import speccal.live.bench as bench_mod
-
     def no_engine(*a, **k):
         raise AssertionError("refusal must come before the engine is built")
 
@@ -175,8 +174,6 @@ POLICY_ARGS = ["--acceptance", "synthetic", "--profile", "0.95,0.95,0.95", "--pr
 
 
 def test_bench_policies_json_live_vs_replay(tiny_table, tmp_path):
-    from speccal.trace import load_trace
-
     r = _run(
         "bench",
         "--policy",
@@ -339,9 +336,6 @@ def test_bench_policy_single_run_keys_unchanged(tiny_table, extra):
 
 
 def test_bench_policy_repeats_interleaved_medians(tiny_table, tmp_path):
-    from datetime import datetime
-    from statistics import median
-
     r = _run("bench", "--policy", "fixed:1,fixed:3,adaptive-step", "--cost-table",
              str(tiny_table), "--repeats", "3", "--trace-out", str(tmp_path / "t.jsonl"),
              *REPEAT_ARGS, *POLICY_ARGS)  # fmt: skip

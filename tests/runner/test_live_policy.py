@@ -7,19 +7,32 @@ by the rule of ``speccal.policy_rules.allocate_prefixes``.
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.geometry import Geometry
+from speccal.costmodel.synthetic import make_measurements
+from speccal.costmodel.table_build import build_table
 from speccal.live.bench import PolicyBenchConfig, run_policy_bench
-from speccal.live.policies import Phase, replay_prediction, run_live
+from speccal.live.policies import (
+    Phase,
+    interleaved_order,
+    live_cost_model,
+    median_summary,
+    replay_prediction,
+    run_interleaved,
+    run_live,
+)
 from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel, make_policy
 from speccal.policy_rules import allocate_prefixes
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan, RoundState
 from speccal.runner.sampling import SamplingParams
+from speccal.runner.verify_alloc import allocate_prefixes_device
 from speccal.trace import load_trace, save_trace
 
 W = 3
@@ -204,10 +217,6 @@ def test_live_loop_refusals():
 
 @pytest.mark.parametrize("model", ["additive", "sps"])
 def test_live_cost_model_equals_the_table_cost_model(model):
-    from speccal.costmodel.synthetic import make_measurements
-    from speccal.costmodel.table_build import build_table
-    from speccal.live.policies import live_cost_model
-
     df = make_measurements(
         bias_ms=5.0,
         alpha_ms={1: 0.0, 2: 0.5, 4: 1.5},
@@ -239,10 +248,6 @@ def test_live_cost_model_equals_the_table_cost_model(model):
 
 
 def test_device_allocation_equals_the_policy_rule():
-    import torch
-
-    from speccal.runner.verify_alloc import allocate_prefixes_device
-
     rng = np.random.default_rng(3)
     for trial in range(200):
         bcap = int(rng.choice([1, 2, 4, 8]))
@@ -267,8 +272,6 @@ def test_device_allocation_equals_the_policy_rule():
 
 
 def test_interleaved_order_is_round_robin_rotated_each_cycle():
-    from speccal.live.policies import interleaved_order
-
     order = interleaved_order(["A", "B", "C"], 4)
     assert "".join(n for _, _, n in order) == "ABCBCACABABC"
     assert [c for c, _, _ in order] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
@@ -284,10 +287,6 @@ def test_interleaved_order_is_round_robin_rotated_each_cycle():
 
 
 def test_run_interleaved_fresh_policy_per_run_and_timestamps():
-    from datetime import datetime
-
-    from speccal.live.policies import run_interleaved
-
     eng = _engine(profile=(1.0, 1.0, 1.0))
     cost = _cost(eng.geometry)
     built = []
@@ -325,8 +324,6 @@ def test_run_interleaved_fresh_policy_per_run_and_timestamps():
 
 
 def test_median_summary_takes_medians_over_the_runs():
-    from speccal.live.policies import median_summary
-
     def summ(tps, err, match=True):
         return {
             "policy": "fixed:2",

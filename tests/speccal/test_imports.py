@@ -176,8 +176,9 @@ def test_no_bare_top_level_module_is_imported():
 
 def test_torch_free_core_does_not_import_torch():
     code = (
-        "import sys, speccal.costmodel, speccal.base.errors, speccal.replay, speccal.scenarios, "
-        "speccal.plots_replay, speccal.plots_table, speccal.cli\n"
+        "import sys, speccal.costmodel, speccal.base, speccal.policy, speccal.policy_rules, "
+        "speccal.replay, speccal.trace, speccal.scenarios, speccal.plots_replay, "
+        "speccal.plots_table, speccal.cli\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

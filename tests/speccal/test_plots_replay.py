@@ -7,18 +7,28 @@ import itertools
 
 import numpy as np
 import pytest
+from matplotlib.ticker import MaxNLocator
 from typer.testing import CliRunner
 
+import speccal.plots_replay as plots_replay
 from speccal.cli import app
+from speccal.costmodel.table import load_table, save_table
 from speccal.plots_replay import (
     OFFSET_FRACTION,
     throughput_figure,
     timeline_figure,
     write_plots,
 )
+from speccal.plots_table import table_title
 from speccal.policy import CostModel
 from speccal.replay import ReplayConfig, replay
-from speccal.scenarios import generate, make_scenario, scenario_geometry, synthetic_cost
+from speccal.scenarios import (
+    generate,
+    make_scenario,
+    scenario_geometry,
+    synthetic_cost,
+    synthetic_table,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TITLE = "tiny-mtp (fingerprint sha256:0123456789ab\u2026, float32) on cpu 'test-cpu'"
@@ -69,8 +79,6 @@ def test_timeline_lines_that_decide_alike_do_not_overlap(report):
 
 
 def test_timeline_decision_axis_has_integer_ticks_only(report):
-    from matplotlib.ticker import MaxNLocator
-
     fig = timeline_figure(report)
     ax = fig.axes[0]
     lo, hi = ax.get_ylim()
@@ -131,11 +139,6 @@ def test_write_plots_writes_both_pngs_with_a_title(report, tmp_path):
 
 @pytest.mark.parametrize("command", ["plot", "replay"])
 def test_cli_passes_the_table_title_to_the_replay_plots(command, tmp_path, monkeypatch):
-    import speccal.plots_replay as plots_replay
-    from speccal.costmodel.table import load_table, save_table
-    from speccal.plots_table import table_title
-    from speccal.scenarios import synthetic_table
-
     path = save_table(synthetic_table(scenario_geometry(3, 8), "draft_step"), tmp_path / "t.json")
     seen = {}
 

@@ -361,15 +361,3 @@ def test_feedback_from_round_result_uses_plain_numpy():
     np.testing.assert_array_equal(fb.verify_tokens, [3, 3])
     with pytest.raises(InputError, match="accepted"):
         Feedback(round_index=0, k=2, accepted=np.array([3]))
-
-
-def test_policy_replay_trace_modules_do_not_import_torch():
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, speccal.policy, speccal.policy_rules, speccal.replay, speccal.trace, "
-        "speccal.scenarios, speccal.plots_replay\nprint('torch' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"

@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.cli import app
+from speccal.costmodel.table import save_table
 from speccal.policy import AdaptiveStepConfig, AdaptiveVerifyConfig, CostModel, make_policy
-from speccal.replay import ReplayConfig, replay, run_sequential
+from speccal.replay import ReplayConfig, ReplayReport, replay, run_sequential
 from speccal.scenarios import (
     Phase,
     Scenario,
@@ -19,8 +20,9 @@ from speccal.scenarios import (
     make_scenario,
     scenario_geometry,
     synthetic_cost,
+    synthetic_table,
 )
-from speccal.trace import RoundTrace, TokenTraceBuilder, save_trace
+from speccal.trace import RoundTrace, TokenTraceBuilder, load_trace, save_trace
 
 ENV = {"COLUMNS": "120"}
 
@@ -232,8 +234,6 @@ def test_cli_trace_writes_a_scenario_trace(tmp_path):
 @pytest.mark.slow
 def test_cli_trace_records_tokens_consistent_with_the_live_run(tmp_path):
     """Greedy: replaying the token matrix with fixed:w reproduces the recorded rounds exactly."""
-    from speccal.trace import load_trace
-
     rounds_path, tokens_path = tmp_path / "r.parquet", tmp_path / "t.parquet"
     args = [
         "trace",
@@ -258,9 +258,6 @@ def test_cli_trace_records_tokens_consistent_with_the_live_run(tmp_path):
 
 
 def test_cli_replay_with_a_saved_table(tmp_path):
-    from speccal.costmodel.table import save_table
-    from speccal.scenarios import synthetic_table
-
     path = save_table(
         synthetic_table(scenario_geometry(3, 8), "target_verify"), tmp_path / "t.json"
     )
@@ -326,8 +323,6 @@ def test_a_non_positive_full_width_cost_is_refused_before_replay():
 def test_cli_replay_prints_na_for_a_missing_gain(monkeypatch):
     # A report whose comparison has no value (gain None, e.g. no priced fixed baseline to
     # compare with) used to crash the table printer with a TypeError.
-    from speccal.replay import ReplayReport
-
     to_dict = ReplayReport.to_dict
 
     def without_gain(self):
