@@ -7,22 +7,26 @@ compatibility is refused (fail closed) until it is refitted with ``--compat``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from speccal.base.atomic import check_writable, read_json
 from speccal.base.errors import InputError
+from speccal.cli.cmd_table import _echo_json, err_console, fit_report
+from speccal.costmodel.compat import make_compatibility
+from speccal.costmodel.measurements import read_measurements
+from speccal.costmodel.report import summary
+from speccal.costmodel.table import save_table
+from speccal.costmodel.table_build import build_table
+from speccal.costmodel.table_schema import Provenance
 
 DEFAULT_DRAFT_WIDTH = 7
 
 
 def _read_json(path: Path, option: str) -> dict:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(option, str(path), f"a readable JSON file ({exc})") from None
+    doc = read_json(path, option)  # missing, unreadable, binary or not JSON: InputError
     if not isinstance(doc, dict):
         raise InputError(option, str(path), "a JSON object")
     return doc
@@ -66,14 +70,6 @@ def fit(
     ] = False,
 ) -> None:
     """Fit an SPS or additive cost model per context interval and write a cost table."""
-    from speccal.cli.cmd_table import _echo_json, err_console, fit_report
-    from speccal.costmodel.compat import make_compatibility
-    from speccal.costmodel.measurements import read_measurements
-    from speccal.costmodel.report import summary
-    from speccal.costmodel.table import save_table
-    from speccal.costmodel.table_build import build_table
-    from speccal.costmodel.table_schema import Provenance
-
     if model not in ("additive", "sps"):
         raise InputError("--model", model, "additive or sps")
     if combine not in ("median", "mean"):
@@ -94,8 +90,7 @@ def fit(
     cal = _read_json(calibration, "--calibration") if calibration is not None else None
     if out.suffix.lower() != ".json":
         raise InputError("--out", str(out), "a path ending in .json")
-    if not out.parent.exists():
-        raise InputError("--out", str(out), "a path in an existing directory")
+    check_writable(out, "--out")  # before fitting: a bad path never costs the fit
 
     command = f"speccal fit {measurements} --model {model} --out {out}"
     with err_console.status("fitting"):

@@ -16,7 +16,15 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
+from speccal.costmodel.table import load_table
+from speccal.plots_replay import write_plots
+from speccal.plots_table import table_title, write_table_plots
+from speccal.policy import CostModel
+from speccal.replay import ReplayConfig, replay
+from speccal.scenarios import generate, make_scenario
+from speccal.trace import load_trace
 
 err_console = Console(stderr=True)
 
@@ -31,11 +39,6 @@ def _replay_report(
     seed: int,
 ):
     """Replay the table's adaptive policy (by mode) and the fixed-k baselines on a trace."""
-    from speccal.policy import CostModel
-    from speccal.replay import ReplayConfig, replay
-    from speccal.scenarios import generate, make_scenario
-    from speccal.trace import load_trace
-
     if trace is not None:
         tr = load_trace(trace)
     else:
@@ -122,13 +125,9 @@ def _plot(
     kv_length: float | None,
     seed: int,
 ) -> dict[str, Any]:
-    from speccal.costmodel.table import load_table
-    from speccal.plots_table import write_table_plots
-
     if trace is not None and scenario is not None:
         raise InputError("--trace/--scenario", f"{trace} and {scenario}", "at most one of them")
-    if out.exists() and not out.is_dir():
-        raise InputError("--out", str(out), "a directory (or a path that does not exist yet)")
+    check_writable(out, "--out", directory=True)  # before the replay and the figures
     table = load_table(table_path)
     report = None
     if trace is not None or scenario is not None:
@@ -136,8 +135,6 @@ def _plot(
     paths = write_table_plots(table, out)
     summary: dict[str, Any] = {"table": str(table_path), "out": str(out)}
     if report is not None:
-        from speccal.plots_replay import write_plots
-        from speccal.plots_table import table_title
 
         paths += write_plots(report, out, title=table_title(table))
         d = report.to_dict()

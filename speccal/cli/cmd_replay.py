@@ -21,14 +21,20 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
+from speccal.costmodel.table import load_table
+from speccal.plots_replay import write_plots
+from speccal.plots_table import table_title
+from speccal.policy import AdaptiveStepConfig, AdaptiveVerifyConfig, CostModel, parse_policy
+from speccal.replay import ReplayConfig, check_replayable, replay
+from speccal.scenarios import generate, make_scenario, scenario_geometry, synthetic_table
+from speccal.trace import RoundTrace, RoundTraceBuilder, TokenTraceBuilder, load_trace, save_trace
 
 err_console = Console(stderr=True)
 
 
 def _step_config(window_size: int, update_interval: int, switch_min_gain: float):
-    from speccal.policy import AdaptiveStepConfig
-
     return AdaptiveStepConfig(
         window_size=window_size, update_interval=update_interval, switch_min_gain=switch_min_gain
     )
@@ -37,8 +43,6 @@ def _step_config(window_size: int, update_interval: int, switch_min_gain: float)
 def _scenario_trace(
     scenario: str, rounds: int, draft_width: int, num_requests: int, kv_length: float, seed: int
 ):
-    from speccal.scenarios import generate, make_scenario
-
     return generate(
         make_scenario(
             scenario,
@@ -159,11 +163,6 @@ def replay_cmd(
     ] = None,
 ) -> None:
     """Replay speculation policies against a cost table and report predicted throughput."""
-    from speccal.policy import AdaptiveVerifyConfig, CostModel, parse_policy
-    from speccal.replay import ReplayConfig, replay
-    from speccal.scenarios import scenario_geometry, synthetic_table
-    from speccal.trace import RoundTrace, load_trace
-
     if (trace is None) == (scenario is None):
         raise InputError(
             "--trace/--scenario",
@@ -171,9 +170,10 @@ def replay_cmd(
             "exactly one of --trace PATH or --scenario NAME",
         )
     specs = [parse_policy(p) for p in (policy or [])]  # refuses a combined adaptive spec first
+    if plot is not None:
+        check_writable(plot, "--plot", directory=True)  # before the replay, not after it
     cost_table = None
     if table is not None:
-        from speccal.costmodel.table import load_table
 
         cost_table = load_table(table)
         w = cost_table.draft_width
@@ -205,7 +205,6 @@ def replay_cmd(
         step=_step_config(window_size, update_interval, switch_min_gain),
         verify=AdaptiveVerifyConfig(),
     )
-    from speccal.replay import check_replayable
 
     check_replayable(tr, cost, specs)
     with Progress(
@@ -226,8 +225,6 @@ def replay_cmd(
         "synthetic": table is None,
     }
     if plot is not None:
-        from speccal.plots_replay import write_plots
-        from speccal.plots_table import table_title
 
         # The synthetic table is a real CostTable too: its title says it is synthetic.
         d["plots"] = [str(p) for p in write_plots(report, plot, title=table_title(cost_table))]
@@ -300,12 +297,15 @@ def trace_cmd(
     ] = None,
 ) -> None:
     """Record an acceptance trace with the embedded runner (or write a synthetic scenario)."""
-    from speccal.trace import save_trace
-
     if kind not in ("rounds", "tokens"):
         raise InputError("--kind", kind, "rounds or tokens")
     if scenario is not None and kind != "rounds":
         raise InputError("--kind", kind, "rounds with --scenario (scenarios are round traces)")
+    check_writable(out, "--out")  # before recording: a bad path never costs the run
+    if rounds_out is not None:
+        if scenario is not None or kind != "tokens":  # refused before --out is written
+            raise InputError("--rounds-out", str(rounds_out), "only with --kind tokens (recording)")
+        check_writable(rounds_out, "--rounds-out")
     t0 = time.perf_counter()
     round_trace = None
     if scenario is not None:
@@ -326,8 +326,6 @@ def trace_cmd(
         )
     path = save_trace(tr, out)
     if rounds_out is not None:
-        if scenario is not None or kind != "tokens":
-            raise InputError("--rounds-out", str(rounds_out), "only with --kind tokens (recording)")
         save_trace(round_trace, rounds_out)
     summary = {
         "path": str(path),
@@ -359,9 +357,9 @@ def _record(
     seed,
 ):
     """Drive the runner: full-width rounds; for ``tokens``, one extra round from every position."""
+    # lazy: the runner imports torch; the CLI starts (and reports a missing torch) without it
     from speccal.runner.engine import Engine, EngineConfig, RoundPlan
     from speccal.runner.sampling import SamplingParams
-    from speccal.trace import RoundTraceBuilder, TokenTraceBuilder
 
     if kind == "tokens" and acceptance != "greedy":
         raise InputError(

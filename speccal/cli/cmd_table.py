@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from speccal.base.atomic import dumps_json, write_text_atomic
+from speccal.base.atomic import check_writable, dumps_json, read_json, write_text_atomic
 from speccal.base.errors import InputError
 
 err_console = Console(stderr=True)
@@ -134,12 +134,7 @@ def _echo_json(obj: Any) -> None:
 def _read_compat(path: Path | None) -> dict | None:
     if path is None:
         return None
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(
-            "--expect", str(path), f"a readable JSON compatibility file ({exc})"
-        ) from None
+    return read_json(path, "--expect")  # missing, unreadable, binary or not JSON: InputError
 
 
 def show(
@@ -265,12 +260,14 @@ def export(
 
     if fmt not in ("csv", "markdown"):
         raise InputError("--format", fmt, "csv or markdown")
+    if out is not None:
+        check_writable(out, "--out")
     grid = cost_grid(load_table(table_path))
     text = grid.to_csv(index=False) if fmt == "csv" else to_markdown(grid)
     if out is None:
         typer.echo(text, nl=False)
     else:
-        write_text_atomic(out, text)
+        write_text_atomic(out, text, field="--out")
         err_console.print(f"wrote {len(grid)} rows to {out}")
 
 
