@@ -4,25 +4,43 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
-from speccal.base.errors import InputError
-from speccal.kernels import ops
+from speccal.base.errors import InputError, UnsupportedError
+from speccal.kernels import _backend, ops
+from speccal.kernels import gemv_config as gc
 from speccal.kernels import reference as ref
+from speccal.kernels.config import (
+    DEFAULT_KERNELS,
+    AttentionTuning,
+    GemvOverride,
+    GemvTuning,
+    KernelConfig,
+    NormFusion,
+    PdlConfig,
+)
+
+
+def _attention(**fields) -> KernelConfig:
+    """The default kernel configuration with some ``AttentionTuning`` fields changed."""
+    return KernelConfig(attention=AttentionTuning(**fields))
 
 
 def test_kernels_import_without_triton_and_cpu_uses_reference():
+    """With triton unimportable (``sys.modules['triton'] = None``, also where it is installed)
+    the ops import and run their references on CPU, no Triton kernel module imported."""
     code = (
-        "import sys; import speccal.kernels.ops as o; import torch;"
+        "import sys; sys.modules['triton'] = None; import speccal.kernels.ops as o; import torch;"
         "x = torch.randn(2, 8); w = torch.randn(3, 8);"
-        "y = o.linear(x, w); assert y.shape == (2, 3);"
-        "print('triton' in sys.modules)"
+        "y = o.linear(x, w); assert torch.allclose(y, x @ w.T);"
+        "print(o.use_triton(x), 'speccal.kernels.gemv' in sys.modules)"
     )
     env_code = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               check=True)
-    assert env_code.stdout.strip() == "False"
+    assert env_code.stdout.split() == ["False", "False"]
 
 
 def _attn_inputs(batch=2, rows=3, heads=4, kvh=2, d=16, bs=8, max_blocks=4):
@@ -74,30 +92,26 @@ def test_split_plan_validation_and_planning():
     assert ops.plan_splits(1, 8, num_sms=132, max_len=128).max_splits == 2
 
 
-def test_verify_plans_halve_the_splits(monkeypatch):
+def test_verify_plans_halve_the_splits():
     """Multi-row (verification) plans take half the 1-row plan's splits (dense-2b on an H200:
-    24 -> 12 at B=1, 9 -> 4 at B=8, never below 1), capped by ``SPECCAL_VERIFY_SPLITS``."""
-    monkeypatch.delenv("SPECCAL_VERIFY_SPLITS", raising=False)
+    24 -> 12 at B=1, 9 -> 4 at B=8, never below 1), capped by ``AttentionTuning.verify_splits``."""
     assert ops.plan_splits(1, 8, 132, max_len=1536, rows=6).max_splits == 12
     assert ops.plan_splits(8, 8, 132, max_len=1536, rows=6).max_splits == 4
     assert ops.plan_splits(8, 8, 132, max_len=1536, rows=1).max_splits == 9
     assert ops.plan_splits(128, 8, 132, rows=6).max_splits == 1
-    monkeypatch.setenv("SPECCAL_VERIFY_SPLITS", "3")
-    assert ops.plan_splits(1, 8, 132, max_len=1536, rows=6).max_splits == 3
-    assert ops.plan_splits(1, 8, 132, max_len=1536, rows=1).max_splits == 24
-    monkeypatch.setenv("SPECCAL_VERIFY_SPLITS", "0")
-    with pytest.raises(InputError, match="SPECCAL_VERIFY_SPLITS"):
-        ops.plan_splits(1, 8, 132, rows=6)
+    capped = _attention(verify_splits=3)
+    assert ops.plan_splits(1, 8, 132, max_len=1536, rows=6, tune=capped).max_splits == 3
+    assert ops.plan_splits(1, 8, 132, max_len=1536, rows=1, tune=capped).max_splits == 24
+    with pytest.raises(InputError, match="kernels.attention.verify_splits"):
+        AttentionTuning(verify_splits=0)
     with pytest.raises(InputError, match="rows"):
         ops.plan_splits(1, 8, 132, rows=0)
 
 
-def test_verify_plan_tiles_and_stages(monkeypatch):
+def test_verify_plan_tiles_and_stages():
     """Verification plans of at least VERIFY_WIDE_PAIRS (request, KV head) pairs take KV tiles of
-    VERIFY_WIDE_TILE (``SPECCAL_VERIFY_BLOCK_N``); every verification plan VERIFY_STAGES
+    VERIFY_WIDE_TILE (``AttentionTuning.verify_block_n``); every verification plan VERIFY_STAGES
     stages, 1-row plans 2; the split count is planned as before."""
-    for var in ("SPECCAL_VERIFY_SPLITS", "SPECCAL_VERIFY_BLOCK_N", "SPECCAL_ATTN_BLOCK_N"):
-        monkeypatch.delenv(var, raising=False)
     assert ops.VERIFY_WIDE_PAIRS == 32 and ops.VERIFY_WIDE_TILE == 128
     narrow = ops.plan_splits(2, 8, 132, max_len=1536, rows=6)  # 16 pairs
     wide = ops.plan_splits(4, 8, 132, max_len=1536, rows=6)  # 32 pairs
@@ -106,12 +120,13 @@ def test_verify_plan_tiles_and_stages(monkeypatch):
     assert (wide.block_n, wide.min_split_len, wide.max_splits) == (128, 128, 8)
     assert (decode.block_n, decode.max_splits, decode.num_stages) == (64, 17, 2)
     assert narrow.num_stages == wide.num_stages == ops.VERIFY_STAGES == 3
-    monkeypatch.setenv("SPECCAL_VERIFY_BLOCK_N", "64")
-    assert ops.plan_splits(4, 8, 132, max_len=1536, rows=6).block_n == 64
-    monkeypatch.setenv("SPECCAL_VERIFY_BLOCK_N", "96")
-    with pytest.raises(InputError, match="SPECCAL_VERIFY_BLOCK_N"):
-        ops.plan_splits(4, 8, 132, rows=6)
-    assert ops.plan_splits(2, 8, 132, rows=6).block_n == 64  # narrow plans never read it
+    tile = _attention(verify_block_n=64)
+    assert ops.plan_splits(4, 8, 132, max_len=1536, rows=6, tune=tile).block_n == 64
+    small = _attention(verify_block_n=32)
+    assert ops.plan_splits(2, 8, 132, rows=6, tune=small).block_n == 64  # narrow: not read
+    assert ops.plan_splits(4, 8, 132, rows=1, tune=small).block_n == 64  # 1-row: not read
+    with pytest.raises(InputError, match="kernels.attention.verify_block_n"):
+        AttentionTuning(verify_block_n=96)
     with pytest.raises(InputError, match="num_stages"):
         ops.SplitPlan(num_stages=5)
 
@@ -344,159 +359,135 @@ def test_rotary_q_out_and_qk_norm_are_checked():
         ops.rotary_kv_write(*args, qk_norm=(torch.ones(8), torch.ones(4), 1e-6))
 
 
-@pytest.mark.parametrize("value, mode", [("0", 0), ("1", 1), ("late", 2), (None, 2)])
-def test_pdl_mode_defaults_to_late_and_never_on_cpu(value, mode, monkeypatch):
-    """``SPECCAL_PDL`` selects the programmatic-dependent-launch mode (unset: ``late``); CPU
-    tensors never use it."""
-    from speccal.kernels import _backend
-
-    if value is None:
-        monkeypatch.delenv("SPECCAL_PDL", raising=False)
-    else:
-        monkeypatch.setenv("SPECCAL_PDL", value)
-    assert _backend.pdl_mode(torch.zeros(1)) == 0
-    monkeypatch.setattr(_backend, "_pdl_device", lambda index: True)
+@pytest.mark.parametrize("mode, level", [("off", 0), ("early", 1), ("late", 2), (None, 2)])
+def test_pdl_level_defaults_to_late_and_never_on_cpu(mode, level, monkeypatch):
+    """``PdlConfig.mode`` selects the programmatic-dependent-launch level (default ``late``) on
+    devices of compute capability >= 9.0; CPU tensors and older devices never use it."""
+    tune = KernelConfig() if mode is None else KernelConfig(pdl=PdlConfig(mode=mode))
+    assert tune.pdl.level == level
+    assert _backend.pdl_level(torch.zeros(1), tune) == 0
 
     class _FakeCuda:
         is_cuda = True
         device = torch.device("cuda", 0)
 
-    assert _backend.pdl_mode(_FakeCuda()) == mode
-    assert _backend.pdl_enabled(_FakeCuda()) == (mode > 0)
+    monkeypatch.setattr(_backend, "_pdl_device", lambda index: True)
+    assert _backend.pdl_level(_FakeCuda(), tune) == level
+    monkeypatch.setattr(_backend, "_pdl_device", lambda index: False)  # before sm_90
+    assert _backend.pdl_level(_FakeCuda(), tune) == 0
 
 
-@pytest.mark.parametrize("var, getter, default, choices", [
-    ("SPECCAL_ATTN_FOLD", "attention_fold_override", "auto", "auto, 0 or 1"),
-    ("SPECCAL_ATTN_SPREAD", "attention_spread", "0", "auto, 0 or 1"),
-])
-def test_merge_switches(monkeypatch, var, getter, default, choices):
-    """``SPECCAL_ATTN_FOLD`` (default auto: the rule) and ``SPECCAL_ATTN_SPREAD`` (default 0:
-    never) force (1), forbid (0) or leave to the rule (auto) their split-KV merge; a typo is an
-    error naming the variable."""
-    from speccal.kernels import _backend
-
-    get = getattr(_backend, getter)
-    want = {"auto": None, "0": False, "1": True}
-    monkeypatch.delenv(var, raising=False)
-    assert get() is want[default]
+@pytest.mark.parametrize("name, default", [("fold", "auto"), ("spread", "off")])
+def test_merge_switches(name, default):
+    """``AttentionTuning.fold`` (default auto: the rule) and ``.spread`` (default off: never)
+    force (on), forbid (off) or leave to the rule (auto) their split-KV merge, which is what the
+    rules ``fold_wanted`` / ``spread_wanted`` receive as ``force``; a typo is an error naming
+    the field."""
+    want = {"auto": None, "off": False, "on": True}
+    assert getattr(AttentionTuning(), name) == default
+    override = f"{name}_override"
+    assert getattr(AttentionTuning(), override) is want[default]
     for value, expect in want.items():
-        monkeypatch.setenv(var, value)
-        assert get() is expect
-    monkeypatch.setenv(var, "on")
-    with pytest.raises(InputError, match=var) as err:
-        get()
-    assert choices in str(err.value)
+        assert getattr(AttentionTuning(**{name: value}), override) is expect
+    rule = {"fold": lambda force: ops.fold_wanted(1, 8, 4, 6, 2, force=force),  # light: folds
+            "spread": lambda force: ops.spread_wanted(1, 8, 4, 1, force=force)}[name]  # 1 row
+    assert [rule(getattr(AttentionTuning(**{name: v}), override)) for v in want] == [
+        name == "fold", False, True]
+    with pytest.raises(InputError, match=f"kernels.attention.{name}") as err:
+        AttentionTuning(**{name: "1"})
+    assert "auto, on, off" in str(err.value)
 
 
-def test_prewait_and_prefetch_switches(monkeypatch):
-    """``SPECCAL_PREWAIT`` (default on) and ``SPECCAL_GEMV_PREFETCH`` (default: the module's
-    tile count; 0 turns it off) parse as documented."""
-    from speccal.kernels import _backend
-
-    monkeypatch.delenv("SPECCAL_PREWAIT", raising=False)
-    monkeypatch.delenv("SPECCAL_GEMV_PREFETCH", raising=False)
-    assert _backend.prewait_loads() is True
-    assert _backend.gemv_prefetch_tiles() == _backend.GEMV_PREFETCH_TILES
-    monkeypatch.setenv("SPECCAL_PREWAIT", "0")
-    monkeypatch.setenv("SPECCAL_GEMV_PREFETCH", "0")
-    assert _backend.prewait_loads() is False
-    assert _backend.gemv_prefetch_tiles() == 0
-    monkeypatch.setenv("SPECCAL_GEMV_PREFETCH", "3")
-    assert _backend.gemv_prefetch_tiles() == 3
-    checks = {"SPECCAL_PREWAIT": _backend.prewait_loads,
-              "SPECCAL_GEMV_PREFETCH": _backend.gemv_prefetch_tiles}
-    for var, bad in (("SPECCAL_PREWAIT", "on"), ("SPECCAL_GEMV_PREFETCH", "-1")):
-        monkeypatch.setenv(var, bad)
-        with pytest.raises(InputError, match=var):
-            checks[var]()
-        monkeypatch.delenv(var)
+def test_prewait_and_prefetch_switches():
+    """``KernelConfig.prewait`` (default on) and ``GemvTuning.prefetch_tiles`` (default 2; 0
+    turns it off) take their documented values and refuse others, naming the field."""
+    assert KernelConfig().prewait is True and KernelConfig(prewait=False).prewait is False
+    assert GemvTuning().prefetch_tiles == 2
+    assert GemvTuning(prefetch_tiles=0).prefetch_tiles == 0
+    assert GemvTuning(prefetch_tiles=3).prefetch_tiles == 3
+    with pytest.raises(InputError, match="kernels.prewait"):
+        KernelConfig(prewait="on")
+    for bad in (-1, "2", 1.5):
+        with pytest.raises(InputError, match="kernels.gemv.prefetch_tiles"):
+            GemvTuning(prefetch_tiles=bad)
 
 
-def test_attention_switches(monkeypatch):
-    """``SPECCAL_ATTN_PREFETCH`` (default: the module's tile count), ``SPECCAL_ATTN_RELEASE``
-    (``start`` / ``loop``), ``SPECCAL_ATTN_PREWAIT``, ``SPECCAL_ATTN_WARPS``, ``_STAGES`` and
-    ``_BLOCK_N`` (a plan's KV tile) parse as documented; bad values name the variable."""
-    from speccal.kernels import _backend
+def test_the_gemv_launch_receives_the_configuration(monkeypatch):
+    """What ``ops.linear`` hands the Triton GEMV (a stand-in recording its arguments, so this
+    runs without triton): the configuration itself, its prefetch depth, and the caller's
+    ``residual_settled`` only where ``prewait`` is on."""
+    calls = []
+    fake = types.ModuleType("speccal.kernels.gemv")
+    fake.linear_triton = lambda x, w, **kw: calls.append(kw) or x
+    monkeypatch.setitem(sys.modules, "speccal.kernels.gemv", fake)
+    monkeypatch.setattr(ops, "use_triton", lambda t, backend: backend != "reference")
+    x, w = torch.zeros(2, 8), torch.zeros(8, 8)
+    for tune in (DEFAULT_KERNELS, KernelConfig(prewait=False, gemv=GemvTuning(prefetch_tiles=5))):
+        ops.linear(x, w, residual=torch.zeros(2, 8), residual_settled=True, tune=tune)
+        assert calls[-1]["tune"] is tune and calls[-1]["pdl"] == 0  # CPU: no PDL
+        assert calls[-1]["prefetch"] == tune.gemv.prefetch_tiles
+        assert calls[-1]["residual_settled"] is tune.prewait
+    ops.linear(x, w, tune=KernelConfig(backend="reference"))
+    assert len(calls) == 2
 
-    monkeypatch.delenv("SPECCAL_ATTN_PREFETCH", raising=False)
-    monkeypatch.delenv("SPECCAL_ATTN_RELEASE", raising=False)
-    assert _backend.attention_prefetch_tiles() == _backend.ATTN_PREFETCH_TILES
-    assert _backend.attention_release() == 0
-    monkeypatch.setenv("SPECCAL_ATTN_PREFETCH", "2")
-    monkeypatch.setenv("SPECCAL_ATTN_RELEASE", "loop")
-    assert _backend.attention_prefetch_tiles() == 2
-    assert _backend.attention_release() == 1
-    checks = {"SPECCAL_ATTN_PREFETCH": _backend.attention_prefetch_tiles,
-              "SPECCAL_ATTN_RELEASE": _backend.attention_release}
-    monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "0")
-    monkeypatch.setenv("SPECCAL_ATTN_WARPS", "8")
-    assert _backend.attention_prewait(6) is False
-    assert _backend.attention_warps(4) == 8
-    monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "1")
-    assert _backend.attention_prewait(1) is True
-    monkeypatch.delenv("SPECCAL_ATTN_PREWAIT")
-    monkeypatch.delenv("SPECCAL_ATTN_WARPS")
-    assert _backend.attention_prewait(6) is True  # default: multi-row plans only
-    assert _backend.attention_prewait(1) is False
-    assert _backend.attention_warps(4) == 4
-    checks["SPECCAL_ATTN_PREWAIT"] = lambda: _backend.attention_prewait(1)
-    checks["SPECCAL_ATTN_WARPS"] = lambda: _backend.attention_warps(4)
-    monkeypatch.delenv("SPECCAL_ATTN_STAGES", raising=False)
-    monkeypatch.delenv("SPECCAL_ATTN_BLOCK_N", raising=False)
-    assert _backend.attention_stages(2) == 2 and ops.plan_splits(1, 8).block_n == 64
-    monkeypatch.setenv("SPECCAL_ATTN_STAGES", "4")
-    monkeypatch.setenv("SPECCAL_ATTN_BLOCK_N", "32")
-    assert _backend.attention_stages(2) == 4
-    plan = ops.plan_splits(1, 8, max_len=1024)
+
+def test_attention_switches():
+    """``AttentionTuning``'s prefetch (default none), split release (``start`` / ``loop`` /
+    ``early``), prewait (``rows``: multi-row plans only; ``on``; ``off``), warps and stages
+    (default: the launch's own) and ``block_n`` (a plan's KV tile) take their documented
+    values; bad values name the field."""
+    att = AttentionTuning()
+    assert att.prefetch_tiles == 0 and att.release == "start" and att.release_level == 0
+    assert [AttentionTuning(release=r).release_level for r in ("start", "loop", "early")] == [
+        0, 1, 2]
+    assert AttentionTuning(prefetch_tiles=2).prefetch_tiles == 2
+    assert att.prewait_rows(6) is True and att.prewait_rows(1) is False  # default: rows
+    assert AttentionTuning(prewait="off").prewait_rows(6) is False
+    assert AttentionTuning(prewait="on").prewait_rows(1) is True
+    assert att.warps is None and AttentionTuning(warps=8).warps == 8
+    assert att.stages is None and AttentionTuning(stages=4).stages == 4
+    assert att.block_n is None and ops.plan_splits(1, 8).block_n == 64
+    plan = ops.plan_splits(1, 8, max_len=1024, tune=_attention(block_n=32))
     assert plan.block_n == plan.min_split_len == 32 and plan.max_splits == 32
-    monkeypatch.delenv("SPECCAL_ATTN_STAGES")
-    monkeypatch.delenv("SPECCAL_ATTN_BLOCK_N")
-    checks["SPECCAL_ATTN_STAGES"] = lambda: _backend.attention_stages(2)
-    checks["SPECCAL_ATTN_BLOCK_N"] = lambda: ops.plan_splits(1, 8)
-    for var, bad in (("SPECCAL_ATTN_PREFETCH", "x"), ("SPECCAL_ATTN_RELEASE", "late"),
-                     ("SPECCAL_ATTN_PREWAIT", "yes"), ("SPECCAL_ATTN_WARPS", "16"),
-                     ("SPECCAL_ATTN_STAGES", "0"), ("SPECCAL_ATTN_STAGES", "8"),
-                     ("SPECCAL_ATTN_BLOCK_N", "8"), ("SPECCAL_ATTN_BLOCK_N", "512")):
-        monkeypatch.setenv(var, bad)
-        with pytest.raises(InputError, match=var):
-            checks[var]()
-        monkeypatch.delenv(var)
+    for name, bad in (("prefetch_tiles", "x"), ("prefetch_tiles", -1), ("release", "late"),
+                      ("prewait", "yes"), ("prewait", "1"), ("warps", 16), ("stages", 0),
+                      ("stages", 8), ("block_n", 8), ("block_n", 512), ("block_n", 48)):
+        with pytest.raises(InputError, match=f"kernels.attention.{name}"):
+            AttentionTuning(**{name: bad})
 
 
-def test_decode_split_cap(monkeypatch):
-    """``SPECCAL_DECODE_SPLITS`` caps 1-row plans only."""
-    monkeypatch.delenv("SPECCAL_VERIFY_SPLITS", raising=False)
-    monkeypatch.setenv("SPECCAL_DECODE_SPLITS", "8")
-    assert ops.plan_splits(1, 8, max_len=1536).max_splits == 8
-    assert ops.plan_splits(1, 8, max_len=1536, rows=6).max_splits == 12
-    monkeypatch.delenv("SPECCAL_DECODE_SPLITS")
+def test_decode_split_cap():
+    """``AttentionTuning.decode_splits`` caps 1-row plans only; ``verify_halve`` off keeps the
+    1-row count for verification plans (under ``verify_splits``)."""
+    cap = _attention(decode_splits=8)
+    assert ops.plan_splits(1, 8, max_len=1536, tune=cap).max_splits == 8
+    assert ops.plan_splits(1, 8, max_len=1536, rows=6, tune=cap).max_splits == 12
     assert ops.plan_splits(1, 8, max_len=1536).max_splits == 24
-    monkeypatch.setenv("SPECCAL_VERIFY_HALVE", "0")  # verify keeps the 1-row count (capped)
-    monkeypatch.setenv("SPECCAL_VERIFY_SPLITS", "16")
-    assert ops.plan_splits(1, 8, max_len=1536, rows=6).max_splits == 16
-    assert ops.plan_splits(8, 8, max_len=1536, rows=6).max_splits == 9
-    monkeypatch.setenv("SPECCAL_VERIFY_HALVE", "2")
-    with pytest.raises(InputError, match="SPECCAL_VERIFY_HALVE"):
-        ops.plan_splits(1, 8, rows=6)
+    whole = _attention(verify_halve=False, verify_splits=16)
+    assert ops.plan_splits(1, 8, max_len=1536, rows=6, tune=whole).max_splits == 16
+    assert ops.plan_splits(8, 8, max_len=1536, rows=6, tune=whole).max_splits == 9
+    with pytest.raises(InputError, match="kernels.attention.verify_halve"):
+        AttentionTuning(verify_halve=2)
+    with pytest.raises(InputError, match="kernels.attention.decode_splits"):
+        AttentionTuning(decode_splits=0)
 
 
-def test_backend_switches_refuse_unknown_values(monkeypatch):
-    """A mistyped ``SPECCAL_PDL`` / ``SPECCAL_KERNELS`` / ``backend=`` is an error, not 'off'."""
-    from speccal.kernels import _backend
-
-    monkeypatch.setenv("SPECCAL_PDL", "yes")
-    with pytest.raises(InputError, match="SPECCAL_PDL"):
-        _backend.pdl_mode(torch.zeros(1))
-    monkeypatch.setenv("SPECCAL_ATTN_FOLD", "yes")
-    with pytest.raises(InputError, match="SPECCAL_ATTN_FOLD"):
-        _backend.attention_fold_override()
-    monkeypatch.delenv("SPECCAL_ATTN_FOLD")
-    monkeypatch.setenv("SPECCAL_KERNELS", "refernce")
-    with pytest.raises(InputError, match="SPECCAL_KERNELS"):
-        ops.linear(torch.randn(2, 4), torch.randn(3, 4))
-    monkeypatch.delenv("SPECCAL_KERNELS")
+def test_backend_switches_refuse_unknown_values():
+    """A mistyped PDL mode / backend / fold switch is an error, not 'off'; ``backend="triton"``
+    on a CPU tensor is refused, and the ``backend=`` argument overrides the configuration's."""
+    with pytest.raises(InputError, match="kernels.pdl.mode"):
+        PdlConfig(mode="yes")
+    with pytest.raises(InputError, match="kernels.attention.fold"):
+        AttentionTuning(fold="yes")
+    with pytest.raises(InputError, match="kernels.backend"):
+        KernelConfig(backend="refernce")
+    x, w = torch.randn(2, 4), torch.randn(3, 4)
     with pytest.raises(InputError, match="backend"):
-        ops.linear(torch.randn(2, 4), torch.randn(3, 4), backend="cuda")
+        ops.linear(x, w, backend="cuda")
+    with pytest.raises(UnsupportedError, match="triton"):
+        ops.linear(x, w, tune=KernelConfig(backend="triton"))
+    y = ops.linear(x, w, backend="reference", tune=KernelConfig(backend="triton"))
+    assert torch.allclose(y, x @ w.T)
 
 
 @pytest.mark.parametrize("k", [0, 1, 5])
@@ -723,39 +714,33 @@ def test_row_scale_rejects_bad_input():
     ops.linear(x, w, row_scale=dn)  # well-formed: runs
 
 
-def test_norm_defer_switch(monkeypatch):
-    """``SPECCAL_NORM_DEFER``: ``rows`` by default, ``o`` / ``all`` / ``0`` as set, else an error
-    naming it; the input norm is deferred for 2-16 row steps under ``rows`` (the upper end set
-    by ``SPECCAL_INPUT_DEFER_MAX``), always under ``all``, never under ``o`` or ``0``."""
-    from speccal.kernels import _backend
-
-    monkeypatch.delenv("SPECCAL_NORM_DEFER", raising=False)
-    monkeypatch.delenv("SPECCAL_INPUT_DEFER_MAX", raising=False)
+def test_norm_defer_switch():
+    """``NormFusion.defer``: ``rows`` by default, ``o`` / ``all`` / ``off`` as set, else an
+    error naming it; the input norm is deferred for 2-16 row steps under ``rows`` (the upper
+    end ``input_defer_max``), always under ``all``, never under ``o`` or ``off``; the
+    post-attention norm under every mode but ``off``."""
     rows = (1, 2, 6, 8, 9, 12, 16, 17, 24, 48)
     by_rows = [False] + [True] * 6 + [False] * 3
-    assert _backend.norm_defer() == "rows"
-    assert [_backend.defer_input_norm(r) for r in rows] == by_rows
-    for value, expect in (("all", [True] * 10), ("o", [False] * 10), ("0", [False] * 10),
+    norm = NormFusion()
+    assert norm.defer == "rows" and norm.input_defer_max == 16 and norm.defer_post
+    assert [norm.defer_input(r) for r in rows] == by_rows
+    for value, expect in (("all", [True] * 10), ("o", [False] * 10), ("off", [False] * 10),
                           ("rows", by_rows)):
-        monkeypatch.setenv("SPECCAL_NORM_DEFER", value)
-        assert _backend.norm_defer() == value
-        assert [_backend.defer_input_norm(r) for r in rows] == expect
-    monkeypatch.setenv("SPECCAL_INPUT_DEFER_MAX", "8")  # the v10 rule
-    assert [_backend.defer_input_norm(r) for r in rows] == [False] + [True] * 3 + [False] * 6
-    for bad in ("0", "x", "-3"):
-        monkeypatch.setenv("SPECCAL_INPUT_DEFER_MAX", bad)
-        with pytest.raises(InputError, match="SPECCAL_INPUT_DEFER_MAX"):
-            _backend.defer_input_norm(6)
-    monkeypatch.delenv("SPECCAL_INPUT_DEFER_MAX")
-    monkeypatch.setenv("SPECCAL_NORM_DEFER", "1")
-    with pytest.raises(InputError, match="SPECCAL_NORM_DEFER"):
-        _backend.norm_defer()
+        norm = NormFusion(defer=value)
+        assert norm.defer_post is (value != "off")
+        assert [norm.defer_input(r) for r in rows] == expect
+    v10 = NormFusion(input_defer_max=8)  # the v10 rule
+    assert [v10.defer_input(r) for r in rows] == [False] + [True] * 3 + [False] * 6
+    for bad in (0, -3, "8"):
+        with pytest.raises(InputError, match="kernels.norm.input_defer_max"):
+            NormFusion(input_defer_max=bad)
+    for bad in ("1", "0", "none"):
+        with pytest.raises(InputError, match="kernels.norm.defer"):
+            NormFusion(defer=bad)
 
 
 def test_arrival_counters_are_per_pool_and_reused():
     """One zeroed counter set per (pool, device), allocated once; too few slots give None."""
-    from speccal.kernels import _backend
-
     dev = torch.device("cpu")
     a = _backend.arrival_counters("test-a", dev, 10, slots=64)
     assert a is not None and a.numel() == 64 and int(a.abs().sum()) == 0
@@ -765,15 +750,11 @@ def test_arrival_counters_are_per_pool_and_reused():
     assert b is not a and b.numel() == 8
 
 
-def test_register_panel_configs_and_switches(monkeypatch):
+def test_register_panel_configs_and_switches():
     """The o projection's register panel: picked at <= PANEL_MAX_ROWS rows, replaced by the
-    streaming config (column tile >= 16) where it is switched off (``SPECCAL_GEMV_PANEL=0``) or
+    streaming config (column tile >= 16) where it is switched off (``GemvTuning.panel``) or
     its weights do not fit; the deferred norm's tile count follows the config a launch runs.
-    The reduce-release and split-release switches parse."""
-    from speccal.kernels import _backend
-    from speccal.kernels import gemv_config as gc
-
-    monkeypatch.delenv("SPECCAL_GEMV_PANEL", raising=False)
+    ``panel_max_rows`` moves the row limit (a power of two <= 32)."""
     one = gc.pick_config(1, 2048, 2048, epilogue="residual")
     six = gc.pick_config(6, 2048, 2048, epilogue="residual")
     assert one.panel and six.panel and six.block_n == 16
@@ -784,113 +765,125 @@ def test_register_panel_configs_and_switches(monkeypatch):
     assert gc.pick_config(24, 2048, 2048, epilogue="residual") == gc.GemvConfig(16, 256, 1, 4, 4)
     assert gc.pick_config(48, 2048, 2048, epilogue="residual").block_n == 16
     panel = gc.pick_config(1, 2048, 2048, epilogue="residual")
+    assert GemvTuning().panel_max_rows == gc.PANEL_MAX_ROWS == 16
     assert gc.panel_fits(16, 2048, panel, 2) and not gc.panel_fits(17, 2048, panel, 2)
-    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "32")  # a bench switch: the panel past 16 rows
-    assert gc.panel_fits(32, 2048, panel, 2) and not gc.panel_fits(33, 2048, panel, 2)
-    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "8")
-    assert not gc.panel_fits(12, 2048, panel, 2)
-    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "64")  # past the kernel's two M tiles of 16
-    with pytest.raises(InputError, match="SPECCAL_PANEL_MAX_ROWS"):
-        gc.panel_fits(16, 2048, panel, 2)
-    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "12")
-    with pytest.raises(InputError, match="SPECCAL_PANEL_MAX_ROWS"):
-        gc.panel_fits(16, 2048, panel, 2)
-    monkeypatch.delenv("SPECCAL_PANEL_MAX_ROWS")
+    wide = GemvTuning(panel_max_rows=32)  # a bench switch: the panel past 16 rows
+    assert gc.panel_fits(32, 2048, panel, 2, wide) and not gc.panel_fits(33, 2048, panel, 2, wide)
+    assert gc.resolve(twelve, 24, 2048, 2, wide) == twelve  # B = 4 stays a panel
+    assert not gc.panel_fits(12, 2048, panel, 2, GemvTuning(panel_max_rows=8))
+    for bad in (64, 12, 0):  # 64: past the kernel's two M tiles of 16; 12: not a power of two
+        with pytest.raises(InputError, match="kernels.gemv.panel_max_rows"):
+            GemvTuning(panel_max_rows=bad)
     assert not gc.pick_config(1, 2048, 2048).panel  # plain product: the streaming table
     assert gc.resolve(six, 6, 2048, 2) == six
     assert gc.deferred_norm_tiles(6, 2048, 2048) == (128, False)
     narrow = gc.GemvConfig(block_n=8, panel=True)
     assert gc.resolve(narrow, 6, 2048, 4) == narrow  # 8 x 2048 fp32 = 64 KB: fits
-    wide = gc.resolve(six, 6, 2048, 4)  # 16 x 2048 fp32 = 128 KB: streams, tile kept
-    assert not wide.panel and wide.block_n == 16 and wide.split_k == 1
+    streamed = gc.resolve(six, 6, 2048, 4)  # 16 x 2048 fp32 = 128 KB: streams, tile kept
+    assert not streamed.panel and streamed.block_n == 16 and streamed.split_k == 1
     assert gc.resolve(narrow, gc.PANEL_MAX_ROWS + 1, 64, 2).block_n == 16  # too many rows
     assert not gc.panel_fits(1, 8193, narrow, 2)  # K padded to 16384: 256 KB
-    monkeypatch.setenv("SPECCAL_GEMV_PANEL", "0")
-    off = gc.resolve(six, 6, 2048, 2)
-    assert not off.panel and off.block_n == 16
-    assert gc.deferred_norm_tiles(6, 2048, 2048) == (128, False)
-    monkeypatch.setenv("SPECCAL_GEMV_PANEL", "yes")
-    with pytest.raises(InputError, match="SPECCAL_GEMV_PANEL"):
-        _backend.panel_enabled()
-    monkeypatch.delenv("SPECCAL_GEMV_PANEL")
-    monkeypatch.delenv("SPECCAL_ATTN_REDUCE_RELEASE", raising=False)
-    assert _backend.attention_reduce_early() is True  # auto, successor unknown: the panel switch
-    assert _backend.attention_reduce_early(successor_panel=True) is True
-    assert _backend.attention_reduce_early(successor_panel=False) is False  # a streaming o GEMV
-    monkeypatch.setenv("SPECCAL_GEMV_PANEL", "0")
-    assert _backend.attention_reduce_early() is False
-    monkeypatch.setenv("SPECCAL_ATTN_REDUCE_RELEASE", "early")
-    assert _backend.attention_reduce_early() is True
-    assert _backend.attention_reduce_early(successor_panel=False) is True
-    monkeypatch.delenv("SPECCAL_GEMV_PANEL")
-    monkeypatch.setenv("SPECCAL_ATTN_REDUCE_RELEASE", "wait")
-    assert _backend.attention_reduce_early() is False
-    assert _backend.attention_reduce_early(successor_panel=True) is False
-    monkeypatch.setenv("SPECCAL_ATTN_REDUCE_RELEASE", "late")
-    with pytest.raises(InputError, match="SPECCAL_ATTN_REDUCE_RELEASE"):
-        _backend.attention_reduce_early()
-    monkeypatch.setenv("SPECCAL_ATTN_RELEASE", "early")
-    assert _backend.attention_release() == 2
+    off = GemvTuning(panel=False)
+    streamed_off = gc.resolve(six, 6, 2048, 2, off)
+    assert not streamed_off.panel and streamed_off.block_n == 16
+    assert not gc.launch_config(6, 2048, 2048, epilogue="residual", tuning=off).panel
+    assert gc.launch_config(6, 2048, 2048, epilogue="residual").panel
+    assert gc.deferred_norm_tiles(6, 2048, 2048, tuning=off) == (128, False)
+    with pytest.raises(InputError, match="kernels.gemv.panel"):
+        GemvTuning(panel="yes")
 
 
-def test_residual_panel_tells_the_reduce_what_follows(monkeypatch):
+def test_reduce_release_follows_the_successor():
+    """``AttentionTuning.reduce_release``: ``auto`` (default) lets the split-KV reduce release
+    its successor early only where that is a register panel; ``early`` / ``wait`` always /
+    never; anything else an error naming the field."""
+    auto = AttentionTuning()
+    assert auto.reduce_release == "auto"
+    assert auto.reduce_early(True) is True
+    assert auto.reduce_early(False) is False  # a streaming o GEMV
+    early, wait = AttentionTuning(reduce_release="early"), AttentionTuning(reduce_release="wait")
+    assert early.reduce_early(True) is True and early.reduce_early(False) is True
+    assert wait.reduce_early(True) is False and wait.reduce_early(False) is False
+    with pytest.raises(InputError, match="kernels.attention.reduce_release"):
+        AttentionTuning(reduce_release="late")
+
+
+def test_unknown_successor_follows_the_panel_switch():
+    """A launch that does not say what follows it (``successor_panel=None``) takes the panel
+    switch's word: a panel wherever panels are on (``paged_attention._panel_successor``; needs
+    Triton importable)."""
+    pytest.importorskip("triton")
+    from speccal.kernels.paged_attention import _panel_successor
+
+    assert _panel_successor(None, DEFAULT_KERNELS) is True
+    assert _panel_successor(None, KernelConfig(gemv=GemvTuning(panel=False))) is False
+    assert _panel_successor(False, DEFAULT_KERNELS) is False
+    assert _panel_successor(True, KernelConfig(gemv=GemvTuning(panel=False))) is True
+
+
+def test_residual_panel_tells_the_reduce_what_follows():
     """``ops.residual_panel``: whether the o projection of a step launches as the register panel
     (up to PANEL_MAX_ROWS rows, its 16 x 2048 bf16 panel within 64 KB; fp32 is not), which the
-    split-KV reduce's ``auto`` release follows (``attention_reduce_early(successor_panel=)``)."""
-    from speccal.kernels import _backend
-
-    monkeypatch.delenv("SPECCAL_GEMV_PANEL", raising=False)
-    monkeypatch.delenv("SPECCAL_GEMV_OVERRIDE", raising=False)
-    monkeypatch.delenv("SPECCAL_ATTN_REDUCE_RELEASE", raising=False)
+    split-KV reduce's ``auto`` release follows (``AttentionTuning.reduce_early``)."""
     w = torch.zeros(2048, 2048, dtype=torch.bfloat16)
     panel = {m: ops.residual_panel(torch.zeros(m, 2048, dtype=torch.bfloat16), w)
              for m in (1, 6, 12, 16, 17, 24)}
     assert panel == {1: True, 6: True, 12: True, 16: True, 17: False, 24: False}
     assert not ops.residual_panel(torch.zeros(6, 2048), torch.zeros(2048, 2048))  # fp32: 128 KB
-    assert [_backend.attention_reduce_early(panel[m]) for m in (12, 24)] == [True, False]
-    monkeypatch.setenv("SPECCAL_GEMV_PANEL", "0")
-    assert not ops.residual_panel(torch.zeros(6, 2048, dtype=torch.bfloat16), w)
+    assert [AttentionTuning().reduce_early(panel[m]) for m in (12, 24)] == [True, False]
+    h6 = torch.zeros(6, 2048, dtype=torch.bfloat16)
+    assert not ops.residual_panel(h6, w, KernelConfig(gemv=GemvTuning(panel=False)))
+    h12 = torch.zeros(12, 2048, dtype=torch.bfloat16)
+    assert not ops.residual_panel(h12, w, KernelConfig(gemv=GemvTuning(panel_max_rows=8)))
 
 
-def test_gemv_override_and_panel_chunks(monkeypatch):
-    """``SPECCAL_GEMV_OVERRIDE`` replaces the tables' config of one (N, K) up to MAX_M rows (a
-    panel too); ``SPECCAL_PANEL_CHUNKS`` takes powers of two; bad values name the variable."""
-    from speccal.kernels import _backend
-    from speccal.kernels import gemv_config as gc
+def _overrides(*entries: str, **fields) -> GemvTuning:
+    """``GemvTuning`` whose overrides are ``entries`` (``GemvOverride.SYNTAX``), in order."""
+    return GemvTuning(overrides=tuple(GemvOverride.parse(e) for e in entries), **fields)
 
-    monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE",
-                       "4096:2048:8=64/128/1/4/4;2048:2048:8=16/128/1/4/1/panel")
-    assert gc.pick_config(6, 4096, 2048) == gc.GemvConfig(64, 128, 1, 4, 4)
-    assert gc.pick_config(9, 4096, 2048) == gc.GemvConfig(64, 128, 1, 4, 4)  # the table
-    assert gc.pick_config(33, 4096, 2048).block_n == 32  # past MAX_M: the table
-    o = gc.pick_config(1, 2048, 2048, epilogue="residual")
+
+def test_gemv_override_and_panel_chunks():
+    """``GemvTuning.overrides`` replace the tables' config of one (N, K) up to MAX_M rows (a
+    panel too), the first match winning, and the reference LM head's tile width follows them;
+    ``panel_chunks`` takes powers of two; bad values name the field."""
+    two = _overrides("4096:2048:8=64/128/1/4/4", "2048:2048:8=16/128/1/4/1/panel")
+    assert gc.pick_config(6, 4096, 2048, tuning=two) == gc.GemvConfig(64, 128, 1, 4, 4)
+    assert gc.pick_config(6, 4096, 2048) == gc.GemvConfig(64, 256, 1, 4, 3)  # the table
+    assert gc.pick_config(9, 4096, 2048, tuning=two) == gc.GemvConfig(64, 128, 1, 4, 4)  # table
+    assert gc.pick_config(33, 4096, 2048, tuning=two).block_n == 32  # past MAX_M: the table
+    o = gc.pick_config(1, 2048, 2048, epilogue="residual", tuning=two)
     assert o.panel and o.num_warps == 4
-    # "|" separates entries too (one bench variant); the first match wins: 1 row, then 2-8
-    monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", "4096:2048:1=32/128/1/4/6|4096:2048:8=64/256/1/4/3")
-    assert gc.pick_config(1, 4096, 2048) == gc.GemvConfig(32, 128, 1, 4, 6)
-    assert gc.pick_config(6, 4096, 2048) == gc.GemvConfig(64, 256, 1, 4, 3)
+    assert gc.pick_config(1, 2048, 2048, epilogue="residual").num_warps == 8  # the table
+    # the first match wins: 1 row, then 2-8
+    first = _overrides("4096:2048:1=32/128/1/4/6", "4096:2048:8=64/256/1/4/3")
+    assert gc.pick_config(1, 4096, 2048, tuning=first) == gc.GemvConfig(32, 128, 1, 4, 6)
+    assert gc.pick_config(6, 4096, 2048, tuning=first) == gc.GemvConfig(64, 256, 1, 4, 3)
     # /pfT: the config's own L2 prefetch depth (kept through the silu_mul split-1 rewrite)
-    monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE",
-                       "2048:2048:32=32/128/1/4/4/pf16|12288:2048:32=128/128/2/4/4/pf4")
-    assert gc.pick_config(24, 2048, 2048, epilogue="residual").prefetch == 16
-    assert gc.pick_config(24, 12288, 2048, epilogue="silu_mul") == gc.GemvConfig(
+    pf = _overrides("2048:2048:32=32/128/1/4/4/pf16", "12288:2048:32=128/128/2/4/4/pf4")
+    assert gc.pick_config(24, 2048, 2048, epilogue="residual", tuning=pf).prefetch == 16
+    assert gc.pick_config(24, 12288, 2048, epilogue="silu_mul", tuning=pf) == gc.GemvConfig(
         64, 128, 1, 4, 4, prefetch=4)
-    assert gc.pick_config(40, 2048, 2048, epilogue="residual").prefetch is None
+    assert gc.pick_config(40, 2048, 2048, epilogue="residual", tuning=pf).prefetch is None
+    # the LM head: the reference's argmax partials are as wide as the overridden config's tile
+    head = _overrides("1000:64:8=32/64/1/4/2")
+    x, w = torch.randn(3, 64), torch.randn(1000, 64)
+    assert ops.argmax_tile_width(3, 1000, 64) == 64
+    assert ops.argmax_tile_width(3, 1000, 64, tuning=head) == 32
+    tile_max, _ = ops.linear_argmax(x, w, tune=KernelConfig(gemv=head))
+    assert tile_max.shape == (3, 1000 // 32 + 1)
+    assert ops.linear_argmax(x, w)[0].shape == (3, 1000 // 64 + 1)
     for bad in ("4096:2048=64", "4096:2048:8=64/128/1/4", "4096:2048:8=64/128/1/4/4/wide",
                 "4096:2048:8=64/128/1/4/4/pf", "4096:2048:8=64/128/1/4/4/pf-1",
                 "4096:2048:8=64/128/1/4/4/pf2/panel", "4096:2048:8=64/128/1/4/4/panel/pf2/pf3"):
-        monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", bad)
-        with pytest.raises(InputError, match="SPECCAL_GEMV_OVERRIDE"):
-            gc.pick_config(1, 4096, 2048)
-    monkeypatch.delenv("SPECCAL_GEMV_OVERRIDE")
-    monkeypatch.delenv("SPECCAL_PANEL_CHUNKS", raising=False)
-    assert _backend.panel_chunks() == _backend.PANEL_CHUNKS
-    monkeypatch.setenv("SPECCAL_PANEL_CHUNKS", "8")
-    assert _backend.panel_chunks() == 8
-    for bad in ("3", "0", "x"):
-        monkeypatch.setenv("SPECCAL_PANEL_CHUNKS", bad)
-        with pytest.raises(InputError, match="SPECCAL_PANEL_CHUNKS"):
-            _backend.panel_chunks()
+        with pytest.raises(InputError, match="kernels.gemv.overrides"):
+            GemvOverride.parse(bad)
+    with pytest.raises(InputError, match=r"kernels.gemv.overrides\[0\]"):
+        GemvTuning(overrides=("4096:2048:8=64/128/1/4/4",))  # a string, not a GemvOverride
+    assert GemvTuning().panel_chunks == 4
+    assert GemvTuning(panel_chunks=8).panel_chunks == 8
+    for bad in (3, 0, "8"):
+        with pytest.raises(InputError, match="kernels.gemv.panel_chunks"):
+            GemvTuning(panel_chunks=bad)
 
 
 def test_gemv_prefetch_depth_follows_the_config():
@@ -906,41 +899,36 @@ def test_gemv_prefetch_depth_follows_the_config():
     assert _prefetch(GemvConfig(), 2, 2048, 2) == 2 and _prefetch(GemvConfig(), 2, 2048, 0) == 0
 
 
-def test_gemv_block_rows(monkeypatch):
+def test_gemv_block_rows():
     """The streaming GEMV's M tile: 16 at one row, the rows' power of two (at least 16) at 2-16,
-    at least 64 past 16 rows (``SPECCAL_GEMV_WIDE_BLOCK_M`` 32 restores the power of two there),
+    at least 64 past 16 rows (``GemvTuning.wide_block_m`` 32 restores the power of two there),
     the power of two for CUDA-core FMAs; bad rows and switch values name what they are."""
-    from speccal.kernels import gemv_config as gc
-
-    for var in ("SPECCAL_GEMV_MIN_BLOCK_M", "SPECCAL_GEMV_WIDE_BLOCK_M"):
-        monkeypatch.delenv(var, raising=False)
     assert [gc.block_rows(m) for m in (1, 2, 6, 8, 12, 16)] == [16] * 6
     assert [gc.block_rows(m) for m in (17, 24, 32, 33, 48, 64, 65)] == [64] * 6 + [128]
     assert [gc.block_rows(m, fma=True) for m in (1, 3, 24)] == [1, 4, 32]
-    monkeypatch.setenv("SPECCAL_GEMV_WIDE_BLOCK_M", "32")
-    assert gc.block_rows(24) == 32 and gc.block_rows(48) == 64 and gc.block_rows(12) == 16
-    monkeypatch.setenv("SPECCAL_GEMV_MIN_BLOCK_M", "64")
-    assert gc.block_rows(6) == 64 and gc.block_rows(1) == 16
-    for bad in ("16", "128", "48"):
-        monkeypatch.setenv("SPECCAL_GEMV_WIDE_BLOCK_M", bad)
-        with pytest.raises(InputError, match="SPECCAL_GEMV_WIDE_BLOCK_M"):
-            gc.block_rows(24)
-    monkeypatch.delenv("SPECCAL_GEMV_WIDE_BLOCK_M")
+    narrow = GemvTuning(wide_block_m=32)
+    assert [gc.block_rows(m, tuning=narrow) for m in (24, 48, 12)] == [32, 64, 16]
+    tall = GemvTuning(wide_block_m=32, min_block_m=64)
+    assert gc.block_rows(6, tuning=tall) == 64 and gc.block_rows(1, tuning=tall) == 16
+    assert gc.block_rows(6, tuning=GemvTuning(min_block_m=4)) == 8  # the rows' power of two
+    for bad in (16, 128, 48):
+        with pytest.raises(InputError, match="kernels.gemv.wide_block_m"):
+            GemvTuning(wide_block_m=bad)
+    for bad in (128, 3, 0):
+        with pytest.raises(InputError, match="kernels.gemv.min_block_m"):
+            GemvTuning(min_block_m=bad)
     with pytest.raises(InputError, match="m"):
         gc.block_rows(0)
 
 
-def test_resolve_keeps_the_stages_that_fit_in_shared_memory(monkeypatch):
+def test_resolve_keeps_the_stages_that_fit_in_shared_memory():
     """A streaming config whose pipeline stages of x and weight tiles would pass ``STAGE_BYTES``
     keeps the stages that fit (fp32 at an M tile of 64: 256 KB at 4 stages, past the sm_90
     limit); the ~2B preset's bf16 tables at up to 64 rows are unchanged."""
-    from speccal.kernels import gemv_config as gc
-
-    for var in ("SPECCAL_GEMV_MIN_BLOCK_M", "SPECCAL_GEMV_WIDE_BLOCK_M", "SPECCAL_GEMV_OVERRIDE"):
-        monkeypatch.delenv(var, raising=False)
     cfg = gc.GemvConfig(64, 128, 1, 4, 4)
     assert gc.resolve(cfg, 24, 512, 4).num_stages == 3  # (64 + 64) x 128 x 4 B = 64 KB a stage
     assert gc.resolve(cfg, 12, 512, 4).num_stages == 4  # an M tile of 16: 40 KB a stage
+    assert gc.resolve(cfg, 12, 512, 4, GemvTuning(min_block_m=64)).num_stages == 3  # tile of 64
     assert gc.resolve(cfg, 24, 512, 2) == cfg
     huge = gc.GemvConfig(256, 256, 1, 4, 8)
     assert gc.resolve(huge, 64, 512, 4).num_stages == 1  # never below one
@@ -951,65 +939,72 @@ def test_resolve_keeps_the_stages_that_fit_in_shared_memory(monkeypatch):
             assert gc.launch_config(m, n, k, epilogue=epi).num_stages == picked.num_stages
 
 
-def test_defer_scale_switch(monkeypatch):
-    """``SPECCAL_DEFER_SCALE``: ``auto`` by default (late past ``DEFER_SCALE_LATE_ROWS`` rows),
-    ``late`` / ``early`` at every row count, anything else an error naming it."""
-    from speccal.kernels import _backend
+def test_launch_config_is_resolved_once_per_shape_and_tuning():
+    """``launch_config`` is memoised on its value arguments: the same (shape, epilogue, tuning)
+    is one cache entry (an equal tuning built anew included), a different tuning another."""
+    gc.launch_config.cache_clear()
+    for _ in range(3):
+        gc.launch_config(6, 2048, 2048, 132, "residual", 2, None, GemvTuning())
+    assert gc.launch_config.cache_info().misses == 1
+    off = gc.launch_config(6, 2048, 2048, 132, "residual", 2, None, GemvTuning(panel=False))
+    assert gc.launch_config.cache_info().misses == 2 and not off.panel
+    listed = GemvTuning(overrides=[GemvOverride.parse("2048:2048:8=16/128/1/4/1/panel")])
+    assert isinstance(listed.overrides, tuple)  # hashable: a list is frozen into a tuple
+    assert gc.launch_config(6, 2048, 2048, 132, "residual", 2, None, listed).num_warps == 4
 
-    monkeypatch.delenv("SPECCAL_DEFER_SCALE", raising=False)
-    edge = _backend.DEFER_SCALE_LATE_ROWS
-    assert [_backend.defer_scale_late(r) for r in (1, 6, edge, edge + 1, 48)] == [
+
+def test_defer_scale_switch():
+    """``GemvTuning.defer_scale``: ``auto`` by default (late past 16 rows), ``late`` / ``early``
+    at every row count, anything else an error naming the field."""
+    assert GemvTuning().defer_scale == "auto"
+    assert [GemvTuning().scale_late(r) for r in (1, 6, 16, 17, 48)] == [
         False, False, False, True, True]
-    monkeypatch.setenv("SPECCAL_DEFER_SCALE", "late")
-    assert _backend.defer_scale_late(1) and _backend.defer_scale_late(48)
-    monkeypatch.setenv("SPECCAL_DEFER_SCALE", "early")
-    assert not _backend.defer_scale_late(1) and not _backend.defer_scale_late(48)
-    monkeypatch.setenv("SPECCAL_DEFER_SCALE", "soon")
-    with pytest.raises(InputError, match="SPECCAL_DEFER_SCALE"):
-        _backend.defer_scale_late(6)
+    late, early = GemvTuning(defer_scale="late"), GemvTuning(defer_scale="early")
+    assert late.scale_late(1) and late.scale_late(48)
+    assert not early.scale_late(1) and not early.scale_late(48)
+    with pytest.raises(InputError, match="kernels.gemv.defer_scale"):
+        GemvTuning(defer_scale="soon")
 
 
-def test_tile_and_poll_switches(monkeypatch):
+def test_tile_and_poll_switches():
     """The M-tile, panel and poll switches: defaults, accepted values, and errors that name the
-    variable (a power of two <= 16; 0 / 1)."""
-    from speccal.kernels import _backend
-
-    for var in ("SPECCAL_GEMV_MIN_BLOCK_M", "SPECCAL_PANEL_MIN_BLOCK_M", "SPECCAL_ATTN_MIN_BLOCK_M",
-                "SPECCAL_PANEL_PRECVT", "SPECCAL_ATTN_POLL"):
-        monkeypatch.delenv(var, raising=False)
-    assert _backend.gemv_min_block_m() == 16
-    assert _backend.panel_min_block_m() == 8
-    assert _backend.attention_min_block_m() == _backend.ATTN_MIN_BLOCK_M
-    assert _backend.panel_preconvert() is False
-    assert _backend.attention_poll() is False
-    monkeypatch.setenv("SPECCAL_GEMV_MIN_BLOCK_M", "4")
-    assert _backend.gemv_min_block_m() == 4
-    for bad in ("3", "32", "0", "x"):
-        monkeypatch.setenv("SPECCAL_PANEL_MIN_BLOCK_M", bad)
-        with pytest.raises(InputError, match="SPECCAL_PANEL_MIN_BLOCK_M"):
-            _backend.panel_min_block_m()
-    monkeypatch.setenv("SPECCAL_ATTN_POLL", "1")
-    assert _backend.attention_poll() is True
-    monkeypatch.setenv("SPECCAL_ATTN_POLL", "yes")
-    with pytest.raises(InputError, match="SPECCAL_ATTN_POLL"):
-        _backend.attention_poll()
+    field (a power of two <= 16; true / false)."""
+    gemv, att = GemvTuning(), AttentionTuning()
+    assert gemv.min_block_m == 16 and gemv.panel_min_block_m == 8 and att.min_block_m == 2
+    assert gemv.panel_preconvert is False and att.poll is False
+    assert GemvTuning(min_block_m=4).min_block_m == 4
+    assert GemvTuning(panel_preconvert=True).panel_preconvert is True
+    assert AttentionTuning(min_block_m=16).min_block_m == 16
+    for bad in (3, 32, 0, "8"):
+        with pytest.raises(InputError, match="kernels.gemv.panel_min_block_m"):
+            GemvTuning(panel_min_block_m=bad)
+        with pytest.raises(InputError, match="kernels.attention.min_block_m"):
+            AttentionTuning(min_block_m=bad)
+    assert AttentionTuning(poll=True).poll is True
+    for bad in ("yes", 1):
+        with pytest.raises(InputError, match="kernels.attention.poll"):
+            AttentionTuning(poll=bad)
+        with pytest.raises(InputError, match="kernels.gemv.panel_preconvert"):
+            GemvTuning(panel_preconvert=bad)
 
 
-def test_attention_signal_off_triton_and_bad_arguments(monkeypatch):
-    """No signal where the o projection would not poll (CPU tensors: no Triton with PDL), and
-    a wrong ``signal`` / ``after`` argument is an InputError naming it."""
-    monkeypatch.setenv("SPECCAL_ATTN_POLL", "1")
+def test_attention_signal_off_triton_and_bad_arguments():
+    """No signal where the o projection would not poll (polling off; CPU tensors: no Triton
+    with PDL), and a wrong ``signal`` / ``after`` argument is an InputError naming it."""
+    poll = _attention(poll=True)
     h = torch.zeros(6, 32)
+    assert ops.attention_signal(h, torch.zeros(32, 32), poll) is None
     assert ops.attention_signal(h, torch.zeros(32, 32)) is None
     x, w = torch.randn(6, 32), torch.randn(32, 32)
     with pytest.raises(InputError, match="after"):
-        ops.linear_deferred_norm(x, w, torch.zeros(6, 32), torch.ones(32), 1e-6, after="flag")
+        ops.linear_deferred_norm(x, w, torch.zeros(6, 32), torch.ones(32), 1e-6, after="flag",
+                                 tune=poll)
     q = torch.randn(1, 1, 2, 8)
     kc = torch.randn(4, 4, 2, 8)
     bt = torch.zeros(1, 2, dtype=torch.int32)
     seq = torch.tensor([3], dtype=torch.int32)
     with pytest.raises(InputError, match="signal"):
-        ops.paged_attention(q, kc, kc.clone(), bt, seq, 1, 0.3, signal=object())
+        ops.paged_attention(q, kc, kc.clone(), bt, seq, 1, 0.3, signal=object(), tune=poll)
     sig = ops.AttnSignal(torch.zeros(2, dtype=torch.int32), target=5)
-    ops.paged_attention(q, kc, kc.clone(), bt, seq, 1, 0.3, signal=sig)
+    ops.paged_attention(q, kc, kc.clone(), bt, seq, 1, 0.3, signal=sig, tune=poll)
     assert sig.target == 0  # off Triton the launch leaves it unarmed

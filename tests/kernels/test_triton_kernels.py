@@ -22,8 +22,14 @@ from kernel_builders import (
     verify_oracle,
 )
 
-from speccal.kernels import ops
+from speccal.kernels import _backend, ops
 from speccal.kernels import reference as ref
+from speccal.kernels.config import (
+    AttentionTuning,
+    GemvOverride,
+    GemvTuning,
+    KernelConfig,
+)
 
 pytestmark = pytest.mark.cuda
 DEV = os.environ.get("SPECCAL_KERNEL_TEST_DEVICE", "cuda")
@@ -72,29 +78,27 @@ def test_paged_attention_dense(dtype, case, splits):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("max_splits, fold, settled", [
-    (1, True, False), (8, True, False), (8, False, False), (8, None, False), (8, True, True),
-    (8, False, True),
+    (1, "on", False), (8, "on", False), (8, "off", False), (8, "auto", False), (8, "on", True),
+    (8, "off", True),
 ])
-def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, settled, monkeypatch):
-    """``fold``: the split kernel's last program merges the splits or a reduce launch does
-    (None: the rule, here a reduce); both zero the unused dense rows and the packed padding rows, and the folded
-    path leaves its arrival counters at zero. ``settled``: the metadata is read before the
-    kernel's PDL wait (``meta_settled``, with the tiling given)."""
-    from speccal.kernels import paged_attention as pa
-
-    monkeypatch.setattr(pa, "FOLD_REDUCE", fold)
+def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, settled):
+    """``fold`` (``AttentionTuning.fold``): the split kernel's last program merges the splits
+    (on) or a reduce launch does (off; auto: the rule, here a reduce); both zero the unused
+    dense rows and the packed padding rows, and the folded path leaves its arrival counters at
+    zero. ``settled``: the metadata is read before the kernel's PDL wait (``meta_settled``,
+    with the tiling given, and ``prewait="on"``: at every row count)."""
+    tune = KernelConfig(attention=AttentionTuning(fold=fold, prewait="on" if settled else "rows"))
     seq_lens, rows = [6, 40, 700, 1500, 3], 6
     q, kc, vc, bt, seq = _attention_case(11, seq_lens, rows, (16, 8), 128, 16, dtype)
     plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=64)
     tiling = None
     if settled:
-        monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "1")
         tiling = (torch.empty_like(seq), torch.empty_like(seq))
-        ops.attention_tiling_update(seq, *tiling, plan)
+        ops.attention_tiling_update(seq, *tiling, plan, tune=tune)
     q_lens = torch.tensor([1, 6, 3, 5, 2], dtype=torch.int32, device=DEV)
     out = torch.full_like(q, float("nan"))
     ops.paged_attention(q, kc, vc, bt, seq, rows, 0.1, q_lens=q_lens, plan=plan, out=out,
-                        backend="triton", tiling=tiling, meta_settled=settled)
+                        backend="triton", tiling=tiling, meta_settled=settled, tune=tune)
     want = ref.paged_attention_ref(q.float(), kc.float(), vc.float(), bt, seq, rows, 0.1,
                                    q_lens=q_lens)
     assert rel_err(out, want) < TOL[dtype]
@@ -105,31 +109,28 @@ def test_paged_attention_ragged_and_packed(dtype, max_splits, fold, settled, mon
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     pout = torch.full_like(packed, float("nan"))
     ops.paged_attention(packed, kc, vc, bt, seq, rows, 0.1, cu_q_lens=cu, plan=plan, out=pout,
-                        backend="triton", tiling=tiling, meta_settled=settled)
+                        backend="triton", tiling=tiling, meta_settled=settled, tune=tune)
     pwant = ref.paged_attention_ref(packed.float(), kc.float(), vc.float(), bt, seq, rows, 0.1,
                                     cu_q_lens=cu)
     assert rel_err(pout, pwant) < TOL[dtype]
     assert torch.equal(pout[-4:], torch.zeros_like(pout[-4:]))
-    from speccal.kernels import _backend
-
     cnt = _backend._ARRIVAL.get(("attention", pout.device))
-    if fold and max_splits > 1:
+    if fold == "on" and max_splits > 1:
         assert cnt is not None and int(cnt.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, spread", [(6, "auto"), (3, "auto"), (1, "1")])
-def test_paged_attention_spread_merge(dtype, rows, spread, monkeypatch):
+@pytest.mark.parametrize("rows, spread", [(6, "auto"), (3, "auto"), (1, "on")])
+def test_paged_attention_spread_merge(dtype, rows, spread):
     """The spread merge (``ops.spread_wanted``: each live split program waits for the others of
     its (request, KV head), then merges some rows): dense with ragged rows and packed with
     padding rows, against the reference and against the reduce launch's output bit for bit
     (same partials, same merge arithmetic), three launches back to back, counters left at
-    zero. A request with one KV row only has one live split: it merges every row itself."""
+    zero. A request with one KV row only has one live split: it merges every row itself.
+    ``spread``: ``AttentionTuning.spread`` (``fold="off"``: these light merges would fold
+    otherwise)."""
     if DEV == "cpu":
         pytest.skip("the spread merge's programs wait for each other: not under the interpreter")
-    from speccal.kernels import _backend
-
-    monkeypatch.setenv("SPECCAL_ATTN_FOLD", "0")  # these light merges would fold otherwise
     seq_lens = [6, 700, 1]
     q, kc, vc, bt, seq = _attention_case(19, seq_lens, rows, (16, 8), 128, 16, dtype)
     plan = ops.SplitPlan(max_splits=4, block_n=64, min_split_len=64)
@@ -141,16 +142,16 @@ def test_paged_attention_spread_merge(dtype, rows, spread, monkeypatch):
     packed = torch.cat([q[b, : lens[b]] for b in range(3)] + [pad])
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
 
-    def run(env):
-        monkeypatch.setenv("SPECCAL_ATTN_SPREAD", env)
+    def run(mode):
+        tune = KernelConfig(attention=AttentionTuning(fold="off", spread=mode))
         dense = []
         for _ in range(3):
             out = torch.full_like(q, float("nan"))
             ops.paged_attention(q, kc, vc, bt, seq, rows, 0.1, q_lens=q_lens, plan=plan,
-                                out=out, backend="triton")
+                                out=out, backend="triton", tune=tune)
             pout = torch.full_like(packed, float("nan"))
             ops.paged_attention(packed, kc, vc, bt, seq, rows, 0.1, cu_q_lens=cu, plan=plan,
-                                out=pout, backend="triton")
+                                out=pout, backend="triton", tune=tune)
             dense.append((out, pout))
         return dense
 
@@ -169,7 +170,7 @@ def test_paged_attention_spread_merge(dtype, rows, spread, monkeypatch):
     assert torch.equal(pout[-2:], torch.zeros_like(pout[-2:]))
     if rows > 1:
         assert torch.equal(out[2, 1:], torch.zeros_like(out[2, 1:]))  # unused dense rows
-    reduce_out, reduce_pout = run("0")[0]
+    reduce_out, reduce_pout = run("off")[0]
     assert torch.equal(out, reduce_out) and torch.equal(pout, reduce_pout)
 
 
@@ -366,15 +367,14 @@ def test_linear_matches_reference(dtype, m, shape):
 @pytest.mark.parametrize("m", [1, 6, 24, 48])
 @pytest.mark.parametrize("k_in", [2048, 6144])
 @pytest.mark.parametrize("scale", ["late", "early"])
-def test_deferred_norm_matches_the_norm_launch(dtype, m, k_in, scale, monkeypatch):
+def test_deferred_norm_matches_the_norm_launch(dtype, m, k_in, scale):
     """The deferred-norm producer (residual add, ``xw = h * w``, per-tile sums of squares) and
     the consumer's row scale against the reference chain residual add -> RMSNorm -> SwiGLU
     GEMV. K 2048: the o projection (split 1, the epilogue); K 6144: the down projection (split
     K, the last program of each column tile reduces; its counters end at zero). The consumer
-    reduces its row scales after its K loop (``late``) or before it (``early``)."""
-    from speccal.kernels import _backend
-
-    monkeypatch.setenv("SPECCAL_DEFER_SCALE", scale)
+    reduces its row scales after its K loop (``late``) or before it (``early``:
+    ``GemvTuning.defer_scale``)."""
+    tune = KernelConfig(gemv=GemvTuning(defer_scale=scale))
     gen = torch.Generator().manual_seed(70 + m)
     n, inter = 2048, 256
     x = torch.randn(m, k_in, generator=gen).to(dtype=dtype, device=DEV)
@@ -383,10 +383,11 @@ def test_deferred_norm_matches_the_norm_launch(dtype, m, k_in, scale, monkeypatc
     w_gu = (torch.randn(2 * inter, n, generator=gen) / math.sqrt(n)).to(dtype=dtype, device=DEV)
     nw = (1 + 0.2 * torch.randn(n, generator=gen)).to(dtype=dtype, device=DEV)
     h1 = h.clone()
-    dn = ops.linear_deferred_norm(x, w_o, h1, nw, 1e-6, backend="triton")
+    dn = ops.linear_deferred_norm(x, w_o, h1, nw, 1e-6, backend="triton", tune=tune)
     assert dn.ss.shape[1] > 1  # the GEMV epilogue wrote per-tile partials (no torch fallback)
     act = torch.full((m, inter), float("nan"), dtype=dtype, device=DEV)
-    ops.linear(dn.xw, w_gu, out=act, epilogue="silu_mul", row_scale=dn, backend="triton")
+    ops.linear(dn.xw, w_gu, out=act, epilogue="silu_mul", row_scale=dn, backend="triton",
+               tune=tune)
     h2 = h.float().clone()
     ref.linear_ref(x.float(), w_o.float(), None, h2)
     want = ref.linear_ref(ref.rms_norm_ref(h2, nw.float(), 1e-6), w_gu.float(), "silu_mul")
@@ -519,19 +520,20 @@ def test_register_panel_matches_reference(dtype, m, shape, block_n):
 
 
 @pytest.mark.parametrize("m", [12, 16, 17, 24, 32])
-def test_register_panel_past_eight_rows(m, monkeypatch):
+def test_register_panel_past_eight_rows(m):
     """The o projection's register panel at 9-16 rows (an M tile of 16) and, under
-    ``SPECCAL_PANEL_MAX_ROWS=32`` (a bench switch), 17-32 rows (two M tiles of 16, ``TWO``): the
-    product, the residual add and the deferred norm's pieces against the reference, through
+    ``GemvTuning(panel_max_rows=32)`` (a bench switch), 17-32 rows (two M tiles of 16, ``TWO``):
+    the product, the residual add and the deferred norm's pieces against the reference, through
     the config the o projection would pick (the interpreter: fp32 at an 8-column panel, 64 KB)."""
     from speccal.kernels import gemv_config as gc
 
-    monkeypatch.setenv("SPECCAL_PANEL_MAX_ROWS", "32")
     width = 8 if DEV == "cpu" else 16
-    monkeypatch.setenv("SPECCAL_GEMV_OVERRIDE", f"2048:2048:32={width}/128/1/8/1/panel")
+    tuning = GemvTuning(panel_max_rows=32, overrides=(
+        GemvOverride.parse(f"2048:2048:32={width}/128/1/8/1/panel"),))
+    tune = KernelConfig(gemv=tuning)
     dtype = torch.float32 if DEV == "cpu" else DTYPES[0]
     n = k = 2048
-    cfg = gc.launch_config(m, n, k, epilogue="residual", element_size=2)
+    cfg = gc.launch_config(m, n, k, epilogue="residual", element_size=2, tuning=tuning)
     assert cfg.panel
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).to(dtype=dtype, device=DEV)
@@ -540,10 +542,11 @@ def test_register_panel_past_eight_rows(m, monkeypatch):
     nw = (1 + 0.2 * torch.randn(n, generator=gen)).to(dtype=dtype, device=DEV)
     want = ref.linear_ref(x.float(), w.float())
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
-    ops.linear(x, w, out=out, config=cfg, backend="triton")
+    ops.linear(x, w, out=out, config=cfg, backend="triton", tune=tune)
     assert rel_err(out, want) < TOL[dtype] / 2
     res = res0.clone()
-    dn = ops.linear_deferred_norm(x, w, res, nw, 1e-6, residual_settled=True, backend="triton")
+    dn = ops.linear_deferred_norm(x, w, res, nw, 1e-6, residual_settled=True, backend="triton",
+                                  tune=tune)
     assert rel_err(res, res0.float() + want) < TOL[dtype]
     assert rel_err(dn.xw, res.float() * nw.float()) < TOL[dtype]
     torch.testing.assert_close(dn.ss.sum(1), res.float().pow(2).sum(1), rtol=1e-4, atol=1e-3)
@@ -604,11 +607,11 @@ def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("max_splits, settled", [(1, False), (8, False), (1, True), (8, True)])
-def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, settled,
-                                                monkeypatch):
+def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, settled):
     """Attention fused with q/k norm + rotary + the new rows' KV write (packed verify rows;
     request 1's six rows straddle a KV split boundary). ``settled``: the metadata, rotary
-    tables and new rows' pages are read before the PDL wait (``meta_settled``)."""
+    tables and new rows' pages are read before the PDL wait (``meta_settled``, and
+    ``prewait="on"``: at every row count)."""
     gen = torch.Generator().manual_seed(11 + max_splits)
     heads, kvh, d, bs = 16, 8, 128, 16
     ctx = [1017, 60, 3]
@@ -630,16 +633,16 @@ def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, sett
     seq_t = torch.tensor(seq, dtype=torch.int32, device=DEV)
     plan = ops.SplitPlan(max_splits=max_splits, block_n=64, min_split_len=16)
     tiling = None
+    tune = KernelConfig(attention=AttentionTuning(prewait="on" if settled else "rows"))
     if settled:
-        monkeypatch.setenv("SPECCAL_ATTN_PREWAIT", "1")
         tiling = (torch.empty_like(seq_t), torch.empty_like(seq_t))
-        ops.attention_tiling_update(seq_t, *tiling, plan)
+        ops.attention_tiling_update(seq_t, *tiling, plan, tune=tune)
     outs = []
     for backend in ("triton", "reference"):
         kc, vc = kc0.clone(), vc0.clone()
         out = ops.paged_attention(q, kc, vc, bt, seq_t, max(rows), d ** -0.5, cu_q_lens=cu,
                                   plan=plan, rope=(k, v, cs, norm), backend=backend,
-                                  tiling=tiling, meta_settled=settled)
+                                  tiling=tiling, meta_settled=settled, tune=tune)
         outs.append((out, kc[1:], vc[1:]))  # block 0: the sentinel (reference pads write it)
     (o1, k1, v1), (o2, k2, v2) = outs
     assert rel_err(o1, o2) < TOL[dtype]
@@ -777,14 +780,17 @@ def test_verify_accept_keys_match_oracle(k, batch, greedy):
 
 @pytest.mark.skipif(DEV == "cpu", reason="the flag handshake needs PDL (a GPU)")
 @pytest.mark.parametrize("rows", [1, 6])
-@pytest.mark.parametrize("max_splits, fold", [(1, "auto"), (8, "1"), (8, "0")])
-def test_attention_signal_lets_the_panel_poll(rows, max_splits, fold, monkeypatch):
-    """``SPECCAL_ATTN_POLL=1``: attention (single split, folded merge, reduce launch) counts its
-    finished pieces in an ``AttnSignal`` and the register-panel o projection polls it instead of
-    its PDL wait: same output bits as the waiting launch, the counters back at zero, and the
-    target the launch's piece count. Repeated launches reuse the counters, also back to back
+@pytest.mark.parametrize("max_splits, fold", [(1, "auto"), (8, "on"), (8, "off")])
+def test_attention_signal_lets_the_panel_poll(rows, max_splits, fold):
+    """``AttentionTuning(poll=True)``: attention (single split, folded merge, reduce launch)
+    counts its finished pieces in an ``AttnSignal`` and the register-panel o projection polls
+    it instead of its PDL wait: same output bits as the waiting launch, the counters back at
+    zero, and the target the launch's piece count. Repeated launches reuse the counters, also back to back
     in a CUDA graph (where the panel's programs do spin while attention runs)."""
-    monkeypatch.setenv("SPECCAL_ATTN_FOLD", fold)
+
+    def tuned(poll):
+        return KernelConfig(attention=AttentionTuning(fold=fold, poll=poll))
+
     gen = torch.Generator().manual_seed(5 + rows + max_splits)
     heads, kvh, d, bs, dtype = 16, 8, 128, 16, torch.bfloat16
     seq = [1000 + rows]
@@ -802,19 +808,19 @@ def test_attention_signal_lets_the_panel_poll(rows, max_splits, fold, monkeypatc
     nw = (1 + 0.1 * torch.randn(heads * d, generator=gen)).to(dtype=dtype, device=DEV)
     h0 = torch.randn(rows, heads * d, generator=gen).to(dtype=dtype, device=DEV)
     results = []
-    for poll in ("0", "1", "1"):
-        monkeypatch.setenv("SPECCAL_ATTN_POLL", poll)
+    for poll in (False, True, True):
+        tune = tuned(poll)
         kc, vc, h = kc0.clone(), vc0.clone(), h0.clone()
-        sig = ops.attention_signal(h, wo)
-        assert (sig is None) == (poll == "0")
+        sig = ops.attention_signal(h, wo, tune)
+        assert (sig is None) == (not poll)
         out = ops.paged_attention(q, kc, vc, bt, seq_t, rows, d ** -0.5, cu_q_lens=cu, plan=plan,
-                                  rope=(k, v, cs, None), signal=sig)
+                                  rope=(k, v, cs, None), signal=sig, tune=tune)
         if sig is not None:
-            expect = (1 * kvh if max_splits == 1 or fold == "1"
+            expect = (1 * kvh if max_splits == 1 or fold == "on"
                       else (rows + rows) * heads)  # reduce grid: rows + packed tail rows
             assert sig.target == expect
         dn = ops.linear_deferred_norm(out.reshape(rows, heads * d), wo, h, nw, 1e-6,
-                                      residual_settled=True, after=sig)
+                                      residual_settled=True, after=sig, tune=tune)
         torch.cuda.synchronize()
         if sig is not None:
             assert sig.counters.tolist() == [0, 0]
@@ -823,17 +829,18 @@ def test_attention_signal_lets_the_panel_poll(rows, max_splits, fold, monkeypatc
         for a, b in zip(results[0], got, strict=True):
             assert torch.equal(a, b)
     graphs = []
-    for poll in ("0", "1"):
-        monkeypatch.setenv("SPECCAL_ATTN_POLL", poll)
+    for poll in (False, True):
+        tune = tuned(poll)
         kc, vc, h = kc0.clone(), vc0.clone(), h0.clone()
 
-        def layer_pairs(kc=kc, vc=vc, h=h):
+        def layer_pairs(kc=kc, vc=vc, h=h, tune=tune):
             for _ in range(6):  # same new rows each time: the KV writes repeat, h accumulates
-                sig = ops.attention_signal(h, wo)
+                sig = ops.attention_signal(h, wo, tune)
                 out = ops.paged_attention(q, kc, vc, bt, seq_t, rows, d ** -0.5, cu_q_lens=cu,
-                                          plan=plan, rope=(k, v, cs, None), signal=sig)
+                                          plan=plan, rope=(k, v, cs, None), signal=sig,
+                                          tune=tune)
                 dn = ops.linear_deferred_norm(out.reshape(rows, heads * d), wo, h, nw, 1e-6,
-                                              residual_settled=True, after=sig)
+                                              residual_settled=True, after=sig, tune=tune)
             return dn
 
         layer_pairs()  # warm (compiles, counters allocated outside the capture)
@@ -845,7 +852,7 @@ def test_attention_signal_lets_the_panel_poll(rows, max_splits, fold, monkeypatc
             g.replay()
         torch.cuda.synchronize()
         graphs.append((h.clone(), dn.xw.clone(), dn.ss.clone()))
-        if poll == "1":
-            assert ops.attention_signal(h, wo).counters.tolist() == [0, 0]
+        if poll:
+            assert ops.attention_signal(h, wo, tune).counters.tolist() == [0, 0]
     for a, b in zip(*graphs, strict=True):
         assert torch.equal(a, b)
