@@ -336,12 +336,18 @@ class KernelConfig:
             raise InputError(f"kernels.{unknown[0]}", data[unknown[0]], f"one of {sorted(top)}")
         kwargs: dict[str, Any] = {k: data[k] for k in ("backend", "prewait") if k in data}
         for name, group in _GROUPS.items():
-            block = dict(data.get(name) or {})
+            raw = data.get(name) or {}
+            if not isinstance(raw, Mapping):
+                raise InputError(f"kernels.{name}", raw, f"an object of {group.__name__} fields")
+            block = dict(raw)
             names = {f.name for f in fields(group)}
             bad = sorted(set(block) - names)
             if bad:
                 raise InputError(f"kernels.{name}.{bad[0]}", block[bad[0]], f"one of {sorted(names)}")
             if name == "gemv" and "overrides" in block:
+                if not isinstance(block["overrides"], (list, tuple)):
+                    raise InputError("kernels.gemv.overrides", block["overrides"],
+                                     f"a list of {GemvOverride.SYNTAX} strings")
                 block["overrides"] = tuple(
                     GemvOverride.parse(o, f"kernels.gemv.overrides[{i}]")
                     for i, o in enumerate(block["overrides"]))
