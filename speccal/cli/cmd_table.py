@@ -19,6 +19,8 @@ from rich.table import Table
 
 from speccal.base.atomic import check_writable, dumps_json, read_json, write_text_atomic
 from speccal.base.errors import InputError
+from speccal.costmodel.report import cost_grid, diff_tables, summary, to_markdown
+from speccal.costmodel.table import load_table
 
 err_console = Console(stderr=True)
 
@@ -29,8 +31,6 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
 
 def fit_report(table, console: Console = err_console) -> None:
     """Print the per-context fit report (points, residual and held-out errors) as Rich tables."""
-    from speccal.costmodel.report import summary
-
     s = summary(table)
     console.print(
         f"[bold]{s['model']}[/] cost table, mode [bold]{s['mode']}[/], draft width "
@@ -147,9 +147,6 @@ def show(
     ] = True,
 ) -> None:
     """Show a table: identity, compatibility, execution path, provenance, fit report, parameters."""
-    from speccal.costmodel.report import summary
-    from speccal.costmodel.table import load_table
-
     table = load_table(table_path)
     s = summary(table)
     if as_json:
@@ -185,8 +182,6 @@ def validate(
     ] = False,
 ) -> None:
     """Validate a table (schema, consistency and, with --expect, compatibility). Exit 2 if refused."""
-    from speccal.costmodel.table import load_table
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         table = load_table(table_path, expect=_read_compat(expect))
@@ -214,8 +209,6 @@ def diff(
     ] = False,
 ) -> None:
     """Compare two tables: metadata fields and costs at grid cells calibrated in both."""
-    from speccal.costmodel.report import diff_tables
-    from speccal.costmodel.table import load_table
 
     d = diff_tables(load_table(a), load_table(b))
     if as_json:
@@ -255,8 +248,6 @@ def export(
     ] = None,
 ) -> None:
     """Export the cost of every captured (Bcap, G) per context interval as CSV or markdown."""
-    from speccal.costmodel.report import cost_grid, to_markdown
-    from speccal.costmodel.table import load_table
 
     if fmt not in ("csv", "markdown"):
         raise InputError("--format", fmt, "csv or markdown")

@@ -149,6 +149,19 @@ def test_the_cli_imports_the_runner_only_inside_its_commands():
     assert _violations(check) == []
 
 
+def test_the_cli_imports_lazily_only_what_needs_torch():
+    """Module-level imports show the graph; a command imports inside its body only the floors
+    (and packages) that bring torch in."""
+
+    def check(name, unit, target, top):
+        torchy = _unit(target) in NEEDS_TORCH or target.split(".")[0] in TORCH_PACKAGES
+        if unit == "cli" and not top and not torchy:
+            return "torch-free: import at module level"
+        return None
+
+    assert _violations(check) == []
+
+
 @pytest.mark.parametrize("unit", ["base", "policy", "live"])
 def test_no_function_level_imports_in_the_floors_that_need_none(unit):
     """Module-level imports show the graph; these floors have no torch to keep out."""
