@@ -26,7 +26,6 @@ table):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import warnings
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from speccal.base.digest import DIGEST_CHARS, canonical_json, json_digest
 from speccal.base.errors import CompatibilityError, InputError
 
 SEMANTIC_FIELDS = (
@@ -61,7 +61,6 @@ UNKNOWN_EXECUTION: dict[str, Any] = {
     "input_update": UNKNOWN,
     "kernels": {"digest": UNKNOWN, "config": None},
 }
-DIGEST_CHARS = 16
 
 
 class SpeccalWarning(UserWarning):
@@ -85,17 +84,12 @@ ABSENT = _Absent()
 # ---------------------------------------------------------------- kernel configuration
 
 
-def canonical_json(value: Any) -> str:
-    """Sorted keys, no whitespace, no NaN: the text :func:`kernel_digest` hashes."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
 def kernel_digest(config: Mapping[str, Any]) -> str:
-    """The digest of a kernel configuration: sha256 of its canonical JSON, first 16 hex chars.
+    """The digest of a kernel configuration (``speccal.base.digest.json_digest``: sha256 of its
+    canonical JSON, first 16 hex chars), the same function ``KernelConfig.digest`` uses.
 
     The runner records ``{"digest": kernel_digest(config), "config": config}``; tables are
-    compared by digest. Tuples hash as the lists JSON writes, so a config hashes the same
-    before and after a JSON round trip.
+    compared by digest.
 
     Raises
     ------
@@ -104,13 +98,7 @@ def kernel_digest(config: Mapping[str, Any]) -> str:
     """
     if not isinstance(config, Mapping):
         raise InputError("kernels.config", type(config).__name__, "a JSON object (dict)")
-    try:
-        text = canonical_json(dict(config))
-    except (TypeError, ValueError) as exc:
-        raise InputError(
-            "kernels.config", str(exc), "a JSON object of finite scalars, lists and objects"
-        ) from None
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:DIGEST_CHARS]
+    return json_digest(dict(config), "kernels.config")
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

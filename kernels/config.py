@@ -16,13 +16,12 @@ the cost-model side may build and print configs without a GPU stack.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from speccal.base.digest import json_digest
 from speccal.base.errors import InputError
 
 __all__ = [
@@ -355,9 +354,9 @@ class KernelConfig:
         return cls(**kwargs)
 
     def digest(self) -> str:
-        """16 hex digits of the SHA-256 of the canonical JSON of :meth:`to_dict`."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        """16 hex digits of the SHA-256 of the canonical JSON of :meth:`to_dict`
+        (``speccal.base.digest.json_digest``, as ``costmodel.compat.kernel_digest``)."""
+        return json_digest(self.to_dict(), "kernels")
 
     def replace(self, **groups: Any) -> KernelConfig:
         """A copy with whole groups or top-level fields replaced."""
