@@ -401,35 +401,31 @@ def bench(
         graph_mode=graph_mode,
         attention_backend=attention_backend,
     )
+    workload = {"num_requests": num_requests, "prompt_len": prompt_len, "max_tokens": max_tokens}
     if policy:
         config = PolicyBenchConfig(
             engine=cfg,
             policies=tuple(t for v in policy for t in v.split(",") if t.strip()),
             cost_table=cost_table,
             phases=_parse_phases(phase),
-            num_requests=num_requests,
-            prompt_len=prompt_len,
-            max_tokens=max_tokens,
             seed=seed,
             repeats=1 if repeats is None else repeats,
             trace_out=trace_out,
+            **workload,
         )
         with _status_bar() as report:
             doc = run_policy_bench(config, on_progress=report)
         doc.pop("runs")  # the TimedRun objects (not JSON)
         _print_policy_bench(_clean(doc), model, as_json)
         return
-    num_k = k if k is not None else draft_width
     with _status_bar() as report:
         res = run_bench(
             cfg,
-            num_requests=num_requests,
-            prompt_len=prompt_len,
-            max_tokens=max_tokens,
-            num_draft_steps=num_k,
+            num_draft_steps=k if k is not None else draft_width,
             repeats=3 if repeats is None else repeats,
             seed=seed,
             on_progress=report,
+            **workload,
         )
     _print_bench(_clean(res), model, as_json)
 
