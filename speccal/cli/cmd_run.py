@@ -123,6 +123,8 @@ def _engine_config(
     graph_mode=None,
     attention_backend=None,
 ):
+    """The ``EngineConfig`` of a command's options (defaults: the path served on ``device``)."""
+    # lazy: the runner imports torch; the CLI starts (and reports a missing torch) without it
     from speccal.runner.device import default_execution_path
     from speccal.runner.engine import EngineConfig
 
