@@ -37,6 +37,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
 
 err_console = Console(stderr=True)
@@ -125,13 +126,13 @@ def _engine_config(
 ):
     """The ``EngineConfig`` of a command's options (defaults: the path served on ``device``)."""
     # lazy: the runner imports torch; the CLI starts (and reports a missing torch) without it
-    from speccal.runner.device import default_execution_path
     from speccal.runner.engine import EngineConfig
+    from speccal.runner.path import served_path
 
-    default_graph, default_attention = default_execution_path(device)
+    served = served_path(device)
     return EngineConfig(
-        graph_mode=graph_mode or default_graph,
-        attention_backend=attention_backend or default_attention,
+        path=served.with_(graph_mode=graph_mode or served.graph_mode,
+                          attention_backend=attention_backend or served.attention_backend),
         model=model,
         device=device,
         dtype=dtype,
@@ -389,6 +390,8 @@ def bench(
         ):
             if given:
                 raise InputError(name, str(given), "only together with --policy")
+    if trace_out is not None:
+        check_writable(trace_out, "--trace-out")  # before the runs, not after them
     cfg = _engine_config(
         model,
         device,
