@@ -30,13 +30,15 @@ batch's mean KV length over its rounds (``mean_kv_length``).
 
 Each finished window becomes one measurement row (columns of ``docs/ARCHITECTURE.md``) appended
 to the journal (fsync) before the next window starts; windows already in the journal are skipped.
+Re-measurement rounds of noisy points (``speccal.calibrate.gate``) call ``drive`` again with
+window indices ``r * windows_per_point + i``; such a window starts where window ``i`` does.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +77,20 @@ class DriveStats:
     transition_s: float
     warmup_s: float
     sampling_s: float
+
+    def plus(self, other: DriveStats) -> DriveStats:
+        """Work of ``self`` and of a later call over (some of) the same points: counts and times
+        add up, the point tallies stay this call's."""
+        return DriveStats(
+            points_total=self.points_total,
+            points_done=self.points_done,
+            points_skipped=self.points_skipped,
+            windows_measured=self.windows_measured + other.windows_measured,
+            rounds=self.rounds + other.rounds,
+            transition_s=self.transition_s + other.transition_s,
+            warmup_s=self.warmup_s + other.warmup_s,
+            sampling_s=self.sampling_s + other.sampling_s,
+        )
 
 
 def mean_measured_rounds(cfg: CalibrationConfig) -> float:
@@ -204,7 +220,9 @@ def drive(
     *,
     device: str,
     vocab_size: int,
-    on_window: Callable[[int, int, GridPoint], None] | None = None,
+    window_indices: Sequence[int] | None = None,
+    on_window: Callable[[GridPoint, int], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> DriveStats:
     """Measure every window of ``points`` not yet in ``journal``.
 
@@ -212,26 +230,30 @@ def drive(
     ----------
     engine : a warmed ``speccal.runner.engine.Engine`` with ``acceptance="forced"``.
     cfg : effective, feasible configuration (``feasibility.check_feasible`` passed).
-    points : the grid (``grid.build_grid(cfg)``).
+    points : the grid (``grid.build_grid(cfg)``), or the noisy points of a re-measure round.
     journal : open journal; finished windows are skipped, new ones appended.
     device : device label stored in each row.
     vocab_size : token ids of the synthetic prompts are drawn from ``[0, vocab_size)``.
-    on_window : ``f(windows_done, points_done, point)`` after each window (progress display).
+    window_indices : the windows to measure of each point, in order (default
+        ``range(windows_per_point)``; a re-measure round ``r`` passes ``range(r * w, (r + 1) * w)``).
+    on_window : ``f(point, window_index)`` after each window (progress display).
+    clock : wall-clock seconds read at window edges (default ``time.perf_counter``; tests
+        inject a fake one).
     """
     from speccal.runner.engine import RoundPlan
     from speccal.runner.sampling import SamplingParams
 
     done = journal.done
     w = cfg.windows_per_point
+    indices = tuple(range(w) if window_indices is None else window_indices)
     max_tokens = reserve_tokens(cfg.warmup_steps, cfg.window_steps, 1, cfg.draft_width)
-    left = {p.key: sum((*p.key, i) not in done for i in range(w)) for p in points}
+    left = {p.key: sum((*p.key, i) not in done for i in indices) for p in points}
     points_done = skipped = sum(n == 0 for n in left.values())
-    windows_done = sum(w - n for n in left.values())
     measured = rounds = 0
     t_transition = t_warmup = t_sampling = 0.0
 
     # Window-major order: window i of every point, then window i + 1 (module docstring).
-    for window_index in range(w):
+    for window_index in indices:
         for point in points:
             if (*point.key, window_index) in done:
                 continue
@@ -239,9 +261,10 @@ def drive(
 
             # Transition: fresh requests whose prompts already hold the tokens a sequential run
             # would have generated before this window; prefilled until the batch decodes.
-            t0 = time.perf_counter()
+            t0 = clock()
             engine.reset()
-            advance = window_index * cfg.window_steps
+            # A re-measured window r * w + i starts where window i does.
+            advance = (window_index % w) * cfg.window_steps
             for prompt in synthetic_prompts(cfg, point, vocab_size, advance_rounds=advance):
                 engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             # Engine.step admits and prefills waiting requests, then runs one round: this first
@@ -250,7 +273,7 @@ def drive(
             rounds += 1
             _check_shape(res, point, "transition")
             engine.synchronize()
-            t1 = time.perf_counter()
+            t1 = clock()
             t_transition += t1 - t0
 
             for _ in range(cfg.warmup_steps):
@@ -258,15 +281,15 @@ def drive(
                 _check_shape(res, point, "warmup")
             rounds += cfg.warmup_steps
             engine.synchronize()
-            t2 = time.perf_counter()
+            t2 = clock()
             t_warmup += t2 - t1
 
             results = []
-            start = time.perf_counter()
+            start = clock()
             for _ in range(cfg.window_steps):
                 results.append(engine.step(plan))
             engine.synchronize()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             rounds += cfg.window_steps
             t_sampling += elapsed
             for res in results:
@@ -276,11 +299,10 @@ def drive(
             )
             journal.append(measurement_row(cfg, point, window_index, elapsed, mean_kv, device))
             measured += 1
-            windows_done += 1
             left[point.key] -= 1
             points_done += left[point.key] == 0
             if on_window is not None:
-                on_window(windows_done, points_done, point)
+                on_window(point, window_index)
     engine.reset()
     return DriveStats(
         points_total=len(points),

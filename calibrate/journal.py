@@ -3,13 +3,16 @@
 Layout (one JSON object per line, sorted keys)::
 
     {"kind": "header", "journal_version": 1, "key": "<sha256>", "config": {...},
-     "geometry": {...}, "compatibility": {...}}
+     "geometry": {...}, "compatibility": {...}, "measurement": {"threads": 1}}
     {"kind": "window", "row": {<one measurement row, see docs/ARCHITECTURE.md>}}
     ...
 
-``key`` hashes the effective calibration config, the captured geometry and the runner's
-compatibility metadata: a journal written by another run (other buckets, width, model, device...)
-is refused at ``--resume`` instead of mixing its windows into this table.
+``key`` hashes the effective calibration config, the captured geometry, the runner's
+compatibility metadata and the measurement conditions (torch's intra-op threads): a journal
+written by another run (other buckets, width, model, device, thread count...) is refused at
+``--resume`` instead of mixing its windows into this table. Re-measured windows of noisy points
+(``speccal.calibrate.gate``) are window lines like any other, with window indices past
+``windows_per_point``.
 
 Durability: the header is written atomically (temp file, fsync, rename, directory fsync); each
 window line is appended, flushed and fsynced before the next window starts. A crash can leave at
@@ -44,15 +47,17 @@ JOURNAL_VERSION = 1
 
 
 def run_key(
-    config: Mapping[str, Any], geometry: Mapping[str, Any], compatibility: Mapping[str, Any]
+    config: Mapping[str, Any],
+    geometry: Mapping[str, Any],
+    compatibility: Mapping[str, Any],
+    measurement: Mapping[str, Any] | None = None,
 ) -> str:
-    """Stable hash of what makes two calibration runs interchangeable."""
-    blob = json.dumps(
-        {"config": config, "geometry": geometry, "compatibility": compatibility},
-        sort_keys=True,
-        separators=(",", ":"),
-        allow_nan=False,
-    )
+    """Stable hash of what makes two calibration runs interchangeable (``measurement``: the
+    conditions that change timings without changing the program, e.g. ``{"threads": 1}``)."""
+    parts: dict[str, Any] = {"config": config, "geometry": geometry, "compatibility": compatibility}
+    if measurement is not None:
+        parts["measurement"] = measurement
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -158,7 +163,8 @@ def open_journal(
     Parameters
     ----------
     path : journal file.
-    header : ``{"config", "geometry", "compatibility"}`` of this run (the key is computed here).
+    header : ``{"config", "geometry", "compatibility"}`` of this run, optionally
+        ``"measurement"`` (the key is computed here).
     resume : keep the finished windows of an existing journal of the same run (duplicates of a
         window dropped, ``Journal.dropped_duplicates``).
     overwrite : without ``resume``, replace an existing journal even if it holds finished windows.
@@ -173,7 +179,9 @@ def open_journal(
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    key = run_key(header["config"], header["geometry"], header["compatibility"])
+    key = run_key(
+        header["config"], header["geometry"], header["compatibility"], header.get("measurement")
+    )
     full_header = {"kind": "header", "journal_version": JOURNAL_VERSION, "key": key, **dict(header)}
     if resume and p.exists() and p.stat().st_size > 0:
         journal = _read(p, key)
@@ -209,8 +217,8 @@ def _read(p: Path, key: str) -> Journal:
             "--journal",
             str(p),
             f"a journal of this same calibration (key {key[:12]})",
-            hint=f"it belongs to another run (key {str(head.get('key'))[:12]}: different config, geometry "
-            "or compatibility); pass --overwrite (without --resume) to replace it or another --journal",
+            hint=f"it belongs to another run (key {str(head.get('key'))[:12]}: different config, geometry, "
+            "compatibility or --threads); pass --overwrite (without --resume) to replace it or another --journal",
         )
     rows = []
     kept_lines = [complete[0]]

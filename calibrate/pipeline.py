@@ -2,29 +2,39 @@
 
 Order (nothing is sampled before every check has passed):
 
-0. check that every output (table, journal, their lock files) can be written
-   (``speccal.base.atomic.check_writable``), take the lock of the outputs for the whole run
-   (``speccal.calibrate.lock``: a second run on the same ``--out`` is refused, naming the
-   holder) and refuse to discard a journal with finished windows unless ``--resume`` or
-   ``--overwrite`` says what to do with it - all before the runner is built, so a bad output
-   path never costs a calibration;
+0. check that every option is usable (thread count, gate bounds) and every output (table,
+   journal, their lock files) can be written (``speccal.base.atomic.check_writable``), take the
+   lock of the outputs for the whole run (``speccal.calibrate.lock``: a second run on the same
+   ``--out`` is refused, naming the holder) and refuse to discard a journal with finished windows
+   unless ``--resume`` or ``--overwrite`` says what to do with it - all before the runner is
+   built, so a bad output path never costs a calibration;
 1. parse the calibration JSON (if any) - bad files fail before the runner is built;
-2. build and warm the runner (``Engine``, forced full acceptance) - timed as ``warmup_capture_s``;
+2. pin torch's intra-op threads (``speccal.calibrate.machine``: one on cpu unless ``--threads``;
+   restored at the end), build and warm the runner (``Engine``, forced full acceptance: model
+   load, kernel compiles, graph capture) - printed and timed as ``compile_capture_s``;
 3. ``--cost-table``: load the table against ``Engine.compatibility()`` (semantic mismatch refused),
    print it and stop: no sampling, no fitting (warmup is not skipped);
-4. resolve the effective configuration against the captured geometry, print it, check
-   feasibility, build the grid;
+4. resolve the effective configuration against the captured geometry and the quality gate's
+   bounds against the device kind (``speccal.calibrate.gate``), print both with the thread
+   count, check feasibility, build the grid;
 5. open the journal (``--resume`` keeps finished windows of the same run, each window once;
-   ``--overwrite`` discards them), drive the grid with a progress bar, appending each window
-   (fsync) - ``sampling_s``;
-6. fit (``speccal.costmodel.table_build.build_table``), print the fit report, write the table atomically
-   at ``--out`` - ``fit_s``. A crash before this leaves the previous table untouched.
+   ``--overwrite`` discards them), read the machine load, drive the grid with a progress display
+   (``speccal.base.progress``: a bar on a terminal, log lines elsewhere), appending each window
+   (fsync), then re-measure the noisy points in at most ``remeasure_rounds`` rounds (appended
+   the same way); print the warm-up (``transition_s`` + ``warmup_s``) and measuring
+   (``sampling_s``) times and the load after;
+6. fit each point's quietest round (``speccal.costmodel.table_build.build_table``), record the
+   gate in ``calibration.quality`` and the timings in ``provenance.timings``, print the fit report
+   and the gate's verdict; refuse (``QualityGateError``, exit 1, the journal kept) a table whose
+   held-out error is beyond the bound unless ``accept_noisy``; write the table atomically at
+   ``--out`` - ``fit_s``. A crash or refusal before this leaves the previous table untouched.
 
 Returns a JSON-able summary (``--json``).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -34,23 +44,34 @@ from typing import Any
 
 import pandas as pd
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError, UnsupportedError
-from speccal.calibrate import lock, report
-from speccal.calibrate.config import UserConfig, parse_config_file, resolve_config
-from speccal.calibrate.driver import drive
+from speccal.base.progress import ProgressReporter
+from speccal.calibrate import lock, machine, report
+from speccal.calibrate.config import (
+    CalibrationConfig,
+    UserConfig,
+    parse_config_file,
+    resolve_config,
+)
+from speccal.calibrate.driver import DriveStats, drive
 from speccal.calibrate.feasibility import check_feasible
-from speccal.calibrate.grid import build_grid
-from speccal.calibrate.journal import check_discard, open_journal
+from speccal.calibrate.gate import (
+    GateConfig,
+    HeldOut,
+    QualityGateError,
+    Selection,
+    check_bounds,
+    held_out,
+    points_to_remeasure,
+    select_windows,
+)
+from speccal.calibrate.grid import GridPoint, build_grid
+from speccal.calibrate.journal import Journal, check_discard, open_journal
+from speccal.costmodel.table import load_table, parse_table, save_table
+from speccal.costmodel.table_build import build_table
+from speccal.costmodel.table_schema import CostTable, Provenance
 
 
 def _invocation() -> str | None:
@@ -68,7 +89,10 @@ class CalibrateOptions:
 
     ``request_buckets`` are the run's captured buckets (engine option); the calibration samples all
     of them unless the config names a subset. ``flags`` are calibration values set by CLI flags
-    (keys of ``speccal.calibrate.config.KEYS``; None = not given).
+    (keys of ``speccal.calibrate.config.KEYS``; None = not given). ``threads`` is torch's
+    intra-op thread count (None: one on cpu, torch's own elsewhere); ``max_spread_pct``,
+    ``max_heldout_pct``, ``remeasure_rounds`` and ``accept_noisy`` set the quality gate (None:
+    the device kind's defaults, ``speccal.calibrate.gate.DEFAULTS``).
     """
 
     model: str = "tiny"
@@ -88,6 +112,11 @@ class CalibrateOptions:
     seed: int = 0
     graph_mode: str | None = None
     attention_backend: str | None = None
+    threads: int | None = None
+    max_spread_pct: float | None = None
+    max_heldout_pct: float | None = None
+    remeasure_rounds: int | None = None
+    accept_noisy: bool = False
 
     @property
     def journal_path(self) -> Path:
@@ -106,10 +135,7 @@ def make_engine(opts: CalibrateOptions) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "torch":
             raise
-        raise UnsupportedError(
-            "speccal calibrate drives the embedded runner, which needs torch: "
-            "install it (pip install torch) or fit measurement rows with speccal fit"
-        ) from None
+        raise UnsupportedError(machine.TORCH_MISSING) from None
 
     kwargs: dict[str, Any] = {
         "model": opts.model,
@@ -137,6 +163,8 @@ def make_engine(opts: CalibrateOptions) -> Any:
 
 def _check_options(opts: CalibrateOptions) -> None:
     """Refuse contradictory options and unwritable outputs before anything is built."""
+    machine.check_threads(opts.threads)
+    check_bounds(opts.max_spread_pct, opts.max_heldout_pct, opts.remeasure_rounds)
     if opts.resume and opts.overwrite:
         raise InputError(
             "--overwrite", True, "not combined with --resume (keep the journal or discard it)"
@@ -176,10 +204,12 @@ def calibrate(
     *,
     console: Console | None = None,
     engine_factory: Callable[[CalibrateOptions], Any] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
     """Run one calibration (or validate a reused table); return the ``--json`` summary.
 
-    ``engine_factory(opts)`` builds the warmed runner (default ``make_engine``).
+    ``engine_factory(opts)`` builds the warmed runner (default ``make_engine``); ``clock`` is
+    the wall clock of the window edges (``speccal.calibrate.driver.drive``).
 
     Raises
     ------
@@ -187,19 +217,22 @@ def calibrate(
         Bad options or config, an unwritable output (``OutputError``), an output locked by
         another run (``lock.OutputLockedError``), a journal with finished windows and neither
         ``resume`` nor ``overwrite``; each before the runner is built.
+    QualityGateError
+        The fitted table's held-out error is beyond ``max_heldout_pct`` and ``accept_noisy`` is
+        not set: no table written, the journal kept (``--resume --accept-noisy`` writes it).
     """
     console = console or Console(stderr=True)
     t_start = time.perf_counter()
     _check_options(opts)
     if opts.cost_table is not None:
-        return _calibrate(opts, console, engine_factory, t_start)
+        return _calibrate(opts, console, engine_factory, t_start, clock)
     held: list[lock.OutputLock] = []
     try:
         for output, field_name in _locked_outputs(opts):
             held.append(lock.acquire(output, field_name, command=_invocation()))
         # Under the lock, so that no other run changes the journal between check and use.
         check_discard(opts.journal_path, resume=opts.resume, overwrite=opts.overwrite)
-        return _calibrate(opts, console, engine_factory, t_start)
+        return _calibrate(opts, console, engine_factory, t_start, clock)
     finally:
         for h in reversed(held):
             h.release()
@@ -210,59 +243,168 @@ def _calibrate(
     console: Console,
     engine_factory: Callable[[CalibrateOptions], Any] | None,
     t_start: float,
+    clock: Callable[[], float],
 ) -> dict[str, Any]:
     """``calibrate`` after the option checks, with the outputs locked."""
-    from speccal.costmodel.table import load_table, save_table
-    from speccal.costmodel.table_build import build_table
-    from speccal.costmodel.table_schema import Provenance
-
     parsed = parse_config_file(opts.config_path) if opts.config_path is not None else None
 
-    t0 = time.perf_counter()
-    engine = (engine_factory or make_engine)(opts)
-    geometry = engine.geometry
-    compat = engine.compatibility()
-    warmup_capture_s = time.perf_counter() - t0
-    description = getattr(engine, "description", opts.model)
-    console.print(
-        f"runner {description} warmed in {warmup_capture_s:.2f} s ({compat.get('graph_mode')} graphs)"
-    )
-
-    if opts.cost_table is not None:
-        table = load_table(
-            opts.cost_table, expect=compat, runtime_versions=engine.runtime_versions()
+    with machine.pin_threads(opts.device, opts.threads) as threads:
+        t0 = time.perf_counter()
+        engine = (engine_factory or make_engine)(opts)
+        geometry = engine.geometry
+        compat = engine.compatibility()
+        compile_capture_s = time.perf_counter() - t0
+        description = getattr(engine, "description", opts.model)
+        console.print(
+            f"compile/capture {compile_capture_s:.1f} s: runner {description} built and warmed "
+            f"({compat.get('graph_mode')} graphs)",
+            soft_wrap=True,
         )
-        report.print_reused_table(console, table, opts.cost_table)
-        return {
-            "status": "reused",
-            "cost_table": str(opts.cost_table),
-            "calibration": table.calibration.model_dump(mode="json"),
-            "compatibility": dict(compat),
-            "geometry": geometry.to_dict(),
-            "timings": {
-                "warmup_capture_s": warmup_capture_s,
-                "total_s": time.perf_counter() - t_start,
-            },
-        }
 
-    flags = dict(opts.flags)
-    if opts.request_buckets is not None and not (
-        parsed and parsed.calibration.request_buckets is not None
-    ):
-        # The captured buckets were chosen on the command line: calibrating all of them is the flag's doing.
-        flags["request_buckets"] = tuple(geometry.request_buckets)
-    cfg = resolve_config(UserConfig.build(parsed, flags), geometry)
-    report.print_effective_config(console, cfg, geometry, compat)
-    check_feasible(cfg, geometry)
-    points = build_grid(cfg)
+        if opts.cost_table is not None:
+            table = load_table(
+                opts.cost_table, expect=compat, runtime_versions=engine.runtime_versions()
+            )
+            report.print_reused_table(console, table, opts.cost_table)
+            return {
+                "status": "reused",
+                "cost_table": str(opts.cost_table),
+                "calibration": table.calibration.model_dump(mode="json"),
+                "compatibility": dict(compat),
+                "geometry": geometry.to_dict(),
+                "timings": {
+                    "compile_capture_s": compile_capture_s,
+                    "total_s": time.perf_counter() - t_start,
+                },
+            }
 
+        flags = dict(opts.flags)
+        if opts.request_buckets is not None and not (
+            parsed and parsed.calibration.request_buckets is not None
+        ):
+            # The captured buckets were chosen on the command line: calibrating all of them is the flag's doing.
+            flags["request_buckets"] = tuple(geometry.request_buckets)
+        cfg = resolve_config(UserConfig.build(parsed, flags), geometry)
+        kind = str(compat["device"]["kind"])
+        gate = GateConfig.resolve(
+            kind,
+            max_spread_pct=opts.max_spread_pct,
+            max_heldout_pct=opts.max_heldout_pct,
+            remeasure_rounds=opts.remeasure_rounds,
+            accept_noisy=opts.accept_noisy,
+        )
+        report.print_effective_config(console, cfg, geometry, compat, threads, gate)
+        check_feasible(cfg, geometry)
+        points = build_grid(cfg)
+        measured = _measure(
+            opts, console, engine, cfg, geometry, compat, points, threads, gate, clock
+        )
+
+    stats, journal, selection = measured.stats, measured.journal, measured.selection
+    t_fit = time.perf_counter()
+    versions = engine.runtime_versions()
+    timings = {
+        "compile_capture_s": compile_capture_s,
+        "transition_s": stats.transition_s,
+        "warmup_s": stats.warmup_s,
+        "sampling_s": stats.sampling_s,
+    }
+    table = build_table(
+        pd.DataFrame(selection.rows),
+        model=cfg.model,
+        compatibility=compat,
+        calibration={
+            **cfg.to_dict(),
+            "sources": {**cfg.sources, "threads": threads.source},
+            "threads": threads.threads,
+        },
+        geometry=geometry,
+        provenance=Provenance.now(
+            command=_invocation(),
+            timings=timings,
+            torch_version=versions["torch_version"],
+            driver_version=versions["driver_version"],
+        ),
+    )
+    held = held_out(table)
+    passed = held.passes(gate)
+    quality = {
+        **report.gate_dict(gate),
+        "model": table.model,
+        "heldout_pct": held.pct,
+        "window_spread_pct_max": selection.spread_max_pct,
+        "passed": passed,
+        "override_used": not passed and gate.accept_noisy,
+        "flagged_points": [q.to_dict() for q in selection.flagged],
+        "remeasured_windows": measured.remeasured_windows,
+        "load": machine.load_record(opts.device, measured.load_before, measured.load_after),
+        "sources": dict(gate.sources),
+    }
+    table = with_quality(table, quality)
+    fit_s = time.perf_counter() - t_fit
+    report.print_fit_report(console, table)
+    report.print_gate(console, quality, selection, held)
+    refused = not passed and not gate.accept_noisy
+    summary = {
+        "status": "refused" if refused else "calibrated",
+        "out": None if refused else str(opts.out),
+        "journal": str(opts.journal_path),
+        "points_total": stats.points_total,
+        "points_done": stats.points_done,
+        "points_resumed": stats.points_skipped,
+        "windows": len(selection.rows),
+        "windows_journal": len(journal.rows),
+        "windows_measured": stats.windows_measured,
+        "journal_duplicates_dropped": journal.dropped_duplicates,
+        "rounds": stats.rounds,
+        "effective_config": report.effective_config_dict(cfg, geometry, compat, threads, gate),
+        "fit": report.fit_summary(table),
+        "quality": quality,
+        "timings": {**timings, "fit_s": fit_s, "total_s": time.perf_counter() - t_start},
+    }
+    if refused:
+        raise QualityGateError(
+            _refusal(opts, held, gate, kind, measured.load_after), summary=summary
+        )
+    save_table(table, opts.out)  # --out was checked writable before the runner was built
+    console.print(f"wrote {opts.out} ({stats.points_done}/{stats.points_total} points)")
+    return summary
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What the measuring phase of ``_calibrate`` hands to the fit."""
+
+    stats: DriveStats
+    journal: Journal
+    selection: Selection
+    remeasured_windows: int
+    load_before: dict[str, Any]
+    load_after: dict[str, Any]
+
+
+def _measure(
+    opts: CalibrateOptions,
+    console: Console,
+    engine: Any,
+    cfg: CalibrationConfig,
+    geometry: Any,
+    compat: Mapping[str, Any],
+    points: tuple[GridPoint, ...],
+    threads: machine.ThreadPin,
+    gate: GateConfig,
+    clock: Callable[[], float],
+) -> _Measured:
+    """Open the journal, drive the grid, re-measure noisy points; pick the windows to fit."""
     header = {
         "config": cfg.to_dict(),
         "geometry": geometry.to_dict(),
         "compatibility": dict(compat),
+        "measurement": {"threads": threads.threads},
     }
     device_label = f"{compat['device']['kind']}:{compat['device']['name']}"
     vocab_size = _vocab_size(engine)
+    w = cfg.windows_per_point
     with open_journal(
         opts.journal_path, header, resume=opts.resume, overwrite=opts.overwrite
     ) as journal:
@@ -280,25 +422,34 @@ def _calibrate(
                 + (f" ({'; '.join(notes)})" if notes else "")
             )
         report.print_grid(console, points, cfg, len(journal.rows))
-        total_windows = len(points) * cfg.windows_per_point
-        with _progress(console, opts.progress) as progress:
-            task = progress.add_task(
-                "calibrating",
-                total=total_windows,
-                completed=len(journal.done & _all_windows(points, cfg.windows_per_point)),
-                points=sum(
-                    all((*p.key, i) in journal.done for i in range(cfg.windows_per_point))
-                    for p in points
-                ),
-                points_total=len(points),
-            )
+        load_before = machine.load_sample(opts.device)
+        note = "[bold yellow]busy[/]: expect noisy windows; " if machine.busy(load_before) else ""
+        console.print(
+            f"machine {machine.describe_load(load_before)} before measuring; {note}"
+            f"torch intra-op threads {threads.threads}",
+            soft_wrap=True,
+        )
+        base = _all_windows(points, w)
+        left = {p.key: sum((*p.key, i) not in journal.done for i in range(w)) for p in points}
+        with ProgressReporter(
+            "calibrate",
+            console=console,
+            total=len(base),
+            completed=len(journal.done & base),
+            unit="windows",
+            enabled=opts.progress,
+        ) as progress:
+            points_done = sum(n == 0 for n in left.values())
 
-            def on_window(windows_done: int, points_done: int, point) -> None:
+            def on_window(point: GridPoint, window_index: int) -> None:
+                nonlocal points_done
+                if window_index < w:
+                    left[point.key] -= 1
+                    points_done += left[point.key] == 0
                 progress.update(
-                    task,
-                    completed=windows_done,
-                    points=points_done,
-                    description=f"Bcap={point.bcap} G={point.g} k={point.k}",
+                    advance=1,
+                    detail=f"points {points_done}/{len(points)}, "
+                    f"Bcap={point.bcap} G={point.g} k={point.k}",
                 )
 
             stats = drive(
@@ -309,50 +460,70 @@ def _calibrate(
                 device=device_label,
                 vocab_size=vocab_size,
                 on_window=on_window,
+                clock=clock,
             )
-            progress.update(task, points=stats.points_done)
-        rows = pd.DataFrame(journal.rows)
-
-    t_fit = time.perf_counter()
-    versions = engine.runtime_versions()
-    table = build_table(
-        rows,
-        model=cfg.model,
-        compatibility=compat,
-        calibration={**cfg.to_dict(), "sources": dict(cfg.sources)},
-        geometry=geometry,
-        provenance=Provenance.now(
-            command=_invocation(),
-            torch_version=versions["torch_version"],
-            driver_version=versions["driver_version"],
-        ),
+            for r in range(1, gate.remeasure_rounds + 1):
+                due = points_to_remeasure(journal.rows, points, w, r, gate)
+                if not due:
+                    break
+                indices = range(r * w, (r + 1) * w)
+                todo = sum((*p.key, i) not in journal.done for p in due for i in indices)
+                report.print_remeasure(console, r, gate, due)
+                progress.update(
+                    total=(progress.total or 0) + todo,
+                    phase=f"re-measure {r}/{gate.remeasure_rounds}",
+                )
+                more = drive(
+                    engine,
+                    cfg,
+                    due,
+                    journal,
+                    device=device_label,
+                    vocab_size=vocab_size,
+                    window_indices=indices,
+                    on_window=on_window,
+                    clock=clock,
+                )
+                stats = stats.plus(more)
+        load_after = machine.load_sample(opts.device)
+        console.print(
+            f"warm-up {stats.transition_s + stats.warmup_s:.1f} s (prefill and first round of each "
+            f"window {stats.transition_s:.1f} s, warm-up rounds {stats.warmup_s:.1f} s), "
+            f"measuring {stats.sampling_s:.1f} s ({stats.windows_measured} windows); "
+            f"machine {machine.describe_load(load_after)} after",
+            soft_wrap=True,
+        )
+        selection = select_windows(journal.rows, points, w, gate)
+    return _Measured(
+        stats=stats,
+        journal=journal,
+        selection=selection,
+        # Every re-measured window of the journal, a resumed run's earlier ones included.
+        remeasured_windows=sum(int(r["window_index"]) >= w for r in journal.rows),
+        load_before=load_before,
+        load_after=load_after,
     )
-    fit_s = time.perf_counter() - t_fit
-    report.print_fit_report(console, table)
-    save_table(table, opts.out)  # --out was checked writable before the runner was built
-    console.print(f"wrote {opts.out} ({stats.points_done}/{stats.points_total} points)")
-    return {
-        "status": "calibrated",
-        "out": str(opts.out),
-        "journal": str(opts.journal_path),
-        "points_total": stats.points_total,
-        "points_done": stats.points_done,
-        "points_resumed": stats.points_skipped,
-        "windows": len(rows),
-        "windows_measured": stats.windows_measured,
-        "journal_duplicates_dropped": journal.dropped_duplicates,
-        "rounds": stats.rounds,
-        "effective_config": report.effective_config_dict(cfg, geometry, compat),
-        "fit": report.fit_summary(table),
-        "timings": {
-            "warmup_capture_s": warmup_capture_s,
-            "transition_s": stats.transition_s,
-            "warmup_s": stats.warmup_s,
-            "sampling_s": stats.sampling_s,
-            "fit_s": fit_s,
-            "total_s": time.perf_counter() - t_start,
-        },
-    }
+
+
+def with_quality(table: CostTable, quality: Mapping[str, Any]) -> CostTable:
+    """``table`` with ``calibration.quality`` set, validated like a table read from disk."""
+    doc = table.to_json_dict()
+    doc["calibration"]["quality"] = json.loads(json.dumps(dict(quality), allow_nan=False))
+    return parse_table(json.dumps(doc, allow_nan=False), source="calibration quality")
+
+
+def _refusal(
+    opts: CalibrateOptions, held: HeldOut, gate: GateConfig, kind: str, load: dict[str, Any]
+) -> str:
+    """The one-line message of a :class:`QualityGateError`."""
+    where = f" in context {held.context_index}" if held.context_index else ""
+    return (
+        f"quality gate: held-out error {held.pct:.1f} % (leave-one-point-out mean{where}) is "
+        f"beyond the {gate.max_heldout_pct:g} % bound on {kind}, so {opts.out} was not written; "
+        f"the journal {opts.journal_path} keeps every window: rerun with --resume --accept-noisy "
+        "to write this table anyway (recorded in it), or with --overwrite on a quieter machine "
+        f"(seen: {machine.describe_load(load)}), or raise --max-heldout-pct"
+    )
 
 
 def _all_windows(points, windows_per_point: int) -> set:
@@ -361,18 +532,3 @@ def _all_windows(points, windows_per_point: int) -> set:
 
 def _vocab_size(engine: Any) -> int:
     return int(engine.loaded.config.vocab_size)
-
-
-def _progress(console: Console, enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("windows, points {task.fields[points]}/{task.fields[points_total]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not enabled,
-        transient=False,
-    )

@@ -1,5 +1,8 @@
 """Human-readable calibration output (Rich, on stderr): the effective configuration with the
-source of every value and the captured graph geometry, the grid, and the reuse of a saved table.
+source of every value (the calibration keys, torch's thread count and the quality gate's bounds)
+and the captured graph geometry, the grid, the fit report, the quality gate's verdict, and the
+reuse of a saved table. Every table prints through ``speccal.base.rich_tables.print_table``, so
+it stays legible at 80 columns.
 
 Also builds the plain-dict form of the effective configuration used by ``--json``.
 """
@@ -13,9 +16,12 @@ from rich.console import Console
 from rich.table import Table
 
 from speccal.base.geometry import Geometry
+from speccal.base.rich_tables import print_table
 from speccal.calibrate.config import KEYS, CalibrationConfig
 from speccal.calibrate.driver import calibrated_kv_length
+from speccal.calibrate.gate import GateConfig, HeldOut, Selection, describe_point
 from speccal.calibrate.grid import GridPoint
+from speccal.calibrate.machine import ThreadPin
 
 
 def _value(cfg: CalibrationConfig, key: str) -> str:
@@ -32,23 +38,52 @@ def _value(cfg: CalibrationConfig, key: str) -> str:
     return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
+def gate_dict(gate: GateConfig) -> dict[str, Any]:
+    """The quality gate's bounds as JSON."""
+    return {
+        "max_spread_pct": gate.max_spread_pct,
+        "max_heldout_pct": gate.max_heldout_pct,
+        "remeasure_rounds": gate.remeasure_rounds,
+        "accept_noisy": gate.accept_noisy,
+        "heldout_metric": "leave_one_point_out.mean_abs_pct",
+    }
+
+
 def effective_config_dict(
-    cfg: CalibrationConfig, geometry: Geometry, compatibility: Mapping[str, Any]
+    cfg: CalibrationConfig,
+    geometry: Geometry,
+    compatibility: Mapping[str, Any],
+    threads: ThreadPin | None = None,
+    gate: GateConfig | None = None,
 ) -> dict:
-    """``{"config": ..., "sources": ..., "notes": ..., "geometry": ..., "graph_mode": ...}``."""
+    """``{"config", "sources", "notes", "geometry", "graph_mode", "threads", "gate"}``
+    (``sources`` also names where ``threads`` and each gate bound came from)."""
+    sources = dict(cfg.sources)
+    if threads is not None:
+        sources["threads"] = threads.source
+    if gate is not None:
+        sources.update({f"gate.{k}": v for k, v in gate.sources.items()})
     return {
         "config": cfg.to_dict(),
-        "sources": dict(cfg.sources),
+        "sources": sources,
         "notes": dict(cfg.notes),
         "geometry": geometry.to_dict(),
         "graph_mode": compatibility.get("graph_mode"),
+        "threads": None if threads is None else threads.threads,
+        "gate": None if gate is None else gate_dict(gate),
     }
 
 
 def print_effective_config(
-    console: Console, cfg: CalibrationConfig, geometry: Geometry, compatibility: Mapping[str, Any]
+    console: Console,
+    cfg: CalibrationConfig,
+    geometry: Geometry,
+    compatibility: Mapping[str, Any],
+    threads: ThreadPin | None = None,
+    gate: GateConfig | None = None,
 ) -> None:
-    """Print every effective value with its source, then the captured graph geometry."""
+    """Print every effective value with its source (calibration keys, then torch's intra-op
+    threads and the quality gate), then the captured graph geometry."""
     t = Table(title="effective calibration configuration", title_justify="left")
     t.add_column("key", style="bold")
     t.add_column("value", overflow="fold")
@@ -57,7 +92,30 @@ def print_effective_config(
         source = cfg.sources.get(key, "default")
         note = cfg.notes.get(key)
         t.add_row(key, _value(cfg, key), source + (f" ({note})" if note else ""))
-    console.print(t)
+    if threads is not None:
+        t.add_row("threads", str(threads.threads), threads.note())
+    if gate is not None:
+        for key in ("max_spread_pct", "remeasure_rounds", "max_heldout_pct", "accept_noisy"):
+            value = getattr(gate, key)
+            t.add_row(
+                f"gate.{key}",
+                f"{value:g}" if isinstance(value, float) else str(value),
+                gate.sources.get(key, "default"),
+            )
+    print_table(console, t)
+    if gate is not None:
+        console.print(
+            f"quality gate: a point whose windows spread more than {gate.max_spread_pct:g} % "
+            f"((max - min) / median) is re-measured, at most {gate.remeasure_rounds} more "
+            f"round(s); a table whose leave-one-point-out error exceeds {gate.max_heldout_pct:g} % "
+            "is not written"
+            + (
+                " unless --accept-noisy (given)"
+                if gate.accept_noisy
+                else " (--accept-noisy to write it anyway)"
+            ),
+            soft_wrap=True,
+        )
     print_geometry(console, geometry, compatibility)
 
 
@@ -83,7 +141,7 @@ def print_geometry(console: Console, geometry: Geometry, compatibility: Mapping[
         f"{model.get('architecture')} {model.get('dtype')} ({str(model.get('fingerprint'))[:12]})",
     )
     g.add_row("device", f"{device.get('kind')} {device.get('name')}")
-    console.print(g)
+    print_table(console, g)
 
 
 def print_grid(
@@ -138,7 +196,7 @@ def print_fit_report(console: Console, table: Any) -> None:
                 _fmt(p.lopo_ms),
                 _fmt(p.logo_ms),
             )
-        console.print(t)
+        print_table(console, t)
         for name, e in (
             ("residuals", d.residuals),
             ("leave-one-point-out", d.leave_one_point_out),
@@ -186,3 +244,53 @@ def print_reused_table(console: Console, table: Any, path: Any) -> None:
             f"{_fmt(fit.diagnostics.leave_one_point_out.mae_ms)} ms"
         )
     console.print("  sampling and fitting skipped; compatibility checked against this run")
+
+
+def print_remeasure(console: Console, round_index: int, gate: GateConfig, due: tuple) -> None:
+    """One line before a re-measure round: which points, and why."""
+    shown = ", ".join(f"Bcap={p.bcap} G={p.g} k={p.k}" for p in due[:8])
+    more = f" and {len(due) - 8} more" if len(due) > 8 else ""
+    console.print(
+        f"re-measuring {len(due)} noisy point(s) (window spread above {gate.max_spread_pct:g} %), "
+        f"round {round_index} of at most {gate.remeasure_rounds}: {shown}{more}",
+        soft_wrap=True,
+    )
+
+
+def print_gate(
+    console: Console, quality: Mapping[str, Any], selection: Selection, held: HeldOut
+) -> None:
+    """The quality gate's verdict: spreads, re-measured points, load, held-out error."""
+    spread = quality["window_spread_pct_max"]
+    bound = quality["max_spread_pct"]
+    spread_text = (
+        "not measurable (one window per point)"
+        if spread is None
+        else f"max {spread:.1f} % (bound {bound:g} %)"
+    )
+    console.print(
+        f"quality gate: window spread {spread_text}; {len(selection.flagged)} point(s) flagged, "
+        f"{quality['remeasured_windows']} window(s) re-measured",
+        soft_wrap=True,
+    )
+    for q in selection.flagged:
+        state = "still noisy" if q.noisy else "kept round " + str(q.kept_round)
+        console.print(f"  {describe_point(q)} ({state})", soft_wrap=True)
+    if held.pct is None:
+        verdict = (
+            "not evaluable: no point can be held out on this grid (each is the only evidence "
+            "for a level); only the window spread was checked"
+        )
+    else:
+        where = f", context {held.context_index}" if held.context_index else ""
+        verdict = (
+            f"{held.pct:.1f} % (leave-one-point-out mean{where}; bound "
+            f"{quality['max_heldout_pct']:g} %): "
+        )
+        if quality["passed"]:
+            verdict += "passed"
+        elif quality["override_used"]:
+            verdict += "[bold yellow]beyond the bound[/], written because of --accept-noisy (recorded in the table)"
+        else:
+            verdict += "[bold red]beyond the bound[/]"
+    console.print(f"quality gate: held-out error {verdict}", soft_wrap=True)

@@ -9,7 +9,9 @@ older versions) is ``speccal.costmodel.table``. The document (JSON Schema commit
     {"schema_version": 2,
      "calibration": {...effective config: model, draft_width, mode, request_buckets,
                      target_graph_rows, contexts, warmup_steps, window_steps,
-                     windows_per_point, token_seed, policy, sources},
+                     windows_per_point, token_seed, policy, sources, threads,
+                     quality: {gate bounds, held-out error seen, flagged and re-measured
+                               points, machine load, override used} | null},
      "compatibility": {...see speccal.costmodel.compat: identity, topology and the measured
                        program: graph_mode, attention_backend, input_update, kernels},
      "geometry": {...speccal.base.geometry.Geometry.to_dict()},
@@ -19,7 +21,8 @@ older versions) is ``speccal.costmodel.table``. The document (JSON Schema commit
                "windows": [raw measured windows, so the table can be refitted],
                "diagnostics": {residuals, leave_one_point_out, leave_one_g_out, points}}],
      "provenance": {speccal_version, created, command, python_version, torch_version,
-                    driver_version, migrated_from}}
+                    driver_version, migrated_from,
+                    timings: {compile_capture_s, transition_s, warmup_s, sampling_s} | null}}
 
 Costs are in milliseconds per full step. Every number is finite (``allow_inf_nan=False``) and
 every measured quantity physical: the additive bias (the cost of the reference cell) is not
@@ -72,12 +75,64 @@ class PolicyConfig(_Strict):
     switch_min_gain: float = Field(default=0.05, ge=0.0)
 
 
+class LoadBlock(_Strict):
+    """The machine load a calibration saw (``speccal.calibrate.machine``); None = unknown."""
+
+    cpu_count: int | None = Field(default=None, ge=1)
+    affinity_cpus: int | None = Field(default=None, ge=1)
+    loadavg_before: list[Annotated[float, Field(ge=0)]] | None = None  # 1, 5, 15 min
+    loadavg_after: list[Annotated[float, Field(ge=0)]] | None = None
+    gpu_utilization_pct_before: float | None = Field(default=None, ge=0, le=100)
+    gpu_utilization_pct_after: float | None = Field(default=None, ge=0, le=100)
+
+
+class PointSpread(_Strict):
+    """One point the quality gate flagged: the window spread of each of its rounds."""
+
+    context_index: int = Field(ge=0)
+    bcap: int = Field(ge=1)
+    g: int = Field(ge=1)
+    k: int = Field(ge=0)
+    spread_pct: list[Annotated[float, Field(ge=0)] | None]  # per round; round 0 = first windows
+    kept_round: int = Field(ge=0)  # the round whose windows the fit uses
+    noisy: bool  # the kept round is still above max_spread_pct
+
+
+class QualityBlock(_Strict):
+    """The quality gate of the calibration run (``speccal.calibrate.gate``).
+
+    Bounds (``max_spread_pct``: (max - min) / median of a round of windows; ``max_heldout_pct``:
+    ``heldout_metric`` of the fit), what was seen (``heldout_pct`` of ``model``, the worst context;
+    None when no point could be held out), ``window_spread_pct_max`` (the largest spread among
+    the rounds the fit uses), the points flagged noisy with their re-measurements, the machine
+    load, and whether the table was written past the bound because the user said so
+    (``override_used``; ``accept_noisy`` is the flag as given).
+    """
+
+    max_spread_pct: float = Field(gt=0)
+    max_heldout_pct: float = Field(gt=0)
+    remeasure_rounds: int = Field(ge=0)
+    heldout_metric: Literal["leave_one_point_out.mean_abs_pct"] = "leave_one_point_out.mean_abs_pct"
+    model: Literal["additive", "sps"]
+    heldout_pct: float | None = Field(default=None, ge=0)
+    window_spread_pct_max: float | None = Field(default=None, ge=0)
+    passed: bool
+    accept_noisy: bool = False
+    override_used: bool = False
+    flagged_points: list[PointSpread] = Field(default_factory=list)
+    remeasured_windows: int = Field(default=0, ge=0)
+    load: LoadBlock = Field(default_factory=LoadBlock)
+    sources: dict[str, str] = Field(default_factory=dict)
+
+
 class CalibrationConfig(_Strict):
     """The effective calibration config a table was measured with (defaults filled in).
 
     ``sources`` maps each key to where its value came from (free-form; ``speccal.calibrate``
     writes ``default``/``file``/``flag``/``run``; a table built from bare rows writes
-    ``default``, ``measurements``, ``compatibility`` or ``caller``).
+    ``default``, ``measurements``, ``compatibility`` or ``caller``). ``threads`` is torch's
+    intra-op thread count during measurement and ``quality`` the run's quality gate, both None
+    for a table no calibration run measured (a bare fit, a migrated older table).
     """
 
     model: Literal["additive", "sps"] = "additive"
@@ -92,6 +147,8 @@ class CalibrationConfig(_Strict):
     token_seed: int = 1
     policy: PolicyConfig | None = None
     sources: dict[str, str] = Field(default_factory=dict)
+    threads: int | None = Field(default=None, ge=1)
+    quality: QualityBlock | None = None
 
 
 class GeometryBlock(_Strict):
@@ -191,6 +248,21 @@ class ContextFit(_Strict):
         return (self.additive or self.sps).bcap_levels
 
 
+class TimingsBlock(_Strict):
+    """Wall time of the calibrating process, in s (a resumed run's earlier windows not included).
+
+    ``compile_capture_s``: building the runner (model load, kernel compiles, graph capture and
+    their warm-up forwards); ``transition_s``: each window's prefill and first round;
+    ``warmup_s``: the warm-up rounds before each window; ``sampling_s``: the timed windows,
+    re-measured ones included.
+    """
+
+    compile_capture_s: float = Field(ge=0)
+    transition_s: float = Field(ge=0)
+    warmup_s: float = Field(ge=0)
+    sampling_s: float = Field(ge=0)
+
+
 class Provenance(_Strict):
     speccal_version: str
     created: str
@@ -199,10 +271,17 @@ class Provenance(_Strict):
     torch_version: str | None = None
     driver_version: str | None = None
     migrated_from: str | None = None
+    timings: TimingsBlock | None = None  # a calibration run's; None for a bare fit
 
     @classmethod
-    def now(cls, command: str | None = None, **versions: str | None) -> Provenance:
-        """Provenance of a table built now by this process (torch version only if imported)."""
+    def now(
+        cls,
+        command: str | None = None,
+        timings: TimingsBlock | dict[str, float] | None = None,
+        **versions: str | None,
+    ) -> Provenance:
+        """Provenance of a table built now by this process (torch version only if imported);
+        ``timings``: a calibration run's (:class:`TimingsBlock`)."""
         torch = sys.modules.get("torch")
         return cls(
             speccal_version=__version__,
@@ -211,6 +290,7 @@ class Provenance(_Strict):
             python_version=platform.python_version(),
             torch_version=versions.pop("torch_version", None)
             or getattr(torch, "__version__", None),
+            timings=timings,
             **versions,
         )
 

@@ -11,7 +11,8 @@ Inputs a reader brings themselves are provided here: ``measurements.csv`` (rows 
 additive truth, ``speccal.costmodel.synthetic``) and ``compat.json`` (the running config's
 compatibility; here the shipped table's own). ``speccal calibrate`` commands that sample get a
 smaller grid (``--warmup-steps 1 --window-steps 4 --windows-per-point 1``): the same code path,
-a fraction of the rounds. Pipes and redirections are refused in examples, so every line stays
+a fraction of the rounds; such short windows on a shared CI box are noisy, so they also get
+``--accept-noisy`` (the quality gate would refuse the table, ``speccal.calibrate.gate``). Pipes and redirections are refused in examples, so every line stays
 runnable as shown.
 """
 
@@ -33,7 +34,15 @@ from speccal.costmodel.table import load_table
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"COLUMNS": "120", "NO_COLOR": "1"}
-FAST_CALIBRATION = ["--warmup-steps", "1", "--window-steps", "4", "--windows-per-point", "1"]
+FAST_CALIBRATION = [
+    "--warmup-steps",
+    "1",
+    "--window-steps",
+    "4",
+    "--windows-per-point",
+    "1",
+    "--accept-noisy",
+]
 FENCE = re.compile(r"^```bash[ \t]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 

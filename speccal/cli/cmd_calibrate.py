@@ -1,7 +1,9 @@
 """CLI command ``speccal calibrate``: parse options, call ``speccal.calibrate.pipeline.calibrate``.
 
-Human output (effective configuration, progress, fit report) goes to stderr through Rich;
-``--json`` prints the summary on stdout. Domain errors propagate to ``speccal.cli`` (exit 2).
+Human output (effective configuration, progress, fit report, quality gate) goes to stderr
+through Rich (progress as log lines when stderr is not a terminal); ``--json`` prints the summary
+on stdout. Domain errors propagate to ``speccal.cli``: exit 2 for bad input, 1 when the quality
+gate refuses the table (``speccal.calibrate.gate``).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def register(app: typer.Typer) -> None:
         config: Annotated[
             Path | None,
             typer.Option(
-                "--config", help="Calibration JSON (either xLLM shape; every part optional)."
+                "--config", help='Calibration JSON, every key optional: model, draft_width, request_buckets, target_graph_rows, contexts [{prefill_tokens, min_kv_length, max_kv_length}], warmup_steps, window_steps, windows_per_point, token_seed; or those keys under "calibration" next to "policy" {window_size, update_interval, switch_min_gain} (the adaptive-draft-step file: the two config shapes of the xLLM engine).'
             ),
         ] = None,
         out: Annotated[
@@ -135,11 +137,53 @@ def register(app: typer.Typer) -> None:
                 "torch elsewhere.",
             ),
         ] = None,
+        threads: Annotated[
+            int | None,
+            typer.Option(
+                "--threads",
+                help="torch intra-op threads while measuring (recorded in the table). Default: 1 "
+                "on cpu (default threads made identical CPU runs 3-295 ms apart on a busy "
+                "2-core machine), torch's own count on cuda/npu.",
+            ),
+        ] = None,
+        max_spread_pct: Annotated[
+            float | None,
+            typer.Option(
+                "--max-spread-pct",
+                help="Quality gate: a point whose windows spread more than this "
+                "((max - min) / median, %) is re-measured. Default: 10 on cpu, 3 on cuda/npu.",
+            ),
+        ] = None,
+        remeasure_rounds: Annotated[
+            int | None,
+            typer.Option(
+                "--remeasure-rounds",
+                help="Quality gate: extra rounds of windows a noisy point gets, at most "
+                "(0-5; default 2). The fit uses each point's quietest round.",
+            ),
+        ] = None,
+        max_heldout_pct: Annotated[
+            float | None,
+            typer.Option(
+                "--max-heldout-pct",
+                help="Quality gate: no table is written when its leave-one-point-out mean error "
+                "exceeds this (%). Default: 10 on cpu, 5 on cuda/npu.",
+            ),
+        ] = None,
+        accept_noisy: Annotated[
+            bool,
+            typer.Option(
+                "--accept-noisy",
+                help="Write the table even beyond --max-heldout-pct (the table records the "
+                "override); with --resume, without measuring again.",
+            ),
+        ] = False,
         as_json: Annotated[
             bool, typer.Option("--json", help="Print the summary as JSON on stdout.")
         ] = False,
     ) -> None:
         """Warm the runner, sample the calibration grid, fit and write a cost table."""
+        from speccal.calibrate.gate import QualityGateError
         from speccal.calibrate.pipeline import CalibrateOptions, calibrate
 
         opts = CalibrateOptions(
@@ -157,6 +201,11 @@ def register(app: typer.Typer) -> None:
             cost_table=cost_table,
             graph_mode=graph_mode,
             attention_backend=attention_backend,
+            threads=threads,
+            max_spread_pct=max_spread_pct,
+            max_heldout_pct=max_heldout_pct,
+            remeasure_rounds=remeasure_rounds,
+            accept_noisy=accept_noisy,
             flags={
                 "mode": mode,
                 "warmup_steps": warmup_steps,
@@ -166,6 +215,10 @@ def register(app: typer.Typer) -> None:
         )
         try:
             summary = calibrate(opts)
+        except QualityGateError as exc:
+            if as_json:  # the refused run's numbers, then the one-line error (exit 1)
+                typer.echo(json.dumps(exc.summary, sort_keys=True, allow_nan=False))
+            raise
         except KeyboardInterrupt:
             _err.print(
                 "[bold red]interrupted[/]: finished windows are in the journal; rerun with --resume"

@@ -35,7 +35,10 @@ def _cfg(tmp_path, small_config, engine_factory, **over):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
     out = tmp_path / "t.json"
-    opts = CalibrateOptions(config_path=path, out=out, progress=False)
+    # The quality gate off (test_gate.py tests it): a noisy CI box must not change the windows.
+    opts = CalibrateOptions(
+        config_path=path, out=out, progress=False, remeasure_rounds=0, accept_noisy=True
+    )
     calibrate(opts, console=Console(quiet=True), engine_factory=engine_factory)
     lines = [json.loads(x) for x in opts.journal_path.read_text().splitlines()]
     rows = [x["row"] for x in lines if x.get("kind") == "window"]

@@ -1,0 +1,339 @@
+"""The quality gate of every calibration: noisy points re-measured, a noisy table refused.
+
+A table whose prediction moves by more than the gains it arbitrates is worse than none, and a
+calibration on a busy machine looks like any other unless something checks it (on a busy 2-core
+machine one default CPU calibration had windows of one point from 46 to 467 ms, leave-one-point-out
+errors above 100 %, and still wrote its table). The gate has three parts.
+
+**Noisy points** (while measuring). A point's windows are measured in *rounds* of
+``windows_per_point`` windows; round 0 is the calibration's own windows, round ``r >= 1`` a
+re-measurement. The *spread* of a round is ``(max - min) / median`` of its windows' step times,
+in % (one number per round, the statistic the fit report's ``spread ms`` shows in ms). A round is
+noisy when its spread exceeds ``max_spread_pct``. Chosen over a robust MAD rule because with the
+default three windows a MAD is the median of two deviations and says little, while a max/min
+spread is what a user compares against ("within 3 %"); it needs >= 2 windows (with one window
+per point nothing is flagged, and the record says the spread was not measurable).
+
+**Re-measurement** (bounded). After every point has its round 0, a point whose rounds so far are
+all noisy gets one more round, up to ``remeasure_rounds`` extra rounds. Round ``r``'s windows
+take window indices ``r * windows_per_point + i`` (``i`` = 0..w-1), so every window keeps a unique
+identity in the journal ((mode, context, Bcap, G, k, window index)); window ``r * w + i`` starts at
+the KV lengths of window ``i`` (``speccal.calibrate.driver``). Whether round ``r`` is due is a
+function of the journal's rows only (:func:`points_to_remeasure`), so ``--resume`` continues the
+same plan. The fit uses each point's quietest complete round (the smallest spread, the earliest
+on a tie): noise on a shared host only slows rounds down, and mixing a slow stretch into a quiet
+one would move the median. The other rounds stay in the journal, and their spreads in the
+table's quality record.
+
+**Refusal** (after the fit). The held-out error gated is the leave-one-point-out mean absolute
+error in % of the measured cost (``diagnostics.leave_one_point_out.mean_abs_pct``), the worst over
+the context intervals. Beyond ``max_heldout_pct`` the table is not written (the journal keeps
+every window, so ``--resume --accept-noisy`` writes it without measuring again) unless
+``accept_noisy`` is set, which the table then records as an override. A grid where no point can
+be held out (each point the only evidence for one of its levels) has no held-out error: the gate
+then passes on it and says so.
+
+Default bounds, per device kind (``DEFAULTS``): CPU windows of the tiny preset spread 1-20 % on
+a quiet 2-core host (``tables/tiny-cpu.json``) with a held-out error of 4.4 %, so CPU allows 10 %
+spread and 10 % held-out; a GPU's rounds are steadier (H200 target: spread <= 3 %, held-out
+<= 2-3 %), so cuda and npu allow 3 % spread and 5 % held-out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from speccal.base.errors import InputError, SpeccalError
+from speccal.calibrate.grid import GridPoint
+
+#: Default bounds per device kind: (max_spread_pct, max_heldout_pct).
+DEFAULTS = {"cpu": (10.0, 10.0), "cuda": (3.0, 5.0), "npu": (3.0, 5.0)}
+DEFAULT_REMEASURE_ROUNDS = 2
+#: The most re-measure rounds a run may ask for ("a bounded number of times").
+MAX_REMEASURE_ROUNDS = 5
+#: The held-out statistic the gate compares with ``max_heldout_pct``.
+HELDOUT_METRIC = "leave_one_point_out.mean_abs_pct"
+
+
+class QualityGateError(SpeccalError):
+    """The fitted table's held-out error is beyond the gate's bound (no table written).
+
+    A runtime outcome, not bad input: exit status 1. The message says how to write the table
+    anyway (``--resume --accept-noisy``) or measure again.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, summary: Mapping[str, Any] | None = None):
+        super().__init__(message)
+        #: the run's ``--json`` summary (``status: refused``), for callers that print it anyway
+        self.summary = dict(summary or {})
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """Bounds of the quality gate (validated on construction).
+
+    Attributes
+    ----------
+    max_spread_pct : a round of windows whose (max - min) / median exceeds this is noisy.
+    max_heldout_pct : the most leave-one-point-out mean absolute error (%) a written table has.
+    remeasure_rounds : extra rounds of windows a noisy point gets, at most.
+    accept_noisy : write the table even beyond ``max_heldout_pct`` (recorded as an override).
+    sources : per field, ``default`` (with the device kind) or ``flag``.
+    """
+
+    max_spread_pct: float
+    max_heldout_pct: float
+    remeasure_rounds: int = DEFAULT_REMEASURE_ROUNDS
+    accept_noisy: bool = False
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_bounds(self.max_spread_pct, self.max_heldout_pct, self.remeasure_rounds)
+
+    @classmethod
+    def resolve(
+        cls,
+        device_kind: str,
+        *,
+        max_spread_pct: float | None = None,
+        max_heldout_pct: float | None = None,
+        remeasure_rounds: int | None = None,
+        accept_noisy: bool = False,
+    ) -> GateConfig:
+        """The gate of a run on ``device_kind``: flags where given, else ``DEFAULTS``."""
+        spread, heldout = DEFAULTS.get(device_kind, DEFAULTS["cuda"])
+        default = f"default ({device_kind})"
+        return cls(
+            max_spread_pct=spread if max_spread_pct is None else float(max_spread_pct),
+            max_heldout_pct=heldout if max_heldout_pct is None else float(max_heldout_pct),
+            remeasure_rounds=(
+                DEFAULT_REMEASURE_ROUNDS if remeasure_rounds is None else int(remeasure_rounds)
+            ),
+            accept_noisy=bool(accept_noisy),
+            sources={
+                "max_spread_pct": default if max_spread_pct is None else "flag",
+                "max_heldout_pct": default if max_heldout_pct is None else "flag",
+                "remeasure_rounds": "default" if remeasure_rounds is None else "flag",
+                "accept_noisy": "flag" if accept_noisy else "default",
+            },
+        )
+
+
+def check_bounds(
+    max_spread_pct: float | None, max_heldout_pct: float | None, remeasure_rounds: int | None
+) -> None:
+    """Refuse gate bounds no run can use (None: not given), naming the flag.
+
+    Raises
+    ------
+    InputError
+        A bound that is not a finite number > 0, or re-measure rounds outside
+        ``0..MAX_REMEASURE_ROUNDS``.
+    """
+    for name, value in (
+        ("--max-spread-pct", max_spread_pct),
+        ("--max-heldout-pct", max_heldout_pct),
+    ):
+        if value is not None and not (
+            isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+        ):
+            raise InputError(name, value, "a finite percentage > 0, e.g. 10")
+    if remeasure_rounds is not None and not (
+        isinstance(remeasure_rounds, int) and 0 <= remeasure_rounds <= MAX_REMEASURE_ROUNDS
+    ):
+        raise InputError(
+            "--remeasure-rounds", remeasure_rounds, f"an integer in 0..{MAX_REMEASURE_ROUNDS}"
+        )
+
+
+# ------------------------------------------------------------------------- spread and rounds
+
+
+def spread_pct(step_ms: Sequence[float]) -> float | None:
+    """``(max - min) / median`` of ``step_ms`` in %; None with fewer than two windows."""
+    if len(step_ms) < 2:
+        return None
+    x = np.asarray(step_ms, dtype=float)
+    return float(100.0 * (x.max() - x.min()) / np.median(x))
+
+
+def _point_key(row: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    return (int(row["context_index"]), int(row["bcap"]), int(row["g"]), int(row["k"]))
+
+
+def rounds_of(
+    rows: Iterable[Mapping[str, Any]], windows_per_point: int
+) -> dict[tuple[int, int, int, int], dict[int, dict[int, Mapping[str, Any]]]]:
+    """``{point key: {round: {window index: row}}}`` (round = window index // w)."""
+    out: dict[tuple[int, int, int, int], dict[int, dict[int, Mapping[str, Any]]]] = {}
+    for row in rows:
+        wi = int(row["window_index"])
+        rnd = out.setdefault(_point_key(row), {}).setdefault(wi // windows_per_point, {})
+        rnd[wi] = row
+    return out
+
+
+def round_spreads(
+    rounds: Mapping[int, Mapping[int, Mapping[str, Any]]], windows_per_point: int
+) -> dict[int, float | None]:
+    """Spread (%) of every complete round of one point, in round order."""
+    return {
+        r: spread_pct([float(row["step_ms"]) for _, row in sorted(windows.items())])
+        for r, windows in sorted(rounds.items())
+        if len(windows) == windows_per_point
+    }
+
+
+def is_noisy(spread: float | None, gate: GateConfig) -> bool:
+    """A round is noisy when its spread is known and above the bound."""
+    return spread is not None and spread > gate.max_spread_pct
+
+
+def points_to_remeasure(
+    rows: Iterable[Mapping[str, Any]],
+    points: Sequence[GridPoint],
+    windows_per_point: int,
+    round_index: int,
+    gate: GateConfig,
+) -> tuple[GridPoint, ...]:
+    """The points whose round ``round_index`` (>= 1) is due: rounds ``0 .. round_index - 1`` are
+    all complete and all noisy. A function of the journal's rows only (module docstring)."""
+    if round_index < 1 or round_index > gate.remeasure_rounds:
+        return ()
+    by_point = rounds_of(rows, windows_per_point)
+    due = []
+    for p in points:
+        spreads = round_spreads(by_point.get(p.key, {}), windows_per_point)
+        earlier = [r for r in range(round_index) if r in spreads]
+        if len(earlier) == round_index and all(is_noisy(spreads[r], gate) for r in earlier):
+            due.append(p)
+    return tuple(due)
+
+
+@dataclass(frozen=True)
+class PointQuality:
+    """The rounds of one point and the round the fit uses."""
+
+    point: GridPoint
+    spreads: tuple[float | None, ...]  # per complete round, in round order
+    kept_round: int
+    noisy: bool  # the kept round is still above the bound
+
+    @property
+    def kept_spread(self) -> float | None:
+        return self.spreads[self.kept_round]
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.point
+        return {
+            "context_index": p.context_index,
+            "bcap": p.bcap,
+            "g": p.g,
+            "k": p.k,
+            "spread_pct": list(self.spreads),
+            "kept_round": self.kept_round,
+            "noisy": self.noisy,
+        }
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The windows the fit uses (each point's quietest complete round) and every point's record."""
+
+    rows: list[dict[str, Any]]
+    points: tuple[PointQuality, ...]
+
+    @property
+    def flagged(self) -> tuple[PointQuality, ...]:
+        """Points whose first round was noisy (re-measured or not)."""
+        return tuple(q for q in self.points if len(q.spreads) > 1 or q.noisy)
+
+    @property
+    def noisy(self) -> tuple[PointQuality, ...]:
+        """Points still above the spread bound in the round the fit uses."""
+        return tuple(q for q in self.points if q.noisy)
+
+    @property
+    def spread_max_pct(self) -> float | None:
+        """The largest spread among the kept rounds (None when none is measurable)."""
+        known = [q.kept_spread for q in self.points if q.kept_spread is not None]
+        return max(known) if known else None
+
+
+def select_windows(
+    rows: Iterable[Mapping[str, Any]],
+    points: Sequence[GridPoint],
+    windows_per_point: int,
+    gate: GateConfig,
+) -> Selection:
+    """Each point's quietest complete round (module docstring).
+
+    A point without any complete round (an interrupted run is never fitted, so only rows of a
+    journal edited by hand) keeps all of its windows.
+    """
+    by_point = rounds_of(rows, windows_per_point)
+    kept: list[dict[str, Any]] = []
+    records = []
+    for p in points:
+        rounds = by_point.get(p.key, {})
+        spreads = round_spreads(rounds, windows_per_point)
+        if not spreads:
+            kept.extend(dict(r) for w in rounds.values() for r in w.values())
+            continue
+        # Complete rounds are 0 .. n-1: a round is only due after every earlier one completed.
+        best = min(spreads, key=lambda r: (math.inf if spreads[r] is None else spreads[r], r))
+        kept.extend(dict(row) for _, row in sorted(rounds[best].items()))
+        records.append(
+            PointQuality(
+                point=p,
+                spreads=tuple(spreads[r] for r in sorted(spreads)),
+                kept_round=best,
+                noisy=is_noisy(spreads[best], gate),
+            )
+        )
+    kept.sort(key=lambda r: (int(r["window_index"]), _point_key(r)))
+    return Selection(rows=kept, points=tuple(records))
+
+
+# ------------------------------------------------------------------------- held-out error
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The gated held-out error of a table: the worst context's LOPO mean absolute error."""
+
+    pct: float | None  # None: no point could be held out in any context
+    context_index: int | None
+    n_evaluated: int
+
+    def passes(self, gate: GateConfig) -> bool:
+        return self.pct is None or self.pct <= gate.max_heldout_pct
+
+
+def held_out(table: Any) -> HeldOut:
+    """:class:`HeldOut` of a ``CostTable`` (its fits' ``diagnostics.leave_one_point_out``)."""
+    worst: tuple[float, int] | None = None
+    n = 0
+    for fit in table.fits:
+        e = fit.diagnostics.leave_one_point_out
+        n += e.n_evaluated
+        if e.mean_abs_pct is not None and (worst is None or e.mean_abs_pct > worst[0]):
+            worst = (float(e.mean_abs_pct), fit.context_index)
+    if worst is None:
+        return HeldOut(pct=None, context_index=None, n_evaluated=n)
+    return HeldOut(pct=worst[0], context_index=worst[1], n_evaluated=n)
+
+
+def describe_point(q: PointQuality) -> str:
+    """``Bcap=2 G=4 k=3: 23.1 % -> 2.0 %`` (spread of every round)."""
+    p = q.point
+    spreads = " -> ".join("n/a" if s is None else f"{s:.1f} %" for s in q.spreads)
+    ctx = f"context {p.context_index} " if p.context_index else ""
+    return f"{ctx}Bcap={p.bcap} G={p.g} k={p.k}: {spreads}"
