@@ -51,13 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=None, help="also write the result JSON here")
     args = ap.parse_args(argv)
 
-    import torch
     from rich.console import Console
 
     from speccal.calibrate.pipeline import CalibrateOptions, calibrate
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     buckets = (
         tuple(int(b) for b in args.request_buckets.split(",")) if args.request_buckets else None
     )
@@ -69,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             draft_width=args.draft_width,
             request_buckets=buckets,
             out=Path(tmp) / "table.json",
+            threads=args.threads,  # calibrate pins (default: 1 on cpu) and restores them
         )
         factory = None
         if args.graph_mode or args.attention_backend:
@@ -95,14 +93,14 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copyfile(Path(tmp) / "table.json", args.table_out)
     t = summary["timings"]
     result = {
-        "warmup_capture_s": t["warmup_capture_s"],
+        "warmup_capture_s": t["compile_capture_s"],
         "sampling_s": t["transition_s"] + t["warmup_s"] + t["sampling_s"],
         "windows_s": t["sampling_s"],
         "fit_s": t["fit_s"],
         "total_s": t["total_s"],
         "points": summary["points_done"],
         "rounds": summary["rounds"],
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": summary["effective_config"]["threads"],
         "geometry": summary["effective_config"]["geometry"],
         "contexts": summary["effective_config"]["config"]["contexts"],
         "heldout_lopo": summary["fit"][0]["leave_one_point_out"],
@@ -114,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = args.device.split(":")[0]
         metric = args.metric or f"calibration_wall_s_{Path(args.model).name}_{kind}"
         default_label = (
-            f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+            f"cpu ({os.cpu_count()} cores, {result['torch_threads']} torch threads)"
             if kind == "cpu"
             else args.device
         )
