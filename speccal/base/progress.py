@@ -8,7 +8,9 @@ lines instead, one per event worth a line::
     calibrate: 0/57 windows, 0 %
     calibrate: 6/57 windows, 11 %, 4 s elapsed, ETA 34 s (points 2/19, Bcap=2 G=4 k=3)
     ...
-    calibrate: 57/57 windows, 100 %, 38 s elapsed
+    calibrate: re-measure 1/2, 57/63 windows, 90 %, 38 s elapsed, ETA 4 s (...)
+    calibrate: re-measure 1/2, 63/63 windows, 100 %, 42 s elapsed
+    bench: live fixed:1 (1/3)
 
 Cadence of the log lines (``ProgressReporter``): a start line for counted work; then a line
 whenever the completed count crosses the next ``percent_step`` (10 %) of the total, whenever
@@ -75,6 +77,7 @@ class ProgressReporter:
     total : count at completion, or None.
     completed : count already done at start (a resumed calibration).
     unit : name of the counted things (``windows``, ``tokens``, ``rounds``); "" for none.
+    phase : the stage the work starts in (see :meth:`update`).
     enabled : False shows nothing at all.
     transient : live mode only: remove the bar at the end (log lines are never removed).
     live : force the live bar (True) or log lines (False); default :func:`is_live`.
@@ -90,6 +93,7 @@ class ProgressReporter:
         total: int | None = None,
         completed: int = 0,
         unit: str = "",
+        phase: str | None = None,
         enabled: bool = True,
         transient: bool = False,
         live: bool | None = None,
@@ -108,7 +112,7 @@ class ProgressReporter:
         self.interval_s = interval_s
         self.percent_step = percent_step
         self.clock = clock
-        self.phase: str | None = None
+        self.phase = phase
         self.detail: str | None = None
         self.lines: list[str] = []  # log lines printed (log mode), for callers and tests
         self._start_completed = completed
@@ -211,8 +215,7 @@ class ProgressReporter:
         """The log line of the current state."""
         now = self.clock() if now is None else now
         elapsed = now - self._t0
-        parts = []
-        head = self.label + (f" {self.phase}" if self.phase else "")
+        parts = [self.phase] if self.phase else []
         if self.total is not None:
             pct = self._percent() or 0.0
             parts.append(f"{self.completed}/{self.total}" + (f" {self.unit}" if self.unit else ""))
@@ -224,7 +227,7 @@ class ProgressReporter:
         eta = self._eta(elapsed)
         if eta is not None:
             parts.append(f"ETA {format_seconds(eta)}")
-        text = f"{head}: {', '.join(parts)}" if parts else head
+        text = f"{self.label}: {', '.join(parts)}" if parts else self.label
         return text + (f" ({self.detail})" if self.detail else "")
 
     def _emit(self, now: float | None = None) -> None:

@@ -18,11 +18,12 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
+from speccal.base.progress import ProgressReporter
+from speccal.base.rich_tables import print_table
 from speccal.costmodel.table import load_table
 from speccal.plots_replay import write_plots
 from speccal.plots_table import table_title
@@ -92,7 +93,7 @@ def _print_report(d: dict[str, Any]) -> None:
             str(p["switches"]),
             _num(p.get("gain_vs_best_fixed_pct"), "+.2f"),
         )
-    err_console.print(t)
+    print_table(err_console, t)
     err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}")
 
 
@@ -207,17 +208,8 @@ def replay_cmd(
     )
 
     check_replayable(tr, cost, specs)
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-    ) as prog:
-        task = prog.add_task("replay", total=None)
-        report = replay(
-            tr, cost, cfg, on_step=lambda s: prog.update(task, description=f"replay: {s}")
-        )
+    with ProgressReporter("replay", console=err_console, transient=True) as prog:
+        report = replay(tr, cost, cfg, on_step=lambda s: prog.update(phase=s))
     d = report.to_dict()
     d["table"] = {
         "path": str(table) if table else None,
@@ -404,7 +396,7 @@ def _record(
     rids = [
         eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts
     ]
-    with _progress("recording rounds") as (prog, task):
+    with _progress("recording rounds", "rounds") as prog:
         while eng.has_unfinished():
             res = eng.step(RoundPlan(num_draft_steps=w))
             for rid, toks in zip(res.request_ids, res.emitted, strict=True):
@@ -413,7 +405,7 @@ def _record(
                 if rid not in res.request_ids:
                     outputs.setdefault(rid, []).append(tok)
             rounds.add(res.k, res.accepted, res.draft_scores, res.kv_lengths)
-            prog.advance(task)
+            prog.update(advance=1)
     if kind == "rounds":
         return rounds.build(meta), None
     # Drafting from every position t: a request whose prompt is prompt + y[:t] prefills y[t] and
@@ -422,7 +414,7 @@ def _record(
     tokens = TokenTraceBuilder(w)
     jobs = [(i, t) for i, rid in enumerate(rids) for t in range(len(outputs[rid]) - 1)]
     cap = max(buckets)
-    with _progress("drafting from every position") as (prog, task):
+    with _progress("drafting from every position", "positions", total=len(jobs)) as prog:
         for j0 in range(0, len(jobs), cap):
             batch = jobs[j0 : j0 + cap]
             ids = {}
@@ -438,30 +430,16 @@ def _record(
                 i, t = ids[rid]
                 tokens.add(i, t, prompt_len + t + 1, int(res.accepted[b]), res.draft_scores[b])
             eng.reset()
-            prog.advance(task, len(batch))
+            prog.update(advance=len(batch))
     meta["round_trace_rounds"] = len(rounds)
     return tokens.build(meta), rounds.build({**meta, "round_trace_rounds": len(rounds)})
 
 
-class _progress:
-    """Rich progress bar on stderr as a context manager yielding ``(progress, task)``."""
-
-    def __init__(self, label: str):
-        self.prog = Progress(
-            SpinnerColumn(),
-            TextColumn(label),
-            TextColumn("{task.completed}"),
-            TimeElapsedColumn(),
-            console=err_console,
-            transient=True,
-        )
-
-    def __enter__(self):
-        self.prog.__enter__()
-        return self.prog, self.prog.add_task("", total=None)
-
-    def __exit__(self, *exc):
-        return self.prog.__exit__(*exc)
+def _progress(phase: str, unit: str, total: int | None = None) -> ProgressReporter:
+    """The trace recording's progress on stderr (a bar on a terminal, log lines elsewhere)."""
+    return ProgressReporter(
+        "trace", console=err_console, total=total, unit=unit, phase=phase, transient=True
+    )
 
 
 def register(app: typer.Typer) -> None:

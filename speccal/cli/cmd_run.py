@@ -34,11 +34,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
+from speccal.base.progress import ProgressReporter
+from speccal.base.rich_tables import print_table
 
 err_console = Console(stderr=True)
 
@@ -247,16 +248,14 @@ def generate(
     num_k = 0 if plain else (k if k is not None else draft_width)
     if engine.is_random_weights:
         err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}", soft_wrap=True)
-    with Progress(
-        TextColumn("generate"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
+    with ProgressReporter(
+        "generate",
         console=err_console,
+        total=max_tokens * len(prompts),
+        unit="tokens",
         transient=True,
     ) as bar:
-        task = bar.add_task("tokens", total=max_tokens * len(prompts))
-        outs = run_generate(engine, prompts, params, num_k, on_step=lambda n: bar.advance(task, n))
+        outs = run_generate(engine, prompts, params, num_k, on_step=lambda n: bar.update(advance=n))
     results = []
     for p, o in zip(prompts, outs, strict=True):
         item = {"prompt_ids": p, "output_ids": o}
@@ -464,7 +463,7 @@ def _print_bench(res: dict, model: str, as_json: bool) -> None:
             "-" if acc is None else f"{acc:.3f}",
             "-" if mal is None else f"{mal:.3f}",
         )
-    err_console.print(table)
+    print_table(err_console, table)
     err_console.print(
         f"speed-up {res['speedup']:.2f}x tokens/s, {res['tpot_speedup']:.2f}x TPOT; "
         f"outputs equal: {res['outputs_equal']}"
@@ -498,12 +497,10 @@ def _parse_phases(values: list[str] | None) -> tuple:
 
 @contextmanager
 def _status_bar() -> Iterator[Callable[[str], None]]:
-    """A transient Rich status line on stderr; yields ``report(message)``."""
-    with Progress(
-        TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True
-    ) as bar:
-        task = bar.add_task("loading")
-        yield lambda msg: bar.update(task, description=msg)
+    """A transient status line on stderr (log lines when it is not a terminal); yields
+    ``report(message)``."""
+    with ProgressReporter("bench", console=err_console, transient=True) as bar:
+        yield lambda msg: bar.update(phase=msg)
 
 
 def _print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
@@ -553,7 +550,7 @@ def _print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
             _fmt(pred, ".1f"),
             *([_fmt((s.get("replay") or {}).get("error_pct"), ".1f")] if repeats > 1 else []),
         )
-    err_console.print(table)
+    print_table(err_console, table)
     if repeats > 1:
         err_console.print(
             "run order (" + doc["order"]["scheme"] + "): " + " ".join(doc["order"]["sequence"]),

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from speccal.base.atomic import check_writable, dumps_json, read_json, write_text_atomic
 from speccal.base.errors import InputError
+from speccal.base.rich_tables import print_table
 from speccal.costmodel.report import cost_grid, diff_tables, summary, to_markdown
 from speccal.costmodel.table import load_table
 
@@ -70,7 +71,7 @@ def fit_report(table, console: Console = err_console) -> None:
                 _fmt(e["mean_abs_pct"], ".2f"),
                 _fmt(e["max_abs_pct"], ".2f"),
             )
-    console.print(t)
+    print_table(console, t)
     for f in s["fits"]:
         cells = f.get("nonpositive_cells") or []
         if cells:
@@ -109,7 +110,7 @@ def _params_tables(table, console: Console) -> None:
                 t.add_column(col, justify="right")
             for g, c in zip(p.g_levels, p.cost_ms, strict=True):
                 t.add_row(str(g), f"{c:.4f}", f"{1000.0 / c:.1f}")
-        console.print(t)
+        print_table(console, t)
 
 
 def _execution_table(path: dict[str, Any], console: Console) -> None:
@@ -124,7 +125,7 @@ def _execution_table(path: dict[str, Any], console: Console) -> None:
         t.add_row("kernels", "unknown (not recorded)")
     for key, value in (config or {}).items():
         t.add_row(f"kernels.{key}", json.dumps(value))
-    console.print(t)
+    print_table(console, t)
 
 
 def _echo_json(obj: Any) -> None:
@@ -221,7 +222,7 @@ def diff(
             t.add_column(col, overflow="fold")
         for m in d["metadata"]:
             t.add_row(m["field"], json.dumps(m["a"]), json.dumps(m["b"]))
-        err_console.print(t)
+        print_table(err_console, t)
     t = Table(title="cost at common cells (ms)", title_justify="left")
     for col in ("context", "Bcap", "G", "a", "b", "delta", "delta %"):
         t.add_column(col, justify="right")
@@ -233,7 +234,7 @@ def diff(
             f"{c['delta_ms']:+.4f}",
             f"{c['delta_pct']:+.2f}",
         )
-    err_console.print(t)
+    print_table(err_console, t)
     err_console.print(
         f"{len(d['metadata'])} metadata difference(s); {len(d['costs'])} common cells, max |delta| "
         f"{_fmt(d['max_abs_delta_pct'], '.2f')}%; only in a: {d['only_in_a']}, only in b: {d['only_in_b']}"

@@ -10,6 +10,7 @@ purpose. The n-th window measured of a point (counted from its transition) gets
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from speccal.base.geometry import Geometry
+from speccal.calibrate.pipeline import calibrate
 from speccal.costmodel.compat import make_compatibility
 
 #: An exactly additive truth (ms): bias + alpha(Bcap) + theta(G).
@@ -134,12 +136,23 @@ class FakeEngine:
         return FakeResult(bcap, bcap, g, plan.num_draft_steps, list(self._kv))
 
 
-def factory(clock: FakeClock, **kw):
-    """``engine_factory`` for ``calibrate``; ``factory.last`` is the engine it built."""
+def fake(**kw):
+    """``engine_factory`` for ``calibrate`` building a ``FakeEngine(**kw)``: ``.last`` is the
+    engine it built, ``.clock`` the clock to pass as ``calibrate(clock=...)``."""
+    clock = FakeClock()
 
     def make(opts):
         make.last = FakeEngine(clock, device_kind=opts.device.split(":")[0], **kw)
         return make.last
 
     make.last = None
+    make.clock = clock
     return make
+
+
+def patch_cli(monkeypatch, make) -> None:
+    """``speccal calibrate`` (the CLI) on the fake engine ``make`` and its clock."""
+    monkeypatch.setattr(
+        "speccal.calibrate.pipeline.calibrate",
+        functools.partial(calibrate, engine_factory=make, clock=make.clock),
+    )

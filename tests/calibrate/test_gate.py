@@ -5,7 +5,6 @@ compile/capture and warm-up times are reported and recorded."""
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 
@@ -25,7 +24,7 @@ from speccal.calibrate.grid import GridPoint
 from speccal.calibrate.pipeline import CalibrateOptions, calibrate
 from speccal.cli import app
 from speccal.costmodel.table import load_table
-from tests.calibrate.fakes import CONFIG, POINTS, STEPS_PER_WINDOW, FakeClock, factory
+from tests.calibrate.fakes import CONFIG, POINTS, STEPS_PER_WINDOW, fake, patch_cli
 
 W = CONFIG["windows_per_point"]
 
@@ -42,21 +41,6 @@ def run(tmp_path, cfg_path, make, *, console=None, **kw):
     opts = CalibrateOptions(config_path=cfg_path, out=tmp_path / "t.json", **kw)
     console = console or Console(stderr=True, quiet=True)
     return calibrate(opts, console=console, engine_factory=make, clock=make.clock)
-
-
-def fake(**kw):
-    clock = FakeClock()
-    make = factory(clock, **kw)
-    make.clock = clock
-    return make
-
-
-def patch_cli(monkeypatch, make):
-    """``speccal calibrate`` on the fake engine and its clock."""
-    monkeypatch.setattr(
-        "speccal.calibrate.pipeline.calibrate",
-        functools.partial(calibrate, engine_factory=make, clock=make.clock),
-    )
 
 
 def journal_windows(tmp_path) -> list[dict]:
