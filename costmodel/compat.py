@@ -30,12 +30,12 @@ import json
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from speccal.base.digest import DIGEST_CHARS, canonical_json, json_digest
-from speccal.base.errors import CompatibilityError, InputError
+from speccal.base.errors import CompatibilityError, InputError, show
 
 SEMANTIC_FIELDS = (
     "draft_width",
@@ -60,6 +60,16 @@ UNKNOWN_EXECUTION: dict[str, Any] = {
     "attention_backend": UNKNOWN,
     "input_update": UNKNOWN,
     "kernels": {"digest": UNKNOWN, "config": None},
+}
+
+
+#: What a table no runner measured records about the run (``make_compatibility(**UNKNOWN_RUN)``):
+#: a bare fit knows neither topology, graph mode nor device, and invents none of them.
+UNKNOWN_RUN: dict[str, Any] = {
+    "tp": UNKNOWN,
+    "dp": UNKNOWN,
+    "graph_mode": UNKNOWN,
+    "device_kind": UNKNOWN,
 }
 
 
@@ -145,12 +155,24 @@ class ModelIdentity(_Strict):
 
 
 class Topology(_Strict):
-    tp: int = Field(ge=1)
-    dp: int = Field(ge=1)
+    """Tensor and data parallel sizes; ``unknown`` where no runner recorded them (a bare fit)."""
+
+    tp: Annotated[int, Field(ge=1)] | Literal["unknown"]
+    dp: Annotated[int, Field(ge=1)] | Literal["unknown"]
+
+    @field_validator("tp", "dp", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        # before the union, so a bad size reads as one rule, not one error per union branch
+        if value != UNKNOWN and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError("an integer >= 1 or 'unknown'")
+        return value
 
 
 class DeviceInfo(_Strict):
-    kind: Literal["cpu", "cuda", "npu"]
+    kind: Literal["cpu", "cuda", "npu", "unknown"]
     name: str
 
 
@@ -189,7 +211,7 @@ class Compatibility(_Strict):
     draft_width: int = Field(ge=1)
     model: ModelIdentity
     topology: Topology
-    graph_mode: Literal["eager", "split", "unified"]
+    graph_mode: Literal["eager", "split", "unified", "unknown"]
     attention_backend: Literal["torch", "triton", "unknown"]
     input_update: Literal["in_graph", "host", "unknown"]
     kernels: KernelsInfo
@@ -231,8 +253,8 @@ def make_compatibility(
     fingerprint: str = UNKNOWN,
     dtype: str = UNKNOWN,
     quantization: str = UNKNOWN,
-    tp: int = 1,
-    dp: int = 1,
+    tp: int | str = 1,
+    dp: int | str = 1,
     graph_mode: str = "split",
     attention_backend: str = UNKNOWN,
     input_update: str = UNKNOWN,
@@ -247,6 +269,9 @@ def make_compatibility(
     ``Engine.compatibility()``. Every identity defaults to ``unknown``, so a table built with
     the defaults is refused against any real engine (it fails closed). ``kernel_config`` None
     records the kernels as unknown; otherwise the digest is :func:`kernel_digest` of it.
+    ``tp``, ``dp``, ``graph_mode`` and ``device_kind`` accept ``unknown`` too (what a bare
+    ``speccal fit`` records: :data:`UNKNOWN_RUN`); a semantic field recorded as unknown differs
+    from every running config's value, so such a table is refused, naming the field.
     """
     if kernel_config is None:
         kernels = dict(UNKNOWN_EXECUTION["kernels"])
@@ -296,7 +321,7 @@ class Mismatch:
     detail: str | None = None
 
     def __str__(self) -> str:
-        text = f"{self.field}: expected {self.expected!r}, found {self.found!r}"
+        text = f"{self.field}: expected {show(self.expected)}, found {show(self.found)}"
         return f"{text} ({self.detail})" if self.detail else text
 
 
@@ -421,7 +446,7 @@ def check_compatibility(
         raise CompatibilityError(
             f"{source}: {semantic[0].field}",
             semantic[0].found,
-            f"{semantic[0].expected!r} (semantic mismatch; cost measured for another program)",
+            f"{show(semantic[0].expected)} (semantic mismatch; cost measured for another program)",
             hint="; ".join(str(d) for d in semantic),
         )
     perf = [d for d in diffs if not d.semantic]

@@ -8,19 +8,29 @@ combining repeated windows of one grid point robustly.
 Combining repeated windows: the point cost is the **median** of the windows' ``step_ms`` (one slow
 window, e.g. a GC pause or a clock hiccup, moves a median of three by nothing), and the spread
 ``max - min`` in ms is kept next to it so that noisy points are visible in the fit report.
+
+Each window counts once: rows with the same window identity (:data:`WINDOW_IDENTITY`, with
+``mode`` when the frame has it) are kept first-come (as ``speccal calibrate --resume`` keeps the
+first journal line of a window) and the others dropped with a :class:`DuplicateWindowWarning`
+saying how many and whether their timings differed. :func:`check_shapes` refuses rows no round
+of the table's mode and draft width can produce (``k > w``; ``target_verify``: ``k != w`` or
+``G`` outside ``[Bcap, Bcap * (w + 1)]``; ``draft_step``: ``G`` outside
+``[B * (k + 1), Bcap * (k + 1)]``, i.e. ``G = Bcap * (k + 1)`` for a full batch).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from speccal.base.atomic import write_bytes_atomic
-from speccal.base.errors import GridError, InputError
+from speccal.base.errors import GridError, InputError, show
+from speccal.costmodel.compat import SpeccalWarning
 from speccal.costmodel.grid import check_contexts
 
 #: Required columns and their kind: ``int`` or ``float``.
@@ -49,6 +59,15 @@ OPTIONAL_COLUMNS: dict[str, str] = {
 }
 
 MODES = ("draft_step", "target_verify")
+#: The mode of rows without a ``mode`` column: ``speccal calibrate``'s default.
+DEFAULT_MODE = "target_verify"
+#: Columns naming one measured window (plus ``mode`` when present): a window is counted once.
+WINDOW_IDENTITY = ("context_index", "bcap", "g", "k", "window_index")
+
+
+class DuplicateWindowWarning(SpeccalWarning):
+    """Rows repeating a window identity were dropped (the first row of each window is kept)."""
+
 
 # step_ms is derived from elapsed_s; a larger disagreement means the row was edited or corrupted.
 _STEP_MS_RTOL = 1e-6
@@ -93,7 +112,13 @@ def validate_measurements(df: pd.DataFrame) -> pd.DataFrame:
         raise InputError("measurements", type(df).__name__, "a pandas DataFrame")
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
-        raise InputError("measurements.columns", missing, f"all of {list(REQUIRED_COLUMNS)}")
+        raise InputError(
+            "measurements.columns",
+            None,
+            f"all of {', '.join(REQUIRED_COLUMNS)}",
+            hint=f"missing: {', '.join(missing)}",
+            found=", ".join(str(c) for c in df.columns) or "no columns",
+        )
     if len(df) == 0:
         raise InputError("measurements", "0 rows", "at least one measured window")
     out = pd.DataFrame(index=range(len(df)))
@@ -138,6 +163,7 @@ def validate_measurements(df: pd.DataFrame) -> pd.DataFrame:
             out[col] = arr
     _check_consistency(out)
     check_contexts(context_intervals(out))
+    out = drop_duplicate_windows(out)
     return out.sort_values(
         ["context_index", "bcap", "g", "window_index"], kind="stable"
     ).reset_index(drop=True)
@@ -151,7 +177,7 @@ def _check_consistency(df: pd.DataFrame) -> None:
         raise InputError(
             f"measurements.step_ms[row {i}]",
             float(df["step_ms"].iloc[i]),
-            f"1000 * elapsed_s / window_steps = {expected[i]!r}",
+            f"1000 * elapsed_s / window_steps = {show(expected[i])}",
         )
     inverted = df["min_kv_length"].to_numpy() > df["max_kv_length"].to_numpy()
     if inverted.any():
@@ -165,6 +191,128 @@ def _check_consistency(df: pd.DataFrame) -> None:
         modes = sorted(set(df["mode"]))
         if any(m not in MODES for m in modes) or len(modes) > 1:
             raise InputError("measurements.mode", modes, f"one of {list(MODES)} in every row")
+
+
+def drop_duplicate_windows(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with each window identity once (its first row); warns when rows were dropped.
+
+    Warns
+    -----
+    DuplicateWindowWarning
+        Naming how many rows were dropped, how many of them had other timings than the row
+        kept, and the first repeated identity.
+    """
+    key = [c for c in ("mode", *WINDOW_IDENTITY) if c in df.columns]
+    dup = df.duplicated(key, keep="first")
+    if not dup.any():
+        return df
+    kept = df[~dup].set_index(key)["step_ms"]
+    dropped = df[dup]
+    other = (
+        dropped["step_ms"].to_numpy()
+        != kept.loc[[tuple(r) for r in dropped[key].itertuples(index=False)]].to_numpy()
+    )
+    first = dropped.iloc[0]
+    ident = ", ".join(f"{c}={first[c]}" for c in key)
+    warnings.warn(
+        DuplicateWindowWarning(
+            f"measurements: dropped {int(dup.sum())} row(s) repeating a window identity "
+            f"({', '.join(key)}), {int(other.sum())} of them with other timings; each window "
+            f"counts once, its first row kept (first repeated: {ident})"
+        ),
+        stacklevel=3,
+    )
+    return df[~dup].reset_index(drop=True)
+
+
+def check_shapes(df: pd.DataFrame, mode: str, draft_width: int) -> None:
+    """Refuse rows that no round of ``mode`` at draft width ``w`` can produce.
+
+    Parameters
+    ----------
+    df : validated measurement rows.
+    mode : ``draft_step`` (full verification of ``k`` drafts, ``0 <= k <= w``: ``B * (k + 1)``
+        rows padded up to a captured ``G``, so ``B * (k + 1) <= G <= Bcap * (k + 1)``, the
+        bucket's own full width being captured; ``G = Bcap * (k + 1)`` when ``B = Bcap``, as in
+        calibration) or ``target_verify`` (the draft runs all ``w`` steps: ``k = w``; ``G`` is a
+        trimmed verify budget in ``[Bcap, Bcap * (w + 1)]``).
+    draft_width : ``w``.
+
+    Raises
+    ------
+    InputError
+        Naming the first offending row, its value and the rule: ``num_requests > bcap``,
+        ``k > w``, or a shape outside the mode.
+    """
+    if mode not in MODES:
+        raise InputError("mode", mode, f"one of {list(MODES)}")
+    w = int(draft_width)
+    bcap, g, k = (df[c].to_numpy() for c in ("bcap", "g", "k"))
+    checks = [
+        ("num_requests", df["num_requests"].to_numpy() > bcap, lambda i: f"<= bcap ({bcap[i]})"),
+        ("k", k > w, lambda i: f"k <= draft_width = {w}"),
+    ]
+    if mode == "target_verify":
+        checks += [
+            (
+                "k",
+                k != w,
+                lambda i: (
+                    f"k = draft_width = {w} in target_verify mode (the draft runs all w steps)"
+                ),
+            ),
+            (
+                "g",
+                (g < bcap) | (g > bcap * (w + 1)),
+                lambda i: (
+                    f"a verify budget in [{bcap[i]}, {bcap[i] * (w + 1)}] for bcap {bcap[i]} "
+                    f"(Bcap .. Bcap * (w + 1), w = {w}) in target_verify mode"
+                ),
+            ),
+        ]
+    else:
+        rows = df["num_requests"].to_numpy() * (k + 1)
+        checks.append(
+            (
+                "g",
+                (g < rows) | (g > bcap * (k + 1)),
+                lambda i: (
+                    f"G in [num_requests * (k + 1), bcap * (k + 1)] = [{rows[i]}, "
+                    f"{bcap[i] * (k[i] + 1)}] in draft_step mode (full verification of k drafts, "
+                    "padded to a captured G)"
+                ),
+            )
+        )
+    for col, bad, expected in checks:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            row = df.iloc[i]
+            where = ", ".join(f"{c} {int(row[c])}" for c in WINDOW_IDENTITY)
+            raise InputError(
+                f"measurements.{col}",
+                int(row[col]),
+                expected(i),
+                hint=f"the window at {where}; {int(bad.sum())} row(s) like it",
+            )
+
+
+def draft_width_of(df: pd.DataFrame, mode: str) -> int:
+    """The draft width the rows imply: ``target_verify`` rows all have ``k = w``; ``draft_step``
+    rows measure ``k = 1 .. w`` (each candidate on its own), so ``w`` is the largest ``k``.
+
+    Raises
+    ------
+    InputError
+        ``target_verify`` rows with more than one ``k``, or rows whose largest ``k`` is 0.
+    """
+    ks = sorted(int(v) for v in df["k"].unique())
+    if mode == "target_verify" and len(ks) > 1:
+        raise InputError(
+            "measurements.k", ks, "one k (= the draft width w) in every target_verify row"
+        )
+    if ks[-1] < 1:
+        raise InputError("measurements.k", ks, "a row with k >= 1 to read the draft width from")
+    return ks[-1]
 
 
 def context_intervals(df: pd.DataFrame) -> dict[int, tuple[int, int, int]]:

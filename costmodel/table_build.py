@@ -17,13 +17,18 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from speccal.base.errors import GridError, InputError
+from speccal.base.errors import GridError, InputError, show
 from speccal.base.geometry import Geometry, default_target_rows
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.compat import Compatibility, SpeccalWarning, as_compatibility
 from speccal.costmodel.diagnostics import diagnose
 from speccal.costmodel.lookup import NOT_POSITIVE
-from speccal.costmodel.measurements import context_intervals, validate_measurements
+from speccal.costmodel.measurements import (
+    DEFAULT_MODE,
+    check_shapes,
+    context_intervals,
+    validate_measurements,
+)
 from speccal.costmodel.sps import SPSCostModel
 from speccal.costmodel.table_schema import (
     AdditiveParams,
@@ -63,6 +68,7 @@ def build_table(
     geometry: Geometry | Mapping[str, Any] | None = None,
     provenance: Provenance | Mapping[str, Any] | None = None,
     combine: str = "median",
+    sources: Mapping[str, str] | None = None,
 ) -> CostTable:
     """Fit one model per context interval and assemble a validated :class:`CostTable`.
 
@@ -72,17 +78,23 @@ def build_table(
     model : ``additive`` or ``sps``; default ``calibration.model``, else ``additive``.
     compatibility : the run's compatibility metadata (``Engine.compatibility()`` dict).
     calibration : the effective calibration config; default: read back from the rows
-        (``sources`` say ``measurements`` or ``default``).
-    geometry : the captured geometry; default: the measured Bcaps, each with its measured G plus
-        its default legal buckets (``speccal.base.geometry.default_target_rows``).
+        (``sources`` say ``measurements`` or ``default``; without a ``mode`` column the mode is
+        ``target_verify``, calibrate's default).
+    geometry : the captured geometry; default: the measured Bcaps, each with its default legal
+        buckets (``speccal.base.geometry.default_target_rows``), which hold every legal G.
     provenance : default: :meth:`Provenance.now`.
     combine : how repeated windows are combined (``median``, ``mean``).
+    sources : where the caller's values came from (e.g. ``{"draft_width": "flag"}``), merged
+        over the sources of a calibration config read back from the rows.
 
     Raises
     ------
     InputError, GridError
         Bad rows, overlapping contexts, a disconnected additive grid, inconsistent draft widths,
-        an additive fit with a negative bias (the reference cell's cost; a table refuses it).
+        rows no round of the mode can produce (``measurements.check_shapes``: ``k > w``, a ``G``
+        outside ``[Bcap, Bcap * (w + 1)]``, ...), measured points outside the given geometry,
+        a ``calibration.mode`` other than the rows' ``mode``, an additive fit with a negative
+        bias (the reference cell's cost; a table refuses it).
 
     Warns
     -----
@@ -95,13 +107,18 @@ def build_table(
     compat = as_compatibility(compatibility)
     w = compat.draft_width
     cal = _calibration(df, calibration, model, w)
+    if sources:
+        cal = cal.model_copy(update={"sources": {**cal.sources, **sources}})
     model = cal.model
     if cal.draft_width != w:
         raise InputError(
             "calibration.draft_width", cal.draft_width, f"compatibility.draft_width = {w}"
         )
-    if cal.mode == "draft_step" and int(df["k"].max()) > w:
-        raise InputError("measurements.k", int(df["k"].max()), f"k <= draft_width = {w}")
+    if "mode" in df.columns and str(df["mode"].iloc[0]) != cal.mode:
+        raise InputError(
+            "calibration.mode", cal.mode, f"the rows' mode {str(df['mode'].iloc[0])!r}"
+        )
+    check_shapes(df, cal.mode, w)
     geom = _geometry(df, geometry, w)
     if provenance is None:
         prov = Provenance.now()
@@ -267,7 +284,7 @@ def _calibration(df: pd.DataFrame, calibration, model: str | None, w: int) -> Ca
 
     warmup, src_warm = pick("warmup_steps", 8)
     steps, src_steps = pick("window_steps", 32)
-    mode = str(df["mode"].iloc[0]) if "mode" in df.columns else "draft_step"
+    mode = str(df["mode"].iloc[0]) if "mode" in df.columns else DEFAULT_MODE
     return CalibrationConfig(
         model=model,
         draft_width=w,
@@ -299,6 +316,10 @@ def _calibration(df: pd.DataFrame, calibration, model: str | None, w: int) -> Ca
 
 
 def _geometry(df: pd.DataFrame, geometry, w: int) -> GeometryBlock:
+    """The table's geometry: given, or the measured Bcaps with their legal buckets (which, by
+    ``check_shapes``, hold every measured G up to ``Bcap * (w + 1)`` that a captured split
+    geometry prepares; a G it does not prepare is added to its Bcap's buckets, never beyond
+    full width). Every measured point must be a bucket of the geometry."""
     if geometry is None:
         bcaps = sorted(int(b) for b in df["bcap"].unique())
         legal = default_target_rows(bcaps, w)
@@ -316,6 +337,14 @@ def _geometry(df: pd.DataFrame, geometry, w: int) -> GeometryBlock:
         raise InputError(
             "geometry.draft_width", geom.draft_width, f"compatibility.draft_width = {w}"
         )
+    for b, g in df[["bcap", "g"]].drop_duplicates().itertuples(index=False):
+        if int(g) not in geom.target_rows.get(int(b), ()):
+            raise InputError(
+                "measurements",
+                f"bcap {int(b)}, g {int(g)}",
+                "a point the geometry captured: target_rows["
+                f"{int(b)}] = {show(list(geom.target_rows.get(int(b), ())))}",
+            )
     d = geom.to_dict()
     d["target_rows"] = {int(b): v for b, v in d["target_rows"].items()}
     return GeometryBlock(**d)

@@ -270,7 +270,9 @@ def synthetic_table(
     Rows come from ``speccal.costmodel.synthetic.make_measurements`` with the
     :class:`SyntheticTableTruth`, three windows per captured point and Gaussian noise, then
     ``speccal.costmodel.table_build.build_table`` fits them, so replay exercises the same code path
-    as with a calibrated table. Compatibility metadata says ``synthetic``.
+    as with a calibrated table. Compatibility metadata says ``synthetic``. In ``draft_step``
+    mode a point whose G is not a multiple of its Bcap is recorded as the partial batch that
+    reaches it (``k = ceil(G / Bcap) - 1``, ``B = G // (k + 1)``).
     """
     t = truth or SyntheticTableTruth()
     w = geometry.draft_width
@@ -292,6 +294,12 @@ def synthetic_table(
         noise_ms=t.noise_ms,
         seed=t.seed,
     )
+    if mode == "draft_step":
+        # A captured G that is not a multiple of Bcap is reached by a partial batch: B requests
+        # drafting k, B * (k + 1) rows padded up to G (measurements.check_shapes).
+        b, g = df["bcap"].to_numpy(), df["g"].to_numpy()
+        k = -(-g // b) - 1
+        df = df.assign(k=k, num_requests=np.minimum(b, g // (k + 1)))
     compat = make_compatibility(
         draft_width=w,
         architecture="synthetic",

@@ -24,12 +24,22 @@ class InputError(SpeccalError, ValueError):
 
     exit_code = 2
 
-    def __init__(self, field: str, value: Any, expected: str, *, hint: str | None = None):
+    def __init__(
+        self,
+        field: str,
+        value: Any,
+        expected: str,
+        *,
+        hint: str | None = None,
+        found: str | None = None,
+    ):
+        """``found``: the text shown after "got" in place of ``value`` (never shortened), for a
+        value better described than quoted (e.g. the columns a file has)."""
         self.field = field
         self.value = value
         self.expected = expected
         self.hint = hint
-        msg = f"{field}: got {_short(value)}, expected {expected}"
+        msg = f"{field}: got {_short(value) if found is None else found}, expected {expected}"
         if hint:
             msg += f" ({hint})"
         super().__init__(msg)
@@ -69,6 +79,29 @@ class UnsupportedError(SpeccalError):
     exit_code = 2
 
 
+def plain(value: Any) -> Any:
+    """``value`` with numpy scalars and arrays as the Python numbers and lists they hold,
+    containers element-wise, so a message shows ``0.25``, not ``np.float64(0.25)``.
+
+    The one rule for numbers in messages: library code formats values through it (or through
+    :func:`show`); anything else is returned as it is.
+    """
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [plain(v) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    # numpy scalars and arrays (duck-typed: this floor imports no numpy)
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def show(value: Any) -> str:
+    """``repr`` of :func:`plain` ``(value)``: how a message shows a value it quotes."""
+    return repr(plain(value))
+
+
 def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
+    text = show(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
