@@ -468,9 +468,11 @@ def _measure(
                     break
                 indices = range(r * w, (r + 1) * w)
                 todo = sum((*p.key, i) not in journal.done for p in due for i in indices)
-                report.print_remeasure(console, r, gate, due)
+                if todo:  # a resumed run may find the whole round in the journal already
+                    report.print_remeasure(console, r, gate, due)
                 progress.update(
-                    total=(progress.total or 0) + todo,
+                    total=(progress.total or 0) + len(due) * w,
+                    advance=len(due) * w - todo,
                     phase=f"re-measure {r}/{gate.remeasure_rounds}",
                 )
                 more = drive(

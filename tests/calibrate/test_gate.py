@@ -43,6 +43,10 @@ def run(tmp_path, cfg_path, make, *, console=None, **kw):
     return calibrate(opts, console=console, engine_factory=make, clock=make.clock)
 
 
+def log_console(out: io.StringIO) -> Console:
+    return Console(file=out, width=200)  # a file: progress as log lines
+
+
 def journal_windows(tmp_path) -> list[dict]:
     lines = (tmp_path / "t.json.journal.jsonl").read_text().splitlines()
     return [json.loads(x)["row"] for x in lines[1:]]
@@ -171,13 +175,21 @@ def test_interrupted_remeasure_resumes_the_same_plan(tmp_path, cfg_path):
         run(tmp_path, cfg_path, make)
     assert by_point(journal_windows(tmp_path))[(1, 4)] == [0, 1, 2, 3]
     # The resumed process sees the first round's noise in the journal, not in its own windows.
-    again = fake()
-    run(tmp_path, cfg_path, again, resume=True)
+    again, out = fake(), io.StringIO()
+    run(tmp_path, cfg_path, again, resume=True, progress=True, console=log_console(out))
     assert again.last.windows == 2  # windows 4 and 5 of the re-measure round, nothing else
     assert by_point(journal_windows(tmp_path))[(1, 4)] == [0, 1, 2, 3, 4, 5]
     table = load_table(tmp_path / "t.json")
     assert by_point(table.fits[0].windows)[(1, 4)] == [3, 4, 5]
     assert table.calibration.quality.remeasured_windows == W
+    total = len(POINTS) * W + W  # the round's window already in the journal counts as done
+    assert f"calibrate: re-measure 1/2, {total - 2}/{total} windows" in out.getvalue()
+    assert f"calibrate: re-measure 1/2, {total}/{total} windows" in out.getvalue()
+    # once more: everything is in the journal; no round is announced, nothing measured
+    last, out = fake(), io.StringIO()
+    run(tmp_path, cfg_path, last, resume=True, progress=True, console=log_console(out))
+    assert last.last.windows == 0 and "re-measuring" not in out.getvalue()
+    assert load_table(tmp_path / "t.json").calibration.quality.remeasured_windows == W
 
 
 def test_noisy_table_refused_journal_kept_then_override_recorded(tmp_path, cfg_path):
