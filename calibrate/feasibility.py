@@ -148,7 +148,7 @@ def check_feasible(cfg: CalibrationConfig, geometry: Geometry) -> None:
                 f"{where}.max_kv_length",
                 c.max_kv_length,
                 f"at most the model context {geometry.max_model_len}",
-                hint=_SMALLER,
+                hint=f"set {where}.max_kv_length <= {geometry.max_model_len} in --config, or run with a longer --max-model-len",
             )
         need = c.prefill_tokens + reserve
         if need > c.max_kv_length:

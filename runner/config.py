@@ -131,7 +131,14 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
 
 def _require(cfg: Mapping[str, Any], name: str) -> Any:
     if name not in cfg:
-        raise InputError(f"config.json:{name}", None, "a value (required for a dense decoder)")
+        arch = (cfg.get("architectures") or [None])[0]
+        raise InputError(
+            f"config.json:{name}",
+            None,
+            "a value (required for a dense attention decoder, the runner's one target "
+            f"structure; this config is architecture {arch!r}, model_type "
+            f"{cfg.get('model_type')!r})",
+        )
     return cfg[name]
 
 

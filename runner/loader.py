@@ -213,7 +213,7 @@ def load_model(
             max_positions=max_positions,
             need_draft=need_draft,
         )
-        desc = f"preset {model!r} ({preset.description}); RANDOM weights (seed {seed}): text is meaningless"
+        desc = f"preset {model!r} ({preset.description}, RANDOM weights of seed {seed}: its text is meaningless)"
         return LoadedModel(
             target,
             draft,
@@ -236,7 +236,7 @@ def load_model(
     if need_draft and recognise(cfg.extra, keys, cfg.num_hidden_layers) is None:
         raise UnsupportedError(
             f"checkpoint {model} has no MTP head (no draft family's tensors found): speculative "
-            "decoding needs one; run plain decoding instead"
+            "decoding needs one; run plain decoding instead (speccal generate --plain)"
         )
     target, draft, fam = build(
         cfg,

@@ -275,8 +275,9 @@ class AdaptiveStepConfig:
             raise InputError("policy.window_size", self.window_size, "an integer >= 1")
         if self.update_interval < 1:
             raise InputError("policy.update_interval", self.update_interval, "an integer >= 1")
-        if not (self.switch_min_gain >= 0 and math.isfinite(self.switch_min_gain)):
-            raise InputError("policy.switch_min_gain", self.switch_min_gain, "a finite number >= 0")
+        # a relative gain: 1 would ask a switch to double the throughput (the seeds' 0.05 = 5 %)
+        if not 0 <= self.switch_min_gain < 1:
+            raise InputError("policy.switch_min_gain", self.switch_min_gain, "a number in [0, 1)")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,18 @@ def scratch(tmp_path_factory):
         seed=1,
     )
     write_measurements(df, d / "m.csv")
+    # target_verify rows whose Bcap 1 full-width point reads G 5 > Bcap * (w + 1) = 4: refused,
+    # not a wider geometry; without a mode column (fit's default is target_verify, as calibrate).
+    tv = make_measurements(
+        bias_ms=4.0,
+        alpha_ms={1: 0.0, 2: 0.3},
+        theta_ms={g: 0.05 * g for g in (1, 2, 3, 4, 5, 6, 8)},
+        points=[(1, 1), (1, 2), (1, 5), (2, 2), (2, 4), (2, 6), (2, 8)],
+        draft_width=3,
+        mode="target_verify",
+        seed=1,
+    )
+    tv.drop(columns=["mode"]).to_csv(d / "wide.csv", index=False)
     res = CliRunner().invoke(
         app,
         ["fit", str(d / "m.csv"), "--draft-width", "3", "--out", str(d / "table.json")],
@@ -153,7 +165,17 @@ CASES = [
     ("fit-dir", ["fit", "{d}/adir", *NEW], "measurements"),
     ("fit-binary", ["fit", "{d}/bin.csv", *NEW], "a readable .csv file"),
     ("fit-suffix", ["fit", "{d}/m.txt", *NEW], "ending in .csv or .parquet"),
-    ("fit-columns", ["fit", "{d}/nocols.csv", *NEW], "measurements"),
+    ("fit-columns", ["fit", "{d}/nocols.csv", *NEW], "got a, b, expected all of context_index"),
+    ("fit-columns-missing", ["fit", "{d}/nocols.csv", *NEW], "missing: context_index"),
+    ("fit-k-above-width", ["fit", "{d}/m.csv", *NEW, "--draft-width", "2"], "k <= draft_width = 2"),
+    ("fit-g-past-full-width", ["fit", "{d}/wide.csv", *NEW], "a verify budget in [1, 4]"),
+    (
+        "fit-draft-step-shapes",
+        ["fit", "{d}/wide.csv", *NEW, "--mode", "draft_step"],
+        "G in [num_requests * (k + 1), bcap * (k + 1)]",
+    ),
+    ("fit-mode", ["fit", "{d}/m.csv", *NEW, "--mode", "bogus"], "--mode"),
+    ("fit-mode-rows", ["fit", "{d}/m.csv", *NEW, "--mode", "target_verify"], "the rows' mode"),
     ("fit-model", ["fit", "{d}/m.csv", *NEW, "--model", "bogus"], "--model"),
     ("fit-combine", ["fit", "{d}/m.csv", *NEW, "--combine", "bogus"], "--combine"),
     ("fit-width", ["fit", "{d}/m.csv", *NEW, "--draft-width", "0"], "--draft-width"),
@@ -232,6 +254,19 @@ CASES = [
         "does not exist",
     ),
     ("export-missing", ["table", "export", "{d}/missing.json"], "readable cost table"),
+    (
+        "export-measurements-no-out",
+        ["table", "export", "{d}/table.json", "--format", "measurements"],
+        "a .csv or .parquet file",
+    ),
+    (
+        "export-measurements-suffix",
+        ["table", "export", "{d}/table.json", "--format", "measurements", "--out", "{d}/x.json"],
+        "a .csv or .parquet file",
+    ),
+    ("compat-out-suffix", ["table", "compat", "--out", "{d}/c.txt"], "ending in .json"),
+    ("compat-out-dir", ["table", "compat", "--out", "{d}/adir.json"], "not an existing directory"),
+    ("compat-out-proc", ["table", "compat", "--out", "/proc/c.json"], "/proc"),
     ("diff-a-missing", ["table", "diff", "{d}/missing.json", "{d}/table.json"], "missing.json"),
     ("diff-b-binary", ["table", "diff", "{d}/table.json", "{d}/bin.dat"], "invalid JSON"),
     # trace
@@ -267,6 +302,8 @@ CASES = [
     ("replay-policy", ["replay", *SCEN, "--policy", "bogus"], "policy"),
     ("replay-mode", ["replay", *SCEN, "--mode", "bogus"], "--mode"),
     ("replay-rounds", ["replay", "--scenario", "steady", "--rounds", "0"], "rounds"),
+    ("replay-switch-gain", ["replay", *SCEN, "--switch-min-gain", "5"], "[0, 1)"),
+    ("replay-switch-gain-neg", ["replay", *SCEN, "--switch-min-gain", "-0.1"], "[0, 1)"),
     (
         "replay-table-width",
         ["replay", "--table", "{d}/table.json", *SCEN, "--draft-width", "9"],
@@ -309,6 +346,13 @@ CASES = [
     ),
     ("bench-sample", ["bench", "--acceptance", "sample"], "--acceptance"),
     ("bench-requests", ["bench", "--num-requests", "0"], "--num-requests"),
+    ("bench-requests-max", ["bench", "--num-requests", "100000"], "an integer in [1, 256]"),
+    ("bench-triton-cpu", ["bench", "--attention-backend", "triton"], "attention_backend='triton'"),
+    (
+        "cal-triton-cpu",
+        [*CAL, *NEW, "--attention-backend", "triton"],
+        "attention_backend='triton'",
+    ),
     ("bench-k", ["bench", "--k", "9"], "--k"),
     ("bench-device", ["bench", "--device", "bogus"], "device"),
     (
@@ -339,6 +383,7 @@ def test_the_table_is_large_and_covers_every_command():
         "table validate",
         "table export",
         "table diff",
+        "table compat",
         "trace",
         "replay",
         "plot",

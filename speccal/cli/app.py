@@ -6,20 +6,27 @@ one-line message on stderr and an exit code: 2 for bad input, 1 for runtime fail
 maps them once, and a missing third-party package (``torch`` for ``calibrate``, ``bench``,
 ``generate`` and ``trace --kind rounds``; the commands import the runner inside their bodies, so
 the CLI itself starts without torch) to one line naming the package and how to install it, exit 2.
+Warnings (``warnings.warn``: a ``SpeccalWarning`` such as ``NonPositiveCostWarning``, or a
+library's) are shown by the root too, each as one ``warning: ...`` line on stderr, once per
+text, with no source line. Help pages follow ``speccal.cli.help`` (plain usage lines, commands in
+workflow order: :data:`COMMAND_ORDER`).
 """
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from typer.core import TyperGroup
 
 from speccal import __version__
 from speccal.base.errors import SpeccalError
 from speccal.cli import cmd_calibrate, cmd_fit, cmd_plot, cmd_replay, cmd_run, cmd_table
+from speccal.cli.help import HelpGroup, SpeccalTyper
+from speccal.costmodel.compat import SpeccalWarning
 
 err_console = Console(stderr=True)
 
@@ -42,12 +49,49 @@ def missing_package_message(command: str | None, exc: ModuleNotFoundError) -> st
     return f"{who} needs the Python package {name!r}, which is not installed; install it: {hint}"
 
 
-class _SpeccalGroup(TyperGroup):
-    """Root group: turns domain errors into one line on stderr and an exit code, no traceback."""
+#: The order ``speccal --help`` lists the commands in: the workflow, then the runner's own.
+COMMAND_ORDER = ("calibrate", "fit", "table", "trace", "replay", "plot", "bench", "generate")
+
+
+def warning_line(message: Warning | str, category: type[Warning]) -> str:
+    """One line for a warning: its text with line breaks folded, the category named unless it
+    is one of speccal's own (whose texts say what they are)."""
+    text = " ".join(str(message).split())
+    if issubclass(category, SpeccalWarning):
+        return f"warning: {text}"
+    return f"warning ({category.__name__}): {text}"
+
+
+@contextmanager
+def clean_warnings():
+    """Show every warning raised inside as one line on stderr, once per text (no source line).
+
+    Only the display changes: the filters stay as they are, and code that records warnings
+    itself (``warnings.catch_warnings(record=True)``, e.g. ``table validate``) still gets them.
+    """
+    seen: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = warning_line(message, category)
+        if text not in seen:
+            seen.add(text)
+            err_console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True, highlight=False)
+
+    with warnings.catch_warnings():  # restores warnings.showwarning on exit
+        warnings.showwarning = show
+        yield
+
+
+class _SpeccalGroup(HelpGroup):
+    """Root group: turns domain errors into one line on stderr and an exit code, no traceback,
+    and shows warnings as one clean line each (:func:`clean_warnings`)."""
+
+    command_order = COMMAND_ORDER
 
     def invoke(self, ctx: typer.Context):
         try:
-            return super().invoke(ctx)
+            with clean_warnings():
+                return super().invoke(ctx)
         except SpeccalError as exc:
             err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
@@ -62,10 +106,23 @@ class _SpeccalGroup(TyperGroup):
             raise typer.Exit(130) from None
 
 
-app = typer.Typer(
+ROOT_HELP = """Calibrate, fit, validate and replay cost tables for MTP speculative decoding.
+
+Workflow: calibrate (or fit measurement rows) -> table show / validate -> trace -> replay ->
+plot; bench and generate run the embedded runner itself.
+
+Terms: Bcap = the captured draft batch size a batch is padded to; G = target rows verified
+(padded); w = draft width (most draft tokens per round); k = draft steps run. Graph modes: eager
+(no capture, CPU), split (separately captured draft and target CUDA/NPU graphs per shape).
+Acceptance modes: greedy (lossless), sample (rejection sampling), synthetic (accepted length
+drawn from a per-position profile), forced (every drafted token accepted: how calibration
+measures each shape exactly). Details: README.md and docs/.
+"""
+
+app = SpeccalTyper(
     cls=_SpeccalGroup,
     name="speccal",
-    help="Calibrate, fit, validate and replay cost tables for MTP speculative decoding.",
+    help=ROOT_HELP,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -82,7 +139,9 @@ def _version_callback(value: bool) -> None:
 def _root(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version."),
+        typer.Option(
+            "--version", callback=_version_callback, is_eager=True, help="Print the version."
+        ),
     ] = False,
 ) -> None:
     """speccal: cost tables for speculative decoding."""

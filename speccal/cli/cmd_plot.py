@@ -135,7 +135,6 @@ def _plot(
     paths = write_table_plots(table, out)
     summary: dict[str, Any] = {"table": str(table_path), "out": str(out)}
     if report is not None:
-
         paths += write_plots(report, out, title=table_title(table))
         d = report.to_dict()
         summary["replay"] = {

@@ -2,8 +2,12 @@
 
 ``replay`` loads a table (or builds the synthetic one, ``speccal.scenarios.synthetic_table``) and
 a trace (a file, or a synthetic ``--scenario``), runs ``speccal.replay.replay`` and prints a Rich
-table on stderr (``--json``: the report on stdout; ``--plot DIR``: PNGs). ``trace`` writes a
-synthetic scenario trace, or drives ``speccal.runner.engine.Engine`` (imported lazily: torch is
+table on stderr (``--json``: the report on stdout; ``--plot DIR``: PNGs) and a line naming each
+adaptive policy's gain over the best fixed ``k``. Without ``--table`` the rounds are priced by
+invented costs: the human output says so in a banner line before anything else (``--json``:
+``table.synthetic``), and the synthetic table takes calibrate's defaults (mode
+``target_verify``, the trace's draft width, else 3 as calibrate's runner and ``trace``).
+``trace`` writes a synthetic scenario trace, or drives ``speccal.runner.engine.Engine`` (imported lazily: torch is
 only needed for recording) to record a round trace (``--kind rounds``) or the per-token
 acceptance matrix (``--kind tokens``: greedy, drafting from every output position).
 """
@@ -24,6 +28,7 @@ from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
 from speccal.base.progress import ProgressReporter
 from speccal.base.rich_tables import print_table
+from speccal.costmodel.measurements import DEFAULT_MODE, MODES
 from speccal.costmodel.table import load_table
 from speccal.plots_replay import write_plots
 from speccal.plots_table import table_title
@@ -34,11 +39,28 @@ from speccal.trace import RoundTrace, RoundTraceBuilder, TokenTraceBuilder, load
 
 err_console = Console(stderr=True)
 
+#: Draft width of a scenario without a table: the runner's default, as ``calibrate`` and
+#: ``trace`` use.
+DEFAULT_DRAFT_WIDTH = 3
+
+SYNTHETIC_BANNER = (
+    "SYNTHETIC COSTS: no --table given, so every round is priced by an invented cost "
+    "(speccal.scenarios.synthetic_table, docs/TRACES.md), not by a calibration of this "
+    "machine; pass --table TABLE.json for a real prediction"
+)
+
 
 def _step_config(window_size: int, update_interval: int, switch_min_gain: float):
-    return AdaptiveStepConfig(
-        window_size=window_size, update_interval=update_interval, switch_min_gain=switch_min_gain
-    )
+    """The adaptive-step settings; a bad one is refused naming its flag (``--switch-min-gain``)."""
+    try:
+        return AdaptiveStepConfig(
+            window_size=window_size,
+            update_interval=update_interval,
+            switch_min_gain=switch_min_gain,
+        )
+    except InputError as exc:
+        flag = "--" + exc.field.rsplit(".", 1)[-1].replace("_", "-")
+        raise InputError(flag, exc.value, exc.expected) from None
 
 
 def _scenario_trace(
@@ -95,6 +117,13 @@ def _print_report(d: dict[str, Any]) -> None:
         )
     print_table(err_console, t)
     err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}")
+    for p in d["policies"]:
+        gain = p.get("gain_vs_best_fixed_pct")
+        if p["name"].startswith("adaptive") and gain is not None:
+            err_console.print(
+                f"{p['name']}: {gain:+.2f} % tokens/s over the best fixed k ({d['best_fixed']}), "
+                f"{p['switches']} switch(es)"
+            )
 
 
 def replay_cmd(
@@ -127,13 +156,19 @@ def replay_cmd(
         str | None,
         typer.Option(
             "--mode",
-            help="Synthetic table mode (no --table): draft_step (default) or target_verify.",
+            help="Synthetic table mode (no --table): target_verify (default, as calibrate) or "
+            "draft_step.",
+            show_default=False,
         ),
     ] = None,
     rounds: Annotated[int, typer.Option("--rounds", help="Scenario rounds.")] = 20_000,
     draft_width: Annotated[
         int | None,
-        typer.Option("--draft-width", help="Scenario draft width (default: the table's, else 5)."),
+        typer.Option(
+            "--draft-width",
+            help="Scenario draft width. Default: the table's, else 3 (calibrate's and trace's).",
+            show_default=False,
+        ),
     ] = None,
     num_requests: Annotated[int, typer.Option("--num-requests", help="Scenario batch size B.")] = 8,
     kv_length: Annotated[
@@ -152,7 +187,8 @@ def replay_cmd(
     switch_min_gain: Annotated[
         float,
         typer.Option(
-            "--switch-min-gain", help="Adaptive step: predicted relative gain a switch must exceed."
+            "--switch-min-gain",
+            help="Adaptive step: predicted relative gain a switch must exceed, in [0, 1).",
         ),
     ] = 0.05,
     json_out: Annotated[
@@ -175,7 +211,6 @@ def replay_cmd(
         check_writable(plot, "--plot", directory=True)  # before the replay, not after it
     cost_table = None
     if table is not None:
-
         cost_table = load_table(table)
         w = cost_table.draft_width
         if mode is not None and mode != cost_table.mode:
@@ -183,15 +218,16 @@ def replay_cmd(
         if draft_width is not None and draft_width != w:
             raise InputError("--draft-width", draft_width, f"the table's draft_width = {w}")
     else:
-        w = draft_width or 5
+        if mode is not None and mode not in MODES:
+            raise InputError("--mode", mode, " or ".join(MODES))
+        w = draft_width or DEFAULT_DRAFT_WIDTH
+    step = _step_config(window_size, update_interval, switch_min_gain)  # refused before the work
     if trace is not None:
         tr = load_trace(trace)
     else:
         tr = _scenario_trace(scenario, rounds, w, num_requests, kv_length, seed)
     if cost_table is None:
-        mode = mode or "draft_step"
-        if mode not in ("draft_step", "target_verify"):
-            raise InputError("--mode", mode, "draft_step or target_verify")
+        mode = mode or DEFAULT_MODE
         nmax = (
             int(tr.num_requests.max())
             if isinstance(tr, RoundTrace)
@@ -203,11 +239,13 @@ def replay_cmd(
         specs = [parse_policy("adaptive-step" if cost.mode == "draft_step" else "adaptive-verify")]
     cfg = ReplayConfig(
         policies=tuple(p.text for p in specs if p.kind != "fixed"),
-        step=_step_config(window_size, update_interval, switch_min_gain),
+        step=step,
         verify=AdaptiveVerifyConfig(),
     )
 
     check_replayable(tr, cost, specs)
+    if table is None and not json_out:
+        err_console.print(f"[bold yellow]{SYNTHETIC_BANNER}[/]", soft_wrap=True)
     with ProgressReporter("replay", console=err_console, transient=True) as prog:
         report = replay(tr, cost, cfg, on_step=lambda s: prog.update(phase=s))
     d = report.to_dict()
@@ -217,7 +255,6 @@ def replay_cmd(
         "synthetic": table is None,
     }
     if plot is not None:
-
         # The synthetic table is a real CostTable too: its title says it is synthetic.
         d["plots"] = [str(p) for p in write_plots(report, plot, title=table_title(cost_table))]
     if json_out:

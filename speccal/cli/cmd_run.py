@@ -172,7 +172,12 @@ def generate(
     draft_width: DraftWidthOpt = 3,
     k: KOpt = None,
     acceptance: Annotated[
-        str, typer.Option("--acceptance", help="greedy, sample, synthetic or forced.")
+        str,
+        typer.Option(
+            "--acceptance",
+            help="greedy (lossless), sample (rejection sampling), synthetic (accepted lengths "
+            "drawn from --acceptance-profile) or forced (every draft accepted).",
+        ),
     ] = "greedy",
     profile: ProfileOpt = None,
     plain: Annotated[bool, typer.Option("--plain", help="Plain decoding (no draft head).")] = False,
@@ -305,11 +310,16 @@ def bench(
     draft_width: DraftWidthOpt = 3,
     k: KOpt = None,
     acceptance: Annotated[
-        str, typer.Option("--acceptance", help="greedy, synthetic or forced.")
+        str,
+        typer.Option(
+            "--acceptance",
+            help="greedy (lossless), synthetic (accepted lengths drawn from "
+            "--acceptance-profile) or forced (every draft accepted).",
+        ),
     ] = "greedy",
     profile: ProfileOpt = None,
     num_requests: Annotated[
-        int, typer.Option("--num-requests", help="Requests decoded together.")
+        int, typer.Option("--num-requests", help="Requests decoded together, 1..256.")
     ] = 4,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Random prompt length.")] = 32,
     max_tokens: Annotated[

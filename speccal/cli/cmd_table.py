@@ -1,9 +1,14 @@
-"""CLI commands ``speccal table show|validate|diff|export`` and the fit report shared with ``fit``.
+"""CLI commands ``speccal table show|validate|diff|export|compat`` and the fit report shared
+with ``fit``.
 
 Human output is Rich on stderr; ``--json`` writes machine-readable results to stdout. Domain
-errors (unreadable table, refused compatibility) are raised and turned into exit 2 by the root.
-``speccal.costmodel`` is imported inside the commands: it brings pandas and scikit-learn (about
-2 s), which every other command's start-up (``speccal --help`` included) would pay otherwise.
+errors (unreadable table, refused compatibility) are raised and turned into exit 2 by the root;
+``validate --json`` also prints its verdict on stdout when the table is refused.
+``export --format measurements`` writes a table's raw windows as the measurement rows ``speccal
+fit`` reads (``CostTable.measurements()``; fitting them again reproduces the table's fits).
+``compat`` builds the runner as ``speccal calibrate`` does (``speccal.calibrate.pipeline.make_engine``,
+imported inside the command: it needs torch) and writes its ``Engine.compatibility()``, what
+``fit --compat`` and ``validate --expect`` take.
 """
 
 from __future__ import annotations
@@ -17,9 +22,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from speccal.base.atomic import check_writable, dumps_json, read_json, write_text_atomic
-from speccal.base.errors import InputError
+from speccal.base.atomic import (
+    check_writable,
+    dumps_json,
+    read_json,
+    write_json_atomic,
+    write_text_atomic,
+)
+from speccal.base.errors import InputError, SpeccalError
 from speccal.base.rich_tables import print_table
+from speccal.cli.help import HelpGroup, SpeccalTyper
+from speccal.costmodel.measurements import write_measurements
 from speccal.costmodel.report import cost_grid, diff_tables, summary, to_markdown
 from speccal.costmodel.table import load_table
 
@@ -30,8 +43,12 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def fit_report(table, console: Console = err_console) -> None:
-    """Print the per-context fit report (points, residual and held-out errors) as Rich tables."""
+def fit_report(table, console: Console = err_console, *, nonpositive: bool = True) -> None:
+    """Print the per-context fit report (points, residual and held-out errors) as Rich tables.
+
+    ``nonpositive``: also list the cells fitted at a cost <= 0 (``fit`` passes False: its
+    ``NonPositiveCostWarning`` already names them, shown once by the CLI root).
+    """
     s = summary(table)
     console.print(
         f"[bold]{s['model']}[/] cost table, mode [bold]{s['mode']}[/], draft width "
@@ -72,7 +89,7 @@ def fit_report(table, console: Console = err_console) -> None:
                 _fmt(e["max_abs_pct"], ".2f"),
             )
     print_table(console, t)
-    for f in s["fits"]:
+    for f in s["fits"] if nonpositive else ():
         cells = f.get("nonpositive_cells") or []
         if cells:
             shown = ", ".join(
@@ -139,7 +156,9 @@ def _read_compat(path: Path | None) -> dict | None:
 
 
 def show(
-    table_path: Annotated[Path, typer.Argument(help="Cost table JSON file.", show_default=False)],
+    table_path: Annotated[
+        Path, typer.Argument(metavar="TABLE", help="Cost table JSON file.", show_default=False)
+    ],
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the summary as JSON on stdout.")
     ] = False,
@@ -173,7 +192,9 @@ def show(
 
 
 def validate(
-    table_path: Annotated[Path, typer.Argument(help="Cost table JSON file.", show_default=False)],
+    table_path: Annotated[
+        Path, typer.Argument(metavar="TABLE", help="Cost table JSON file.", show_default=False)
+    ],
     expect: Annotated[
         Path | None,
         typer.Option("--expect", help="Compatibility JSON of the running config to check against."),
@@ -182,10 +203,26 @@ def validate(
         bool, typer.Option("--json", help="Print the verdict as JSON on stdout.")
     ] = False,
 ) -> None:
-    """Validate a table (schema, consistency and, with --expect, compatibility). Exit 2 if refused."""
+    """Validate a table (schema, consistency and, with --expect, compatibility). Exit 2 if refused.
+
+    With --json the verdict is on stdout either way: ``valid`` true with the warnings, or
+    false with the ``error`` (the one line stderr also shows)."""
+    expected = _read_compat(expect)  # a bad --expect is bad input, not a verdict on the table
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        table = load_table(table_path, expect=_read_compat(expect))
+        try:
+            table = load_table(table_path, expect=expected)
+        except SpeccalError as exc:
+            if as_json:
+                _echo_json(
+                    {
+                        "path": str(table_path),
+                        "valid": False,
+                        "error": str(exc),
+                        "warnings": [str(w.message) for w in caught],
+                    }
+                )
+            raise
     notes = [str(w.message) for w in caught]
     if as_json:
         _echo_json(
@@ -203,8 +240,8 @@ def validate(
 
 
 def diff(
-    a: Annotated[Path, typer.Argument(help="First table.", show_default=False)],
-    b: Annotated[Path, typer.Argument(help="Second table.", show_default=False)],
+    a: Annotated[Path, typer.Argument(metavar="TABLE_A", help="First table.", show_default=False)],
+    b: Annotated[Path, typer.Argument(metavar="TABLE_B", help="Second table.", show_default=False)],
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the differences as JSON on stdout.")
     ] = False,
@@ -241,20 +278,53 @@ def diff(
     )
 
 
+EXPORT_FORMATS = ("csv", "markdown", "measurements")
+
+
 def export(
-    table_path: Annotated[Path, typer.Argument(help="Cost table JSON file.", show_default=False)],
-    fmt: Annotated[str, typer.Option("--format", help="csv or markdown.")] = "csv",
+    table_path: Annotated[
+        Path, typer.Argument(metavar="TABLE", help="Cost table JSON file.", show_default=False)
+    ],
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="csv or markdown: the cost of every captured (Bcap, G); measurements: the "
+            "table's raw windows as the measurement rows speccal fit reads (needs --out "
+            "FILE.csv or .parquet).",
+        ),
+    ] = "csv",
     out: Annotated[
-        Path | None, typer.Option("--out", help="Write here (atomically) instead of stdout.")
+        Path | None,
+        typer.Option(
+            "--out", help="Write here (atomically) instead of stdout.", show_default=False
+        ),
     ] = None,
 ) -> None:
-    """Export the cost of every captured (Bcap, G) per context interval as CSV or markdown."""
+    """Export a table: its cost grid (CSV, markdown) or its raw windows (measurement rows)."""
 
-    if fmt not in ("csv", "markdown"):
-        raise InputError("--format", fmt, "csv or markdown")
+    if fmt not in EXPORT_FORMATS:
+        raise InputError("--format", fmt, " or ".join(EXPORT_FORMATS))
+    if fmt == "measurements" and (
+        out is None or out.suffix.lower() not in (".csv", ".parquet", ".pq")
+    ):
+        raise InputError(
+            "--out",
+            None if out is None else str(out),
+            "a .csv or .parquet file for --format measurements",
+        )
     if out is not None:
         check_writable(out, "--out")
-    grid = cost_grid(load_table(table_path))
+    table = load_table(table_path)
+    if fmt == "measurements":
+        rows = table.measurements()
+        write_measurements(rows, out)
+        err_console.print(
+            f"wrote {len(rows)} measurement rows ({table.mode}, w={table.draft_width}) to {out}; "
+            f"fit them with: speccal fit {out} --model {table.model} --out FILE.json"
+        )
+        return
+    grid = cost_grid(table)
     text = grid.to_csv(index=False) if fmt == "csv" else to_markdown(grid)
     if out is None:
         typer.echo(text, nl=False)
@@ -263,13 +333,107 @@ def export(
         err_console.print(f"wrote {len(grid)} rows to {out}")
 
 
+def compat(
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Write the JSON here (atomically) instead of stdout.",
+            show_default=False,
+        ),
+    ] = None,
+    model: Annotated[
+        str, typer.Option("--model", help="Runner preset name or checkpoint folder.")
+    ] = "tiny",
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or npu.")] = "cpu",
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="float32, bfloat16 or float16 (runner default if unset).",
+            show_default=False,
+        ),
+    ] = None,
+    draft_width: Annotated[
+        int | None,
+        typer.Option(
+            "--draft-width",
+            help="num_speculative_tokens w (runner default if unset).",
+            show_default=False,
+        ),
+    ] = None,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            "--max-model-len", help="Model context (runner default if unset).", show_default=False
+        ),
+    ] = None,
+    graph_mode: Annotated[
+        str | None,
+        typer.Option(
+            "--graph-mode",
+            help="eager or split (captured CUDA/NPU graphs). Default: what calibrate uses.",
+            show_default=False,
+        ),
+    ] = None,
+    attention_backend: Annotated[
+        str | None,
+        typer.Option(
+            "--attention-backend",
+            help="torch or triton. Default: what calibrate uses.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Print a run's compatibility metadata (Engine.compatibility()), for --compat / --expect.
+
+    The runner is built exactly as speccal calibrate builds it, with the same options."""
+    # lazy: the runner needs torch; the CLI starts (and names a missing torch) without it
+    from speccal.calibrate.pipeline import CalibrateOptions, make_engine
+
+    if out is not None:
+        if out.suffix.lower() != ".json":
+            raise InputError("--out", str(out), "a path ending in .json")
+        check_writable(out, "--out")  # before the runner is built
+    engine = make_engine(
+        CalibrateOptions(
+            model=model,
+            device=device,
+            dtype=dtype,
+            draft_width=draft_width,
+            max_model_len=max_model_len,
+            graph_mode=graph_mode,
+            attention_backend=attention_backend,
+        )
+    )
+    doc = engine.compatibility()
+    if out is None:
+        _echo_json(doc)
+        return
+    write_json_atomic(out, doc, field="--out")
+    err_console.print(
+        f"wrote the compatibility of {doc['model']['architecture']} (w={doc['draft_width']}, "
+        f"{doc['device']['kind']}, graph {doc['graph_mode']}) to {out}"
+    )
+
+
+class TableGroup(HelpGroup):
+    """``speccal table``: its commands in the order a table is used."""
+
+    command_order = ("show", "validate", "export", "compat", "diff")
+
+
 def register(app: typer.Typer) -> None:
     """Attach ``speccal table ...`` to the root app."""
-    sub = typer.Typer(
-        name="table", help="Show, validate, diff and export cost tables.", no_args_is_help=True
+    sub = SpeccalTyper(
+        name="table",
+        cls=TableGroup,
+        help="Show, validate, export and diff cost tables; print a run's compatibility.",
+        no_args_is_help=True,
     )
     sub.command("show")(show)
     sub.command("validate")(validate)
     sub.command("diff")(diff)
     sub.command("export")(export)
+    sub.command("compat")(compat)
     app.add_typer(sub, name="table")

@@ -42,8 +42,15 @@ from speccal.trace import save_trace
 BENCH_ACCEPTANCE = ("greedy", "synthetic", "forced")
 
 
+#: The most requests one bench decodes: 8x the largest default request bucket (32). Requests
+#: past the largest bucket queue, so the run time grows linearly and with no new information (100000
+#: requests ran for many minutes); a larger workload is a serving benchmark, not this one.
+MAX_NUM_REQUESTS = 256
+
+
 def check_workload(num_requests: int, prompt_len: int, max_tokens: int) -> None:
-    """Refuse a bench workload whose sizes are not each an integer >= 1."""
+    """Refuse a bench workload whose sizes are not each an integer >= 1, or with more than
+    :data:`MAX_NUM_REQUESTS` requests."""
     for name, value in (
         ("--num-requests", num_requests),
         ("--prompt-len", prompt_len),
@@ -51,6 +58,12 @@ def check_workload(num_requests: int, prompt_len: int, max_tokens: int) -> None:
     ):
         if value < 1:
             raise InputError(name, value, "an integer >= 1")
+    if num_requests > MAX_NUM_REQUESTS:
+        raise InputError(
+            "--num-requests",
+            num_requests,
+            f"an integer in [1, {MAX_NUM_REQUESTS}] (requests past the largest bucket only queue)",
+        )
 
 
 def _check_acceptance(acceptance: str) -> None:

@@ -8,17 +8,21 @@ import json
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from speccal.calibrate.pipeline import CalibrateOptions, make_engine
 from speccal.cli import app
 from speccal.costmodel.measurements import write_measurements
 from speccal.costmodel.synthetic import make_measurements
+from speccal.costmodel.table import load_table
 from speccal.costmodel.table_schema import SCHEMA_VERSION
 
 from ..costmodel.helpers import COMPAT, compat, kernels_with
 
 GOLDEN = Path(__file__).parents[1] / "costmodel" / "fixtures" / "table_v2_additive.json"
+TINY = Path(__file__).parents[2] / "tables" / "tiny-cpu.json"
 
 ENV = {"COLUMNS": "120", "NO_COLOR": "1"}
 
@@ -278,3 +282,161 @@ def test_bad_input_exits_2_with_one_line(files, tables, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+# ------------------------------------------------------------------------ fit: reading the rows
+
+
+def _rows(tmp_path, name, *, mode="draft_step", drop_mode=False, **kw):
+    df = make_measurements(
+        bias_ms=4.0,
+        alpha_ms={1: 0.0, 2: 0.3, 4: 0.9},
+        theta_ms={g: 0.05 * g for g in (1, 2, 3, 4, 6, 8, 12, 16)},
+        draft_width=3,
+        noise_ms=0.02,
+        seed=3,
+        mode=mode,
+        **kw,
+    )
+    if drop_mode:
+        df = df.drop(columns=["mode"])
+    path = tmp_path / name
+    df.to_csv(path, index=False)
+    return df, path
+
+
+def test_fit_refuses_k_above_the_draft_width(tmp_path):
+    _, path = _rows(tmp_path, "k3.csv")  # draft_step rows measure k = 1..3
+    r = run("fit", path, "--draft-width", 2, "--out", tmp_path / "t.json")
+    assert r.exit_code == 2 and "measurements.k: got 3, expected k <= draft_width = 2" in r.stderr
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_fit_counts_each_window_once(tmp_path):
+    df, _ = _rows(tmp_path, "m.csv")
+    twice = df.iloc[:4].copy()  # exact copies (a journal read twice)
+    other = df.iloc[4:6].copy()
+    other["elapsed_s"] *= 2  # same windows measured again with other timings
+    other["step_ms"] *= 2
+    pd.concat([df, twice, other]).to_csv(tmp_path / "dup.csv", index=False)
+    r = run("fit", tmp_path / "dup.csv", "--out", tmp_path / "t.json", "--json")
+    assert r.exit_code == 0, r.output
+    (warning,) = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
+    assert "dropped 6 row(s) repeating a window identity" in warning
+    assert "2 of them with other timings" in warning and "first row kept" in warning
+    table = load_table(tmp_path / "t.json")
+    assert sum(len(f.windows) for f in table.fits) == len(df)
+    assert {p.n_windows for p in table.fits[0].diagnostics.points} == {3}
+    # the first row of each window is kept: the refit equals the fit of the clean rows
+    clean = run("fit", tmp_path / "m.csv", "--out", tmp_path / "c.json")
+    assert clean.exit_code == 0, clean.output
+    assert load_table(tmp_path / "c.json").fits == table.fits
+
+
+def test_fit_without_a_mode_column_is_target_verify_and_says_so(tmp_path):
+    _, tv = _rows(tmp_path, "tv.csv", mode="target_verify", drop_mode=True)
+    r = run("fit", tv, "--out", tmp_path / "t.json")
+    assert r.exit_code == 0, r.output
+    assert "mode target_verify (default: the rows have no mode column; calibrate's default)" in (
+        " ".join(r.stderr.split())
+    )
+    table = load_table(tmp_path / "t.json")
+    assert table.mode == "target_verify" and table.calibration.sources["mode"] == "default"
+    # draft_step rows without their mode column are impossible target_verify rows: refused ...
+    _, ds = _rows(tmp_path, "ds.csv", drop_mode=True)
+    r = run("fit", ds, "--out", tmp_path / "d.json")
+    assert r.exit_code == 2
+    assert "one k (= the draft width w) in every target_verify row" in r.stderr
+    r = run("fit", ds, "--draft-width", 3, "--out", tmp_path / "d.json")
+    assert r.exit_code == 2
+    assert "k = draft_width = 3 in target_verify mode" in r.stderr
+    # ... unless the user says what they are
+    r = run("fit", ds, "--mode", "draft_step", "--out", tmp_path / "d.json")
+    assert r.exit_code == 0, r.output
+    d = load_table(tmp_path / "d.json")
+    assert d.mode == "draft_step" and d.calibration.sources["mode"] == "flag"
+
+
+def test_fit_never_widens_the_geometry_past_full_width(tmp_path):
+    df, _ = _rows(tmp_path, "tv.csv", mode="target_verify")
+    assert run("fit", tmp_path / "tv.csv", "--out", tmp_path / "t.json").exit_code == 0
+    geo = load_table(tmp_path / "t.json").geometry()
+    assert all(max(gs) == b * 4 for b, gs in geo.target_rows.items())
+    wide = df.copy()
+    wide.loc[(wide["bcap"] == 2) & (wide["g"] == 8), "g"] = 12  # > Bcap * (w + 1) = 8
+    wide.to_csv(tmp_path / "wide.csv", index=False)
+    r = run("fit", tmp_path / "wide.csv", "--out", tmp_path / "w.json")
+    assert r.exit_code == 2 and "measurements.g: got 12" in r.stderr
+    assert "[2, 8] for bcap 2" in r.stderr and not (tmp_path / "w.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "source", "width"),
+    [(["--draft-width", "3"], "flag", 3), ([], "measurements", 3)],
+)
+def test_a_bare_fit_invents_nothing_about_the_run(tmp_path, args, source, width):
+    _, path = _rows(tmp_path, "m.csv")
+    r = run("fit", path, *args, "--out", tmp_path / "t.json")
+    assert r.exit_code == 0, r.output
+    table = load_table(tmp_path / "t.json")
+    c = table.compatibility
+    assert (c.topology.tp, c.topology.dp, c.graph_mode, c.device.kind) == ("unknown",) * 4
+    assert table.draft_width == width and table.calibration.sources["draft_width"] == source
+    assert "recorded as unknown, so a real engine refuses this table" in " ".join(r.stderr.split())
+    # against a real engine's compatibility: refused, naming the fields it does not know
+    (tmp_path / "c.json").write_text(json.dumps(COMPAT))
+    refused = run("table", "validate", tmp_path / "t.json", "--expect", tmp_path / "c.json")
+    assert refused.exit_code == 2
+    for field in ("topology.tp: expected 1, found 'unknown'", "graph_mode: expected 'split'"):
+        assert field in refused.stderr, field
+    assert "device.kind: expected 'cpu', found 'unknown'" in refused.stderr
+
+
+def test_fit_records_the_compat_width_source(files):
+    r = run("fit", files / "m.csv", "--compat", files / "compat.json", "--out", files / "w.json")
+    assert r.exit_code == 0, r.output
+    assert load_table(files / "w.json").calibration.sources["draft_width"] == "compatibility"
+
+
+# ------------------------------------------------------------------------ export, compat
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+@pytest.mark.parametrize("source", ["shipped", "fitted"])
+def test_export_measurements_round_trips_through_fit(tables, tmp_path, source, suffix):
+    table_path = TINY if source == "shipped" else tables[0]
+    table = load_table(table_path)
+    (tmp_path / "compat.json").write_text(json.dumps(table.compatibility.model_dump(mode="json")))
+    rows = tmp_path / f"rows{suffix}"
+    r = run("table", "export", table_path, "--format", "measurements", "--out", rows)
+    assert r.exit_code == 0, r.output
+    assert f"fit them with: speccal fit {rows}" in " ".join(r.stderr.split())
+    fit = run(
+        "fit",
+        rows,
+        "--model",
+        table.model,
+        "--compat",
+        tmp_path / "compat.json",
+        "--out",
+        tmp_path / "refit.json",
+    )
+    assert fit.exit_code == 0, fit.output
+    refit = load_table(tmp_path / "refit.json")
+    assert refit.fits == table.fits  # parameters, raw windows and diagnostics, exactly
+    assert refit.mode == table.mode and refit.compatibility == table.compatibility
+    for key in ("request_buckets", "target_graph_rows", "contexts", "window_steps"):
+        assert getattr(refit.calibration, key) == getattr(table.calibration, key), key
+
+
+def test_table_compat_writes_the_engine_compatibility_calibrate_builds(tmp_path):
+    r = run("table", "compat", "--model", "tiny", "--out", tmp_path / "c.json")
+    assert r.exit_code == 0, r.output
+    written = json.loads((tmp_path / "c.json").read_text())
+    assert written == make_engine(CalibrateOptions(model="tiny")).compatibility()
+    assert written["verification_mode"] == "forced" and written["draft_width"] == 3
+    stdout = run("table", "compat", "--model", "tiny", "--draft-width", "2")
+    assert stdout.exit_code == 0 and json.loads(stdout.stdout)["draft_width"] == 2
+    # what validate --expect takes: the shipped tiny table loads against it (warnings only)
+    ok = run("table", "validate", TINY, "--expect", tmp_path / "c.json", "--json")
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["valid"] is True

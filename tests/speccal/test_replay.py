@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -190,12 +191,44 @@ def test_cli_replay_scenario_json_and_plots(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     names = [p["name"] for p in d["policies"]]
-    assert names[0] == "adaptive-step" and "fixed:5" in names and "oracle:per-phase" in names
+    # calibrate's defaults: target_verify at the runner's width 3
+    assert names[0] == "adaptive-verify" and "fixed:3" in names and "fixed:4" not in names
+    assert "oracle:per-phase" in names and d["table"]["synthetic"] is True
+    assert d["table"]["mode"] == "target_verify" and d["draft_width"] == 3
+    assert "SYNTHETIC" not in r.stderr  # --json: said in table.synthetic
     assert d["trace"]["scenario"]["name"] == "transition"
     assert d["trace"]["scenario"]["phases"][0]["acceptance"] == [0.9]
     for p in d["plots"]:
         with open(p, "rb") as fh:
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_replay_without_a_table_says_its_costs_are_invented(tmp_path):
+    r = CliRunner().invoke(app, ["replay", "--scenario", "steady", "--rounds", "200"], env=ENV)
+    assert r.exit_code == 0, r.output
+    first = r.stderr.strip().splitlines()[0]
+    assert first.startswith("SYNTHETIC COSTS: no --table given") and "invented" in first
+    assert "mode target_verify, w=3" in r.stderr
+    table = save_table(
+        synthetic_table(scenario_geometry(3, 8), "target_verify"), tmp_path / "t.json"
+    )
+    r = CliRunner().invoke(
+        app, ["replay", "--table", str(table), "--scenario", "steady", "--rounds", "200"], env=ENV
+    )
+    assert r.exit_code == 0, r.output
+    assert "SYNTHETIC COSTS" not in r.stderr
+    assert re.search(r"adaptive-verify: [+-][0-9.]+ % tokens/s over the best fixed k", r.stderr)
+
+
+@pytest.mark.parametrize("gain", ["5", "1", "-0.1"])
+def test_cli_replay_switch_min_gain_is_a_fraction_below_one(gain):
+    r = CliRunner().invoke(
+        app,
+        ["replay", "--scenario", "steady", "--rounds", "100", "--switch-min-gain", gain],
+        env=ENV,
+    )
+    assert_exit_2(r, "--switch-min-gain")
+    assert "[0, 1)" in r.stderr
 
 
 def test_cli_replay_trace_file_and_refusals(tmp_path):
@@ -334,7 +367,9 @@ def test_cli_replay_prints_na_for_a_missing_gain(monkeypatch):
 
     monkeypatch.setattr(ReplayReport, "to_dict", without_gain)
     r = CliRunner().invoke(
-        app, ["replay", "--scenario", "steady", "--rounds", "300"], env={"COLUMNS": "200"}
+        app,
+        ["replay", "--scenario", "steady", "--rounds", "300", "--mode", "draft_step"],
+        env={"COLUMNS": "200"},
     )
     assert r.exit_code == 0, r.output
     cells = {
