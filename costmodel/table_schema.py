@@ -72,7 +72,7 @@ class PolicyConfig(_Strict):
 
     window_size: int = Field(default=20, ge=1)
     update_interval: int = Field(default=5, ge=1)
-    switch_min_gain: float = Field(default=0.05, ge=0.0)
+    switch_min_gain: float = Field(default=0.05, ge=0.0, lt=1.0)
 
 
 class LoadBlock(_Strict):
