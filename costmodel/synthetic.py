@@ -1,6 +1,7 @@
 """Synthetic measurement rows from a known additive cost (for tests, the notebook and replay).
 
-The truth is ``step_ms = bias_ms + alpha_ms[bcap] + theta_ms[g] + context offset``; each window
+The truth is ``step_ms = bias_ms + alpha_ms[bcap] + theta_ms[g] + context offset
++ kv_slope_ms * g * mean_kv_length`` (the KV-aware model's term, 0 by default); each window
 adds independent Gaussian noise of standard deviation ``noise_ms`` (clipped so a step never costs
 less than ``min_step_ms``). Rows follow the measurement schema of
 ``speccal.costmodel.measurements`` exactly (``elapsed_s = step_ms * window_steps / 1000``), so
@@ -43,6 +44,7 @@ def make_measurements(
     mode: str = "draft_step",
     contexts: Sequence[tuple[int, int, int]] = DEFAULT_CONTEXTS,
     context_offsets_ms: Sequence[float] | None = None,
+    kv_slope_ms: float = 0.0,
     windows_per_point: int = 3,
     window_steps: int = 32,
     noise_ms: float = 0.0,
@@ -61,6 +63,8 @@ def make_measurements(
         0), ``w`` in ``target_verify`` mode.
     contexts : ``(prefill_tokens, min_kv_length, max_kv_length)`` per context interval.
     context_offsets_ms : extra cost per context (default 0 for every context).
+    kv_slope_ms : ms per verified row and KV token: each window adds
+        ``kv_slope_ms * g * mean_kv_length`` at its own (uniformly drawn) mean KV length.
     windows_per_point, window_steps : windows per point and rounds per window.
     noise_ms : standard deviation of per-window Gaussian noise on ``step_ms``.
     seed : seed of ``numpy.random.default_rng``.
@@ -91,7 +95,9 @@ def make_measurements(
             truth = bias_ms + alpha_ms[b] + theta_ms[g] + offsets[ci]
             k = draft_width if mode == "target_verify" else max(g // b - 1, 0)
             for w in range(windows_per_point):
-                step_ms = max(truth + noise_ms * rng.standard_normal(), min_step_ms)
+                noise = noise_ms * rng.standard_normal()
+                kv = float(rng.uniform(lo, hi))  # drawn after the noise: the stream of old seeds
+                step_ms = max(truth + kv_slope_ms * g * kv + noise, min_step_ms)
                 elapsed_s = step_ms * window_steps / 1000.0
                 rows.append(
                     {
@@ -108,7 +114,7 @@ def make_measurements(
                         "elapsed_s": elapsed_s,
                         # Derived exactly as a real calibration derives it.
                         "step_ms": 1000.0 * elapsed_s / window_steps,
-                        "mean_kv_length": float(rng.uniform(lo, hi)),
+                        "mean_kv_length": kv,
                         "mode": mode,
                     }
                 )

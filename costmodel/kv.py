@@ -1,0 +1,319 @@
+"""The KV-aware cost model: one fit over every context interval, priced at any attended KV.
+
+Attention reads the whole KV of every verified row, so a round's cost grows with the batch's
+mean KV length. Over the combined points of all context intervals (one per ``(context, Bcap,
+G)``: median ``step_ms`` of its windows, mean of their recorded ``mean_kv_length``) the model is
+
+``cost_ms(Bcap, G, kv) = bias + alpha(Bcap) + theta(G) + slope(G) * G * kv``
+
+with ``alpha`` and ``theta`` categorical as in ``speccal.costmodel.additive`` (the smallest Bcap
+and G are the reference, so ``bias`` is the corner cell's cost at KV 0) and two candidate slope
+forms (``kv_term``):
+
+- ``shared``: one slope ``beta`` for every G (``slope(G) = beta``): the attention work per
+  verified row and KV token is the same at every graph shape;
+- ``per_g``: one slope per G level (the attention kernel's tiling differs between shapes).
+
+Why these and not theta per KV level with interpolation between the contexts: every window of
+a context is measured at the same mean KV (``speccal.calibrate.driver.calibrated_kv_length``),
+so a per-level model has one KV anchor per context and nothing to say between or beyond them
+except by the same linear interpolation, with one ``theta`` vector per context to estimate
+(three to four times the parameters of ``shared``); leaving one context out it must
+extrapolate its edge contexts from one segment. The linear terms use all contexts for one slope.
+Which slope form a table gets is decided by held-out error (:func:`select_kv_model`):
+leave-one-context-out first (the question a KV-aware lookup answers: how wrong is the price at a
+KV that was not calibrated), then leave-one-point-out; a tie within
+:data:`TIE_PCT` percentage points keeps ``shared`` (fewer parameters).
+
+Fitted attributes: ``bias_ms_``, ``bcap_levels_`` / ``alpha_ms_`` ``[nb]``, ``g_levels_`` /
+``theta_ms_`` ``[ng]``, ``beta_ms_`` (``[1]`` for ``shared``, ``[ng]`` for ``per_g``; ms per
+verified row and KV token), ``points_`` ``[m, 3]`` (bcap, g, kv) and ``point_ms_`` ``[m]``.
+``X`` is ``[n, 3]`` with columns ``[bcap, g, kv_length]``; ``predict`` is NaN for a Bcap or G that
+is not a level (the KV span is the lookup's concern, ``speccal.costmodel.lookup``). Parameters
+are persisted as arrays (``speccal.costmodel.table_schema.KVModelBlock``), never pickles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from sklearn.base import BaseEstimator, RegressorMixin
+from sklearn.utils.validation import check_is_fitted, validate_data
+
+from speccal.base.errors import InputError
+from speccal.costmodel.additive import design_matrix
+from speccal.costmodel.diagnostics import ErrorSummary
+from speccal.costmodel.estimator import COMBINE, single_thread_blas
+from speccal.costmodel.grid import check_connected
+from speccal.costmodel.lookup import level_lookup
+
+KV_TERMS = ("shared", "per_g")
+#: Held-out errors (percentage points of mean |error|) closer than this count as a tie.
+TIE_PCT = 0.1
+_HAT_TOL = 1e-9
+
+
+def kv_design(
+    points: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray, kv_term: str
+) -> np.ndarray:
+    """Design ``[m, p]``: the additive one-hot columns, then the ``G * kv`` slope column(s).
+
+    ``points`` is ``[m, 3]`` (bcap, g, kv); KV is scaled to thousands of tokens inside the design
+    only (conditioning), the fitted ``beta_ms_`` is per token.
+    """
+    D = design_matrix(points[:, :2], bcap_levels, g_levels)
+    gkv = points[:, 1] * points[:, 2] / 1000.0
+    if kv_term == "shared":
+        S = gkv[:, None]
+    else:
+        gi = np.searchsorted(g_levels, points[:, 1])
+        S = np.zeros((len(points), len(g_levels)))
+        S[np.arange(len(points)), gi] = gkv
+    return np.hstack([D, S])
+
+
+class KVCostModel(RegressorMixin, BaseEstimator):
+    """``bias + alpha(Bcap) + theta(G) + slope(G) * G * kv`` in ms (see module docstring).
+
+    Parameters
+    ----------
+    kv_term : {"shared", "per_g"}
+        One slope for every G, or one per G level.
+    combine : {"median", "mean"}
+        How repeated windows of one (Bcap, G, KV) point are combined before the fit.
+    """
+
+    def __init__(self, *, kv_term: str = "shared", combine: str = "median"):
+        self.kv_term = kv_term
+        self.combine = combine
+
+    def fit(self, X, y):
+        """Fit on ``X = [[bcap, g, kv_length]]``, ``y`` = step ms; returns ``self``.
+
+        Raises ``InputError`` for an unknown ``kv_term``/``combine`` or fewer than two distinct
+        KV lengths (no slope to fit), ``GridError`` for a disconnected (Bcap, G) grid.
+        """
+        if self.kv_term not in KV_TERMS:
+            raise InputError("kv_term", self.kv_term, f"one of {list(KV_TERMS)}")
+        if self.combine not in COMBINE:
+            raise InputError("combine", self.combine, f"one of {list(COMBINE)}")
+        X, y = validate_data(self, X, y, reset=True, dtype=np.float64, y_numeric=True)
+        if X.shape[1] != 3:
+            raise InputError("X", f"n_features = {X.shape[1]}", "3 columns [bcap, g, kv_length]")
+        keys, inverse = np.unique(X, axis=0, return_inverse=True)
+        grouped = pd.Series(y).groupby(inverse.reshape(-1), sort=True)
+        value = (grouped.median() if self.combine == "median" else grouped.mean()).to_numpy()
+        if len(np.unique(keys[:, 2])) < 2:
+            raise InputError(
+                "kv_length",
+                f"{len(np.unique(keys[:, 2]))} distinct value(s)",
+                "at least 2 KV lengths to fit a KV slope",
+            )
+        check_connected(((int(b), int(g)) for b, g, _ in keys), where="kv model grid")
+        bl, gl = np.unique(keys[:, 0]), np.unique(keys[:, 1])
+        D = kv_design(keys, bl, gl, self.kv_term)
+        with single_thread_blas():
+            coef, *_ = np.linalg.lstsq(D, value, rcond=None)
+        nb, ng = len(bl), len(gl)
+        self.bias_ms_ = float(coef[0])
+        self.bcap_levels_ = bl.astype(np.int64)
+        self.alpha_ms_ = np.concatenate([[0.0], coef[1:nb]])
+        self.g_levels_ = gl.astype(np.int64)
+        self.theta_ms_ = np.concatenate([[0.0], coef[nb : nb + ng - 1]])
+        self.beta_ms_ = np.asarray(coef[nb + ng - 1 :], dtype=np.float64) / 1000.0
+        self.points_ = keys
+        self.point_ms_ = value
+        return self
+
+    def predict(self, X) -> np.ndarray:
+        """Step cost in ms; NaN where a row's Bcap or G is not a fitted level."""
+        check_is_fitted(self, "bias_ms_")
+        X = validate_data(self, X, reset=False, dtype=np.float64)
+        return self.predict_at(X[:, 0], X[:, 1], X[:, 2])
+
+    def predict_at(self, bcap, g, kv_length) -> np.ndarray:
+        """Vectorised prediction over broadcast arrays (what the table lookup calls)."""
+        bcap, g, kv = np.broadcast_arrays(
+            np.asarray(bcap, dtype=np.float64),
+            np.asarray(g, dtype=np.float64),
+            np.asarray(kv_length, dtype=np.float64),
+        )
+        gl = self.g_levels_.astype(np.float64)
+        a = level_lookup(bcap, self.bcap_levels_.astype(np.float64), self.alpha_ms_)
+        t = level_lookup(g, gl, self.theta_ms_)
+        if len(self.beta_ms_) == 1:
+            slope = np.where(np.isnan(t), np.nan, self.beta_ms_[0])
+        else:
+            slope = level_lookup(g, gl, self.beta_ms_)
+        return self.bias_ms_ + a + t + slope * g * kv
+
+    @classmethod
+    def from_params(
+        cls, bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, beta_ms, *, combine="median"
+    ) -> KVCostModel:
+        """Rebuild a fitted model from stored parameters (``len(beta_ms)`` picks the form)."""
+        beta = np.asarray(beta_ms, dtype=np.float64)
+        m = cls(kv_term="shared" if len(beta) == 1 else "per_g", combine=combine)
+        m.bias_ms_ = float(bias_ms)
+        m.bcap_levels_ = np.asarray(bcap_levels, dtype=np.int64)
+        m.alpha_ms_ = np.asarray(alpha_ms, dtype=np.float64)
+        m.g_levels_ = np.asarray(g_levels, dtype=np.int64)
+        m.theta_ms_ = np.asarray(theta_ms, dtype=np.float64)
+        m.beta_ms_ = beta
+        m.n_features_in_ = 3
+        return m
+
+
+# ---------------------------------------------------------------- held-out errors, selection
+
+
+@dataclass(frozen=True)
+class KVFit:
+    """A selected KV model with its errors (what a table's ``kv_model`` block stores).
+
+    ``points``: one row per (context, Bcap, G): ``context_index, bcap, g, kv_length, step_ms,
+    predicted_ms, lopo_ms, loco_ms`` (NaN where a point could not be held out).
+    ``candidates``: per ``kv_term`` its leave-one-context-out and leave-one-point-out summaries.
+    """
+
+    model: KVCostModel
+    points: pd.DataFrame
+    residuals: ErrorSummary
+    leave_one_point_out: ErrorSummary
+    leave_one_context_out: ErrorSummary
+    per_context: dict[int, dict[str, ErrorSummary]]
+    candidates: dict[str, dict[str, ErrorSummary]]
+    selected_by: str
+
+
+def kv_points(windows: pd.DataFrame) -> pd.DataFrame:
+    """Combined points of every context: ``context_index, bcap, g, kv_length, step_ms``.
+
+    ``step_ms`` is the median of the point's windows, ``kv_length`` the mean of their recorded
+    ``mean_kv_length``.
+    """
+    grouped = windows.groupby(["context_index", "bcap", "g"], sort=True)
+    return grouped.agg(
+        kv_length=("mean_kv_length", "mean"), step_ms=("step_ms", "median")
+    ).reset_index()
+
+
+def _lopo(P: np.ndarray, y: np.ndarray, kv_term: str) -> np.ndarray:
+    """Exact leave-one-point-out predictions (PRESS ``e_i / (1 - h_ii)``), NaN if ``h_ii = 1``."""
+    bl, gl = np.unique(P[:, 0]), np.unique(P[:, 1])
+    D = kv_design(P, bl, gl, kv_term)
+    with single_thread_blas():
+        coef, _, rank, _ = np.linalg.lstsq(D, y, rcond=None)
+        if rank < D.shape[1]:
+            return np.full(len(y), np.nan)
+        q, _ = np.linalg.qr(D)
+    resid = y - D @ coef
+    h = np.einsum("ij,ij->i", q, q)
+    out = np.full(len(y), np.nan)
+    ok = h < 1.0 - _HAT_TOL
+    out[ok] = y[ok] - resid[ok] / (1.0 - h[ok])
+    return out
+
+
+def _loco(ctx: np.ndarray, P: np.ndarray, y: np.ndarray, kv_term: str) -> np.ndarray:
+    """Each context's points predicted by the model fitted on the other contexts.
+
+    A fold is skipped (NaN) when fewer than two other contexts remain (one context has one KV:
+    no slope), or when the remaining grid lacks a level of the held-out points or is
+    disconnected or rank-deficient.
+    """
+    out = np.full(len(y), np.nan)
+    contexts = np.unique(ctx)
+    if len(contexts) < 3:
+        return out
+    for c in contexts:
+        test = ctx == c
+        train_P, train_y = P[~test], y[~test]
+        bl, gl = np.unique(train_P[:, 0]), np.unique(train_P[:, 1])
+        D = kv_design(train_P, bl, gl, kv_term)
+        with single_thread_blas():
+            coef, _, rank, _ = np.linalg.lstsq(D, train_y, rcond=None)
+        if rank < D.shape[1]:
+            continue
+        nb, ng = len(bl), len(gl)
+        m = KVCostModel.from_params(
+            coef[0],
+            bl,
+            np.concatenate([[0.0], coef[1:nb]]),
+            gl,
+            np.concatenate([[0.0], coef[nb : nb + ng - 1]]),
+            coef[nb + ng - 1 :] / 1000.0,
+        )
+        out[test] = m.predict_at(P[test, 0], P[test, 1], P[test, 2])
+    return out
+
+
+def select_kv_model(windows: pd.DataFrame, *, combine: str = "median") -> KVFit | None:
+    """Fit both slope forms on every context's windows and keep the one with the lower
+    held-out error (module docstring); None when the model cannot be fitted (fewer than two
+    context intervals, or a (Bcap, G) grid that is not connected across them).
+
+    Parameters
+    ----------
+    windows : validated measurement rows of all context intervals (``context_index, bcap, g,
+        step_ms, mean_kv_length``).
+    combine : how repeated windows of a point are combined.
+    """
+    if windows["context_index"].nunique() < 2:
+        return None
+    pts = kv_points(windows)
+    P = pts[["bcap", "g", "kv_length"]].to_numpy(dtype=np.float64)
+    y = pts["step_ms"].to_numpy(dtype=np.float64)
+    ctx = pts["context_index"].to_numpy()
+    try:
+        check_connected(((int(b), int(g)) for b, g, _ in P), where="kv model grid")
+    except InputError:
+        return None
+    if len(np.unique(P[:, 2])) < 2:
+        return None
+    held: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    candidates: dict[str, dict[str, ErrorSummary]] = {}
+    for term in KV_TERMS:
+        lopo, loco = _lopo(P, y, term), _loco(ctx, P, y, term)
+        held[term] = (lopo, loco)
+        candidates[term] = {
+            "leave_one_context_out": ErrorSummary.of(y, loco),
+            "leave_one_point_out": ErrorSummary.of(y, lopo),
+        }
+    chosen, selected_by = _choose(candidates)
+    # Fit on the combined points (one per context, Bcap, G), so every point weighs the same.
+    model = KVCostModel(kv_term=chosen, combine=combine).fit(P, y)
+    lopo, loco = held[chosen]
+    pred = model.predict_at(P[:, 0], P[:, 1], P[:, 2])
+    out = pts.copy()
+    out["predicted_ms"], out["lopo_ms"], out["loco_ms"] = pred, lopo, loco
+    per_context = {
+        int(c): {
+            "residuals": ErrorSummary.of(y[ctx == c], pred[ctx == c]),
+            "leave_one_point_out": ErrorSummary.of(y[ctx == c], lopo[ctx == c]),
+        }
+        for c in np.unique(ctx)
+    }
+    return KVFit(
+        model=model,
+        points=out,
+        residuals=ErrorSummary.of(y, pred),
+        leave_one_point_out=ErrorSummary.of(y, lopo),
+        leave_one_context_out=ErrorSummary.of(y, loco),
+        per_context=per_context,
+        candidates=candidates,
+        selected_by=selected_by,
+    )
+
+
+def _choose(candidates: dict[str, dict[str, ErrorSummary]]) -> tuple[str, str]:
+    """The slope form with the lower held-out error, and which error decided."""
+    for metric in ("leave_one_context_out", "leave_one_point_out"):
+        errs = {t: candidates[t][metric].mean_abs_pct for t in KV_TERMS}
+        if all(e is not None for e in errs.values()):
+            if errs["per_g"] < errs["shared"] - TIE_PCT:
+                return "per_g", metric
+            return "shared", metric
+    return "shared", "fewest_parameters"

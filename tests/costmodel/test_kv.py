@@ -1,0 +1,141 @@
+"""KV-aware cost model: recovery of a known KV term, held-out errors, selection, sklearn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.utils.estimator_checks import parametrize_with_checks
+
+from speccal.base.errors import InputError
+from speccal.costmodel.kv import KVCostModel, select_kv_model
+from speccal.costmodel.synthetic import make_measurements
+
+from .helpers import ALPHA, BIAS, THETA
+
+CONTEXTS = ((256, 1, 512), (1024, 513, 2048), (4096, 2049, 8192))
+#: ms per verified row and KV token, H200-like (B = 8 decode: +0.2 ms from KV 256 to 1024):
+#: G = 32 at KV 8k adds 1.3 ms to a ~5 ms base.
+SLOPE = 5e-6
+
+
+def kv_rows(*, slope=SLOPE, noise_ms=0.02, seed=3, contexts=CONTEXTS, windows=4):
+    return make_measurements(
+        bias_ms=BIAS,
+        alpha_ms=ALPHA,
+        theta_ms=THETA,
+        draft_width=3,
+        contexts=contexts,
+        kv_slope_ms=slope,
+        windows_per_point=windows,
+        noise_ms=noise_ms,
+        seed=seed,
+    )
+
+
+def test_shared_slope_recovered_within_the_noise():
+    # 16 points x 3 contexts x 4 windows = 192 windows, noise sd 0.02 ms; the slope's standard
+    # error is ~2e-8 ms per row-token (measured over seeds), so 2 % of 5e-6 is ~5 of them.
+    df = kv_rows()
+    X = df[["bcap", "g", "mean_kv_length"]].to_numpy(float)
+    m = KVCostModel().fit(X, df["step_ms"].to_numpy())
+    assert m.beta_ms_.shape == (1,)
+    assert m.beta_ms_[0] == pytest.approx(SLOPE, rel=0.02)
+    assert m.bias_ms_ == pytest.approx(BIAS, abs=0.05)
+    theta = {g: THETA[g] - THETA[min(THETA)] for g in THETA}
+    assert np.allclose(m.theta_ms_, [theta[g] for g in m.g_levels_], atol=0.05)
+    truth = (
+        BIAS
+        + np.array([ALPHA[b] for b in X[:, 0].astype(int)])
+        + np.array([THETA[g] for g in X[:, 1].astype(int)])
+        + SLOPE * X[:, 1] * X[:, 2]
+    )
+    assert np.max(np.abs(m.predict(X) - truth)) < 0.05  # 2.5 noise sd
+
+
+def test_selection_reports_loco_per_interval_and_keeps_shared_on_a_shared_truth():
+    fit = select_kv_model(kv_rows())
+    assert fit is not None and fit.model.kv_term == "shared"
+    assert fit.selected_by == "leave_one_context_out"
+    loco = fit.leave_one_context_out
+    # Every context is predicted from the other two: the KV term extrapolates within ~noise.
+    assert loco.n_evaluated == 48 and loco.mean_abs_pct < 1.0
+    assert set(fit.per_context) == {0, 1, 2}
+    assert all(e["leave_one_point_out"].n_evaluated > 0 for e in fit.per_context.values())
+    assert np.isfinite(fit.points["loco_ms"]).all()
+
+
+def test_per_g_slopes_win_when_the_truth_has_them():
+    df = kv_rows(slope=0.0)
+    # Add a slope only at the largest G: one shared slope cannot describe it.
+    big = df["g"] == df["g"].max()
+    df.loc[big, "step_ms"] += 2e-5 * df.loc[big, "g"] * df.loc[big, "mean_kv_length"]
+    df["elapsed_s"] = df["step_ms"] * df["window_steps"] / 1000
+    fit = select_kv_model(df)
+    assert fit.model.kv_term == "per_g"
+    shared = fit.candidates["shared"]["leave_one_context_out"].mean_abs_pct
+    assert fit.leave_one_context_out.mean_abs_pct < shared
+
+
+def test_no_kv_model_for_one_context_and_loco_skipped_for_two():
+    assert select_kv_model(kv_rows(contexts=CONTEXTS[:1])) is None
+    two = select_kv_model(kv_rows(contexts=CONTEXTS[:2]))
+    assert two.leave_one_context_out.n_evaluated == 0  # one remaining context has no slope
+    assert two.selected_by == "leave_one_point_out"
+
+
+def test_bad_input_names_the_field():
+    with pytest.raises(InputError, match="kv_term"):
+        KVCostModel(kv_term="quadratic").fit([[1, 2, 3], [1, 4, 5]], [1.0, 2.0])
+    with pytest.raises(InputError, match="kv_length"):
+        KVCostModel().fit([[1, 2, 3], [1, 4, 3]], [1.0, 2.0])
+
+
+def test_from_params_rebuilds_the_same_predictions():
+    df = kv_rows()
+    X = df[["bcap", "g", "mean_kv_length"]].to_numpy(float)
+    m = KVCostModel(kv_term="per_g").fit(X, df["step_ms"].to_numpy())
+    m2 = KVCostModel.from_params(
+        m.bias_ms_, m.bcap_levels_, m.alpha_ms_, m.g_levels_, m.theta_ms_, m.beta_ms_
+    )
+    assert m2.kv_term == "per_g"
+    assert np.array_equal(m.predict(X), m2.predict(X))
+
+
+# As for the 2-D models (test_estimators.py): sklearn's checks feed random continuous designs; the
+# KV model needs exactly three columns, a connected (Bcap, G) grid and two or more KV lengths, so
+# each check below stops at one of those refusals. xfail_strict keeps the list exact.
+_FIXED_DESIGN = (
+    "X is the physical design [bcap, g, kv_length] over a connected grid with >= 2 KV lengths; "
+    "the check feeds a random design"
+)
+_EXPECTED_FAILED = {
+    name: _FIXED_DESIGN
+    for name in (
+        "check_dtype_object",
+        "check_estimators_dtypes",
+        "check_estimators_fit_returns_self",
+        "check_estimators_overwrite_params",
+        "check_fit2d_1sample",
+        "check_fit_check_is_fitted",
+        "check_fit_idempotent",
+        "check_fit_score_takes_y",
+        "check_n_features_in",
+        "check_n_features_in_after_fitting",
+        "check_pipeline_consistency",
+        "check_positive_only_tag_during_fit",
+        "check_readonly_memmap_input",
+        "check_regressor_data_not_an_array",
+        "check_regressors_int",
+        "check_regressors_no_decision_function",
+        "check_regressors_train",
+    )
+}
+
+
+@parametrize_with_checks(
+    [KVCostModel()],
+    expected_failed_checks=lambda est: _EXPECTED_FAILED,
+    xfail_strict=True,
+)
+def test_sklearn_estimator_checks(estimator, check):
+    check(estimator)
