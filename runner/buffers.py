@@ -9,6 +9,14 @@ graph reads); ``flush`` then issues the non-blocking host-to-device copies of ev
 since the last flush, merged into contiguous runs. Staging costs ~20 us of host time per copy
 launch on CUDA, and a round stages ~20 inputs: one copy instead of twenty is most of a round's
 host preparation.
+
+Double buffering (pipelined rounds, ``num_host_slots=2``): the host arena exists once per
+staging slot and :meth:`StaticInputs.use` selects the slot ``put`` / ``flush`` work on. The host
+prepares round ``n + 1`` into the other slot than round ``n``'s, so it never overwrites pinned
+memory a queued (non-blocking) copy of round ``n`` may still read. The device arena stays one:
+captured graphs read fixed addresses, and its copies are stream-ordered after the work of the
+rounds queued before them. A slot is reusable once the round staged in it two rounds ago was
+collected (the engine collects round ``n - 1`` before it prepares round ``n + 1``).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ class StaticInputs:
         sizes: dict[str, tuple[int, torch.dtype]],
         device: torch.device,
         device_written: frozenset[str] = frozenset(),
+        num_host_slots: int = 1,
     ):
         unknown = sorted(set(device_written) - set(sizes))
         if unknown:
@@ -47,19 +56,45 @@ class StaticInputs:
             self._span[name] = (off, nbytes)
             off += -(-nbytes // _ALIGN) * _ALIGN
         self._dev_arena = torch.zeros(max(off, 1), dtype=torch.uint8, device=device)
-        self._host_arena = torch.zeros(max(off, 1), dtype=torch.uint8, pin_memory=pin)
+        if not isinstance(num_host_slots, int) or num_host_slots < 1:
+            raise ValueError(f"num_host_slots: {num_host_slots!r}, need an integer >= 1")
+        self.num_host_slots = num_host_slots
+        self._host_arenas = [
+            torch.zeros(max(off, 1), dtype=torch.uint8, pin_memory=pin)
+            for _ in range(num_host_slots)
+        ]
         self.dev: dict[str, torch.Tensor] = {}
-        self.host: dict[str, torch.Tensor] = {}
+        self._hosts: list[dict[str, torch.Tensor]] = [{} for _ in range(num_host_slots)]
         for name, (_, dtype) in sizes.items():
             o, nbytes = self._span[name]
             self.dev[name] = self._dev_arena[o : o + nbytes].view(dtype)
-            self.host[name] = self._host_arena[o : o + nbytes].view(dtype)
-        self._host_np = {n: t.numpy() for n, t in self.host.items()}  # no torch op per put
+            for arena, host in zip(self._host_arenas, self._hosts, strict=True):
+                host[name] = arena[o : o + nbytes].view(dtype)
+        # no torch op per put
+        self._hosts_np = [{n: t.numpy() for n, t in h.items()} for h in self._hosts]
+        self.slot = 0
+        self._host_arena = self._host_arenas[0]
+        self.host = self._hosts[0]
+        self._host_np = self._hosts_np[0]
         self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # (name, shape) -> view
         # device-written byte ranges, sorted: a merged copy must not cross one it does not cover
         self._guarded = sorted(self._span[n] for n in device_written)
         self._dirty: dict[str, int] = {}  # name -> staged bytes since the last flush
         self.copies = 0  # host-to-device copies issued (tests, diagnostics)
+
+    def use(self, slot: int) -> None:
+        """Select the host staging slot later ``put`` / ``flush`` calls work on.
+
+        Anything put but not flushed must be flushed first (a staged run belongs to one slot).
+        """
+        if not 0 <= slot < self.num_host_slots:
+            raise ValueError(f"staging slot {slot} outside [0, {self.num_host_slots})")
+        if self._dirty:
+            raise RuntimeError("StaticInputs.use: flush the staged inputs before switching slots")
+        self.slot = slot
+        self._host_arena = self._host_arenas[slot]
+        self.host = self._hosts[slot]
+        self._host_np = self._hosts_np[slot]
 
     def put(self, name: str, array: np.ndarray) -> torch.Tensor:
         """Stage ``array`` on the host; return the device view of the same shape.

@@ -72,6 +72,14 @@ class EngineConfig:
         :meth:`Engine.compatibility`. ``path.graph_mode="split"`` captures a draft graph per
         (Bcap, k) and a target graph per (Bcap, k, G) at construction (cuda/npu only).
     draft_family : presets only: key layout of the random MTP head.
+    pipeline : False (default) runs the synchronous loop (admit -> prepare -> execute ->
+        collect -> bookkeeping in series). True runs pipelined rounds (SPEC section 7):
+        ``Engine.step`` queues round ``n + 1`` before it collects round ``n`` and returns round
+        ``n``'s result (one step late; ``Engine.drain`` collects the rest). Round ``n + 1``'s
+        metadata is derived on the device from per-slot state round ``n`` advanced there;
+        stop rules are discovered one round late (the extra round's tokens are discarded).
+        Each request may then need ``w + 1`` more KV slots and positions, which the engine
+        reserves (``max_positions``, block table width, the default KV capacity).
     """
 
     model: str = "tiny"
@@ -90,6 +98,7 @@ class EngineConfig:
     speculative: bool = True
     path: ExecutionPath = field(default_factory=ExecutionPath)
     draft_family: str | None = None
+    pipeline: bool = False
 
     @classmethod
     def flat(cls, **kw: Any) -> EngineConfig:
@@ -128,6 +137,8 @@ class EngineConfig:
             raise InputError(
                 "acceptance_profile", self.acceptance_profile, "None unless acceptance='synthetic'"
             )
+        if not isinstance(self.pipeline, bool):
+            raise InputError("pipeline", self.pipeline, "a bool")
         for name in ("block_size", "prefill_chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -202,6 +213,7 @@ class RoundResult:
     num_prefill_tokens: int = 0
     first_tokens: dict[int, int] = field(default_factory=dict)
     round_index: int = -1  # -1: no round ran (empty batch)
+    num_discarded: int = 0  # pipelined: rows of already-finished requests the round also ran
 
 
 class Engine:
@@ -218,6 +230,8 @@ class Engine:
         )
         self.dtype_name = dtype
         w = config.draft_width
+        # a pipelined request may run one round past its stop: w + 1 more positions / KV slots
+        self._lag_slots = w + 1 if config.pipeline else 0
         max_len = config.max_model_len or 4096
         self.loaded: LoadedModel = load_model(
             config.model,
@@ -225,7 +239,7 @@ class Engine:
             dtype=dtype,
             seed=config.seed,
             max_model_len=max_len,
-            max_positions=max_len + w + 2,
+            max_positions=max_len + w + 2 + self._lag_slots,
             need_draft=config.speculative,
             draft_family=config.draft_family,
         )
@@ -247,7 +261,7 @@ class Engine:
         buckets = config.request_buckets
         max_bucket = max(buckets) if buckets else 0
         bs = config.block_size
-        cap = config.kv_capacity_tokens or max_bucket * (max_len + w + 1)
+        cap = config.kv_capacity_tokens or max_bucket * (max_len + w + 1 + self._lag_slots)
         num_blocks = -(-cap // bs) + 1
         self.geometry = Geometry(
             draft_width=w,
@@ -281,7 +295,7 @@ class Engine:
             self.kv,
             draft_width=w,
             max_bucket=max_bucket,
-            max_blocks_per_seq=-(-(max_len + w + 2) // bs),
+            max_blocks_per_seq=-(-(max_len + w + 2 + self._lag_slots) // bs),
             acceptance=config.acceptance,
             profile=profile,
             generator=self.generator,
@@ -289,6 +303,7 @@ class Engine:
             dtype=torch_dtype,
             path=self.path,
             max_model_len=max_len,
+            pipeline=config.pipeline,
         )
         for module in (self.loaded.target, self.loaded.draft):
             if module is not None:
@@ -308,6 +323,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._early_finished: list[int] = []
         self._round_index = 0
+        self._inflight: list[_Flight] = []  # pipelined: queued rounds, oldest first
 
     def _capture_graphs(self) -> None:
         """Capture every (Bcap, k[, G]) graph the geometry allows, largest first (one pool)."""
@@ -387,7 +403,8 @@ class Engine:
         return self.kv.allocator.num_free * self.kv.allocator.block_size
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        """Requests waiting or running, or (pipelined) a queued round not yet collected."""
+        return bool(self._waiting or self._running or self._inflight)
 
     # ------------------------------------------------------------------ requests
 
@@ -413,7 +430,7 @@ class Engine:
             raise InputError(
                 "prompt length + max_tokens", total, f"<= max_model_len={self.max_model_len}"
             )
-        need = total + self.config.draft_width + 1
+        need = total + self.config.draft_width + 1 + self._lag_slots
         if need > self.geometry.kv_capacity_tokens:
             raise CapacityError(
                 f"request needs up to {need} KV slots but the cache holds {self.geometry.kv_capacity_tokens}; "
@@ -444,10 +461,16 @@ class Engine:
             )
         if req.finish_reason is None:
             req.finish_reason = "released"
+        if req.num_inflight:  # a queued round still writes its KV and slot: freed at collect
+            if req in self._running:
+                self._running.remove(req)
+            return
         self._finish(req)
 
     def reset(self) -> None:
-        """Release every request (the KV cache and slots become free)."""
+        """Release every request (the KV cache and slots become free); pipelined engines drain
+        their queued rounds first (results dropped)."""
+        self.drain()
         for rid in list(self.requests):
             self.release(rid)
         self._early_finished = []
@@ -561,18 +584,8 @@ class Engine:
         g = self.geometry.g_within(bcap, int(budget), n)
         return g, (min(g, int(budget)) - n if g is not None else 0)
 
-    def step(self, plan: RoundPlan | PlanFn) -> RoundResult:
-        """Admit and prefill waiting requests, then run one round over the running batch.
-
-        ``plan`` is a :class:`RoundPlan` or a callback ``plan(RoundState) -> RoundPlan`` called
-        after admission (so a policy sees the round's batch size and mean KV length); it is not
-        called when the batch is empty.
-        """
-        first: dict[int, int] = {}
-        num_prefill, finished = self._admit(first)
-        finished = self._early_finished + finished
-        self._early_finished = []
-        batch = list(self._running)
+    def _resolve(self, plan: RoundPlan | PlanFn, batch: list[Request]) -> tuple[RoundPlan, int, np.ndarray | None]:
+        """The round's plan (callback called for a non-empty batch) and its ``(k, verify [B])``."""
         n = len(batch)
         if callable(plan):
             if n == 0:
@@ -584,24 +597,10 @@ class Engine:
                 if not isinstance(plan, RoundPlan):
                     raise InputError("plan callback result", plan, "a RoundPlan")
         k, nv = self._check_plan(plan, n)
-        if n == 0:
-            empty = np.zeros(0, dtype=np.int64)
-            return RoundResult(
-                0,
-                0,
-                0,
-                k,
-                [],
-                empty,
-                empty,
-                [[first[r]] for r in first],
-                finished,
-                np.zeros((0, k), np.float32),
-                np.zeros((0, k), bool),
-                empty,
-                num_prefill,
-                first,
-            )
+        return plan, k, nv
+
+    def _shape(self, plan: RoundPlan, n: int, k: int, nv: np.ndarray | None) -> tuple[int, int, int | None]:
+        """``(Bcap, G, budget draft rows or None)`` of a round over ``n`` requests."""
         bcap = self.geometry.bcap_for(n)
         if bcap is None:
             raise CapacityError(f"no captured request bucket for {n} requests")
@@ -614,6 +613,38 @@ class Engine:
             g = self.geometry.g_for(bcap, rows) if k > 0 else self.geometry.g_for(bcap, bcap)
         if g is None:
             raise CapacityError(f"no captured target bucket for {n} requests / {rows} target rows")
+        return bcap, g, budget_rows
+
+    @staticmethod
+    def _empty_result(k: int, first: dict[int, int], finished: list[int], num_prefill: int) -> RoundResult:
+        empty = np.zeros(0, dtype=np.int64)
+        return RoundResult(
+            0, 0, 0, k, [], empty, empty, [[first[r]] for r in first], finished,
+            np.zeros((0, k), np.float32), np.zeros((0, k), bool), empty, num_prefill, first,
+        )
+
+    def step(self, plan: RoundPlan | PlanFn) -> RoundResult:
+        """Admit and prefill waiting requests, then run one round over the running batch.
+
+        ``plan`` is a :class:`RoundPlan` or a callback ``plan(RoundState) -> RoundPlan`` called
+        after admission (so a policy sees the round's batch size and mean KV length); it is not
+        called when the batch is empty.
+
+        Pipelined engines (``EngineConfig.pipeline``): see :meth:`_step_pipelined`; the result
+        returned is the *previous* step's round.
+        """
+        if self.config.pipeline:
+            return self._step_pipelined(plan)
+        first: dict[int, int] = {}
+        num_prefill, finished = self._admit(first)
+        finished = self._early_finished + finished
+        self._early_finished = []
+        batch = list(self._running)
+        n = len(batch)
+        plan, k, nv = self._resolve(plan, batch)
+        if n == 0:
+            return self._empty_result(k, first, finished, num_prefill)
+        bcap, g, budget_rows = self._shape(plan, n, k, nv)
         x = self.runner.prepare(batch, bcap, k, nv, g, budget_rows)
         out = self.runner.execute(x)
         accepted, nv, out_tokens, scores = self.runner.collect(out, x)
@@ -654,3 +685,156 @@ class Engine:
             first_tokens=first,
             round_index=round_index,
         )
+
+    # ------------------------------------------------------------------ the pipelined step
+
+    def _step_pipelined(self, plan: RoundPlan | PlanFn) -> RoundResult:
+        """Queue round ``n + 1``, then collect round ``n`` (two rounds in flight at most).
+
+        Order: admit + prefill waiting requests into free slots; plan round ``n + 1`` over the
+        running batch (every request not yet *known* finished: stop rules are discovered one
+        round late, when its round is collected) and queue it (host facts staged into the
+        other staging slot, metadata derived on the device from the per-slot state round ``n``
+        leaves there, results copied to pinned memory at its end); only then collect round
+        ``n`` (wait for its result copy, stop rules, bookkeeping) while round ``n + 1`` runs.
+
+        Returns the :class:`RoundResult` of round ``n`` (queued by the previous call): results
+        are reported one step late. The first call after an idle pipeline returns an empty
+        result (``round_index == -1``, ``num_requests == 0``, prefill facts only when no round
+        was queued). A round's first tokens / prefill-finished ids are those of the requests
+        admitted just before it was queued (as the synchronous step reports them with the
+        round that follows the prefill). Rows of requests that finished in an earlier round
+        (the extra round a lagged stop costs, or a request released while queued) are dropped
+        from the result: arrays, ``request_ids`` and ``emitted`` hold the live rows only;
+        ``num_discarded`` counts the others; their tokens are never appended. A finished
+        request's KV blocks and slot are freed once no queued round writes them
+        (``Request.num_inflight == 0``), so a slot is reused only after that.
+
+        The plan callback sees ``RoundState.kv_length`` as of the collected rounds (lagged by
+        the round in flight). Adaptive policies observing the returned results get feedback
+        with the pipeline's lag: a plan for round ``n + 1`` is made having seen results up to
+        round ``n - 1``.
+
+        A prefill (admission) runs on the same stream behind the queued round and reads its
+        first token back, so it waits for that round: a prefill drains the device queue for
+        now (the host-side pipeline state is kept; no round is re-planned).
+        """
+        first: dict[int, int] = {}
+        num_prefill, finished = self._admit(first)
+        finished = self._early_finished + finished
+        self._early_finished = []
+        batch = list(self._running)
+        n = len(batch)
+        plan, k, nv = self._resolve(plan, batch)
+        queued = None
+        if n > 0:
+            bcap, g, budget_rows = self._shape(plan, n, k, nv)
+            bound = np.array(
+                [r.num_computed + sum(f.k + 1 for f in self._inflight if r.rid in f.rids)
+                 for r in batch],
+                dtype=np.int64,
+            )
+            x = self.runner.prepare_pipelined(batch, bcap, k, nv, g, budget_rows, bound)
+            self.runner.execute(x)
+            for r in batch:
+                r.num_inflight += 1
+            queued = _Flight(x, batch, first, finished, num_prefill, self._round_index, g)
+            self._round_index += 1
+            first, finished, num_prefill = {}, [], 0
+        res = self._collect(self._inflight.pop(0)) if self._inflight else None
+        if queued is not None:
+            self._inflight.append(queued)
+        if res is None:
+            return self._empty_result(k, first, finished, num_prefill)
+        res.first_tokens.update(first)
+        res.finished.extend(finished)
+        res.num_prefill_tokens += num_prefill
+        return res
+
+    def _collect(self, f: _Flight) -> RoundResult:
+        """Collect one queued round: lagged stop rules, bookkeeping, deferred frees."""
+        x = f.x
+        k = x.k
+        accepted, nv, out_tokens, scores = self.runner.collect(None, x)
+        keep: list[int] = []
+        emitted = []
+        finished = list(f.finished)
+        num_emitted = 0
+        for b, req in enumerate(f.batch):
+            req.num_inflight -= 1
+            if req.is_finished:  # stopped in an earlier round or released: discard
+                continue
+            keep.append(b)
+            a = int(accepted[b])
+            req.num_computed += a + 1
+            req.num_extend = a + 1
+            kept = req.append([int(t) for t in out_tokens[b, : a + 1]])
+            num_emitted += len(kept)
+            emitted.append(([f.first[req.rid]] if req.rid in f.first else []) + kept)
+            if req.is_finished:
+                finished.append(req.rid)
+        live = [f.batch[b] for b in keep]
+        kv_lens = np.array([r.num_computed for r in live], dtype=np.int64)
+        for req in f.batch:
+            if req.is_finished:
+                if req in self._running:
+                    self._running.remove(req)
+                if req.num_inflight == 0:
+                    self._finish(req)
+        idx = np.array(keep, dtype=np.int64)
+        accepted, nv, scores = accepted[idx], nv[idx], scores[idx]
+        if k > 0:
+            self.stats.add(nv, accepted, num_emitted)
+        pos = np.arange(k)
+        return RoundResult(
+            num_requests=len(live),
+            bcap=x.bcap,
+            g=f.g,
+            k=k,
+            request_ids=[r.rid for r in live],
+            accepted=accepted,
+            num_verify=nv,
+            emitted=emitted,
+            finished=finished,
+            draft_scores=scores,
+            accept_matrix=pos[None, :] < accepted[:, None],
+            kv_lengths=kv_lens,
+            num_prefill_tokens=f.num_prefill,
+            first_tokens=dict(f.first),
+            round_index=f.round_index,
+            num_discarded=len(f.batch) - len(live),
+        )
+
+    def drain(self) -> list[RoundResult]:
+        """Pipelined engines: collect every queued round (oldest first) and return their
+        results; the pipeline is then empty. Synchronous engines: ``[]``."""
+        out = []
+        while self._inflight:
+            out.append(self._collect(self._inflight.pop(0)))
+        return out
+
+    @property
+    def num_inflight(self) -> int:
+        """Rounds queued and not yet collected (pipelined engines: 0 or 1 between steps)."""
+        return len(self._inflight)
+
+
+@dataclass
+class _Flight:
+    """One queued (pipelined) round: its inputs, batch and the prefill facts reported with it."""
+
+    x: Any  # RoundInputs
+    batch: list[Request]
+    first: dict[int, int]
+    finished: list[int]
+    num_prefill: int
+    round_index: int
+    g: int
+    rids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.rids = frozenset(r.rid for r in self.batch)
+
+    @property
+    def k(self) -> int:
+        return self.x.k

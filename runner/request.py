@@ -6,6 +6,11 @@ EOS unless ``ignore_eos``, a ``stop_token_ids`` entry; the stop token is kept in
 vLLM does) or it is released. ``num_computed`` is the target's KV length (every token except the
 pending one, which was sampled but not yet written); the draft-extend rows waiting in the slot's
 device buffer number ``num_extend``.
+
+Pipelined engines (``EngineConfig.pipeline``): ``num_computed`` / ``num_extend`` are the host's
+view as of the last *collected* round (the device's per-slot state runs ahead), and
+``num_inflight`` counts the queued rounds that still write the request's KV and slot state: a
+finished or released request keeps its blocks and slot until it drops to 0.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class Request:
     num_extend: int = 0
     is_prefilled: bool = False
     finish_reason: str | None = None
+    num_inflight: int = 0
 
     @property
     def is_finished(self) -> bool:

@@ -82,6 +82,9 @@ class RoundInputs:
     budget_rows: int | None = None  # adaptive verify: draft rows inside G (``G - B``)
     host_lens: np.ndarray | None = None  # [bcap] int64 KV length before the round (L)
     host_bt: np.ndarray | None = None  # [bcap, width] int32 block table (host copy)
+    pipelined: bool = False  # metadata derived on the device from the slot state (derive_inputs)
+    stage: int = 0  # pipelined: host staging slot (inputs and results)
+    done: object = None  # pipelined: device event after the result copy (cuda), else None
 
 
 @dataclass
@@ -113,7 +116,9 @@ class RoundRunner:
         dtype: torch.dtype,
         path: ExecutionPath,
         max_model_len: int = 4096,
+        pipeline: bool = False,
     ):
+        self.pipeline = pipeline
         self.target = target
         self.draft = draft
         self.kv = kv
@@ -146,10 +151,7 @@ class RoundRunner:
         self._plans: dict[tuple[int, int], object] = {}  # (bcap, rows) -> SplitPlan
         rows = max_bucket * w1
         i64, i32 = torch.int64, torch.int32
-        # declaration order = the order prepare() stages them (one merged copy per round);
-        # the three device-written names last
-        self.inputs = StaticInputs(
-            {
+        sizes = {
                 "block_table": (max_bucket * max_blocks_per_seq, i32),
                 "slot_index": (max_bucket, i64),
                 "pending_index": (max_bucket, i64),
@@ -172,10 +174,23 @@ class RoundRunner:
                 "num_verify": (max_bucket, i64),
                 "nv32": (max_bucket, i32),
                 "ver_drafts": (max_bucket * draft_width, i64),
-            },
-            device,
-            device_written=frozenset({"num_verify", "nv32", "ver_drafts"}),
+        }
+        written = {"num_verify", "nv32", "ver_drafts"}
+        if pipeline:
+            # host facts of a pipelined round first; everything derived on the device
+            # (:meth:`derive_inputs`) is device-written
+            sizes = {"is_real": (max_bucket, i64), **sizes}
+            written |= set(sizes) - {"is_real", "block_table", "slot_index"}
+        # declaration order = the order prepare() stages them (one merged copy per round);
+        # the three device-written names last
+        self.inputs = StaticInputs(
+            sizes, device, device_written=frozenset(written), num_host_slots=2 if pipeline else 1
         )
+        # per-slot device state of pipelined rounds: KV length L and pending extend rows
+        # (``num_extend``) after the last round queued, advanced on the device from num_accepted
+        self.slot_len = torch.zeros(self.num_slots, dtype=i64, device=device)
+        self.slot_ext = torch.ones(self.num_slots, dtype=i64, device=device)
+        self._stage = 0  # pipelined: host staging slot of the next round
         pin = is_pinnable(device)
         self._host_tokens = torch.zeros(max_bucket * (w1 + 2), dtype=i64, pin_memory=pin)
         self._host_nv = torch.zeros(max_bucket, dtype=i64, pin_memory=pin)
@@ -183,6 +198,15 @@ class RoundRunner:
             max_bucket * draft_width, dtype=torch.float32, pin_memory=pin
         )
         self._host_drafts = torch.zeros(max_bucket * draft_width, dtype=i64, pin_memory=pin)
+        # pipelined: one pinned result buffer per staging slot, filled by a copy queued at the
+        # end of execute (before the next round can overwrite the device outputs)
+        self._out_tok = [
+            torch.zeros(max_bucket * (w1 + 2), dtype=i64, pin_memory=pin) for _ in range(2)
+        ]
+        self._out_sc = [
+            torch.zeros(max_bucket * draft_width, dtype=torch.float32, pin_memory=pin)
+            for _ in range(2)
+        ]
         self.graphs = GraphSet(device, generator) if self.static else None
 
     # ------------------------------------------------------------------ capabilities
@@ -270,6 +294,8 @@ class RoundRunner:
         self.slot_top_p[s] = p.top_p
         self.slot_min_p[s] = p.min_p
         req.num_extend = 1
+        self.slot_len[s] = req.num_computed
+        self.slot_ext[s] = 1
 
     # ------------------------------------------------------------------ prepare
 
@@ -371,6 +397,200 @@ class RoundRunner:
         x = RoundInputs(n, bcap, k, g, r_ext, host_nv, t, update, kind, budget_rows, lens, bt)
         self.stage_verify(x, nv[:n])
         return x
+
+    def prepare_pipelined(
+        self,
+        batch: list[Request],
+        bcap: int,
+        k: int,
+        num_verify: np.ndarray | None,
+        g: int,
+        budget_rows: int | None,
+        len_bound: np.ndarray,
+    ) -> RoundInputs:
+        """Host phase of a pipelined round: stage only facts that do not depend on the rounds
+        still in flight.
+
+        ``len_bound [B]`` int64: an upper bound of each request's KV length ``L`` when this
+        round runs (its host-known length plus ``k + 1`` per queued round it is in). The host
+        stages the slot indices, the real-row mask ``is_real``, the block table (blocks
+        allocated ahead for ``len_bound + k + 1`` positions: the worst case growth of every
+        in-flight round) and the verify lengths (host-chosen, or zero placeholders the device
+        allocation overwrites under a budget). Everything that depends on the outcome of the
+        queued rounds (``ctx_lens``, ``pending_index``, the draft-extend rows ``ext_*``, the
+        draft-step rows ``step_*``, ``ver_seq`` and the host path's packed verify rows) is
+        derived on the device by :meth:`derive_inputs` from the per-slot state ``slot_len`` /
+        ``slot_ext``, which the previous round advanced on the device after its acceptance.
+
+        The draft-extend grid always has ``R = w + 1`` rows per request and ``bcap * (w + 1)``
+        packed rows (the static layout of captured graphs: the host does not know the extend
+        lengths). Inputs go into the other staging slot than the previous round's
+        (:meth:`StaticInputs.use`); the caller must have collected the round staged there.
+        """
+        bs = self.block_size
+        w1 = self.w + 1
+        n = len(batch)
+        if (num_verify is None) == (budget_rows is None):
+            raise ValueError("prepare_pipelined: exactly one of num_verify / budget_rows")
+        self.inputs.use(self._stage)
+        stage = self._stage
+        self._stage = 1 - self._stage
+        bound = np.zeros(bcap, dtype=np.int64)
+        bound[:n] = len_bound
+        slots = np.array([r.slot for r in batch] + [self.trash_slot] * (bcap - n), dtype=np.int64)
+        nv = np.zeros(bcap, dtype=np.int64)
+        if num_verify is not None:
+            nv[:n] = num_verify
+        for b, r in enumerate(batch):
+            self.kv.allocator.grow(r.blocks, int(bound[b]) + k + 1)
+        width = self.max_blocks_per_seq
+        if not self.static:
+            width = min(width, max(1, -(-int(bound.max() + k + 1) // bs)))
+        bt = np.zeros((bcap, width), dtype=np.int32)
+        for b, r in enumerate(batch):
+            bt[b, : len(r.blocks)] = r.blocks[:width]
+        rows = bcap * w1
+        put, dev = self.inputs.put, self.inputs.dev
+
+        def view(name: str, *shape: int) -> torch.Tensor:
+            return dev[name][: int(np.prod(shape))].view(shape)
+
+        t = {"is_real": put("is_real", (np.arange(bcap) < n).astype(np.int64))}
+        t["block_table"] = put("block_table", bt)
+        t["slot_index"] = put("slot_index", slots)
+        t["num_verify"] = put("num_verify", nv)
+        t["nv32"] = put("nv32", nv.astype(np.int32))
+        self.inputs.flush()
+        for name in ("pending_index", "ext_last"):
+            t[name] = view(name, bcap)
+        for name in ("ctx_lens", "ext_seq", "ver_seq"):
+            t[name] = view(name, bcap)
+        t["ext_cu"] = view("ext_cu", bcap + 1)
+        for name in ("ext_index", "ext_pos", "ext_slot", "ext_row"):
+            t[name] = view(name, rows)
+        for name in ("step_pos", "step_slot", "step_seq"):
+            t[name] = view(name, max(k - 1, 0), bcap)
+        for name in ("ver_grid", "ver_pos", "ver_slot", "ver_row"):
+            t[name] = view(name, g)
+        t["ver_drafts"] = view("ver_drafts", bcap, k)
+        update = self.resolve_update(bcap, k, g)
+        kind = self.sampling_kind(batch, k)
+        host_nv = None if num_verify is None else nv[:n].copy()
+        r_ext = w1 if self.draft is not None and k > 0 else 1
+        return RoundInputs(n, bcap, k, g, r_ext, host_nv, t, update, kind, budget_rows,
+                           None, bt, pipelined=True, stage=stage)
+
+    def _slot_of(self, bt, b, pos, real):  # [bcap, width], [N], [N], [N] bool -> [N] int64
+        """KV slot of position ``pos`` of batch row ``b`` (sentinel where not ``real``)."""
+        bs = self.block_size
+        col = (pos // bs).clamp(0, bt.shape[1] - 1)
+        s = bt[b, col].long() * bs + pos % bs
+        return torch.where(real, s, torch.full_like(s, SENTINEL_SLOT))
+
+    @staticmethod
+    def _packed(counts: torch.Tensor, num_rows: int):  # [bcap] int64 -> ([N], [N], [N], [bcap+1])
+        """Packed row ``p < num_rows`` -> (request ``b``, index ``i`` inside it, valid), cu.
+
+        ``counts[b]`` rows per request, concatenated; rows past the total are invalid (their
+        ``b`` is clamped into range). ``searchsorted`` over the cumulative counts: static
+        shapes, no host read.
+        """
+        bcap = counts.shape[0]
+        cu = torch.zeros(bcap + 1, dtype=torch.int64, device=counts.device)
+        cu[1:] = torch.cumsum(counts, 0)
+        p = torch.arange(num_rows, device=counts.device)
+        b = torch.searchsorted(cu[1:], p, right=True).clamp(max=bcap - 1)
+        return b, p - cu[b], p < cu[-1], cu
+
+    def derive_inputs(self, x: RoundInputs) -> None:
+        """Pipelined rounds, on the device: the round's metadata from the per-slot state.
+
+        Writes in place (stable addresses: captured graphs read them) exactly what
+        :meth:`prepare` computes on the host from ``num_computed`` (``L``) and ``num_extend``
+        (``E``), with ``L = slot_len[slot]`` and ``E = slot_ext[slot]`` for real rows and
+        ``L = 0``, ``E = 1`` for padding rows (``is_real`` mask): ``ctx_lens``,
+        ``pending_index``, the draft-extend rows (static layout ``R = w + 1``, packed rows past
+        the total point at the trash state / sentinel slot / trash grid row), the draft-step
+        rows, ``ver_seq`` and (host update) the packed verify rows. A few small torch ops; no
+        ``.item()``, no branch on tensor values (capturable).
+        """
+        t, bcap, k = x.t, x.bcap, x.k
+        w1 = self.w + 1
+        real = t["is_real"].bool()  # [bcap]
+        slots = t["slot_index"]  # [bcap]
+        bt = t["block_table"]
+        lens = torch.where(real, self.slot_len[slots], 0)  # [bcap] L
+        ext = torch.where(real, self.slot_ext[slots], 1)  # [bcap] E
+        t["ctx_lens"].copy_(lens)
+        t["pending_index"].copy_(slots * w1 + ext - 1)
+        if self.draft is not None and k > 0:
+            r = w1
+            b, i, valid, cu = self._packed(ext, bcap * w1)
+            pos = lens[b] - ext[b] + i
+            row_real = valid & real[b]
+            t["ext_slot"].copy_(self._slot_of(bt, b, pos.clamp_min(0), row_real))
+            t["ext_row"].copy_(torch.where(valid, b * r + (r - ext[b]) + i, bcap * r))
+            t["ext_index"].copy_(torch.where(valid, slots[b] * w1 + i, self.trash_slot * w1))
+            t["ext_pos"].copy_(torch.where(valid, pos.clamp_min(0), 0))
+            t["ext_cu"].copy_(cu)
+            t["ext_seq"].copy_(torch.where(real, lens, r))
+            t["ext_last"].copy_(cu[1:] - 1)
+            if k > 1:
+                j = torch.arange(1, k, device=lens.device)[:, None]  # [k - 1, 1]
+                spos = lens[None, :] + j - 1  # draft step j + 1 writes position L + j - 1
+                sreal = real[None, :].expand_as(spos)
+                bb = torch.arange(bcap, device=lens.device)[None, :].expand_as(spos)
+                t["step_pos"].copy_(torch.where(sreal, spos, j - 1))
+                t["step_slot"].copy_(
+                    self._slot_of(bt, bb.reshape(-1), spos.reshape(-1), sreal.reshape(-1))
+                    .view(k - 1, bcap)
+                )
+                t["step_seq"].copy_(torch.where(sreal, spos + 1, j))
+        t["ver_seq"].copy_(torch.where(real, lens + k + 1, k + 1))
+        if x.update == "host":
+            self.derive_verify(x)
+
+    def derive_verify(self, x: RoundInputs) -> None:
+        """Pipelined host-update rounds, on the device: packed verify rows from ``num_verify``.
+
+        The layout of :meth:`stage_verify` (request ``b`` gets ``num_verify[b] + 1`` rows,
+        padding requests none, padded to ``G`` rows on the sentinel slot / trash grid row), from
+        the device ``num_verify`` (host-staged or allocated under a budget) and ``ctx_lens``.
+        """
+        t, bcap, k, g = x.t, x.bcap, x.k, x.g
+        real = t["is_real"].bool()
+        lens = t["ctx_lens"].long()
+        nrows = torch.where(real, t["num_verify"] + 1, 0)
+        b, i, valid, _ = self._packed(nrows, g)
+        grid = torch.where(valid, b * (k + 1) + i, 0)
+        pos = torch.where(valid, lens[b] + i, 0)
+        t["ver_grid"].copy_(grid)
+        t["ver_pos"].copy_(pos)
+        t["ver_slot"].copy_(self._slot_of(t["block_table"], b, pos, valid))
+        t["ver_row"].copy_(torch.where(valid, grid, bcap * (k + 1)))
+
+    def advance_slots(self, x: RoundInputs, num_accepted: torch.Tensor) -> None:
+        """Pipelined rounds, on the device, right after acceptance: ``L += a + 1``, ``E = a + 1``
+        per slot (``num_accepted [bcap]``; padding rows write the trash slot, never read)."""
+        slots = x.t["slot_index"]
+        a1 = num_accepted.long() + 1
+        self.slot_len.index_copy_(0, slots, x.t["ctx_lens"].long() + a1)
+        self.slot_ext.index_copy_(0, slots, a1)
+
+    def stage_outputs(self, out: RoundOutputs, x: RoundInputs) -> None:
+        """Pipelined rounds: queue the copy of the round's results into its staging slot's
+        pinned buffers now (the next round overwrites the device outputs) and record an event
+        (cuda) that :meth:`collect` waits on."""
+        bcap, k = x.bcap, x.k
+        cols = [out.num_accepted[:, None], out.num_verify[:, None], out.out_tokens]
+        packed = torch.cat(cols, dim=1).view(-1)
+        self._out_tok[x.stage][: packed.numel()].copy_(packed, non_blocking=True)
+        sc = out.draft_scores.reshape(-1).float()
+        self._out_sc[x.stage][: bcap * k].copy_(sc, non_blocking=True)
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            x.done = ev
 
     def stage_verify(self, x: RoundInputs, num_verify: np.ndarray) -> None:
         """Stage the verify lengths and the host path's packed verify rows for ``num_verify [B]``.
@@ -610,6 +830,13 @@ class RoundRunner:
         n = x.bcap * x.k
         host = self._host_drafts[:n]
         host.copy_(draft_tokens.reshape(-1), non_blocking=True)
+        if x.pipelined:  # verify rows from the device allocation, on the device
+            synchronize(self.device)
+            self.inputs.put("ver_drafts", host.numpy().copy())
+            self.inputs.flush()
+            if x.budget_rows is not None:
+                self.derive_verify(x)
+            return
         host_nv = self._host_nv[: x.bcap]
         if x.budget_rows is not None:
             host_nv.copy_(x.t["num_verify"], non_blocking=True)
@@ -658,6 +885,8 @@ class RoundRunner:
         only) the fallback boundary's one sync, then the target part.
         """
         bcap, k = x.bcap, x.k
+        if x.pipelined:
+            self.derive_inputs(x)
         if self.graphs is not None and k > 0:
             drafts, scores = self.graphs.replay(GraphKey("draft", bcap, k))
         elif self.draft is not None and k > 0:
@@ -677,7 +906,11 @@ class RoundRunner:
             out = self.graphs.replay(key)
         else:
             out = self.target_part(x, drafts)
-        return RoundOutputs(out.num_accepted, out.out_tokens, scores, out.num_verify)
+        out = RoundOutputs(out.num_accepted, out.out_tokens, scores, out.num_verify)
+        if x.pipelined:
+            self.advance_slots(x, out.num_accepted)
+            self.stage_outputs(out, x)
+        return out
 
     # ------------------------------------------------------------------ collect
 
@@ -685,8 +918,22 @@ class RoundRunner:
         self, out: RoundOutputs, x: RoundInputs
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The one sync: accepted ``[B]``, verify lengths ``[B]`` (the device allocation under
-        a budget), out tokens ``[B, k + 1]``, draft scores ``[B, k]``."""
+        a budget), out tokens ``[B, k + 1]``, draft scores ``[B, k]``.
+
+        Pipelined rounds: waits for the copy :meth:`stage_outputs` queued at the end of the
+        round (its event on cuda, a device sync elsewhere) and reads the staging slot.
+        """
         bcap, k = x.bcap, x.k
+        if x.pipelined:
+            if x.done is not None:
+                x.done.synchronize()
+            else:
+                synchronize(self.device)
+            tok = self._out_tok[x.stage][: bcap * (k + 3)].numpy().reshape(bcap, k + 3)
+            tok = tok[: x.num_requests].copy()
+            sc = self._out_sc[x.stage][: bcap * k].numpy().reshape(bcap, k)
+            sc = sc[: x.num_requests].copy()
+            return tok[:, 0], tok[:, 1], tok[:, 2:], sc
         cols = [out.num_accepted[:, None], out.num_verify[:, None], out.out_tokens]
         packed = torch.cat(cols, dim=1).view(-1)
         host_tok = self._host_tokens[: packed.numel()]
