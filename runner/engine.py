@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -214,6 +214,39 @@ class RoundResult:
     first_tokens: dict[int, int] = field(default_factory=dict)
     round_index: int = -1  # -1: no round ran (empty batch)
     num_discarded: int = 0  # pipelined: rows of already-finished requests the round also ran
+    # pipelined: what the device computed for those rows (never emitted): [D], [D], [D, k], [D]
+    discarded_accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    discarded_num_verify: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    discarded_draft_scores: np.ndarray | None = None
+    discarded_kv_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def physical(self) -> RoundResult:
+        """The rows the device ran: the live rows, then (pipelined) the discarded ones.
+
+        Under a pipelined engine a round also computes the rows of requests whose stop was
+        discovered one round late; their outcomes (accepted lengths, draft scores, verify
+        lengths and the KV length the device reached) are real measurements of that round
+        and what its cost was paid for, so the live policy loop records and observes them
+        (the replay then sees the same batch as the decision). Returns ``self`` when none.
+        """
+        if not self.num_discarded:
+            return self
+        k = self.k
+        ds = self.discarded_draft_scores
+        if ds is None:
+            ds = np.zeros((self.num_discarded, k), np.float32)
+        acc = np.concatenate([self.accepted, self.discarded_accepted])
+        pos = np.arange(k)
+        return replace(
+            self,
+            num_requests=self.num_requests + self.num_discarded,
+            accepted=acc,
+            num_verify=np.concatenate([self.num_verify, self.discarded_num_verify]),
+            draft_scores=np.concatenate([self.draft_scores, ds]),
+            accept_matrix=pos[None, :] < acc[:, None],
+            kv_lengths=np.concatenate([self.kv_lengths, self.discarded_kv_lengths]),
+            num_discarded=0,
+        )
 
 
 class Engine:
@@ -782,6 +815,9 @@ class Engine:
                 if req.num_inflight == 0:
                     self._finish(req)
         idx = np.array(keep, dtype=np.int64)
+        gone = np.setdiff1d(np.arange(len(f.batch)), idx)
+        d_kv = np.array([f.batch[b].num_computed + int(accepted[b]) + 1 for b in gone], np.int64)
+        d_acc, d_nv, d_sc = accepted[gone], nv[gone], scores[gone]
         accepted, nv, scores = accepted[idx], nv[idx], scores[idx]
         if k > 0:
             self.stats.add(nv, accepted, num_emitted)
@@ -803,6 +839,10 @@ class Engine:
             first_tokens=dict(f.first),
             round_index=f.round_index,
             num_discarded=len(f.batch) - len(live),
+            discarded_accepted=d_acc,
+            discarded_num_verify=d_nv,
+            discarded_draft_scores=d_sc,
+            discarded_kv_lengths=d_kv,
         )
 
     def drain(self) -> list[RoundResult]:

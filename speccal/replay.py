@@ -438,8 +438,15 @@ def run_sequential(
     policy: Policy,
     *,
     max_rounds: int | None = None,
+    pipelined: bool = False,
 ) -> PolicyRun:
     """Drive a policy object through a trace as the live runner would (decide, run, observe).
+
+    ``pipelined`` follows the pipelined engine (``EngineConfig.pipeline``): round ``r``'s
+    feedback reaches ``policy.observe`` only after ``decide`` planned round ``r + 1`` (the live
+    loop collects round ``r`` after it queued ``r + 1``), so a decision sees rounds ``r - 2``
+    and earlier; the last round's feedback is observed at the end. False: observed right after
+    its round (the synchronous engine).
 
     Round traces: round ``r`` of the trace is the batch of round ``r``; accepted length under the
     plan is ``min(accepted_full, verify_tokens or k)``. Token traces: every request starts in the
@@ -474,16 +481,22 @@ def run_sequential(
         rec["b"].append(nb)
         rec["phase"].append(phase)
         rec["reason"].append(d.reason)
-        policy.observe(
-            Feedback(
-                round_index=r,
-                k=d.k,
-                accepted=np.minimum(a, d.k),
-                draft_scores=None if scores is None else scores[:, : d.k],
-                verify_tokens=v,
-            )
+        fb = Feedback(
+            round_index=r,
+            k=d.k,
+            accepted=np.minimum(a, d.k),
+            draft_scores=None if scores is None else scores[:, : d.k],
+            verify_tokens=v,
         )
+        if pipelined:  # observe the previous round now, this one after the next decision
+            if held:
+                policy.observe(held.pop())
+            held.append(fb)
+        else:
+            policy.observe(fb)
         return a
+
+    held: list[Feedback] = []  # pipelined: the round collected after the next decision
 
     if isinstance(trace, RoundTrace):
         cu = trace.cu_requests
@@ -510,6 +523,8 @@ def run_sequential(
             a = step(r, match[row], sc, float(trace.kv_length[row].mean()), 0)
             at[live] += a + 1
             r += 1
+    if held:  # the pipeline's last collection
+        policy.observe(held.pop())
     reasons: dict[str, int] = {}
     for x in rec["reason"]:
         reasons[x] = reasons.get(x, 0) + 1

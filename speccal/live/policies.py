@@ -19,7 +19,20 @@ and allocates each request's verified prefix on the device from the round's own 
 round goes into a :class:`~speccal.trace.RoundTrace` (the format ``speccal trace`` writes).
 
 Round wall time is ``perf_counter`` around ``Engine.step`` (its result collection is the round's
-one device sync), so decode time excludes prefill. Metrics follow ``speccal.replay``:
+one device sync), so decode time excludes prefill.
+
+Pipelined engines (``EngineConfig.pipeline``): ``Engine.step`` queues round ``n + 1`` (the plan
+callback decides it) and returns round ``n``, so ``policy.observe`` gets round ``n``'s feedback
+after ``decide`` planned round ``n + 1``: a decision for round ``r`` has seen rounds ``r - 2``
+and earlier (draft step: the completed batches; target verify: its own ``n - 2`` queue now only
+releases what actually arrived). The step's wall time (queue ``n + 1`` + collect ``n``) is
+round ``n``'s steady-state cost; a step that collects nothing is not recorded. A pipelined round
+also runs the rows of requests whose stop is discovered one round late
+(``RoundResult.num_discarded``): the loop records, and the policy observes, the rows the device
+ran (``RoundResult.physical``), so the trace holds the batch each decision saw and
+``round_tokens_per_s`` counts the tokens the device produced (the discarded ones included;
+``tokens_per_s`` counts output tokens). :func:`replay_prediction` replays a pipelined run with
+the same lag (``run_sequential(pipelined=True)``). Metrics follow ``speccal.replay``:
 ``round_tokens_per_s`` = sum over rounds of ``B + accepted`` over decode time (what a replay
 predicts); ``tokens_per_s`` = output tokens over prefill + decode time; TPOT =
 ``sum(round_ms * B) / round tokens``; ``loop_tokens_per_s`` counts the whole loop's wall time
@@ -93,6 +106,7 @@ class LiveRun:
     phase: np.ndarray
     stats: dict[str, Any] = field(default_factory=dict)
     loop_s: float = math.nan  # wall time of the whole round loop minus prefill (bookkeeping too)
+    pipelined: bool = False  # the engine ran pipelined rounds (feedback one round later)
 
     @property
     def round_tokens(self) -> np.ndarray:
@@ -198,7 +212,8 @@ def run_live(
     current_phase = -1
     emitted = 0
     prefill_s = 0.0
-    decisions: list[Decision] = []
+    decisions: dict[int, Decision] = {}  # engine round index -> the decision that planned it
+    pipelined = bool(engine.config.pipeline)
 
     def plan_fn(state: RoundState) -> RoundPlan:
         d = policy.decide(
@@ -208,7 +223,7 @@ def run_live(
                 kv_length=state.kv_length,
             )
         )
-        decisions.append(d)
+        decisions[state.round_index] = d
         return to_plan(d, mode)
 
     t_loop = time.perf_counter()
@@ -226,16 +241,16 @@ def run_live(
             engine.synchronize()
             prefill_s += time.perf_counter() - t0
             emitted += len(first)
-        n_dec = len(decisions)
         t0 = time.perf_counter()
         res = engine.step(plan_fn)
         ms = 1000.0 * (time.perf_counter() - t0)
         emitted += sum(len(e) for e in res.emitted)
+        d = decisions.pop(res.round_index, None)
+        res = res.physical()  # pipelined: the rows of the extra round too (what the device ran)
         if res.num_requests == 0:
             continue
-        if len(decisions) != n_dec + 1:
+        if d is None:
             raise RuntimeError("engine.step ran a round without calling the plan callback")
-        d = decisions[-1]
         r = res.round_index - base
         policy.observe(Feedback.from_round_result(res, r))
         builder.add(res.k, res.accepted, res.draft_scores, res.kv_lengths)
@@ -280,6 +295,7 @@ def run_live(
         phase=phase_arr,
         stats=engine.stats.to_dict(),
         loop_s=loop_s,
+        pipelined=pipelined,
     )
 
 
@@ -291,7 +307,7 @@ def replay_prediction(run: LiveRun, cost: CostModel, policy: Policy) -> dict[str
     verify this checks the device allocation against the host rule on the recorded scores), and
     ``error_pct`` = ``|predicted - live| / live`` of ``round_tokens_per_s``.
     """
-    pred = run_sequential(run.trace, cost, policy)
+    pred = run_sequential(run.trace, cost, policy, pipelined=run.pipelined)
     totals = pred.totals() if pred.priced else {}
     live = run.summary()["round_tokens_per_s"]
     predicted = totals.get("tokens_per_s", math.nan)
