@@ -53,6 +53,8 @@ KV_TERMS = ("shared", "per_g")
 #: Held-out errors (percentage points of mean |error|) closer than this count as a tie.
 TIE_PCT = 0.1
 _HAT_TOL = 1e-9
+#: Context intervals a table needs for a KV model (see :func:`select_kv_model`).
+MIN_CONTEXTS = 3
 
 
 def kv_design(
@@ -252,8 +254,10 @@ def _loco(ctx: np.ndarray, P: np.ndarray, y: np.ndarray, kv_term: str) -> np.nda
 
 def select_kv_model(windows: pd.DataFrame, *, combine: str = "median") -> KVFit | None:
     """Fit both slope forms on every context's windows and keep the one with the lower
-    held-out error (module docstring); None when the model cannot be fitted (fewer than two
-    context intervals, or a (Bcap, G) grid that is not connected across them).
+    held-out error (module docstring); None when the model cannot be fitted and checked:
+    fewer than :data:`MIN_CONTEXTS` context intervals (with two, leaving one out leaves a single
+    KV level and no slope, so the KV term would ship with no held-out error), or a (Bcap, G)
+    grid that is not connected across them.
 
     Parameters
     ----------
@@ -261,7 +265,7 @@ def select_kv_model(windows: pd.DataFrame, *, combine: str = "median") -> KVFit 
         step_ms, mean_kv_length``).
     combine : how repeated windows of a point are combined.
     """
-    if windows["context_index"].nunique() < 2:
+    if windows["context_index"].nunique() < MIN_CONTEXTS:
         return None
     pts = kv_points(windows)
     P = pts[["bcap", "g", "kv_length"]].to_numpy(dtype=np.float64)

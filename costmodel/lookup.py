@@ -3,6 +3,11 @@
 :class:`TableLookup` is built once from a ``speccal.costmodel.table_schema.CostTable`` and holds
 plain numpy arrays and lists only (no pydantic objects), so replay can call it 10^6 times:
 
+- A table with a KV model (``kv_model``, three or more contexts: ``speccal.costmodel.kv``) is
+  priced by it at the exact KV length anywhere in its calibrated span, between and inside the
+  intervals; outside the span, or at a Bcap / G that is not one of its levels or not captured, it
+  is uncalibrated. ``TableLookup(table, kv_aware=False)`` answers with the per-interval fits only
+  (each constant over its interval), which is what a table without a KV model always does.
 - :meth:`TableLookup.reason`: why a point is uncalibrated, or None. Uncalibrated: KV length
   outside every context interval (inclusive bounds); Bcap not a calibrated request bucket; G not
   a captured target bucket of that Bcap in the table's geometry; additive: G not a calibrated
@@ -17,10 +22,11 @@ plain numpy arrays and lists only (no pydantic objects), so replay can call it 1
   model) and :func:`sps_interp` (linear in ms between measured G, never extrapolated).
 - :func:`evaluate`: any cost function ``f(bcap, g, kv) -> ms`` at padded buckets, NaN where a
   bucket is 0 (no captured bucket holds the batch) - the guard the policies' cost model uses.
-- The one memoising option, :class:`LookupMemo` with the :func:`memoised` method decorator: a
-  table's cost depends on the KV length only through which context intervals hold it (a fit is
-  constant over its interval), so scalar answers keyed by ``(integer arguments, intervals
-  holding kv)`` are exact. The live policy loop plans each round from the memo in microseconds.
+- The one memoising option, :class:`LookupMemo` with the :func:`memoised` method decorator:
+  without a KV model a table's cost depends on the KV length only through which context
+  intervals hold it (a fit is constant over its interval), so scalar answers keyed by
+  ``(integer arguments, intervals holding kv)`` are exact; with one the key holds the KV length
+  itself. The live policy loop plans each round from the memo in microseconds.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ import numpy as np
 
 if TYPE_CHECKING:  # the table module imports this one
     from speccal.costmodel.table_schema import CostTable
+
+#: Entries an exact-KV memo holds before it starts over (:class:`LookupMemo`).
+MAX_EXACT_ENTRIES = 4096
 
 #: Reason a lookup gives for a cell whose fitted cost is zero or negative (not a physical cost).
 NOT_POSITIVE = "fitted cost not positive"
@@ -83,7 +92,7 @@ class TableLookup:
     table : a ``CostTable``; its fits and geometry are copied into numpy arrays here.
     """
 
-    def __init__(self, table: CostTable):
+    def __init__(self, table: CostTable, *, kv_aware: bool = True):
         rows = table.geometry_block.target_rows
         self.target_rows: dict[int, list[int]] = {int(b): list(gs) for b, gs in rows.items()}
         self._gmax = max((max(v) for v in rows.values() if v), default=0) + 1
@@ -123,6 +132,22 @@ class TableLookup:
             )
         self._fits = tuple(fits)
         self.model = table.model
+        kvm = table.kv_model if kv_aware else None
+        #: The KV model's arrays ``(bias, bcap_levels, alpha, g_levels, theta, beta)`` or None.
+        self._kv = None
+        #: Inclusive KV span the KV model prices (None: the per-interval fits answer).
+        self.kv_span: tuple[float, float] | None = None
+        if kvm is not None:
+            self._kv = (
+                float(kvm.bias_ms),
+                np.asarray(kvm.bcap_levels, dtype=np.float64),
+                np.asarray(kvm.alpha_ms, dtype=np.float64),
+                np.asarray(kvm.g_levels, dtype=np.float64),
+                np.asarray(kvm.theta_ms, dtype=np.float64),
+                np.asarray(kvm.beta_ms, dtype=np.float64),
+            )
+            self._kv_levels = (list(kvm.bcap_levels), list(kvm.g_levels))
+            self.kv_span = (float(kvm.min_kv_length), float(kvm.max_kv_length))
         #: Inclusive KV bounds of each context interval, in the table's order.
         self.intervals: tuple[tuple[float, float], ...] = tuple((f.lo, f.hi) for f in fits)
 
@@ -136,8 +161,11 @@ class TableLookup:
     def reason(self, bcap: int, g: int, kv_length: float) -> str | None:
         """Why ``(bcap, g, kv_length)`` is structurally uncalibrated, or None (it has a fit).
 
-        The positivity of the fitted value is :meth:`cost_ms`'s concern.
+        The positivity of the fitted value is :meth:`cost_ms`'s concern. With a KV model the
+        KV span, its levels and the captured buckets decide (:meth:`_kv_reason`).
         """
+        if self._kv is not None:
+            return self._kv_reason(bcap, g, kv_length)
         fit = self._fit_for(kv_length)
         if fit is None:
             spans = [[int(f.lo), int(f.hi)] for f in self._fits]
@@ -153,6 +181,23 @@ class TableLookup:
         elif not fit.g_levels[0] <= g <= fit.g_levels[-1]:
             lo, hi = fit.g_levels[0], fit.g_levels[-1]
             return f"g {g} is outside the calibrated range [{lo}, {hi}] (no extrapolation)"
+        return None
+
+    def _kv_reason(self, bcap: int, g: int, kv_length: float) -> str | None:
+        lo, hi = self.kv_span
+        if not lo <= kv_length <= hi:
+            return (
+                f"kv_length {kv_length} outside the calibrated KV span [{int(lo)}, {int(hi)}] "
+                "(no extrapolation)"
+            )
+        bl, gl = self._kv_levels
+        if bcap not in bl:
+            return f"bcap {bcap} is not a calibrated request bucket (calibrated: {bl})"
+        rows = self.target_rows.get(bcap, [])
+        if g not in rows:
+            return f"g {g} is not a captured target bucket of bcap {bcap} (captured: {rows})"
+        if g not in gl:
+            return f"g {g} is not a calibrated target bucket (calibrated: {gl})"
         return None
 
     def cost_ms(self, bcap: int, g: int, kv_length: float) -> CostLookup:
@@ -187,7 +232,8 @@ class TableLookup:
                 for g in self.target_rows.get(b, []):
                     if self.reason(b, g, f.lo) is not None:
                         continue
-                    value = float(self.fitted(b, g, f.lo))
+                    # A KV model is linear in kv: its least cost on the interval is at an end.
+                    value = float(min(self.fitted(b, g, f.lo), self.fitted(b, g, f.hi)))
                     if not value > 0:
                         cells.append(
                             {
@@ -211,7 +257,13 @@ class TableLookup:
             np.asarray(kv_length, dtype=np.float64),
         )
         out = np.full(b.shape, np.nan)
-        for f in self._fits:
+        if self._kv is not None:
+            bias, bl, alpha, gl, theta, beta = self._kv
+            m = (kv >= self.kv_span[0]) & (kv <= self.kv_span[1])
+            t = level_lookup(gg[m], gl, theta)
+            slope = level_lookup(gg[m], gl, beta) if len(beta) > 1 else t * 0 + beta[0]
+            out[m] = bias + level_lookup(b[m], bl, alpha) + t + slope * gg[m] * kv[m]
+        for f in self._fits if self._kv is None else ():
             m = (kv >= f.lo) & (kv <= f.hi)
             if not m.any():
                 continue
@@ -238,8 +290,9 @@ class TableLookup:
         return out if out.ndim else out[()]
 
     def memo(self) -> LookupMemo:
-        """A fresh exact memo for scalar lookups on this table."""
-        return LookupMemo(self.intervals)
+        """A fresh exact memo for scalar lookups on this table (keyed by the exact KV length
+        when a KV model prices it)."""
+        return LookupMemo(self.intervals, exact_kv=self._kv is not None)
 
 
 def evaluate(
@@ -271,10 +324,14 @@ class LookupMemo:
     Parameters
     ----------
     intervals : inclusive ``(min_kv_length, max_kv_length)`` of the table's context intervals.
+    exact_kv : key on the KV length itself (a KV-aware table's cost moves with every token);
+        such a memo is cleared when it holds :data:`MAX_EXACT_ENTRIES` answers, so a live run
+        whose KV grows every round keeps a bounded memo.
     """
 
-    def __init__(self, intervals: Sequence[tuple[float, float]]):
+    def __init__(self, intervals: Sequence[tuple[float, float]], *, exact_kv: bool = False):
         self.intervals = tuple((float(lo), float(hi)) for lo, hi in intervals)
+        self.exact_kv = exact_kv
         self._values: dict[tuple, Any] = {}
 
     def __len__(self) -> int:
@@ -293,12 +350,17 @@ class LookupMemo:
             if kv is None:
                 return None
             kv = float(kv)
-            parts.append(tuple(lo <= kv <= hi for lo, hi in self.intervals))
+            if self.exact_kv:
+                parts.append(kv)
+            else:
+                parts.append(tuple(lo <= kv <= hi for lo, hi in self.intervals))
         return tuple(parts)
 
     def get(self, key: tuple, compute: Callable[[], Any]) -> Any:
         """The memoised value of ``key`` (computed once); arrays are returned as copies."""
         if key not in self._values:
+            if self.exact_kv and len(self._values) >= MAX_EXACT_ENTRIES:
+                self._values.clear()
             self._values[key] = compute()
         return _copy(self._values[key])
 

@@ -2,7 +2,8 @@
 
 ``build_table`` validates the rows, fills in the effective calibration config and geometry
 (read back from the rows when not given), fits the ``additive`` or ``sps`` estimator per context
-interval with its diagnostics, and warns about fitted costs that are not positive.
+interval with its diagnostics, fits the KV-aware model over all contexts when there are three or
+more (``speccal.costmodel.kv``; absent otherwise), and warns about fitted costs that are not positive.
 ``refit_table`` rebuilds a table from the raw windows it stores. The document itself is
 ``speccal.costmodel.table_schema``; saving and loading it is ``speccal.costmodel.table``.
 """
@@ -22,6 +23,7 @@ from speccal.base.geometry import Geometry, default_target_rows
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.compat import Compatibility, SpeccalWarning, as_compatibility
 from speccal.costmodel.diagnostics import diagnose
+from speccal.costmodel.kv import KVFit, select_kv_model
 from speccal.costmodel.lookup import NOT_POSITIVE
 from speccal.costmodel.measurements import (
     DEFAULT_MODE,
@@ -39,6 +41,10 @@ from speccal.costmodel.table_schema import (
     DiagnosticsBlock,
     ErrorBlock,
     GeometryBlock,
+    KVCandidate,
+    KVContextErrors,
+    KVModelBlock,
+    KVPoint,
     PointBlock,
     Provenance,
     SPSParams,
@@ -171,13 +177,69 @@ def build_table(
                 **params,
             )
         )
+    kv = select_kv_model(df, combine=combine)
     table = CostTable(
-        calibration=cal, compatibility=compat, geometry_block=geom, fits=fits, provenance=prov
+        calibration=cal,
+        compatibility=compat,
+        geometry_block=geom,
+        fits=fits,
+        kv_model=None if kv is None else kv_block(kv, fits),
+        provenance=prov,
     )
     cells = table.nonpositive_cells()
     if cells:
         warnings.warn(NonPositiveCostWarning(nonpositive_message(cells, model)), stacklevel=2)
     return table
+
+
+def kv_block(kv: KVFit, fits: list[ContextFit]) -> KVModelBlock:
+    """The table block of a selected KV model; its span is the contexts' outer bounds."""
+    m = kv.model
+    return KVModelBlock(
+        kv_term=m.kv_term,
+        combine=m.combine,
+        min_kv_length=min(f.min_kv_length for f in fits),
+        max_kv_length=max(f.max_kv_length for f in fits),
+        bias_ms=m.bias_ms_,
+        bcap_levels=m.bcap_levels_.tolist(),
+        alpha_ms=m.alpha_ms_.tolist(),
+        g_levels=m.g_levels_.tolist(),
+        theta_ms=m.theta_ms_.tolist(),
+        beta_ms=m.beta_ms_.tolist(),
+        selected_by=kv.selected_by,
+        residuals=ErrorBlock(**kv.residuals.to_dict()),
+        leave_one_point_out=ErrorBlock(**kv.leave_one_point_out.to_dict()),
+        leave_one_context_out=ErrorBlock(**kv.leave_one_context_out.to_dict()),
+        per_context=[
+            KVContextErrors(
+                context_index=c,
+                residuals=ErrorBlock(**e["residuals"].to_dict()),
+                leave_one_point_out=ErrorBlock(**e["leave_one_point_out"].to_dict()),
+            )
+            for c, e in sorted(kv.per_context.items())
+        ],
+        candidates=[
+            KVCandidate(
+                kv_term=t,
+                leave_one_context_out=ErrorBlock(**e["leave_one_context_out"].to_dict()),
+                leave_one_point_out=ErrorBlock(**e["leave_one_point_out"].to_dict()),
+            )
+            for t, e in kv.candidates.items()
+        ],
+        points=[
+            KVPoint(
+                context_index=int(r["context_index"]),
+                bcap=int(r["bcap"]),
+                g=int(r["g"]),
+                kv_length=float(r["kv_length"]),
+                step_ms=float(r["step_ms"]),
+                predicted_ms=float(r["predicted_ms"]),
+                lopo_ms=_finite(r["lopo_ms"]),
+                loco_ms=_finite(r["loco_ms"]),
+            )
+            for r in kv.points.to_dict("records")
+        ],
+    )
 
 
 def nonpositive_message(cells: list[dict[str, Any]], model: str) -> str:

@@ -20,6 +20,10 @@ older versions) is ``speccal.costmodel.table``. The document (JSON Schema commit
                  or "sps": {g_levels, cost_ms, bcap_levels},
                "windows": [raw measured windows, so the table can be refitted],
                "diagnostics": {residuals, leave_one_point_out, leave_one_g_out, points}}],
+     "kv_model": {kv_term, min/max_kv_length, bias_ms, bcap_levels, alpha_ms, g_levels,
+                  theta_ms, beta_ms, selected_by, residuals, leave_one_point_out,
+                  leave_one_context_out, per_context, candidates, points} | absent
+                 (three or more contexts only: see KVModelBlock),
      "provenance": {speccal_version, created, command, python_version, torch_version,
                     driver_version, migrated_from,
                     timings: {compile_capture_s, transition_s, warmup_s, sampling_s} | null}}
@@ -46,6 +50,7 @@ from speccal.base.atomic import dumps_json
 from speccal.base.geometry import Geometry
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.compat import Compatibility, pydantic_message
+from speccal.costmodel.kv import KVCostModel
 from speccal.costmodel.lookup import CostLookup, TableLookup
 from speccal.costmodel.measurements import validate_measurements
 from speccal.costmodel.sps import SPSCostModel
@@ -222,6 +227,78 @@ class DiagnosticsBlock(_Strict):
     points: list[PointBlock]
 
 
+class KVContextErrors(_Strict):
+    """The KV model's errors on one context interval's points."""
+
+    context_index: int = Field(ge=0)
+    residuals: ErrorBlock
+    leave_one_point_out: ErrorBlock
+
+
+class KVCandidate(_Strict):
+    """Held-out errors of one slope form the selection compared."""
+
+    kv_term: Literal["shared", "per_g"]
+    leave_one_context_out: ErrorBlock
+    leave_one_point_out: ErrorBlock
+
+
+class KVPoint(_Strict):
+    """One combined point of the KV fit (median of its windows at their mean KV)."""
+
+    context_index: int = Field(ge=0)
+    bcap: int = Field(ge=1)
+    g: int = Field(ge=1)
+    kv_length: float = Field(ge=0)
+    step_ms: float = Field(gt=0)
+    predicted_ms: float
+    lopo_ms: float | None
+    loco_ms: float | None
+
+
+class KVModelBlock(_Strict):
+    """The KV-aware model over every context (``speccal.costmodel.kv``), present only in tables
+    of three or more context intervals with a connected (Bcap, G) grid.
+
+    ``cost = bias + alpha(Bcap) + theta(G) + beta(G) * G * kv`` for ``kv`` in
+    ``[min_kv_length, max_kv_length]`` (the calibrated span: the smallest and largest bound of the
+    contexts); ``beta_ms`` has one value (``shared``) or one per G level (``per_g``), in ms per
+    verified row and KV token. ``bias_ms`` is the reference cell's cost extrapolated to KV 0 and
+    may be any finite number.
+    """
+
+    kv_term: Literal["shared", "per_g"]
+    combine: Literal["median", "mean"] = "median"
+    reference: Literal["smallest_bcap_and_g"] = "smallest_bcap_and_g"
+    min_kv_length: int = Field(ge=0)
+    max_kv_length: int = Field(ge=0)
+    bias_ms: float
+    bcap_levels: list[int]
+    alpha_ms: list[float]
+    g_levels: list[int]
+    theta_ms: list[float]
+    beta_ms: list[float] = Field(min_length=1)
+    selected_by: Literal["leave_one_context_out", "leave_one_point_out", "fewest_parameters"]
+    residuals: ErrorBlock
+    leave_one_point_out: ErrorBlock
+    leave_one_context_out: ErrorBlock
+    per_context: list[KVContextErrors]
+    candidates: list[KVCandidate]
+    points: list[KVPoint]
+
+    def estimator(self):
+        """Rebuild the fitted :class:`~speccal.costmodel.kv.KVCostModel` from the arrays."""
+        return KVCostModel.from_params(
+            self.bias_ms,
+            self.bcap_levels,
+            self.alpha_ms,
+            self.g_levels,
+            self.theta_ms,
+            self.beta_ms,
+            combine=self.combine,
+        )
+
+
 class ContextFit(_Strict):
     context_index: int = Field(ge=0)
     prefill_tokens: int = Field(ge=0)
@@ -317,6 +394,8 @@ class CostTable(_Strict):
     # method returning ``speccal.base.geometry.Geometry`` (the package contract).
     geometry_block: GeometryBlock = Field(alias="geometry")
     fits: list[ContextFit] = Field(min_length=1)
+    # Optional (absent in single-context tables and in tables written before it existed).
+    kv_model: KVModelBlock | None = None
     provenance: Provenance
 
     _lookup: TableLookup | None = PrivateAttr(default=None)
@@ -401,7 +480,12 @@ class CostTable(_Strict):
         return validate_measurements(pd.DataFrame(rows))
 
     def to_json_dict(self) -> dict:
-        return self.model_dump(mode="json", by_alias=True)
+        doc = self.model_dump(mode="json", by_alias=True)
+        if doc.get("kv_model") is None:
+            # Absent, not null: a table without a KV model keeps the bytes it had before the
+            # block existed.
+            doc.pop("kv_model", None)
+        return doc
 
     def to_json(self) -> str:
         """Canonical JSON text (sorted keys, no NaN), exactly what :func:`save_table` writes."""

@@ -76,11 +76,10 @@ def test_per_g_slopes_win_when_the_truth_has_them():
     assert fit.leave_one_context_out.mean_abs_pct < shared
 
 
-def test_no_kv_model_for_one_context_and_loco_skipped_for_two():
+def test_no_kv_model_below_three_contexts():
+    # With two contexts leaving one out leaves one KV level: no held-out error for the slope.
     assert select_kv_model(kv_rows(contexts=CONTEXTS[:1])) is None
-    two = select_kv_model(kv_rows(contexts=CONTEXTS[:2]))
-    assert two.leave_one_context_out.n_evaluated == 0  # one remaining context has no slope
-    assert two.selected_by == "leave_one_point_out"
+    assert select_kv_model(kv_rows(contexts=CONTEXTS[:2])) is None
 
 
 def test_bad_input_names_the_field():
@@ -139,3 +138,56 @@ _EXPECTED_FAILED = {
 )
 def test_sklearn_estimator_checks(estimator, check):
     check(estimator)
+
+
+def _table(**kw):
+    from speccal.costmodel.table_build import build_table
+
+    from .helpers import COMPAT
+
+    return build_table(kv_rows(**kw), compatibility=COMPAT)
+
+
+def test_table_stores_the_kv_model_and_the_lookup_prices_any_kv_in_the_span():
+    from speccal.costmodel.lookup import TableLookup
+    from speccal.costmodel.table import parse_table
+
+    t = _table()
+    assert t.kv_model is not None and (t.kv_model.min_kv_length, t.kv_model.max_kv_length) == (
+        1,
+        8192,
+    )
+    assert parse_table(t.to_json()) == t  # parameters persist as arrays and rebuild exactly
+    assert [c.kv_term for c in t.kv_model.candidates] == ["shared", "per_g"]
+    assert t.kv_model.leave_one_context_out.n_evaluated == 48
+    # Inside one interval the cost now moves with KV (the per-interval fit is flat there).
+    lo, hi = t.cost_ms(4, 16, 2100).cost_ms, t.cost_ms(4, 16, 8000).cost_ms
+    assert hi - lo == pytest.approx(SLOPE * 16 * 5900, rel=0.05)
+    flat = TableLookup(t, kv_aware=False)
+    assert flat.cost_ms(4, 16, 2100).cost_ms == flat.cost_ms(4, 16, 8000).cost_ms
+    out = t.cost_ms(4, 16, 8193)
+    assert not out.calibrated and "outside the calibrated KV span [1, 8192]" in out.reason
+    assert "not a calibrated request bucket" in t.cost_ms(3, 16, 100).reason
+    surface = t.cost_surface()(np.array([4, 4]), np.array([16, 16]), np.array([2100.0, 9000.0]))
+    assert surface[0] == pytest.approx(lo) and np.isnan(surface[1])
+
+
+def test_kv_memo_is_keyed_by_the_exact_kv_and_bounded():
+    from speccal.costmodel import lookup
+
+    memo = _table().lookup().memo()
+    assert memo.exact_kv
+    assert memo.key("step", [4], 100.0) != memo.key("step", [4], 101.0)
+    for i in range(lookup.MAX_EXACT_ENTRIES + 5):
+        memo.get(memo.key("step", [4], float(i)), lambda: 1.0)
+    assert len(memo) <= lookup.MAX_EXACT_ENTRIES
+
+
+def test_single_and_two_context_tables_have_no_kv_model_and_keep_their_bytes():
+    from speccal.costmodel.table_build import build_table
+
+    from .helpers import COMPAT
+
+    t = build_table(kv_rows(contexts=CONTEXTS[:2]), compatibility=COMPAT)
+    assert t.kv_model is None and "kv_model" not in t.to_json_dict()
+    assert t.lookup().kv_span is None
