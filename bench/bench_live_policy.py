@@ -33,6 +33,11 @@ and ``adaptive_by_shape`` are the first adaptive run's, and the JSON adds ``repe
 (scheme and sequence), ``run_log`` (per run: cycle, position, UTC start/end, seconds since the
 first run, tokens/s, replay error; for plotting drift) and ``spread`` (min-max per policy).
 ``--record`` appends both metrics to ``bench/results.jsonl``.
+
+``--pipeline`` builds the live engine with ``EngineConfig(pipeline=True)`` (pipelined rounds:
+results one step late, feedback with the pipeline's lag, replayed with the same lag by
+``replay_prediction``); the calibration engine stays synchronous (calibrating on the pipeline
+is issue 21 item 3). The JSON's ``setup.pipeline`` records it.
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=None, help="write the full result JSON here")
     ap.add_argument("--device-label", default=None)
     ap.add_argument("--record", action="store_true", help="append to bench/results.jsonl")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="live engine with EngineConfig.pipeline=True (pipelined rounds)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats: got {args.repeats}, expected an integer >= 1")
@@ -187,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # 2. live engine + table checked against it
         engine = Engine(
-            EngineConfig.flat(kernels=KernelConfig.from_env(), **common, acceptance="synthetic", acceptance_profile=floats(args.profile))
+            EngineConfig.flat(kernels=KernelConfig.from_env(), **common, acceptance="synthetic",
+                              acceptance_profile=floats(args.profile), pipeline=args.pipeline)
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -323,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             "calibration_config": None if args.table else calib_cfg,
             "graph_mode": args.graph_mode,
             "attention_backend": args.attention_backend,
+            "pipeline": args.pipeline,
         },
         "timings_s": {
             "calibrate": calibrate_s,

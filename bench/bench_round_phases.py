@@ -12,6 +12,12 @@ Per round: wall time of ``Engine.step``; its host phases (``prepare``, the devic
 ``execute``, the wait inside ``collect``, the rest: admission, planning and per-request
 bookkeeping); and on CUDA the device span of ``execute`` (CUDA events around it). Medians.
 Writes ``DIR/round_phases.json``; prints a table. A diagnostic: no results.jsonl line.
+
+``--pipeline on|both`` builds the engines with ``EngineConfig(pipeline=True)`` (``both``: each
+mode twice, synchronous then pipelined, the pipelined rows named ``MODE+pipe``). A pipelined
+``Engine.step`` queues round ``n + 1`` and collects round ``n``: ``wall`` is then the
+steady-state round time, ``window_mean`` the same over one window, and on CUDA
+``wall_over_device`` = ``window_mean / device_execute`` (the issue-21 target: <= 1.05).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class _Timer:
         self.records: list[tuple[object, object, tuple[int, int]]] = []  # start, end, shape
         for name in ("prepare", "execute", "collect"):
             setattr(runner, name, self._wrap(name, getattr(runner, name)))
+        if hasattr(runner, "prepare_pipelined"):  # pipelined engines: its host phase
+            runner.prepare_pipelined = self._wrap("prepare", runner.prepare_pipelined)
 
     @classmethod
     def of(cls, runner, cuda: bool) -> _Timer:
@@ -93,6 +101,7 @@ def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=N
             acceptance_profile=profile,
             graph_mode=args.graph_mode,
             attention_backend=args.attention_backend,
+            pipeline=getattr(args, "pipelined", False),
         )
     )
     cuda = args.device.startswith("cuda")
@@ -135,6 +144,7 @@ def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=N
         med = {n: statistics.median(r.get(n, 0.0) for r in rows) for n in rows[0]}
         if cuda:
             med["device_execute"] = statistics.median(dev)
+            med["wall_over_device"] = window / med["device_execute"]
         med["window_mean"] = window
         out[f"k{k}"] = med
     del eng
@@ -238,6 +248,8 @@ def main() -> None:
         action="store_true",
         help="also calibrate twice on one engine with device times (see calibration_check)",
     )
+    ap.add_argument("--pipeline", choices=("off", "on", "both"), default="off",
+                    help="EngineConfig.pipeline of the mode engines (both: each mode twice)")
     args = ap.parse_args()
     args.ks = [int(v) for v in args.ks.split(",")]
     if args.attention_backend is None:
@@ -250,9 +262,14 @@ def main() -> None:
     }
     res: dict[str, object] = {"setup": {k: v for k, v in vars(args).items()}}
     modes = {m: modes[m] for m in args.modes.split(",") if m}
+    runs = {"off": [False], "on": [True], "both": [False, True]}[args.pipeline]
+    names = []
     for name, (acc, prof) in modes.items():
-        res[name] = measure_mode(args, acc, prof)
-        Path(args.out, "round_phases.json").write_text(json.dumps(res, indent=1))
+        for pipe in runs:
+            key = name + ("+pipe" if pipe else "")
+            names.append(key)
+            res[key] = measure_mode(argparse.Namespace(**vars(args), pipelined=pipe), acc, prof)
+            Path(args.out, "round_phases.json").write_text(json.dumps(res, indent=1))
     if args.calibration_check:
         res["calibration_check"] = calibration_check(args)
         Path(args.out, "round_phases.json").write_text(json.dumps(res, indent=1))
@@ -269,9 +286,10 @@ def main() -> None:
                 f"same engine, forced bcap8 {kk}: wall {med['wall']:.3f} window "
                 f"{med['window_mean']:.3f} device {med.get('device_execute', float('nan')):.3f}"
             )
-    cols = ["wall", "window_mean", "prepare", "execute", "collect", "other", "device_execute"]
+    cols = ["wall", "window_mean", "prepare", "execute", "collect", "other", "device_execute",
+            "wall_over_device"]
     print(f"{'mode':16s} {'k':>3s} " + " ".join(f"{c:>14s}" for c in cols))
-    for name in modes:
+    for name in names:
         for kk, med in res[name].items():
             vals = " ".join(f"{med.get(c, float('nan')):14.3f}" for c in cols)
             print(f"{name:16s} {kk:>3s} {vals}")
