@@ -2,9 +2,10 @@
 
 Floors (lowest first): ``speccal.base`` imports nothing of ours; ``costmodel`` and ``kernels``
 sit on it; the torch-free policy floor (``speccal.policy*``, ``replay``, ``trace``,
-``scenarios``, ``plots_*``) on ``costmodel``; ``runner`` on ``kernels``; ``calibrate`` on
-``runner`` and ``costmodel``; ``speccal.live`` on ``runner`` and the policy floor; ``speccal.cli``
-on everything, and nothing imports it. The source folders are installed as ``speccal.*`` and
+``scenarios``, ``plots_*``) on ``costmodel``; ``speccal.interop`` (engine interop) on the
+policy floor; ``runner`` on ``kernels``; ``calibrate`` on ``runner`` and ``costmodel``;
+``speccal.live`` on ``runner`` and the policy floor; ``speccal.cli`` on everything, and nothing
+imports it. The source folders are installed as ``speccal.*`` and
 nothing may import them bare.
 """
 
@@ -37,10 +38,13 @@ ALLOWED = {
     "runner": {"base", "kernels", "runner"},
     "calibrate": {"base", "costmodel", "runner", "calibrate"},
     "live": {"base", "costmodel", "policy", "runner", "live"},
-    "cli": {"base", "costmodel", "policy", "runner", "kernels", "calibrate", "live", "cli"},
+    "interop": {"base", "costmodel", "policy", "interop"},
+    "cli": {
+        "base", "costmodel", "policy", "runner", "kernels", "calibrate", "live", "interop", "cli"
+    },
     "root": {"cli"},  # speccal/__main__.py: the console entry
 }
-TORCH_FREE = ("base", "costmodel", "policy")
+TORCH_FREE = ("base", "costmodel", "policy", "interop")
 #: Units whose import pulls torch in; the CLI imports them inside its commands only.
 NEEDS_TORCH = ("runner", "kernels", "calibrate", "live")
 TORCH_PACKAGES = ("torch", "triton", "torch_npu", "transformers")
@@ -162,7 +166,7 @@ def test_the_cli_imports_lazily_only_what_needs_torch():
     assert _violations(check) == []
 
 
-@pytest.mark.parametrize("unit", ["base", "policy", "live"])
+@pytest.mark.parametrize("unit", ["base", "policy", "live", "interop"])
 def test_no_function_level_imports_in_the_floors_that_need_none(unit):
     """Module-level imports show the graph; these floors have no torch to keep out."""
 
@@ -185,7 +189,7 @@ def test_imported_modules_no_bare_folder_and_no_torch_in_the_torch_free_floors()
     code = (
         "import sys, speccal.costmodel, speccal.base, speccal.policy, speccal.policy_rules, "
         "speccal.replay, speccal.trace, speccal.scenarios, speccal.plots_replay, "
-        "speccal.plots_table, speccal.cli\n"
+        "speccal.plots_table, speccal.interop.export, speccal.cli\n"
         "print('torch' in sys.modules)\n"
         "import speccal.runner.engine, speccal.kernels.ops, speccal.calibrate.pipeline, "
         "speccal.live.bench\n"

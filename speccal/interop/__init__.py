@@ -1,0 +1,20 @@
+"""Speaking to other engines: schedules and cost tables out, acceptance data in (SPEC section 9).
+
+Torch-free (it sits beside the policy floor: ``costmodel``, ``replay``, ``trace``, ``base``).
+One job per module:
+
+- ``acceptance``: measured accepted lengths of full-width rounds (:class:`Acceptance`) and their
+  conversion into a speccal :class:`~speccal.trace.RoundTrace`;
+- ``prometheus``: the Prometheus text exposition format (what vLLM's ``/metrics`` serves);
+- ``importers``: vLLM spec-decode counters, vLLM per-request stats, ``speculation_profile.json``
+  and plain CSV of accepted lengths -> :class:`Acceptance`;
+- ``schedule``: per batch bucket, predicted tokens/s of every ``k`` by replaying the acceptance
+  at that bucket (``speccal.replay``), the best ``k`` (``0`` where speculation does not pay) and
+  the whole workload under a schedule vs every single fixed ``k``;
+- ``vllm``, ``trtllm``, ``sglang``: one engine's file format, its key and unit conventions and
+  the rule it reads the file with;
+- ``report``: the evidence sidecar written next to every exported file;
+- ``export``: the ``speccal export`` pipeline (table + acceptance -> engine file + sidecar).
+
+docs/INTEROP.md cites the engine code each module matches.
+"""
