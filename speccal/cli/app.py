@@ -24,7 +24,7 @@ from rich.markup import escape
 
 from speccal import __version__
 from speccal.base.errors import SpeccalError
-from speccal.cli import cmd_calibrate, cmd_fit, cmd_plot, cmd_replay, cmd_run, cmd_table
+from speccal.cli import cmd_calibrate, cmd_export, cmd_fit, cmd_plot, cmd_replay, cmd_run, cmd_table
 from speccal.cli.help import HelpGroup, SpeccalTyper
 from speccal.costmodel.compat import SpeccalWarning
 
@@ -147,7 +147,7 @@ def _root(
     """speccal: cost tables for speculative decoding."""
 
 
-for _module in (cmd_fit, cmd_table, cmd_run, cmd_calibrate, cmd_replay, cmd_plot):
+for _module in (cmd_fit, cmd_table, cmd_run, cmd_calibrate, cmd_replay, cmd_plot, cmd_export):
     _module.register(app)
 
 
