@@ -1,0 +1,205 @@
+"""Each engine's file: it passes the engine's own rules (``engine_rules``, re-implemented from
+its code) and the engine then runs what speccal decided."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from speccal.base.errors import InputError
+from speccal.costmodel.table import load_table
+from speccal.costmodel.table_build import refit_table
+from speccal.interop import sglang, trtllm, vllm
+from speccal.policy import CostModel
+
+from .engine_rules import (
+    EngineRejects,
+    check_sglang,
+    check_trtllm,
+    check_vllm,
+    sglang_step_seconds,
+    trtllm_draft_len,
+    vllm_dense,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "tables" / "tiny-cpu.json"
+H200 = ROOT / "tables" / "dense-2b-h200.json"
+
+DECISIONS = [
+    {1: 3, 2: 3, 4: 2, 8: 1},
+    {1: 2, 2: 3, 4: 3, 8: 3},
+    {1: 3, 2: 0, 4: 1, 8: 0},
+    {1: 1, 2: 1, 4: 1, 8: 1},
+    {1: 0, 2: 2, 4: 2, 8: 0},
+]
+
+
+def _tps(decisions):
+    """Made-up tokens/s per bucket peaking at the decided k (1000 at best, -100 per step off)."""
+    return {b: {k: 1000.0 - 100 * abs(k - d) for k in range(4)} for b, d in decisions.items()}
+
+
+@pytest.mark.parametrize("decisions", DECISIONS)
+def test_vllm_file_passes_vllms_rules_and_runs_the_decisions(decisions):
+    r = vllm.render(decisions, 3, 1)
+    cfg = check_vllm(r.text)
+    dense = vllm_dense(cfg, 32)
+    prev = 0
+    for b in sorted(decisions):
+        # every batch size a bucket serves, (previous bucket, Bcap], runs the bucket's k
+        assert all(dense[bs] == decisions[b] for bs in range(prev + 1, b + 1))
+        prev = b
+    assert all(dense[bs] == decisions[8] for bs in range(9, 33))  # carried forward
+    assert r.decisions == decisions
+    assert [vllm.lookup(cfg, bs) for bs in range(1, 33)] == dense[1:]
+
+
+def test_vllm_merges_equal_neighbours_and_refuses_dp():
+    assert vllm.entries({1: 3, 2: 3, 4: 2, 8: 2}) == [[1, 2, 3], [3, 8, 2]]
+    with pytest.raises(InputError, match="topology.dp"):
+        vllm.render({1: 3}, 3, 2)
+    vllm.render({1: 3}, 3, "unknown")  # unknown topology is not refused here
+
+
+@pytest.mark.parametrize("decisions", DECISIONS)
+def test_trtllm_file_passes_trtllms_rules(decisions):
+    if all(v == 0 for v in decisions.values()):
+        return
+    r = trtllm.render(decisions, _tps(decisions), "x.speccal.json")
+    spec = check_trtllm(r.text)
+    exported = {b: trtllm_draft_len(spec, b) for b in decisions}
+    assert exported == r.decisions
+    changed = {a["bcap"] for a in r.adjustments}
+    assert {b for b in decisions if exported[b] != decisions[b]} == changed
+    # past the largest key TensorRT-LLM runs the implicit 0 (no floor for MTP-Eagle)
+    assert trtllm_draft_len(spec, 9) == 0 and trtllm_draft_len(spec, 9, 1) == 1
+    # every batch size up to a bucket runs that bucket's exported value
+    prev = 0
+    for b in sorted(decisions):
+        assert all(trtllm_draft_len(spec, bs) == exported[b] for bs in range(prev + 1, b + 1))
+        prev = b
+
+
+def test_trtllm_projection_loses_the_least():
+    # best k 2 at bucket 1 but 3 elsewhere: raising bucket 1 costs less than clamping the rest
+    decisions = {1: 2, 2: 3, 4: 3, 8: 3}
+    tps = {
+        1: {1: 788, 2: 905, 3: 881},
+        2: {1: 1455, 2: 1618, 3: 1778},
+        4: {1: 2889, 2: 3244, 3: 3661},
+        8: {1: 5571, 2: 6590, 3: 6601},
+    }
+    vals, changes = trtllm.project(decisions, tps)
+    assert vals == {1: 3, 2: 3, 4: 3, 8: 3}
+    assert changes[0]["bcap"] == 1 and changes[0]["tokens_per_s_lost_pct"] == pytest.approx(
+        100 * (1 - 881 / 905)
+    )
+    assert trtllm.schedule(vals) == {8: 3}
+    with pytest.raises(InputError, match="max_draft_len"):
+        trtllm.render({1: 0, 2: 0}, _tps({1: 0, 2: 0}), "x")
+
+
+def test_engine_rules_reject_what_the_engines_reject():
+    with pytest.raises(EngineRejects, match="start at 1"):
+        check_vllm(
+            json.dumps(
+                {
+                    "method": "mtp",
+                    "num_speculative_tokens": 3,
+                    "num_speculative_tokens_per_batch_size": [[2, 8, 3]],
+                }
+            )
+        )
+    with pytest.raises(EngineRejects, match="overlapping"):
+        check_vllm(
+            json.dumps(
+                {
+                    "method": "mtp",
+                    "num_speculative_tokens": 3,
+                    "num_speculative_tokens_per_batch_size": [[1, 4, 3], [4, 8, 2]],
+                }
+            )
+        )
+    bad = "speculative_config:\n  decoding_type: MTP\n  max_draft_len: 2\n  draft_len_schedule:\n    1: 2\n    4: 3\n"
+    with pytest.raises(EngineRejects, match="<= max_draft_len"):
+        check_trtllm(bad)
+    with pytest.raises(EngineRejects, match="uninitialized"):
+        check_sglang(
+            json.dumps(
+                {"sample_batch_tokens": [1], "sample_steps_per_sec": [1.0], "max_batch_tokens": 4}
+            )
+        )
+
+
+@pytest.fixture(scope="module", params=[TINY, H200], ids=["tiny-cpu", "dense-2b-h200"])
+def verify_table(request):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_table(request.param)
+
+
+@pytest.mark.parametrize("model", ["additive", "sps"])
+def test_sglang_file_passes_sglangs_rules_and_prices_like_the_table(verify_table, model):
+    t = verify_table if model == "additive" else refit_table(verify_table, model="sps")
+    r = sglang.render(t, 1024.0, "x.speccal.json")
+    doc = check_sglang(r.text)
+    assert doc["_kind"] == model and r.format == (
+        sglang.ADDITIVE if model == "additive" else sglang.SPS
+    )
+    cost = CostModel.from_table(t)
+    geo = t.geometry()
+    # at every full bucket and every captured G it reaches, SGLang's reading is the table's cost
+    for bcap in geo.request_buckets:
+        for g in geo.target_rows[bcap]:
+            ours = float(cost.lookup(np.array([bcap]), np.array([g]), np.array([1024.0]))[0])
+            if not np.isfinite(ours):
+                continue
+            theirs = 1000 * sglang_step_seconds(doc, bcap, g - bcap)
+            assert theirs == pytest.approx(ours, rel=1e-9), (bcap, g)
+    fid = r.fidelity
+    assert fid["points"] > 0 and fid["nonpositive"] == 0
+    # exact at full buckets (above); the differences are partial batches, which speccal pads to
+    # the bucket's captured G and SGLang prices at their own token count
+    worst = fid["worst_point"]
+    assert fid["max_abs_diff_pct"] == 0.0 or worst["num_reqs"] not in geo.request_buckets
+
+
+def test_sglang_units_and_axes(verify_table):
+    r = sglang.render(verify_table, 1024.0, "x")
+    p = verify_table.fits[0].additive
+    assert r.document["bias_seconds"] == pytest.approx(p.bias_ms / 1000)
+    assert r.document["m_probes"][-1] == p.g_levels[-1]  # M axis = verify rows = speccal G
+    assert r.document["bs_probes"][-1] == p.bcap_levels[-1]  # request axis = speccal Bcap
+    sps = sglang.render(refit_table(verify_table, model="sps"), 1024.0, "x").document
+    assert '"bias_seconds"' not in json.dumps(sps)  # SGLang picks the loader by this key
+    s = refit_table(verify_table, model="sps").fits[0].sps
+    assert sps["sample_steps_per_sec"][-1] == pytest.approx(1000 / s.cost_ms[-1])
+
+
+def test_sglang_refuses_draft_step_tables_dp_and_foreign_contexts():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = load_table(ROOT / "tables" / "dense-2b-h200-draft-step.json")
+        t = load_table(TINY)
+    with pytest.raises(InputError, match="target_verify"):
+        sglang.render(ds, 512.0, "x")
+    with pytest.raises(InputError, match="--kv-length"):
+        sglang.render(t, 10_000.0, "x")
+    compat = t.compatibility.model_copy(
+        update={"topology": t.compatibility.topology.model_copy(update={"dp": 2})}
+    )
+    dp2 = t.model_copy(update={"compatibility": compat})
+    with pytest.raises(InputError, match="dp"):
+        sglang.render(dp2, 1024.0, "x")
+
+
+def test_staircase_serves_each_level_from_the_previous_plus_one():
+    assert sglang.staircase([1, 2, 4, 8], [0.0, 1.0, 2.0, 3.0]) == (
+        [1, 2, 3, 4, 5, 8],
+        [0.0, 1.0, 2.0, 2.0, 3.0, 3.0],
+    )

@@ -1,0 +1,277 @@
+"""``speccal export`` / ``speccal import`` end to end: golden files from the shipped tables and
+trace, the engines' rules on every golden, the sidecar's evidence, and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from speccal.cli import app
+from speccal.costmodel.table import load_table
+from speccal.interop.export import ExportRequest, run_export, sidecar_path
+from speccal.trace import load_trace
+
+from . import engine_files
+from .engine_rules import check_sglang, check_trtllm, check_vllm, vllm_dense
+from .make_fixtures import EXPORTS, GOLDEN, K0_MS
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {"COLUMNS": "100", "NO_COLOR": "1"}
+RULES = {"vllm": check_vllm, "trtllm": check_trtllm, "sglang": check_sglang}
+TRACE = "notebooks/data/transition.parquet"
+DRAFT_STEP = "tables/dense-2b-h200-draft-step.json"
+
+
+@pytest.fixture()
+def at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def _sidecar(path: Path) -> dict:
+    d = json.loads(path.read_text())
+    d.pop("created")
+    return d
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTS))
+def test_exports_match_their_golden_files_and_pass_the_engines_rules(name, at_root, tmp_path):
+    table, engine, opts = EXPORTS[name]
+    out = tmp_path / name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = run_export(ExportRequest(table=table, engine=engine, out=out, **opts))
+    golden = ROOT / GOLDEN / name
+    assert out.read_text() == golden.read_text()
+    assert _sidecar(res.sidecar) == _sidecar(sidecar_path(golden))
+    RULES[engine](golden.read_text())  # the engine's loader accepts the committed file
+
+
+def test_vllm_golden_runs_the_replays_best_k_per_bucket(at_root):
+    cfg = check_vllm((GOLDEN / "vllm.json").read_text())
+    side = json.loads(sidecar_path(GOLDEN / "vllm.json").read_text())
+    dense = vllm_dense(cfg, 8)
+    for b in side["buckets"]:
+        tps = {int(k): v for k, v in b["tokens_per_s"].items() if v is not None}
+        assert set(tps) == {1, 2, 3}  # every k; k = 0 not priced in this table
+        assert b["best_k"] == max(tps, key=tps.get) == dense[b["bcap"]]
+        assert b["gain_vs_k_pct"][str(b["best_k"])] == 0.0
+    held = side["table"]["heldout"]
+    assert held["metric"] == "leave_one_g_out.mean_abs_pct" and held["pct"] == pytest.approx(
+        4.349272
+    )
+    assert side["table"]["compatibility"]["device"]["name"] == "NVIDIA H200"
+    assert side["valid_for"]["batch_sizes"] == [1, 8] and side["valid_for"]["kv_length"] == [
+        1,
+        1024,
+    ]
+    assert side["engine"]["matched"][0]["commit"] == "a6f6bb1d3c1707ede85d03a7c7d47a105a1873fc"
+    assert (
+        side["file"]["sha256"]
+        == __import__("hashlib").sha256((GOLDEN / "vllm.json").read_bytes()).hexdigest()
+    )
+    wl = side["workload"]
+    assert wl["rounds"] == 2000 and wl["best_fixed_k"] == 3
+
+
+def test_k0_golden_prices_no_speculation_from_the_flag(at_root):
+    side = json.loads(sidecar_path(GOLDEN / "vllm-metrics-k0.json").read_text())
+    assert side["acceptance"]["kind"] == "profile"
+    assert side["acceptance"]["meta"]["format"] == "vllm-metrics"
+    for b in side["buckets"]:
+        assert b["k0_source"] == "--k0-ms"
+        ms = dict(x.split("=") for x in K0_MS.split(","))[str(b["bcap"])]
+        assert b["tokens_per_s"]["0"] == pytest.approx(1000 * b["bcap"] / float(ms), rel=1e-6)
+    wl = side["workload"]  # a profile: equal serving time at every bucket
+    assert wl["buckets"] == [1, 2, 4, 8] and wl["gain_vs_best_fixed_pct"] >= 0.0
+    rates = [b["tokens_per_s"][str(b["exported_k"])] for b in side["buckets"]]
+    assert wl["schedule_tokens_per_s"] == pytest.approx(np.mean(rates), rel=1e-6)
+
+
+def test_trtllm_golden_records_the_engine_rule_it_applied(at_root):
+    spec = check_trtllm((GOLDEN / "trtllm.yaml").read_text())
+    side = json.loads(sidecar_path(GOLDEN / "trtllm.yaml").read_text())
+    assert spec["max_draft_len"] == 3 and spec["draft_len_schedule"] == {8: 3}
+    (adj,) = side["adjustments"]
+    assert adj["bcap"] == 1 and adj["best_k"] == 2 and adj["exported_k"] == 3
+    assert side["speccal_workload"] is not None  # the unconstrained schedule, for comparison
+
+
+def test_sglang_golden_sidecar_holds_the_metadata_sglang_lacks(at_root):
+    side = json.loads(sidecar_path(GOLDEN / "sglang-additive.json").read_text())
+    assert side["table"]["compatibility"]["model"]["architecture"] == "preset:tiny"
+    assert side["fidelity"]["points"] > 0
+    assert side["workload"]["adaptive_policy"] == "adaptive-verify"  # the trace has scores
+    assert {b["bcap"] for b in side["buckets"]} == {1, 2, 4, 8}
+    no_acc = json.loads(sidecar_path(GOLDEN / "sglang-sps.json").read_text())
+    assert no_acc["acceptance"] is None and no_acc["buckets"] == []
+
+
+def _run(*args):
+    return CliRunner().invoke(app, list(args), env=ENV)
+
+
+def test_cli_export_json_is_the_sidecar(at_root, tmp_path):
+    out = tmp_path / "v.json"
+    r = _run("export", DRAFT_STEP, "--to", "vllm", "--trace", TRACE, "--out", str(out), "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc == json.loads((tmp_path / "v.speccal.json").read_text())
+    check_vllm(out.read_text())
+
+
+def test_cli_export_human_output(at_root, tmp_path):
+    r = _run(
+        "export", DRAFT_STEP, "--to", "trtllm", "--trace", TRACE, "--out", str(tmp_path / "t.yaml")
+    )
+    assert r.exit_code == 0, r.output
+    for needle in (
+        "k=0",
+        "k=3",
+        "within error",
+        "held-out error",
+        "over the best single fixed k",
+        "draft_len_schedule[smallest key]",
+        "wrote",
+    ):
+        assert needle in r.output, needle
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["tables/tiny-cpu.json", "--to", "vllm", "--trace", TRACE], "table.mode"),
+        ([DRAFT_STEP, "--to", "sglang"], "table.mode"),
+        ([DRAFT_STEP, "--to", "vllm"], "--trace/--profile"),
+        ([DRAFT_STEP, "--to", "tgi", "--trace", TRACE], "--to"),
+        (
+            [DRAFT_STEP, "--to", "vllm", "--trace", TRACE, "--profile", "marginal:0.5"],
+            "--trace/--profile",
+        ),
+        ([DRAFT_STEP, "--to", "vllm", "--profile", "marginal:0.5,x"], "--profile"),
+        ([DRAFT_STEP, "--to", "vllm", "--profile", "marginal:0.5,0.7,0.1"], "--profile[1]"),
+        ([DRAFT_STEP, "--to", "vllm", "--profile", "marginal:0.5,0.4"], "trace.draft_width"),
+        ([DRAFT_STEP, "--to", "vllm", "--trace", TRACE, "--k0-ms", "3=1"], "--k0-ms"),
+        (["tables/tiny-cpu.json", "--to", "sglang", "--k0-ms", "1"], "--k0-ms"),
+        ([DRAFT_STEP, "--to", "vllm", "--trace", "missing.parquet"], "trace"),
+        ([DRAFT_STEP, "--to", "vllm", "--profile", "missing.prom"], "--profile"),
+        ([DRAFT_STEP, "--to", "vllm", "--trace", TRACE, "--kv-length", "-1"], "--kv-length"),
+    ],
+)
+def test_cli_export_bad_inputs_are_one_line_and_write_nothing(at_root, tmp_path, args, field):
+    out = tmp_path / "x.json"
+    r = _run("export", *args, "--out", str(out))
+    assert r.exit_code == 2, r.output
+    err = r.output.strip()
+    assert err.startswith("error:") and field in err and "\n" not in err, err
+    assert not out.exists() and not (tmp_path / "x.speccal.json").exists()
+
+
+def test_cli_export_checks_outputs_before_the_work(at_root, tmp_path):
+    r = _run(
+        "export",
+        DRAFT_STEP,
+        "--to",
+        "vllm",
+        "--trace",
+        TRACE,
+        "--out",
+        str(tmp_path / "no" / "x.json"),
+    )
+    assert r.exit_code == 2 and "--out" in r.output
+    r = _run(
+        "export",
+        DRAFT_STEP,
+        "--to",
+        "vllm",
+        "--trace",
+        TRACE,
+        "--out",
+        str(tmp_path / "x.json"),
+        "--sidecar",
+        str(tmp_path / "x.json"),
+    )
+    assert r.exit_code == 2 and "--sidecar" in r.output
+
+
+def test_cli_import_then_replay_keeps_the_per_position_acceptance(at_root, tmp_path):
+    out = tmp_path / "imported.parquet"
+    r = _run("import", "notebooks/data/interop/vllm-metrics.prom", "--out", str(out), "--json")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    c = engine_files.counts(load_trace(ROOT / TRACE))
+    assert summary["prefix_acceptance"] == pytest.approx([v / c["drafts"] for v in c["per_pos"]])
+    r = _run("replay", "--table", DRAFT_STEP, "--trace", str(out), "--json")
+    assert r.exit_code == 0, r.output
+    fixed3 = next(p for p in json.loads(r.stdout)["policies"] if p["name"] == "fixed:3")
+    assert fixed3["mean_accepted_length"] == pytest.approx(c["accepted"] / c["drafts"])
+    assert fixed3["acceptance_rate"] == pytest.approx(c["accepted"] / c["draft_tokens"])
+
+
+def test_cli_import_bad_file_is_one_line(tmp_path):
+    p = tmp_path / "m.prom"
+    p.write_text("")
+    r = _run("import", str(p), "--out", str(tmp_path / "t.parquet"))
+    assert r.exit_code == 2 and "empty" in r.output and "\n" not in r.output.strip()
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_time_in_the_engine_fit_in_speccal_export_back(at_root, tmp_path):
+    """Rows timed in an engine at k = 0..w (k = 0: G = Bcap) -> speccal fit -> export: the fitted
+    table prices k = 0 from its own windows and the schedule drops speculation where it loses."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = load_table(ROOT / DRAFT_STEP).measurements()
+    k0 = rows[rows["k"] == 1].copy()
+    k0["k"] = 0
+    k0["g"] = k0["bcap"]
+    k0["step_ms"] = 0.6 * k0["step_ms"]  # a plain step well below a k = 1 round
+    k0["elapsed_s"] = k0["step_ms"] * k0["window_steps"] / 1000.0
+    csv = tmp_path / "engine-steps.csv"
+    pd.concat([rows, k0]).to_csv(csv, index=False)
+    fitted = tmp_path / "fitted.json"
+    r = _run("fit", str(csv), "--out", str(fitted))
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "vllm.json"
+    hard = "conditional:0.2,0.2,0.2"  # acceptance this low: speculation loses everywhere
+    r = _run(
+        "export",
+        str(fitted),
+        "--to",
+        "vllm",
+        "--profile",
+        hard,
+        "--kv-length",
+        "512",
+        "--out",
+        str(out),
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    side = json.loads(r.stdout)
+    assert all(b["k0_source"].startswith("table") for b in side["buckets"])
+    assert all(b["best_k"] == 0 for b in side["buckets"])
+    assert check_vllm(out.read_text())["num_speculative_tokens_per_batch_size"] == [[1, 8, 0]]
+    easy = "conditional:0.9,0.9,0.9"
+    r = _run(
+        "export",
+        str(fitted),
+        "--to",
+        "vllm",
+        "--profile",
+        easy,
+        "--kv-length",
+        "512",
+        "--out",
+        str(out),
+        "--json",
+    )
+    assert all(b["best_k"] > 0 for b in json.loads(r.stdout)["buckets"])
+    assert os.path.exists(tmp_path / "vllm.speccal.json")
+    assert np.isfinite(json.loads(r.stdout)["workload"]["schedule_tokens_per_s"])
