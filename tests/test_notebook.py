@@ -23,6 +23,7 @@ SHARED_CALLS = (
     "from speccal.plots_table import write_table_plots",
     "from speccal.plots_replay import write_plots",
     "from speccal.replay import ReplayConfig, replay",
+    "from speccal.interop.export import ExportRequest, run_export",
 )
 
 
@@ -71,8 +72,8 @@ def test_notebook_runs_top_to_bottom(executed):
         o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
     ]
     assert not errors
-    # 3 table figures + 2 replay figures, each displayed as a PNG
-    assert len(_outputs(nb, "image/png")) == 5
+    # 3 table figures + 2 replay figures + 1 exported-schedule figure, each displayed as a PNG
+    assert len(_outputs(nb, "image/png")) == 6
     assert elapsed < 60, f"notebook took {elapsed:.1f} s"
 
 
@@ -92,3 +93,4 @@ def test_notebook_shows_fit_report_what_if_and_comparison(executed):
         o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
     )
     assert "preset:tiny" in text and "metadata differences" in text
+    assert "num_speculative_tokens_per_batch_size" in text and "over the best single fixed k" in text
