@@ -31,6 +31,7 @@ from speccal.base.atomic import (
 )
 from speccal.base.errors import InputError, SpeccalError
 from speccal.base.rich_tables import print_table
+from speccal.cli.cmd_check import check
 from speccal.cli.help import HelpGroup, SpeccalTyper
 from speccal.costmodel.measurements import write_measurements
 from speccal.costmodel.report import cost_grid, diff_tables, summary, to_markdown
@@ -420,7 +421,7 @@ def compat(
 class TableGroup(HelpGroup):
     """``speccal table``: its commands in the order a table is used."""
 
-    command_order = ("show", "validate", "export", "compat", "diff")
+    command_order = ("show", "validate", "check", "export", "compat", "diff")
 
 
 def register(app: typer.Typer) -> None:
@@ -428,11 +429,13 @@ def register(app: typer.Typer) -> None:
     sub = SpeccalTyper(
         name="table",
         cls=TableGroup,
-        help="Show, validate, export and diff cost tables; print a run's compatibility.",
+        help="Show, validate, check (re-measure), export and diff cost tables; print a run's "
+        "compatibility.",
         no_args_is_help=True,
     )
     sub.command("show")(show)
     sub.command("validate")(validate)
+    sub.command("check")(check)
     sub.command("diff")(diff)
     sub.command("export")(export)
     sub.command("compat")(compat)

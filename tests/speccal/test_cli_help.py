@@ -92,7 +92,7 @@ def test_commands_are_listed_in_workflow_order():
     )
     table = run("table", "--help").output
     subs = [m.group(1) for m in re.finditer(r"^│ (\w+)\s{2,}", table, re.MULTILINE)]
-    assert subs == ["show", "validate", "export", "compat", "diff"]
+    assert subs == ["show", "validate", "check", "export", "compat", "diff"]
 
 
 def test_root_help_explains_the_jargon():
