@@ -726,7 +726,8 @@ class Engine:
 
         Order: admit + prefill waiting requests into free slots; plan round ``n + 1`` over the
         running batch (every request not yet *known* finished: stop rules are discovered one
-        round late, when its round is collected) and queue it (host facts staged into the
+        round late, when its round is collected; except a request whose queued rounds surely
+        reach ``max_tokens``, one token each at least, which sits the round out) and queue it (host facts staged into the
         other staging slot, metadata derived on the device from the per-slot state round ``n``
         leaves there, results copied to pinned memory at its end); only then collect round
         ``n`` (wait for its result copy, stop rules, bookkeeping) while round ``n + 1`` runs.
@@ -756,7 +757,10 @@ class Engine:
         num_prefill, finished = self._admit(first)
         finished = self._early_finished + finished
         self._early_finished = []
-        batch = list(self._running)
+        # a request whose queued rounds surely reach max_tokens (each emits >= 1 token) sits
+        # this round out: no wasted row for a length stop the host can foresee
+        batch = [r for r in self._running
+                 if len(r.output) + r.num_inflight < r.params.max_tokens]
         n = len(batch)
         plan, k, nv = self._resolve(plan, batch)
         queued = None

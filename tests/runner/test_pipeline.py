@@ -206,19 +206,33 @@ def test_the_pipelined_loop_derives_its_inputs_on_the_device(monkeypatch):
 
 
 def test_slot_and_blocks_held_while_a_queued_round_writes_them():
+    prompt = _prompts(1)[0]
+    free = _run(_engine(True), [prompt], _params(1), RoundPlan(2))[0][0]
     eng = _engine(True)
     eng.reset()
-    rid = eng.add_request(_prompts(1)[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    # stops on the first round's first token: discovered when round 0 is collected
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=30, stop_token_ids=(free[1],)))
     eng.step(RoundPlan(2))  # prefill + round 0 queued
     req = eng.requests[rid]
     res = eng.step(RoundPlan(2))  # round 1 queued (req still live), round 0 collected: finished
-    assert rid in res.finished and req.num_inflight == 1
+    assert rid in res.finished and req.num_inflight == 1 and req.output == free[:2]
     assert req.slot >= 0 and req.blocks  # round 1 still writes them
     assert rid not in eng.running_ids()
     res = eng.step(RoundPlan(2))  # nothing queued; round 1 collected, its row discarded
     assert res.num_discarded == 1 and res.num_requests == 0
     assert req.slot == -1 and not req.blocks
-    assert not eng.has_unfinished()
+    assert not eng.has_unfinished() and req.output == free[:2]
+
+
+def test_a_foreseeable_length_stop_costs_no_extra_round():
+    eng = _engine(True)
+    eng.reset()
+    rid = eng.add_request(_prompts(1)[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.step(RoundPlan(2))  # prefill (1 token) + round 0 queued: it emits >= 1, so 2 are reached
+    req = eng.requests[rid]
+    res = eng.step(RoundPlan(2))  # nothing queued: the request sits out; round 0 collected
+    assert eng.num_inflight == 0 and rid in res.finished and len(req.output) == 2
+    assert req.slot == -1 and not req.blocks and res.num_discarded == 0
 
 
 def test_release_while_queued_and_drain():
@@ -262,3 +276,43 @@ def test_double_buffered_host_arenas():
         x.use(0)
     with pytest.raises(ValueError):
         StaticInputs({"a": (4, torch.int64)}, torch.device("cpu"), num_host_slots=0)
+
+
+def test_plain_decoding_and_sample_mode_greedy_rows():
+    (s_out, _), (p_out, _) = _both(RoundPlan(0), speculative=False)
+    assert p_out == s_out
+    (s_out, _), (p_out, _) = _both(RoundPlan(2), acceptance="sample")
+    assert p_out == s_out
+
+
+@pytest.mark.parametrize("k", range(1, W + 1))
+def test_device_derivation_equals_the_host_rule(k, monkeypatch):
+    """The static (graph) layout: every input derived on the device from the slot state equals
+    what the synchronous prepare computes on the host from num_computed / num_extend."""
+    eng = Engine(_cfg(pipeline=True))
+    for p in _prompts(3, seed=5):
+        eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True))
+    for i in range(5):
+        eng.step(RoundPlan(1 + i % W))
+    eng.drain()  # host state caught up with the device
+    runner = eng.runner
+    batch = list(eng._running)
+    slots = [r.slot for r in batch]
+    assert runner.slot_len[slots].tolist() == [r.num_computed for r in batch]
+    assert runner.slot_ext[slots].tolist() == [r.num_extend for r in batch]
+    assert max(r.num_extend for r in batch) > 1  # multi-row draft extends are derived
+    monkeypatch.setattr(runner, "static", True)
+    bcap = 4
+    nv = np.array([k, max(k - 1, 0), min(1, k)])
+    g = int((nv + 1).sum())
+    host = runner.prepare(batch, bcap, k, nv, g)
+    want = {n: v.clone() for n, v in host.t.items() if n != "ver_drafts"}
+    pipe = runner.prepare_pipelined(batch, bcap, k, nv, g, None,
+                                    np.array([r.num_computed for r in batch]))
+    runner.derive_inputs(pipe)
+    assert pipe.num_ext_rows == host.num_ext_rows and pipe.update == host.update == "host"
+    for name, v in want.items():
+        got = pipe.t[name]
+        assert got.shape == v.shape, name
+        assert torch.equal(got, v), name
+    assert {"ext_index", "ext_row", "ver_slot", "ctx_lens"} <= want.keys()
