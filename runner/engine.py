@@ -372,7 +372,12 @@ class Engine:
                     keys.append(GraphKey("target", bcap, k, g, runner.resolve_update(bcap, k, g)))
 
         def make_inputs(key):
-            x = runner.prepare([], key.bcap, key.k, np.zeros(0, np.int64), key.g or key.bcap)
+            none = np.zeros(0, np.int64)
+            if self.config.pipeline:  # pipelined graphs derive their metadata in the graph
+                x = runner.prepare_pipelined([], key.bcap, key.k, none, key.g or key.bcap, None,
+                                             none)
+            else:
+                x = runner.prepare([], key.bcap, key.k, none, key.g or key.bcap)
             x.update = key.update or x.update
             return x
 

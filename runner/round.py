@@ -511,8 +511,10 @@ class RoundRunner:
         ``L = 0``, ``E = 1`` for padding rows (``is_real`` mask): ``ctx_lens``,
         ``pending_index``, the draft-extend rows (static layout ``R = w + 1``, packed rows past
         the total point at the trash state / sentinel slot / trash grid row), the draft-step
-        rows, ``ver_seq`` and (host update) the packed verify rows. A few small torch ops; no
-        ``.item()``, no branch on tensor values (capturable).
+        rows and ``ver_seq``; the host update's packed verify rows come from
+        :meth:`derive_verify` (they need ``G`` and, under a budget, the allocation). A few small
+        torch ops; no ``.item()``, no branch on tensor values: ``graph_mode="split"`` captures
+        them at the head of the draft graph (:meth:`capture`), eager rounds run them first.
         """
         t, bcap, k = x.t, x.bcap, x.k
         w1 = self.w + 1
@@ -547,8 +549,6 @@ class RoundRunner:
                 )
                 t["step_seq"].copy_(torch.where(sreal, spos + 1, j))
         t["ver_seq"].copy_(torch.where(real, lens + k + 1, k + 1))
-        if x.update == "host":
-            self.derive_verify(x)
 
     def derive_verify(self, x: RoundInputs) -> None:
         """Pipelined host-update rounds, on the device: packed verify rows from ``num_verify``.
@@ -868,13 +868,27 @@ class RoundRunner:
                 if key.part == "target":
                     x.sampling = key.sampling
                 if key.part == "draft":
-                    self.graphs.capture(key, lambda x=x: self.draft_part(x))
+                    self.graphs.capture(key, lambda x=x: self._draft_graph(x))
                 else:
                     drafts = x.t["ver_drafts"]
                     if key.update == "in_graph" and key.k > 0:
                         drafts = self.graphs.outputs[GraphKey("draft", key.bcap, key.k)][0]
-                    self.graphs.capture(key, lambda x=x, d=drafts: self.target_part(x, d))
+                    self.graphs.capture(key, lambda x=x, d=drafts: self._target_graph(x, d))
         synchronize(self.device)
+
+    def _draft_graph(self, x: RoundInputs):  # -> (drafts [bcap, k], scores [bcap, k])
+        """What a draft graph runs: (pipelined) :meth:`derive_inputs`, then :meth:`draft_part`."""
+        if x.pipelined:
+            self.derive_inputs(x)
+        return self.draft_part(x)
+
+    def _target_graph(self, x: RoundInputs, draft_tokens: torch.Tensor) -> RoundOutputs:
+        """What a target graph runs: :meth:`target_part`, then (pipelined) :meth:`advance_slots`
+        from its ``num_accepted``; ``draft_tokens [bcap, k]``."""
+        out = self.target_part(x, draft_tokens)
+        if x.pipelined:
+            self.advance_slots(x, out.num_accepted)
+        return out
 
     @torch.inference_mode()
     def execute(self, x: RoundInputs) -> RoundOutputs:
@@ -883,19 +897,27 @@ class RoundRunner:
         Eager and ``split`` graphs share the sequence: draft part, then (adaptive verify) the
         device allocation of :meth:`allocate_verify` on this round's scores, then (host update
         only) the fallback boundary's one sync, then the target part.
+
+        Pipelined rounds (``x.pipelined``): the draft graph starts with :meth:`derive_inputs`
+        (eager before the round when there is no draft part, ``k = 0``), the host update's
+        verify rows are derived after the allocation (:meth:`derive_verify`), the target graph
+        ends with :meth:`advance_slots`, and the result copy into the round's staging slot is
+        queued last (:meth:`stage_outputs`, eager). No host sync on the in-graph path.
         """
         bcap, k = x.bcap, x.k
-        if x.pipelined:
-            self.derive_inputs(x)
         if self.graphs is not None and k > 0:
             drafts, scores = self.graphs.replay(GraphKey("draft", bcap, k))
         elif self.draft is not None and k > 0:
-            drafts, scores = self.draft_part(x)
+            drafts, scores = self._draft_graph(x)
         else:
+            if x.pipelined:
+                self.derive_inputs(x)
             drafts = self.ext_tokens.new_zeros(bcap, 0)
             scores = torch.zeros(bcap, 0, device=self.device)
         if x.budget_rows is not None:
             self.allocate_verify(x, scores)
+        if x.pipelined and x.update == "host" and x.budget_rows is None:
+            self.derive_verify(x)  # (budget: after the allocation, in _stage_drafts)
         if x.update == "host" and k > 0:
             self._stage_drafts(x, drafts)
             drafts = x.t["ver_drafts"]
@@ -905,10 +927,9 @@ class RoundRunner:
                 raise UnsupportedError(f"no captured target graph for {key}")
             out = self.graphs.replay(key)
         else:
-            out = self.target_part(x, drafts)
+            out = self._target_graph(x, drafts)
         out = RoundOutputs(out.num_accepted, out.out_tokens, scores, out.num_verify)
         if x.pipelined:
-            self.advance_slots(x, out.num_accepted)
             self.stage_outputs(out, x)
         return out
 

@@ -316,3 +316,21 @@ def test_device_derivation_equals_the_host_rule(k, monkeypatch):
         assert got.shape == v.shape, name
         assert torch.equal(got, v), name
     assert {"ext_index", "ext_row", "ver_slot", "ctx_lens"} <= want.keys()
+
+
+# ------------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph_mode", ["eager", "split"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_pipelined_equals_synchronous_cuda(graph_mode, backend):
+    """On the GPU the pipelined loop overlaps for real (derivation captured at the head of the
+    draft graph, slot advance at the tail of the target graph): same tokens as the synchronous
+    loop, fixed k, trimmed verify and an adaptive budget."""
+    kw = dict(device="cuda", dtype="float32", attention_backend=backend, graph_mode=graph_mode)
+    for plan in (RoundPlan(1), RoundPlan(W),
+                 lambda s: RoundPlan(W, verify_budget=s.num_requests + 1 + s.round_index % 7)):
+        (s_out, _), (p_out, p_res) = _both(plan, **kw)
+        assert p_out == s_out
+        assert p_res[0].round_index == -1
