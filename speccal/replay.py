@@ -127,6 +127,9 @@ class ReplayConfig:
     step: AdaptiveStepConfig = field(default_factory=AdaptiveStepConfig)
     verify: AdaptiveVerifyConfig = field(default_factory=AdaptiveVerifyConfig)
     max_segments: int = 2000
+    # feedback with the pipelined engine's lag (round r observed after deciding r + 1); also
+    # taken from a trace whose meta says ``"pipelined": true`` (a pipelined live run's trace)
+    pipelined: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -616,6 +619,8 @@ class ReplayReport:
                 "switch_min_gain": self.config.step.switch_min_gain,
                 "verify_window_size": self.config.verify.window_size,
                 "feedback_lag": self.config.verify.feedback_lag,
+                "pipelined": self.config.pipelined
+                or bool(self.trace_meta.get("pipelined", False)),
             },
             "elapsed_s": round(self.elapsed_s, 4),
         }
@@ -639,12 +644,17 @@ def replay(
     """Replay the configured policies, every fixed ``k`` and the per-phase oracle.
 
     Round traces use the vectorised engine; token traces the sequential one (live objects).
+    Pipelined feedback (``config.pipelined``, or a trace recorded on a pipelined engine): the
+    adaptive draft step runs its live object sequentially with the pipeline's lag
+    (:func:`run_sequential` with ``pipelined=True``); adaptive verify is unchanged (it decides
+    from rounds ``r - 2`` and earlier either way).
     Raises ``InputError`` / ``UnsupportedError`` before simulating anything (see
     :func:`check_replayable`).
     """
     cfg = config or ReplayConfig()
     specs = [parse_policy(p) for p in cfg.policies]
     check_replayable(trace, cost, specs)
+    pipelined = cfg.pipelined or bool(trace.meta.get("pipelined", False))
     t0 = time.perf_counter()
     w = cost.draft_width
     note = on_step or (lambda _s: None)
@@ -655,9 +665,14 @@ def replay(
         runs = []
         for p in specs:
             note(p.text)
-            if p.kind == "adaptive-step":
+            if p.kind == "adaptive-step" and pipelined:
+                # the pipeline's extra round of lag: the live policy object, sequentially
+                policy = make_policy(p, cost, step_config=cfg.step, verify_config=cfg.verify)
+                runs.append(run_sequential(trace, cost, policy, pipelined=True))
+            elif p.kind == "adaptive-step":
                 runs.append(_adaptive_step_run(trace, cost, H, cfg.step))
             elif p.kind == "adaptive-verify":
+                # decides from rounds <= r - feedback_lag (>= 2): the same under the pipeline
                 runs.append(_adaptive_verify_run(trace, cost, cfg.verify))
         phase = trace.phase
     else:
@@ -674,6 +689,7 @@ def replay(
                         trace,
                         cost,
                         make_policy(p, cost, step_config=cfg.step, verify_config=cfg.verify),
+                        pipelined=pipelined,
                     )
                 )
         phase = np.zeros(1, dtype=np.int64)

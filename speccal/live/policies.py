@@ -276,6 +276,8 @@ def run_live(
         "policy": name,
         "phases": [p.name for p in phases] or ["run"],
     }
+    if pipelined:  # speccal.replay.replay then follows the pipeline's feedback lag
+        trace_meta["pipelined"] = True
     trace = builder.build(trace_meta)
     if phase_arr.size:
         trace = replace(trace, phase=phase_arr)

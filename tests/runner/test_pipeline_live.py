@@ -66,3 +66,27 @@ def test_pipelined_adaptive_verify_replays():
     assert (run.verified <= run.g - run.num_requests).all()
     pred = replay_prediction(run, cost, make_policy("adaptive-verify", cost))
     assert pred["decisions_match"] and pred["verified_match"]
+
+
+def test_replay_of_a_pipelined_trace_follows_its_lag(tmp_path):
+    from speccal.replay import ReplayConfig, replay
+    from speccal.trace import load_trace, save_trace
+
+    eng = _engine()
+    cost = _cost(eng)
+    cfg = AdaptiveStepConfig(window_size=4, update_interval=1, switch_min_gain=0.0)
+    # a full-width live run (what the vectorised replay needs), recorded on the pipeline
+    run = run_live(eng, make_policy(f"fixed:{W}", cost), "draft_step", _prompts(eng, 4),
+                   SamplingParams(max_tokens=60, ignore_eos=True), phases=PHASES)
+    trace = load_trace(save_trace(run.trace, tmp_path / "pipe.jsonl"))
+    assert trace.meta["pipelined"] is True
+    conf = ReplayConfig(policies=("adaptive-step",), step=cfg)
+    rep = replay(trace, cost, conf)
+    want = run_sequential(trace, cost, AdaptiveStepPolicy(cost, cfg), pipelined=True)
+    np.testing.assert_array_equal(rep.run("adaptive-step").k, want.k)
+    assert rep.to_dict()["config"]["pipelined"] is True
+    trace.meta.pop("pipelined")  # the vectorised twin of the synchronous order differs
+    sync = replay(trace, cost, conf).run("adaptive-step")
+    assert not np.array_equal(sync.k, want.k)
+    np.testing.assert_array_equal(
+        sync.k, run_sequential(trace, cost, AdaptiveStepPolicy(cost, cfg)).k)
