@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationEr
 from speccal.base.atomic import read_text
 from speccal.base.errors import InputError
 from speccal.base.geometry import MAX_REQUEST_BUCKETS, Geometry
-from speccal.calibrate.feasibility import check_buckets_captured, default_context, reserve_tokens
+from speccal.calibrate.feasibility import check_buckets_captured, default_contexts, reserve_tokens
 from speccal.costmodel.grid import check_contexts
 
 MODELS = ("additive", "sps")
@@ -533,7 +533,7 @@ def resolve_config(user: UserConfig, geometry: Geometry) -> CalibrationConfig:
     contexts = pick("contexts", None)
     if contexts is None:
         reserve = reserve_tokens(warmup, steps, windows, w)
-        ctx, why = default_context(
+        levels, why = default_contexts(
             geometry,
             max(buckets),
             reserve,
@@ -541,7 +541,12 @@ def resolve_config(user: UserConfig, geometry: Geometry) -> CalibrationConfig:
             min_kv_length=DEFAULT_MIN_KV_LENGTH,
             max_kv_length=DEFAULT_MAX_KV_LENGTH,
         )
-        contexts = (ContextInterval(*ctx),)
+        contexts = tuple(ContextInterval(*ctx) for ctx in levels)
+        if len(levels) > 1:
+            spans = ", ".join(f"{lo}-{hi}" for _, lo, hi in levels)
+            why = (f"{why}; " if why else "") + (
+                f"{len(levels)} geometric KV levels ({spans}) so the table prices context"
+            )
         if why:
             notes["contexts"] = why
     policy = PolicyConfig(

@@ -2,7 +2,10 @@
 
 Windows run in window-major order: window 0 of every grid point, then window 1 of every point,
 and so on, so the ``windows_per_point`` windows of one point are spread over the whole
-calibration instead of sitting back to back. A point's cost is the median of its windows; a
+calibration instead of sitting back to back; inside each window round the context intervals
+alternate (``(Bcap, G, k)`` major, context minor), so no interval is measured in one stretch of
+host drift either: a KV-aware fit compares contexts, and a slow stretch over one interval would
+read as a KV effect. A point's cost is the median of its windows; a
 round's wall time includes the runner's host work, which on a shared host drifts over seconds
 (measured on the H200 host: the same point's windows 17-19 % apart between two calibrations in
 one process while the device time of its rounds moved < 1 %), and back-to-back windows would
@@ -252,9 +255,11 @@ def drive(
     measured = rounds = 0
     t_transition = t_warmup = t_sampling = 0.0
 
-    # Window-major order: window i of every point, then window i + 1 (module docstring).
+    # Window-major order: window i of every point, then window i + 1; inside a window round the
+    # contexts alternate point by point (module docstring). One context: the grid's order.
+    order = sorted(points, key=lambda p: (p.bcap, p.g, p.k, p.context_index))
     for window_index in indices:
-        for point in points:
+        for point in order:
             if (*point.key, window_index) in done:
                 continue
             plan = RoundPlan(num_draft_steps=point.k, verify_tokens=point.verify_tokens)

@@ -97,6 +97,70 @@ def default_context(
     return (prefill, min_kv_length, hi), ("; ".join(why) or None)
 
 
+#: Most context levels the default calibration measures (``default_contexts``).
+DEFAULT_LEVELS = 4
+#: Ratio of the upper bounds of neighbouring default levels (geometric levels).
+LEVEL_RATIO = 4
+
+
+def default_contexts(
+    geometry: Geometry,
+    max_bcap: int,
+    reserve: int,
+    *,
+    prefill_tokens: int,
+    min_kv_length: int,
+    max_kv_length: int,
+    levels: int = DEFAULT_LEVELS,
+) -> tuple[tuple[tuple[int, int, int], ...], str | None]:
+    """The default context intervals: up to ``levels`` geometric levels spanning the default
+    interval shrunk to fit (``default_context``); returns ``(((P, lo, hi), ...), note)``.
+
+    The span ``[min_kv_length, H]`` (``H`` the shrunk ``max_kv_length``) is cut at upper bounds
+    ``hi_k = H / LEVEL_RATIO ** (n - 1 - k)``, the lowest raised to ``min_kv_length + reserve``
+    when narrower (its requests must have room to grow) and the others spaced geometrically
+    above it; intervals are contiguous and never overlap (``lo_{k+1} = hi_k + 1``). Each level's
+    prompts reach ``P_k = min(hi_k - reserve, max(lo_k, hi_k // 2))`` tokens, so requests start in
+    their interval and end in it, with the top level prefilling what the single default did
+    (``H / 2``, at most ``prefill_tokens``). ``n`` is the most levels (``levels`` down to 1)
+    whose every interval holds ``reserve`` generated tokens past its first prompt token; with one
+    level this is exactly ``default_context``. Several levels let a table fit the KV-aware model
+    (``speccal.costmodel.kv``, three or more contexts).
+
+    Raises
+    ------
+    InputError
+        As ``default_context``: not even one interval fits.
+    """
+    (p1, lo, hi), note = default_context(
+        geometry,
+        max_bcap,
+        reserve,
+        prefill_tokens=prefill_tokens,
+        min_kv_length=min_kv_length,
+        max_kv_length=max_kv_length,
+    )
+    for n in range(max(levels, 1), 1, -1):
+        first = max(hi // LEVEL_RATIO ** (n - 1), lo + reserve)
+        if first >= hi:
+            continue
+        bounds = [round(first * (hi / first) ** (k / (n - 1))) for k in range(n)]
+        bounds[-1] = hi
+        out, start, ok = [], lo, True
+        for b in bounds:
+            if b - reserve < start:
+                ok = False
+                break
+            p = min(b - reserve, max(start, min(b // 2, prefill_tokens)))
+            out.append((p, start, b))
+            start = b + 1
+        if ok:
+            # The single level's prefill shrink does not apply to these levels.
+            kept = [w for w in (note or "").split("; ") if w and not w.startswith("prefill")]
+            return tuple(out), "; ".join(kept) or None
+    return ((p1, lo, hi),), note
+
+
 def check_buckets_captured(buckets, geometry: Geometry) -> None:
     """Refuse request buckets the runner did not capture (only warmed graphs are sampled)."""
     for b in buckets:

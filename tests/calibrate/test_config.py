@@ -74,7 +74,19 @@ def test_every_default_applied_with_its_source():
     assert cfg.target_graph_rows == {
         b: tuple(sorted(g for g in prepared if b <= g <= 6 * b)) for b in geo.request_buckets
     }
-    assert cfg.contexts == (ContextInterval(DEFAULT_PREFILL_TOKENS, 1, DEFAULT_MAX_KV_LENGTH),)
+    # Geometric KV levels spanning the default interval: contiguous, never overlapping, each
+    # with room for its requests to grow (a KV-aware table needs three or more).
+    reserve = reserve_tokens(8, 32, 3, 5)  # 636 tokens: room for three levels below 4096
+    assert len(cfg.contexts) == 3
+    assert cfg.contexts[0].min_kv_length == 1
+    assert cfg.contexts[-1].max_kv_length == DEFAULT_MAX_KV_LENGTH
+    assert cfg.contexts[-1].prefill_tokens == DEFAULT_PREFILL_TOKENS
+    for a, b in zip(cfg.contexts, cfg.contexts[1:], strict=False):
+        assert b.min_kv_length == a.max_kv_length + 1
+    for c in cfg.contexts:
+        assert c.min_kv_length <= c.prefill_tokens <= c.max_kv_length - reserve
+    his = [c.max_kv_length for c in cfg.contexts]
+    assert all(b > a for a, b in zip(his, his[1:], strict=False))
     assert (cfg.warmup_steps, cfg.window_steps, cfg.windows_per_point, cfg.token_seed) == (
         8,
         32,
@@ -90,7 +102,7 @@ def test_every_default_applied_with_its_source():
     expected["draft_width"] = "run"
     assert cfg.sources == expected
     assert len(cfg.sources) == 13
-    assert cfg.notes == {}
+    assert list(cfg.notes) == ["contexts"] and "3 geometric KV levels" in cfg.notes["contexts"]
 
 
 def test_adaptive_step_file_accepted_unchanged(tmp_path):
@@ -180,10 +192,14 @@ def test_short_model_context_shrinks_default_prefill():
     )
     cfg = resolve_config(UserConfig.build(), geo)
     reserve = reserve_tokens(8, 32, 3, 3)
-    assert cfg.contexts == (ContextInterval(1024 - reserve, 1, 1024),)
+    # Only two levels leave every interval room for 424 generated tokens below 1024.
+    assert cfg.contexts == (
+        ContextInterval(1, 1, 1 + reserve),
+        ContextInterval(512, 2 + reserve, 1024),
+    )
     assert cfg.sources["contexts"] == "default"
     assert "model context 1024" in cfg.notes["contexts"]
-    assert "prefill_tokens 2048 ->" in cfg.notes["contexts"]
+    assert "2 geometric KV levels" in cfg.notes["contexts"]
 
 
 def test_kv_capacity_shrinks_default_interval():
@@ -192,8 +208,8 @@ def test_kv_capacity_shrinks_default_interval():
         draft_width=3, request_buckets=(1, 2), kv_capacity_tokens=4096, max_model_len=8192
     )
     cfg = resolve_config(UserConfig.build(), geo)
-    assert cfg.contexts[0].max_kv_length == 2048
-    assert cfg.contexts[0].prefill_tokens == 2048 - reserve_tokens(8, 32, 3, 3)
+    assert cfg.contexts[-1].max_kv_length == 2048
+    assert cfg.contexts[-1].prefill_tokens == 1024
     assert "KV capacity 4096" in cfg.notes["contexts"]
 
 
@@ -208,7 +224,7 @@ def test_default_that_cannot_fit_asks_for_smaller_config():
     # the same run with a smaller explicit config fits
     small = parse_config_obj({"warmup_steps": 2, "window_steps": 4, "windows_per_point": 2})
     cfg = resolve_config(UserConfig.build(small), geo)
-    assert cfg.contexts[0].max_kv_length == 256
+    assert cfg.contexts[-1].max_kv_length == 256
 
 
 @pytest.mark.parametrize(
