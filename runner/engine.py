@@ -11,6 +11,14 @@ arrival order as slots free up); the physical batch is ``geometry.bcap_for(B)``;
 ``sum(verify + 1)`` padded to ``geometry.g_for(bcap, rows)``, or, under
 ``RoundPlan.verify_budget``, the budget's bucket ``G`` with the verify lengths allocated on the
 device from the round's own draft scores (see :class:`RoundPlan`).
+
+Pipelined rounds (``EngineConfig.pipeline=True``; the synchronous loop stays the default):
+``Engine.step`` queues round ``n + 1`` before it collects round ``n`` and returns round ``n``'s
+result (one step late; ``Engine.drain`` collects what is still queued). Stop rules are
+discovered one round late: a finished request's row in the extra round is discarded
+(``RoundResult.num_discarded``; ``RoundResult.physical`` keeps what the device computed for it),
+and its KV blocks and slot are freed once no queued round writes them. See
+:meth:`Engine._step_pipelined`.
 """
 
 from __future__ import annotations

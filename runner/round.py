@@ -30,6 +30,19 @@ Device state per slot (``num_slots = max bucket + 1``; the last is the trash slo
 :meth:`RoundRunner.execute` uses static shapes chosen on the host, masks and index tensors; no
 ``.item()``, ``.tolist()``, ``nonzero()`` or branch on tensor values.
 
+Pipelined rounds (``RoundRunner(pipeline=True)``, ``EngineConfig.pipeline``): the host stages
+only facts that do not depend on the rounds in flight (:meth:`RoundRunner.prepare_pipelined`:
+slot indices, a real-row mask, the block table with blocks allocated ahead for the worst-case
+growth of every queued round, the verify lengths) into the other of two pinned staging slots,
+in one merged copy. Per-slot device state ``slot_len`` (KV length ``L``) and ``slot_ext``
+(pending extend rows) is advanced on the device right after acceptance
+(:meth:`RoundRunner.advance_slots`, the tail of the target graph) and the round's metadata is
+derived from it on the device (:meth:`RoundRunner.derive_inputs`, the head of the draft graph;
+:meth:`RoundRunner.derive_verify` for the host update's packed verify rows). The draft-extend
+grid then always has the static layout ``R = w + 1``. The round's results are copied into its
+staging slot's pinned buffers as soon as it is queued (:meth:`RoundRunner.stage_outputs`), and
+:meth:`RoundRunner.collect` waits only for that copy (an event on cuda).
+
 Greedy fast path: :meth:`RoundRunner.sampling_kind` decides on the host at prepare time
 (``RoundInputs.sampling``) whether every request of the batch is greedy (temperature below
 ``sampling.GREEDY_TEMPERATURE``). Then plain decoding and ``sample`` verification take the
@@ -179,7 +192,8 @@ class RoundRunner:
         if pipeline:
             # host facts of a pipelined round first; everything derived on the device
             # (:meth:`derive_inputs`) is device-written
-            sizes = {"is_real": (max_bucket, i64), **sizes}
+            staged = ("block_table", "slot_index", "num_verify", "nv32")  # adjacent: one copy
+            sizes = {"is_real": (max_bucket, i64), **{n: sizes[n] for n in staged}, **sizes}
             written |= set(sizes) - {"is_real", "block_table", "slot_index"}
         # declaration order = the order prepare() stages them (one merged copy per round);
         # the three device-written names last

@@ -334,3 +334,14 @@ def test_pipelined_equals_synchronous_cuda(graph_mode, backend):
         (s_out, _), (p_out, p_res) = _both(plan, **kw)
         assert p_out == s_out
         assert p_res[0].round_index == -1
+
+
+def test_a_pipelined_round_stages_its_host_facts_in_one_copy():
+    eng = Engine(_cfg(pipeline=True, input_update="in_graph"))
+    for p in _prompts(3):
+        eng.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.step(RoundPlan(2))
+    before = eng.runner.inputs.copies
+    for _ in range(4):
+        eng.step(RoundPlan(2, verify_tokens=[2, 1, 0]))
+    assert eng.runner.inputs.copies - before == 4
