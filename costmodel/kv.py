@@ -190,16 +190,34 @@ class KVFit:
     selected_by: str
 
 
-def kv_points(windows: pd.DataFrame) -> pd.DataFrame:
+def kv_points(windows: pd.DataFrame, combine: str = "median") -> pd.DataFrame:
     """Combined points of every context: ``context_index, bcap, g, kv_length, step_ms``.
 
-    ``step_ms`` is the median of the point's windows, ``kv_length`` the mean of their recorded
-    ``mean_kv_length``.
+    The cost and the KV length of a point come from the same windows, so that the pair lies on
+    the model when its windows do (their KV lengths differ: window ``i`` of a point starts
+    ``i * window_steps`` rounds further into its interval): ``median`` takes the median window
+    by ``step_ms`` (the mean of the two middle ones for an even count) with its own
+    ``mean_kv_length``; ``mean`` the mean of both. A median cost paired with the mean KV would
+    be off the line by the KV slope times the windows' KV spread.
     """
-    grouped = windows.groupby(["context_index", "bcap", "g"], sort=True)
-    return grouped.agg(
-        kv_length=("mean_kv_length", "mean"), step_ms=("step_ms", "median")
-    ).reset_index()
+    if combine not in COMBINE:
+        raise InputError("combine", combine, f"one of {list(COMBINE)}")
+    keys = ["context_index", "bcap", "g"]
+    df = windows[[*keys, "step_ms", "mean_kv_length"]].sort_values([*keys, "step_ms"])
+    if combine == "mean":
+        out = df.groupby(keys, sort=True).agg(
+            kv_length=("mean_kv_length", "mean"), step_ms=("step_ms", "mean")
+        )
+        return out.reset_index()
+    df = df.reset_index(drop=True)
+    grp = df.groupby(keys, sort=True)
+    n = grp["step_ms"].transform("size").to_numpy()
+    pos = grp.cumcount().to_numpy()
+    middle = (pos == (n - 1) // 2) | (pos == n // 2)  # one window (odd n) or two (even n)
+    out = df[middle].groupby(keys, sort=True).agg(
+        kv_length=("mean_kv_length", "mean"), step_ms=("step_ms", "mean")
+    )
+    return out.reset_index()
 
 
 def _lopo(P: np.ndarray, y: np.ndarray, kv_term: str) -> np.ndarray:
@@ -267,7 +285,7 @@ def select_kv_model(windows: pd.DataFrame, *, combine: str = "median") -> KVFit 
     """
     if windows["context_index"].nunique() < MIN_CONTEXTS:
         return None
-    pts = kv_points(windows)
+    pts = kv_points(windows, combine)
     P = pts[["bcap", "g", "kv_length"]].to_numpy(dtype=np.float64)
     y = pts["step_ms"].to_numpy(dtype=np.float64)
     ctx = pts["context_index"].to_numpy()

@@ -1,0 +1,75 @@
+"""Replay on a growing-context trace: a KV-aware table moves the adaptive step with context.
+
+The truth is additive plus a KV term (``kv_slope_ms`` per verified row and KV token): at long
+context every extra verified row costs more, so the best draft step falls as the conversation
+grows. A table calibrated at three contexts prices that (its KV model); a table calibrated at one
+context prices every round alike and holds one k. Both tables' decisions are priced by the
+KV-aware table (the truth here, up to the fit) on the same trace.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from speccal.costmodel.synthetic import make_measurements
+from speccal.costmodel.table_build import build_table
+from speccal.policy import CostModel
+from speccal.replay import ReplayConfig, replay
+from speccal.scenarios import Phase, Scenario, generate
+from tests.costmodel.helpers import COMPAT
+
+W = 3
+BCAPS = (1, 2, 4, 8)
+POINTS = [(b, b * j) for b in BCAPS for j in range(2, W + 2)]
+TRUTH = dict(
+    bias_ms=2.0,
+    alpha_ms={1: 0.0, 2: 0.1, 4: 0.3, 8: 0.6},
+    theta_ms={g: 0.02 * g for _, g in POINTS},
+    kv_slope_ms=1e-4,  # G = 32 rows at KV 8k: +26 ms; at KV 300: +1 ms
+)
+KVS = (300.0, 1000.0, 2500.0, 4500.0, 6500.0, 8000.0)
+
+
+def _table(contexts):
+    rows = make_measurements(
+        **TRUTH,
+        points=POINTS,
+        draft_width=W,
+        mode="draft_step",
+        contexts=contexts,
+        windows_per_point=3,
+        noise_ms=0.01,
+        seed=5,
+    )
+    return build_table(rows, compatibility=COMPAT)
+
+
+def _trace():
+    phases = tuple(Phase(f"kv{int(kv)}", 300, (0.7,), 8, kv) for kv in KVS)
+    return generate(Scenario("growing-context", W, phases, seed=1))
+
+
+def _adaptive(trace, cost):
+    return replay(trace, cost, ReplayConfig(policies=("adaptive-step",))).run("adaptive-step")
+
+
+def test_kv_aware_decisions_move_with_context_and_beat_one_context():
+    kv_table = _table(((256, 1, 512), (2048, 513, 4096), (6000, 4097, 8192)))
+    one_table = _table(((4096, 1, 8192),))
+    assert kv_table.kv_model is not None and one_table.kv_model is None
+    trace = _trace()
+    kv_cost = CostModel.from_table(kv_table)
+    aware = _adaptive(trace, kv_cost)
+    flat = _adaptive(trace, CostModel.from_table(one_table))
+    ks_by_phase = [int(np.median(aware.k[trace.phase == p])) for p in range(len(KVS))]
+    # Long context makes verified rows expensive: the step falls as the context grows.
+    assert ks_by_phase[0] == W and ks_by_phase[-1] < ks_by_phase[0]
+    assert all(a >= b for a, b in zip(ks_by_phase, ks_by_phase[1:], strict=False))
+    assert len(set(flat.k[trace.phase >= 1].tolist())) == 1  # one context: one k throughout
+    # The one-context decisions priced by the KV-aware costs: the same tokens (acceptance does not
+    # depend on the cost), each round at the KV-aware cost of its k.
+    costs = kv_cost.step_costs(trace.num_requests, trace.kv_length)  # [R, w]
+    flat_ms = costs[np.arange(trace.kv_length.size), flat.k - 1]
+    flat_tps = 1000.0 * flat.tokens.sum() / flat_ms.sum()
+    gain_pct = 100.0 * (aware.totals()["tokens_per_s"] / flat_tps - 1.0)
+    assert gain_pct > 2.0, gain_pct
