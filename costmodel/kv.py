@@ -214,8 +214,10 @@ def kv_points(windows: pd.DataFrame, combine: str = "median") -> pd.DataFrame:
     n = grp["step_ms"].transform("size").to_numpy()
     pos = grp.cumcount().to_numpy()
     middle = (pos == (n - 1) // 2) | (pos == n // 2)  # one window (odd n) or two (even n)
-    out = df[middle].groupby(keys, sort=True).agg(
-        kv_length=("mean_kv_length", "mean"), step_ms=("step_ms", "mean")
+    out = (
+        df[middle]
+        .groupby(keys, sort=True)
+        .agg(kv_length=("mean_kv_length", "mean"), step_ms=("step_ms", "mean"))
     )
     return out.reset_index()
 

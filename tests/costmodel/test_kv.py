@@ -191,3 +191,12 @@ def test_single_and_two_context_tables_have_no_kv_model_and_keep_their_bytes():
     t = build_table(kv_rows(contexts=CONTEXTS[:2]), compatibility=COMPAT)
     assert t.kv_model is None and "kv_model" not in t.to_json_dict()
     assert t.lookup().kv_span is None
+
+
+@pytest.mark.parametrize("combine", ["median", "mean"])
+def test_points_pair_each_cost_with_its_own_windows_kv(combine):
+    # Windows of one point spread over the whole interval (KV uniform in it): with no noise the
+    # combined points lie exactly on the truth, so the fit is exact.
+    fit = select_kv_model(kv_rows(noise_ms=0.0, windows=4), combine=combine)
+    assert fit.residuals.max_abs_ms < 1e-9
+    assert fit.model.beta_ms_[0] == pytest.approx(SLOPE, rel=1e-9)
