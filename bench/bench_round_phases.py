@@ -17,7 +17,9 @@ Writes ``DIR/round_phases.json``; prints a table. A diagnostic: no results.jsonl
 mode twice, synchronous then pipelined, the pipelined rows named ``MODE+pipe``). A pipelined
 ``Engine.step`` queues round ``n + 1`` and collects round ``n``: ``wall`` is then the
 steady-state round time, ``window_mean`` the same over one window, and on CUDA
-``wall_over_device`` = ``window_mean / device_execute`` (the issue-21 target: <= 1.05).
+``wall_over_device`` = ``window_mean / device_execute`` (the issue-21 target: <= 1.05);
+``both`` adds ``pipelined_speedup`` (synchronous / pipelined ``window_mean`` per mode and k:
+forced acceptance emits the same tokens per round, so it is the decode tokens/s ratio).
 """
 
 from __future__ import annotations
@@ -270,6 +272,13 @@ def main() -> None:
             names.append(key)
             res[key] = measure_mode(argparse.Namespace(**vars(args), pipelined=pipe), acc, prof)
             Path(args.out, "round_phases.json").write_text(json.dumps(res, indent=1))
+    if args.pipeline == "both":  # same workload, same process: steady-state speedup per k
+        res["pipelined_speedup"] = {
+            name: {kk: res[name][kk]["window_mean"] / res[name + "+pipe"][kk]["window_mean"]
+                   for kk in res[name]}
+            for name in modes
+        }
+        Path(args.out, "round_phases.json").write_text(json.dumps(res, indent=1))
     if args.calibration_check:
         res["calibration_check"] = calibration_check(args)
         Path(args.out, "round_phases.json").write_text(json.dumps(res, indent=1))
@@ -293,6 +302,8 @@ def main() -> None:
         for kk, med in res[name].items():
             vals = " ".join(f"{med.get(c, float('nan')):14.3f}" for c in cols)
             print(f"{name:16s} {kk:>3s} {vals}")
+    for name, per_k in res.get("pipelined_speedup", {}).items():
+        print(f"pipelined speedup {name}: " + ", ".join(f"{kk} {v:.3f}" for kk, v in per_k.items()))
 
 
 if __name__ == "__main__":
