@@ -345,3 +345,16 @@ def test_a_pipelined_round_stages_its_host_facts_in_one_copy():
     for _ in range(4):
         eng.step(RoundPlan(2, verify_tokens=[2, 1, 0]))
     assert eng.runner.inputs.copies - before == 4
+
+
+def test_sampled_requests_and_eos_run_to_completion():
+    """Non-greedy rows (rejection sampling) and EOS stops: no equality to expect (random draws
+    follow the batch), but every request ends by its rules and every block is freed."""
+    eng = _engine(True, acceptance="sample", seed=2)
+    params = [SamplingParams(max_tokens=m, temperature=t, top_k=50)
+              for m, t in zip(MAX_TOKENS[:6], (0.0, 0.8, 1.0, 0.0, 0.7, 1.2), strict=True)]
+    outs, res = _run(eng, _prompts(6), params, RoundPlan(3), arrive_every=2)
+    for o, sp in zip(outs, params, strict=True):
+        eos = set(eng.loaded.config.eos_token_ids)
+        assert len(o) == sp.max_tokens or (o and o[-1] in eos)
+        assert not eos & set(o[:-1])
