@@ -26,7 +26,8 @@ ERROR_KEYS = ("residuals", "leave_one_point_out", "leave_one_g_out")
 def summary(table: CostTable) -> dict[str, Any]:
     """JSON-ready overview of ``table`` (no raw windows, no per-point diagnostics).
 
-    Each fit lists ``nonpositive_cells`` (``[{bcap, g, cost_ms, measured}]``): calibrated cells
+    ``kv_model`` (only for a table that has one): its parameters, errors and candidates,
+    without its points. Each fit lists ``nonpositive_cells`` (``[{bcap, g, cost_ms, measured}]``): calibrated cells
     where the fit predicts a step cost ``<= 0`` ms, which lookups treat as uncalibrated.
     """
     bad = table.nonpositive_cells()
@@ -51,7 +52,7 @@ def summary(table: CostTable) -> dict[str, Any]:
                 ],
             }
         )
-    return {
+    out = {
         "schema_version": table.schema_version,
         "model": table.model,
         "mode": table.mode,
@@ -62,6 +63,9 @@ def summary(table: CostTable) -> dict[str, Any]:
         "provenance": table.provenance.model_dump(mode="json"),
         "fits": fits,
     }
+    if table.kv_model is not None:  # absent (not null) for tables without one
+        out["kv_model"] = table.kv_model.model_dump(mode="json", exclude={"points"})
+    return out
 
 
 def execution_path(table: CostTable) -> dict[str, Any]:

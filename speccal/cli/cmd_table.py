@@ -90,6 +90,16 @@ def fit_report(table, console: Console = err_console, *, nonpositive: bool = Tru
                 _fmt(e["max_abs_pct"], ".2f"),
             )
     print_table(console, t)
+    kv = s.get("kv_model")
+    if kv is not None:
+        loco, lopo = kv["leave_one_context_out"], kv["leave_one_point_out"]
+        console.print(
+            f"KV model ({kv['kv_term']} slope, chosen by {kv['selected_by']}) prices KV "
+            f"{kv['min_kv_length']}-{kv['max_kv_length']}: leave-1-context-out mean "
+            f"{_fmt(loco['mean_abs_pct'], '.2f')} % ({loco['n_evaluated']} points), "
+            f"leave-1-point-out mean {_fmt(lopo['mean_abs_pct'], '.2f')} %",
+            soft_wrap=True,
+        )
     for f in s["fits"] if nonpositive else ():
         cells = f.get("nonpositive_cells") or []
         if cells:
