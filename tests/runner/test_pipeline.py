@@ -358,3 +358,35 @@ def test_sampled_requests_and_eos_run_to_completion():
         eos = set(eng.loaded.config.eos_token_ids)
         assert len(o) == sp.max_tokens or (o and o[-1] in eos)
         assert not eos & set(o[:-1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph_mode", ["eager", "split"])
+def test_queueing_a_pipelined_round_never_syncs_cuda(graph_mode, monkeypatch):
+    """Host preparation and launch of a pipelined round (in-graph update, fixed k and an
+    adaptive budget) run under ``torch.cuda.set_sync_debug_mode("error")``: no ``.item()``, no
+    blocking copy, no stream sync; the host waits only in ``collect`` (an event)."""
+    eng = Engine(_cfg(pipeline=True, device="cuda", dtype="float32", attention_backend="triton",
+                      graph_mode=graph_mode, input_update="in_graph"))
+    for p in _prompts(3):
+        eng.add_request(p, SamplingParams(max_tokens=60, ignore_eos=True))
+    eng.step(RoundPlan(2))
+    eng.step(RoundPlan(2))
+    runner = eng.runner
+
+    def guarded(fn):
+        def call(*a, **kw):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*a, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+        return call
+
+    monkeypatch.setattr(runner, "prepare_pipelined", guarded(runner.prepare_pipelined))
+    monkeypatch.setattr(runner, "execute", guarded(runner.execute))
+    for i in range(6):
+        eng.step(RoundPlan(1 + i % W))
+        eng.step(lambda s: RoundPlan(W, verify_budget=s.num_requests + 2))
+    assert eng.num_inflight == 1
