@@ -25,9 +25,10 @@ all land in the same slow or fast stretch. Per (point, window):
 
 Synthetic requests: token ids drawn from ``numpy.random.default_rng((token_seed, context, Bcap, G,
 k))`` (same prompts for a point on resume). Every point is measured at the same mean KV length
-(``calibrated_kv_length``), whatever its Bcap and G, because the table has no KV axis inside a
-context interval: a KV effect that differed between points would be fitted into alpha(Bcap) or
-theta(G). ``prompt_lengths`` says how (midpoint quantiles of ``[min_kv_length, prefill_tokens]``,
+(``calibrated_kv_length``), whatever its Bcap and G, because a per-interval fit has no KV axis:
+a KV effect that differed between points would be fitted into alpha(Bcap) or theta(G). The KV
+axis comes from several intervals (``speccal.costmodel.kv``, fitted on each window's recorded
+KV). ``prompt_lengths`` says how (midpoint quantiles of ``[min_kv_length, prefill_tokens]``,
 each request led by the tokens its slower growth would not reach); every window records the
 batch's mean KV length over its rounds (``mean_kv_length``).
 
