@@ -125,7 +125,13 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
         theta=theta,
         rope_type=str(rope_type),
         partial_rotary_factor=partial,
-        params=tuple(sorted((str(k), v) for k, v in params.items() if not isinstance(v, dict))),
+        params=tuple(
+            sorted(
+                (str(k), tuple(v) if isinstance(v, list) else v)
+                for k, v in params.items()
+                if not isinstance(v, dict)
+            )
+        ),
     )
 
 
@@ -142,7 +148,12 @@ def _require(cfg: Mapping[str, Any], name: str) -> Any:
     return cfg[name]
 
 
-def config_from_hf(cfg: Mapping[str, Any], key_names: Iterable[str] | None = None) -> ModelConfig:
+def config_from_hf(
+    cfg: Mapping[str, Any],
+    key_names: Iterable[str] | None = None,
+    *,
+    allow_hybrid: bool = False,
+) -> ModelConfig:
     """Build a :class:`ModelConfig` from an HF ``config.json`` dictionary.
 
     Parameters
@@ -152,6 +163,10 @@ def config_from_hf(cfg: Mapping[str, Any], key_names: Iterable[str] | None = Non
     key_names : iterable of str, optional
         Tensor names of the checkpoint; when given, q/k/v bias and q/k norm are read from them
         (``attention_bias`` in the config takes precedence for the bias).
+    allow_hybrid : bool
+        Parse the shared fields of a hybrid linear-attention / MoE config (``speccal.runner.hybrid``
+        reads the rest) instead of refusing it. The Engine keeps the default (refuse): its
+        verification path has no recurrent-state handling yet.
 
     Raises
     ------
@@ -168,13 +183,14 @@ def config_from_hf(cfg: Mapping[str, Any], key_names: Iterable[str] | None = Non
             f"config.json:hidden_act={act!r}: only SwiGLU (silu) MLPs are supported"
         )
     for moe_field in ("num_experts", "n_routed_experts", "num_local_experts"):
-        if cfg.get(moe_field):
+        if cfg.get(moe_field) and not allow_hybrid:
             raise UnsupportedError(
                 f"config.json:{moe_field}={cfg[moe_field]!r}: mixture-of-experts targets are not "
                 "supported by the dense decoder"
             )
     layer_types = cfg.get("layer_types") or ()
-    odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    known = ("full_attention", "sliding_attention") + (("linear_attention",) if allow_hybrid else ())
+    odd = sorted({t for t in layer_types if t not in known})
     if odd:
         raise UnsupportedError(
             f"config.json:layer_types contains {odd}: only full-attention decoder layers are "

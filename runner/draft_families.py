@@ -35,6 +35,9 @@ class DraftFamily:
         the depth (or the layer number when ``is_index_after_target_layers``).
     prefix : format string of one depth's key prefix (``{depth}``, ``{layer}`` = target layers +
         depth).
+    head_prefix : prefix of the head-level stems (fusion norms and projection, final norm, own
+        LM head / embedding) when they sit outside the depth's prefix (Qwen3.5: ``mtp.fc`` next
+        to ``mtp.layers.0.*``); None: under ``prefix``.
     is_index_after_target_layers : the head's layers are numbered after the target's
         (``model.layers.{num_hidden_layers + depth}``).
     embed_norm, hidden_norm, proj : key stems (under the prefix) of the fusion block.
@@ -49,6 +52,7 @@ class DraftFamily:
     name: str
     key_regex: str
     prefix: str
+    head_prefix: str | None = None
     is_index_after_target_layers: bool = False
     embed_norm: str = "enorm"
     hidden_norm: str = "hnorm"
@@ -86,8 +90,16 @@ class DraftFamily:
 
     def key_for(self, stem: str, num_target_layers: int, depth: int = 0) -> str:
         """Checkpoint key of ``stem`` (e.g. ``eh_proj.weight``) at ``depth``."""
-        pre = self.prefix.format(depth=depth, layer=num_target_layers + depth)
-        return pre + stem
+        pre = self.prefix
+        if self.head_prefix is not None and self.is_head_stem(stem):
+            pre = self.head_prefix
+        return pre.format(depth=depth, layer=num_target_layers + depth) + stem
+
+    def is_head_stem(self, stem: str) -> bool:
+        """Whether ``stem`` names a head-level part (fusion, final norm, head, embedding)."""
+        parts = (self.embed_norm, self.hidden_norm, self.proj, self.final_norm, self.head,
+                 self.embed)
+        return any(p is not None and stem.startswith(p + ".") for p in parts)
 
 
 REGISTRY: dict[str, DraftFamily] = {
@@ -120,13 +132,19 @@ REGISTRY: dict[str, DraftFamily] = {
         name="qwen3_5_mtp",
         key_regex=r"^mtp\.(?:layers\.(?P<index>\d+)\.)?",
         prefix="mtp.layers.{depth}.",
+        head_prefix="mtp.",  # mtp.fc / mtp.pre_fc_norm_* / mtp.norm (vLLM qwen3_5_mtp.py)
         embed_norm="pre_fc_norm_embedding",
         hidden_norm="pre_fc_norm_hidden",
         proj="fc",
+        concat_order=("embed", "hidden"),
+        final_norm="norm",
+        is_feedback_normed=True,
         refusal=(
             "its target is a hybrid linear-attention model (gated delta-net layers keep a "
             "recurrent state that cannot be rolled back like a KV cache), and speccal's runner "
-            "has no recurrent-state verification path yet"
+            "has no recurrent-state verification path yet (the head's layer is a gated "
+            "attention layer with zero-centred norms, built by speccal.runner.hybrid, not "
+            "the dense MTP head)"
         ),
     ),
 }

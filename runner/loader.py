@@ -21,6 +21,7 @@ from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.checkpoint import SafetensorsFolder, TensorSource
 from speccal.runner.config import ModelConfig, config_from_hf
 from speccal.runner.draft_families import REGISTRY, DraftFamily, is_any_draft_key, recognise
+from speccal.runner.hybrid import HybridConfig, HybridModel, hybrid_config_from_hf
 from speccal.runner.model import ModelCapabilities, TargetModel
 from speccal.runner.mtp import MTPHead
 from speccal.runner.presets import PRESETS, RandomSource
@@ -261,3 +262,41 @@ def load_model(
         tok,
         target.capabilities,
     )
+
+
+def load_hybrid(
+    model: str | Path,
+    *,
+    device: torch.device,
+    dtype: str,
+    max_model_len: int,
+    max_positions: int,
+) -> tuple[HybridModel, HybridConfig]:
+    """Load a hybrid linear-attention target (``speccal.runner.hybrid``) from an HF folder.
+
+    The draft head's keys (``mtp.*`` for ``qwen3_5_mtp``) are dropped by the same descriptor
+    the draft loader uses; the head itself is not built (the Engine still refuses hybrid
+    targets). Missing tensors and shape mismatches are refused by name.
+
+    Raises
+    ------
+    InputError
+        Not a folder, missing or misshapen tensor, bad dtype, a config without linear layers.
+    """
+    folder = SafetensorsFolder(model)
+    keys = folder.keys()
+    cfg = hybrid_config_from_hf(folder.config, keys)
+    layers = cfg.base.num_hidden_layers
+    with torch.device("meta"):
+        target = HybridModel(cfg, 1, 1)
+    target = _materialise(target, device)
+    key_map = {name: name for name, _ in target.named_parameters()}
+    if cfg.base.tie_word_embeddings:
+        key_map.pop("lm_head.weight", None)
+    target_keys = {k for k in keys if not is_any_draft_key(k, layers)}
+    _fill(target, key_map, folder, target_keys, _dtype(dtype), device, "hybrid target")
+    if cfg.base.tie_word_embeddings:
+        target.lm_head.weight = target.model.embed_tokens.weight
+    target.rotary = RotaryTable(cfg.base, max_positions, max_model_len).to(device)
+    target.eval()
+    return target, cfg

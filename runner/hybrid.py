@@ -1,0 +1,348 @@
+"""Hybrid linear-attention targets (Qwen3.5 / Qwen3-Next text models): config, layers, model.
+
+This module owns :class:`HybridConfig` (parsed from an HF ``config.json`` and the checkpoint's
+tensor names) and :class:`HybridModel`, a decoder whose layers are described by data: each
+entry of ``layer_types`` names a token mixer in :data:`TOKEN_MIXERS` (``linear_attention``: the
+gated delta-net of ``speccal.runner.linear_attention``, with recurrent state rows;
+``full_attention``: gated GQA attention over the paged KV cache of ``speccal.runner.attention``),
+and the MLP kind (dense SwiGLU or a routed mixture of experts with a gated shared expert) comes
+from the config's expert fields. No code here tests a model name. Parameter names match the
+HF checkpoints (``model.layers.N.linear_attn.*``, ``model.layers.N.self_attn.*``,
+``model.layers.N.mlp.experts.E.*``), so a folder loads by name.
+
+Structure shared by both families (transformers' ``Qwen3_5ForCausalLM`` /
+``Qwen3NextForCausalLM`` are the reference): zero-centred RMSNorm (``x / rms(x) * (1 + w)``)
+for the layer, final and q/k norms; full attention projects ``q`` and an output gate per head
+(``q_proj`` is ``[heads * 2 * head_dim, hidden]``), normalises q and k per head, rotates the
+first ``partial_rotary_factor * head_dim`` channels, and multiplies the attention output by
+``sigmoid(gate)`` before ``o_proj``.
+
+Forward layout: ``N = B * R`` flat rows, request-major; full-attention layers take the usual
+:class:`~speccal.runner.attention.AttnMeta` (``kv_caches`` holds one ``(k, v)`` per
+*full-attention* layer, in layer order), linear layers a
+:class:`~speccal.runner.linear_attention.StateMeta` and one state pair per *linear* layer
+(:class:`~speccal.runner.linear_attention.LinearState`).
+
+Not done yet (the engine integration of issue 22): the Engine still refuses these targets
+(``config_from_hf`` without ``allow_hybrid``, and the ``qwen3_5_mtp`` refusal); the round runner
+must keep the state consistent under rejection (verify reads committed rows and writes a scratch
+row, full acceptance swaps row indices, partial acceptance replays the accepted prefix from the
+committed row, or restores a per-position snapshot; both primitives exist here) and price it in
+calibration; the MTP head must be built as a Qwen3.5 gated-attention layer with zero-centred
+norms; CUDA graphs and the ``fla`` / ``causal-conv1d`` kernels (``hybrid`` extra) are not wired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speccal.base.errors import InputError, UnsupportedError
+from speccal.runner.attention import AttnMeta, attend_rows, write_kv
+from speccal.runner.config import ModelConfig, config_from_hf
+from speccal.runner.linear_attention import (
+    GatedDeltaNet,
+    LinearAttentionConfig,
+    LinearState,
+    StateMeta,
+)
+from speccal.runner.path import PathBound
+from speccal.runner.rope import RotaryTable
+
+TOKEN_MIXERS = {  # layer_types entry -> (module attribute, holds recurrent state)
+    "linear_attention": ("linear_attn", True),
+    "full_attention": ("self_attn", False),
+}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts with a sigmoid-gated shared expert (Qwen3-Next's sparse MLP)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    shared_intermediate_size: int
+    is_topk_normalised: bool
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """A hybrid target: shared shapes (``base``), the layer-type descriptor, the mixer shapes."""
+
+    base: ModelConfig
+    layer_types: tuple[str, ...]
+    linear: LinearAttentionConfig
+    moe: MoEConfig | None = None
+    is_attn_output_gated: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.base.num_hidden_layers:
+            raise InputError("config.json:layer_types", len(self.layer_types),
+                             f"{self.base.num_hidden_layers} entries (num_hidden_layers)")
+        odd = sorted(set(self.layer_types) - set(TOKEN_MIXERS))
+        if odd:
+            raise UnsupportedError(f"config.json:layer_types contains {odd}: hybrid targets "
+                                   f"support {sorted(TOKEN_MIXERS)}")
+        if self.linear.num_v_heads % self.linear.num_k_heads:
+            raise InputError("config.json:linear_num_value_heads", self.linear.num_v_heads,
+                             f"a multiple of linear_num_key_heads={self.linear.num_k_heads}")
+
+    def layers_of(self, kind: str) -> list[int]:
+        """Indices of the layers whose token mixer is ``kind``."""
+        return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+
+def is_hybrid_config(cfg: Mapping[str, Any]) -> bool:
+    """Whether an HF config describes a hybrid target (a ``linear_attention`` layer type)."""
+    if isinstance(cfg.get("text_config"), Mapping):
+        cfg = cfg["text_config"]
+    return "linear_attention" in (cfg.get("layer_types") or ())
+
+
+def hybrid_config_from_hf(cfg: Mapping[str, Any],
+                          key_names: Iterable[str] | None = None) -> HybridConfig:
+    """Build a :class:`HybridConfig` from an HF ``config.json`` dictionary.
+
+    Parameters
+    ----------
+    cfg : mapping
+        The parsed ``config.json`` (a nested ``text_config`` is used when present).
+    key_names : iterable of str, optional
+        The checkpoint's tensor names: the linear layers' projection layout (separate
+        ``in_proj_qkv`` or grouped ``in_proj_qkvz``) is read from them.
+
+    Raises
+    ------
+    InputError
+        A missing field (named) or inconsistent head counts.
+    UnsupportedError
+        A layer type outside :data:`TOKEN_MIXERS`, or a non-default RoPE type with mRoPE
+        sections that differ per axis for text (only equal positions are served).
+    """
+    base = config_from_hf(cfg, key_names, allow_hybrid=True)
+    raw = base.extra
+    names = set(key_names) if key_names is not None else set()
+    layer_types = raw.get("layer_types")
+    if not layer_types:
+        raise InputError("config.json:layer_types", None, "the per-layer token mixer list")
+
+    def need(name: str) -> int:
+        if name not in raw:
+            raise InputError(f"config.json:{name}", None, "a value (hybrid linear attention)")
+        return int(raw[name])
+
+    grouped = any(".linear_attn.in_proj_qkvz." in k for k in names)
+    linear = LinearAttentionConfig(
+        num_k_heads=need("linear_num_key_heads"),
+        num_v_heads=need("linear_num_value_heads"),
+        head_k_dim=need("linear_key_head_dim"),
+        head_v_dim=need("linear_value_head_dim"),
+        conv_kernel=need("linear_conv_kernel_dim"),
+        is_grouped_projection=grouped,
+    )
+    moe = None
+    if raw.get("num_experts"):
+        moe = MoEConfig(
+            num_experts=int(raw["num_experts"]),
+            top_k=need("num_experts_per_tok"),
+            expert_intermediate_size=need("moe_intermediate_size"),
+            shared_intermediate_size=need("shared_expert_intermediate_size"),
+            is_topk_normalised=bool(raw.get("norm_topk_prob", True)),
+            sparse_step=int(raw.get("decoder_sparse_step", 1)),
+            dense_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        )
+    return HybridConfig(base=base, layer_types=tuple(layer_types), linear=linear, moe=moe,
+                        is_attn_output_gated=bool(raw.get("attn_output_gate", True)))
+
+
+class OffsetRMSNorm(nn.Module):
+    """Zero-centred RMSNorm: ``x / rms(x) * (1 + weight)`` in float32 (weights init to 0)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedAttention(nn.Module):
+    """GQA attention with a per-head output gate, q/k norm and partial rotary, paged KV."""
+
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        b = cfg.base
+        h, d = b.hidden_size, b.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (b.num_attention_heads,
+                                                            b.num_key_value_heads, d)
+        self.is_gated = cfg.is_attn_output_gated
+        self.scale = d**-0.5
+        mult = 2 if self.is_gated else 1
+        self.q_proj = nn.Linear(h, self.num_heads * d * mult, bias=b.is_qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=b.is_qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=b.is_qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=b.is_qkv_bias)
+        self.q_norm = OffsetRMSNorm(d, b.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(d, b.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, hidden]
+        positions: torch.Tensor,  # [N] int64
+        meta: AttnMeta,
+        kv: tuple[torch.Tensor, torch.Tensor],  # k_cache, v_cache of this layer
+        rotary: RotaryTable,
+        path,
+    ) -> torch.Tensor:  # [N, hidden]
+        n = x.shape[0]
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qg = self.q_proj(x)
+        if self.is_gated:  # per head: [q (d) | gate (d)]
+            q, gate = qg.view(n, hq, 2 * d).chunk(2, dim=-1)
+            gate = gate.reshape(n, hq * d)
+        else:
+            q, gate = qg.view(n, hq, d), None
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(self.k_proj(x).view(n, hk, d))
+        v = self.v_proj(x).view(n, hk, d)
+        q, k = rotary(q, k, positions)
+        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        out = attend_rows(q, kv[0], kv[1], meta, self.scale, path).reshape(n, hq * d)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed SwiGLU experts (softmax router, optional renormalised top-k weights) plus
+    a shared expert scaled by ``sigmoid(shared_expert_gate(x))``. Eager reference: every expert
+    runs on the rows routed to it (dense gather; no grouped GEMM)."""
+
+    def __init__(self, hidden: int, moe: MoEConfig):
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(hidden, moe.expert_intermediate_size)
+                                     for _ in range(moe.num_experts))
+        self.shared_expert = SwiGLU(hidden, moe.shared_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
+        weights, experts = probs.topk(self.moe.top_k, dim=-1)  # [N, top_k]
+        if self.moe.is_topk_normalised:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(experts == e)
+            if rows.numel():
+                out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class HybridLayer(nn.Module):
+    """Pre-norm layer: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``; the mixer by type."""
+
+    def __init__(self, cfg: HybridConfig, index: int):
+        super().__init__()
+        b = cfg.base
+        self.kind = cfg.layer_types[index]
+        attr, self.has_state = TOKEN_MIXERS[self.kind]
+        mixer = (GatedDeltaNet(b.hidden_size, cfg.linear, b.rms_norm_eps) if self.has_state
+                 else GatedAttention(cfg))
+        setattr(self, attr, mixer)
+        self.mixer = attr
+        self.input_layernorm = OffsetRMSNorm(b.hidden_size, b.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(b.hidden_size, b.rms_norm_eps)
+        if cfg.moe is not None and cfg.moe.is_sparse(index):
+            self.mlp = SparseMoE(b.hidden_size, cfg.moe)
+        else:
+            self.mlp = SwiGLU(b.hidden_size, b.intermediate_size)
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        b = cfg.base
+        self.embed_tokens = nn.Embedding(b.vocab_size, b.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(b.num_hidden_layers))
+        self.norm = OffsetRMSNorm(b.hidden_size, b.rms_norm_eps)
+
+
+class HybridModel(PathBound, nn.Module):
+    """Hybrid decoder-only LM: gated delta-net and gated full-attention layers by descriptor."""
+
+    def __init__(self, cfg: HybridConfig, max_positions: int, max_model_len: int):
+        super().__init__()
+        self._init_path()
+        self.config = cfg
+        self.model = _Body(cfg)
+        self.lm_head = nn.Linear(cfg.base.hidden_size, cfg.base.vocab_size, bias=False)
+        if cfg.base.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryTable(cfg.base, max_positions, max_model_len)
+
+    @property
+    def num_state_layers(self) -> int:
+        return sum(layer.has_state for layer in self.model.layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.model.layers) - self.num_state_layers
+
+    def new_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> LinearState:
+        """Zeroed state rows for ``num_slots`` request slots (plus any scratch rows)."""
+        return LinearState(self.num_state_layers, num_slots, self.config.linear, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N] int64, N = B * R request-major
+        positions: torch.Tensor,  # [N] int64
+        attn_meta: AttnMeta,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one per full-attention layer
+        state_meta: StateMeta,
+        state: LinearState,
+    ) -> torch.Tensor:  # [N, hidden], after the final norm
+        h = self.model.embed_tokens(input_ids)
+        kv_iter, state_iter = iter(kv_caches), iter(state.layers)
+        for layer in self.model.layers:
+            x = layer.input_layernorm(h)
+            mixer = getattr(layer, layer.mixer)
+            if layer.has_state:
+                x = mixer(x, state_meta, next(state_iter))
+            else:
+                x = mixer(x, positions, attn_meta, next(kv_iter), self.rotary, self.path)
+            h = h + x
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        return self.lm_head(hidden).float()

@@ -1,0 +1,366 @@
+"""Gated delta-net linear attention (Qwen3.5 / Qwen3-Next): the math, the layer, its state.
+
+This module owns the recurrent token mixer of hybrid targets: the causal depthwise conv1d over
+the fused ``q, k, v`` channels and the gated delta rule (Yang et al., "Gated Delta Networks"),
+in pure torch, following transformers' torch fallbacks (``modeling_qwen3_5.py``), which are the
+ground truth of the tests. On CUDA the field's kernels (``flash-linear-attention``,
+``causal-conv1d``; the ``hybrid`` extra) are the intended path: :func:`cuda_kernels` imports them
+lazily and refuses clearly when absent; the CPU path never imports them.
+
+State layout (one row per request slot, the InfiniLM seed's "state rows"), per linear layer:
+
+- ``conv_state [num_slots, conv_dim, conv_kernel - 1]``: the last ``kernel - 1`` conv inputs;
+- ``ssm_state [num_slots, num_v_heads, head_k_dim, head_v_dim]`` float32: the delta-rule memory.
+
+A forward runs on ``B`` requests of ``R`` rows each, flat and request-major (``N = B * R``), as
+one prefill chunk (``B = 1``) or a decode / verify step (``R = 1 .. w + 1``). :class:`StateMeta`
+says which slot each request *reads* its committed state from and which slot it *writes* the
+new state to (equal for plain decoding; a scratch slot for speculative verification, so the
+committed state survives rejection), how many of its rows are real (``num_valid``; trailing rows
+are padding and leave the state untouched: zero decay, zero write strength), and optionally
+where to store per-row snapshots (the state after each row, for the per-position strategy).
+Those two are the primitives both state strategies of issue 22 build on; this module implements
+neither strategy, and nothing here is captured in a CUDA graph yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speccal.base.errors import UnsupportedError
+
+CHUNK_SIZE = 64  # the chunked delta rule's block length (transformers' and fla's default)
+
+
+def cuda_kernels():
+    """The ``fla`` delta-rule kernels for CUDA tensors, imported lazily (the ``hybrid`` extra).
+
+    Returns
+    -------
+    (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule) from ``fla.ops.gated_delta_rule``.
+
+    Raises
+    ------
+    UnsupportedError
+        When ``flash-linear-attention`` is not installed.
+    """
+    try:
+        from fla.ops.gated_delta_rule import (  # lazy: optional CUDA-only dependency
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
+    except ImportError as exc:
+        raise UnsupportedError(
+            "hybrid linear-attention targets on CUDA need flash-linear-attention "
+            "(pip install 'speccal[hybrid]'); the pure-torch path serves CPU only"
+        ) from exc
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:  # [..., dim]
+    """``x / sqrt(sum(x^2) + eps)`` along the last axis (fla's and transformers' form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv1d(
+    x: torch.Tensor,  # [B, C, R]: this step's conv inputs
+    conv_state: torch.Tensor,  # [B, C, K - 1]: the previous K - 1 inputs (zeros at start)
+    weight: torch.Tensor,  # [C, K] depthwise kernel
+    num_valid: torch.Tensor | None = None,  # [B] int64 real rows (the rest is padding)
+) -> tuple[torch.Tensor, torch.Tensor]:  # silu(conv) [B, C, R], new state [B, C, K - 1]
+    """Depthwise causal conv1d with SiLU, continuing from ``conv_state``.
+
+    The new state is the ``K - 1`` inputs ending at each request's last real row.
+    """
+    num_b, chans, num_r = x.shape
+    km1 = conv_state.shape[-1]
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)  # [B, C, K - 1 + R]
+    out = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=chans)  # [B, C, R]
+    if num_valid is None:
+        new_state = full[:, :, num_r:]
+    else:
+        idx = num_valid[:, None] + torch.arange(km1, device=x.device)  # [B, K - 1]
+        new_state = full.gather(2, idx[:, None, :].expand(num_b, chans, km1))
+    return F.silu(out).to(x.dtype), new_state
+
+
+def conv_windows(
+    x: torch.Tensor,  # [B, C, R]
+    conv_state: torch.Tensor,  # [B, C, K - 1]
+) -> torch.Tensor:  # [B, R, C, K - 1]: the conv state after each row
+    """Per-row conv states (the snapshot strategy stores one per verified position)."""
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)
+    km1 = conv_state.shape[-1]
+    return full.unfold(2, km1, 1)[:, :, 1:].permute(0, 2, 1, 3)
+
+
+def _prepare(q, k, v, g, beta):
+    """Heads first, float32, l2-normed q/k, q scaled by ``head_k_dim ** -0.5``; GVA repeat."""
+    hk, hv = k.shape[2], v.shape[2]
+    if hk != hv:  # grouped value attention: one q/k head serves hv // hk consecutive v heads
+        q = q.repeat_interleave(hv // hk, dim=2)
+        k = k.repeat_interleave(hv // hk, dim=2)
+    q, k, v, g, beta = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, g, beta))
+    q = l2norm(q)
+    k = l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,  # [B, R, Hk, Dk]
+    k: torch.Tensor,  # [B, R, Hk, Dk]
+    v: torch.Tensor,  # [B, R, Hv, Dv]
+    g: torch.Tensor,  # [B, R, Hv] log decay (<= 0; 0 on padding rows)
+    beta: torch.Tensor,  # [B, R, Hv] write strength (0 on padding rows)
+    state: torch.Tensor,  # [B, Hv, Dk, Dv] float32 initial state
+    snapshots: torch.Tensor | None = None,  # [B, R, Hv, Dk, Dv] out: state after each row
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, R, Hv, Dv] (q's dtype), final state
+    """Token-by-token gated delta rule: ``S = exp(g) S;  S += k (beta (v - S^T k))^T;
+    o = S^T q`` (the decode / verify step; ``R`` is at most ``w + 1``)."""
+    dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    s = state.float()
+    out = torch.empty_like(v)  # [B, Hv, R, Dv]
+    for i in range(q.shape[2]):
+        s = s * g[:, :, i].exp()[..., None, None]
+        kv_mem = (s * k[:, :, i, :, None]).sum(dim=-2)  # [B, Hv, Dv]
+        delta = (v[:, :, i] - kv_mem) * beta[:, :, i, None]
+        s = s + k[:, :, i, :, None] * delta[:, :, None, :]
+        out[:, :, i] = (s * q[:, :, i, :, None]).sum(dim=-2)
+        if snapshots is not None:
+            snapshots[:, i] = s
+    return out.transpose(1, 2).to(dtype), s
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,  # [B, R, Hk, Dk]
+    k: torch.Tensor,  # [B, R, Hk, Dk]
+    v: torch.Tensor,  # [B, R, Hv, Dv]
+    g: torch.Tensor,  # [B, R, Hv]
+    beta: torch.Tensor,  # [B, R, Hv]
+    state: torch.Tensor,  # [B, Hv, Dk, Dv] float32 initial state
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, R, Hv, Dv], final state [B, Hv, Dk, Dv]
+    """The gated delta rule in blocks of ``chunk_size`` (prefill): within a block the delta
+    updates are condensed by a unit-lower-triangular solve (the WY / UT transform), across blocks
+    the state is carried sequentially. Same result as :func:`recurrent_gated_delta_rule`."""
+    dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    num_b, hv, length, dk = k.shape
+    dv = v.shape[-1]
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    num_c = (length + pad) // chunk_size
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    q, k, k_beta, v_beta = (t.reshape(num_b, hv, num_c, chunk_size, -1) for t in
+                            (q, k, k_beta, v_beta))
+    cum = g.reshape(num_b, hv, num_c, chunk_size).cumsum(dim=-1)  # [B, Hv, C, L]
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # [B, Hv, C, L, L], unit diagonal implied
+    intra = (q @ k.transpose(-1, -2)) * decay
+    system = system.masked_fill(~torch.ones_like(upper).tril(-1), 0.0)
+    eye = torch.eye(chunk_size, dtype=system.dtype, device=system.device)
+    u = torch.linalg.solve_triangular(system + eye, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system + eye, k_beta * cum.exp()[..., None], upper=False,
+                                      unitriangular=True)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    block_decay = cum[..., -1].exp()[..., None, None]  # [B, Hv, C, 1, 1]
+    s = state.float()
+    out = torch.empty(num_b, hv, num_c, chunk_size, dv, dtype=s.dtype, device=s.device)
+    for c in range(num_c):
+        v_new = u[:, :, c] - w[:, :, c] @ s
+        out[:, :, c] = q[:, :, c] @ s + intra[:, :, c] @ v_new
+        s = s * block_decay[:, :, c] + k[:, :, c].transpose(-1, -2) @ v_new
+    out = out.reshape(num_b, hv, -1, dv)[:, :, :length]
+    return out.transpose(1, 2).to(dtype), s
+
+
+class RMSNormGated(nn.Module):
+    """``weight * rmsnorm(x) * silu(z)`` per value head (normalise first, then gate)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # [..., dim] each
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (self.weight * xf.to(dtype)) * F.silu(z.float())
+        return out.to(dtype)
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Shapes of one gated delta-net layer (``linear_*`` fields of the HF config).
+
+    ``is_grouped_projection``: the checkpoint fuses ``q, k, v, z`` (and ``b, a``) per key-head
+    group into ``in_proj_qkvz`` / ``in_proj_ba`` (Qwen3-Next); otherwise they are separate
+    ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3.5). Read from the
+    checkpoint's tensor names, never from a model name.
+    """
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    is_grouped_projection: bool = False
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass
+class StateMeta:
+    """Which state rows a forward over ``B`` requests of ``R`` rows reads and writes."""
+
+    read_slots: torch.Tensor  # [B] int64: committed state rows
+    write_slots: torch.Tensor  # [B] int64: where the new state goes (== read for plain decode)
+    num_q_rows: int  # R
+    num_valid: torch.Tensor | None = None  # [B] int64 real rows (None: all R)
+    is_chunked: bool = False  # use the chunked delta rule (prefill) instead of the recurrence
+    # per-row snapshots (per-position strategy): (conv [B, R, C, K-1], ssm [B, R, Hv, Dk, Dv])
+    snapshots: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention token mixer with HF parameter names (``linear_attn.*``)."""
+
+    def __init__(self, hidden_size: int, cfg: LinearAttentionConfig, eps: float):
+        super().__init__()
+        self.cfg = cfg
+        c = cfg
+        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.conv_kernel, groups=c.conv_dim,
+                                bias=False, padding=c.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(c.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(c.num_v_heads))
+        self.norm = RMSNormGated(c.head_v_dim, eps)
+        self.out_proj = nn.Linear(c.value_dim, hidden_size, bias=False)
+        if c.is_grouped_projection:
+            self.in_proj_qkvz = nn.Linear(hidden_size, 2 * c.key_dim + 2 * c.value_dim,
+                                          bias=False)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * c.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, c.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden_size, c.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden_size, c.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden_size, c.num_v_heads, bias=False)
+
+    def _project(self, x: torch.Tensor):  # x [N, hidden]
+        """``(qkv [N, conv_dim], z [N, Hv, Dv], b [N, Hv], a [N, Hv])`` from either layout."""
+        c = self.cfg
+        n = x.shape[0]
+        if not c.is_grouped_projection:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(n, c.num_v_heads, c.head_v_dim),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        per = c.num_v_heads // c.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(n, c.num_k_heads, -1)  # per key-head group
+        q, k, v, z = qkvz.split([c.head_k_dim, c.head_k_dim, per * c.head_v_dim,
+                                 per * c.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(n, c.num_k_heads, 2 * per).split([per, per], dim=-1)
+        qkv = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return (qkv, z.reshape(n, c.num_v_heads, c.head_v_dim), b.reshape(n, -1),
+                a.reshape(n, -1))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, hidden], N = B * R request-major
+        meta: StateMeta,
+        state: tuple[torch.Tensor, torch.Tensor],  # conv [S, C, K-1], ssm [S, Hv, Dk, Dv]
+    ) -> torch.Tensor:  # [N, hidden]
+        c = self.cfg
+        num_r = meta.num_q_rows
+        num_b = x.shape[0] // num_r
+        conv_state, ssm_state = state
+        qkv, z, b, a = self._project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [N, Hv]
+        if meta.num_valid is not None:  # padding rows: no decay, no write
+            is_real = (torch.arange(num_r, device=x.device)[None, :]
+                       < meta.num_valid[:, None]).reshape(-1, 1)
+            beta = beta * is_real
+            g = g * is_real
+        qkv = qkv.view(num_b, num_r, c.conv_dim).transpose(1, 2)  # [B, C, R]
+        conv_in = conv_state[meta.read_slots]
+        mixed, new_conv = causal_conv1d(qkv, conv_in, self.conv1d.weight.squeeze(1),
+                                        meta.num_valid)
+        if meta.snapshots is not None:
+            meta.snapshots[0].copy_(conv_windows(qkv, conv_in))
+        mixed = mixed.transpose(1, 2)  # [B, R, C]
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q = q.reshape(num_b, num_r, c.num_k_heads, c.head_k_dim)
+        k = k.reshape(num_b, num_r, c.num_k_heads, c.head_k_dim)
+        v = v.reshape(num_b, num_r, c.num_v_heads, c.head_v_dim)
+        g = g.view(num_b, num_r, -1)
+        beta = beta.view(num_b, num_r, -1)
+        s0 = ssm_state[meta.read_slots]
+        if meta.is_chunked and meta.snapshots is None:
+            out, s = chunk_gated_delta_rule(q, k, v, g, beta, s0)
+        else:
+            snap = meta.snapshots[1] if meta.snapshots is not None else None
+            out, s = recurrent_gated_delta_rule(q, k, v, g, beta, s0, snap)
+        conv_state.index_copy_(0, meta.write_slots, new_conv.to(conv_state.dtype))
+        ssm_state.index_copy_(0, meta.write_slots, s.to(ssm_state.dtype))
+        out = self.norm(out.reshape(-1, c.head_v_dim), z.reshape(-1, c.head_v_dim))
+        return self.out_proj(out.view(x.shape[0], c.value_dim))
+
+
+class LinearState:
+    """State rows of every linear layer: ``conv [S, C, K-1]`` and ``ssm [S, Hv, Dk, Dv]``.
+
+    Row primitives the speculation strategies need: :meth:`copy_rows` (commit a scratch row, or
+    seed a scratch row from the committed one), :meth:`snapshot` / :meth:`restore` (take and put
+    back a copy of some rows), :meth:`reset_rows` (a new request starts from zeros).
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, cfg: LinearAttentionConfig,
+                 dtype: torch.dtype, device: torch.device):
+        self.layers = [
+            (torch.zeros(num_slots, cfg.conv_dim, cfg.conv_kernel - 1, dtype=dtype,
+                         device=device),
+             torch.zeros(num_slots, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim,
+                         dtype=torch.float32, device=device))
+            for _ in range(num_layers)
+        ]
+
+    def bytes_per_slot(self) -> int:
+        """State bytes one request row holds over all layers (what a copy or swap moves)."""
+        return sum(t[0].element_size() * t.numel() // t.shape[0]
+                   for layer in self.layers for t in layer)
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:  # [M] int64 each
+        for conv, ssm in self.layers:
+            conv.index_copy_(0, dst, conv[src])
+            ssm.index_copy_(0, dst, ssm[src])
+
+    def snapshot(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(conv[rows].clone(), ssm[rows].clone()) for conv, ssm in self.layers]
+
+    def restore(self, rows: torch.Tensor, snap: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for (conv, ssm), (c, s) in zip(self.layers, snap, strict=True):
+            conv.index_copy_(0, rows, c)
+            ssm.index_copy_(0, rows, s)
+
+    def reset_rows(self, rows: torch.Tensor) -> None:  # [M] int64
+        for conv, ssm in self.layers:
+            conv.index_fill_(0, rows, 0)
+            ssm.index_fill_(0, rows, 0)
