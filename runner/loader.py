@@ -24,7 +24,7 @@ from speccal.runner.draft_families import REGISTRY, DraftFamily, is_any_draft_ke
 from speccal.runner.hybrid import HybridConfig, HybridModel, hybrid_config_from_hf
 from speccal.runner.model import ModelCapabilities, TargetModel
 from speccal.runner.mtp import MTPHead
-from speccal.runner.presets import PRESETS, RandomSource
+from speccal.runner.presets import HYBRID_PRESETS, PRESETS, HybridRandomSource, RandomSource
 from speccal.runner.rope import RotaryTable
 
 
@@ -264,6 +264,56 @@ def load_model(
     )
 
 
+def _build_hybrid(cfg: HybridConfig, source: TensorSource, device: torch.device,
+                  dtype: torch.dtype, max_model_len: int, max_positions: int) -> HybridModel:
+    layers = cfg.base.num_hidden_layers
+    with torch.device("meta"):
+        target = HybridModel(cfg, 1, 1)
+    target = _materialise(target, device)
+    key_map = {name: name for name, _ in target.named_parameters()}
+    if cfg.base.tie_word_embeddings:
+        key_map.pop("lm_head.weight", None)
+    target_keys = {k for k in source.keys() if not is_any_draft_key(k, layers)}
+    _fill(target, key_map, source, target_keys, dtype, device, "hybrid target")
+    if cfg.base.tie_word_embeddings:
+        target.lm_head.weight = target.model.embed_tokens.weight
+    target.rotary = RotaryTable(cfg.base, max_positions, max_model_len).to(device)
+    target.eval()
+    return target
+
+
+def hybrid_preset(
+    name: str,
+    *,
+    device: torch.device,
+    dtype: str,
+    seed: int = 0,
+    max_model_len: int,
+    max_positions: int,
+    overrides: dict | None = None,
+) -> tuple[HybridModel, HybridConfig]:
+    """A :data:`HYBRID_PRESETS` shape with seeded random weights (text is meaningless).
+
+    ``overrides`` replaces config fields (tests shrink the shape: ``hidden_size``,
+    ``num_hidden_layers`` (a multiple of 4 keeps the 3 + 1 layer pattern), head counts...).
+    """
+    if name not in HYBRID_PRESETS:
+        raise InputError("hybrid preset", name, f"one of {', '.join(HYBRID_PRESETS)}")
+    preset = HYBRID_PRESETS[name]
+    raw = {**preset.config, **(overrides or {}), "architectures": [f"preset:{name}"]}
+    if "num_hidden_layers" in (overrides or {}) and "layer_types" not in (overrides or {}):
+        raw["layer_types"] = ["linear_attention"] * 3 + ["full_attention"]
+        raw["layer_types"] = raw["layer_types"] * (raw["num_hidden_layers"] // 4)
+    cfg = hybrid_config_from_hf(raw)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in HybridModel(cfg, 1, 1).state_dict().items()}
+    if cfg.base.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    source = HybridRandomSource(preset, shapes, seed)
+    model = _build_hybrid(cfg, source, device, _dtype(dtype), max_model_len, max_positions)
+    return model, cfg
+
+
 def load_hybrid(
     model: str | Path,
     *,
@@ -284,19 +334,6 @@ def load_hybrid(
         Not a folder, missing or misshapen tensor, bad dtype, a config without linear layers.
     """
     folder = SafetensorsFolder(model)
-    keys = folder.keys()
-    cfg = hybrid_config_from_hf(folder.config, keys)
-    layers = cfg.base.num_hidden_layers
-    with torch.device("meta"):
-        target = HybridModel(cfg, 1, 1)
-    target = _materialise(target, device)
-    key_map = {name: name for name, _ in target.named_parameters()}
-    if cfg.base.tie_word_embeddings:
-        key_map.pop("lm_head.weight", None)
-    target_keys = {k for k in keys if not is_any_draft_key(k, layers)}
-    _fill(target, key_map, folder, target_keys, _dtype(dtype), device, "hybrid target")
-    if cfg.base.tie_word_embeddings:
-        target.lm_head.weight = target.model.embed_tokens.weight
-    target.rotary = RotaryTable(cfg.base, max_positions, max_model_len).to(device)
-    target.eval()
+    cfg = hybrid_config_from_hf(folder.config, folder.keys())
+    target = _build_hybrid(cfg, folder, device, _dtype(dtype), max_model_len, max_positions)
     return target, cfg

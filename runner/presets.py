@@ -128,6 +128,100 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# Hybrid linear-attention shapes (speccal.runner.hybrid); kept out of PRESETS because the Engine
+# does not serve hybrid targets yet. Text stacks of the public Qwen3.5 checkpoints (the vision
+# tower is not modelled), from transformers' Qwen3_5TextConfig fields and the models' configs;
+# with the 15-tensor MTP head and the vision tower they reproduce the InfiniLM seed's measured
+# tensor counts (488 / 632) and, to within 2,592 parameters common to both, their bytes.
+_QWEN3_5_COMMON = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "vocab_size": 248320,
+    "num_hidden_layers": 24,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],  # x 6, see _qwen3_5
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": True,
+    "mtp_num_hidden_layers": 1,
+}
+
+
+def _qwen3_5(**fields: Any) -> dict[str, Any]:
+    cfg = {**_QWEN3_5_COMMON, **fields}
+    cfg["layer_types"] = list(_QWEN3_5_COMMON["layer_types"]) * (cfg["num_hidden_layers"] // 4)
+    return cfg
+
+
+HYBRID_PRESETS: dict[str, Preset] = {
+    "qwen3.5-0.8b": Preset(
+        name="qwen3.5-0.8b",
+        description="Qwen3.5-0.8B text shapes (24 layers = 6 x [3 gated delta-net + 1 gated "
+        "attention], hidden 1024, GQA 8/2 x 256, delta-net 16/16 x 128, tied, 1 MTP layer)",
+        config=_qwen3_5(hidden_size=1024, intermediate_size=3584),
+        family="qwen3_5_mtp",
+        default_dtype="bfloat16",
+    ),
+    "qwen3.5-2b": Preset(
+        name="qwen3.5-2b",
+        description="Qwen3.5-2B text shapes (24 layers = 6 x [3 gated delta-net + 1 gated "
+        "attention], hidden 2048, GQA 8/2 x 256, delta-net 16/16 x 128, tied, 1 MTP layer)",
+        config=_qwen3_5(hidden_size=2048, intermediate_size=6144),
+        family="qwen3_5_mtp",
+        default_dtype="bfloat16",
+    ),
+}
+
+
+class HybridRandomSource:
+    """Seeded random weights for a hybrid target, each tensor from ``(seed, key)`` alone.
+
+    Zero-centred norms 0 (identity), the gated norm 1, ``A_log = log(uniform(1, 16))``,
+    ``dt_bias`` 1 (transformers' initialisation), embeddings ``N(0, 1)``, every other weight
+    ``N(0, init_scale^2 / fan_in)`` (conv kernels: fan-in = kernel width).
+    """
+
+    def __init__(self, preset: Preset, shapes: dict[str, tuple[int, ...]], seed: int):
+        self.preset = preset
+        self.shapes = shapes
+        self.seed = seed
+
+    def keys(self) -> list[str]:
+        return sorted(self.shapes)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.shapes[key]
+
+    def get(
+        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        g = torch.Generator(device="cpu")
+        g.manual_seed((self.seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
+        if key.endswith("linear_attn.norm.weight"):
+            out = torch.ones(shape)
+        elif "norm" in key.rsplit(".", 2)[-2]:
+            out = torch.zeros(shape)
+        elif key.endswith("A_log"):
+            out = torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+        elif key.endswith("dt_bias"):
+            out = torch.ones(shape)
+        elif key.endswith("embed_tokens.weight"):
+            out = torch.randn(shape, generator=g)
+        else:
+            fan_in = shape[-1] if len(shape) > 1 else 1
+            out = torch.randn(shape, generator=g) * (self.preset.init_scale / fan_in**0.5)
+        return out.to(device=device, dtype=dtype)
+
+
 class RandomSource:
     """Seeded random weights for a preset: each tensor depends only on ``(seed, key)``."""
 
