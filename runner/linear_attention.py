@@ -313,7 +313,9 @@ class GatedDeltaNet(nn.Module):
         g = g.view(num_b, num_r, -1)
         beta = beta.view(num_b, num_r, -1)
         s0 = ssm_state[meta.read_slots]
-        if meta.is_chunked and meta.snapshots is None:
+        if x.is_cuda and meta.snapshots is None:  # fla's kernels (untested in this slice)
+            out, s = _fla_delta_rule(q, k, v, g, beta, s0, meta.is_chunked)
+        elif meta.is_chunked and meta.snapshots is None:
             out, s = chunk_gated_delta_rule(q, k, v, g, beta, s0)
         else:
             snap = meta.snapshots[1] if meta.snapshots is not None else None
@@ -322,6 +324,21 @@ class GatedDeltaNet(nn.Module):
         ssm_state.index_copy_(0, meta.write_slots, s.to(ssm_state.dtype))
         out = self.norm(out.reshape(-1, c.head_v_dim), z.reshape(-1, c.head_v_dim))
         return self.out_proj(out.view(x.shape[0], c.value_dim))
+
+
+def _fla_delta_rule(q, k, v, g, beta, state, is_chunked):  # shapes as the torch functions
+    """The delta rule through ``fla`` (CUDA): same inputs and outputs as the torch functions;
+    q/k heads are repeated to the value heads first (grouped value attention), as transformers
+    does before calling the kernel."""
+    chunk, recurrent = cuda_kernels()
+    hk, hv = k.shape[2], v.shape[2]
+    if hk != hv:
+        q = q.repeat_interleave(hv // hk, dim=2)
+        k = k.repeat_interleave(hv // hk, dim=2)
+    fn = chunk if is_chunked else recurrent
+    out, final = fn(q, k, v, g=g.float(), beta=beta, initial_state=state.float().contiguous(),
+                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return out.to(q.dtype), final
 
 
 class LinearState:

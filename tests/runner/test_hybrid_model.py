@@ -29,6 +29,8 @@ from speccal.runner.linear_attention import (
 from speccal.runner.loader import load_hybrid
 
 transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+    pytest.skip("transformers without Qwen3.5 (needs >= 5)", allow_module_level=True)
 
 ATOL = 1e-4
 BLOCK = 4
@@ -376,3 +378,14 @@ def test_hybrid_config_needs_linear_fields():
 
     with pytest.raises(InputError, match="linear_num_key_heads"):
         hybrid_config_from_hf(cfg)
+
+
+def test_cuda_kernels_refuse_clearly_without_flash_linear_attention():
+    import importlib.util
+
+    from speccal.runner.linear_attention import cuda_kernels
+
+    if importlib.util.find_spec("fla") is not None:
+        pytest.skip("flash-linear-attention is installed")
+    with pytest.raises(UnsupportedError, match=r"flash-linear-attention.*speccal\[hybrid\]"):
+        cuda_kernels()

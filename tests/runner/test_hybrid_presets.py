@@ -16,6 +16,8 @@ from speccal.runner.loader import hybrid_preset, load_model
 from speccal.runner.presets import HYBRID_PRESETS, PRESETS
 
 transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+    pytest.skip("transformers without Qwen3.5 (needs >= 5)", allow_module_level=True)
 
 # text-stack parameters (tied head counted once), by hand from the shapes: V*H + 18 delta-net
 # layers + 6 gated-attention layers + final norm
