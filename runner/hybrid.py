@@ -333,11 +333,13 @@ class HybridModel(PathBound, nn.Module):
     ) -> torch.Tensor:  # [N, hidden], after the final norm
         h = self.model.embed_tokens(input_ids)
         kv_iter, state_iter = iter(kv_caches), iter(state.layers)
+        snap_iter = iter(state_meta.snapshots) if state_meta.snapshots is not None else None
         for layer in self.model.layers:
             x = layer.input_layernorm(h)
             mixer = getattr(layer, layer.mixer)
             if layer.has_state:
-                x = mixer(x, state_meta, next(state_iter))
+                snap = next(snap_iter) if snap_iter is not None else None
+                x = mixer(x, state_meta, next(state_iter), snap)
             else:
                 x = mixer(x, positions, attn_meta, next(kv_iter), self.rotary, self.path)
             h = h + x

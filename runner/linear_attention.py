@@ -238,8 +238,9 @@ class StateMeta:
     num_q_rows: int  # R
     num_valid: torch.Tensor | None = None  # [B] int64 real rows (None: all R)
     is_chunked: bool = False  # use the chunked delta rule (prefill) instead of the recurrence
-    # per-row snapshots (per-position strategy): (conv [B, R, C, K-1], ssm [B, R, Hv, Dk, Dv])
-    snapshots: tuple[torch.Tensor, torch.Tensor] | None = None
+    # per-row snapshots (per-position strategy), one pair per linear layer in layer order:
+    # (conv [B, R, C, K-1], ssm [B, R, Hv, Dk, Dv]); see LinearState.snapshot_buffers
+    snapshots: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class GatedDeltaNet(nn.Module):
@@ -286,6 +287,8 @@ class GatedDeltaNet(nn.Module):
         x: torch.Tensor,  # [N, hidden], N = B * R request-major
         meta: StateMeta,
         state: tuple[torch.Tensor, torch.Tensor],  # conv [S, C, K-1], ssm [S, Hv, Dk, Dv]
+        snapshot: tuple[torch.Tensor, torch.Tensor] | None = None,  # this layer's pair of
+        # StateMeta.snapshots: (conv [B, R, C, K-1], ssm [B, R, Hv, Dk, Dv]), written
     ) -> torch.Tensor:  # [N, hidden]
         c = self.cfg
         num_r = meta.num_q_rows
@@ -303,8 +306,8 @@ class GatedDeltaNet(nn.Module):
         conv_in = conv_state[meta.read_slots]
         mixed, new_conv = causal_conv1d(qkv, conv_in, self.conv1d.weight.squeeze(1),
                                         meta.num_valid)
-        if meta.snapshots is not None:
-            meta.snapshots[0].copy_(conv_windows(qkv, conv_in))
+        if snapshot is not None:
+            snapshot[0].copy_(conv_windows(qkv, conv_in))
         mixed = mixed.transpose(1, 2)  # [B, R, C]
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q = q.reshape(num_b, num_r, c.num_k_heads, c.head_k_dim)
@@ -313,12 +316,12 @@ class GatedDeltaNet(nn.Module):
         g = g.view(num_b, num_r, -1)
         beta = beta.view(num_b, num_r, -1)
         s0 = ssm_state[meta.read_slots]
-        if x.is_cuda and meta.snapshots is None:  # fla's kernels (untested in this slice)
+        if x.is_cuda and snapshot is None:  # fla's kernels (untested in this slice)
             out, s = _fla_delta_rule(q, k, v, g, beta, s0, meta.is_chunked)
-        elif meta.is_chunked and meta.snapshots is None:
+        elif meta.is_chunked and snapshot is None:
             out, s = chunk_gated_delta_rule(q, k, v, g, beta, s0)
         else:
-            snap = meta.snapshots[1] if meta.snapshots is not None else None
+            snap = snapshot[1] if snapshot is not None else None
             out, s = recurrent_gated_delta_rule(q, k, v, g, beta, s0, snap)
         conv_state.index_copy_(0, meta.write_slots, new_conv.to(conv_state.dtype))
         ssm_state.index_copy_(0, meta.write_slots, s.to(ssm_state.dtype))
@@ -358,6 +361,11 @@ class LinearState:
                          dtype=torch.float32, device=device))
             for _ in range(num_layers)
         ]
+
+    def snapshot_buffers(self, num_b: int, num_r: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed per-row snapshot buffers for :attr:`StateMeta.snapshots` (``B`` x ``R``)."""
+        return [(conv.new_zeros(num_b, num_r, *conv.shape[1:]),
+                 ssm.new_zeros(num_b, num_r, *ssm.shape[1:])) for conv, ssm in self.layers]
 
     def bytes_per_slot(self) -> int:
         """State bytes one request row holds over all layers (what a copy or swap moves)."""

@@ -269,7 +269,6 @@ def test_per_position_snapshots_restore_a_partial_acceptance(pair):
     """A 4-row verify stores the state after each row; restoring the snapshot after row j
     continues exactly as a run that only ever saw rows 0..j (partial acceptance of j drafts)."""
     _, _, ours, _ = pair
-    lin = ours.config.linear
     drafts = [40, 41, 42, 43]
     for accepted in (0, 2, 3):
         ref = Session(ours, 1)
@@ -279,23 +278,8 @@ def test_per_position_snapshots_restore_a_partial_acceptance(pair):
 
         sess = Session(ours, 1)
         sess.step([0], [PROMPT], is_chunked=True)
-        per_layer = [(torch.zeros(1, 4, lin.conv_dim, lin.conv_kernel - 1),
-                      torch.zeros(1, 4, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim))
-                     for _ in range(ours.num_state_layers)]
-        # one StateMeta per forward: snapshot every linear layer into its own buffers
-        layers = [m for m in ours.modules() if m.__class__.__name__ == "GatedDeltaNet"]
-        originals = [m.forward for m in layers]
-        for m, snap, fwd in zip(layers, per_layer, originals, strict=True):
-            def hooked(x, meta, state, _snap=snap, _fwd=fwd):
-                meta = StateMeta(meta.read_slots, meta.write_slots, meta.num_q_rows,
-                                 snapshots=_snap)
-                return _fwd(x, meta, state)
-            m.forward = hooked
-        try:
-            sess.step([0], [drafts], commit=False)
-        finally:
-            for m, fwd in zip(layers, originals, strict=True):
-                m.forward = fwd
+        per_layer = sess.state.snapshot_buffers(1, len(drafts))
+        sess.step([0], [drafts], snapshots=per_layer, commit=False)
         restore = [(c[:, accepted], s[:, accepted]) for c, s in per_layer]
         sess.state.restore(torch.tensor([0]), restore)
         sess.lengths[0] += accepted + 1  # the KV of the rejected rows is overwritten later
@@ -389,3 +373,38 @@ def test_cuda_kernels_refuse_clearly_without_flash_linear_attention():
         pytest.skip("flash-linear-attention is installed")
     with pytest.raises(UnsupportedError, match=r"flash-linear-attention.*speccal\[hybrid\]"):
         cuda_kernels()
+
+
+def test_padding_rows_leave_the_state_of_their_request_untouched(pair):
+    """A mixed batch padded to R rows (``num_valid``): each request's new conv and ssm state and
+    its real rows' outputs equal a run over its real rows only."""
+    _, _, ours, _ = pair
+    layer = next(m for m in ours.modules() if m.__class__.__name__ == "GatedDeltaNet")
+    lin = ours.config.linear
+    h = ours.config.base.hidden_size
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2 * 3, h, generator=g)
+
+    def fresh():
+        conv = torch.randn(2, lin.conv_dim, lin.conv_kernel - 1, generator=torch.Generator()
+                           .manual_seed(6))
+        ssm = torch.randn(2, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim,
+                          generator=torch.Generator().manual_seed(7))
+        return conv, ssm
+
+    padded = fresh()
+    meta = StateMeta(torch.tensor([0, 1]), torch.tensor([0, 1]), 3,
+                     num_valid=torch.tensor([3, 1]))
+    with torch.no_grad():
+        out = layer(x, meta, padded).view(2, 3, h)
+    solo = fresh()
+    with torch.no_grad():
+        out0 = layer(x[:3], StateMeta(torch.tensor([0]), torch.tensor([0]), 3), solo)
+        out1 = layer(x[3:4], StateMeta(torch.tensor([1]), torch.tensor([1]), 1), solo)
+    assert (out[0] - out0).abs().max() < 1e-5 and (out[1, :1] - out1).abs().max() < 1e-5
+    for a, b in zip(padded, solo, strict=True):
+        assert (a - b).abs().max() < 1e-5
+    unmasked = fresh()
+    with torch.no_grad():
+        layer(x, StateMeta(torch.tensor([0, 1]), torch.tensor([0, 1]), 3), unmasked)
+    assert (unmasked[1][1] - solo[1][1]).abs().max() > 1e-3  # the mask is what keeps it
