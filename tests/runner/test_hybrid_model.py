@@ -191,6 +191,17 @@ def test_chunked_prefill_in_pieces_then_decode_equals_generate(pair):
     while len(out) < 10:  # one row per step, state carried between steps
         out.append(int(sess.step([0], [[out[-1]]])[0, -1].argmax()))
     assert out == ref
+    # multi-row steps fed transformers' greedy tokens (a verify step whose drafts are all
+    # right): every row's argmax is the next greedy token
+    sess = Session(ours, 1)
+    first = int(sess.step([0], [PROMPT], is_chunked=True)[0, -1].argmax())
+    assert first == ref[0]
+    at = 0
+    for r in (3, 1, 3, 2):
+        logits = sess.step([0], [ref[at:at + r]])[0]
+        assert logits.argmax(-1).tolist() == ref[at + 1:at + r + 1]
+        at += r
+    assert at == 9
 
 
 def test_multi_row_verify_steps_equal_transformers_cached_steps(pair):
