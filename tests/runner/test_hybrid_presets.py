@@ -81,3 +81,13 @@ def test_tiny_scale_preset_builds_with_seeded_random_weights(name):
     assert torch.equal(la, lb)
     assert not torch.allclose(la, lc)
     assert torch.isfinite(la).all() and la.std() > 0.1
+
+
+def test_state_bytes_per_request_slot_of_the_0_8b_shape():
+    """What a scratch-row copy or a snapshot moves per request: 18 delta-net layers x (conv
+    state 6144 x 3 in bf16 + ssm state 16 x 128 x 128 in fp32) = 19,537,920 bytes."""
+    cfg = hybrid_config_from_hf(HYBRID_PRESETS["qwen3.5-0.8b"].config)
+    with torch.device("meta"):
+        model = HybridModel(cfg, 1, 1)
+    state = model.new_state(1, torch.bfloat16, torch.device("cpu"))
+    assert state.bytes_per_slot() == 18 * (6144 * 3 * 2 + 16 * 128 * 128 * 4)
