@@ -20,8 +20,9 @@ table):
   or host metadata update: the same round, another launch schedule), the kernel configuration
   (a digest mismatch names every differing field of the two configs by dotted key,
   ``gemv.panel: table=X running=Y``; a configuration recorded as unknown on either side says
-  so), ``verification_mode`` (see :func:`verification_mismatch`) and the provenance versions
-  (speccal, torch, driver).
+  so), ``verification_mode`` (see :func:`verification_mismatch`), ``loop`` (the round loop
+  the costs were measured with, ``pipelined`` or ``synchronous``: see :func:`loop_mismatch`)
+  and the provenance versions (speccal, torch, driver).
 """
 
 from __future__ import annotations
@@ -217,6 +218,9 @@ class Compatibility(_Strict):
     kernels: KernelsInfo
     verification_mode: Literal["greedy", "sample", "synthetic", "forced"]
     device: DeviceInfo
+    #: The engine's round loop (``EngineConfig.pipeline``); ``unknown`` for a table measured
+    #: before the loop was recorded (migrated or bare-fit tables).
+    loop: Literal["pipelined", "synchronous", "unknown"] = UNKNOWN
 
 
 def as_compatibility(
@@ -262,6 +266,7 @@ def make_compatibility(
     verification_mode: str = "forced",
     device_kind: str = "cpu",
     device_name: str = UNKNOWN,
+    loop: str = UNKNOWN,
 ) -> dict[str, Any]:
     """A complete, validated compatibility dict for a table no runner measured.
 
@@ -294,6 +299,7 @@ def make_compatibility(
         "kernels": kernels,
         "verification_mode": verification_mode,
         "device": {"kind": device_kind, "name": device_name},
+        "loop": loop,
     }
     return as_compatibility(doc).model_dump(mode="json")
 
@@ -344,6 +350,25 @@ def verification_mismatch(expected: str, found: str) -> Mismatch | None:
         found,
         False,
         "the table's costs include sampling work this run does not do",
+    )
+
+
+def loop_mismatch(expected: str, found: str) -> Mismatch | None:
+    """The round-loop difference worth a warning, or None.
+
+    A pipelined round costs about its device time, a synchronous one its host work on top
+    (1.39-1.50x on the H200, bench/RESULTS.md): the same program, another price per round, so a
+    mismatch is performance-only. ``unknown`` on either side (a table measured before the loop
+    was recorded) is silent: nothing to compare.
+    """
+    if expected == found or UNKNOWN in (expected, found):
+        return None
+    return Mismatch(
+        "loop",
+        expected,
+        found,
+        False,
+        f"costs measured with the {found} round loop, this run uses the {expected} one",
     )
 
 
@@ -408,6 +433,7 @@ def compare(
     for extra in (
         kernels_mismatch(expected.kernels, found.kernels),
         verification_mismatch(expected.verification_mode, found.verification_mode),
+        loop_mismatch(expected.loop, found.loop),
     ):
         if extra is not None:
             out.append(extra)

@@ -419,6 +419,7 @@ class Engine:
             "input_update": self.input_update,
             "kernels": {"digest": self.path.kernels.digest(),
                         "config": self.path.kernels.to_dict()},
+            "loop": "pipelined" if self.config.pipeline else "synchronous",
         }
 
     @property

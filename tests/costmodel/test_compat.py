@@ -205,3 +205,36 @@ def test_shipped_tables_load_and_name_their_kernel_differences(name):
     assert table.provenance.migrated_from is None
     _load_quietly(path, {**own.compatibility.model_dump(mode="json"),
                          "verification_mode": "greedy"})
+
+
+# ------------------------------------------------------------------------ round loop
+
+
+def test_loop_is_validated_and_defaults_to_unknown():
+    assert COMPAT["loop"] == "unknown"  # make_compatibility without a loop: nothing recorded
+    legacy = {k: v for k, v in COMPAT.items() if k != "loop"}
+    assert as_compatibility(legacy).loop == "unknown"  # a table saved before the loop existed
+    assert make_compatibility(draft_width=3, loop="pipelined")["loop"] == "pipelined"
+    with pytest.raises(InputError, match="compatibility.loop"):
+        as_compatibility(compat(loop="async"))
+
+
+@pytest.mark.parametrize(("measured", "running"),
+                         [("pipelined", "synchronous"), ("synchronous", "pipelined")])
+def test_a_table_of_another_round_loop_warns_and_loads(tmp_path, measured, running):
+    path = save_table(build_table(measurements(), compatibility=compat(loop=measured)),
+                      tmp_path / "t.json")
+    with pytest.warns(CompatibilityWarning,
+                      match=f"loop: expected '{running}', found '{measured}'") as caught:
+        table = load_table(path, expect=compat(loop=running), runtime_versions={})
+    assert len(caught) == 1  # performance-only: one warning, the table loads
+    assert table.compatibility.loop == measured
+    _load_quietly(path, compat(loop=measured))
+
+
+@pytest.mark.parametrize(("measured", "running"),
+                         [("unknown", "pipelined"), ("pipelined", "unknown")])
+def test_a_loop_recorded_as_unknown_loads_silently(tmp_path, measured, running):
+    path = save_table(build_table(measurements(), compatibility=compat(loop=measured)),
+                      tmp_path / "t.json")
+    assert _load_quietly(path, compat(loop=running)).compatibility.loop == measured
