@@ -255,6 +255,31 @@ def _check_consistent(t: CostTable, source: str) -> None:
                 )
         if f.model == "sps" and not f.sps.bcap_levels:
             raise SchemaError(f"{where}.sps.bcap_levels", [], "the request buckets measured")
+    if t.kv_model is not None:
+        _check_kv_model(t, source)
+
+
+def _check_kv_model(t: CostTable, source: str) -> None:
+    """The KV model spans exactly the contexts and has one parameter per level."""
+    kv, where = t.kv_model, f"{source}: kv_model"
+    span = (min(f.min_kv_length for f in t.fits), max(f.max_kv_length for f in t.fits))
+    if (kv.min_kv_length, kv.max_kv_length) != span:
+        raise SchemaError(
+            f"{where}.min_kv_length..max_kv_length",
+            [kv.min_kv_length, kv.max_kv_length],
+            f"the contexts' span {list(span)}",
+        )
+    if len(t.fits) < 3:
+        raise SchemaError(f"{where}", f"{len(t.fits)} contexts", "three or more context intervals")
+    for lv, val in (("bcap_levels", "alpha_ms"), ("g_levels", "theta_ms")):
+        a, b = getattr(kv, lv), getattr(kv, val)
+        if len(a) == 0 or len(a) != len(b) or a != sorted(set(a)):
+            raise SchemaError(f"{where}.{lv}", a, f"ascending distinct levels, one {val} each")
+    want = 1 if kv.kv_term == "shared" else len(kv.g_levels)
+    if len(kv.beta_ms) != want:
+        raise SchemaError(
+            f"{where}.beta_ms", kv.beta_ms, f"{want} value(s) for kv_term {kv.kv_term!r}"
+        )
 
 
 def json_schema() -> dict:

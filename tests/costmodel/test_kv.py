@@ -200,3 +200,25 @@ def test_points_pair_each_cost_with_its_own_windows_kv(combine):
     fit = select_kv_model(kv_rows(noise_ms=0.0, windows=4), combine=combine)
     assert fit.residuals.max_abs_ms < 1e-9
     assert fit.model.beta_ms_[0] == pytest.approx(SLOPE, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda d: d["kv_model"].update(max_kv_length=9000), "kv_model.min_kv_length"),
+        (lambda d: d["kv_model"].update(beta_ms=[1e-6, 2e-6]), "kv_model.beta_ms"),
+        (lambda d: d["kv_model"]["theta_ms"].pop(), "kv_model.g_levels"),
+        (lambda d: d["kv_model"].update(bias_ms=float("nan")), "kv_model.bias_ms"),
+        (lambda d: d["kv_model"].update(kv_term="cubic"), "kv_model.kv_term"),
+    ],
+)
+def test_a_malformed_kv_model_is_refused_naming_the_field(change, field):
+    import json
+
+    from speccal.base.errors import SchemaError
+    from speccal.costmodel.table import parse_table
+
+    doc = _table().to_json_dict()
+    change(doc)
+    with pytest.raises(SchemaError, match=field):
+        parse_table(json.dumps(doc))
