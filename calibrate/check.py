@@ -6,7 +6,9 @@ path, and compares each with what the table predicts:
 
 - **Spot points** (:func:`spot_points`): the extremes of the grid: the smallest and largest
   calibrated Bcap, each at its smallest and largest calibrated G, in the first and last context
-  interval (at most 8 points; fewer when extremes coincide).
+  interval (at most 8 points; fewer when extremes coincide), or in the intervals given instead
+  (``contexts``, ``--context P:LO:HI``: e.g. a KV between two calibrated levels, where only the KV
+  model prices it; such a point reports ``context_index`` None).
 - **Measurement**: the runner is built from the table (``preset:NAME`` architecture, device
   kind, dtype, draft width, captured request buckets, model context, graph mode, attention
   backend; ``model`` may override the preset, e.g. to check a table against another model), and
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,26 +56,56 @@ PRESET = "preset:"
 
 @dataclass(frozen=True)
 class SpotPoint:
-    """One point to re-measure: the table's context index and the grid shape."""
+    """One point to re-measure: its context interval ``(prefill, lo, hi)``, the table's index
+    of it (None for a context the table did not calibrate) and the grid shape."""
 
-    context_index: int
+    context: tuple[int, int, int]
+    context_index: int | None
     bcap: int
     g: int
 
 
-def spot_points(table: CostTable) -> list[SpotPoint]:
-    """The grid extremes of ``table`` (module docstring), in (context, Bcap, G) order."""
+def spot_points(
+    table: CostTable, contexts: Sequence[tuple[int, int, int]] | None = None
+) -> list[SpotPoint]:
+    """The grid extremes of ``table`` (module docstring), in (context, Bcap, G) order.
+
+    ``contexts``: measure at these ``(prefill_tokens, min_kv_length, max_kv_length)`` intervals
+    instead of the table's first and last (e.g. a KV between two calibrated levels, to check what
+    the KV model predicts there); each must lie inside the table's calibrated span.
+    """
     cal = table.calibration
     rows = {int(b): sorted(int(g) for g in gs) for b, gs in cal.target_graph_rows.items()}
     bcaps = sorted(b for b in rows if rows[b])
     if not bcaps:
         raise InputError("calibration.target_graph_rows", rows, "at least one measured point")
-    contexts = sorted({table.fits[0].context_index, table.fits[-1].context_index})
+    if contexts is None:
+        ends = {f.context_index: f for f in (table.fits[0], table.fits[-1])}
+        chosen = [
+            ((f.prefill_tokens, max(f.min_kv_length, 1), f.max_kv_length), ci)
+            for ci, f in sorted(ends.items())
+        ]
+    else:
+        lo = min(f.min_kv_length for f in table.fits)
+        hi = max(f.max_kv_length for f in table.fits)
+        chosen = []
+        for c in contexts:
+            p, a, b = (int(x) for x in c)
+            if not (lo <= a <= b <= hi):
+                raise InputError(
+                    "--context", f"{p}:{a}:{b}", f"KV bounds inside the table's span [{lo}, {hi}]"
+                )
+            known = [
+                f.context_index
+                for f in table.fits
+                if (f.prefill_tokens, f.min_kv_length, f.max_kv_length) == (p, a, b)
+            ]
+            chosen.append(((p, a, b), known[0] if known else None))
     out = []
-    for ci in contexts:
+    for ctx, ci in chosen:
         for b in sorted({bcaps[0], bcaps[-1]}):
             for g in sorted({rows[b][0], rows[b][-1]}):
-                out.append(SpotPoint(ci, b, g))
+                out.append(SpotPoint(ctx, ci, b, g))
     return out
 
 
@@ -124,8 +156,7 @@ def engine_options(table: CostTable, *, model: str | None, device: str | None) -
 
 def _spot_config(table: CostTable, points: list[SpotPoint], windows: int) -> CalibrationConfig:
     cal = table.calibration
-    by_ci = {f.context_index: f for f in table.fits}
-    cis = sorted({p.context_index for p in points})
+    contexts = list(dict.fromkeys(p.context for p in points))
     rows: dict[int, set[int]] = {}
     for p in points:
         rows.setdefault(p.bcap, set()).add(p.g)
@@ -137,14 +168,7 @@ def _spot_config(table: CostTable, points: list[SpotPoint], windows: int) -> Cal
         draft_width=cal.draft_width,
         request_buckets=tuple(sorted(rows)),
         target_graph_rows={b: tuple(sorted(gs)) for b, gs in sorted(rows.items())},
-        contexts=tuple(
-            ContextInterval(
-                by_ci[ci].prefill_tokens,
-                max(by_ci[ci].min_kv_length, 1),
-                by_ci[ci].max_kv_length,
-            )
-            for ci in cis
-        ),
+        contexts=tuple(ContextInterval(*c) for c in contexts),
         warmup_steps=cal.warmup_steps,
         window_steps=cal.window_steps,
         windows_per_point=windows,
@@ -169,6 +193,7 @@ def check_table(
     device: str | None = None,
     windows: int | None = None,
     max_drift_pct: float | None = None,
+    contexts: Sequence[tuple[int, int, int]] | None = None,
     engine_factory: Callable[[CalibrateOptions], Any] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
@@ -180,13 +205,15 @@ def check_table(
     model, device : override the table's recorded preset / device kind.
     windows : windows per spot point (default the table's ``windows_per_point``).
     max_drift_pct : the bound on the median absolute drift (default ``max(floor, 2 * held-out)``).
+    contexts : intervals to measure instead of the table's first and last (:func:`spot_points`).
     engine_factory, clock : as for ``speccal.calibrate.pipeline.calibrate`` (tests inject fakes).
 
     Returns
     -------
     The ``--json`` report: ``table``, ``passed``, ``bound_pct``, ``bound_source``,
     ``heldout_pct``, ``median_abs_drift_pct``, ``max_abs_drift_pct``, ``points`` (per point:
-    ``context_index, bcap, g, k, kv_length, measured_ms, predicted_ms, drift_pct, beyond``),
+    ``context_index`` (None for a context the table did not calibrate), ``context``, ``bcap, g, k,
+    kv_length, measured_ms, predicted_ms, uncalibrated, drift_pct, beyond``),
     ``drifting`` (the points beyond the bound), ``compatibility`` (fields where the measured
     runner differs from the table), ``options`` (the runner that measured), ``wall_s``.
     """
@@ -196,7 +223,7 @@ def check_table(
     if max_drift_pct is not None and not max_drift_pct > 0:
         raise InputError("--max-drift-pct", max_drift_pct, "a number > 0")
     table = load_table(path)
-    points = spot_points(table)
+    points = spot_points(table, contexts)
     opts = engine_options(table, model=model, device=device)
     cfg = _spot_config(table, points, windows or table.calibration.windows_per_point)
     journal = _MemoryJournal()
@@ -217,7 +244,9 @@ def check_table(
             vocab_size=int(engine.loaded.config.vocab_size),
             clock=clock,
         )
-    cis = sorted({p.context_index for p in points})  # grid context i is table context cis[i]
+    # grid context i is the i-th distinct spot context (``_spot_config``)
+    cis = [p.context_index for p in dict((p.context, p) for p in points).values()]
+    spans = list(dict.fromkeys(p.context for p in points))
     lookup = table.lookup()
     rows = []
     for gp in grid:
@@ -229,6 +258,7 @@ def check_table(
         rows.append(
             {
                 "context_index": cis[gp.context_index],
+                "context": list(spans[gp.context_index]),
                 "bcap": gp.bcap,
                 "g": gp.g,
                 "k": gp.k,

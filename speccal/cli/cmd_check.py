@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speccal.base.atomic import dumps_json
+from speccal.base.errors import InputError
 from speccal.base.rich_tables import print_table
 
 err_console = Console(stderr=True)
@@ -23,6 +24,16 @@ err_console = Console(stderr=True)
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:+.1f}"
+
+
+def parse_context(text: str) -> tuple[int, int, int]:
+    """``P:LO:HI`` -> ``(prefill_tokens, min_kv_length, max_kv_length)``."""
+    parts = text.split(":")
+    try:
+        p, lo, hi = (int(x) for x in parts)
+    except ValueError:
+        raise InputError("--context", text, "PREFILL:MIN_KV:MAX_KV, three integers") from None
+    return p, lo, hi
 
 
 def check(
@@ -58,6 +69,16 @@ def check(
             show_default=False,
         ),
     ] = None,
+    context: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--context",
+            help="Measure at this interval PREFILL:MIN_KV:MAX_KV instead of the table's first "
+            "and last (repeatable; inside the table's KV span), e.g. between two calibrated "
+            "levels to check the KV model there.",
+            show_default=False,
+        ),
+    ] = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print the report as JSON on stdout.")
     ] = False,
@@ -68,14 +89,19 @@ def check(
     from speccal.calibrate.check import check_table
 
     report = check_table(
-        table, model=model, device=device, windows=windows, max_drift_pct=max_drift_pct
+        table,
+        model=model,
+        device=device,
+        windows=windows,
+        max_drift_pct=max_drift_pct,
+        contexts=[parse_context(c) for c in context] if context else None,
     )
     grid = Table(title=f"spot points of {table}")
     for col in ("ctx", "Bcap", "G", "k", "KV", "measured ms", "table ms", "drift %", ""):
         grid.add_column(col, justify="right")
     for r in report["points"]:
         grid.add_row(
-            str(r["context_index"]),
+            "new" if r["context_index"] is None else str(r["context_index"]),
             str(r["bcap"]),
             str(r["g"]),
             str(r["k"]),

@@ -121,3 +121,24 @@ def test_cli_exit_status_json_and_named_points(monkeypatch, table_path):
     assert bad.stderr.count("DRIFT") == 8
     refused = _cli(monkeypatch, table_path, "--windows", "0")
     assert refused.exit_code == 2 and "--windows" in refused.stderr
+
+
+def test_explicit_contexts_are_measured_instead_and_must_lie_in_the_span(table_path):
+    report, make = _check(table_path, contexts=[(30, 20, 100)])
+    assert report["passed"] and len(report["points"]) == 4
+    assert {r["context_index"] for r in report["points"]} == {None}
+    assert all(
+        r["context"] == [30, 20, 100] and 20 <= r["kv_length"] <= 100 for r in report["points"]
+    )
+    known, _ = _check(table_path, contexts=[(120, 101, 200)])
+    assert {r["context_index"] for r in known["points"]} == {1}
+    with pytest.raises(InputError, match="inside the table's span"):
+        _check(table_path, contexts=[(300, 250, 400)])
+
+
+def test_cli_context_option(monkeypatch, table_path):
+    res = _cli(monkeypatch, table_path, "--context", "30:20:100", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["points"][0]["context"] == [30, 20, 100]
+    bad = _cli(monkeypatch, table_path, "--context", "60:20")
+    assert bad.exit_code == 2 and "PREFILL:MIN_KV:MAX_KV" in bad.stderr
