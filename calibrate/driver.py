@@ -18,10 +18,19 @@ all land in the same slow or fast stretch. Per (point, window):
    ``advance_rounds``), so window ``i`` starts at the KV lengths it would have had in a
    sequential run of the point: the windows still cover the context interval in steps.
 2. **Warmup**: ``warmup_steps`` unmeasured rounds of the point's plan.
-3. **Window**: ``window_steps`` complete rounds. The device is synchronised only at window edges
-   (never per round); a window's cost is its wall time over its rounds (completion-time windows
-   of the round loop). Round results are inspected only after the closing sync: every round must
-   have run exactly the grid's (Bcap, G, k).
+3. **Window**: ``window_steps`` complete rounds, timed by ``speccal.calibrate.timing``: the
+   window edges are its only syncs (never per round). The start edge syncs, so every
+   transition and warmup round has finished on the device before the clock starts; exactly
+   ``window_steps`` rounds are queued between the edges (``Engine.round_index`` counts them),
+   and the end edge waits for the last of them. The row records the wall total
+   (``elapsed_s``, ``step_ms``) and, on CUDA, the device span between the edges
+   (``device_ms``) and ``wall_over_device``; ``loop`` names the engine's round loop. Under the
+   pipelined loop (``EngineConfig.pipeline``, calibration's default) the rounds inside the
+   window run steady state (round ``n + 1`` queued while ``n`` runs; one host prepare before
+   the first is the only bubble), results arrive one step late: the window's first step
+   returns the last warmup round and its last round is collected (``Engine.drain``) after the
+   end edge, outside the timed span. Round results are inspected only after the closing sync,
+   selected by ``round_index``: every round must have run exactly the grid's (Bcap, G, k).
 
 Synthetic requests: token ids drawn from ``numpy.random.default_rng((token_seed, context, Bcap, G,
 k))`` (same prompts for a point on resume). Every point is measured at the same mean KV length
@@ -53,6 +62,7 @@ from speccal.calibrate.config import CalibrationConfig
 from speccal.calibrate.feasibility import reserve_tokens
 from speccal.calibrate.grid import GridPoint
 from speccal.calibrate.journal import Journal
+from speccal.calibrate.timing import WindowTimer
 
 
 class ShapeMismatchError(SpeccalError):
@@ -182,10 +192,17 @@ def measurement_row(
     elapsed_s: float,
     mean_kv_length: float,
     device: str,
+    *,
+    device_ms: float | None = None,
+    loop: str | None = None,
 ) -> dict[str, Any]:
-    """One journal / measurement row (required + optional columns of ARCHITECTURE.md)."""
+    """One journal / measurement row (required + optional columns of ARCHITECTURE.md).
+
+    ``device_ms`` (the window's device span, CUDA events) adds ``device_ms`` and
+    ``wall_over_device`` (wall total over device span); ``loop`` adds the round loop.
+    """
     ctx = cfg.contexts[point.context_index]
-    return {
+    row = {
         "context_index": point.context_index,
         "prefill_tokens": ctx.prefill_tokens,
         "min_kv_length": ctx.min_kv_length,
@@ -204,6 +221,43 @@ def measurement_row(
         "device": device,
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    if loop is not None:
+        row["loop"] = loop
+    if device_ms is not None and device_ms > 0:
+        row["device_ms"] = device_ms
+        row["wall_over_device"] = 1000.0 * elapsed_s / device_ms
+    return row
+
+
+def loop_of(engine: Any) -> str:
+    """The engine's round loop as its compatibility records it (``pipelined`` |
+    ``synchronous``; engines that record none run the synchronous loop)."""
+    return str(engine.compatibility().get("loop", "synchronous"))
+
+
+def _window_results(
+    results: Sequence[Any], point: GridPoint, first: int, window_steps: int, queued: int
+) -> list[Any]:
+    """The window's rounds among every result of one (point, window), checked.
+
+    ``first`` is the index of the window's first round: rounds before it (transition, warmup)
+    must have the point's shape too; the window must hold exactly rounds ``first ..
+    first + window_steps - 1``, each queued between the edges (``queued`` rounds were).
+    """
+    if queued != window_steps:
+        raise ShapeMismatchError(
+            f"{queued} rounds ran between the window edges, the window asks for {window_steps}"
+        )
+    live = [r for r in results if int(r.round_index) >= 0]  # -1: a pipelined step's empty result
+    for r in live:
+        _check_shape(r, point, "measured" if r.round_index >= first else "warmup")
+    window = [r for r in live if first <= r.round_index < first + window_steps]
+    if [int(r.round_index) for r in window] != list(range(first, first + window_steps)):
+        raise ShapeMismatchError(
+            f"window rounds {[int(r.round_index) for r in window]} collected, expected rounds "
+            f"{first}..{first + window_steps - 1}"
+        )
+    return window
 
 
 def _check_shape(res: Any, point: GridPoint, phase: str) -> None:
@@ -248,6 +302,8 @@ def drive(
     from speccal.runner.sampling import SamplingParams
 
     done = journal.done
+    timer = WindowTimer(engine, clock)
+    loop = loop_of(engine)
     w = cfg.windows_per_point
     indices = tuple(range(w) if window_indices is None else window_indices)
     max_tokens = reserve_tokens(cfg.warmup_steps, cfg.window_steps, 1, cfg.draft_width)
@@ -275,35 +331,38 @@ def drive(
                 engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             # Engine.step admits and prefills waiting requests, then runs one round: this first
             # step is the transition (prefill + first round at the point's shape), never counted.
-            res = engine.step(plan)
+            # A pipelined engine returns each round one step later (round_index says which).
+            before = [engine.step(plan)]
             rounds += 1
-            _check_shape(res, point, "transition")
             engine.synchronize()
             t1 = clock()
             t_transition += t1 - t0
 
             for _ in range(cfg.warmup_steps):
-                res = engine.step(plan)
-                _check_shape(res, point, "warmup")
+                before.append(engine.step(plan))
             rounds += cfg.warmup_steps
-            engine.synchronize()
-            t2 = clock()
-            t_warmup += t2 - t1
 
-            results = []
-            start = clock()
-            for _ in range(cfg.window_steps):
-                results.append(engine.step(plan))
-            engine.synchronize()
-            elapsed = clock() - start
+            # The window: every round queued before it has finished at the start edge; exactly
+            # window_steps rounds are queued between the edges, and the end edge waits for the
+            # last of them. A pipelined engine's last round is collected after the edge.
+            start = timer.start()
+            t_warmup += start - t1
+            first = engine.round_index
+            inside = [engine.step(plan) for _ in range(cfg.window_steps)]
+            span = timer.stop()
+            queued = engine.round_index - first
             rounds += cfg.window_steps
-            t_sampling += elapsed
-            for res in results:
-                _check_shape(res, point, "measured")
+            t_sampling += span.elapsed_s
+            after = engine.drain()
+            results = _window_results(before + inside + after, point, first, cfg.window_steps,
+                                      queued)
             mean_kv = float(
                 np.mean([np.mean(np.asarray(r.kv_lengths, dtype=float)) for r in results])
             )
-            journal.append(measurement_row(cfg, point, window_index, elapsed, mean_kv, device))
+            journal.append(
+                measurement_row(cfg, point, window_index, span.elapsed_s, mean_kv, device,
+                                device_ms=span.device_ms, loop=loop)
+            )
             measured += 1
             left[point.key] -= 1
             points_done += left[point.key] == 0

@@ -56,6 +56,9 @@ OPTIONAL_COLUMNS: dict[str, str] = {
     "mode": "str",
     "device": "str",
     "timestamp": "str",
+    "loop": "str",  # the engine's round loop (pipelined | synchronous)
+    "device_ms": "float",  # device span of the window (CUDA events between its edges)
+    "wall_over_device": "float",  # elapsed_s over that span
 }
 
 MODES = ("draft_step", "target_verify")

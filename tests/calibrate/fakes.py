@@ -59,6 +59,7 @@ class FakeResult:
     g: int
     k: int
     kv_lengths: list[int]
+    round_index: int
 
 
 @dataclass
@@ -85,6 +86,7 @@ class FakeEngine:
         self._fresh = False
         self._factor = 1.0
         self._seen: dict[tuple[int, int], int] = {}
+        self.round_index = 0
 
     def compatibility(self) -> dict:
         return make_compatibility(
@@ -97,6 +99,7 @@ class FakeEngine:
             input_update="host",
             device_kind=self.device_kind,
             device_name="fake-device",
+            loop="synchronous",
         )
 
     def runtime_versions(self) -> dict:
@@ -105,6 +108,10 @@ class FakeEngine:
     def reset(self) -> None:
         self._kv = []
         self._fresh = True
+        self.round_index = 0
+
+    def drain(self) -> list:
+        return []  # a synchronous loop: nothing queued
 
     def add_request(self, prompt, params) -> int:
         self._kv.append(len(prompt))
@@ -133,7 +140,9 @@ class FakeEngine:
         self.threads_seen.add(torch.get_num_threads())
         self.clock.now += self.cost_ms(bcap, g) * self._factor / 1000.0
         self._kv = [kv + v + 1 for kv, v in zip(self._kv, verify, strict=True)]
-        return FakeResult(bcap, bcap, g, plan.num_draft_steps, list(self._kv))
+        self.round_index += 1
+        return FakeResult(bcap, bcap, g, plan.num_draft_steps, list(self._kv),
+                          self.round_index - 1)
 
 
 def fake(**kw):
