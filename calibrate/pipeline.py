@@ -10,8 +10,9 @@ Order (nothing is sampled before every check has passed):
    built, so a bad output path never costs a calibration;
 1. parse the calibration JSON (if any) - bad files fail before the runner is built;
 2. pin torch's intra-op threads (``speccal.calibrate.machine``: one on cpu unless ``--threads``;
-   restored at the end), build and warm the runner (``Engine``, forced full acceptance: model
-   load, kernel compiles, graph capture) - printed and timed as ``compile_capture_s``;
+   restored at the end), build and warm the runner (``Engine``, forced full acceptance, the
+   ``--loop`` round loop, pipelined by default: model load, kernel compiles, graph capture) -
+   printed and timed as ``compile_capture_s``;
 3. ``--cost-table``: load the table against ``Engine.compatibility()`` (semantic mismatch refused),
    print it and stop: no sampling, no fitting (warmup is not skipped);
 4. resolve the effective configuration against the captured geometry and the quality gate's
@@ -24,7 +25,8 @@ Order (nothing is sampled before every check has passed):
    the same way); print the warm-up (``transition_s`` + ``warmup_s``) and measuring
    (``sampling_s``) times and the load after;
 6. fit each point's quietest round (``speccal.costmodel.table_build.build_table``), record the
-   gate in ``calibration.quality`` and the timings in ``provenance.timings``, print the fit report
+   gate in ``calibration.quality``, the window timing (loop, wall over device span) in
+   ``calibration.timing`` and the timings in ``provenance.timings``, print the fit report
    and the gate's verdict; refuse (``QualityGateError``, exit 1, the journal kept) a table whose
    held-out error is beyond the bound unless ``accept_noisy``; write the table atomically at
    ``--out`` - ``fit_s``. A crash or refusal before this leaves the previous table untouched.
@@ -55,7 +57,7 @@ from speccal.calibrate.config import (
     parse_config_file,
     resolve_config,
 )
-from speccal.calibrate.driver import DriveStats, drive
+from speccal.calibrate.driver import DriveStats, drive, loop_of
 from speccal.calibrate.feasibility import check_feasible
 from speccal.calibrate.gate import (
     GateConfig,
@@ -69,6 +71,7 @@ from speccal.calibrate.gate import (
 )
 from speccal.calibrate.grid import GridPoint, build_grid
 from speccal.calibrate.journal import Journal, check_discard, open_journal
+from speccal.calibrate.timing import LOOPS, loop_timing
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import build_table
 from speccal.costmodel.table_schema import CostTable, Provenance
@@ -92,7 +95,10 @@ class CalibrateOptions:
     (keys of ``speccal.calibrate.config.KEYS``; None = not given). ``threads`` is torch's
     intra-op thread count (None: one on cpu, torch's own elsewhere); ``max_spread_pct``,
     ``max_heldout_pct``, ``remeasure_rounds`` and ``accept_noisy`` set the quality gate (None:
-    the device kind's defaults, ``speccal.calibrate.gate.DEFAULTS``).
+    the device kind's defaults, ``speccal.calibrate.gate.DEFAULTS``). ``loop`` is the engine's
+    round loop (``speccal.calibrate.timing.LOOPS``): ``pipelined`` (default, what a deployment
+    serves with: round ``n + 1`` queued while ``n`` runs) or ``synchronous``; recorded in the
+    table's compatibility and ``calibration.timing``.
     """
 
     model: str = "tiny"
@@ -117,6 +123,7 @@ class CalibrateOptions:
     max_heldout_pct: float | None = None
     remeasure_rounds: int | None = None
     accept_noisy: bool = False
+    loop: str = "pipelined"
 
     @property
     def journal_path(self) -> Path:
@@ -142,6 +149,7 @@ def make_engine(opts: CalibrateOptions) -> Any:
         "device": opts.device,
         "acceptance": "forced",
         "seed": opts.seed,
+        "pipeline": opts.loop == "pipelined",
     }
     if opts.dtype is not None:
         kwargs["dtype"] = opts.dtype
@@ -164,6 +172,8 @@ def make_engine(opts: CalibrateOptions) -> Any:
 def _check_options(opts: CalibrateOptions) -> None:
     """Refuse contradictory options and unwritable outputs before anything is built."""
     machine.check_threads(opts.threads)
+    if opts.loop not in LOOPS:
+        raise InputError("--loop", opts.loop, " or ".join(LOOPS))
     check_bounds(opts.max_spread_pct, opts.max_heldout_pct, opts.remeasure_rounds)
     if opts.resume and opts.overwrite:
         raise InputError(
@@ -317,6 +327,7 @@ def _calibrate(
             **cfg.to_dict(),
             "sources": {**cfg.sources, "threads": threads.source},
             "threads": threads.threads,
+            "timing": loop_timing(selection.rows, loop_of(engine)),
         },
         geometry=geometry,
         provenance=Provenance.now(
@@ -360,6 +371,7 @@ def _calibrate(
         "effective_config": report.effective_config_dict(cfg, geometry, compat, threads, gate),
         "fit": report.fit_summary(table),
         "quality": quality,
+        "timing": table.calibration.timing.model_dump(mode="json"),
         "timings": {**timings, "fit_s": fit_s, "total_s": time.perf_counter() - t_start},
     }
     if refused:

@@ -56,7 +56,7 @@ def effective_config_dict(
     threads: ThreadPin | None = None,
     gate: GateConfig | None = None,
 ) -> dict:
-    """``{"config", "sources", "notes", "geometry", "graph_mode", "threads", "gate"}``
+    """``{"config", "sources", "notes", "geometry", "graph_mode", "loop", "threads", "gate"}``
     (``sources`` also names where ``threads`` and each gate bound came from)."""
     sources = dict(cfg.sources)
     if threads is not None:
@@ -69,6 +69,7 @@ def effective_config_dict(
         "notes": dict(cfg.notes),
         "geometry": geometry.to_dict(),
         "graph_mode": compatibility.get("graph_mode"),
+        "loop": compatibility.get("loop"),
         "threads": None if threads is None else threads.threads,
         "gate": None if gate is None else gate_dict(gate),
     }
@@ -125,6 +126,7 @@ def print_geometry(console: Console, geometry: Geometry, compatibility: Mapping[
     g.add_column("item", style="bold")
     g.add_column("value", overflow="fold")
     g.add_row("graph mode", str(compatibility.get("graph_mode")))
+    g.add_row("round loop", str(compatibility.get("loop", "synchronous")))
     g.add_row("draft width w", str(geometry.draft_width))
     g.add_row("request buckets Bcap", str(list(geometry.request_buckets)))
     g.add_row(

@@ -89,3 +89,31 @@ class WindowTimer:
         device_ms = float(self._ev0.elapsed_time(ev1)) if ev1 is not None else None
         self._t0 = self._ev0 = None
         return WindowTime(elapsed_s=elapsed, device_ms=device_ms)
+
+
+#: The round loops ``speccal calibrate --loop`` takes (``EngineConfig.pipeline`` True / False).
+LOOPS = ("pipelined", "synchronous")
+
+
+def loop_timing(rows: list[dict[str, Any]], loop: str) -> dict[str, Any]:
+    """The calibration block's ``timing`` summary (``costmodel.table_schema.LoopTimingBlock``)
+    of the measurement rows the fit uses: the loop, window counts, and over the windows with a
+    device span the median and largest ``wall_over_device`` and the median device ms per round."""
+    timed = [r for r in rows if r.get("device_ms") is not None]
+    ratios = sorted(float(r["wall_over_device"]) for r in timed)
+    per_round = sorted(float(r["device_ms"]) / int(r["window_steps"]) for r in timed)
+    return {
+        "loop": loop,
+        "windows": len(rows),
+        "device_windows": len(timed),
+        "wall_over_device_median": _median(ratios),
+        "wall_over_device_max": ratios[-1] if ratios else None,
+        "device_step_ms_median": _median(per_round),
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2

@@ -11,9 +11,11 @@ older versions) is ``speccal.costmodel.table``. The document (JSON Schema commit
                      target_graph_rows, contexts, warmup_steps, window_steps,
                      windows_per_point, token_seed, policy, sources, threads,
                      quality: {gate bounds, held-out error seen, flagged and re-measured
-                               points, machine load, override used} | null},
+                               points, machine load, override used} | null,
+                     timing: {loop, windows, device_windows, wall_over_device median/max,
+                              device_step_ms_median} | null},
      "compatibility": {...see speccal.costmodel.compat: identity, topology and the measured
-                       program: graph_mode, attention_backend, input_update, kernels},
+                       program: graph_mode, attention_backend, input_update, kernels, loop},
      "geometry": {...speccal.base.geometry.Geometry.to_dict()},
      "fits": [{context_index, prefill_tokens, min_kv_length, max_kv_length, model, combine,
                "additive": {bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, reference}
@@ -130,14 +132,33 @@ class QualityBlock(_Strict):
     sources: dict[str, str] = Field(default_factory=dict)
 
 
+class LoopTimingBlock(_Strict):
+    """How the windows of a calibration run were timed (``speccal.calibrate.timing``).
+
+    ``loop``: the engine's round loop (``pipelined``: round ``n + 1`` queued while ``n`` runs;
+    ``synchronous``: host and device work in series). ``windows``: windows the fit uses;
+    ``device_windows``: those with a device span (CUDA events; 0 on cpu). Over those,
+    the median and largest ``wall_over_device`` (wall total over device span of a window) and
+    the median device span per round (``device_step_ms_median``); None without device spans.
+    """
+
+    loop: Literal["pipelined", "synchronous"]
+    windows: int = Field(ge=0)
+    device_windows: int = Field(ge=0)
+    wall_over_device_median: float | None = Field(default=None, gt=0)
+    wall_over_device_max: float | None = Field(default=None, gt=0)
+    device_step_ms_median: float | None = Field(default=None, gt=0)
+
+
 class CalibrationConfig(_Strict):
     """The effective calibration config a table was measured with (defaults filled in).
 
     ``sources`` maps each key to where its value came from (free-form; ``speccal.calibrate``
     writes ``default``/``file``/``flag``/``run``; a table built from bare rows writes
     ``default``, ``measurements``, ``compatibility`` or ``caller``). ``threads`` is torch's
-    intra-op thread count during measurement and ``quality`` the run's quality gate, both None
-    for a table no calibration run measured (a bare fit, a migrated older table).
+    intra-op thread count during measurement, ``quality`` the run's quality gate and ``timing``
+    how its windows were timed (:class:`LoopTimingBlock`), all None for a table no calibration
+    run measured (a bare fit, a migrated older table).
     """
 
     model: Literal["additive", "sps"] = "additive"
@@ -154,6 +175,7 @@ class CalibrationConfig(_Strict):
     sources: dict[str, str] = Field(default_factory=dict)
     threads: int | None = Field(default=None, ge=1)
     quality: QualityBlock | None = None
+    timing: LoopTimingBlock | None = None
 
 
 class GeometryBlock(_Strict):

@@ -137,6 +137,15 @@ def register(app: typer.Typer) -> None:
                 "torch elsewhere.",
             ),
         ] = None,
+        loop: Annotated[
+            str,
+            typer.Option(
+                "--loop",
+                help="Round loop of the calibrating engine: pipelined (round n + 1 queued while n "
+                "runs, what a deployment serves with; a round costs about its device time) or "
+                "synchronous (host and device work in series). Recorded in the table.",
+            ),
+        ] = "pipelined",
         threads: Annotated[
             int | None,
             typer.Option(
@@ -206,6 +215,7 @@ def register(app: typer.Typer) -> None:
             max_heldout_pct=max_heldout_pct,
             remeasure_rounds=remeasure_rounds,
             accept_noisy=accept_noisy,
+            loop=loop,
             flags={
                 "mode": mode,
                 "warmup_steps": warmup_steps,

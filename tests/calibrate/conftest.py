@@ -49,29 +49,32 @@ class CountingEngine:
         return getattr(self._engine, name)
 
 
-_ENGINES: dict[int, Engine] = {}
+_ENGINES: dict[tuple[int, bool], Engine] = {}
 
 
-def real_engine(draft_width: int = 3) -> Engine:
-    if draft_width not in _ENGINES:
-        _ENGINES[draft_width] = Engine(
+def real_engine(draft_width: int = 3, pipeline: bool = False) -> Engine:
+    key = (draft_width, pipeline)
+    if key not in _ENGINES:
+        _ENGINES[key] = Engine(
             EngineConfig(
                 model="tiny",
                 acceptance="forced",
                 draft_width=draft_width,
                 request_buckets=BUCKETS,
                 max_model_len=MAX_MODEL_LEN,
+                pipeline=pipeline,
             )
         )
-    return _ENGINES[draft_width]
+    return _ENGINES[key]
 
 
 @pytest.fixture
 def engine_factory():
-    """``factory(opts) -> CountingEngine`` honouring ``opts.draft_width``; ``.last`` is the last one."""
+    """``factory(opts) -> CountingEngine`` honouring ``opts.draft_width`` and ``opts.loop``
+    (pipelined by default, as ``make_engine``); ``.last`` is the last one."""
 
     def factory(opts):
-        eng = CountingEngine(real_engine(opts.draft_width or 3))
+        eng = CountingEngine(real_engine(opts.draft_width or 3, opts.loop == "pipelined"))
         factory.last = eng
         return eng
 

@@ -155,7 +155,8 @@ def tiny_table(tmp_path_factory):
     out = Path(d) / "tiny-draft-step.json"
     calibrate(
         CalibrateOptions(
-            model="tiny", request_buckets=(1, 2, 4), config_path=cfg, out=out, progress=False
+            model="tiny", request_buckets=(1, 2, 4), config_path=cfg, out=out, progress=False,
+            loop="synchronous",  # the loop `speccal bench` serves: no loop warning expected
         ),
         console=Console(stderr=True, quiet=True),
     )
