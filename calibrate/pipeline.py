@@ -354,6 +354,7 @@ def _calibrate(
     table = with_quality(table, quality)
     fit_s = time.perf_counter() - t_fit
     report.print_fit_report(console, table)
+    report.print_timing(console, table.calibration.timing)
     report.print_gate(console, quality, selection, held)
     refused = not passed and not gate.accept_noisy
     summary = {

@@ -296,3 +296,20 @@ def print_gate(
         else:
             verdict += "[bold red]beyond the bound[/]"
     console.print(f"quality gate: held-out error {verdict}", soft_wrap=True)
+
+
+def print_timing(console: Console, timing: Any) -> None:
+    """One line on how the windows were timed: the round loop and, with device spans (CUDA),
+    the windows' wall total over device span (``calibration.timing``)."""
+    if timing is None:
+        return
+    text = f"windows timed on the {timing.loop} round loop"
+    if timing.device_windows:
+        text += (
+            f": wall / device span median {timing.wall_over_device_median:.3f}, max "
+            f"{timing.wall_over_device_max:.3f} over {timing.device_windows} windows; device "
+            f"{timing.device_step_ms_median:.3f} ms per round (median)"
+        )
+    else:
+        text += " (no device clock: wall time only)"
+    console.print(text, soft_wrap=True)

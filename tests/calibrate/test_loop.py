@@ -9,6 +9,7 @@ rounds queued between its edges (exact, whatever the CI box's load)."""
 
 from __future__ import annotations
 
+import io
 import json
 import warnings
 from types import SimpleNamespace
@@ -169,6 +170,7 @@ def test_cli_loop_option(tmp_path, monkeypatch, engine_factory, small_config):
     res = CliRunner().invoke(app, [*args, "--loop", "synchronous"], env={"COLUMNS": "120"})
     assert res.exit_code == 0, res.output
     assert "round loop" in res.stderr and "synchronous" in res.stderr
+    assert "windows timed on the synchronous round loop (no device clock" in res.stderr
     assert json.loads(out.read_text())["compatibility"]["loop"] == "synchronous"
     bad = CliRunner().invoke(app, [*args, "--loop", "async", "--overwrite"],
                              env={"COLUMNS": "120"})
@@ -198,7 +200,9 @@ def test_a_device_span_becomes_device_ms_and_wall_over_device(tmp_path, monkeypa
     cfg.write_text(json.dumps(SMALL))
     opts = CalibrateOptions(config_path=cfg, out=tmp_path / "t.json", progress=False,
                             remeasure_rounds=0, accept_noisy=True)
-    calibrate(opts, console=QUIET, engine_factory=make, clock=clock)
+    console = Console(record=True, width=200, file=io.StringIO())
+    calibrate(opts, console=console, engine_factory=make, clock=clock)
+    assert "wall / device span median 1.250, max 1.250" in console.export_text()
     lines = [json.loads(x) for x in opts.journal_path.read_text().splitlines()]
     rows = [x["row"] for x in lines if x.get("kind") == "window"]
     for r in rows:
