@@ -150,6 +150,8 @@ def engine_options(table: CostTable, *, model: str | None, device: str | None) -
         max_model_len=geom.max_model_len or None,
         graph_mode=None if compat.graph_mode in known else compat.graph_mode,
         attention_backend=None if compat.attention_backend in known else compat.attention_backend,
+        # a table that never recorded its loop was measured before calibration was pipelined
+        loop="synchronous" if compat.loop in known else compat.loop,
         progress=False,
     )
 

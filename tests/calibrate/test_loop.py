@@ -223,3 +223,16 @@ def test_loop_timing_summarises_only_windows_with_a_device_span():
         "loop": "pipelined", "windows": 3, "device_windows": 2, "wall_over_device_median": 1.25,
         "wall_over_device_max": 1.5, "device_step_ms_median": 3.0,
     }
+
+
+def test_table_check_rebuilds_the_loop_the_table_was_measured_with(tmp_path):
+    from speccal.calibrate.check import engine_options
+
+    _, _, _, opts = _run(tmp_path, "pipelined")
+    table = load_table(opts.out)
+    assert engine_options(table, model=None, device=None).loop == "pipelined"
+    doc = json.loads(opts.out.read_text())
+    doc["compatibility"]["loop"] = "unknown"  # saved before the loop was recorded
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(doc))
+    assert engine_options(load_table(old), model=None, device=None).loop == "synchronous"
