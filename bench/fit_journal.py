@@ -1,0 +1,71 @@
+"""Fit a table from a calibration journal that did not finish (a run killed by a deadline).
+
+Usage: python3 bench/fit_journal.py JOURNAL.jsonl --out TABLE.json [--windows-per-point 3]
+
+Keeps each point's quietest complete round of windows (the rule of
+``speccal.calibrate.gate.select_windows``), fits the additive model (and the KV-aware model
+when the journal holds three or more contexts) with ``build_table`` and the journal header's
+compatibility, writes the table and prints the spreads and the KV model's held-out errors.
+A diagnostic for bench/RESULTS.md; `speccal calibrate --resume` is the user's way to finish a
+run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import warnings
+
+import pandas as pd
+
+from speccal.costmodel.table import save_table
+from speccal.costmodel.table_build import build_table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("journal")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--windows-per-point", type=int, default=3)
+    args = ap.parse_args()
+    w = args.windows_per_point
+    lines = [json.loads(line) for line in open(args.journal, encoding="utf-8")]
+    head, rows = lines[0], [x["row"] for x in lines[1:] if x.get("kind") == "window"]
+    by = collections.defaultdict(lambda: collections.defaultdict(dict))
+    for r in rows:
+        by[(r["context_index"], r["bcap"], r["g"], r["k"])][r["window_index"] // w][
+            r["window_index"] % w] = r
+    kept, first, best_spreads = [], [], []
+    for rounds in by.values():
+        complete = {i: ws for i, ws in rounds.items() if len(ws) == w}
+        spread = {}
+        for i, ws in complete.items():
+            ms = [x["step_ms"] for x in ws.values()]
+            spread[i] = (max(ms) - min(ms)) / statistics.median(ms) * 100
+        best = min(spread, key=lambda i: (spread[i], i))
+        first.append(spread[0])
+        best_spreads.append(spread[best])
+        kept.extend(complete[best].values())
+    print(f"{len(by)} points, {len(kept)} windows kept; first-round spread median "
+          f"{statistics.median(first):.1f} % max {max(first):.1f} %; kept median "
+          f"{statistics.median(best_spreads):.1f} % max {max(best_spreads):.1f} %")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = build_table(pd.DataFrame(kept), model="additive",
+                            compatibility=head["compatibility"])
+    save_table(table, args.out)
+    doc = json.load(open(args.out, encoding="utf-8"))
+    km = doc.get("kv_model")
+    if km:
+        pts = [p for p in km["points"] if p.get("loco_ms") is not None]
+        loco = [abs(p["loco_ms"] - p["step_ms"]) / p["step_ms"] * 100 for p in pts]
+        print(f"KV model {km['kv_term']}: leave-one-context-out median "
+              f"{statistics.median(loco):.2f} % mean {statistics.mean(loco):.2f} % over "
+              f"{len(loco)} points; leave-one-point-out mean "
+              f"{km['leave_one_point_out']['mean_abs_pct']:.2f} %")
+
+
+if __name__ == "__main__":
+    main()
