@@ -152,6 +152,8 @@ def engine_options(table: CostTable, *, model: str | None, device: str | None) -
         attention_backend=None if compat.attention_backend in known else compat.attention_backend,
         # a table that never recorded its loop was measured before calibration was pipelined
         loop="synchronous" if compat.loop in known else compat.loop,
+        # the kernels the table measured (None when it never recorded them: the defaults)
+        kernels=compat.kernels.config,
         progress=False,
     )
 

@@ -124,6 +124,7 @@ class CalibrateOptions:
     remeasure_rounds: int | None = None
     accept_noisy: bool = False
     loop: str = "pipelined"
+    kernels: Mapping[str, Any] | None = None  # a KernelConfig.to_dict() object; None: defaults
 
     @property
     def journal_path(self) -> Path:
@@ -138,7 +139,7 @@ def make_engine(opts: CalibrateOptions) -> Any:
     """
     try:
         from speccal.runner.engine import Engine, EngineConfig
-        from speccal.runner.path import served_path
+        from speccal.runner.path import KernelConfig, served_path
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "torch":
             raise
@@ -161,7 +162,8 @@ def make_engine(opts: CalibrateOptions) -> Any:
         kwargs["max_model_len"] = opts.max_model_len
     # Calibrate the path a deployment serves with unless asked otherwise; a table records
     # graph_mode, so an eager table cannot serve graphs.
-    served = served_path(opts.device)
+    kernels = KernelConfig() if opts.kernels is None else KernelConfig.from_dict(opts.kernels)
+    served = served_path(opts.device, kernels)
     kwargs["path"] = served.with_(
         graph_mode=opts.graph_mode or served.graph_mode,
         attention_backend=opts.attention_backend or served.attention_backend,

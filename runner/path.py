@@ -25,7 +25,8 @@ GRAPH_MODES = ("eager", "split")
 ATTENTION_BACKENDS = ("torch", "triton")
 INPUT_UPDATES = ("auto", "in_graph", "host")
 
-__all__ = ["ATTENTION_BACKENDS", "ExecutionPath", "GRAPH_MODES", "INPUT_UPDATES", "PathBound",
+__all__ = ["ATTENTION_BACKENDS", "ExecutionPath", "GRAPH_MODES", "INPUT_UPDATES", "KernelConfig",
+           "PathBound",
            "bind_path", "served_path"]
 
 

@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from speccal.base.atomic import read_json
 from speccal.base.errors import InputError
 
 _err = Console(stderr=True)
@@ -137,6 +138,15 @@ def register(app: typer.Typer) -> None:
                 "torch elsewhere.",
             ),
         ] = None,
+        kernels: Annotated[
+            Path | None,
+            typer.Option(
+                "--kernels",
+                help="Kernel configuration JSON (the object a table records under "
+                "compatibility.kernels.config, e.g. from `speccal table show --json`; every "
+                "group optional). Default: the built-in configuration.",
+            ),
+        ] = None,
         loop: Annotated[
             str,
             typer.Option(
@@ -216,6 +226,7 @@ def register(app: typer.Typer) -> None:
             remeasure_rounds=remeasure_rounds,
             accept_noisy=accept_noisy,
             loop=loop,
+            kernels=None if kernels is None else read_json(kernels, "--kernels"),
             flags={
                 "mode": mode,
                 "warmup_steps": warmup_steps,
