@@ -40,6 +40,7 @@ from speccal.kernels.gemv_config import (
     deferred_norm_tiles,
     launch_config,
 )
+from speccal.kernels.precompile import dry_pass_active
 
 __all__ = [
     "ArgmaxKeys",
@@ -376,7 +377,7 @@ def paged_attention(
     if use_triton(q, backend or tune.backend):
         from speccal.kernels.paged_attention import paged_attention_triton
 
-        return paged_attention_triton(
+        res = paged_attention_triton(
             q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, num_splits, split_len,
             plan.max_splits, q_lens=q_lens, cu_q_lens=cu_q_lens, out=out, block_n=plan.block_n,
             num_stages=plan.num_stages,
@@ -384,6 +385,8 @@ def paged_attention(
             signal=signal if pdl_level(q, tune) > 0 else None, successor_panel=successor_panel,
             tune=tune,
         )
+        if not dry_pass_active():
+            return res
     split = dict(
         num_splits=num_splits if plan.max_splits > 1 else None,
         split_len=split_len if plan.max_splits > 1 else None, max_splits=plan.max_splits,
@@ -479,8 +482,10 @@ def verify_token_update(
     if use_triton(input_ids, backend or tune.backend):
         from speccal.kernels.verify_tokens import verify_token_update_triton
 
-        return verify_token_update_triton(base_tokens, draft_tokens, verify_lens, input_ids,
-                                          pad_id, base_index)
+        res = verify_token_update_triton(base_tokens, draft_tokens, verify_lens, input_ids,
+                                         pad_id, base_index)
+        if not dry_pass_active():
+            return res
     return ref.verify_token_update_ref(base_tokens, draft_tokens, verify_lens, input_ids, pad_id,
                                        base_index)
 
@@ -539,8 +544,11 @@ def verify_accept(
     if use_triton(hidden, backend or tune.backend):
         from speccal.kernels.verify_accept import verify_accept_triton
 
-        return verify_accept_triton(row_tokens, grid_rows, draft_tokens, num_verify, slot_index,
-                                    hidden, ext_tokens, ext_hidden, greedy, pdl_level(hidden, tune) > 0)
+        res = verify_accept_triton(row_tokens, grid_rows, draft_tokens, num_verify, slot_index,
+                                   hidden, ext_tokens, ext_hidden, greedy,
+                                   pdl_level(hidden, tune) > 0)
+        if not dry_pass_active():
+            return res
     if partials:
         row_tokens = ref.reduce_argmax_partials_ref(*row_tokens)
     elif isinstance(row_tokens, ArgmaxKeys):
@@ -628,7 +636,8 @@ def verify_metadata_update(
                                       positions, slot_mapping, seq_lens, cu_q_lens, k_max,
                                       grid_rows, max_cu, pdl=pdl_level(seq_lens, tune) > 0,
                                       argmax_keys=argmax_keys)
-        return
+        if not dry_pass_active():
+            return
     ref.verify_metadata_update_ref(verify_lens, context_lens, block_table, block_size, positions,
                                    slot_mapping, seq_lens, cu_q_lens, k_max, grid_rows, max_cu)
     if argmax_keys is not None:
@@ -657,7 +666,8 @@ def attention_tiling_update(
         attention_tiling_update_triton(seq_lens, num_splits, split_len, plan.max_splits,
                                        plan.block_n, plan.min_split_len,
                                        pdl=pdl_level(seq_lens, tune) > 0)
-        return
+        if not dry_pass_active():
+            return
     ref.attention_tiling_update_ref(seq_lens, num_splits, split_len, plan.max_splits,
                                     plan.block_n, plan.min_split_len)
 
@@ -734,11 +744,13 @@ def linear(
     if use_triton(x, backend or tune.backend):
         from speccal.kernels.gemv import linear_triton
 
-        return linear_triton(x, weight, out=out, config=config, epilogue=epilogue,
-                             residual=residual, pdl=pdl_level(x, tune), norm=norm,
-                             prefetch=tune.gemv.prefetch_tiles,
-                             residual_settled=residual_settled and tune.prewait,
-                             row_scale=scale, tune=tune)
+        res = linear_triton(x, weight, out=out, config=config, epilogue=epilogue,
+                            residual=residual, pdl=pdl_level(x, tune), norm=norm,
+                            prefetch=tune.gemv.prefetch_tiles,
+                            residual_settled=residual_settled and tune.prewait,
+                            row_scale=scale, tune=tune)
+        if not dry_pass_active():
+            return res
     rs = None
     if scale is not None:
         rs = torch.rsqrt(scale[0].sum(1) / x.shape[1] + scale[1])
@@ -812,14 +824,18 @@ def linear_deferred_norm(
                       prefetch=tune.gemv.prefetch_tiles,
                       residual_settled=residual_settled and tune.prewait,
                       defer=(norm_weight, xw, ss), after=after, tune=tune)
-        return DeferredNorm(xw, ss, eps)
+        if not dry_pass_active():
+            return DeferredNorm(xw, ss, eps)
+        backend = "reference"  # the dry pass: the launch was skipped, torch computes it
     if after is not None and after.target:  # counted by attention, not polled: zero it (in order)
         after.counters.zero_()
     linear(x, weight, residual=residual, residual_settled=residual_settled, backend=backend,
            tune=tune)
     hf = residual.float()
-    return DeferredNorm((hf * norm_weight.float()).to(residual.dtype),
-                        hf.pow(2).sum(1, keepdim=True), eps)
+    ss = hf.pow(2).sum(1, keepdim=True)
+    if tiles is not None:  # the dry pass: the sums in the kernel's layout, for its consumer
+        ss = torch.cat([ss, ss.new_zeros(m, tiles - 1)], dim=1)
+    return DeferredNorm((hf * norm_weight.float()).to(residual.dtype), ss, eps)
 
 
 def linear_argmax(
@@ -862,7 +878,10 @@ def linear_argmax(
 
         out = linear_argmax_triton(x, weight, config, pdl=pdl_level(x, tune),
                                    prefetch=tune.gemv.prefetch_tiles, keys=keys, tune=tune)
-        return out if keys is None else ArgmaxKeys(keys)
+        if not dry_pass_active():
+            return out if keys is None else ArgmaxKeys(keys)
+        if keys is not None:
+            keys.zero_()  # the keys' entry state: a skipped launch folded nothing in
     if keys is not None:  # the keys' unsigned max with what they hold (zeros: the keys)
         new = ref.argmax_keys_ref(ref.linear_ref(x, weight))
         flip = -(1 << 63)  # unsigned order = signed order with the sign bit flipped
@@ -897,7 +916,10 @@ def rms_norm(
     if use_triton(x, backend or tune.backend):
         from speccal.kernels.rmsnorm import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, residual=residual, out=out, pdl=pdl_level(x, tune) > 0)
+        res = rms_norm_triton(x, weight, eps, residual=residual, out=out,
+                              pdl=pdl_level(x, tune) > 0)
+        if not dry_pass_active():
+            return res
     res = ref.rms_norm_ref(x, weight, eps, residual)
     if residual is not None:
         y, h = res
@@ -952,8 +974,10 @@ def embed_rms_norm(
     if use_triton(table, backend or tune.backend):
         from speccal.kernels.rmsnorm import embed_rms_norm_triton
 
-        return embed_rms_norm_triton(input_ids, table, weight, eps, out_h, out,
-                                     pdl=pdl_level(table, tune) > 0)
+        res = embed_rms_norm_triton(input_ids, table, weight, eps, out_h, out,
+                                    pdl=pdl_level(table, tune) > 0)
+        if not dry_pass_active():
+            return res
     h, y = ref.embed_rms_norm_ref(input_ids, table, weight, eps)
     return out_h.copy_(h), out.copy_(y)
 
@@ -999,7 +1023,10 @@ def rotary_kv_write(
     if use_triton(q, backend or tune.backend):
         from speccal.kernels.rotary_kv import rotary_kv_write_triton
 
-        return rotary_kv_write_triton(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
-                                      v_cache, q_out=q_out, qk_norm=qk_norm, pdl=pdl_level(q, tune) > 0)
+        res = rotary_kv_write_triton(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
+                                     v_cache, q_out=q_out, qk_norm=qk_norm,
+                                     pdl=pdl_level(q, tune) > 0)
+        if not dry_pass_active():
+            return res
     return ref.rotary_kv_write_ref(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
                                    v_cache, q_out, qk_norm)

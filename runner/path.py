@@ -11,6 +11,8 @@ kernel digest warns naming the fields that differ).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -27,7 +29,7 @@ INPUT_UPDATES = ("auto", "in_graph", "host")
 
 __all__ = ["ATTENTION_BACKENDS", "ExecutionPath", "GRAPH_MODES", "INPUT_UPDATES", "KernelConfig",
            "PathBound",
-           "bind_path", "served_path"]
+           "bind_path", "prefill_path", "rebound", "served_path"]
 
 
 @dataclass(frozen=True)
@@ -122,3 +124,27 @@ def bind_path(module: nn.Module, path: ExecutionPath) -> None:
     for m in module.modules():
         if isinstance(m, PathBound):
             m.path = path
+
+
+def prefill_path(path: ExecutionPath) -> ExecutionPath:
+    """The path eager prefill chunks run on: ``path`` with the torch backend (cuBLAS products,
+    torch attention). The Triton kernels are built and tuned for decode / verify rows; a prompt's
+    tail chunk has any row count up to the chunk size, and on Triton each new count compiled a
+    new specialization on first use (most of a cold calibration's warm-up, H200)."""
+    return path if path.attention_backend == "torch" else path.with_(attention_backend="torch")
+
+
+@contextmanager
+def rebound(modules: list[nn.Module | None], path: ExecutionPath) -> Iterator[None]:
+    """Bind ``path`` to every :class:`PathBound` submodule of ``modules`` for the block, then
+    give each its own path back (an eager, host-driven block only: captured graphs never read
+    ``path``)."""
+    saved = [(m, m.path) for mod in modules if mod is not None for m in mod.modules()
+             if isinstance(m, PathBound)]
+    for m, _ in saved:
+        m.path = path
+    try:
+        yield
+    finally:
+        for m, p in saved:
+            m.path = p

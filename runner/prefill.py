@@ -5,7 +5,8 @@ most ``chunk`` tokens. Chunk ``[p0, p1)`` runs the target on positions ``p0 .. p
 head on positions ``p0-1 .. p1-2`` (row ``i`` pairs target hidden ``h_i`` with token ``t_{i+1}``;
 the last hidden of a chunk is carried to the next one). After the last chunk the first token
 ``t_n`` is sampled from the last row; the pair ``(h_{n-1}, t_n)`` becomes the slot's single
-pending draft-extend row, consumed by the first round. Prefill is eager and not captured.
+pending draft-extend row, consumed by the first round. Prefill is eager and not captured, and runs on the torch backend (``path.prefill_path``: cuBLAS
+products and torch attention whatever the engine's path; the Triton kernels serve the rounds).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from speccal.runner.attention import AttnMeta
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.model import TargetModel
 from speccal.runner.mtp import MTPHead
+from speccal.runner.path import prefill_path, rebound
 from speccal.runner.request import Request
 
 
@@ -59,6 +61,12 @@ def prefill(
     hidden : torch.Tensor
         ``[hidden]`` target hidden state of the last prompt position.
     """
+    with rebound([target, draft], prefill_path(target.path)):
+        return _prefill(req, target, draft, kv, chunk=chunk, generator=generator, device=device)
+
+
+def _prefill(req: Request, target: TargetModel, draft: MTPHead | None, kv: KVCache, *,
+             chunk: int, generator: torch.Generator, device: torch.device):
     prompt = req.prompt
     n = len(prompt)
     bs = kv.allocator.block_size

@@ -66,6 +66,8 @@ import torch
 
 from speccal.base.errors import UnsupportedError
 from speccal.kernels import ops
+from speccal.kernels._backend import interpreting, triton_available
+from speccal.kernels.precompile import PrecompileReport, precompile
 from speccal.runner import sampling
 from speccal.runner.attention import AttnMeta
 from speccal.runner.buffers import StaticInputs
@@ -111,7 +113,15 @@ class RoundOutputs:
 
 
 class RoundRunner:
-    """Owns static buffers and slot state; runs rounds of the target + MTP head."""
+    """Owns static buffers and slot state; runs rounds of the target + MTP head.
+
+    ``precompile_workers``: processes that compile the captured graphs' Triton kernels before
+    :meth:`capture` (``speccal.kernels.precompile``; None: one per CPU, 0: compile in-process
+    during capture, one kernel after the other). ``precompile_report`` says what the last
+    capture precompiled.
+    """
+
+    precompile_workers: int | None = None
 
     def __init__(
         self,
@@ -222,6 +232,7 @@ class RoundRunner:
             for _ in range(2)
         ]
         self.graphs = GraphSet(device, generator) if self.static else None
+        self.precompile_report: PrecompileReport | None = None
 
     # ------------------------------------------------------------------ capabilities
 
@@ -875,20 +886,33 @@ class RoundRunner:
         with torch.inference_mode():
             # drafts first (target graphs read their outputs), each part largest first
             order = sorted(expanded, key=lambda q: (q.part != "draft", [-v for v in q.size]))
+            order = [key for key in order if key not in self.graphs]
+            if self._precompiles():
+                self.precompile_report = precompile(
+                    [lambda key=key: self._graph_forward(key, make_inputs, captured=False)()
+                     for key in order], workers=self.precompile_workers)
             for key in order:
-                if key in self.graphs:
-                    continue
-                x = make_inputs(key)
-                if key.part == "target":
-                    x.sampling = key.sampling
-                if key.part == "draft":
-                    self.graphs.capture(key, lambda x=x: self._draft_graph(x))
-                else:
-                    drafts = x.t["ver_drafts"]
-                    if key.update == "in_graph" and key.k > 0:
-                        drafts = self.graphs.outputs[GraphKey("draft", key.bcap, key.k)][0]
-                    self.graphs.capture(key, lambda x=x, d=drafts: self._target_graph(x, d))
+                self.graphs.capture(key, self._graph_forward(key, make_inputs, captured=True))
         synchronize(self.device)
+
+    def _precompiles(self) -> bool:
+        """Whether :meth:`capture` compiles the graphs' Triton kernels in parallel first
+        (``speccal.kernels.precompile``): CUDA, Triton ops on, not under the interpreter."""
+        return (self.precompile_workers != 0 and self.device.type == "cuda"
+                and self.path.attention_backend == "triton" and self.path.kernels.backend != "reference"
+                and triton_available() and not interpreting())
+
+    def _graph_forward(self, key: GraphKey, make_inputs, *, captured: bool):
+        """The forward a graph of ``key`` runs, over freshly staged warm-up inputs. ``captured``:
+        an in-graph target reads its draft graph's captured output (else the staged drafts)."""
+        x = make_inputs(key)
+        if key.part == "draft":
+            return lambda: self._draft_graph(x)
+        x.sampling = key.sampling
+        drafts = x.t["ver_drafts"]
+        if captured and key.update == "in_graph" and key.k > 0:
+            drafts = self.graphs.outputs[GraphKey("draft", key.bcap, key.k)][0]
+        return lambda: self._target_graph(x, drafts)
 
     def _draft_graph(self, x: RoundInputs):  # -> (drafts [bcap, k], scores [bcap, k])
         """What a draft graph runs: (pipelined) :meth:`derive_inputs`, then :meth:`draft_part`."""

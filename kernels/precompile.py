@@ -1,0 +1,237 @@
+"""Cold start: compile every Triton kernel a set of captures needs in parallel, before capturing.
+
+A fresh machine (empty Triton cache) compiles each kernel specialization the first time it is
+launched, one after the other in the launching process: an engine build with split graphs meets
+well over a hundred of them, which made the first ``speccal calibrate`` on an H200 spend most of
+its compile/capture time in the compiler. :func:`precompile` removes that series:
+
+1. **Dry pass.** Each callable (a graph's forward) runs once eagerly with Triton's own
+   ``knobs.runtime.jit_cache_hook`` installed. The hook sees every launch that would compile,
+   submits the kernel's specialization (Triton's ``specialization_data``: signature, constexprs,
+   attributes, options) to a pool of worker processes and tells Triton to skip the launch. While
+   the pass is on, every ``speccal.kernels.ops`` op also runs its pure-torch reference after the
+   (skipped) Triton launch, so the values downstream ops read (indices, lengths) are real ones and
+   no launch reads uninitialised memory.
+2. **Workers** rebuild each kernel's ``ASTSource`` from that data and ``triton.compile`` it for the
+   device's target; the compiled binaries land in Triton's on-disk cache (``TRITON_CACHE_DIR``).
+3. The **real capture** that follows compiles each kernel again in-process, and every one of those
+   compiles is a cache load (milliseconds).
+
+Kernels already compiled in this process launch for real during the dry pass (Triton never calls
+the hook for them); the reference that follows overwrites their outputs. A kernel the dry pass
+misses is compiled in-process later, as without this module: precompiling is a speed-up, never a
+change of what runs. :class:`CompileMeter` counts and times in-process compiles (the calibration
+report shows them).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+__all__ = ["CompileMeter", "PrecompileReport", "compile_specialization", "dry_pass_active",
+           "precompile"]
+
+_DRY = contextvars.ContextVar("speccal_precompile_dry_pass", default=False)
+
+
+def dry_pass_active() -> bool:
+    """True inside :func:`precompile`'s dry pass: Triton launches that would compile are skipped
+    and every op also computes its torch reference (``speccal.kernels.ops``)."""
+    return _DRY.get()
+
+
+@dataclass
+class PrecompileReport:
+    """What one :func:`precompile` call did.
+
+    Attributes
+    ----------
+    kernels : distinct kernel specializations compiled by the workers.
+    workers : worker processes used (0: nothing to compile).
+    dry_pass_s : wall time of the dry pass (the callables, their references, the submissions).
+    compile_wall_s : wall time from the first submission until the last compile finished.
+    compile_cpu_s : sum of the workers' per-kernel compile times.
+    failed : ``module.kernel: error`` for specializations the workers could not compile (they
+        compile in-process later, where a real error surfaces with Triton's own message).
+    by_kernel : compiled specializations per ``module.kernel``.
+    """
+
+    kernels: int = 0
+    workers: int = 0
+    dry_pass_s: float = 0.0
+    compile_wall_s: float = 0.0
+    compile_cpu_s: float = 0.0
+    failed: list[str] = field(default_factory=list)
+    by_kernel: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"kernels": self.kernels, "workers": self.workers,
+                "dry_pass_s": round(self.dry_pass_s, 3),
+                "compile_wall_s": round(self.compile_wall_s, 3),
+                "compile_cpu_s": round(self.compile_cpu_s, 3), "failed": list(self.failed),
+                "by_kernel": dict(self.by_kernel)}
+
+
+def _jit_function(module: str, name: str):
+    """The ``JITFunction`` named ``module.name`` (unwrapping heuristics / autotuner wrappers)."""
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    while not hasattr(obj, "create_binder") and hasattr(obj, "fn"):
+        obj = obj.fn
+    return obj
+
+
+def compile_specialization(module: str, name: str, spec: str, target: tuple) -> float:
+    """Compile one kernel specialization into Triton's cache; returns the seconds it took.
+
+    ``spec`` is Triton's ``specialization_data`` JSON (as ``JITFunction.preload`` reads it);
+    ``target`` is ``(backend, arch, warp_size)`` of the device. Runs in a worker process: it needs
+    no GPU, only the same Triton, the same kernel source and the same cache directory.
+    """
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource, make_backend
+
+    t0 = time.perf_counter()
+    fn = _jit_function(module, name)
+    obj = json.loads(spec)
+    constexprs = {
+        tuple(k): (tl.dtype(v) if tl.dtype.is_dtype(v) else
+                   tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v
+                   else v)
+        for k, v in zip(obj["constant_keys"], obj["constant_vals"], strict=True)
+    }
+    attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"], strict=True)}
+    signature = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
+    gpu = GPUTarget(*target)
+    opts = make_backend(gpu).parse_options(options)
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=opts.__dict__)
+    return time.perf_counter() - t0
+
+
+def _default_workers() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(32, n))
+
+
+def _device_target() -> tuple:
+    from triton.runtime import driver
+
+    t = driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size)
+
+
+def precompile(fns: Iterable[Callable[[], object]], *, workers: int | None = None,
+               pool: ProcessPoolExecutor | None = None) -> PrecompileReport:
+    """Run each of ``fns`` once in a dry pass and compile the Triton kernels it would launch in
+    ``workers`` processes (default: the CPUs this process may use) into Triton's cache.
+
+    ``fns`` must be safe to run eagerly (a captured graph's forward is, by construction). Returns
+    a :class:`PrecompileReport`; the caller captures afterwards. With triton missing, nothing to
+    compile, or a worker pool that cannot start, the report says so and nothing else changes.
+    """
+    import triton
+
+    report = PrecompileReport()
+    target = _device_target()
+    submitted: dict[tuple, object] = {}
+    own_pool = pool is None
+    n_workers = workers or _default_workers()
+    t_first: list[float] = []
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002, ARG001
+        spec = compile["specialization_data"]
+        ident = (fn.module, fn.name, spec)
+        if ident not in submitted:
+            nonlocal pool
+            if pool is None:
+                pool = ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn"))
+            if not t_first:
+                t_first.append(time.perf_counter())
+            submitted[ident] = pool.submit(compile_specialization, fn.module, fn.name, spec, target)
+        return True  # skip this compile and its launch: the worker compiles it
+
+    knobs = triton.knobs.runtime
+    previous = knobs.jit_cache_hook
+    token = _DRY.set(True)
+    t0 = time.perf_counter()
+    knobs.jit_cache_hook = hook
+    try:
+        for fn in fns:
+            fn()
+    finally:
+        knobs.jit_cache_hook = previous
+        _DRY.reset(token)
+        report.dry_pass_s = time.perf_counter() - t0
+    try:
+        if submitted:
+            wait(list(submitted.values()))
+            report.compile_wall_s = time.perf_counter() - t_first[0]
+        for (module, name, _), fut in submitted.items():
+            label = f"{module}.{name}"
+            exc = fut.exception()
+            if exc is not None:
+                report.failed.append(f"{label}: {type(exc).__name__}: {exc}")
+                continue
+            report.kernels += 1
+            report.compile_cpu_s += fut.result()
+            report.by_kernel[label] = report.by_kernel.get(label, 0) + 1
+    finally:
+        if own_pool and pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    report.workers = n_workers if submitted else 0
+    return report
+
+
+class CompileMeter:
+    """Counts and times the Triton compiles (cache loads included) made in this process while
+    :meth:`measuring` is active, through Triton's ``jit_cache_hook`` / ``jit_post_compile_hook``
+    (each called around every in-process compile; hooks already installed are kept and called).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self._start: dict = {}
+
+    @contextmanager
+    def measuring(self):
+        try:
+            import triton
+        except ImportError:
+            yield self
+            return
+        knobs = triton.knobs.runtime
+        pre, post = knobs.jit_cache_hook, knobs.jit_post_compile_hook
+
+        def on_start(**kw):
+            self._start[kw["key"]] = time.perf_counter()
+            return pre(**kw) if pre is not None else None
+
+        def on_done(**kw):
+            t = self._start.pop(kw["key"], None)
+            if t is not None:
+                self.count += 1
+                self.seconds += time.perf_counter() - t
+            return post(**kw) if post is not None else None
+
+        knobs.jit_cache_hook, knobs.jit_post_compile_hook = on_start, on_done
+        try:
+            yield self
+        finally:
+            knobs.jit_cache_hook, knobs.jit_post_compile_hook = pre, post
