@@ -75,6 +75,7 @@ from speccal.calibrate.timing import LOOPS, loop_timing
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import build_table
 from speccal.costmodel.table_schema import CostTable, Provenance
+from speccal.kernels.precompile import CompileMeter
 
 
 def _invocation() -> str | None:
@@ -260,7 +261,8 @@ def _calibrate(
     """``calibrate`` after the option checks, with the outputs locked."""
     parsed = parse_config_file(opts.config_path) if opts.config_path is not None else None
 
-    with machine.pin_threads(opts.device, opts.threads) as threads:
+    meter = CompileMeter()
+    with machine.pin_threads(opts.device, opts.threads) as threads, meter.measuring():
         t0 = time.perf_counter()
         engine = (engine_factory or make_engine)(opts)
         geometry = engine.geometry
@@ -272,6 +274,9 @@ def _calibrate(
             f"({compat.get('graph_mode')} graphs)",
             soft_wrap=True,
         )
+        compile_info = _compile_info(engine, meter)
+        if compile_info is not None:
+            console.print(_compile_line(compile_info), soft_wrap=True)
 
         if opts.cost_table is not None:
             table = load_table(
@@ -376,7 +381,11 @@ def _calibrate(
         "quality": quality,
         "timing": table.calibration.timing.model_dump(mode="json"),
         "timings": {**timings, "fit_s": fit_s, "total_s": time.perf_counter() - t_start},
+        "triton_compile": {**(compile_info or {}), "in_process_compiles": meter.count,
+                           "in_process_compile_s": round(meter.seconds, 3)},
     }
+    console.print(f"Triton: {meter.count} in-process compiles or cache loads, {meter.seconds:.1f} s "
+                  "over the whole run", soft_wrap=True)
     if refused:
         raise QualityGateError(
             _refusal(opts, held, gate, kind, measured.load_after), summary=summary
@@ -384,6 +393,27 @@ def _calibrate(
     save_table(table, opts.out)  # --out was checked writable before the runner was built
     console.print(f"wrote {opts.out} ({stats.points_done}/{stats.points_total} points)")
     return summary
+
+
+def _compile_info(engine: Any, meter: CompileMeter) -> dict[str, Any] | None:
+    """What building ``engine`` compiled: its runner's precompile report (None off CUDA/Triton)
+    and the in-process compiles (cache loads included) counted so far."""
+    rep = getattr(getattr(engine, "runner", None), "precompile_report", None)
+    if rep is None:
+        return None
+    return {"precompile": rep.to_dict(), "build_compiles": meter.count,
+            "build_compile_s": round(meter.seconds, 3)}
+
+
+def _compile_line(info: dict[str, Any]) -> str:
+    rep = info["precompile"]
+    line = (f"Triton: {rep['kernels']} kernels precompiled by {rep['workers']} worker processes in "
+            f"{rep['compile_wall_s']:.1f} s (dry pass {rep['dry_pass_s']:.1f} s, "
+            f"{rep['compile_cpu_s']:.1f} s of compiler time); capture then made "
+            f"{info['build_compiles']} in-process compiles or cache loads ({info['build_compile_s']:.1f} s)")
+    if rep["failed"]:
+        line += f"; {len(rep['failed'])} failed in the workers (compiled in-process): {rep['failed'][0]}"
+    return line
 
 
 @dataclass(frozen=True)

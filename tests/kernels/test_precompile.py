@@ -1,0 +1,100 @@
+"""Parallel precompilation (``speccal.kernels.precompile``): a worker's compile lands in Triton's
+cache and the launching process's compile of the same specialization is then a cache load.
+
+These run without a GPU (Triton compiles for an explicit sm_90 target); they need triton itself
+and skip without it. The dry pass over a real engine is covered by
+``tests/runner/test_precompile_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from speccal.kernels.precompile import CompileMeter, dry_pass_active
+
+TARGET = ("cuda", 90, 32)
+
+
+def _spec(block_b: int) -> str:
+    """Triton's ``specialization_data`` of ``verify_tokens._verify_token_kernel`` (the format
+    ``JITFunction._call_hook`` serialises and ``JITFunction.preload`` reads)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    names = ["base_ptr", "bidx_ptr", "draft_ptr", "vl_ptr", "ids_ptr", "B", "G", "K_MAX",
+             "stride_d", "pad_id", "BLOCK_B", "BLOCK_R", "BLOCK_G", "INDEXED"]
+    types = ["*i64"] * 5 + ["i32"] * 4 + ["i64"] + ["constexpr"] * 4
+    consts = {(10,): block_b, (11,): 4, (12,): 16, (13,): True}
+    opts = make_backend(GPUTarget(*TARGET)).parse_options({})
+    return json.dumps({
+        "name": "speccal.kernels.verify_tokens._verify_token_kernel",
+        "signature": dict(zip(names, types, strict=True)),
+        "constant_keys": [list(k) for k in consts], "constant_vals": list(consts.values()),
+        "attrs_keys": [[i] for i in range(5)], "attrs_vals": [[["tt.divisibility", 16]]] * 5,
+        "options": opts.__dict__, "key": "test",
+    })
+
+
+@pytest.fixture
+def triton_cache(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    import triton
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "cache"), raising=False)
+    return tmp_path / "cache"
+
+
+def _compile_in_process(spec: str, monkeypatch, fail: bool) -> float:
+    """``compile_specialization`` here; with ``fail``, building the IR raises (a cache miss)."""
+    from triton.compiler import compiler
+
+    from speccal.kernels.precompile import compile_specialization
+
+    if fail:
+        def boom(*a, **k):
+            raise AssertionError("compiled again: the worker's result was not in the cache")
+        monkeypatch.setattr(compiler.ASTSource, "make_ir", boom)
+    return compile_specialization("speccal.kernels.verify_tokens", "_verify_token_kernel", spec,
+                                  TARGET)
+
+
+def test_worker_compile_is_a_cache_hit_in_the_parent(triton_cache, monkeypatch):
+    from speccal.kernels.precompile import compile_specialization
+
+    spec = _spec(8)
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        seconds = pool.submit(compile_specialization, "speccal.kernels.verify_tokens",
+                              "_verify_token_kernel", spec, TARGET).result()
+    assert seconds > 0
+    assert any(p.suffix == ".cubin" for p in triton_cache.rglob("*")), "no cubin in the cache"
+    _compile_in_process(spec, monkeypatch, fail=True)  # a cache load: make_ir never runs
+
+
+def test_another_specialization_is_not_in_the_cache(triton_cache, monkeypatch):
+    _compile_in_process(_spec(8), monkeypatch, fail=False)
+    with pytest.raises(AssertionError, match="compiled again"):
+        _compile_in_process(_spec(16), monkeypatch, fail=True)
+
+
+def test_dry_pass_flag_is_off_outside_precompile():
+    assert dry_pass_active() is False
+
+
+def test_compile_meter_restores_hooks_and_counts(triton_cache):
+    import triton
+
+    knobs = triton.knobs.runtime
+    before = (knobs.jit_cache_hook, knobs.jit_post_compile_hook)
+    meter = CompileMeter()
+    with meter.measuring():
+        assert knobs.jit_cache_hook is not None
+        knobs.jit_cache_hook(key="k")  # what JITFunction._call_hook does around a compile
+        knobs.jit_post_compile_hook(key="k")
+    assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == before
+    assert meter.count == 1 and meter.seconds >= 0
