@@ -17,6 +17,7 @@ from torch import nn
 from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig
+from speccal.runner.distributed.tp import TPBound, reduce_partial
 from speccal.runner.path import ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
 
@@ -51,7 +52,7 @@ class RMSNorm(PathBound, nn.Module):
         return self.weight * xf.to(dtype)
 
 
-class Attention(PathBound, nn.Module):
+class Attention(TPBound, PathBound, nn.Module):
     """GQA self-attention with optional q/k/v bias and per-head q/k RMSNorm (before RoPE)."""
 
     def __init__(self, cfg: ModelConfig):
@@ -104,7 +105,9 @@ class Attention(PathBound, nn.Module):
             q, k = rotary(q, k, positions)
             write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
         out = attend_rows(q, kv[0], kv[1], meta, self.scale, path)  # [N, heads, head_dim]
-        return _linear(out.reshape(n, hq * d), self.o_proj.weight, None, path)
+        # row-parallel o: each TP rank's heads give a partial sum
+        return reduce_partial(_linear(out.reshape(n, hq * d), self.o_proj.weight, None, path),
+                              self.tp)
 
     def fuse_weights(self) -> None:
         """Make q/k/v weights views of one ``[(hq + 2 hk) d, hidden]`` matrix (one GEMV launch)."""
@@ -124,7 +127,7 @@ class Attention(PathBound, nn.Module):
                 offs += b.shape[0]
 
 
-class MLP(PathBound, nn.Module):
+class MLP(TPBound, PathBound, nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, cfg: ModelConfig):
@@ -143,7 +146,8 @@ class MLP(PathBound, nn.Module):
         else:
             gate = _linear(x, self.gate_proj.weight, None, path)
             up = _linear(x, self.up_proj.weight, None, path)
-        return _linear(nn.functional.silu(gate) * up, self.down_proj.weight, None, path)
+        out = _linear(nn.functional.silu(gate) * up, self.down_proj.weight, None, path)
+        return reduce_partial(out, self.tp)  # row-parallel down: partial sums over TP ranks
 
     def fuse_weights(self) -> None:
         """Make gate/up weights views of one ``[2 inter, hidden]`` matrix whose rows interleave
@@ -185,6 +189,8 @@ class DecoderLayer(PathBound, nn.Module):
         read, so the rows' token ids ``[N]`` answer as their hidden states would."""
         return (
             self.path.fused(x)
+            and self.self_attn.tp is None  # the fused layer has no TP reduction
+            and self.mlp.tp is None
             and x.shape[0] <= SKINNY_ROWS
             and rotary.cos_sin_cache is not None
             and self.self_attn.qkv_weight is not None

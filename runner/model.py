@@ -4,6 +4,13 @@ This module owns :class:`TargetModel` (HF parameter names: ``model.embed_tokens`
 ``model.layers.N.*``, ``model.norm``, ``lm_head``) and :class:`ModelCapabilities`, the data the
 runner asks instead of model names. Forwards run on ``N`` flat rows; the returned hidden states
 ``[N, hidden]`` are *after* the final norm (what the MTP head consumes and the LM head reads).
+
+Tensor parallelism (``speccal.runner.distributed``): a rank's model is built from its local
+config (vocabulary divided by ``tp``), so ``embed_tokens`` and ``lm_head`` hold its vocabulary
+rows; once a TP group is bound (:class:`TPBound`) the embedding is vocabulary-parallel,
+:meth:`TargetModel.logits` gathers the shards (sampling needs the whole distribution) and
+:meth:`TargetModel.argmax_partials` / :meth:`TargetModel.greedy_tokens` reduce the shards'
+``(max, index)`` pairs instead (no logits gathered).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from torch import nn
 from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
+from speccal.runner.distributed.tp import TPBound, vocab_argmax, vocab_embed, vocab_gather
 from speccal.runner.layers import DecoderLayer, RMSNorm
 from speccal.runner.path import ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
@@ -57,7 +65,7 @@ class _Body(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class TargetModel(PathBound, nn.Module):
+class TargetModel(TPBound, PathBound, nn.Module):
     """Dense decoder-only LM (Qwen2 / Qwen3 / MiMo family) over a paged KV cache."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, max_model_len: int):
@@ -82,7 +90,7 @@ class TargetModel(PathBound, nn.Module):
         # decode / verify rows on Triton (the ids have the rows' device and count)
         if all(layer.can_fuse(input_ids, self.rotary) for layer in layers):
             return self._forward_fused(input_ids, positions, meta, kv_caches)
-        x = self.model.embed_tokens(input_ids)
+        x = vocab_embed(self.model.embed_tokens, input_ids, self.tp)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer.forward_residual(x, residual, positions, meta, kv, self.rotary)
@@ -125,12 +133,21 @@ class TargetModel(PathBound, nn.Module):
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]``, float32 unless ``upcast`` is False (the argmax-only
-        greedy path: the bf16 logits' argmax is the same index, with no fp32 copy to write)."""
-        if fused_head(hidden, self.path):
-            out = ops.linear(hidden.contiguous(), self.lm_head.weight, tune=self.kx)
-        else:
-            out = self.lm_head(hidden)
+        greedy path: the bf16 logits' argmax is the same index, with no fp32 copy to write).
+        Under TP the vocabulary shards are gathered."""
+        out = vocab_gather(self.local_logits(hidden), self.tp)
         return out.float() if upcast else out
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V / tp]
+        """This rank's vocabulary shard of the logits (all of them on one rank), model dtype."""
+        if fused_head(hidden, self.path):
+            return ops.linear(hidden.contiguous(), self.lm_head.weight, tune=self.kx)
+        return self.lm_head(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N] int64
+        """``argmax`` of each row's logits; under TP from the shards' ``(max, index)`` pairs
+        (``vocab_argmax``: one ``[N]`` all-reduce, no logits gathered)."""
+        return vocab_argmax(self.local_logits(hidden), self.tp)
 
     def argmax_partials(
         self,
@@ -141,7 +158,10 @@ class TargetModel(PathBound, nn.Module):
         on the fused kernels (``fused_head``) the LM head GEMV's packed per-row keys where ``keys``
         is given (zeros: ``ops.verify_metadata_update(argmax_keys=...)``), else its per-tile
         partials (``ops.linear_argmax``: no logits written, no argmax launch); off them ``[N]``
-        tokens from :meth:`logits` (the same index: the argmax of the same bf16 logits)."""
+        tokens from :meth:`logits` (the same index: the argmax of the same bf16 logits). Under
+        TP ``[N]`` tokens from :meth:`greedy_tokens` (the per-tile partials are one shard's)."""
+        if self.tp is not None and self.tp.tp_size > 1:
+            return self.greedy_tokens(hidden)
         if fused_head(hidden, self.path):
             return ops.linear_argmax(hidden.contiguous(), self.lm_head.weight, keys=keys,
                                      tune=self.kx)

@@ -4,6 +4,11 @@ This module owns :class:`MTPHead`. One step over ``N`` flat rows takes the targe
 previous) hidden state ``[N, hidden]`` and the next token ``[N]``, and returns the hidden state to
 feed back ``[N, hidden]`` plus the vector the LM head reads. The head's single decoder layer keeps
 its own paged KV cache (same block table and positions as the target's).
+
+Tensor parallelism: the head's layer is sharded as the target's (``speccal.runner.layers``), its
+own embedding and LM head (when the family has them) by vocabulary rows; with a TP group bound
+the embedding is vocabulary-parallel, :meth:`MTPHead.logits` gathers the shards and
+:meth:`MTPHead.greedy_draft` picks the token and its probability from them without a gather.
 """
 
 from __future__ import annotations
@@ -14,13 +19,20 @@ from torch import nn
 from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
+from speccal.runner.distributed.tp import (
+    TPBound,
+    vocab_argmax,
+    vocab_embed,
+    vocab_gather,
+    vocab_token_probability,
+)
 from speccal.runner.draft_families import DraftFamily
 from speccal.runner.layers import DecoderLayer, RMSNorm
 from speccal.runner.model import TargetModel, fused_head
 from speccal.runner.path import PathBound
 
 
-class MTPHead(PathBound, nn.Module):
+class MTPHead(TPBound, PathBound, nn.Module):
     """One MTP depth: fusion of normed embedding and hidden state, one decoder layer, a head.
 
     Parameters
@@ -54,7 +66,7 @@ class MTPHead(PathBound, nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # feedback [N, hidden], normed [N, hidden]
         embed = self.embed if self.embed is not None else target.model.embed_tokens
-        e = self.embed_norm(embed(input_ids))
+        e = self.embed_norm(vocab_embed(embed, input_ids, self.tp))
         h = self.hidden_norm(hidden)
         parts = {"embed": e, "hidden": h}
         x = self.proj(torch.cat([parts[name] for name in self.family.concat_order], dim=-1))
@@ -64,11 +76,25 @@ class MTPHead(PathBound, nn.Module):
         return (normed if self.family.is_feedback_normed else x), normed
 
     def logits(self, target: TargetModel, normed: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]`` float32 through the head's own or the target's LM head."""
+        """``[N, hidden] -> [N, vocab]`` float32 through the head's own or the target's LM head
+        (under TP the vocabulary shards gathered)."""
+        return vocab_gather(self.local_logits(target, normed), self.tp).float()
+
+    def local_logits(self, target: TargetModel, normed: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary shard ``[N, V / tp]`` of the draft logits, float32."""
         head = self.head if self.head is not None else target.lm_head
         if fused_head(normed, self.path):
             return ops.linear(normed.contiguous(), head.weight, tune=self.kx).float()
         return head(normed).float()
+
+    def greedy_draft(self, target: TargetModel, normed: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:  # [N] int64, [N] float32
+        """The draft token (argmax) and its probability (the adaptive-verify score,
+        ``sampling.draft_token_probability``) of each row; under TP from the vocabulary shards
+        by ``[N]`` reductions, never gathering the logits."""
+        local = self.local_logits(target, normed)
+        tok = vocab_argmax(local, self.tp)
+        return tok, vocab_token_probability(local, tok, self.tp)
 
     def param_key_map(self, num_target_layers: int) -> dict[str, str]:
         """Module parameter name -> checkpoint key, from the family descriptor."""
