@@ -111,7 +111,10 @@ def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=N
     vocab = eng.loaded.config.vocab_size
     rng = np.random.default_rng(0)
     out: dict[str, dict] = {}
-    for k in args.ks:
+    variants = [(k, False) for k in args.ks]
+    if getattr(args, "trim", False):  # each request verifies k - 1 drafts: a trimmed target G
+        variants += [(k, True) for k in args.ks]
+    for k, trim in variants:
         eng.reset()
         need = (args.warmup + 2 * args.rounds + 1) * (k + 1) + 1
         for _ in range(args.batch):
@@ -120,7 +123,8 @@ def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=N
                 SamplingParams(max_tokens=need, ignore_eos=True),
             )
         eng.prefill_pending()
-        plan = RoundPlan(num_draft_steps=k)
+        plan = RoundPlan(num_draft_steps=k,
+                         verify_tokens=[k - 1] * args.batch if trim else None)
         for _ in range(args.warmup):
             eng.step(plan)
         eng.synchronize()
@@ -148,7 +152,9 @@ def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=N
             med["device_execute"] = statistics.median(dev)
             med["wall_over_device"] = window / med["device_execute"]
         med["window_mean"] = window
-        out[f"k{k}"] = med
+        if trim:
+            med["target_rows"] = eng.geometry.g_for(args.batch, args.batch * k)
+        out[f"k{k}" + ("_trim" if trim else "")] = med
     del eng
     if cuda:
         torch.cuda.empty_cache()
@@ -250,6 +256,8 @@ def main() -> None:
         action="store_true",
         help="also calibrate twice on one engine with device times (see calibration_check)",
     )
+    ap.add_argument("--trim", action="store_true",
+                    help="also time each k with k - 1 drafts verified per request (trimmed G)")
     ap.add_argument("--pipeline", choices=("off", "on", "both"), default="off",
                     help="EngineConfig.pipeline of the mode engines (both: each mode twice)")
     args = ap.parse_args()
