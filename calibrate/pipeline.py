@@ -401,16 +401,20 @@ def _compile_info(engine: Any, meter: CompileMeter) -> dict[str, Any] | None:
     rep = getattr(getattr(engine, "runner", None), "precompile_report", None)
     if rep is None:
         return None
+    graphs = engine.runner.graphs
     return {"precompile": rep.to_dict(), "build_compiles": meter.count,
-            "build_compile_s": round(meter.seconds, 3)}
+            "build_compile_s": round(meter.seconds, 3),
+            "graphs": len(graphs.graphs), "capture_s": round(graphs.capture_s, 3)}
 
 
 def _compile_line(info: dict[str, Any]) -> str:
     rep = info["precompile"]
-    line = (f"Triton: {rep['kernels']} kernels precompiled by {rep['workers']} worker processes in "
-            f"{rep['compile_wall_s']:.1f} s (dry pass {rep['dry_pass_s']:.1f} s, "
-            f"{rep['compile_cpu_s']:.1f} s of compiler time); capture then made "
-            f"{info['build_compiles']} in-process compiles or cache loads ({info['build_compile_s']:.1f} s)")
+    line = (f"Triton: {rep['kernels']} kernels precompiled by {rep['workers']} worker processes "
+            f"(precompile {rep['total_s']:.1f} s: "
+            f"compiling {rep['compile_wall_s']:.1f} s, dry pass {rep['dry_pass_s']:.1f} s, "
+            f"{rep['compile_cpu_s']:.1f} s of compiler time); capturing {info['graphs']} graphs "
+            f"took {info['capture_s']:.1f} s with {info['build_compiles']} in-process compiles or "
+            f"cache loads ({info['build_compile_s']:.1f} s)")
     if rep["failed"]:
         line += f"; {len(rep['failed'])} failed in the workers (compiled in-process): {rep['failed'][0]}"
     return line

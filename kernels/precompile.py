@@ -60,6 +60,7 @@ class PrecompileReport:
     dry_pass_s : wall time of the dry pass (the callables, their references, the submissions).
     compile_wall_s : wall time from the first submission until the last compile finished.
     compile_cpu_s : sum of the workers' per-kernel compile times.
+    total_s : wall time of the whole call (dry pass, then waiting for the last compile).
     failed : ``module.kernel: error`` for specializations the workers could not compile (they
         compile in-process later, where a real error surfaces with Triton's own message).
     by_kernel : compiled specializations per ``module.kernel``.
@@ -70,6 +71,7 @@ class PrecompileReport:
     dry_pass_s: float = 0.0
     compile_wall_s: float = 0.0
     compile_cpu_s: float = 0.0
+    total_s: float = 0.0
     failed: list[str] = field(default_factory=list)
     by_kernel: dict[str, int] = field(default_factory=dict)
 
@@ -77,7 +79,8 @@ class PrecompileReport:
         return {"kernels": self.kernels, "workers": self.workers,
                 "dry_pass_s": round(self.dry_pass_s, 3),
                 "compile_wall_s": round(self.compile_wall_s, 3),
-                "compile_cpu_s": round(self.compile_cpu_s, 3), "failed": list(self.failed),
+                "compile_cpu_s": round(self.compile_cpu_s, 3), "total_s": round(self.total_s, 3),
+                "failed": list(self.failed),
                 "by_kernel": dict(self.by_kernel)}
 
 
@@ -195,6 +198,7 @@ def precompile(fns: Iterable[Callable[[], object]], *, workers: int | None = Non
         if own_pool and pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     report.workers = n_workers if submitted else 0
+    report.total_s = time.perf_counter() - t0
     return report
 
 

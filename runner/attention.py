@@ -48,6 +48,9 @@ class AttnMeta:
     cu_q_lens: torch.Tensor | None = None  # [B + 1] int32 (packed layout)
     tiling: tuple[torch.Tensor, torch.Tensor] | None = None  # (num_splits [B], split_len [B])
     plan: object | None = None  # speccal.kernels.ops.SplitPlan of the bucket
+    # one request's rows (prefill): the slots of its positions 0 .. seq_len - 1; its N rows are
+    # the last N positions and attend to these keys read by slot (``attend_own_keys``)
+    key_slots: torch.Tensor | None = None  # [seq_len] int64
 
 
 def write_kv(
@@ -113,6 +116,8 @@ def attend_rows(
     them back. Packed metadata (``meta.cu_q_lens``) skips the scatter: the kernel reads the rows
     in place.
     """
+    if meta.key_slots is not None:
+        return attend_own_keys(q, k_cache, v_cache, meta.key_slots, scale)
     if meta.cu_q_lens is not None:
         return ops.paged_attention(
             q.contiguous(),
@@ -151,3 +156,39 @@ def attend_rows(
     )
     flat = torch.cat([out.reshape(num_b * num_r, *q.shape[1:]), grid[-1:]], dim=0)
     return flat.index_select(0, meta.row_index)
+
+
+def attend_own_keys(
+    q: torch.Tensor,  # [N, num_heads, head_dim]: the last N positions of one request
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_slots: torch.Tensor,  # [T] int64: the slots of the request's positions 0 .. T - 1
+    scale: float,
+) -> torch.Tensor:  # [N, num_heads, head_dim]
+    """Causal attention of one request's rows over its own keys, read by slot (a prefill chunk).
+
+    The keys are gathered by ``key_slots`` (no block-table gather, no padding to the table's
+    width) and attended with ``scaled_dot_product_attention`` under a causal mask aligned to the
+    last row (``is_causal`` when the rows are the whole sequence, the lower-right causal bias
+    otherwise), which SDPA runs on its flash / memory-efficient kernels where it can. Equal to
+    :func:`paged_attention_torch` on the same rows (tests).
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, num_heads, head_dim = q.shape
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    group = num_heads // flat_k.shape[1]
+    keys = flat_k.index_select(0, key_slots).to(q.dtype).transpose(0, 1)  # [Hkv, T, D]
+    values = flat_v.index_select(0, key_slots).to(q.dtype).transpose(0, 1)
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=0)
+        values = values.repeat_interleave(group, dim=0)
+    t = keys.shape[1]
+    qh = q.transpose(0, 1)[None]  # [1, H, N, D]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if n == t:
+        out = sdpa(qh, keys[None], values[None], is_causal=True, scale=scale)
+    else:
+        out = sdpa(qh, keys[None], values[None], attn_mask=causal_lower_right(n, t), scale=scale)
+    return out[0].transpose(0, 1)

@@ -24,6 +24,7 @@ is ``npu``. That path is thin and **untested** here (no NPU on the CI or bench m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,12 +76,14 @@ class GraphSet:
         self.generator = generator
         self.graphs: dict[GraphKey, object] = {}
         self.outputs: dict[GraphKey, object] = {}
+        self.capture_s = 0.0  # wall time of every capture (its warm-up call included)
 
     def __contains__(self, key: GraphKey) -> bool:
         return key in self.graphs
 
     def capture(self, key: GraphKey, fn: Callable[[], object]) -> object:
         """Warm up ``fn`` once (Triton compiles, allocator settles), then capture it."""
+        t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
         graph = self._graph_cls()
@@ -95,6 +98,7 @@ class GraphSet:
             out = fn()
         self.graphs[key] = graph
         self.outputs[key] = out
+        self.capture_s += time.perf_counter() - t0
         return out
 
     def replay(self, key: GraphKey) -> object:

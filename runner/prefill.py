@@ -28,6 +28,8 @@ def _meta(
 ) -> tuple[torch.Tensor, AttnMeta]:
     bt = np.asarray(blocks, dtype=np.int64)
     slots = bt[positions // block_size] * block_size + positions % block_size
+    keys = np.arange(seq_len)
+    key_slots = bt[keys // block_size] * block_size + keys % block_size
     n = len(positions)
     meta = AttnMeta(
         slot_mapping=torch.as_tensor(slots, device=device),
@@ -37,6 +39,7 @@ def _meta(
         ),
         seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
         num_q_rows=n,
+        key_slots=torch.as_tensor(key_slots, device=device),
     )
     return torch.as_tensor(positions, device=device), meta
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speccal.base.errors import InputError, UnsupportedError
-from speccal.runner.attention import paged_attention_torch
+from speccal.runner.attention import attend_own_keys, paged_attention_torch
 from speccal.runner.path import ExecutionPath
 
 
@@ -42,6 +42,24 @@ def test_paged_equals_dense(num_q_rows):
         v = v_cache[blocks, slots % bs]
         q_pos = n - num_q_rows + torch.arange(num_q_rows)
         torch.testing.assert_close(out[b], _dense(q[b], k, v, q_pos, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("seq_len", "rows"), [(1, 1), (9, 9), (13, 5), (13, 1)])
+def test_own_keys_equal_paged_attention(seq_len, rows):
+    """The prefill chunk's attention over its own keys (by slot, SDPA) == the paged reference."""
+    g = torch.Generator().manual_seed(1)
+    num_blocks, bs, hkv, hq, d = 12, 4, 2, 6, 8
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
+    nb = -(-seq_len // bs)
+    block_table = (torch.randperm(num_blocks - 1, generator=g)[:nb] + 1).to(torch.int32)[None]
+    q = torch.randn(rows, hq, d, generator=g)
+    keys = torch.arange(seq_len)
+    key_slots = block_table[0, keys // bs].long() * bs + keys % bs
+    out = attend_own_keys(q, k_cache, v_cache, key_slots, 0.3)
+    ref = paged_attention_torch(q[None], k_cache, v_cache, block_table,
+                                torch.tensor([seq_len], dtype=torch.int32), rows, 0.3)[0]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_execution_path_validates_the_backend_and_the_device():
