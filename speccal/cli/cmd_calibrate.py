@@ -17,8 +17,21 @@ from rich.console import Console
 
 from speccal.base.atomic import read_json
 from speccal.base.errors import InputError
+from speccal.cli.dist import env_rank, is_distributed, run_ranks
 
 _err = Console(stderr=True)
+
+
+def _calibrate_ranks(opts, tp: int, dp: int, max_rank_skew_pct: float):
+    """``calibrate`` on every rank torchrun started (``speccal.calibrate.ranks``): one table,
+    written by rank 0; the summary on rank 0, None on the others."""
+    from speccal.calibrate.ranks import calibrate_ranks, rank_engine_factory
+
+    def body(comm, console):
+        return calibrate_ranks(opts, comm, engine_factory=rank_engine_factory(comm),
+                               max_rank_skew_pct=max_rank_skew_pct, console=console)
+
+    return run_ranks(tp, dp, opts.device, body, _err)
 
 
 def _buckets(text: str | None) -> tuple[int, ...] | None:
@@ -197,6 +210,30 @@ def register(app: typer.Typer) -> None:
                 "override); with --resume, without measuring again.",
             ),
         ] = False,
+        tp: Annotated[
+            int,
+            typer.Option(
+                "--tp",
+                help="Tensor-parallel ranks per model replica (launch with torchrun "
+                "--nproc-per-node TP*DP -m speccal calibrate ...). Recorded in the table.",
+            ),
+        ] = 1,
+        dp: Annotated[
+            int,
+            typer.Option(
+                "--dp",
+                help="Data-parallel replicas, each measuring its own windows. Recorded in the "
+                "table.",
+            ),
+        ] = 1,
+        max_rank_skew_pct: Annotated[
+            float,
+            typer.Option(
+                "--max-rank-skew-pct",
+                help="Several ranks: no table is written when the ranks' median window times "
+                "of a point differ by more than this ((max - min) / min, %).",
+            ),
+        ] = 5.0,
         as_json: Annotated[
             bool, typer.Option("--json", help="Print the summary as JSON on stdout.")
         ] = False,
@@ -235,9 +272,14 @@ def register(app: typer.Typer) -> None:
             },
         )
         try:
-            summary = calibrate(opts)
+            if is_distributed(tp, dp):
+                summary = _calibrate_ranks(opts, tp, dp, max_rank_skew_pct)
+                if summary is None:  # ranks other than 0 print nothing
+                    return
+            else:
+                summary = calibrate(opts)
         except QualityGateError as exc:
-            if as_json:  # the refused run's numbers, then the one-line error (exit 1)
+            if as_json and env_rank() == 0:  # the refused run's numbers, then the error (exit 1)
                 typer.echo(json.dumps(exc.summary, sort_keys=True, allow_nan=False))
             raise
         except KeyboardInterrupt:

@@ -1,0 +1,83 @@
+"""Running a command on every rank that ``torchrun`` started.
+
+``torchrun --nproc-per-node N -m speccal calibrate --tp T --dp D ...`` starts ``N`` copies of
+the CLI; each calls :func:`run_ranks`, which reads the launcher's environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``: here, at the entry point,
+never in library code), checks ``WORLD_SIZE == T * D``, joins the process group and runs the
+command's body with this rank's :class:`~speccal.runner.distributed.comm.Comm` and console.
+
+Rank 0 alone prints: the other ranks get a console that writes nowhere, and an error on them
+is not printed there but exchanged (``Comm.agree``) so that rank 0 reports it naming the rank
+(``RankError``); every rank exits with the same code. Errors before the group is joined (bad
+options, missing environment, a wrong world size) are the same on every rank and printed by
+rank 0 only (its rank is read from the environment).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from speccal.base.errors import InputError, SpeccalError
+
+T = TypeVar("T")
+
+
+def env_rank() -> int:
+    """This process's rank as the launcher set it (0 when not launched by torchrun)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def check_sizes(tp: int, dp: int) -> None:
+    for name, v in (("--tp", tp), ("--dp", dp)):
+        if v < 1:
+            raise InputError(name, v, "an integer >= 1")
+
+
+def is_distributed(tp: int, dp: int) -> bool:
+    """Whether a command runs on several ranks (``--tp``/``--dp`` above 1, or launched by
+    torchrun with more than one process); refuses sizes below 1 first."""
+    check_sizes(tp, dp)
+    return tp * dp > 1 or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def run_ranks(tp: int, dp: int, device: str, body: Callable[[Any, Console], T],
+              console: Console | None = None) -> T | None:
+    """Join the ``tp`` x ``dp`` run and call ``body(comm, console)`` on this rank.
+
+    Returns ``body``'s value on rank 0 and None on the others (which print nothing). A
+    :class:`SpeccalError` propagates on rank 0 (the CLI prints it) and becomes a silent
+    ``typer.Exit`` with the same code on the other ranks.
+    """
+    rank = env_rank()
+    quiet = rank != 0
+    out = Console(file=io.StringIO()) if quiet else (console or Console(stderr=True))
+    try:
+        from speccal.runner.distributed.comm import Topology, init_comm
+
+        check_sizes(tp, dp)
+        comm = init_comm(Topology(tp=tp, dp=dp), dict(os.environ), device)
+        try:
+            value = body(comm, out)
+        finally:
+            _leave()
+    except SpeccalError as exc:
+        if quiet:
+            raise typer.Exit(exc.exit_code) from None
+        raise
+    return None if quiet else value
+
+
+def _leave() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

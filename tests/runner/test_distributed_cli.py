@@ -1,0 +1,91 @@
+"""``torchrun --nproc-per-node 2 -m speccal calibrate --tp 2``: rank 0 alone prints and writes one
+table recording the topology; bad topologies and a missing launcher environment are refused
+with the field, the value and what was expected (in process, before any group is joined)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from speccal.cli import app
+from speccal.costmodel.table import load_table
+
+CAL = {
+    "request_buckets": [1],
+    "target_graph_rows": {"1": [2]},
+    "contexts": [{"prefill_tokens": 16, "min_kv_length": 1, "max_kv_length": 64}],
+    "warmup_steps": 1,
+    "window_steps": 2,
+    "windows_per_point": 2,
+}
+ARGS = ["--request-buckets", "1", "--max-model-len", "128", "--remeasure-rounds", "0",
+        "--accept-noisy"]
+NO_LAUNCHER = {"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "MASTER_ADDR": None,
+               "MASTER_PORT": None, "COLUMNS": "120"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _error_line(res) -> str:
+    lines = [x for x in res.output.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, res.output
+    return " ".join(lines[0].split())
+
+
+def test_torchrun_calibrate_tp2_rank0_alone_prints_and_writes(tmp_path):
+    (tmp_path / "cal.json").write_text(json.dumps(CAL))
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), "-m", "speccal", "calibrate", "--tp", "2",
+           "--config", str(tmp_path / "cal.json"), "--out", str(out), *ARGS, "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"})
+    assert res.returncode == 0, res.stderr[-4000:]
+    docs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(docs) == 1  # one summary: rank 0's
+    summary = docs[0]
+    assert summary["topology"]["tp"] == 2 and summary["topology"]["world_size"] == 2
+    assert res.stderr.count(f"wrote {out}") == 1
+    assert res.stderr.count("rank skew: largest") == 1
+    table = load_table(out)
+    assert (table.compatibility.topology.tp, table.compatibility.topology.dp) == (2, 1)
+
+
+def test_world_size_other_than_tp_times_dp_is_refused(tmp_path):
+    env = {**NO_LAUNCHER, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    res = CliRunner().invoke(app, ["calibrate", "--tp", "2", "--dp", "2", "--out",
+                                   str(tmp_path / "t.json")], env=env)
+    assert res.exit_code == 2
+    assert _error_line(res) == (
+        "error: world size (torchrun --nproc-per-node x nodes): got 2, expected tp * dp = "
+        "2 * 2 = 4")
+
+
+def test_missing_launcher_environment_is_refused(tmp_path):
+    res = CliRunner().invoke(app, ["calibrate", "--tp", "2", "--out", str(tmp_path / "t.json")],
+                             env=NO_LAUNCHER)
+    assert res.exit_code == 2
+    assert _error_line(res) == (
+        "error: environment variable RANK: got None, expected set by torchrun: launch with "
+        "torchrun --nproc-per-node N -m speccal ...")
+
+
+@pytest.mark.parametrize("flag,value", [("--tp", "0"), ("--dp", "-1")])
+def test_bad_sizes_are_refused(tmp_path, flag, value):
+    env = {**NO_LAUNCHER, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    res = CliRunner().invoke(app, ["calibrate", flag, value, "--out", str(tmp_path / "t.json")],
+                             env=env)
+    assert res.exit_code == 2
+    assert _error_line(res) == f"error: {flag}: got {value}, expected an integer >= 1"
