@@ -14,7 +14,10 @@ table):
 - **semantic** (refused with ``CompatibilityError`` naming every expected vs found value):
   ``draft_width``, ``model.*`` (architecture, weight fingerprint, dtype, quantization),
   ``topology.tp``, ``topology.dp``, ``graph_mode``, ``device.kind``, ``attention_backend``
-  (another attention kernel family is another program). An ``attention_backend`` recorded as
+  (another attention kernel family is another program), ``state_strategy`` (how a hybrid
+  target's recurrent state is kept consistent under rejected drafts, ``scratch_swap`` or
+  ``snapshots``: another round with other state traffic; ``none`` for targets without
+  recurrent state, the value of every table measured before the field existed). An ``attention_backend`` recorded as
   ``unknown`` on either side (a migrated version 1 table) only warns.
 - **performance-only** (``CompatibilityWarning``): ``device.name``, ``input_update`` (in-graph
   or host metadata update: the same round, another launch schedule), the kernel configuration
@@ -33,7 +36,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 from speccal.base.digest import DIGEST_CHARS, canonical_json, json_digest
 from speccal.base.errors import CompatibilityError, InputError, show
@@ -48,6 +59,7 @@ SEMANTIC_FIELDS = (
     "topology.dp",
     "graph_mode",
     "device.kind",
+    "state_strategy",
 )
 PERFORMANCE_FIELDS = ("device.name", "input_update")
 VERSION_FIELDS = ("speccal_version", "torch_version", "driver_version")
@@ -221,6 +233,18 @@ class Compatibility(_Strict):
     #: The engine's round loop (``EngineConfig.pipeline``); ``unknown`` for a table measured
     #: before the loop was recorded (migrated or bare-fit tables).
     loop: Literal["pipelined", "synchronous", "unknown"] = UNKNOWN
+    #: The recurrent-state strategy of a hybrid target (``EngineConfig.state_strategy``);
+    #: ``none`` for targets without recurrent state (every table older than the field).
+    state_strategy: Literal["scratch_swap", "snapshots", "none", "unknown"] = "none"
+
+    @model_serializer(mode="wrap")
+    def _omit_no_state(self, handler):
+        """``state_strategy`` is written only where a target has recurrent state, so a dense
+        target's table is byte-identical to one written before the field existed."""
+        out = handler(self)
+        if out.get("state_strategy") == "none":
+            out.pop("state_strategy")
+        return out
 
 
 def as_compatibility(
@@ -267,6 +291,7 @@ def make_compatibility(
     device_kind: str = "cpu",
     device_name: str = UNKNOWN,
     loop: str = UNKNOWN,
+    state_strategy: str = "none",
 ) -> dict[str, Any]:
     """A complete, validated compatibility dict for a table no runner measured.
 
@@ -300,6 +325,7 @@ def make_compatibility(
         "verification_mode": verification_mode,
         "device": {"kind": device_kind, "name": device_name},
         "loop": loop,
+        "state_strategy": state_strategy,
     }
     return as_compatibility(doc).model_dump(mode="json")
 

@@ -6,7 +6,7 @@ parameters to checkpoint keys with :meth:`DraftFamily.key_for`; the *target* loa
 key :meth:`DraftFamily.is_draft_key` claims, from the same descriptor. Nothing here or in the
 runner tests a model name: adding a family is one descriptor plus one registry entry.
 
-Head structure (DeepSeek-V3 / MiMo form, one depth composed, run ``k`` times):
+Head structure (DeepSeek-V3 / MiMo / Qwen3.5 form, one depth composed, run ``k`` times):
 ``h' = layer(proj(cat(order of [embed_norm(embed(token)), hidden_norm(hidden)])))``; logits
 ``= head(final_norm(h'))`` where ``final_norm`` / ``head`` / ``embed`` fall back to the target's
 final norm / LM head / embedding when the family has none; the hidden fed to the next step is
@@ -46,6 +46,10 @@ class DraftFamily:
         use the target's.
     is_feedback_normed : the hidden fed back to the next draft step is after ``final_norm``.
     max_composed_depths : MTP depths the runner composes (one layer run ``k`` times).
+    target_structure : the target structure whose full-attention layer the head's layer is:
+        ``dense`` (``speccal.runner.mtp.MTPHead``: RMSNorm, the dense decoder layer) or
+        ``hybrid`` (``speccal.runner.hybrid.HybridMTPHead``: zero-centred norms, gated
+        attention). A head on a target of the other structure is refused.
     refusal : if set, the family is recognised but refused at construction with this reason.
     """
 
@@ -63,6 +67,7 @@ class DraftFamily:
     embed: str | None = None
     is_feedback_normed: bool = False
     max_composed_depths: int = 1
+    target_structure: str = "dense"
     refusal: str | None = None
 
     def _match(self, key: str, num_target_layers: int) -> int | None:
@@ -138,14 +143,8 @@ REGISTRY: dict[str, DraftFamily] = {
         proj="fc",
         concat_order=("embed", "hidden"),
         final_norm="norm",
-        is_feedback_normed=True,
-        refusal=(
-            "its target is a hybrid linear-attention model (gated delta-net layers keep a "
-            "recurrent state that cannot be rolled back like a KV cache), and speccal's runner "
-            "has no recurrent-state verification path yet (the head's layer is a gated "
-            "attention layer with zero-centred norms, built by speccal.runner.hybrid, not "
-            "the dense MTP head)"
-        ),
+        is_feedback_normed=True,  # vLLM feeds the head's normed output to the next step
+        target_structure="hybrid",
     ),
 }
 
@@ -163,10 +162,22 @@ def published_depths(cfg: Mapping[str, Any]) -> tuple[str, int] | None:
     return None
 
 
+TARGET_STRUCTURES = {  # DraftFamily.target_structure -> what the refusal calls it
+    "dense": "a dense attention decoder",
+    "hybrid": "a hybrid linear-attention model (gated delta-net + gated attention layers)",
+}
+
+
 def recognise(
-    cfg: Mapping[str, Any], keys: Iterable[str], num_target_layers: int
+    cfg: Mapping[str, Any],
+    keys: Iterable[str],
+    num_target_layers: int,
+    target_structure: str = "dense",
 ) -> tuple[DraftFamily, int] | None:
     """Find the draft family of a checkpoint from its tensor names and config.
+
+    ``target_structure``: the loaded target's (a :data:`TARGET_STRUCTURES` key); a family
+    built for the other structure is refused.
 
     Returns
     -------
@@ -207,6 +218,13 @@ def recognise(
     if fam.refusal:
         raise UnsupportedError(
             f"draft family {fam.name!r} is recognised but refused: {fam.refusal}"
+        )
+    if fam.target_structure != target_structure:
+        raise UnsupportedError(
+            f"draft family {fam.name!r} is recognised but refused: its head's layer is a "
+            f"layer of {TARGET_STRUCTURES[fam.target_structure]} "
+            f"(target_structure={fam.target_structure!r}), and this target is "
+            f"{TARGET_STRUCTURES[target_structure]}"
         )
     num_depths = max(len(depths), published[1] if published else 0)
     if num_depths > fam.max_composed_depths:

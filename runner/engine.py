@@ -42,6 +42,7 @@ from speccal.runner.device import (
     synchronize,
 )
 from speccal.runner.graphs import GraphKey
+from speccal.runner.hybrid_state import STATE_STRATEGIES, make_strategy
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.loader import LoadedModel, load_model
 from speccal.runner.path import ExecutionPath, bind_path
@@ -80,6 +81,11 @@ class EngineConfig:
         :meth:`Engine.compatibility`. ``path.graph_mode="split"`` captures a draft graph per
         (Bcap, k) and a target graph per (Bcap, k, G) at construction (cuda/npu only).
     draft_family : presets only: key layout of the random MTP head.
+    state_strategy : how a hybrid target's recurrent state stays consistent under rejected
+        drafts (``speccal.runner.hybrid_state``): ``scratch_swap`` (verify writes a scratch
+        row; full acceptance swaps row indices, partial acceptance replays the accepted
+        prefix) or ``snapshots`` (a state per verified position, the accepted one selected).
+        Recorded in :meth:`Engine.compatibility` (``none`` for targets without such state).
     pipeline : False (default) runs the synchronous loop (admit -> prepare -> execute ->
         collect -> bookkeeping in series). True runs pipelined rounds (SPEC section 7):
         ``Engine.step`` queues round ``n + 1`` before it collects round ``n`` and returns round
@@ -107,6 +113,7 @@ class EngineConfig:
     path: ExecutionPath = field(default_factory=ExecutionPath)
     draft_family: str | None = None
     pipeline: bool = False
+    state_strategy: str = "scratch_swap"
 
     @classmethod
     def flat(cls, **kw: Any) -> EngineConfig:
@@ -147,6 +154,9 @@ class EngineConfig:
             )
         if not isinstance(self.pipeline, bool):
             raise InputError("pipeline", self.pipeline, "a bool")
+        if self.state_strategy not in STATE_STRATEGIES:
+            raise InputError("state_strategy", self.state_strategy,
+                             f"one of {', '.join(STATE_STRATEGIES)}")
         for name in ("block_size", "prefill_chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -219,6 +229,9 @@ class RoundResult:
     accept_matrix: np.ndarray  # [B, k] bool
     kv_lengths: np.ndarray  # [B] int64, after the round
     num_prefill_tokens: int = 0
+    # recurrent-state bytes the round moved (hybrid targets: StateTraffic.total of the round's
+    # shape under the engine's state strategy; 0 without recurrent state)
+    state_bytes: int = 0
     first_tokens: dict[int, int] = field(default_factory=dict)
     round_index: int = -1  # -1: no round ran (empty batch)
     num_discarded: int = 0  # pipelined: rows of already-finished requests the round also ran
@@ -285,11 +298,7 @@ class Engine:
             draft_family=config.draft_family,
         )
         mcfg = self.loaded.config
-        if self.loaded.capabilities.has_recurrent_state:
-            raise UnsupportedError(
-                f"{self.loaded.architecture}: targets with recurrent state need a state-rollback verify path, "
-                "which this runner does not have"
-            )
+        self._has_state = self.loaded.capabilities.has_recurrent_state
         if config.max_model_len is None:
             max_len = min(mcfg.max_position_embeddings, 4096)
         elif config.max_model_len > mcfg.max_position_embeddings:
@@ -313,7 +322,7 @@ class Engine:
             block_size=bs,
         )
         torch_dtype = next(self.loaded.target.parameters()).dtype
-        num_layers = mcfg.num_hidden_layers + (1 if self.loaded.draft is not None else 0)
+        num_layers = self.loaded.num_kv_layers + (1 if self.loaded.draft is not None else 0)
         self.kv = KVCache(
             num_layers,
             num_blocks,
@@ -330,6 +339,11 @@ class Engine:
             profile = torch.tensor(
                 config.acceptance_profile, dtype=torch.float32, device=self.device
             )
+        state = None
+        if self._has_state:  # one committed row per slot (+ the strategy's own rows)
+            state = make_strategy(config.state_strategy, self.loaded.target,
+                                  num_slots=max_bucket + 1, draft_width=w,
+                                  max_bucket=max_bucket, dtype=torch_dtype, device=self.device)
         self.runner = RoundRunner(
             self.loaded.target,
             self.loaded.draft,
@@ -345,11 +359,14 @@ class Engine:
             path=self.path,
             max_model_len=max_len,
             pipeline=config.pipeline,
+            state=state,
         )
         for module in (self.loaded.target, self.loaded.draft):
             if module is not None:
                 bind_path(module, self.path)
-        if self.path.attention_backend == "triton" and self.device.type == "cuda":
+        # the dense layers' fused weights (a hybrid target's layers run their own products)
+        if (self.path.attention_backend == "triton" and self.device.type == "cuda"
+                and not self._has_state):
             self.loaded.target.fuse_weights()
             if self.loaded.draft is not None:
                 self.loaded.draft.layer.self_attn.fuse_weights()
@@ -420,7 +437,17 @@ class Engine:
             "kernels": {"digest": self.path.kernels.digest(),
                         "config": self.path.kernels.to_dict()},
             "loop": "pipelined" if self.config.pipeline else "synchronous",
+            "state_strategy": self.state_strategy,
         }
+
+    @property
+    def state_strategy(self) -> str:
+        """The recurrent-state strategy rounds run (``none``: the target keeps no such state)."""
+        return self.runner.state.name if self.runner.state is not None else "none"
+
+    def _state_bytes(self, bcap: int, k: int) -> int:
+        state = self.runner.state
+        return 0 if state is None else state.round_traffic(bcap, k).total
 
     @property
     def input_update(self) -> str:
@@ -523,6 +550,8 @@ class Engine:
         self._early_finished = []
         self._round_index = 0
         self.stats = SpecStats(self.config.draft_width)
+        if self.runner.state is not None:
+            self.runner.state.reset_traffic()
 
     def set_acceptance_profile(self, profile: Sequence[float]) -> None:
         """``synthetic`` only: replace the per-position acceptance profile (``w`` values) in place
@@ -564,7 +593,9 @@ class Engine:
             req = self._waiting.pop(0)
             req.slot = self._free_slots.pop()
             self._running.append(req)
-            tok, hidden = prefill(
+            # a hybrid target's prefill also fills the slot's state rows
+            fill = prefill if self.runner.state is None else self.runner.state.prefill
+            tok, hidden = fill(
                 req,
                 self.runner.target,
                 self.runner.draft,
@@ -731,6 +762,7 @@ class Engine:
             num_prefill_tokens=num_prefill,
             first_tokens=first,
             round_index=round_index,
+            state_bytes=self._state_bytes(bcap, k),
         )
 
     # ------------------------------------------------------------------ the pipelined step
@@ -856,6 +888,7 @@ class Engine:
             num_prefill_tokens=f.num_prefill,
             first_tokens=dict(f.first),
             round_index=f.round_index,
+            state_bytes=self._state_bytes(x.bcap, k),
             num_discarded=len(f.batch) - len(live),
             discarded_accepted=d_acc,
             discarded_num_verify=d_nv,

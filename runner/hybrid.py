@@ -23,17 +23,21 @@ Forward layout: ``N = B * R`` flat rows, request-major; full-attention layers ta
 :class:`~speccal.runner.linear_attention.StateMeta` and one state pair per *linear* layer
 (:class:`~speccal.runner.linear_attention.LinearState`).
 
-Not done yet (the engine integration of issue 22): the Engine still refuses these targets
-(``config_from_hf`` without ``allow_hybrid``, and the ``qwen3_5_mtp`` refusal); the round runner
-must keep the state consistent under rejection (verify reads committed rows and writes a scratch
-row, full acceptance swaps row indices, partial acceptance replays the accepted prefix from the
-committed row, or restores a per-position snapshot; both primitives exist here) and price it in
-calibration; the MTP head must be built as a Qwen3.5 gated-attention layer with zero-centred
-norms; CUDA graphs and the ``fla`` / ``causal-conv1d`` kernels (``hybrid`` extra) are not wired.
+Serving (issue 22): :class:`HybridModel` has the target calling convention of
+``speccal.runner.model.TargetModel`` plus the state pair (``forward(ids, positions, attn_meta,
+kv_caches, state_meta, state)``, ``logits``, :attr:`HybridModel.capabilities` declaring the
+recurrent state); the linear layers read the flat rows in the ``[B, R]`` grid of
+``StateMeta.row_index`` (the verify rows' ``AttnMeta.row_index``). Which state rows a forward
+reads and writes, and how a rejected draft's state is undone, is the state strategy's
+(``speccal.runner.hybrid_state``). :class:`HybridMTPHead` is the ``qwen3_5_mtp`` head: the
+fusion block of the draft-family descriptor around one gated full-attention layer of this
+module, with zero-centred norms. CUDA graphs and the ``fla`` kernels are not exercised here
+(CPU only so far).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,12 +49,14 @@ from torch import nn
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig, config_from_hf
+from speccal.runner.draft_families import DraftFamily
 from speccal.runner.linear_attention import (
     GatedDeltaNet,
     LinearAttentionConfig,
     LinearState,
     StateMeta,
 )
+from speccal.runner.model import ModelCapabilities
 from speccal.runner.path import PathBound
 from speccal.runner.rope import RotaryTable
 
@@ -97,6 +103,13 @@ class HybridConfig:
         if self.linear.num_v_heads % self.linear.num_k_heads:
             raise InputError("config.json:linear_num_value_heads", self.linear.num_v_heads,
                              f"a multiple of linear_num_key_heads={self.linear.num_k_heads}")
+
+    def __getattr__(self, name: str) -> Any:
+        """The shared shapes (``hidden_size``, ``num_key_value_heads`` ...) read through to
+        :attr:`base`, so the round runner reads a hybrid config as it reads a dense one."""
+        if name == "base" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
     def layers_of(self, kind: str) -> list[int]:
         """Indices of the layers whose token mixer is ``kind``."""
@@ -309,6 +322,11 @@ class HybridModel(PathBound, nn.Module):
         if cfg.base.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryTable(cfg.base, max_positions, max_model_len)
+        # verification rows are a causal chunk; the verify inputs are built on the host (the
+        # in-graph update's packed layout has no [B, R] grid for the recurrence)
+        self.capabilities = ModelCapabilities(requires_causal_chunked_prefill=True,
+                                              supports_in_graph_input_update=False,
+                                              has_recurrent_state=True)
 
     @property
     def num_state_layers(self) -> int:
@@ -330,21 +348,103 @@ class HybridModel(PathBound, nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one per full-attention layer
         state_meta: StateMeta,
         state: LinearState,
-    ) -> torch.Tensor:  # [N, hidden], after the final norm
+        is_state_only: bool = False,
+    ) -> torch.Tensor | None:  # [N, hidden], after the final norm
+        """One forward over ``N`` flat rows; ``is_state_only`` stops after the last linear
+        layer and returns None (a replay that only advances the state rows)."""
         h = self.model.embed_tokens(input_ids)
+        last_state = max(i for i, layer in enumerate(self.model.layers) if layer.has_state)
         kv_iter, state_iter = iter(kv_caches), iter(state.layers)
         snap_iter = iter(state_meta.snapshots) if state_meta.snapshots is not None else None
-        for layer in self.model.layers:
+        rows = state_meta.row_index
+        num_grid = state_meta.read_slots.shape[0] * state_meta.num_q_rows
+        for index, layer in enumerate(self.model.layers):
+            if is_state_only and index > last_state:
+                return None
             x = layer.input_layernorm(h)
             mixer = getattr(layer, layer.mixer)
             if layer.has_state:
                 snap = next(snap_iter) if snap_iter is not None else None
-                x = mixer(x, state_meta, next(state_iter), snap)
+                if rows is None:
+                    x = mixer(x, state_meta, next(state_iter), snap)
+                else:  # flat rows -> [B, R] grid (padding rows in the trash row) and back
+                    grid = x.new_zeros(num_grid + 1, x.shape[-1])
+                    grid.index_copy_(0, rows, x)
+                    out = mixer(grid[:num_grid], state_meta, next(state_iter), snap)
+                    x = torch.cat([out, grid[num_grid:]], dim=0).index_select(0, rows)
             else:
                 x = mixer(x, positions, attn_meta, next(kv_iter), self.rotary, self.path)
             h = h + x
+            if is_state_only and index == last_state:
+                return None  # the last state layer's MLP feeds no state
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]``, float32 unless ``upcast`` is False (argmax-only)."""
+        out = self.lm_head(hidden)
+        return out.float() if upcast else out
+
+
+class HybridMTPHead(PathBound, nn.Module):
+    """The MTP head of a hybrid target (``qwen3_5_mtp``): one depth, run ``k`` times.
+
+    ``h' = layer(proj(cat(order of [embed_norm(embed(token)), hidden_norm(hidden)])))`` with
+    the target's embedding, then ``normed = final_norm(h')`` and logits through the target's LM
+    head; ``layer`` is a full-attention layer of this module (gated attention, q/k norm,
+    partial rotary; a dense SwiGLU, or the routed MoE when the checkpoint's head keys name a
+    router), every norm zero-centred. The head keeps its own paged KV layer. Same calling
+    convention as ``speccal.runner.mtp.MTPHead``; parameter names map to checkpoint keys
+    through the family descriptor (:meth:`param_key_map`).
+    """
+
+    def __init__(self, cfg: HybridConfig, family: DraftFamily):
+        super().__init__()
+        self._init_path()
+        b = cfg.base
+        h = b.hidden_size
+        self.family = family
+        self.embed_norm = OffsetRMSNorm(h, b.rms_norm_eps)
+        self.hidden_norm = OffsetRMSNorm(h, b.rms_norm_eps)
+        self.proj = nn.Linear(2 * h, h, bias=False)
+        one = dataclasses.replace(b, num_hidden_layers=1)
+        moe = None if cfg.moe is None else dataclasses.replace(cfg.moe, sparse_step=1,
+                                                                 dense_layers=())
+        self.layer = HybridLayer(dataclasses.replace(cfg, base=one, layer_types=(
+            "full_attention",), moe=moe), 0)
+        self.final_norm = OffsetRMSNorm(h, b.rms_norm_eps)
+
+    def forward(
+        self,
+        target: HybridModel,
+        hidden: torch.Tensor,  # [N, hidden]: target hidden (or this head's previous output)
+        input_ids: torch.Tensor,  # [N] int64: the token after the hidden's position
+        positions: torch.Tensor,  # [N] int64: the hidden's position
+        meta: AttnMeta,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # feedback [N, hidden], normed [N, hidden]
+        e = self.embed_norm(target.model.embed_tokens(input_ids))
+        parts = {"embed": e, "hidden": self.hidden_norm(hidden)}
+        x = self.proj(torch.cat([parts[name] for name in self.family.concat_order], dim=-1))
+        layer = self.layer
+        x = x + layer.self_attn(layer.input_layernorm(x), positions, meta, kv, target.rotary,
+                                self.path)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        normed = self.final_norm(x)
+        return (normed if self.family.is_feedback_normed else x), normed
+
+    def logits(self, target: HybridModel, normed: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32 through the target's LM head."""
+        return target.lm_head(normed).float()
+
+    def param_key_map(self, num_target_layers: int) -> dict[str, str]:
+        """Module parameter name -> checkpoint key, from the family descriptor."""
+        fam = self.family
+        stems = {"embed_norm": fam.embed_norm, "hidden_norm": fam.hidden_norm,
+                 "proj": fam.proj, "final_norm": fam.final_norm}
+        out = {}
+        for name, _ in self.named_parameters():
+            first, _, rest = name.partition(".")
+            key_stem = rest if first == "layer" else f"{stems[first]}.{rest}"
+            out[name] = fam.key_for(key_stem, num_target_layers)
+        return out

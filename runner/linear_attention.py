@@ -234,13 +234,18 @@ class StateMeta:
     """Which state rows a forward over ``B`` requests of ``R`` rows reads and writes."""
 
     read_slots: torch.Tensor  # [B] int64: committed state rows
-    write_slots: torch.Tensor  # [B] int64: where the new state goes (== read for plain decode)
+    write_slots: torch.Tensor | None  # [B] int64: where the new state goes (== read for plain
+    # decode, a scratch row for verification); None: not written (the per-position strategy
+    # keeps only the snapshots)
     num_q_rows: int  # R
     num_valid: torch.Tensor | None = None  # [B] int64 real rows (None: all R)
     is_chunked: bool = False  # use the chunked delta rule (prefill) instead of the recurrence
     # per-row snapshots (per-position strategy), one pair per linear layer in layer order:
     # (conv [B, R, C, K-1], ssm [B, R, Hv, Dk, Dv]); see LinearState.snapshot_buffers
     snapshots: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # flat rows -> the [B, R] grid: [N] int64 into B * R (+1 trash row for padding rows), the
+    # layout of AttnMeta.row_index; None: the N rows already are the grid (N = B * R)
+    row_index: torch.Tensor | None = None
 
 
 class GatedDeltaNet(nn.Module):
@@ -323,8 +328,9 @@ class GatedDeltaNet(nn.Module):
         else:
             snap = snapshot[1] if snapshot is not None else None
             out, s = recurrent_gated_delta_rule(q, k, v, g, beta, s0, snap)
-        conv_state.index_copy_(0, meta.write_slots, new_conv.to(conv_state.dtype))
-        ssm_state.index_copy_(0, meta.write_slots, s.to(ssm_state.dtype))
+        if meta.write_slots is not None:
+            conv_state.index_copy_(0, meta.write_slots, new_conv.to(conv_state.dtype))
+            ssm_state.index_copy_(0, meta.write_slots, s.to(ssm_state.dtype))
         out = self.norm(out.reshape(-1, c.head_v_dim), z.reshape(-1, c.head_v_dim))
         return self.out_proj(out.view(x.shape[0], c.value_dim))
 

@@ -6,6 +6,12 @@ descriptor), builds both modules on the meta device, materialises them on the ta
 fills every parameter from a :class:`~speccal.runner.checkpoint.TensorSource`, refusing missing
 tensors and shape mismatches by name. The result, :class:`LoadedModel`, also carries the model
 fingerprint used by cost-table compatibility.
+
+Hybrid linear-attention targets (a ``linear_attention`` entry in ``layer_types``: Qwen3.5 /
+Qwen3-Next, :func:`speccal.runner.hybrid.is_hybrid_config`) load into
+:class:`~speccal.runner.hybrid.HybridModel` and their head into
+:class:`~speccal.runner.hybrid.HybridMTPHead` by the same steps; which head class a family
+builds is the descriptor's ``target_structure`` (:data:`HEAD_CLASSES`), never a model name.
 """
 
 from __future__ import annotations
@@ -21,7 +27,13 @@ from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.checkpoint import SafetensorsFolder, TensorSource
 from speccal.runner.config import ModelConfig, config_from_hf
 from speccal.runner.draft_families import REGISTRY, DraftFamily, is_any_draft_key, recognise
-from speccal.runner.hybrid import HybridConfig, HybridModel, hybrid_config_from_hf
+from speccal.runner.hybrid import (
+    HybridConfig,
+    HybridModel,
+    HybridMTPHead,
+    hybrid_config_from_hf,
+    is_hybrid_config,
+)
 from speccal.runner.model import ModelCapabilities, TargetModel
 from speccal.runner.mtp import MTPHead
 from speccal.runner.presets import HYBRID_PRESETS, PRESETS, HybridRandomSource, RandomSource
@@ -42,6 +54,12 @@ class LoadedModel:
     description: str
     tokenizer_path: Path | None
     capabilities: ModelCapabilities
+    num_kv_layers: int  # target layers with a paged KV cache (all of a dense target's)
+    hybrid: HybridConfig | None = None  # the full config of a hybrid target
+
+
+# DraftFamily.target_structure -> the head module it builds
+HEAD_CLASSES = {"dense": MTPHead, "hybrid": HybridMTPHead}
 
 
 def _target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -194,6 +212,10 @@ def load_model(
         A refused draft family or depth count, or an unsupported target structure.
     """
     torch_dtype = _dtype(dtype)
+    if model in HYBRID_PRESETS:
+        return _load_hybrid_preset(model, device=device, dtype=dtype, seed=seed,
+                                   max_model_len=max_model_len, max_positions=max_positions,
+                                   need_draft=need_draft, draft_family=draft_family)
     if model in PRESETS:
         preset = PRESETS[model]
         fam_name = draft_family or preset.family
@@ -226,13 +248,20 @@ def load_model(
             desc,
             None,
             target.capabilities,
+            cfg.num_hidden_layers,
         )
     if not Path(model).exists():
         raise InputError(
-            "model", model, f"a preset ({', '.join(PRESETS)}) or an existing checkpoint folder"
+            "model", model,
+            f"a preset ({', '.join([*PRESETS, *HYBRID_PRESETS])}) or an existing checkpoint "
+            "folder",
         )
     folder = SafetensorsFolder(model)
     keys = folder.keys()
+    if is_hybrid_config(folder.config):
+        return _load_hybrid_folder(folder, device=device, dtype=dtype,
+                                   max_model_len=max_model_len, max_positions=max_positions,
+                                   need_draft=need_draft)
     cfg = config_from_hf(folder.config, keys)
     if need_draft and recognise(cfg.extra, keys, cfg.num_hidden_layers) is None:
         raise UnsupportedError(
@@ -261,6 +290,7 @@ def load_model(
         desc,
         tok,
         target.capabilities,
+        cfg.num_hidden_layers,
     )
 
 
@@ -282,6 +312,108 @@ def _build_hybrid(cfg: HybridConfig, source: TensorSource, device: torch.device,
     return target
 
 
+def hybrid_head_config(cfg: HybridConfig, family: DraftFamily,
+                       keys: set[str] | None) -> HybridConfig:
+    """The head layer's config: the target's, with the routed MoE MLP only where the head's
+    own keys name a router (``<prefix>mlp.gate.weight``); ``keys`` None keeps the target's."""
+    if keys is None or cfg.moe is None:
+        return cfg
+    if family.key_for("mlp.gate.weight", cfg.base.num_hidden_layers) in keys:
+        return cfg
+    return dataclasses.replace(cfg, moe=None)
+
+
+def _hybrid_head_shapes(cfg: HybridConfig, family: DraftFamily) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        head = HybridMTPHead(cfg, family)
+    shapes = dict(head.named_parameters())
+    return {key: tuple(shapes[name].shape)
+            for name, key in head.param_key_map(cfg.base.num_hidden_layers).items()}
+
+
+def _build_hybrid_head(cfg: HybridConfig, family: DraftFamily, source: TensorSource,
+                       device: torch.device, dtype: torch.dtype) -> HybridMTPHead:
+    keys = set(source.keys())
+    with torch.device("meta"):
+        head = HybridMTPHead(hybrid_head_config(cfg, family, keys), family)
+    head = _materialise(head, device)
+    _fill(head, head.param_key_map(cfg.base.num_hidden_layers), source, keys, dtype, device,
+          f"MTP head ({family.name})")
+    head.eval()
+    return head
+
+
+def _hybrid_loaded(cfg: HybridConfig, source: TensorSource, *, device, dtype: str,
+                   max_model_len: int, max_positions: int, need_draft: bool,
+                   fingerprint: str, is_random: bool, description: str,
+                   tokenizer_path: Path | None) -> LoadedModel:
+    """Target + head of a hybrid checkpoint or preset (family recognised from the keys)."""
+    torch_dtype = _dtype(dtype)
+    layers = cfg.base.num_hidden_layers
+    found = recognise(cfg.base.extra, source.keys(), layers, target_structure="hybrid")
+    target = _build_hybrid(cfg, source, device, torch_dtype, max_model_len, max_positions)
+    head = None
+    if found is not None and need_draft:
+        head = _build_hybrid_head(cfg, found[0], source, device, torch_dtype)
+    return LoadedModel(target, head, cfg.base, found[0] if found else None, fingerprint,
+                       cfg.base.architecture, is_random, description, tokenizer_path,
+                       target.capabilities, target.num_kv_layers, cfg)
+
+
+def _load_hybrid_folder(folder: SafetensorsFolder, *, device, dtype: str, max_model_len: int,
+                        max_positions: int, need_draft: bool) -> LoadedModel:
+    keys = folder.keys()
+    cfg = hybrid_config_from_hf(folder.config, keys)
+    if need_draft and recognise(cfg.base.extra, keys, cfg.base.num_hidden_layers,
+                                target_structure="hybrid") is None:
+        raise UnsupportedError(
+            f"checkpoint {folder.path} has no MTP head (no draft family's tensors found): "
+            "speculative decoding needs one; run plain decoding instead (speccal generate "
+            "--plain)"
+        )
+    tok = folder.path if folder.has_tokenizer() else None
+    return _hybrid_loaded(cfg, folder, device=device, dtype=dtype, max_model_len=max_model_len,
+                          max_positions=max_positions, need_draft=need_draft,
+                          fingerprint=folder.fingerprint(), is_random=False,
+                          description=f"checkpoint {folder.path} ({cfg.base.architecture})",
+                          tokenizer_path=tok)
+
+
+def _hybrid_preset_source(name: str, seed: int, overrides: dict | None,
+                          draft_family: str | None) -> tuple[HybridConfig, HybridRandomSource,
+                                                             str]:
+    if name not in HYBRID_PRESETS:
+        raise InputError("hybrid preset", name, f"one of {', '.join(HYBRID_PRESETS)}")
+    preset = HYBRID_PRESETS[name]
+    fam_name = draft_family or preset.family
+    if fam_name not in REGISTRY:
+        raise InputError("draft_family", fam_name, f"one of {', '.join(REGISTRY)}")
+    raw = {**preset.config, **(overrides or {}), "architectures": [f"preset:{name}"]}
+    if "num_hidden_layers" in (overrides or {}) and "layer_types" not in (overrides or {}):
+        raw["layer_types"] = ["linear_attention"] * 3 + ["full_attention"]
+        raw["layer_types"] = raw["layer_types"] * (raw["num_hidden_layers"] // 4)
+    cfg = hybrid_config_from_hf(raw)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in HybridModel(cfg, 1, 1).state_dict().items()}
+    if cfg.base.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    shapes.update(_hybrid_head_shapes(cfg, REGISTRY[fam_name]))
+    fingerprint = preset_fingerprint(f"{name}/{fam_name}", seed, shapes)
+    return cfg, HybridRandomSource(preset, shapes, seed), fingerprint
+
+
+def _load_hybrid_preset(name: str, *, device, dtype: str, seed: int, max_model_len: int,
+                        max_positions: int, need_draft: bool,
+                        draft_family: str | None) -> LoadedModel:
+    cfg, source, fingerprint = _hybrid_preset_source(name, seed, None, draft_family)
+    desc = (f"preset {name!r} ({HYBRID_PRESETS[name].description}, RANDOM weights of seed "
+            f"{seed}: its text is meaningless)")
+    return _hybrid_loaded(cfg, source, device=device, dtype=dtype, max_model_len=max_model_len,
+                          max_positions=max_positions, need_draft=need_draft,
+                          fingerprint=fingerprint, is_random=True, description=desc,
+                          tokenizer_path=None)
+
+
 def hybrid_preset(
     name: str,
     *,
@@ -297,19 +429,7 @@ def hybrid_preset(
     ``overrides`` replaces config fields (tests shrink the shape: ``hidden_size``,
     ``num_hidden_layers`` (a multiple of 4 keeps the 3 + 1 layer pattern), head counts...).
     """
-    if name not in HYBRID_PRESETS:
-        raise InputError("hybrid preset", name, f"one of {', '.join(HYBRID_PRESETS)}")
-    preset = HYBRID_PRESETS[name]
-    raw = {**preset.config, **(overrides or {}), "architectures": [f"preset:{name}"]}
-    if "num_hidden_layers" in (overrides or {}) and "layer_types" not in (overrides or {}):
-        raw["layer_types"] = ["linear_attention"] * 3 + ["full_attention"]
-        raw["layer_types"] = raw["layer_types"] * (raw["num_hidden_layers"] // 4)
-    cfg = hybrid_config_from_hf(raw)
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in HybridModel(cfg, 1, 1).state_dict().items()}
-    if cfg.base.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    source = HybridRandomSource(preset, shapes, seed)
+    cfg, source, _ = _hybrid_preset_source(name, seed, overrides, None)
     model = _build_hybrid(cfg, source, device, _dtype(dtype), max_model_len, max_positions)
     return model, cfg
 
@@ -322,11 +442,10 @@ def load_hybrid(
     max_model_len: int,
     max_positions: int,
 ) -> tuple[HybridModel, HybridConfig]:
-    """Load a hybrid linear-attention target (``speccal.runner.hybrid``) from an HF folder.
+    """Load only the hybrid linear-attention target of an HF folder (no head).
 
     The draft head's keys (``mtp.*`` for ``qwen3_5_mtp``) are dropped by the same descriptor
-    the draft loader uses; the head itself is not built (the Engine still refuses hybrid
-    targets). Missing tensors and shape mismatches are refused by name.
+    the draft loader uses. Missing tensors and shape mismatches are refused by name.
 
     Raises
     ------

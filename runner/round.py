@@ -140,8 +140,12 @@ class RoundRunner:
         path: ExecutionPath,
         max_model_len: int = 4096,
         pipeline: bool = False,
+        state=None,
     ):
         self.pipeline = pipeline
+        # recurrent-state rows of a hybrid target (speccal.runner.hybrid_state.StateStrategy):
+        # the verify forward reads / writes them, acceptance commits them; None: KV only
+        self.state = state
         self.target = target
         self.draft = draft
         self.kv = kv
@@ -152,7 +156,9 @@ class RoundRunner:
         self.generator = generator
         self.device = device
         self.block_size = kv.allocator.block_size
-        num_layers = target.config.num_hidden_layers
+        # target layers with a KV cache (a hybrid target's linear layers have none), then the
+        # draft layer
+        num_layers = len(kv.layers) - (1 if draft is not None else 0)
         self.target_kv = kv.layers[:num_layers]
         self.draft_kv = kv.layers[num_layers] if draft is not None else None
         hidden = target.config.hidden_size
@@ -809,7 +815,8 @@ class RoundRunner:
             meta = AttnMeta(
                 t["ver_slot"], t["ver_row"], bt, seq, k + 1, None, self._tiling(seq, plan), plan
             )
-            h = target(grid_tokens[t["ver_grid"]], t["ver_pos"], meta, self.target_kv)
+            extra = () if self.state is None else self.state.verify_args(t, bcap, k)
+            h = target(grid_tokens[t["ver_grid"]], t["ver_pos"], meta, self.target_kv, *extra)
             logits = target.logits(h, upcast=not fast)  # [G, V]
             if fast:
                 row_tok = logits.argmax(dim=-1)  # [G]
@@ -842,6 +849,8 @@ class RoundRunner:
             num_accepted = torch.zeros(bcap, dtype=torch.int64, device=self.device)
         else:
             num_accepted, out = self._accept(draft_tokens, grid_logits, t["num_verify"], slot_index)
+        if self.state is not None:  # the state after each request's accepted prefix
+            self.state.commit(t, bcap, k, num_accepted, grid_tokens, self.target_kv)
         self.ext_tokens[slot_index, : k + 1] = out
         self.ext_hidden[slot_index, : k + 1] = grid_h
         return RoundOutputs(num_accepted, out, None, t["num_verify"])
@@ -943,6 +952,8 @@ class RoundRunner:
         queued last (:meth:`stage_outputs`, eager). No host sync on the in-graph path.
         """
         bcap, k = x.bcap, x.k
+        if self.state is not None:  # host count of the state bytes this round's shape moves
+            self.state.record(bcap, k)
         if self.graphs is not None and k > 0:
             drafts, scores = self.graphs.replay(GraphKey("draft", bcap, k))
         elif self.draft is not None and k > 0:

@@ -151,7 +151,7 @@ class Session:
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14]
 
 
-def test_config_is_recognised_by_layer_types_and_still_refused_by_the_engine(pair):
+def test_config_is_recognised_by_layer_types_and_refused_by_the_dense_parser(pair):
     kind, hf, ours, folder = pair
     cfg = json.loads((folder / "config.json").read_text())
     assert is_hybrid_config(cfg)
@@ -317,7 +317,7 @@ def test_chunked_and_recurrent_delta_rule_agree_with_padding_rows_inert():
     assert torch.allclose(s3, s4, atol=1e-5)
 
 
-def test_mtp_keys_are_dropped_from_the_target_and_the_head_is_refused(pair):
+def test_mtp_keys_are_dropped_from_the_target_and_recognised_for_hybrid_targets_only(pair):
     _, _, ours, folder = pair
     from speccal.runner.checkpoint import SafetensorsFolder
 
@@ -325,8 +325,11 @@ def test_mtp_keys_are_dropped_from_the_target_and_the_head_is_refused(pair):
     keys = src.keys()
     assert sum(k.startswith("mtp.") for k in keys) == 15
     assert not any(n.startswith("mtp.") for n, _ in ours.named_parameters())
-    with pytest.raises(UnsupportedError, match="qwen3_5_mtp.*refused"):
-        recognise(src.config, keys, ours.config.base.num_hidden_layers)
+    layers = ours.config.base.num_hidden_layers
+    fam, depths = recognise(src.config, keys, layers, target_structure="hybrid")
+    assert fam.name == "qwen3_5_mtp" and depths == 1
+    with pytest.raises(UnsupportedError, match="qwen3_5_mtp.*refused.*dense attention decoder"):
+        recognise(src.config, keys, layers)  # the same head on a dense target
 
 
 def test_qwen3_5_mtp_descriptor_names_exactly_the_published_head_keys(pair):
@@ -336,15 +339,16 @@ def test_qwen3_5_mtp_descriptor_names_exactly_the_published_head_keys(pair):
     _, _, ours, folder = pair
     from speccal.runner.checkpoint import SafetensorsFolder
     from speccal.runner.draft_families import REGISTRY
-    from speccal.runner.loader import draft_config
-    from speccal.runner.mtp import MTPHead
+    from speccal.runner.hybrid import HybridMTPHead
+    from speccal.runner.loader import hybrid_head_config
 
     keys = set(SafetensorsFolder(folder).keys())
     fam = REGISTRY["qwen3_5_mtp"]
     layers = ours.config.base.num_hidden_layers
-    dcfg = draft_config(ours.config.base, fam, keys)
+    dcfg = hybrid_head_config(ours.config, fam, keys)
+    assert dcfg.moe is None  # these heads carry a dense MLP (no router key), even on Next
     with torch.device("meta"):
-        head = MTPHead(dcfg, fam)
+        head = HybridMTPHead(dcfg, fam)
     mapped = set(head.param_key_map(layers).values())
     assert mapped == {k for k in keys if k.startswith("mtp.")}
     assert fam.key_for("fc.weight", layers) == "mtp.fc.weight"
@@ -419,3 +423,62 @@ def test_padding_rows_leave_the_state_of_their_request_untouched(pair):
     with torch.no_grad():
         layer(x, StateMeta(torch.tensor([0, 1]), torch.tensor([0, 1]), 3), unmasked)
     assert (unmasked[1][1] - solo[1][1]).abs().max() > 1e-3  # the mask is what keeps it
+
+
+@torch.no_grad()
+def test_mtp_head_equals_a_transformers_layer_built_from_its_tensors(pair):
+    """The ``qwen3_5_mtp`` head over a prompt (prefill layout: hidden ``h_i`` with token
+    ``t_{i+1}`` at position ``i``) against a reference assembled from transformers' own
+    modules and the ``mtp.*`` tensors: zero-centred ``Qwen3_5RMSNorm`` fusion norms,
+    ``mtp.fc`` on ``[embed, hidden]``, a ``Qwen3_5DecoderLayer`` (full attention) loaded with
+    ``mtp.layers.0.*``, ``mtp.norm``, the target's LM head. A swapped concat order or a
+    plain RMSNorm misses it by far more than the tolerance (checked)."""
+    kind, hf, _, folder = pair
+    if kind != "qwen3_5":
+        pytest.skip("transformers' Qwen3-Next layer holds fused experts; the head here is dense")
+    from safetensors import safe_open
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hfm
+
+    from speccal.runner.loader import load_model
+
+    loaded = load_model(str(folder), device=torch.device("cpu"), dtype="float32",
+                        max_model_len=64, max_positions=64)
+    head, target = loaded.draft, loaded.target
+    with safe_open(str(folder / "mtp.safetensors"), "pt") as f:
+        mtp = {k: f.get_tensor(k) for k in f.keys()}
+    seq = PROMPT
+    n = len(seq) - 1
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        hidden = hf.model(ids).last_hidden_state[0, :-1]  # after the final norm
+        layer = hfm.Qwen3_5DecoderLayer(hf.config, layer_idx=3).eval()
+        layer.load_state_dict({k.removeprefix("mtp.layers.0."): v for k, v in mtp.items()
+                               if k.startswith("mtp.layers.0.")})
+
+        def norm(name, x):
+            m = hfm.Qwen3_5RMSNorm(x.shape[-1], eps=hf.config.rms_norm_eps)
+            m.weight.copy_(mtp[f"mtp.{name}.weight"])
+            return m(x)
+
+        def reference(order):
+            e = norm("pre_fc_norm_embedding", hf.model.embed_tokens(ids[0, 1:]))
+            h = norm("pre_fc_norm_hidden", hidden)
+            parts = {"embed": e, "hidden": h}
+            x = torch.cat([parts[o] for o in order], -1) @ mtp["mtp.fc.weight"].T
+            pos = torch.arange(n)[None]
+            cos_sin = hf.model.rotary_emb(x[None], pos[None].expand(3, 1, -1))
+            out = layer(x[None], position_embeddings=cos_sin, attention_mask=None,
+                        position_ids=pos)
+            return hf.lm_head(norm("norm", out[0]))
+
+        want = reference(("embed", "hidden"))
+        kv = KVCache(1, 1 + BLOCKS_PER_REQ, BLOCK, target.config.base.num_key_value_heads,
+                     target.config.base.head_dim, torch.float32, torch.device("cpu"))
+        table = torch.arange(1, 1 + BLOCKS_PER_REQ, dtype=torch.int32)[None]
+        slots = (table[0, torch.arange(n) // BLOCK].long() * BLOCK + torch.arange(n) % BLOCK)
+        meta = AttnMeta(slots, torch.arange(n), table, torch.tensor([n], dtype=torch.int32), n)
+        fb, normed = head(target, hidden, ids[0, 1:], torch.arange(n), meta, kv.layers[0])
+        got = head.logits(target, normed)
+    assert torch.equal(fb, normed)  # the feedback is the normed output (descriptor)
+    assert (got - want).abs().max().item() < ATOL
+    assert (reference(("hidden", "embed")) - want).abs().max().item() > 100 * ATOL

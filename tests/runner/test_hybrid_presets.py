@@ -39,10 +39,20 @@ def test_preset_shapes_equal_transformers_text_model(name):
     assert ours.num_kv_layers == 6 and ours.num_state_layers == 18
 
 
-def test_hybrid_presets_stay_out_of_the_engine_registry():
+def test_hybrid_presets_load_through_load_model_with_their_head():
+    """``load_model`` serves the hybrid presets by name (the Engine's entry point) with a
+    random ``qwen3_5_mtp`` head in the published key layout; on the meta device, so no weights
+    are made (full size). An unknown name lists both registries."""
     assert not set(HYBRID_PRESETS) & set(PRESETS)
-    with pytest.raises(InputError, match="preset"):
-        load_model("qwen3.5-0.8b", device=torch.device("cpu"), dtype="float32",
+    loaded = load_model("qwen3.5-0.8b", device=torch.device("meta"), dtype="bfloat16",
+                        max_model_len=64, max_positions=64)
+    assert loaded.is_random and loaded.family.name == "qwen3_5_mtp"
+    assert loaded.num_kv_layers == 6 and loaded.capabilities.has_recurrent_state
+    keys = set(loaded.draft.param_key_map(24).values())
+    assert len(keys) == 15 and all(k.startswith("mtp.") for k in keys)
+    assert loaded.fingerprint.startswith("preset:")
+    with pytest.raises(InputError, match="qwen3.5-2b"):
+        load_model("qwen3.5-9b", device=torch.device("meta"), dtype="float32",
                    max_model_len=64, max_positions=64)
 
 

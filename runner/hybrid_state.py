@@ -1,0 +1,318 @@
+"""Recurrent-state consistency under speculation: two strategies behind one interface.
+
+This module owns the state rows of a hybrid target's linear-attention layers while the engine
+serves it (:class:`StateStrategy`), the prefill that fills them (:meth:`StateStrategy.prefill`)
+and the accounting of the state bytes each round moves (:class:`StateTraffic`). A recurrent
+state cannot be rolled back like a KV cache (a rejected draft's KV rows are simply overwritten
+later; a state that absorbed it is wrong), so verification must not destroy the committed
+state. The strategies (:data:`STATE_STRATEGIES`, ``EngineConfig.state_strategy``):
+
+``scratch_swap`` (the InfiniLM seed's mechanism)
+    Each request slot owns two state rows, a committed one and a scratch one, named through
+    the device tables ``row_of [num_slots]`` / ``scratch_of [num_slots]``. Verification reads
+    the committed row and writes the state after its last verified row into the scratch row.
+    Full acceptance (``accepted == num_verify``) swaps the two table entries: O(1), no state
+    bytes. Partial acceptance replays the accepted prefix (the pending token and the accepted
+    drafts, ``accepted + 1`` rows) from the committed row, in place, with the explicit batch
+    shape ``[bcap, k + 1]`` of the round (fully accepted requests take zero valid rows, which
+    leaves their state untouched): a second target forward that writes no KV (the verify
+    wrote the same positions' KV from the same inputs; the replay's rows point at the sentinel
+    slot) and stops after the last linear layer.
+
+``snapshots`` (vLLM-style)
+    One state row per slot. Verification stores the state after every verified row into
+    per-position snapshot buffers ``[bcap, k + 1, ...]`` per linear layer (the recurrence
+    runs token by token) and writes no final state; acceptance copies snapshot
+    ``accepted`` of each request into its row.
+
+Plain decoding (``k = 0``) reads and writes the committed row in place under both.
+
+Everything a round runs here is device work with shapes the host chose (``bcap``, ``k``):
+gathers and ``index_copy_`` through the slot tables, ``torch.where`` on the accepted lengths,
+no ``.item()``, no host read, no branch on tensor values, so it can sit inside the captured
+target graph. Padding requests point at the trash slot; their rows all read and write the
+same trash rows with identical values.
+
+State layout: ``LinearState`` rows (``speccal.runner.linear_attention``), per linear layer
+``conv [rows, conv_dim, kernel - 1]`` and ``ssm [rows, v_heads, k_dim, v_dim]`` float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from speccal.base.errors import InputError
+from speccal.runner import sampling
+from speccal.runner.attention import AttnMeta
+from speccal.runner.hybrid import HybridModel
+from speccal.runner.kv_cache import SENTINEL_SLOT, KVCache
+from speccal.runner.linear_attention import LinearState, StateMeta
+from speccal.runner.path import prefill_path, rebound
+from speccal.runner.request import Request
+
+STATE_STRATEGIES = ("scratch_swap", "snapshots")
+
+
+@dataclass(frozen=True)
+class StateTraffic:
+    """State bytes one round moves over its ``bcap`` request rows (the static shape run).
+
+    ``read`` / ``written``: state-row bytes read and written (verification, replay, snapshot
+    selection); ``index_bytes``: slot-table bytes written (the swap); ``replay_rows``: target
+    rows recomputed by a replay (0 when the strategy has none).
+    """
+
+    read: int = 0
+    written: int = 0
+    index_bytes: int = 0
+    replay_rows: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.read + self.written + self.index_bytes
+
+    def __add__(self, other: StateTraffic) -> StateTraffic:
+        return StateTraffic(self.read + other.read, self.written + other.written,
+                            self.index_bytes + other.index_bytes,
+                            self.replay_rows + other.replay_rows)
+
+
+class StateStrategy:
+    """State rows of every request slot and their handling around a round.
+
+    Parameters
+    ----------
+    target : HybridModel
+    num_slots : request slots, the trash slot (the last) included.
+    draft_width : ``w``; snapshot buffers hold ``w + 1`` positions.
+    max_bucket : the largest physical batch ``bcap``.
+    dtype : conv-state dtype (the model's); the delta-rule state is float32.
+    """
+
+    name = ""
+    rows_per_slot = 1
+
+    def __init__(self, target: HybridModel, *, num_slots: int, draft_width: int,
+                 max_bucket: int, dtype: torch.dtype, device: torch.device):
+        self.target = target
+        self.num_slots = num_slots
+        self.w = draft_width
+        self.max_bucket = max_bucket
+        self.device = device
+        self.state: LinearState = target.new_state(num_slots * self.rows_per_slot, dtype, device)
+        self.bytes_per_row = self.state.bytes_per_slot()
+        # committed state row of each slot (device table: rounds read it without the host)
+        self.row_of = torch.arange(num_slots, dtype=torch.int64, device=device)
+        self.num_rounds = 0
+        self.traffic = StateTraffic()  # accumulated over rounds (host, from the shapes)
+
+    # ------------------------------------------------------------------ host side
+
+    def round_traffic(self, bcap: int, k: int) -> StateTraffic:
+        """State bytes a round over ``bcap`` request rows with ``k`` draft steps moves."""
+        s = self.bytes_per_row * bcap
+        if k == 0:  # plain decode: the committed row, in place
+            return StateTraffic(read=s, written=s)
+        return self._spec_traffic(bcap, k, s)
+
+    def _spec_traffic(self, bcap: int, k: int, s: int) -> StateTraffic:
+        raise NotImplementedError
+
+    def record(self, bcap: int, k: int) -> StateTraffic:
+        """Count one round (called by the round runner's host phase; graphs replay too)."""
+        t = self.round_traffic(bcap, k)
+        self.traffic = self.traffic + t
+        self.num_rounds += 1
+        return t
+
+    def reset_traffic(self) -> None:
+        self.traffic = StateTraffic()
+        self.num_rounds = 0
+
+    def reset_slot(self, slot: int) -> None:
+        """A new request in ``slot`` starts from zero state (its committed row)."""
+        self.state.reset_rows(self.row_of[slot : slot + 1])
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.inference_mode()
+    def prefill(self, req: Request, target: HybridModel, draft, kv: KVCache, *, chunk: int,
+                generator: torch.Generator, device: torch.device) -> tuple[int, torch.Tensor]:
+        """Chunked prefill of ``req`` into its committed state row, the full-attention layers'
+        KV and the head's KV; returns the first token and the last prompt hidden ``[hidden]``.
+
+        The layout of ``speccal.runner.prefill.prefill`` (chunk ``[p0, p1)`` runs the target on
+        positions ``p0 .. p1 - 1`` and the head on ``p0 - 1 .. p1 - 2``), with the chunked
+        delta rule carrying the state between chunks, on the torch backend
+        (``speccal.runner.path.prefill_path``) as the dense prefill.
+        """
+        with rebound([target, draft], prefill_path(target.path)):
+            return self._prefill(req, target, draft, kv, chunk=chunk, generator=generator,
+                                 device=device)
+
+    def _prefill(self, req, target, draft, kv, *, chunk, generator, device):
+        self.reset_slot(req.slot)
+        prompt = req.prompt
+        n = len(prompt)
+        bs = kv.allocator.block_size
+        kv.allocator.grow(req.blocks, n)
+        num_kv = target.num_kv_layers
+        ids = torch.as_tensor(prompt, dtype=torch.int64, device=device)
+        rows = self.row_of[req.slot : req.slot + 1]
+        carry = None
+        h = None
+        for p0 in range(0, n, chunk):
+            p1 = min(p0 + chunk, n)
+            pos, meta = _chunk_meta(req.blocks, np.arange(p0, p1), bs, p1, device)
+            smeta = StateMeta(rows, rows, p1 - p0, is_chunked=True)
+            h = target(ids[p0:p1], pos, meta, kv.layers[:num_kv], smeta, self.state)
+            if draft is None:
+                continue
+            hid = h[:-1] if carry is None else torch.cat([carry, h[:-1]], dim=0)
+            if hid.shape[0] > 0:
+                d0 = p0 if carry is None else p0 - 1
+                dpos, dmeta = _chunk_meta(req.blocks, np.arange(d0, p1 - 1), bs, p1 - 1, device)
+                draft(target, hid, ids[d0 + 1 : p1], dpos, dmeta, kv.layers[num_kv])
+            carry = h[-1:]
+        logits = target.logits(h[-1:])
+        p = req.params
+        token = sampling.sample_plain(
+            logits,
+            torch.tensor([p.temperature], device=device),
+            torch.tensor([p.top_k], device=device),
+            torch.tensor([p.top_p], device=device),
+            torch.tensor([p.min_p], device=device),
+            generator,
+        )
+        req.num_computed = n
+        req.is_prefilled = True
+        return int(token.item()), h[-1]
+
+    # ------------------------------------------------------------------ the round (device)
+
+    def verify_args(self, t: dict, bcap: int, k: int) -> tuple[StateMeta, LinearState]:
+        """The ``(state_meta, state)`` pair of the verify forward over the packed rows.
+
+        ``t``: the round's staged tensors (``slot_index [bcap]``, ``num_verify [bcap]``,
+        ``ver_row [G]`` into the ``[bcap, k + 1]`` grid).
+        """
+        slots = t["slot_index"]
+        rows = self.row_of[slots]
+        num_valid = t["num_verify"] + 1  # [bcap]: pending token + verified drafts
+        if k == 0:
+            return StateMeta(rows, rows, 1, num_valid, row_index=t["ver_row"]), self.state
+        return self._verify_meta(t, bcap, k, rows, num_valid), self.state
+
+    def _verify_meta(self, t, bcap, k, rows, num_valid) -> StateMeta:
+        raise NotImplementedError
+
+    def commit(self, t: dict, bcap: int, k: int, num_accepted: torch.Tensor,
+               grid_tokens: torch.Tensor, kv_layers) -> None:
+        """After acceptance: make each slot's committed row the state after its accepted
+        prefix. ``num_accepted [bcap]``, ``grid_tokens [bcap * (k + 1)]`` (pending token,
+        drafts), ``kv_layers``: the target's full-attention KV (one per layer)."""
+        if k > 0:
+            self._commit(t, bcap, k, num_accepted.long(), grid_tokens, kv_layers)
+
+    def _commit(self, t, bcap, k, num_accepted, grid_tokens, kv_layers) -> None:
+        raise NotImplementedError
+
+
+class ScratchSwapStrategy(StateStrategy):
+    """Committed + scratch row per slot; swap on full acceptance; replay on partial."""
+
+    name = "scratch_swap"
+    rows_per_slot = 2
+
+    def __init__(self, target: HybridModel, **kw):
+        super().__init__(target, **kw)
+        n = self.num_slots
+        self.scratch_of = torch.arange(n, 2 * n, dtype=torch.int64, device=self.device)
+        w1 = self.w + 1
+        self.grid_rows = torch.arange(self.max_bucket * w1, device=self.device)
+        self.sentinel = torch.full((self.max_bucket * w1,), SENTINEL_SLOT, dtype=torch.int64,
+                                   device=self.device)
+
+    def _spec_traffic(self, bcap, k, s):
+        # verify: read committed, write scratch; swap: two table entries per request; replay:
+        # read and write the committed row (static shape: every request of the bucket)
+        return StateTraffic(read=2 * s, written=2 * s, index_bytes=2 * 8 * bcap,
+                            replay_rows=bcap * (k + 1))
+
+    def _verify_meta(self, t, bcap, k, rows, num_valid):
+        scratch = self.scratch_of[t["slot_index"]]
+        return StateMeta(rows, scratch, k + 1, num_valid, row_index=t["ver_row"])
+
+    def _commit(self, t, bcap, k, num_accepted, grid_tokens, kv_layers):
+        slots = t["slot_index"]
+        row, scratch = self.row_of[slots], self.scratch_of[slots]
+        is_full = num_accepted == t["num_verify"]  # [bcap]
+        committed = torch.where(is_full, scratch, row)
+        self.row_of.index_copy_(0, slots, committed)
+        self.scratch_of.index_copy_(0, slots, torch.where(is_full, row, scratch))
+        # partial acceptance: replay pending token + accepted drafts from the committed row
+        num_valid = torch.where(is_full, 0, num_accepted + 1)
+        w1 = k + 1
+        num_rows = bcap * w1
+        lens = t["ctx_lens"].long()  # [bcap] L
+        pos = (lens[:, None] + torch.arange(w1, device=lens.device)[None, :]).view(-1)
+        meta = AttnMeta(self.sentinel[:num_rows], self.grid_rows[:num_rows], t["block_table"],
+                        t["ver_seq"], w1)
+        smeta = StateMeta(committed, committed, w1, num_valid)
+        self.target(grid_tokens, pos, meta, kv_layers, smeta, self.state, is_state_only=True)
+
+
+class SnapshotStrategy(StateStrategy):
+    """One row per slot; per-position snapshots during verify; select the accepted one."""
+
+    name = "snapshots"
+
+    def __init__(self, target: HybridModel, **kw):
+        super().__init__(target, **kw)
+        self.buffers = self.state.snapshot_buffers(self.max_bucket, self.w + 1)
+
+    def _spec_traffic(self, bcap, k, s):
+        # verify: read committed, write k + 1 snapshots; accept: read one snapshot, write it
+        return StateTraffic(read=2 * s, written=(k + 2) * s)
+
+    def _verify_meta(self, t, bcap, k, rows, num_valid):
+        snaps = [(c[:bcap, : k + 1], s[:bcap, : k + 1]) for c, s in self.buffers]
+        return StateMeta(rows, None, k + 1, num_valid, snapshots=snaps, row_index=t["ver_row"])
+
+    def _commit(self, t, bcap, k, num_accepted, grid_tokens, kv_layers):
+        rows = self.row_of[t["slot_index"]]
+        b = torch.arange(bcap, device=rows.device)
+        for (conv, ssm), (sc, ss) in zip(self.state.layers, self.buffers, strict=True):
+            conv.index_copy_(0, rows, sc[b, num_accepted])
+            ssm.index_copy_(0, rows, ss[b, num_accepted])
+
+
+_CLASSES = {c.name: c for c in (ScratchSwapStrategy, SnapshotStrategy)}
+
+
+def make_strategy(name: str, target: HybridModel, **kw) -> StateStrategy:
+    """The :data:`STATE_STRATEGIES` entry ``name`` over ``target``'s state rows."""
+    if name not in _CLASSES:
+        raise InputError("state_strategy", name, f"one of {', '.join(STATE_STRATEGIES)}")
+    return _CLASSES[name](target, **kw)
+
+
+def _chunk_meta(blocks: list[int], positions: np.ndarray, block_size: int, seq_len: int,
+                device) -> tuple[torch.Tensor, AttnMeta]:
+    """Positions and attention metadata of one prefill chunk of one request."""
+    bt = np.asarray(blocks, dtype=np.int64)
+    slots = bt[positions // block_size] * block_size + positions % block_size
+    n = len(positions)
+    meta = AttnMeta(
+        slot_mapping=torch.as_tensor(slots, device=device),
+        row_index=torch.arange(n, device=device),
+        block_table=torch.as_tensor(
+            bt[None, : -(-seq_len // block_size)].astype(np.int32), device=device
+        ),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+        num_q_rows=n,
+    )
+    return torch.as_tensor(positions, device=device), meta

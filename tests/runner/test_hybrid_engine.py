@@ -1,0 +1,281 @@
+"""The Engine on hybrid linear-attention targets (issue 22), CPU fp32, against transformers.
+
+Random-weight Qwen3.5 and Qwen3-Next checkpoints written by ``save_pretrained`` (4 layers: 3
+gated delta-net + 1 gated attention; Qwen3-Next with routed experts), with an ``mtp.*`` head
+added in the layout vLLM's ``qwen3_5_mtp`` / ``qwen3_next_mtp`` read: ``mtp.fc``,
+``mtp.pre_fc_norm_{embedding,hidden}``, ``mtp.norm`` and one full-attention layer under
+``mtp.layers.0.`` named like the target's (15 tensors for Qwen3.5; the routed MLP's for
+Qwen3-Next). Every test compares tokens exactly: plain and speculative greedy decoding must
+emit transformers' greedy tokens (``generate``, ``do_sample=False``) under both state
+strategies, K = 1..5, batch 1 and a mixed batch (three requests in the bucket of four: a
+padding row; different prompt lengths, ``max_tokens`` and a stop token).
+
+The random head almost never drafts right (zero acceptance), so the mixed batch runs with an
+*oracle draft*: the test replaces the round's draft part with drafts that copy transformers'
+continuation for a scheduled number ``m`` of positions and then go wrong, ``m`` cycling over
+``0 .. k``; greedy verification then accepts exactly ``m`` (asserted), and every accepted
+length, partial (``0 < m < k``, the replay / snapshot-selection path), full (the swap) and
+zero, happens in every ``k`` (counted and asserted). Verification stays lossless, so the
+tokens must still be transformers'.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from speccal.base.errors import CompatibilityError, InputError, UnsupportedError
+from speccal.costmodel.compat import as_compatibility, check_compatibility
+from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+from speccal.runner.hybrid_state import STATE_STRATEGIES
+from speccal.runner.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+    pytest.skip("transformers without Qwen3.5 (needs >= 5)", allow_module_level=True)
+
+V = 96
+SHAPES = dict(vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
+              linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+              tie_word_embeddings=False)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+           shared_expert_intermediate_size=32)
+PROMPTS = ([5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14], [7, 1, 62, 30],
+           [44, 12, 90, 23, 8, 66, 19, 51, 3, 77, 28, 35, 10])
+MAX_TOKENS = (14, 9, 12)
+W = 5
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Weights away from their init (norms and gates too) so every term matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 2 - 1)
+            if name.endswith("linear_attn.norm.weight"):
+                p.add_(1.0)
+
+
+def write_checkpoint(folder, kind: str, *, mtp_depths: int = 1):
+    """A ``save_pretrained`` checkpoint plus ``mtp.*`` tensors; returns the HF model."""
+    torch.manual_seed(0)
+    if kind == "qwen3_5":
+        hf = transformers.Qwen3_5ForCausalLM(
+            transformers.Qwen3_5TextConfig(**SHAPES, mtp_num_hidden_layers=mtp_depths))
+    else:
+        hf = transformers.Qwen3NextForCausalLM(
+            transformers.Qwen3NextConfig(**SHAPES, **MOE, num_nextn_predict_layers=mtp_depths))
+    _randomise(hf, 1)
+    hf.eval()
+    hf.save_pretrained(folder)
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    g = torch.Generator().manual_seed(2)
+    h = SHAPES["hidden_size"]
+    full = 3  # the target's full-attention layer: the head's layer is named like it
+    mtp = {"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,),
+           "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,)}
+    for depth in range(mtp_depths):
+        for key, t in tensors.items():
+            if key.startswith(f"model.layers.{full}."):
+                mtp[key.replace(f"model.layers.{full}.", f"mtp.layers.{depth}.")] = tuple(t.shape)
+    tensors.update({k: torch.randn(s, generator=g) * 0.2 for k, s in mtp.items()})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return hf
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def family(request, tmp_path_factory):
+    """``(folder, refs)``: refs[i] = transformers' greedy tokens of PROMPTS[i] (batch 1)."""
+    folder = tmp_path_factory.mktemp("hybrid") / request.param
+    hf = write_checkpoint(folder, request.param)
+    refs = []
+    with torch.no_grad():
+        for p, n in zip(PROMPTS, MAX_TOKENS, strict=True):
+            out = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+            refs.append(out[0, len(p):].tolist())
+    return folder, refs
+
+
+def _engine(folder, strategy: str, **kw) -> Engine:
+    cfg = dict(model=str(folder), draft_width=W, request_buckets=(1, 2, 4), max_model_len=64,
+               block_size=4, prefill_chunk=8, acceptance="greedy", state_strategy=strategy)
+    return Engine(EngineConfig(**{**cfg, **kw}))
+
+
+def _stop_case(refs):
+    """Mixed batch params and expected tokens: request 0 stops at a stop token."""
+    stop = refs[0][6]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    params[0] = SamplingParams(max_tokens=MAX_TOKENS[0], ignore_eos=True, stop_token_ids=(stop,))
+    want = [list(r) for r in refs]
+    want[0] = want[0][: want[0].index(stop) + 1]
+    return params, want
+
+
+def _run(eng: Engine, prompts, params, k: int) -> tuple[list[list[int]], list]:
+    rids = [eng.add_request(p, prm) for p, prm in zip(prompts, params, strict=True)]
+    out = {r: [] for r in rids}
+    results = []
+    while eng.has_unfinished():
+        res = eng.step(RoundPlan(k))
+        for rid, toks in zip(res.request_ids, res.emitted, strict=True):
+            out[rid] += toks
+        for rid, tok in res.first_tokens.items():  # prefill-finished requests
+            if rid not in res.request_ids:
+                out[rid].append(tok)
+        results.append(res)
+    return [out[r] for r in rids], results
+
+
+class OracleDraft:
+    """Replaces ``RoundRunner.draft_part``: drafts copy the reference for ``m`` positions,
+    then a wrong token; ``m`` cycles over ``0 .. k`` per request-round (eager CPU rounds: the
+    host reads the batch). ``rounds[i]`` maps each request id of round ``i`` to the length
+    it must accept (None past the reference's end, where the request stops first)."""
+
+    def __init__(self, eng: Engine, refs: dict[tuple[int, ...], list[int]], k: int):
+        self.eng, self.refs = eng, refs
+        self.cycle = itertools.cycle(range(k + 1))
+        self.rounds: list[dict[int, int | None]] = []
+
+    def __call__(self, x):
+        bcap, k = x.bcap, x.k
+        by_slot = {r.slot: r for r in self.eng._running}
+        drafts = torch.zeros(bcap, k, dtype=torch.int64)
+        plan = {}
+        for b, slot in enumerate(x.t["slot_index"].tolist()[: x.num_requests]):
+            req = by_slot[slot]
+            ref, n = self.refs[tuple(req.prompt)], len(req.output)
+            m = next(self.cycle)
+            for j in range(k):
+                tok = ref[n + j] if n + j < len(ref) else 0
+                drafts[b, j] = tok if j < m else (tok + 1) % V
+            plan[req.rid] = m if n + m < len(ref) else None
+        self.rounds.append(plan)
+        return drafts, torch.full((bcap, k), 0.5)
+
+
+def test_plain_greedy_equals_transformers(family):
+    folder, refs = family
+    for strategy in STATE_STRATEGIES:
+        eng = _engine(folder, strategy, speculative=False)
+        assert eng.loaded.draft is None and len(eng.kv.layers) == 1  # one full-attention layer
+        params, want = _stop_case(refs)
+        got, results = _run(eng, PROMPTS, params, 0)
+        assert got == want, strategy
+        state = eng.runner.state
+        assert all(r.state_bytes == 2 * r.bcap * state.bytes_per_row for r in results
+                   if r.round_index >= 0)
+
+
+@pytest.mark.parametrize("strategy", STATE_STRATEGIES)
+def test_speculative_greedy_equals_transformers_every_accepted_length(family, strategy):
+    """K = 1..5: batch 1 with the head's own drafts, then the mixed batch with the oracle
+    draft; tokens equal transformers' and every accepted length 0..k occurs."""
+    folder, refs = family
+    eng = _engine(folder, strategy)
+    assert eng.loaded.family.name == "qwen3_5_mtp" and len(eng.kv.layers) == 2
+    params, want = _stop_case(refs)
+    counts = {"partial": 0, "full": 0, "zero": 0}
+    for k in range(1, W + 1):
+        got, results = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=MAX_TOKENS[0],
+                                                             ignore_eos=True)], k)
+        assert got == [refs[0]], (k, "batch 1")
+        oracle = OracleDraft(eng, {tuple(p): r for p, r in zip(PROMPTS, refs, strict=True)}, k)
+        eng.runner.draft_part = oracle
+        got, results = _run(eng, PROMPTS, params, k)
+        del eng.runner.draft_part
+        assert got == want, (k, "mixed batch")
+        rounds = [r for r in results if r.round_index >= 0]
+        assert len(rounds) == len(oracle.rounds)
+        ms = []
+        for res, plan in zip(rounds, oracle.rounds, strict=True):
+            for rid, a in zip(res.request_ids, res.accepted.tolist(), strict=True):
+                if plan[rid] is not None:  # exactly the scheduled length was accepted
+                    assert a == plan[rid], (k, rid, plan[rid], a)
+                    ms.append(a)
+        assert set(ms) == set(range(k + 1)), (k, ms)
+        counts["partial"] += sum(0 < m < k for m in ms)
+        counts["full"] += sum(m == k for m in ms)
+        counts["zero"] += sum(m == 0 for m in ms)
+        for r in results:
+            if r.round_index >= 0:
+                assert r.state_bytes == eng.runner.state.round_traffic(r.bcap, k).total
+    # forced partial-accept rounds (K >= 2) really happened, as did full and zero ones
+    assert counts["partial"] >= 10 and counts["full"] >= 5 and counts["zero"] >= 5, counts
+
+
+def test_pipelined_loop_equals_transformers(family):
+    folder, refs = family
+    params, want = _stop_case(refs)
+    for strategy in STATE_STRATEGIES:
+        eng = _engine(folder, strategy, pipeline=True)
+        got, _ = _run(eng, PROMPTS, params, 3)
+        got = [g for g in got]
+        assert got == want, strategy
+
+
+def test_state_bytes_per_round_by_strategy_and_k(family):
+    """Scratch-swap moves the same state bytes at every k (verify + replay rows); snapshots
+    write one state per verified position, so theirs grow by one state row per k."""
+    folder, _ = family
+    per_k = {}
+    for strategy in STATE_STRATEGIES:
+        state = _engine(folder, strategy).runner.state
+        rows = sum(t.numel() // t.shape[0] * t.element_size()
+                   for layer in state.state.layers for t in layer)
+        assert state.bytes_per_row == rows
+        per_k[strategy] = [state.round_traffic(4, k) for k in range(W + 1)]
+    swap, snap = per_k["scratch_swap"], per_k["snapshots"]
+    s = 4 * rows
+    assert swap[0].total == snap[0].total == 2 * s  # plain decode: the row, in place
+    for k in range(1, W + 1):
+        assert swap[k].read == swap[k].written == 2 * s and swap[k].replay_rows == 4 * (k + 1)
+        assert snap[k].read == 2 * s and snap[k].written == (k + 2) * s
+        assert snap[k].replay_rows == 0 and snap[k].total > swap[k].total
+
+
+def test_compatibility_records_the_state_strategy_and_refuses_another(family):
+    folder, _ = family
+    comps = {s: _engine(folder, s, speculative=False).compatibility() for s in STATE_STRATEGIES}
+    assert {c["state_strategy"] for c in comps.values()} == set(STATE_STRATEGIES)
+    assert as_compatibility(comps["snapshots"]).state_strategy == "snapshots"
+    with pytest.raises(CompatibilityError, match="state_strategy"):
+        check_compatibility(comps["scratch_swap"], as_compatibility(comps["snapshots"]))
+    dense = Engine(EngineConfig(model="tiny", speculative=False)).compatibility()
+    assert dense["state_strategy"] == "none"
+    assert "state_strategy" not in as_compatibility(dense).model_dump(mode="json")
+
+
+def test_more_mtp_depths_than_composed_are_refused(tmp_path):
+    write_checkpoint(tmp_path / "q", "qwen3_5", mtp_depths=2)
+    with pytest.raises(UnsupportedError, match="qwen3_5_mtp.*publishes 2 MTP depths.*composes 1"):
+        _engine(tmp_path / "q", "scratch_swap")
+
+
+def test_unknown_state_strategy_is_refused():
+    with pytest.raises(InputError, match="state_strategy"):
+        EngineConfig(state_strategy="rollback")
+
+
+def test_config_without_mtp_tensors_needs_plain_decoding(tmp_path):
+    hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**SHAPES))
+    hf.save_pretrained(tmp_path / "bare")
+    cfg = json.loads((tmp_path / "bare" / "config.json").read_text())
+    cfg.pop("mtp_num_hidden_layers", None)
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedError, match="no MTP head"):
+        _engine(tmp_path / "bare", "scratch_swap")
+    eng = _engine(tmp_path / "bare", "snapshots", speculative=False)
+    got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=4, ignore_eos=True)], 0)
+    assert len(got[0]) == 4 and np.all(np.asarray(got[0]) < V)
