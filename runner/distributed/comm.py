@@ -246,8 +246,10 @@ def init_comm(topology: Topology, env: Mapping[str, str], device: str = "cpu") -
     rank, world, local_rank = rank_env(env)
     check_world(topology, world)
     backend = topology.backend or backend_for(device)
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise UnsupportedError("backend 'nccl' needs CUDA devices; use gloo on cpu")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise UnsupportedError("backend 'nccl' needs CUDA devices; use gloo on cpu")
+        torch.cuda.set_device(local_rank)  # NCCL collectives run on the current device
     if not dist.is_initialized():
         dist.init_process_group(
             backend, init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}",

@@ -32,6 +32,7 @@ from speccal.runner.sampling import SamplingParams
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [7, 1, 8], [100, 200, 30, 40, 50]]
 NEW = 12
+SAMPLED = SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=0.9, top_p=0.95)
 BASE = dict(request_buckets=(1, 2, 4), max_model_len=96, block_size=4, prefill_chunk=8)
 SMALL_CAL = {
     "request_buckets": [1],
@@ -84,6 +85,8 @@ def _scenarios(work: Path, ckpt: Path):
         eng = DistributedEngine(EngineConfig(**BASE, pipeline=True), tp2)
         out["pipelined"] = _greedy(eng)
         out["kv_heads"] = eng.kv.layers[0][0].shape[2]
+        eng = DistributedEngine(EngineConfig(**BASE, acceptance="sample", seed=5), tp2)
+        out["sample"] = generate(eng, PROMPTS, SAMPLED, 3)
         out["compat_topology"] = eng.compatibility()["topology"]
         return out
 
@@ -249,10 +252,16 @@ def _reference(model="tiny", k=3, **kw):
 def test_tp2_tiny_greedy_equals_tp1(ranks):
     ref = _reference()
     assert len({t for out in ref for t in out}) > 5  # varied output: a real comparison
+    # the same seed draws the same numbers on every rank; the gathered logits are TP=1's up
+    # to float32 summation order (the tokens are deterministic, so this cannot flake)
+    sampled = generate(Engine(EngineConfig(**BASE, acceptance="sample", seed=5)), PROMPTS,
+                       SAMPLED, 3)
+    assert sampled != ref
     for r, out in enumerate(_ok(ranks, "tp_tiny")):
         assert out["host"] == ref, f"rank {r} host update"
         assert out["in_graph"] == ref, f"rank {r} in-graph update (argmax across shards)"
         assert out["pipelined"] == ref, f"rank {r} pipelined loop"
+        assert out["sample"] == sampled, f"rank {r} rejection sampling (gathered logits)"
         assert out["kv_heads"] == 1  # the tiny preset's 2 KV heads, one per rank
         assert out["compat_topology"] == {"tp": 2, "dp": 1}
 
