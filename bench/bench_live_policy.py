@@ -36,8 +36,8 @@ first run, tokens/s, replay error; for plotting drift) and ``spread`` (min-max p
 
 ``--pipeline`` builds the live engine with ``EngineConfig(pipeline=True)`` (pipelined rounds:
 results one step late, feedback with the pipeline's lag, replayed with the same lag by
-``replay_prediction``); the calibration engine stays synchronous (calibrating on the pipeline
-is issue 21 item 3). The JSON's ``setup.pipeline`` records it.
+``replay_prediction``), and the table is calibrated on the same round loop (the calibration
+engine is pipelined too). The JSON's ``setup.pipeline`` records it.
 """
 
 from __future__ import annotations
@@ -181,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
                 out=table_path,
                 journal=Path(tmp) / "journal.jsonl",
                 seed=args.seed,
+                loop="pipelined" if args.pipeline else "synchronous",
             )
 
-            def factory(o: CalibrateOptions) -> Engine:
-                return Engine(EngineConfig.flat(kernels=KernelConfig.from_env(), **common, acceptance="forced"))
+            def factory(o: CalibrateOptions) -> Engine:  # the live engine's round loop
+                return Engine(EngineConfig.flat(kernels=KernelConfig.from_env(), **common,
+                                                acceptance="forced", pipeline=args.pipeline))
 
             calib_summary = calibrate(opts, console=console, engine_factory=factory)
             gc.collect()  # the calibration engine (and its graphs) before the live one
