@@ -92,12 +92,17 @@ class DataParallelRunner:
         self.engine = engine
         self.comm = comm
         self.rounds: list[AgreedRound] = []  # every agreed round, in order
+        self.physical: list[int] = []  # the G this replica's engine ran in each (0: idle)
         self._lag = (0, 0)  # (requests, accepted) of the last collected round
 
     def state(self) -> ReplicaState:
         """This replica's state after admitting and prefilling waiting requests."""
         eng = self.engine
-        n = len(eng.running_ids())
+        ids = eng.running_ids()
+        if eng.config.pipeline:  # the engine sits out requests its queued rounds surely finish
+            ids = [r for r in ids if len(eng.requests[r].output) + eng.requests[r].num_inflight
+                   < eng.requests[r].params.max_tokens]
+        n = len(ids)
         kv = eng.kv_lengths()
         return ReplicaState(
             dp_rank=self.comm.dp_rank, num_requests=n,
@@ -126,12 +131,14 @@ class DataParallelRunner:
         self.rounds.append(agreed)
         g = agreed.g[self.comm.dp_rank]
         if g == 0 and not eng.has_unfinished():
+            self.physical.append(0)
             return None, True
         if agreed.k == 0 or g == 0:
             plan = RoundPlan(agreed.k)
         else:
             plan = RoundPlan(agreed.k, verify_budget=g)
         res = eng.step(plan)
+        self.physical.append(int(res.g) if res.num_requests else 0)
         if res.num_requests:
             self._lag = (int(res.num_requests), int(np.asarray(res.accepted).sum()))
         if first:  # prefilled before the step: report their first tokens with it

@@ -125,7 +125,8 @@ def _scenarios(work: Path, ckpt: Path):
         mine = PROMPTS[dp2.dp_rank::2]
         runner = DataParallelRunner(eng, dp2)
         out = runner.generate(mine, SamplingParams(max_tokens=NEW, ignore_eos=True))
-        return {"tokens": out, "rounds": [[a.k, list(a.g), a.common] for a in runner.rounds]}
+        return {"tokens": out, "rounds": [[a.k, list(a.g), a.common] for a in runner.rounds],
+                "physical": runner.physical}
 
     def calibrate_tp2():
         s = calibrate_ranks(_cal_opts(work, "t.json"), tp2, engine_factory=rank_engine_factory(tp2),
@@ -290,10 +291,12 @@ def test_dp2_replicas_give_tp1_tokens_and_agree_on_one_bucket(ranks):
     r0, r1 = _ok(ranks, "dp_tiny")
     assert r0["tokens"] == ref[0::2] and r1["tokens"] == ref[1::2]
     assert r0["rounds"] == r1["rounds"] and r0["rounds"]  # the same agreed plan every round
-    for k, g, common in r0["rounds"]:
+    for i, (k, g, common) in enumerate(r0["rounds"]):
         assert k == 3 and common
         live = [x for x in g if x]
-        assert len(set(live)) == 1  # one physical target bucket for every active replica
+        assert len(set(live)) == 1  # one target bucket for every active replica
+        # ... and each engine ran exactly that bucket (0: the replica had no batch)
+        assert [r0["physical"][i], r1["physical"][i]] == g
 
 
 def test_two_rank_calibration_writes_one_table_with_topology(ranks):
