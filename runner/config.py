@@ -165,8 +165,9 @@ def config_from_hf(
         (``attention_bias`` in the config takes precedence for the bias).
     allow_hybrid : bool
         Parse the shared fields of a hybrid linear-attention / MoE config (``speccal.runner.hybrid``
-        reads the rest) instead of refusing it. The Engine keeps the default (refuse): its
-        verification path has no recurrent-state handling yet.
+        reads the rest, ``hybrid_config_from_hf``) instead of refusing it. The dense decoder
+        keeps the default (refuse); the loader sends configs whose ``layer_types`` name
+        ``linear_attention`` to the hybrid parser (``speccal.runner.hybrid.is_hybrid_config``).
 
     Raises
     ------
@@ -193,8 +194,9 @@ def config_from_hf(
     odd = sorted({t for t in layer_types if t not in known})
     if odd:
         raise UnsupportedError(
-            f"config.json:layer_types contains {odd}: only full-attention decoder layers are "
-            "supported (hybrid linear-attention targets are not)"
+            f"config.json:layer_types contains {odd}: the dense decoder has full-attention "
+            "layers only (hybrid linear-attention targets parse with "
+            "speccal.runner.hybrid.hybrid_config_from_hf)"
         )
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         raise UnsupportedError(

@@ -268,6 +268,10 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise UnsupportedError(
+                "the routed-expert MLP gathers each expert's rows (data-dependent shapes): "
+                "it runs eager (graph_mode='eager'), not inside a captured CUDA graph")
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
         weights, experts = probs.topk(self.moe.top_k, dim=-1)  # [N, top_k]
         if self.moe.is_topk_normalised:

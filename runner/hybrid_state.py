@@ -20,10 +20,13 @@ state. The strategies (:data:`STATE_STRATEGIES`, ``EngineConfig.state_strategy``
     slot) and stops after the last linear layer.
 
 ``snapshots`` (vLLM-style)
-    One state row per slot. Verification stores the state after every verified row into
-    per-position snapshot buffers ``[bcap, k + 1, ...]`` per linear layer (the recurrence
-    runs token by token) and writes no final state; acceptance copies snapshot
-    ``accepted`` of each request into its row.
+    Each slot owns a ring of ``w + 2`` state rows, one of them committed
+    (``ring_pos [num_slots]``). Verification writes the state after every verified position
+    ``i`` straight into ring row ``committed + 1 + i`` (the recurrence runs row by row; no
+    final state is written); acceptance selects the row of the accepted length by moving the
+    committed index ``accepted + 1`` rows on: O(1), no state copy. Memory: ``w + 2`` rows per
+    slot instead of 2; traffic: ``k + 1`` state writes per request-round instead of the
+    replay's read and write (and its forward).
 
 Plain decoding (``k = 0``) reads and writes the committed row in place under both.
 
@@ -93,7 +96,6 @@ class StateStrategy:
     """
 
     name = ""
-    rows_per_slot = 1
 
     def __init__(self, target: HybridModel, *, num_slots: int, draft_width: int,
                  max_bucket: int, dtype: torch.dtype, device: torch.device):
@@ -102,12 +104,18 @@ class StateStrategy:
         self.w = draft_width
         self.max_bucket = max_bucket
         self.device = device
-        self.state: LinearState = target.new_state(num_slots * self.rows_per_slot, dtype, device)
+        per = self._rows_per_slot()
+        self.state: LinearState = target.new_state(num_slots * per, dtype, device)
         self.bytes_per_row = self.state.bytes_per_slot()
-        # committed state row of each slot (device table: rounds read it without the host)
-        self.row_of = torch.arange(num_slots, dtype=torch.int64, device=device)
+        # committed state row of each slot (device table: rounds read it without the host);
+        # slot s owns rows s * per .. s * per + per - 1
+        self.row_of = torch.arange(num_slots, dtype=torch.int64, device=device) * per
         self.num_rounds = 0
         self.traffic = StateTraffic()  # accumulated over rounds (host, from the shapes)
+
+    def _rows_per_slot(self) -> int:
+        """State rows each slot owns (the committed one and the strategy's others)."""
+        return 1
 
     # ------------------------------------------------------------------ host side
 
@@ -225,12 +233,13 @@ class ScratchSwapStrategy(StateStrategy):
     """Committed + scratch row per slot; swap on full acceptance; replay on partial."""
 
     name = "scratch_swap"
-    rows_per_slot = 2
+
+    def _rows_per_slot(self) -> int:
+        return 2
 
     def __init__(self, target: HybridModel, **kw):
         super().__init__(target, **kw)
-        n = self.num_slots
-        self.scratch_of = torch.arange(n, 2 * n, dtype=torch.int64, device=self.device)
+        self.scratch_of = self.row_of + 1
         w1 = self.w + 1
         self.grid_rows = torch.arange(self.max_bucket * w1, device=self.device)
         self.sentinel = torch.full((self.max_bucket * w1,), SENTINEL_SLOT, dtype=torch.int64,
@@ -266,28 +275,41 @@ class ScratchSwapStrategy(StateStrategy):
 
 
 class SnapshotStrategy(StateStrategy):
-    """One row per slot; per-position snapshots during verify; select the accepted one."""
+    """A ring of ``w + 2`` rows per slot; verify writes the state after each position into
+    the ring's other rows; acceptance moves the committed index to the accepted one."""
 
     name = "snapshots"
 
+    def _rows_per_slot(self) -> int:
+        return self.w + 2
+
     def __init__(self, target: HybridModel, **kw):
         super().__init__(target, **kw)
-        self.buffers = self.state.snapshot_buffers(self.max_bucket, self.w + 1)
+        ring = self._rows_per_slot()
+        self.base = torch.arange(self.num_slots, dtype=torch.int64, device=self.device) * ring
+        self.ring_pos = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
+        self.offsets = torch.arange(1, self.w + 2, dtype=torch.int64, device=self.device)
 
     def _spec_traffic(self, bcap, k, s):
-        # verify: read committed, write k + 1 snapshots; accept: read one snapshot, write it
-        return StateTraffic(read=2 * s, written=(k + 2) * s)
+        # verify: read the committed row, write k + 1 snapshot rows; accept: two table entries
+        return StateTraffic(read=s, written=(k + 1) * s, index_bytes=2 * 8 * bcap)
+
+    def _snapshot_rows(self, slots: torch.Tensor, k: int) -> torch.Tensor:  # [bcap] -> [bcap, k+1]
+        """Ring rows after the committed one: position ``i`` goes ``i + 1`` rows further."""
+        ring = self._rows_per_slot()
+        pos = (self.ring_pos[slots][:, None] + self.offsets[None, : k + 1]) % ring
+        return self.base[slots][:, None] + pos
 
     def _verify_meta(self, t, bcap, k, rows, num_valid):
-        snaps = [(c[:bcap, : k + 1], s[:bcap, : k + 1]) for c, s in self.buffers]
-        return StateMeta(rows, None, k + 1, num_valid, snapshots=snaps, row_index=t["ver_row"])
+        snap = self._snapshot_rows(t["slot_index"], k)
+        return StateMeta(rows, None, k + 1, num_valid, row_index=t["ver_row"],
+                         snapshot_rows=snap)
 
     def _commit(self, t, bcap, k, num_accepted, grid_tokens, kv_layers):
-        rows = self.row_of[t["slot_index"]]
-        b = torch.arange(bcap, device=rows.device)
-        for (conv, ssm), (sc, ss) in zip(self.state.layers, self.buffers, strict=True):
-            conv.index_copy_(0, rows, sc[b, num_accepted])
-            ssm.index_copy_(0, rows, ss[b, num_accepted])
+        slots = t["slot_index"]
+        pos = (self.ring_pos[slots] + 1 + num_accepted) % self._rows_per_slot()
+        self.ring_pos.index_copy_(0, slots, pos)
+        self.row_of.index_copy_(0, slots, self.base[slots] + pos)
 
 
 _CLASSES = {c.name: c for c in (ScratchSwapStrategy, SnapshotStrategy)}

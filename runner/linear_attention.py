@@ -18,9 +18,18 @@ says which slot each request *reads* its committed state from and which slot it 
 new state to (equal for plain decoding; a scratch slot for speculative verification, so the
 committed state survives rejection), how many of its rows are real (``num_valid``; trailing rows
 are padding and leave the state untouched: zero decay, zero write strength), and optionally
-where to store per-row snapshots (the state after each row, for the per-position strategy).
-Those two are the primitives both state strategies of issue 22 build on; this module implements
-neither strategy, and nothing here is captured in a CUDA graph yet.
+where to store per-row snapshots (the state after each row: into per-layer buffers, or in
+place into state rows, ``StateMeta.snapshot_rows``). Those are the primitives the state
+strategies (``speccal.runner.hybrid_state``) build on; the strategies themselves live there.
+Decode / verify forwards are static-shape torch code (masks, gathers, ``index_copy_``), written
+to be captured in CUDA graphs; that capture has not yet been run on a GPU.
+
+Written by hand rather than taken from ``fla``: the causal conv1d (``F.conv1d`` over the
+concatenated ``[state | rows]``, any device: at decode / verify it is a few small ops, and its
+state layout, the last ``K - 1`` inputs, is transformers'; ``fla``'s conv keeps ``K`` columns
+of state and was not validated here), the per-position recurrence of the ``snapshots``
+strategy (``fla``'s fused recurrent kernel returns only the final state), and the CPU
+reference of both delta-rule forms (the ground truth of the tests).
 """
 
 from __future__ import annotations
@@ -118,6 +127,8 @@ def recurrent_gated_delta_rule(
     beta: torch.Tensor,  # [B, R, Hv] write strength (0 on padding rows)
     state: torch.Tensor,  # [B, Hv, Dk, Dv] float32 initial state
     snapshots: torch.Tensor | None = None,  # [B, R, Hv, Dk, Dv] out: state after each row
+    snapshot_rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # (pool [S, Hv, Dk, Dv],
+    # rows [B, R] int64): the state after row i goes to pool row rows[:, i] (in place)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, R, Hv, Dv] (q's dtype), final state
     """Token-by-token gated delta rule: ``S = exp(g) S;  S += k (beta (v - S^T k))^T;
     o = S^T q`` (the decode / verify step; ``R`` is at most ``w + 1``)."""
@@ -133,6 +144,8 @@ def recurrent_gated_delta_rule(
         out[:, :, i] = (s * q[:, :, i, :, None]).sum(dim=-2)
         if snapshots is not None:
             snapshots[:, i] = s
+        if snapshot_rows is not None:
+            snapshot_rows[0].index_copy_(0, snapshot_rows[1][:, i], s.to(snapshot_rows[0].dtype))
     return out.transpose(1, 2).to(dtype), s
 
 
@@ -243,6 +256,8 @@ class StateMeta:
     # per-row snapshots (per-position strategy), one pair per linear layer in layer order:
     # (conv [B, R, C, K-1], ssm [B, R, Hv, Dk, Dv]); see LinearState.snapshot_buffers
     snapshots: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # or, in place: [B, R] int64 state rows (every layer's) that take the state after each row
+    snapshot_rows: torch.Tensor | None = None
     # flat rows -> the [B, R] grid: [N] int64 into B * R (+1 trash row for padding rows), the
     # layout of AttnMeta.row_index; None: the N rows already are the grid (N = B * R)
     row_index: torch.Tensor | None = None
@@ -313,6 +328,10 @@ class GatedDeltaNet(nn.Module):
                                         meta.num_valid)
         if snapshot is not None:
             snapshot[0].copy_(conv_windows(qkv, conv_in))
+        rows = meta.snapshot_rows
+        if rows is not None:
+            windows = conv_windows(qkv, conv_in).reshape(-1, *conv_state.shape[1:])
+            conv_state.index_copy_(0, rows.reshape(-1), windows.to(conv_state.dtype))
         mixed = mixed.transpose(1, 2)  # [B, R, C]
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q = q.reshape(num_b, num_r, c.num_k_heads, c.head_k_dim)
@@ -321,13 +340,15 @@ class GatedDeltaNet(nn.Module):
         g = g.view(num_b, num_r, -1)
         beta = beta.view(num_b, num_r, -1)
         s0 = ssm_state[meta.read_slots]
-        if x.is_cuda and snapshot is None:  # fla's kernels (untested in this slice)
+        per_row = snapshot is not None or rows is not None  # the recurrence, row by row
+        if x.is_cuda and not per_row:  # fla's kernels (not yet run on a GPU here)
             out, s = _fla_delta_rule(q, k, v, g, beta, s0, meta.is_chunked)
-        elif meta.is_chunked and snapshot is None:
+        elif meta.is_chunked and not per_row:
             out, s = chunk_gated_delta_rule(q, k, v, g, beta, s0)
         else:
             snap = snapshot[1] if snapshot is not None else None
-            out, s = recurrent_gated_delta_rule(q, k, v, g, beta, s0, snap)
+            pool = (ssm_state, rows) if rows is not None else None
+            out, s = recurrent_gated_delta_rule(q, k, v, g, beta, s0, snap, pool)
         if meta.write_slots is not None:
             conv_state.index_copy_(0, meta.write_slots, new_conv.to(conv_state.dtype))
             ssm_state.index_copy_(0, meta.write_slots, s.to(ssm_state.dtype))

@@ -226,8 +226,10 @@ def test_pipelined_loop_equals_transformers(family):
 
 
 def test_state_bytes_per_round_by_strategy_and_k(family):
-    """Scratch-swap moves the same state bytes at every k (verify + replay rows); snapshots
-    write one state per verified position, so theirs grow by one state row per k."""
+    """Scratch-swap moves the same state bytes at every k (verify: read + scratch write;
+    replay: read + write, plus its ``bcap * (k + 1)`` recomputed rows); snapshots write one
+    state per verified position and select by index, so theirs grow by one row per k: fewer
+    bytes at k = 1, as many at k = 2, more from k = 3 (bcap = 4 here)."""
     folder, _ = family
     per_k = {}
     for strategy in STATE_STRATEGIES:
@@ -241,8 +243,10 @@ def test_state_bytes_per_round_by_strategy_and_k(family):
     assert swap[0].total == snap[0].total == 2 * s  # plain decode: the row, in place
     for k in range(1, W + 1):
         assert swap[k].read == swap[k].written == 2 * s and swap[k].replay_rows == 4 * (k + 1)
-        assert snap[k].read == 2 * s and snap[k].written == (k + 2) * s
-        assert snap[k].replay_rows == 0 and snap[k].total > swap[k].total
+        assert snap[k].read == s and snap[k].written == (k + 1) * s and snap[k].replay_rows == 0
+        assert swap[k].index_bytes == snap[k].index_bytes == 2 * 8 * 4  # two table entries
+    assert [(snap[k].total > swap[k].total) - (snap[k].total < swap[k].total)
+            for k in range(1, W + 1)] == [-1, 0, 1, 1, 1]
 
 
 def test_compatibility_records_the_state_strategy_and_refuses_another(family):
