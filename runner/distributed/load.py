@@ -13,7 +13,8 @@ Reading: an HF folder is read slice by slice (``safe_open(...).get_slice``: only
 or columns leave the file); a preset's seeded random source produces each full tensor from
 ``(seed, key)`` on every rank (identical on all of them) and the rank keeps its slice, one
 tensor at a time (never a whole full model). Rank ``r`` of ``t`` holds the contiguous ``1/t``
-slice ``[r n/t, (r + 1) n/t)`` of a split dimension of size ``n``.
+slice ``[r n/t, (r + 1) n/t)`` of a split dimension of size ``n``. :func:`shard_loaded` slices
+a model already built in full on every rank the same way.
 """
 
 from __future__ import annotations
@@ -149,6 +150,48 @@ class ShardedSource:
         if f not in self._files:
             self._files[f] = safe_open(str(f), framework="pt")
         return self._files[f].get_slice(key)
+
+
+class ModuleSource:
+    """The tensors of an already built target (and head) by checkpoint key: what
+    :func:`shard_loaded` slices (a :class:`~speccal.runner.checkpoint.TensorSource`)."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.tensors = {name: p for name, p in loaded.target.named_parameters()}
+        if loaded.draft is not None:
+            params = dict(loaded.draft.named_parameters())
+            for name, key in loaded.draft.param_key_map(loaded.config.num_hidden_layers).items():
+                self.tensors[key] = params[name]
+
+    def keys(self) -> list[str]:
+        return sorted(self.tensors)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].shape)
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+        return self.tensors[key].detach().to(device=device, dtype=dtype)
+
+
+def shard_loaded(loaded: LoadedModel, *, rank: int, tp: int, max_model_len: int,
+                 max_positions: int) -> tuple[LoadedModel, ModelConfig]:
+    """TP rank ``rank`` of ``tp``'s shard of a model already built on one rank (every rank
+    must hold the same full weights, e.g. a preset of one seed); as :func:`load_shard`."""
+    cfg = loaded.config
+    local = local_config(cfg, tp)
+    inner = ModuleSource(loaded)
+    family = loaded.family if loaded.draft is not None else None
+    keys = set(inner.keys()) if family is not None else None
+    dcfg = draft_config(cfg, family, keys) if family is not None else cfg
+    source = ShardedSource(inner, split_plan(dcfg, family, family is not None), rank, tp)
+    p = next(loaded.target.parameters())
+    target, draft, fam = build(local, source, device=p.device, dtype=p.dtype,
+                               max_model_len=max_model_len, max_positions=max_positions,
+                               need_draft=loaded.draft is not None)
+    desc = f"{loaded.description}, TP rank {rank}/{tp}"
+    return _loaded(target, draft, cfg, fam, loaded.fingerprint, loaded.is_random, desc,
+                   loaded.tokenizer_path), local
 
 
 def _loaded(target, draft, cfg, family, fingerprint, is_random, description, tokenizer):

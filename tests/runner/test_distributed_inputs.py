@@ -145,3 +145,28 @@ def test_dp_round_rule_idle_replicas_and_no_common_bucket():
     a = agree_round([_state(0, 1, 1), _state(1, 2, 2)], apart, speculative=True)
     assert not a.common and a.g == (4, 8)  # no shared bucket: each its own g_for
     assert agree_round([_state(0, 1, 1)], GEOM, speculative=False).k == 0
+
+
+def test_sharding_a_built_preset_equals_loading_the_shard():
+    """Shards of one full tiny model (built on one rank from seed 0) are the shard loader's,
+    and together hold the whole model."""
+    from speccal.runner.distributed.load import load_shard, shard_loaded
+    from speccal.runner.loader import load_model
+
+    kw = dict(device=torch.device("cpu"), dtype="float32", max_model_len=64, max_positions=80)
+    full = load_model("tiny", **kw)
+    for rank in range(2):
+        mine, local = shard_loaded(full, rank=rank, tp=2, max_model_len=64, max_positions=80)
+        ref, _ = load_shard("tiny", rank=rank, tp=2, **kw)
+        assert local.num_attention_heads == 2 and mine.fingerprint == full.fingerprint
+        for part in ("target", "draft"):
+            a = dict(getattr(mine, part).named_parameters())
+            b = dict(getattr(ref, part).named_parameters())
+            assert a.keys() == b.keys()
+            assert all(torch.equal(a[k], b[k]) for k in a), part
+        q = mine.target.model.layers[1].self_attn.q_proj.weight
+        assert torch.equal(q, full.target.model.layers[1].self_attn.q_proj.weight[rank * 32:
+                                                                                (rank + 1) * 32])
+        down = mine.draft.layer.mlp.down_proj.weight
+        assert torch.equal(down, full.draft.layer.mlp.down_proj.weight[:, rank * 64:
+                                                                       (rank + 1) * 64])
