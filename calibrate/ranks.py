@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -362,7 +364,7 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
                          "threads": threads.threads,
                          "timing": loop_timing(selection.rows, loop_of(engine))},
             geometry=geometry,
-            provenance=Provenance.now(command=None, timings=timings,
+            provenance=Provenance.now(command=_command(comm.world_size), timings=timings,
                                       torch_version=versions["torch_version"],
                                       driver_version=versions["driver_version"]))
         held = held_out(table)
@@ -412,6 +414,14 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
                       f"table sha256 {digests[0][:16]}..., the same on {len(digests)} ranks)")
     summary["table_sha256"] = digests[0]
     return summary
+
+
+def _command(world_size: int) -> str | None:
+    """The launch that made the table: ``torchrun ... -m speccal calibrate ...``."""
+    if not sys.argv or Path(sys.argv[0]).name not in ("speccal", "__main__.py"):
+        return None
+    return " ".join(["torchrun", "--nproc-per-node", str(world_size), "-m", "speccal",
+                     *sys.argv[1:]])
 
 
 def load_check(text: str, expect: Mapping[str, Any]) -> None:
