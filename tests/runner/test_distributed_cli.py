@@ -59,6 +59,8 @@ def test_torchrun_calibrate_tp2_rank0_alone_prints_and_writes(tmp_path):
     assert res.stderr.count("rank skew: largest") == 1
     table = load_table(out)
     assert (table.compatibility.topology.tp, table.compatibility.topology.dp) == (2, 1)
+    assert table.provenance.command.startswith("torchrun --nproc-per-node 2 -m speccal calibrate "
+                                               "--tp 2 --config")
 
 
 def test_world_size_other_than_tp_times_dp_is_refused(tmp_path):
