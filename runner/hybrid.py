@@ -340,6 +340,10 @@ class HybridModel(PathBound, nn.Module):
     def num_kv_layers(self) -> int:
         return len(self.model.layers) - self.num_state_layers
 
+    def linear_mixers(self) -> list[GatedDeltaNet]:
+        """The linear layers' token mixers, in layer order (one per ``LinearState`` pair)."""
+        return [getattr(layer, layer.mixer) for layer in self.model.layers if layer.has_state]
+
     def new_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> LinearState:
         """Zeroed state rows for ``num_slots`` request slots (plus any scratch rows)."""
         return LinearState(self.num_state_layers, num_slots, self.config.linear, dtype, device)
@@ -352,35 +356,30 @@ class HybridModel(PathBound, nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one per full-attention layer
         state_meta: StateMeta,
         state: LinearState,
-        is_state_only: bool = False,
-    ) -> torch.Tensor | None:  # [N, hidden], after the final norm
-        """One forward over ``N`` flat rows; ``is_state_only`` stops after the last linear
-        layer and returns None (a replay that only advances the state rows)."""
+    ) -> torch.Tensor:  # [N, hidden], after the final norm
         h = self.model.embed_tokens(input_ids)
-        last_state = max(i for i, layer in enumerate(self.model.layers) if layer.has_state)
         kv_iter, state_iter = iter(kv_caches), iter(state.layers)
         snap_iter = iter(state_meta.snapshots) if state_meta.snapshots is not None else None
+        saves = state_meta.replay_saves
+        save_iter = iter(saves) if saves is not None else None
         rows = state_meta.row_index
         num_grid = state_meta.read_slots.shape[0] * state_meta.num_q_rows
-        for index, layer in enumerate(self.model.layers):
-            if is_state_only and index > last_state:
-                return None
+        for layer in self.model.layers:
             x = layer.input_layernorm(h)
             mixer = getattr(layer, layer.mixer)
             if layer.has_state:
                 snap = next(snap_iter) if snap_iter is not None else None
+                save = next(save_iter) if save_iter is not None else None
                 if rows is None:
-                    x = mixer(x, state_meta, next(state_iter), snap)
+                    x = mixer(x, state_meta, next(state_iter), snap, save)
                 else:  # flat rows -> [B, R] grid (padding rows in the trash row) and back
                     grid = x.new_zeros(num_grid + 1, x.shape[-1])
                     grid.index_copy_(0, rows, x)
-                    out = mixer(grid[:num_grid], state_meta, next(state_iter), snap)
+                    out = mixer(grid[:num_grid], state_meta, next(state_iter), snap, save)
                     x = torch.cat([out, grid[num_grid:]], dim=0).index_select(0, rows)
             else:
                 x = mixer(x, positions, attn_meta, next(kv_iter), self.rotary, self.path)
             h = h + x
-            if is_state_only and index == last_state:
-                return None  # the last state layer's MLP feeds no state
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
 

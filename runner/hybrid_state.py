@@ -15,9 +15,11 @@ state. The strategies (:data:`STATE_STRATEGIES`, ``EngineConfig.state_strategy``
     bytes. Partial acceptance replays the accepted prefix (the pending token and the accepted
     drafts, ``accepted + 1`` rows) from the committed row, in place, with the explicit batch
     shape ``[bcap, k + 1]`` of the round (fully accepted requests take zero valid rows, which
-    leaves their state untouched): a second target forward that writes no KV (the verify
-    wrote the same positions' KV from the same inputs; the replay's rows point at the sentinel
-    slot) and stops after the last linear layer.
+    leaves their state untouched). The replay is per linear layer and needs no model forward:
+    a layer's inputs do not depend on its own state, so the inputs the verify computed for the
+    accepted rows (its conv input, conv output, decay and write strength, saved during the
+    verify) are the prefix's; the replay reruns only the conv window gather and the delta
+    rule from the committed row (``GatedDeltaNet.replay``). No weights are read again.
 
 ``snapshots`` (vLLM-style)
     Each slot owns a ring of ``w + 2`` state rows, one of them committed
@@ -51,7 +53,7 @@ from speccal.base.errors import InputError
 from speccal.runner import sampling
 from speccal.runner.attention import AttnMeta
 from speccal.runner.hybrid import HybridModel
-from speccal.runner.kv_cache import SENTINEL_SLOT, KVCache
+from speccal.runner.kv_cache import KVCache
 from speccal.runner.linear_attention import LinearState, StateMeta
 from speccal.runner.path import prefill_path, rebound
 from speccal.runner.request import Request
@@ -64,23 +66,24 @@ class StateTraffic:
     """State bytes one round moves over its ``bcap`` request rows (the static shape run).
 
     ``read`` / ``written``: state-row bytes read and written (verification, replay, snapshot
-    selection); ``index_bytes``: slot-table bytes written (the swap); ``replay_rows``: target
-    rows recomputed by a replay (0 when the strategy has none).
+    rows); ``index_bytes``: slot-table bytes written (swap, ring index); ``saved_inputs``:
+    the verified rows' layer inputs a replay needs, written by the verify and read back by the
+    replay (both counted).
     """
 
     read: int = 0
     written: int = 0
     index_bytes: int = 0
-    replay_rows: int = 0
+    saved_inputs: int = 0
 
     @property
     def total(self) -> int:
-        return self.read + self.written + self.index_bytes
+        return self.read + self.written + self.index_bytes + self.saved_inputs
 
     def __add__(self, other: StateTraffic) -> StateTraffic:
         return StateTraffic(self.read + other.read, self.written + other.written,
                             self.index_bytes + other.index_bytes,
-                            self.replay_rows + other.replay_rows)
+                            self.saved_inputs + other.saved_inputs)
 
 
 class StateStrategy:
@@ -217,15 +220,13 @@ class StateStrategy:
     def _verify_meta(self, t, bcap, k, rows, num_valid) -> StateMeta:
         raise NotImplementedError
 
-    def commit(self, t: dict, bcap: int, k: int, num_accepted: torch.Tensor,
-               grid_tokens: torch.Tensor, kv_layers) -> None:
+    def commit(self, t: dict, bcap: int, k: int, num_accepted: torch.Tensor) -> None:
         """After acceptance: make each slot's committed row the state after its accepted
-        prefix. ``num_accepted [bcap]``, ``grid_tokens [bcap * (k + 1)]`` (pending token,
-        drafts), ``kv_layers``: the target's full-attention KV (one per layer)."""
+        prefix (``num_accepted [bcap]``: drafts accepted, the pending token comes first)."""
         if k > 0:
-            self._commit(t, bcap, k, num_accepted.long(), grid_tokens, kv_layers)
+            self._commit(t, bcap, k, num_accepted.long())
 
-    def _commit(self, t, bcap, k, num_accepted, grid_tokens, kv_layers) -> None:
+    def _commit(self, t, bcap, k, num_accepted) -> None:
         raise NotImplementedError
 
 
@@ -240,38 +241,44 @@ class ScratchSwapStrategy(StateStrategy):
     def __init__(self, target: HybridModel, **kw):
         super().__init__(target, **kw)
         self.scratch_of = self.row_of + 1
-        w1 = self.w + 1
-        self.grid_rows = torch.arange(self.max_bucket * w1, device=self.device)
-        self.sentinel = torch.full((self.max_bucket * w1,), SENTINEL_SLOT, dtype=torch.int64,
-                                   device=self.device)
+        dtype = self.state.layers[0][0].dtype
+        self.saves = self.state.replay_buffers(self.max_bucket, self.w + 1, dtype,
+                                               target.config.linear)
+        # saved inputs per request and verified position, over every linear layer
+        cells = self.max_bucket * (self.w + 1)
+        self.save_bytes_per_row = sum(t.numel() * t.element_size() for layer in self.saves
+                                      for t in layer) // cells
 
     def _spec_traffic(self, bcap, k, s):
-        # verify: read committed, write scratch; swap: two table entries per request; replay:
-        # read and write the committed row (static shape: every request of the bucket)
+        # verify: read the committed row, write the scratch row and the saved inputs; swap:
+        # two table entries per request; replay (every request of the bucket: the accepted
+        # prefix, or zero rows): read the committed row and the saved inputs, write the row
+        saved = self.save_bytes_per_row * bcap * (k + 1)
         return StateTraffic(read=2 * s, written=2 * s, index_bytes=2 * 8 * bcap,
-                            replay_rows=bcap * (k + 1))
+                            saved_inputs=2 * saved)
 
     def _verify_meta(self, t, bcap, k, rows, num_valid):
         scratch = self.scratch_of[t["slot_index"]]
-        return StateMeta(rows, scratch, k + 1, num_valid, row_index=t["ver_row"])
+        saves = [(pre[:bcap, :, : k + 1], post[:bcap, : k + 1], g[:bcap, : k + 1],
+                  beta[:bcap, : k + 1]) for pre, post, g, beta in self.saves]
+        return StateMeta(rows, scratch, k + 1, num_valid, row_index=t["ver_row"],
+                         replay_saves=saves)
 
-    def _commit(self, t, bcap, k, num_accepted, grid_tokens, kv_layers):
+    def _commit(self, t, bcap, k, num_accepted):
         slots = t["slot_index"]
         row, scratch = self.row_of[slots], self.scratch_of[slots]
         is_full = num_accepted == t["num_verify"]  # [bcap]
         committed = torch.where(is_full, scratch, row)
         self.row_of.index_copy_(0, slots, committed)
         self.scratch_of.index_copy_(0, slots, torch.where(is_full, row, scratch))
-        # partial acceptance: replay pending token + accepted drafts from the committed row
+        # partial acceptance: the pending token and the accepted drafts, replayed in place
+        # from the committed row (zero rows where the swap already committed)
         num_valid = torch.where(is_full, 0, num_accepted + 1)
-        w1 = k + 1
-        num_rows = bcap * w1
-        lens = t["ctx_lens"].long()  # [bcap] L
-        pos = (lens[:, None] + torch.arange(w1, device=lens.device)[None, :]).view(-1)
-        meta = AttnMeta(self.sentinel[:num_rows], self.grid_rows[:num_rows], t["block_table"],
-                        t["ver_seq"], w1)
-        smeta = StateMeta(committed, committed, w1, num_valid)
-        self.target(grid_tokens, pos, meta, kv_layers, smeta, self.state, is_state_only=True)
+        for mixer, layer, (pre, post, g, beta) in zip(self.target.linear_mixers(),
+                                                     self.state.layers, self.saves, strict=True):
+            mixer.replay(layer, committed, num_valid,
+                         (pre[:bcap, :, : k + 1], post[:bcap, : k + 1], g[:bcap, : k + 1],
+                          beta[:bcap, : k + 1]))
 
 
 class SnapshotStrategy(StateStrategy):
@@ -305,7 +312,7 @@ class SnapshotStrategy(StateStrategy):
         return StateMeta(rows, None, k + 1, num_valid, row_index=t["ver_row"],
                          snapshot_rows=snap)
 
-    def _commit(self, t, bcap, k, num_accepted, grid_tokens, kv_layers):
+    def _commit(self, t, bcap, k, num_accepted):
         slots = t["slot_index"]
         pos = (self.ring_pos[slots] + 1 + num_accepted) % self._rows_per_slot()
         self.ring_pos.index_copy_(0, slots, pos)

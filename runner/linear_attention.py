@@ -258,6 +258,10 @@ class StateMeta:
     snapshots: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     # or, in place: [B, R] int64 state rows (every layer's) that take the state after each row
     snapshot_rows: torch.Tensor | None = None
+    # the layers' inputs kept for a replay of a prefix (GatedDeltaNet.replay), one tuple per
+    # linear layer in layer order: (conv input [B, C, R], conv output [B, R, C],
+    # g [B, R, Hv] fp32, beta [B, R, Hv] fp32), written by the forward
+    replay_saves: list[tuple[torch.Tensor, ...]] | None = None
     # flat rows -> the [B, R] grid: [N] int64 into B * R (+1 trash row for padding rows), the
     # layout of AttnMeta.row_index; None: the N rows already are the grid (N = B * R)
     row_index: torch.Tensor | None = None
@@ -309,6 +313,7 @@ class GatedDeltaNet(nn.Module):
         state: tuple[torch.Tensor, torch.Tensor],  # conv [S, C, K-1], ssm [S, Hv, Dk, Dv]
         snapshot: tuple[torch.Tensor, torch.Tensor] | None = None,  # this layer's pair of
         # StateMeta.snapshots: (conv [B, R, C, K-1], ssm [B, R, Hv, Dk, Dv]), written
+        save: tuple[torch.Tensor, ...] | None = None,  # this layer's StateMeta.replay_saves
     ) -> torch.Tensor:  # [N, hidden]
         c = self.cfg
         num_r = meta.num_q_rows
@@ -333,6 +338,10 @@ class GatedDeltaNet(nn.Module):
             windows = conv_windows(qkv, conv_in).reshape(-1, *conv_state.shape[1:])
             conv_state.index_copy_(0, rows.reshape(-1), windows.to(conv_state.dtype))
         mixed = mixed.transpose(1, 2)  # [B, R, C]
+        if save is not None:
+            for buf, src in zip(save, (qkv, mixed, g.view(num_b, num_r, -1),
+                                       beta.view(num_b, num_r, -1)), strict=True):
+                buf.copy_(src)
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q = q.reshape(num_b, num_r, c.num_k_heads, c.head_k_dim)
         k = k.reshape(num_b, num_r, c.num_k_heads, c.head_k_dim)
@@ -354,6 +363,45 @@ class GatedDeltaNet(nn.Module):
             ssm_state.index_copy_(0, meta.write_slots, s.to(ssm_state.dtype))
         out = self.norm(out.reshape(-1, c.head_v_dim), z.reshape(-1, c.head_v_dim))
         return self.out_proj(out.view(x.shape[0], c.value_dim))
+
+
+    def replay(
+        self,
+        state: tuple[torch.Tensor, torch.Tensor],  # conv [S, C, K-1], ssm [S, Hv, Dk, Dv]
+        rows: torch.Tensor,  # [B] int64: the rows the forward read; read and written here
+        num_valid: torch.Tensor,  # [B] int64: rows of the prefix to replay (0: leave as is)
+        save: tuple[torch.Tensor, ...],  # the forward's StateMeta.replay_saves entry
+    ) -> None:
+        """Advance ``rows`` over the first ``num_valid`` rows of a forward that read them,
+        from the inputs it saved: the state that forward held after row ``num_valid - 1``.
+
+        No projection, no other layer: a layer's inputs do not depend on its own state, so
+        the verify's inputs of the accepted rows are the accepted prefix's. The conv state is
+        the window ending at the prefix (a gather); the delta rule reruns on the saved
+        post-conv rows with the rows past the prefix masked (no decay, no write).
+        """
+        c = self.cfg
+        qkv, mixed, g, beta = save
+        num_b, _, num_r = qkv.shape
+        is_real = (torch.arange(num_r, device=qkv.device)[None, :] < num_valid[:, None])
+        conv_state, ssm_state = state
+        km1 = conv_state.shape[-1]
+        full = torch.cat([conv_state[rows].to(qkv.dtype), qkv], dim=-1)  # [B, C, K - 1 + R]
+        idx = num_valid[:, None] + torch.arange(km1, device=qkv.device)
+        new_conv = full.gather(2, idx[:, None, :].expand(num_b, qkv.shape[1], km1))
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q = q.reshape(num_b, num_r, c.num_k_heads, c.head_k_dim)
+        k = k.reshape(num_b, num_r, c.num_k_heads, c.head_k_dim)
+        v = v.reshape(num_b, num_r, c.num_v_heads, c.head_v_dim)
+        g = g * is_real[..., None]
+        beta = beta * is_real[..., None]
+        s0 = ssm_state[rows]
+        if qkv.is_cuda:
+            _, s = _fla_delta_rule(q, k, v, g, beta, s0, False)
+        else:
+            _, s = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+        conv_state.index_copy_(0, rows, new_conv.to(conv_state.dtype))
+        ssm_state.index_copy_(0, rows, s.to(ssm_state.dtype))
 
 
 def _fla_delta_rule(q, k, v, g, beta, state, is_chunked):  # shapes as the torch functions
@@ -388,6 +436,16 @@ class LinearState:
                          dtype=torch.float32, device=device))
             for _ in range(num_layers)
         ]
+
+    def replay_buffers(self, num_b: int, num_r: int, dtype: torch.dtype,
+                       cfg: LinearAttentionConfig) -> list[tuple[torch.Tensor, ...]]:
+        """Zeroed :attr:`StateMeta.replay_saves` buffers for ``B`` x ``R`` rows per layer."""
+        dev = self.layers[0][0].device
+        c, hv = cfg.conv_dim, cfg.num_v_heads
+        return [(torch.zeros(num_b, c, num_r, dtype=dtype, device=dev),
+                 torch.zeros(num_b, num_r, c, dtype=dtype, device=dev),
+                 torch.zeros(num_b, num_r, hv, device=dev),
+                 torch.zeros(num_b, num_r, hv, device=dev)) for _ in self.layers]
 
     def snapshot_buffers(self, num_b: int, num_r: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed per-row snapshot buffers for :attr:`StateMeta.snapshots` (``B`` x ``R``)."""

@@ -850,7 +850,7 @@ class RoundRunner:
         else:
             num_accepted, out = self._accept(draft_tokens, grid_logits, t["num_verify"], slot_index)
         if self.state is not None:  # the state after each request's accepted prefix
-            self.state.commit(t, bcap, k, num_accepted, grid_tokens, self.target_kv)
+            self.state.commit(t, bcap, k, num_accepted)
         self.ext_tokens[slot_index, : k + 1] = out
         self.ext_hidden[slot_index, : k + 1] = grid_h
         return RoundOutputs(num_accepted, out, None, t["num_verify"])

@@ -226,27 +226,33 @@ def test_pipelined_loop_equals_transformers(family):
 
 
 def test_state_bytes_per_round_by_strategy_and_k(family):
-    """Scratch-swap moves the same state bytes at every k (verify: read + scratch write;
-    replay: read + write, plus its ``bcap * (k + 1)`` recomputed rows); snapshots write one
-    state per verified position and select by index, so theirs grow by one row per k: fewer
-    bytes at k = 1, as many at k = 2, more from k = 3 (bcap = 4 here)."""
+    """Scratch-swap moves two state rows each way at every k (verify: committed read,
+    scratch write; replay: committed read and write) plus the saved inputs of the verified
+    rows; snapshots read one row and write one per verified position, selecting by index:
+    fewer bytes at k = 1, one state row more per extra k (bcap = 4 here)."""
     folder, _ = family
-    per_k = {}
+    per_k, states = {}, {}
     for strategy in STATE_STRATEGIES:
-        state = _engine(folder, strategy).runner.state
+        state = states[strategy] = _engine(folder, strategy).runner.state
         rows = sum(t.numel() // t.shape[0] * t.element_size()
                    for layer in state.state.layers for t in layer)
         assert state.bytes_per_row == rows
         per_k[strategy] = [state.round_traffic(4, k) for k in range(W + 1)]
     swap, snap = per_k["scratch_swap"], per_k["snapshots"]
     s = 4 * rows
+    lin = states["scratch_swap"].target.config.linear
+    saved = 3 * (2 * lin.conv_dim * 4 + 2 * lin.num_v_heads * 4)  # 3 layers, fp32 model
+    assert states["scratch_swap"].save_bytes_per_row == saved
     assert swap[0].total == snap[0].total == 2 * s  # plain decode: the row, in place
     for k in range(1, W + 1):
-        assert swap[k].read == swap[k].written == 2 * s and swap[k].replay_rows == 4 * (k + 1)
-        assert snap[k].read == s and snap[k].written == (k + 1) * s and snap[k].replay_rows == 0
+        assert swap[k].read == swap[k].written == 2 * s
+        assert swap[k].saved_inputs == 2 * saved * 4 * (k + 1)
+        assert snap[k].read == s and snap[k].written == (k + 1) * s and snap[k].saved_inputs == 0
         assert swap[k].index_bytes == snap[k].index_bytes == 2 * 8 * 4  # two table entries
-    assert [(snap[k].total > swap[k].total) - (snap[k].total < swap[k].total)
-            for k in range(1, W + 1)] == [-1, 0, 1, 1, 1]
+    assert snap[1].total < swap[1].total  # one snapshot row beats the replay's two
+    for k in range(2, W + 1):  # per extra k: one state row vs the saved inputs of one row
+        assert snap[k].total - snap[k - 1].total == s
+        assert swap[k].total - swap[k - 1].total == 2 * saved * 4
 
 
 def test_compatibility_records_the_state_strategy_and_refuses_another(family):
