@@ -84,6 +84,7 @@ class DistributedEngine(Engine):
             if module is not None:
                 bind_tp(module, comm if tp > 1 else None)
         mcfg = self.loaded.config
+        self._has_state = False  # TP shards are dense targets (load_shard refuses hybrid ones)
         if config.max_model_len is None:
             max_len = min(mcfg.max_position_embeddings, 4096)
         elif config.max_model_len > mcfg.max_position_embeddings:

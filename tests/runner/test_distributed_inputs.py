@@ -170,3 +170,37 @@ def test_sharding_a_built_preset_equals_loading_the_shard():
         down = mine.draft.layer.mlp.down_proj.weight
         assert torch.equal(down, full.draft.layer.mlp.down_proj.weight[:, rank * 64:
                                                                        (rank + 1) * 64])
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A 1-rank gloo group in this process (torch.distributed's file store), torn down after."""
+    import torch.distributed as dist
+
+    from speccal.runner.distributed.comm import Comm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield Comm.create(Topology())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_engine_keeps_in_step_with_engine(one_rank):
+    """DistributedEngine builds itself as Engine.__init__ does (a copy, until Engine has a load
+    hook): every attribute Engine sets exists, and at tp = dp = 1 the tokens are Engine's."""
+    from speccal.live.generate import generate
+    from speccal.runner.distributed.engine import DistributedEngine
+    from speccal.runner.engine import Engine
+    from speccal.runner.sampling import SamplingParams
+
+    cfg = EngineConfig(request_buckets=(1, 2), max_model_len=64, block_size=4)
+    base, dist_eng = Engine(cfg), DistributedEngine(cfg, one_rank)
+    assert set(vars(base)) - set(vars(dist_eng)) == set()
+    assert set(vars(base.runner)) == set(vars(dist_eng.runner))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10]]
+    assert generate(dist_eng, prompts, params, 3) == generate(base, prompts, params, 3)
+    want = {**base.compatibility(), "topology": {"tp": 1, "dp": 1}}
+    assert dist_eng.compatibility() == want
