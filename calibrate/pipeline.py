@@ -75,7 +75,7 @@ from speccal.calibrate.timing import LOOPS, loop_timing
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import build_table
 from speccal.costmodel.table_schema import CostTable, Provenance
-from speccal.kernels.precompile import CompileMeter
+from speccal.runner.device import CompileMeter
 
 
 def _invocation() -> str | None:

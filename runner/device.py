@@ -14,6 +14,7 @@ import re
 import torch
 
 from speccal.base.errors import InputError, UnsupportedError
+from speccal.kernels.precompile import CompileMeter as CompileMeter  # calibrate's compile count
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|npu)(?::(\d+))?$")
 

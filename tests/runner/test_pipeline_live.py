@@ -90,3 +90,41 @@ def test_replay_of_a_pipelined_trace_follows_its_lag(tmp_path):
     assert not np.array_equal(sync.k, want.k)
     np.testing.assert_array_equal(
         sync.k, run_sequential(trace, cost, AdaptiveStepPolicy(cost, cfg)).k)
+
+
+class _SlowObserver:
+    """A fixed-k policy whose feedback handling takes ``delay`` seconds (host bookkeeping)."""
+
+    name = "slow"
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay = inner, delay
+
+    def decide(self, state):
+        return self.inner.decide(state)
+
+    def observe(self, feedback):
+        import time
+
+        time.sleep(self.delay)
+        self.inner.observe(feedback)
+
+
+def test_pipelined_round_cost_is_its_period_including_the_host_work_between_steps():
+    """A pipelined run prices each round by its period (previous step's return to this one's):
+    the host's work between steps is in it, and the periods add up to the loop's wall time; a
+    synchronous run prices the step alone (the host work is not round cost there)."""
+    delay = 0.004
+    for pipeline in (True, False):
+        eng = Engine(EngineConfig(model="tiny", draft_width=W, request_buckets=(1, 2),
+                                  seed=0, pipeline=pipeline))
+        cost = _cost(eng)
+        policy = _SlowObserver(make_policy("fixed:2", cost=cost), delay)
+        run = run_live(eng, policy, "draft_step", _prompts(eng, 2),
+                       SamplingParams(max_tokens=24, ignore_eos=True))
+        total = run.round_ms.sum() / 1000.0
+        if pipeline:
+            assert run.round_ms.min() >= 1000.0 * delay
+            assert total >= 0.9 * run.loop_s
+        else:
+            assert total <= run.loop_s - 0.9 * delay * run.k.size
