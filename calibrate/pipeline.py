@@ -132,6 +132,15 @@ class CalibrateOptions:
         return self.journal or self.out.with_name(self.out.name + ".journal.jsonl")
 
 
+# Prompt tokens per prefill forward of the calibrating engine. Windows time rounds, never
+# prefill; a window's transition prefills its Bcap prompts, and at the runner's default chunk
+# (512) a prefill is bound by kernel launches (H200, dense-2b, bench/bench_prefill.py: 18.9 k
+# prompt tokens/s, 14.3x its GEMM floor, 14,679 launches for one 4,000-token prompt), which made
+# the transitions most of a default calibration's wall time. One forward per prompt up to this
+# many tokens.
+CALIBRATION_PREFILL_CHUNK = 4096
+
+
 def make_engine(opts: CalibrateOptions) -> Any:
     """Build and warm the runner for calibration (forced full acceptance: shapes == grid).
 
@@ -152,6 +161,7 @@ def make_engine(opts: CalibrateOptions) -> Any:
         "acceptance": "forced",
         "seed": opts.seed,
         "pipeline": opts.loop == "pipelined",
+        "prefill_chunk": CALIBRATION_PREFILL_CHUNK,
     }
     if opts.dtype is not None:
         kwargs["dtype"] = opts.dtype
