@@ -36,6 +36,7 @@ Returns a JSON-able summary (``--json``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -75,7 +76,6 @@ from speccal.calibrate.timing import LOOPS, loop_timing
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import build_table
 from speccal.costmodel.table_schema import CostTable, Provenance
-from speccal.runner.device import CompileMeter
 
 
 def _invocation() -> str | None:
@@ -271,7 +271,7 @@ def _calibrate(
     """``calibrate`` after the option checks, with the outputs locked."""
     parsed = parse_config_file(opts.config_path) if opts.config_path is not None else None
 
-    meter = CompileMeter()
+    meter = _compile_meter()
     with machine.pin_threads(opts.device, opts.threads) as threads, meter.measuring():
         t0 = time.perf_counter()
         engine = (engine_factory or make_engine)(opts)
@@ -405,7 +405,29 @@ def _calibrate(
     return summary
 
 
-def _compile_info(engine: Any, meter: CompileMeter) -> dict[str, Any] | None:
+def _compile_meter() -> Any:
+    """``speccal.runner.device.CompileMeter`` (imported here: the runner needs torch, and a
+    machine without it gets ``make_engine``'s one-line refusal, not an import error)."""
+    try:
+        from speccal.runner.device import CompileMeter
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "torch":
+            raise
+        return _NoCompiles()
+    return CompileMeter()
+
+
+class _NoCompiles:
+    """What a machine without torch compiles: nothing (``make_engine`` then refuses)."""
+
+    count = 0
+    seconds = 0.0
+
+    def measuring(self):
+        return contextlib.nullcontext(self)
+
+
+def _compile_info(engine: Any, meter: Any) -> dict[str, Any] | None:
     """What building ``engine`` compiled: its runner's precompile report (None off CUDA/Triton)
     and the in-process compiles (cache loads included) counted so far."""
     rep = getattr(getattr(engine, "runner", None), "precompile_report", None)
