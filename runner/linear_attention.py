@@ -414,8 +414,11 @@ def _fla_delta_rule(q, k, v, g, beta, state, is_chunked):  # shapes as the torch
         q = q.repeat_interleave(hv // hk, dim=2)
         k = k.repeat_interleave(hv // hk, dim=2)
     fn = chunk if is_chunked else recurrent
-    out, final = fn(q, k, v, g=g.float(), beta=beta, initial_state=state.float().contiguous(),
-                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    # the kernels index [B, T, H, D] from the shape: dense layouts (q / k / v are split views)
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta.to(q.dtype)))
+    out, final = fn(q, k, v, g=g.float().contiguous(), beta=beta,
+                    initial_state=state.float().contiguous(), output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
     return out.to(q.dtype), final
 
 

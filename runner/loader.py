@@ -399,7 +399,9 @@ def _hybrid_preset_source(name: str, seed: int, overrides: dict | None,
         shapes.pop("lm_head.weight", None)
     shapes.update(_hybrid_head_shapes(cfg, REGISTRY[fam_name]))
     fingerprint = preset_fingerprint(f"{name}/{fam_name}", seed, shapes)
-    return cfg, HybridRandomSource(preset, shapes, seed), fingerprint
+    source = HybridRandomSource(preset, shapes, seed, REGISTRY[fam_name],
+                                cfg.base.num_hidden_layers)
+    return cfg, source, fingerprint
 
 
 def _load_hybrid_preset(name: str, *, device, dtype: str, seed: int, max_model_len: int,

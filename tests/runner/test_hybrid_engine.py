@@ -289,3 +289,33 @@ def test_config_without_mtp_tensors_needs_plain_decoding(tmp_path):
     eng = _engine(tmp_path / "bare", "snapshots", speculative=False)
     got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=4, ignore_eos=True)], 0)
     assert len(got[0]) == 4 and np.all(np.asarray(got[0]) < V)
+
+
+def test_full_acceptance_swaps_scratch_and_ring_moves_by_the_accepted_length(family):
+    """The mechanism's bookkeeping on forced (full) and oracle (scheduled) acceptance: a
+    fully accepted round swaps the slot's committed and scratch rows (O(1), the rows' data
+    untouched by the commit), a partial one keeps the committed row; the snapshot ring moves
+    ``accepted + 1`` rows on."""
+    folder, refs = family
+    swap = _engine(folder, "scratch_swap", acceptance="forced", request_buckets=(1,))
+    swap.add_request(PROMPTS[1], SamplingParams(max_tokens=12, ignore_eos=True))
+    swap.prefill_pending()
+    state = swap.runner.state
+    slot = swap._running[0].slot
+    for _ in range(3):
+        row, scratch = int(state.row_of[slot]), int(state.scratch_of[slot])
+        res = swap.step(RoundPlan(2))
+        assert int(res.accepted[0]) == 2  # forced: full acceptance
+        assert (int(state.row_of[slot]), int(state.scratch_of[slot])) == (scratch, row)
+    snap = _engine(folder, "snapshots", request_buckets=(1,))
+    oracle = OracleDraft(snap, {tuple(PROMPTS[0]): refs[0]}, 3)
+    snap.runner.draft_part = oracle
+    snap.add_request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS[0], ignore_eos=True))
+    snap.prefill_pending()
+    ring = snap.runner.state
+    slot = snap._running[0].slot
+    for _ in range(3):
+        before = int(ring.ring_pos[slot])
+        a = int(snap.step(RoundPlan(3)).accepted[0])
+        assert int(ring.ring_pos[slot]) == (before + a + 1) % (W + 2)
+        assert int(ring.row_of[slot]) == slot * (W + 2) + int(ring.ring_pos[slot])
