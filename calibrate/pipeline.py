@@ -371,6 +371,7 @@ def _calibrate(
     table = with_quality(table, quality)
     fit_s = time.perf_counter() - t_fit
     report.print_fit_report(console, table)
+    report.print_kv_model(console, table)
     report.print_timing(console, table.calibration.timing)
     report.print_gate(console, quality, selection, held)
     refused = not passed and not gate.accept_noisy
@@ -388,6 +389,7 @@ def _calibrate(
         "rounds": stats.rounds,
         "effective_config": report.effective_config_dict(cfg, geometry, compat, threads, gate),
         "fit": report.fit_summary(table),
+        "kv_model": report.kv_model_errors(table),
         "quality": quality,
         "timing": table.calibration.timing.model_dump(mode="json"),
         "timings": {**timings, "fit_s": fit_s, "total_s": time.perf_counter() - t_start},

@@ -211,6 +211,55 @@ def print_fit_report(console: Console, table: Any) -> None:
             )
 
 
+def kv_model_errors(table: Any) -> dict | None:
+    """The KV-aware model's held-out errors (None for a table without one): leave-one-context-
+    out per point as a percentage of the measured cost, its median / mean / max, per context
+    interval, and the leave-one-point-out mean."""
+    kv = getattr(table, "kv_model", None)
+    if kv is None:
+        return None
+    pct = [(p.context_index, 100.0 * abs(p.loco_ms - p.step_ms) / p.step_ms)
+           for p in kv.points if p.loco_ms is not None]
+    vals = sorted(v for _, v in pct)
+
+    def median(xs):
+        xs = sorted(xs)
+        n = len(xs)
+        return (xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])) if n else None
+
+    return {
+        "kv_term": kv.kv_term,
+        "selected_by": kv.selected_by,
+        "min_kv_length": kv.min_kv_length,
+        "max_kv_length": kv.max_kv_length,
+        "leave_one_context_out_median_pct": median(vals),
+        "leave_one_context_out_mean_pct": kv.leave_one_context_out.mean_abs_pct,
+        "leave_one_context_out_max_pct": kv.leave_one_context_out.max_abs_pct,
+        "leave_one_point_out_mean_pct": kv.leave_one_point_out.mean_abs_pct,
+        "per_context_loco_median_pct": {
+            int(c): median([v for ci, v in pct if ci == c]) for c in sorted({c for c, _ in pct})
+        },
+        "points": len(kv.points),
+    }
+
+
+def print_kv_model(console: Console, table: Any) -> None:
+    """One paragraph on the KV-aware model of a multi-context table (nothing without one)."""
+    e = kv_model_errors(table)
+    if e is None:
+        return
+    per = ", ".join(f"context {c} {_fmt(v, '.2f')} %" for c, v in e["per_context_loco_median_pct"].items())
+    console.print(
+        f"KV model ({e['kv_term']} slope, chosen by {e['selected_by'].replace('_', ' ')}) prices "
+        f"any KV in {e['min_kv_length']}..{e['max_kv_length']}: leave-one-context-out median "
+        f"{_fmt(e['leave_one_context_out_median_pct'], '.2f')} %, mean "
+        f"{_fmt(e['leave_one_context_out_mean_pct'], '.2f')} %, max "
+        f"{_fmt(e['leave_one_context_out_max_pct'], '.2f')} % ({per}); leave-one-point-out mean "
+        f"{_fmt(e['leave_one_point_out_mean_pct'], '.2f')} % over {e['points']} points",
+        soft_wrap=True,
+    )
+
+
 def fit_summary(table: Any) -> list[dict]:
     """``--json`` form of the fit report: error summaries per context."""
     out = []
