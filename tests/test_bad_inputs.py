@@ -348,6 +348,7 @@ CASES = [
     ("bench-requests", ["bench", "--num-requests", "0"], "--num-requests"),
     ("bench-requests-max", ["bench", "--num-requests", "100000"], "an integer in [1, 256]"),
     ("bench-triton-cpu", ["bench", "--attention-backend", "triton"], "attention_backend='triton'"),
+    ("bench-loop", ["bench", "--loop", "overlapped"], "--loop: got 'overlapped'"),
     (
         "cal-triton-cpu",
         [*CAL, *NEW, "--attention-backend", "triton"],

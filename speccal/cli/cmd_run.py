@@ -110,6 +110,17 @@ AttentionOpt = Annotated[
     ),
 ]
 
+LoopOpt = Annotated[
+    str,
+    typer.Option(
+        "--loop",
+        help="Round loop: pipelined (the host prepares round n + 1 while the device runs round n; "
+        "what a deployment serves and what `speccal calibrate` measures by default) or "
+        "synchronous (every round's host work in series with its device work).",
+    ),
+]
+LOOPS = ("pipelined", "synchronous")
+
 
 def _engine_config(
     model,
@@ -124,8 +135,12 @@ def _engine_config(
     request_buckets=DEFAULT_BUCKETS,
     graph_mode=None,
     attention_backend=None,
+    loop="pipelined",
 ):
-    """The ``EngineConfig`` of a command's options (defaults: the path served on ``device``)."""
+    """The ``EngineConfig`` of a command's options (defaults: the path served on ``device``, the
+    pipelined round loop)."""
+    if loop not in LOOPS:
+        raise InputError("--loop", loop, " or ".join(LOOPS))
     # lazy: the runner imports torch; the CLI starts (and reports a missing torch) without it
     from speccal.runner.engine import EngineConfig
     from speccal.runner.path import served_path
@@ -144,6 +159,7 @@ def _engine_config(
         seed=seed,
         max_model_len=max_model_len,
         speculative=speculative,
+        pipeline=loop == "pipelined",
     )
 
 
@@ -168,6 +184,7 @@ def generate(
     device: DeviceOpt = "cpu",
     graph_mode: GraphModeOpt = None,
     attention_backend: AttentionOpt = None,
+    loop: LoopOpt = "pipelined",
     dtype: DtypeOpt = None,
     draft_width: DraftWidthOpt = 3,
     k: KOpt = None,
@@ -236,6 +253,7 @@ def generate(
         not plain,
         graph_mode=graph_mode,
         attention_backend=attention_backend,
+        loop=loop,
     )
     engine = Engine(cfg)
     tokenizer = None
@@ -306,6 +324,7 @@ def bench(
     device: DeviceOpt = "cpu",
     graph_mode: GraphModeOpt = None,
     attention_backend: AttentionOpt = None,
+    loop: LoopOpt = "pipelined",
     dtype: DtypeOpt = None,
     draft_width: DraftWidthOpt = 3,
     k: KOpt = None,
@@ -414,6 +433,7 @@ def bench(
         _parse_buckets(request_buckets),
         graph_mode=graph_mode,
         attention_backend=attention_backend,
+        loop=loop,
     )
     workload = {"num_requests": num_requests, "prompt_len": prompt_len, "max_tokens": max_tokens}
     if policy:

@@ -49,6 +49,13 @@ def test_generate_json_equals_library_plain_greedy():
     )
     assert [o["output_ids"] for o in doc["outputs"]] == plain
     assert doc["stats"]["drafted"] > 0 and len(doc["stats"]["accepted_length_hist"]) == 4
+    assert doc["compatibility"]["loop"] == "pipelined"  # the default round loop
+    sync = _run("generate", "--prompt-ids", "1,2,3", "--prompt-ids", "7 8 9 10", "--max-tokens",
+                "10", "--ignore-eos", "--json", "--loop", "synchronous")
+    assert sync.exit_code == 0, sync.output
+    sdoc = json.loads(sync.stdout)
+    assert sdoc["compatibility"]["loop"] == "synchronous"
+    assert [o["output_ids"] for o in sdoc["outputs"]] == plain
 
 
 def test_generate_human_output_labels_random_weights():
@@ -65,6 +72,7 @@ def test_generate_human_output_labels_random_weights():
         (["--prompt-ids", "1", "--k", "9"], "--k: got 9"),
         (["--prompt", "hello"], "--prompt"),
         (["--prompt-ids", "1", "--acceptance", "synthetic"], "acceptance_profile"),
+        (["--prompt-ids", "1", "--loop", "async"], "--loop: got 'async'"),
     ],
 )
 def test_generate_bad_input_is_one_line(args, match):
@@ -156,7 +164,7 @@ def tiny_table(tmp_path_factory):
     calibrate(
         CalibrateOptions(
             model="tiny", request_buckets=(1, 2, 4), config_path=cfg, out=out, progress=False,
-            loop="synchronous",  # the loop `speccal bench` serves: no loop warning expected
+            loop="pipelined",  # the loop `speccal bench` serves by default: no loop warning
         ),
         console=Console(stderr=True, quiet=True),
     )
@@ -210,7 +218,9 @@ def test_bench_policies_json_live_vs_replay(tiny_table, tmp_path):
         assert p["replay"]["predicted_tokens_per_s"] > 0
     assert pols["fixed:1"]["mean_k"] == 1 and pols["fixed:3"]["mean_k"] == 3
     ad = pols["adaptive-step"]
-    assert ad["reasons"]["warmup"] == 5 and ad["timeline"][0][2] == 3 and ad["timeline"][0][1] >= 5
+    # full width until update_interval (5) rounds have reported, plus one: on the pipelined loop
+    # (bench's default) round n + 1 is planned before round n's feedback arrives
+    assert ad["reasons"]["warmup"] == 6 and ad["timeline"][0][2] == 3 and ad["timeline"][0][1] >= 5
     tr = load_trace(doc["traces"]["adaptive-step"])
     assert tr.num_rounds == ad["rounds"] and tr.meta["policy"] == "adaptive-step"
     assert tr.meta["phases"] == doc["setup"]["phases"]
