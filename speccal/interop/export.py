@@ -27,7 +27,8 @@ from speccal.costmodel.table import load_table
 from speccal.interop import sglang, trtllm, vllm
 from speccal.interop.acceptance import from_prefix
 from speccal.interop.importers import FORMATS, read_acceptance
-from speccal.interop.report import Rendered, bucket_rows, heldout, sidecar
+from speccal.interop.pricing import heldout, pricing_block
+from speccal.interop.report import Rendered, bucket_rows, sidecar
 from speccal.interop.schedule import (
     equal_time_workload,
     parse_k0_ms,
@@ -208,9 +209,12 @@ def run_export(req: ExportRequest) -> ExportResult:
         if kv is None:
             kv = float(np.mean(acc[0].kv_length)) if acc else float(table.fits[0].prefill_tokens)
         rendered = sglang.render(table, kv, sidecar_file.name)
+        priced_kv: float | tuple[float, float] = kv
         if workload_trace is not None:
             workload = _verify_workload(workload_trace, cost)
     else:
+        kvs = acc[0].kv_length
+        priced_kv = (float(np.min(kvs)), float(np.max(kvs)))
         decisions = {s.bcap: s.best_k for s in scores}
         if req.engine == "vllm":
             rendered = vllm.render(decisions, table.draft_width, table.compatibility.topology.dp)
@@ -241,6 +245,7 @@ def run_export(req: ExportRequest) -> ExportResult:
         matched=engine.MATCHED,
         k0_meaning=engine.K0_MEANING,
         heldout_block=held,
+        pricing=pricing_block(table, priced_kv),
     )
     write_text_atomic(req.out, text, field="--out")
     write_json_atomic(sidecar_file, report, field="--sidecar")

@@ -7,7 +7,8 @@ version :data:`SIDECAR_VERSION`::
      "engine": {name, format, matched: [{repo, path, functions, commit}], k0_meaning},
      "file": {name, sha256, bytes},                  the exported file it vouches for
      "table": {path, sha256, mode, model, draft_width, request_buckets, contexts,
-               heldout: {fits: [...], metric, pct}, compatibility},
+               heldout: {fits: [...], kv_model?, metric, pct}, compatibility},
+     "pricing": {model: kv_model | context_fit | mixed, kv_length, ...},
      "acceptance": {kind, path, draft_width, rounds, requests, kv_length, prefix_acceptance,
                     meta},
      "buckets": [{bcap, rounds, tokens_per_s: {k: ...}, best_k, exported_k, gain_vs_k_pct,
@@ -17,9 +18,12 @@ version :data:`SIDECAR_VERSION`::
      "valid_for": {table identity, batch sizes, KV span, acceptance source}}
 
 ``decisive`` is true when the best ``k``'s predicted margin over the runner-up exceeds the
-table's held-out error (``heldout.pct``: the worst context's leave-one-point-out mean error in
-%, else its leave-one-G-out one): a smaller margin is inside the model's own error. Floats are
-rounded to 6 decimals; values that are not finite are null.
+table's held-out error (``heldout.pct``, ``speccal.interop.pricing.heldout``: the worst
+context's leave-one-point-out mean error in %, else its leave-one-G-out one, of the model the
+lookup prices with): a smaller margin is inside the model's own error. ``pricing``
+(``speccal.interop.pricing.pricing_block``) says which model priced the export (the table's KV
+model or its context fits) and at which KV length(s). Floats are rounded to 6 decimals; values
+that are not finite are null.
 """
 
 from __future__ import annotations
@@ -74,30 +78,6 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def heldout(table: Any) -> dict[str, Any]:
-    """The table's fit errors per context and the one number decisions are compared with."""
-    fits = []
-    pct = None
-    metric = None
-    for f in table.fits:
-        d = f.diagnostics
-        fits.append(
-            {
-                "kv": [f.min_kv_length, f.max_kv_length],
-                "model": f.model,
-                "residuals": d.residuals.model_dump(),
-                "leave_one_point_out": d.leave_one_point_out.model_dump(),
-                "leave_one_g_out": d.leave_one_g_out.model_dump(),
-            }
-        )
-    for name in ("leave_one_point_out", "leave_one_g_out"):
-        vals = [x[name]["mean_abs_pct"] for x in fits if x[name]["mean_abs_pct"] is not None]
-        if vals:
-            metric, pct = f"{name}.mean_abs_pct", max(vals)
-            break
-    return {"fits": fits, "metric": metric, "pct": pct}
-
-
 def bucket_rows(scores, exported: dict[int, int], heldout_pct: float | None) -> list[dict]:
     """The per-bucket evidence: tokens/s of every k, the best and the exported k."""
     rows = []
@@ -138,6 +118,7 @@ def sidecar(
     matched: list[dict],
     k0_meaning: str,
     heldout_block: dict[str, Any],
+    pricing: dict[str, Any],
 ) -> dict[str, Any]:
     """The sidecar document (see module docstring)."""
     geo = table.geometry()
@@ -165,6 +146,7 @@ def sidecar(
             "heldout": heldout_block,
             "compatibility": compat,
         },
+        "pricing": pricing,
         "acceptance": acceptance,
         "buckets": buckets,
         "workload": workload,

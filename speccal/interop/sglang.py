@@ -19,7 +19,9 @@ dspark_sps_table.py``, ``load_sps_table_from_path``: additive when the text hold
 speccal maps a ``target_verify`` table onto them (the planner trims the verify budget with the
 draft at full width: the same experiment): ``bs`` is the request axis (speccal ``Bcap``), ``M``
 the verify-row axis (speccal ``G``), ms become s (additive) or steps/s (``1000 / cost_ms``,
-SPS). speccal pads a batch to its captured bucket (``Bcap``, ``G``); SGLang interpolates (and
+SPS). SGLang's table has no KV axis: the file prices one KV length as speccal's lookup does
+(``speccal.interop.pricing``: a table's KV model at that KV is additive, its slope term joining
+``theta(M)``; without one, the fit of the interval holding it). speccal pads a batch to its captured bucket (``Bcap``, ``G``); SGLang interpolates (and
 floors, for SPS), so speccal writes each level as a staircase: a probe at the first integer the
 level serves (``previous level + 1``) and one at the level itself, both with the level's value,
 so integer lookups between levels get the padded cost. :func:`fidelity` compares SGLang's
@@ -40,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from speccal.base.errors import InputError
+from speccal.interop import pricing
 from speccal.interop.report import Rendered
 from speccal.policy import CostModel
 
@@ -91,16 +94,12 @@ def staircase(levels: list[int], values: list[float]) -> tuple[list[int], list[f
     return xs, ys
 
 
-def _fit(table: Any, kv_length: float):
-    f = table.fit_for(kv_length)
-    if f is None:
-        spans = [(x.min_kv_length, x.max_kv_length) for x in table.fits]
-        raise InputError("--kv-length", kv_length, f"a KV length inside the table's {spans}")
-    return f
-
-
 def render(table: Any, kv_length: float, sidecar_name: str) -> Rendered:
-    """The DSpark cost table JSON of a ``target_verify`` table at ``kv_length``'s context."""
+    """The DSpark cost table JSON of a ``target_verify`` table priced at ``kv_length``.
+
+    The costs are the table's lookup at that KV (``speccal.interop.pricing``): its KV model
+    when it has one and ``kv_length`` is in its span, else the fit of the interval holding it.
+    """
     if table.mode != "target_verify":
         raise InputError(
             "table.mode",
@@ -111,10 +110,10 @@ def render(table: Any, kv_length: float, sidecar_name: str) -> Rendered:
     dp = table.compatibility.topology.dp
     if isinstance(dp, int) and dp != 1:
         raise InputError("table.compatibility.topology.dp", dp, "1 (SGLang DSpark needs dp_size 1)")
-    f = _fit(table, kv_length)
+    pricing.check_kv(table, kv_length)
     geo = table.geometry()
-    if f.model == "additive":
-        p = f.additive
+    if table.model == "additive":
+        p = pricing.additive_at(table, kv_length)
         bs = [b for b in p.bcap_levels if b in geo.request_buckets]
         alpha = [p.alpha_ms[p.bcap_levels.index(b)] / 1000.0 for b in bs]
         bs_probes, alpha_s = staircase(bs, alpha)
@@ -129,13 +128,12 @@ def render(table: Any, kv_length: float, sidecar_name: str) -> Rendered:
         kind = ADDITIVE
         if not doc["bias_seconds"] > 0:
             raise InputError(
-                "table.fits.additive.bias_ms", p.bias_ms, "> 0 (SGLang requires bias_seconds > 0)"
+                "table.fits.additive.bias_ms",
+                p.bias_ms,
+                f"> 0 at KV {kv_length} (SGLang requires bias_seconds > 0)",
             )
     else:
-        p = f.sps
-        lo, hi = min(p.g_levels), max(p.g_levels)
-        captured = sorted({g for gs in geo.target_rows.values() for g in gs if lo <= g <= hi})
-        ms = np.interp(captured, p.g_levels, p.cost_ms)  # speccal's sps rule (ms, linear)
+        captured, ms = pricing.g_curve(table, kv_length)
         # A floor lookup needs one probe per level, at the first integer the level serves.
         probes, rates, prev = [], [], 0
         for g, c in zip(captured, ms, strict=True):
@@ -145,7 +143,7 @@ def render(table: Any, kv_length: float, sidecar_name: str) -> Rendered:
         if len(probes) < 2:
             raise InputError(
                 "table.fits.sps.g_levels",
-                p.g_levels,
+                captured,
                 "at least two G levels (SGLang reads a one-probe table as uninitialized)",
             )
         doc = {
@@ -171,8 +169,7 @@ def render(table: Any, kv_length: float, sidecar_name: str) -> Rendered:
         adjustments=[],
         notes=[
             K0_MEANING,
-            f"context: the table's fit for KV {f.min_kv_length}..{f.max_kv_length} (SGLang's "
-            "table has no KV axis)",
+            _context_note(table, kv_length, kind),
             "outside the calibrated probes SGLang clamps to the nearest probe (speccal calls "
             "those points uncalibrated)",
             f"units: {'seconds' if kind == ADDITIVE else 'steps per second'}; request axis = "
@@ -180,6 +177,24 @@ def render(table: Any, kv_length: float, sidecar_name: str) -> Rendered:
         ],
         fidelity=fid,
         sidecar_name=sidecar_name,
+    )
+
+
+def _context_note(table: Any, kv_length: float, kind: str) -> str:
+    if pricing.uses_kv_model(table, kv_length):
+        kvm = table.kv_model
+        note = (
+            f"context: the table's KV model ({kvm.kv_term} slope, span {kvm.min_kv_length}.."
+            f"{kvm.max_kv_length}) at KV {kv_length:g}: theta(M) carries the slope term "
+            "(SGLang's table has no KV axis)"
+        )
+        if kind == SPS:
+            note += "; a G several request buckets reach takes the median of their costs"
+        return note
+    f = table.fit_for(kv_length)
+    return (
+        f"context: the table's fit for KV {f.min_kv_length}..{f.max_kv_length} (SGLang's "
+        "table has no KV axis)"
     )
 
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from speccal.base.errors import InputError
-from speccal.costmodel.table import load_table
+from speccal.costmodel.table import load_table, parse_table
 from speccal.costmodel.table_build import refit_table
 from speccal.interop import sglang, trtllm, vllm
+from speccal.interop.pricing import pricing_block as sglang_pricing
 from speccal.policy import CostModel
 
 from .engine_rules import (
@@ -143,6 +144,19 @@ def verify_table(request):
         return load_table(request.param)
 
 
+def _full_bucket_costs(t, kv):
+    """speccal's lookup at every full bucket and captured G it prices: ``{(bcap, g): ms}``."""
+    cost = CostModel.from_table(t)
+    geo = t.geometry()
+    out = {}
+    for bcap in geo.request_buckets:
+        for g in geo.target_rows[bcap]:
+            ms = float(cost.lookup(np.array([bcap]), np.array([g]), np.array([kv]))[0])
+            if np.isfinite(ms):
+                out[(bcap, g)] = ms
+    return out
+
+
 @pytest.mark.parametrize("model", ["additive", "sps"])
 def test_sglang_file_passes_sglangs_rules_and_prices_like_the_table(verify_table, model):
     t = verify_table if model == "additive" else refit_table(verify_table, model="sps")
@@ -151,34 +165,86 @@ def test_sglang_file_passes_sglangs_rules_and_prices_like_the_table(verify_table
     assert doc["_kind"] == model and r.format == (
         sglang.ADDITIVE if model == "additive" else sglang.SPS
     )
-    cost = CostModel.from_table(t)
     geo = t.geometry()
-    # at every full bucket and every captured G it reaches, SGLang's reading is the table's cost
-    for bcap in geo.request_buckets:
-        for g in geo.target_rows[bcap]:
-            ours = float(cost.lookup(np.array([bcap]), np.array([g]), np.array([1024.0]))[0])
-            if not np.isfinite(ours):
-                continue
-            theirs = 1000 * sglang_step_seconds(doc, bcap, g - bcap)
-            assert theirs == pytest.approx(ours, rel=1e-9), (bcap, g)
+    ours = _full_bucket_costs(t, 1024.0)
+    assert ours
+    # at every full bucket and every captured G it reaches, SGLang's reading is the table's
+    # cost. SGLang's SPS table has no request axis: at a G several buckets reach, whose costs
+    # differ where the lookup has a request term (a KV model's alpha(Bcap)), it reads the median
+    # of their costs, so a G one bucket reaches is exact, and every G is for a G-only table.
+    spread = {}
+    for (bcap, g), ms in ours.items():
+        same_g = [v for (_, gg), v in ours.items() if gg == g]
+        want = ms if model == "additive" else float(np.median(same_g))
+        spread[(bcap, g)] = max(same_g) - min(same_g)
+        theirs = 1000 * sglang_step_seconds(doc, bcap, g - bcap)
+        assert theirs == pytest.approx(want, rel=1e-9), (bcap, g)
+        if spread[(bcap, g)] == 0.0:
+            assert theirs == pytest.approx(ms, rel=1e-9), (bcap, g)
+    if model == "sps" and t.kv_model is None:
+        assert not any(spread.values())  # the G-only fit: exact at every full bucket
     fid = r.fidelity
     assert fid["points"] > 0 and fid["nonpositive"] == 0
-    # exact at full buckets (above); the differences are partial batches, which speccal pads to
-    # the bucket's captured G and SGLang prices at their own token count
+    # exact at full buckets (above), up to the SPS pooling; the other differences are partial
+    # batches, which speccal pads to the bucket's captured G and SGLang prices at their own M
     worst = fid["worst_point"]
-    assert fid["max_abs_diff_pct"] == 0.0 or worst["num_reqs"] not in geo.request_buckets
+    if fid["max_abs_diff_pct"] > 1e-7 and worst["num_reqs"] in geo.request_buckets:
+        cost = CostModel.from_table(t)
+        b = worst["num_reqs"]
+        g = int(cost.g(np.array([b]), np.array([worst["M"]]))[0])
+        assert model == "sps" and spread[(b, g)] > 0, worst
+
+
+def test_sglang_prices_the_kv_model_at_the_exact_kv():
+    """Inside a KV model's span the file is the KV model at that KV, not an interval's fit: two
+    KVs of one context interval give different files, each pricing like the lookup there."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = load_table(H200)
+    assert t.kv_model is not None and len(t.fits) >= 3
+    f = t.fits[len(t.fits) // 2]
+    kvs = [float(f.min_kv_length), (f.min_kv_length + f.max_kv_length) / 2, float(f.max_kv_length)]
+    docs = []
+    for kv in kvs:
+        r = sglang.render(t, kv, "x")
+        doc = check_sglang(r.text)
+        for (bcap, g), ms in _full_bucket_costs(t, kv).items():
+            theirs = 1000 * sglang_step_seconds(doc, bcap, g - bcap)
+            assert theirs == pytest.approx(ms, rel=1e-9), (kv, bcap, g)
+        assert any("KV model" in n for n in r.notes)
+        block = sglang_pricing(t, kv)
+        assert block["model"] == "kv_model" and block["kv_length"] == kv
+        docs.append(r.document)
+    assert docs[0]["theta_seconds"] != docs[1]["theta_seconds"] != docs[2]["theta_seconds"]
+    # the slope term moves the cost of the largest G most (slope(G) * G * kv)
+    assert docs[2]["theta_seconds"][-1] > docs[0]["theta_seconds"][-1]
+    # without the KV model (kv_aware off: the interval's fit) speccal prices these KVs alike
+    doc = t.to_json_dict()
+    del doc["kv_model"]
+    flat = parse_table(json.dumps(doc))
+    assert sglang.render(flat, kvs[0], "x").text == sglang.render(flat, kvs[2], "x").text
+    assert sglang_pricing(flat, kvs[0])["model"] == "context_fit"
 
 
 def test_sglang_units_and_axes(verify_table):
     r = sglang.render(verify_table, 1024.0, "x")
-    p = verify_table.fits[0].additive
-    assert r.document["bias_seconds"] == pytest.approx(p.bias_ms / 1000)
-    assert r.document["m_probes"][-1] == p.g_levels[-1]  # M axis = verify rows = speccal G
-    assert r.document["bs_probes"][-1] == p.bcap_levels[-1]  # request axis = speccal Bcap
-    sps = sglang.render(refit_table(verify_table, model="sps"), 1024.0, "x").document
+    geo = verify_table.geometry()
+    ours = _full_bucket_costs(verify_table, 1024.0)
+    b0, g0 = geo.request_buckets[0], min(geo.target_rows[geo.request_buckets[0]])
+    # seconds; bias = the reference cell's cost (smallest Bcap and G) at that KV
+    assert r.document["bias_seconds"] == pytest.approx(ours[(b0, g0)] / 1000, rel=1e-9)
+    gmax = max(g for gs in geo.target_rows.values() for g in gs)
+    assert r.document["m_probes"][-1] == gmax  # M axis = verify rows = speccal G
+    assert r.document["bs_probes"][-1] == geo.request_buckets[-1]  # request axis = speccal Bcap
+    sps_table = refit_table(verify_table, model="sps")
+    sps = sglang.render(sps_table, 1024.0, "x").document
     assert '"bias_seconds"' not in json.dumps(sps)  # SGLang picks the loader by this key
-    s = refit_table(verify_table, model="sps").fits[0].sps
-    assert sps["sample_steps_per_sec"][-1] == pytest.approx(1000 / s.cost_ms[-1])
+    # steps per second; the largest G is reached by the largest bucket only (no pooling)
+    b_last = geo.request_buckets[-1]
+    assert [b for b in geo.request_buckets if gmax in geo.target_rows[b]] == [b_last]
+    last = _full_bucket_costs(sps_table, 1024.0)[(b_last, gmax)]
+    assert sps["sample_steps_per_sec"][-1] == pytest.approx(1000 / last, rel=1e-9)
+    assert sps["max_batch_tokens"] == gmax
 
 
 def test_sglang_refuses_draft_step_tables_dp_and_foreign_contexts():

@@ -19,7 +19,7 @@ from speccal.interop.export import ExportRequest, run_export, sidecar_path
 from speccal.trace import load_trace
 
 from . import engine_files
-from .engine_rules import check_sglang, check_trtllm, check_vllm, vllm_dense
+from .engine_rules import check_sglang, check_trtllm, check_vllm, trtllm_draft_len, vllm_dense
 from .make_fixtures import EXPORTS, GOLDEN, K0_MS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,10 +62,28 @@ def test_vllm_golden_runs_the_replays_best_k_per_bucket(at_root):
         assert set(tps) == {1, 2, 3}  # every k; k = 0 not priced in this table
         assert b["best_k"] == max(tps, key=tps.get) == dense[b["bcap"]]
         assert b["gain_vs_k_pct"][str(b["best_k"])] == 0.0
+    # the held-out error decisions are compared with is the table's own: the worst context's
+    # leave-one-point-out mean error, else its leave-one-G-out one (no KV model here)
+    t = load_table(ROOT / DRAFT_STEP)
+    assert t.kv_model is None
     held = side["table"]["heldout"]
-    assert held["metric"] == "leave_one_g_out.mean_abs_pct" and held["pct"] == pytest.approx(
-        4.349272
+    lopo = [f.diagnostics.leave_one_point_out.mean_abs_pct for f in t.fits]
+    logo = [f.diagnostics.leave_one_g_out.mean_abs_pct for f in t.fits]
+    name, vals = (
+        ("leave_one_point_out", lopo)
+        if any(v is not None for v in lopo)
+        else ("leave_one_g_out", logo)
     )
+    assert held["metric"] == f"{name}.mean_abs_pct"
+    assert held["pct"] == pytest.approx(max(v for v in vals if v is not None), abs=1e-6)
+    for b in side["buckets"]:
+        assert b["decisive"] == (b["margin_pct"] > held["pct"])
+    assert side["pricing"] == {
+        "model": "context_fit",
+        "kv_length": side["acceptance"]["kv_length"],
+        "fit": t.model,
+        "contexts": [[f.min_kv_length, f.max_kv_length] for f in t.fits],
+    }
     assert side["table"]["compatibility"]["device"]["name"] == "NVIDIA H200"
     assert side["valid_for"]["batch_sizes"] == [1, 8] and side["valid_for"]["kv_length"] == [
         1,
@@ -77,7 +95,8 @@ def test_vllm_golden_runs_the_replays_best_k_per_bucket(at_root):
         == __import__("hashlib").sha256((GOLDEN / "vllm.json").read_bytes()).hexdigest()
     )
     wl = side["workload"]
-    assert wl["rounds"] == 2000 and wl["best_fixed_k"] == 3
+    fixed = {int(k): v for k, v in wl["fixed_tokens_per_s"].items() if v is not None}
+    assert wl["rounds"] == 2000 and wl["best_fixed_k"] == max(fixed, key=fixed.get)
 
 
 def test_k0_golden_prices_no_speculation_from_the_flag(at_root):
@@ -94,13 +113,44 @@ def test_k0_golden_prices_no_speculation_from_the_flag(at_root):
     assert wl["schedule_tokens_per_s"] == pytest.approx(np.mean(rates), rel=1e-6)
 
 
+def _check_trtllm_adjustments(spec, side):
+    """The sidecar lists exactly the buckets where TensorRT-LLM runs another k than the best
+    (the engine's rule applied), with what it runs; the unconstrained schedule is kept then."""
+    runs = {b["bcap"]: trtllm_draft_len(spec, b["bcap"]) for b in side["buckets"]}
+    assert {b["bcap"]: b["exported_k"] for b in side["buckets"]} == runs
+    assert spec["max_draft_len"] == runs[min(runs)] == max(runs.values())
+    changed = {b["bcap"]: (b["best_k"], runs[b["bcap"]]) for b in side["buckets"]}
+    changed = {b: v for b, v in changed.items() if v[0] != v[1]}
+    assert {a["bcap"]: (a["best_k"], a["exported_k"]) for a in side["adjustments"]} == changed
+    assert (side["speccal_workload"] is not None) == bool(changed)
+    return changed
+
+
 def test_trtllm_golden_records_the_engine_rule_it_applied(at_root):
     spec = check_trtllm((GOLDEN / "trtllm.yaml").read_text())
     side = json.loads(sidecar_path(GOLDEN / "trtllm.yaml").read_text())
-    assert spec["max_draft_len"] == 3 and spec["draft_len_schedule"] == {8: 3}
-    (adj,) = side["adjustments"]
-    assert adj["bcap"] == 1 and adj["best_k"] == 2 and adj["exported_k"] == 3
-    assert side["speccal_workload"] is not None  # the unconstrained schedule, for comparison
+    _check_trtllm_adjustments(spec, side)
+
+
+def test_trtllm_export_applies_the_smallest_key_rule(at_root, tmp_path):
+    # k = 0 priced far cheaper than any speculative step at bucket 1 only: its best k is 0,
+    # which TensorRT-LLM cannot run there (the smallest key carries max_draft_len > 0)
+    out = tmp_path / "t.yaml"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = run_export(
+            ExportRequest(
+                table=Path(DRAFT_STEP), engine="trtllm", out=out, trace=Path(TRACE), k0_ms="1=0.001"
+            )
+        )
+    spec = check_trtllm(out.read_text())
+    side = res.report
+    best = {b["bcap"]: b["best_k"] for b in side["buckets"]}
+    assert best[1] == 0 and max(best.values()) > 0
+    changed = _check_trtllm_adjustments(spec, side)
+    assert changed[1] == (0, spec["max_draft_len"])
+    (adj,) = [a for a in side["adjustments"] if a["bcap"] == 1]
+    assert "max_draft_len" in adj["why"] and adj["tokens_per_s_lost_pct"] > 0
 
 
 def test_sglang_golden_sidecar_holds_the_metadata_sglang_lacks(at_root):
@@ -127,20 +177,33 @@ def test_cli_export_json_is_the_sidecar(at_root, tmp_path):
 
 
 def test_cli_export_human_output(at_root, tmp_path):
-    r = _run(
-        "export", DRAFT_STEP, "--to", "trtllm", "--trace", TRACE, "--out", str(tmp_path / "t.yaml")
-    )
+    out = tmp_path / "t.yaml"
+    r = _run("export", DRAFT_STEP, "--to", "trtllm", "--trace", TRACE, "--out", str(out))
     assert r.exit_code == 0, r.output
-    for needle in (
-        "k=0",
-        "k=3",
-        "within error",
-        "held-out error",
-        "over the best single fixed k",
-        "draft_len_schedule[smallest key]",
-        "wrote",
-    ):
+    for needle in ("k=0", "k=3", "held-out error", "over the best single fixed k", "wrote"):
         assert needle in r.output, needle
+    side = json.loads((tmp_path / "t.speccal.json").read_text())
+    # the output marks every margin inside the held-out error, and every engine-rule change
+    assert ("within error" in r.output) == any(b["decisive"] is False for b in side["buckets"])
+    assert ("draft_len_schedule[smallest key]" in r.output) == bool(side["adjustments"])
+    # k = 0 priced half the held-out error above bucket 1's best k: bucket 1's best is k = 0
+    # by a margin inside the error, and TensorRT-LLM cannot run 0 at its smallest key
+    b1 = next(b for b in side["buckets"] if b["bcap"] == 1)
+    pct = side["table"]["heldout"]["pct"]
+    k0_ms = 1000.0 / (b1["tokens_per_s"][str(b1["best_k"])] * (1 + pct / 200))
+    r = _run(
+        "export", DRAFT_STEP, "--to", "trtllm", "--trace", TRACE, "--out", str(out),
+        "--k0-ms", f"1={k0_ms!r}",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    side = json.loads((tmp_path / "t.speccal.json").read_text())
+    b1 = next(b for b in side["buckets"] if b["bcap"] == 1)
+    assert b1["best_k"] == 0 and b1["decisive"] is False
+    assert b1["margin_pct"] == pytest.approx(pct / 2, rel=1e-3)
+    assert "within error" in r.output and "draft_len_schedule[smallest key]" in r.output
+    k1 = side["buckets"][0]["exported_k"]
+    assert side["buckets"][0]["bcap"] == 1 and k1 > 0
+    assert f"engine rule: Bcap 1 exported k={k1} (best 0," in r.output
 
 
 @pytest.mark.parametrize(
