@@ -40,6 +40,7 @@ from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
 from speccal.base.progress import ProgressReporter
 from speccal.base.rich_tables import print_table
+from speccal.cli.dist import is_distributed, run_ranks
 
 err_console = Console(stderr=True)
 
@@ -120,6 +121,15 @@ LoopOpt = Annotated[
     ),
 ]
 LOOPS = ("pipelined", "synchronous")
+TpOpt = Annotated[
+    int,
+    typer.Option("--tp", help="Tensor-parallel ranks per model replica (launch with torchrun "
+                 "--nproc-per-node TP*DP -m speccal generate ...)."),
+]
+DpOpt = Annotated[
+    int,
+    typer.Option("--dp", help="Data-parallel replicas; replica d decodes prompts d, d + DP, ..."),
+]
 
 
 def _engine_config(
@@ -185,6 +195,8 @@ def generate(
     graph_mode: GraphModeOpt = None,
     attention_backend: AttentionOpt = None,
     loop: LoopOpt = "pipelined",
+    tp: TpOpt = 1,
+    dp: DpOpt = 1,
     dtype: DtypeOpt = None,
     draft_width: DraftWidthOpt = 3,
     k: KOpt = None,
@@ -225,6 +237,7 @@ def generate(
     """Generate tokens with the embedded speculative runner (token ids in and out)."""
     # lazy: these import torch; the CLI starts (and reports a missing torch) without it
     from speccal.live.generate import generate as run_generate
+    from speccal.live.generate import generate_on_ranks
     from speccal.runner.engine import Engine
     from speccal.runner.sampling import SamplingParams
 
@@ -255,30 +268,53 @@ def generate(
         attention_backend=attention_backend,
         loop=loop,
     )
-    engine = Engine(cfg)
-    tokenizer = None
-    if engine.loaded.tokenizer_path is not None:
-        from transformers import AutoTokenizer  # lazy: only checkpoints with a tokenizer need it
-
-        tokenizer = AutoTokenizer.from_pretrained(str(engine.loaded.tokenizer_path))
-    prompts = [_parse_ids(p, "--prompt-ids") for p in (prompt_ids or [])]
-    if prompt:
-        if tokenizer is None:
-            raise InputError(
-                "--prompt", prompt[0], "token ids (--prompt-ids): the model has no tokenizer"
-            )
-        prompts += [tokenizer.encode(p) for p in prompt]
     num_k = 0 if plain else (k if k is not None else draft_width)
-    if engine.is_random_weights:
-        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}", soft_wrap=True)
-    with ProgressReporter(
-        "generate",
-        console=err_console,
-        total=max_tokens * len(prompts),
-        unit="tokens",
-        transient=True,
-    ) as bar:
-        outs = run_generate(engine, prompts, params, num_k, on_step=lambda n: bar.update(advance=n))
+
+    def run(comm, console: Console):
+        """Build this rank's engine, tokenize, decode (every rank of a torchrun run calls it)."""
+        if comm is None:
+            engine = Engine(cfg)
+        else:
+            from speccal.runner.distributed.engine import DistributedEngine
+
+            engine = DistributedEngine(cfg, comm)
+        tokenizer = None
+        if engine.loaded.tokenizer_path is not None:
+            from transformers import AutoTokenizer  # lazy: only checkpoints with a tokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(engine.loaded.tokenizer_path))
+        prompts = [_parse_ids(p, "--prompt-ids") for p in (prompt_ids or [])]
+        if prompt:
+            if tokenizer is None:
+                raise InputError(
+                    "--prompt", prompt[0], "token ids (--prompt-ids): the model has no tokenizer"
+                )
+            prompts += [tokenizer.encode(p) for p in prompt]
+        if engine.is_random_weights:
+            console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}", soft_wrap=True)
+        if comm is not None:
+            return engine, tokenizer, prompts, generate_on_ranks(engine, prompts, params, num_k,
+                                                                 comm)
+        with ProgressReporter(
+            "generate",
+            console=console,
+            total=max_tokens * len(prompts),
+            unit="tokens",
+            transient=True,
+        ) as bar:
+            outs = run_generate(engine, prompts, params, num_k,
+                                on_step=lambda n: bar.update(advance=n))
+        return engine, tokenizer, prompts, outs
+
+    if is_distributed(tp, dp):
+        if dp > 1 and k is not None:
+            raise InputError("--k", k, "unset with --dp > 1 (the replicas agree on k every round)")
+        got = run_ranks(tp, dp, device, run, err_console)
+        if got is None:  # not rank 0: rank 0 prints
+            return
+    else:
+        got = run(None, err_console)
+    engine, tokenizer, prompts, outs = got
     results = []
     for p, o in zip(prompts, outs, strict=True):
         item = {"prompt_ids": p, "output_ids": o}

@@ -73,6 +73,8 @@ def test_generate_human_output_labels_random_weights():
         (["--prompt", "hello"], "--prompt"),
         (["--prompt-ids", "1", "--acceptance", "synthetic"], "acceptance_profile"),
         (["--prompt-ids", "1", "--loop", "async"], "--loop: got 'async'"),
+        (["--prompt-ids", "1", "--dp", "2", "--k", "2"], "--k: got 2, expected unset with --dp"),
+        (["--prompt-ids", "1", "--tp", "0"], "--tp: got 0"),
     ],
 )
 def test_generate_bad_input_is_one_line(args, match):

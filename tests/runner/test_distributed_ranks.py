@@ -128,6 +128,15 @@ def _scenarios(work: Path, ckpt: Path):
         return {"tokens": out, "rounds": [[a.k, list(a.g), a.common] for a in runner.rounds],
                 "physical": runner.physical}
 
+    def generate_ranks():  # speccal generate --tp/--dp's library call: every prompt, in order
+        from speccal.live.generate import generate_on_ranks
+
+        params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+        return {"tp2": generate_on_ranks(DistributedEngine(EngineConfig(**BASE), tp2), PROMPTS,
+                                         params, 3, tp2),
+                "dp2": generate_on_ranks(DistributedEngine(EngineConfig(**BASE), dp2), PROMPTS,
+                                         params, 3, dp2)}
+
     def calibrate_tp2():
         s = calibrate_ranks(_cal_opts(work, "t.json"), tp2, engine_factory=rank_engine_factory(tp2),
                             max_rank_skew_pct=25.0, console=quiet)
@@ -164,6 +173,7 @@ def _scenarios(work: Path, ckpt: Path):
         return {"error": None}
 
     return {"tp_tiny": tp_tiny, "tp_hf": tp_hf, "tp_argmax": tp_argmax, "dp_tiny": dp_tiny,
+            "generate_ranks": generate_ranks,
             "calibrate_tp2": calibrate_tp2, "calibrate_dp2": calibrate_dp2,
             "calibrate_skewed": calibrate_skewed,
             "rank_error": rank_error}
@@ -305,6 +315,12 @@ def test_dp2_replicas_give_tp1_tokens_and_agree_on_one_bucket(ranks):
         assert len(set(live)) == 1  # one target bucket for every active replica
         # ... and each engine ran exactly that bucket (0: the replica had no batch)
         assert [r0["physical"][i], r1["physical"][i]] == g
+
+
+def test_generate_on_ranks_returns_every_prompt_in_order_on_every_rank(ranks):
+    ref = _reference()
+    for r, out in enumerate(_ok(ranks, "generate_ranks")):
+        assert out["tp2"] == ref and out["dp2"] == ref, f"rank {r}"
 
 
 def test_two_rank_calibration_writes_one_table_with_topology(ranks):
