@@ -19,6 +19,13 @@ discovered one round late: a finished request's row in the extra round is discar
 (``RoundResult.num_discarded``; ``RoundResult.physical`` keeps what the device computed for it),
 and its KV blocks and slot are freed once no queued round writes them. See
 :meth:`Engine._step_pipelined`.
+
+Hybrid linear-attention targets (``ModelCapabilities.has_recurrent_state``: Qwen3.5 /
+Qwen3-Next, recognised by their config's ``layer_types``): the KV cache holds only their
+full-attention layers (``LoadedModel.num_kv_layers``) and the head's; each slot also owns
+recurrent state rows kept consistent under rejected drafts by ``EngineConfig.state_strategy``
+(``speccal.runner.hybrid_state``), whose prefill fills them. ``RoundResult.state_bytes`` is
+the state traffic of the round's shape; the strategy is part of :meth:`Engine.compatibility`.
 """
 
 from __future__ import annotations
@@ -419,8 +426,10 @@ class Engine:
         return self.loaded.description
 
     def compatibility(self) -> dict:
-        """Compatibility metadata (docs/ARCHITECTURE.md) of this engine."""
-        return {
+        """Compatibility metadata (docs/ARCHITECTURE.md) of this engine. ``state_strategy``
+        only where the target keeps recurrent state (a table without it means ``none``, the
+        form a dense target's table has always had)."""
+        out = {
             "draft_width": self.config.draft_width,
             "model": {
                 "architecture": self.loaded.architecture,
@@ -437,8 +446,10 @@ class Engine:
             "kernels": {"digest": self.path.kernels.digest(),
                         "config": self.path.kernels.to_dict()},
             "loop": "pipelined" if self.config.pipeline else "synchronous",
-            "state_strategy": self.state_strategy,
         }
+        if self.runner.state is not None:
+            out["state_strategy"] = self.state_strategy
+        return out
 
     @property
     def state_strategy(self) -> str:
