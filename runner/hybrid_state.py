@@ -27,8 +27,10 @@ state. The strategies (:data:`STATE_STRATEGIES`, ``EngineConfig.state_strategy``
     ``i`` straight into ring row ``committed + 1 + i`` (the recurrence runs row by row; no
     final state is written); acceptance selects the row of the accepted length by moving the
     committed index ``accepted + 1`` rows on: O(1), no state copy. Memory: ``w + 2`` rows per
-    slot instead of 2; traffic: ``k + 1`` state writes per request-round instead of the
-    replay's read and write (and its forward).
+    slot instead of 2; traffic: ``k + 1`` state writes per request-round where scratch-swap
+    writes one and replays (one more read and write, plus the saved inputs), and the
+    recurrence of the verify runs row by row (``fla``'s fused kernel returns only the final
+    state) where scratch-swap's may take the fused kernel.
 
 Plain decoding (``k = 0``) reads and writes the committed row in place under both.
 
@@ -44,6 +46,7 @@ State layout: ``LinearState`` rows (``speccal.runner.linear_attention``), per li
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,14 +89,14 @@ class StateTraffic:
                             self.saved_inputs + other.saved_inputs)
 
 
-class StateStrategy:
+class StateStrategy(ABC):
     """State rows of every request slot and their handling around a round.
 
     Parameters
     ----------
     target : HybridModel
     num_slots : request slots, the trash slot (the last) included.
-    draft_width : ``w``; snapshot buffers hold ``w + 1`` positions.
+    draft_width : ``w``: a round verifies at most ``w + 1`` rows per request.
     max_bucket : the largest physical batch ``bcap``.
     dtype : conv-state dtype (the model's); the delta-rule state is float32.
     """
@@ -129,8 +132,9 @@ class StateStrategy:
             return StateTraffic(read=s, written=s)
         return self._spec_traffic(bcap, k, s)
 
+    @abstractmethod
     def _spec_traffic(self, bcap: int, k: int, s: int) -> StateTraffic:
-        raise NotImplementedError
+        """A speculative round's traffic (``s``: one state row per request of the bucket)."""
 
     def record(self, bcap: int, k: int) -> StateTraffic:
         """Count one round (called by the round runner's host phase; graphs replay too)."""
@@ -217,8 +221,9 @@ class StateStrategy:
             return StateMeta(rows, rows, 1, num_valid, row_index=t["ver_row"]), self.state
         return self._verify_meta(t, bcap, k, rows, num_valid), self.state
 
+    @abstractmethod
     def _verify_meta(self, t, bcap, k, rows, num_valid) -> StateMeta:
-        raise NotImplementedError
+        """The verify forward's rows: read ``rows [bcap]``, ``num_valid [bcap]`` real rows."""
 
     def commit(self, t: dict, bcap: int, k: int, num_accepted: torch.Tensor) -> None:
         """After acceptance: make each slot's committed row the state after its accepted
@@ -226,8 +231,9 @@ class StateStrategy:
         if k > 0:
             self._commit(t, bcap, k, num_accepted.long())
 
+    @abstractmethod
     def _commit(self, t, bcap, k, num_accepted) -> None:
-        raise NotImplementedError
+        """The committed rows after acceptance (``num_accepted [bcap]`` int64), on device."""
 
 
 class ScratchSwapStrategy(StateStrategy):
