@@ -11,6 +11,9 @@ One job per module:
 - ``schedule``: per batch bucket, predicted tokens/s of every ``k`` by replaying the acceptance
   at that bucket (``speccal.replay``), the best ``k`` (``0`` where speculation does not pay) and
   the whole workload under a schedule vs every single fixed ``k``;
+- ``pricing``: what a table's lookup prices at one KV length in the forms engine files carry
+  (its KV model at that KV, else the interval's fit), the sidecar's record of it and the
+  held-out error of the model that prices;
 - ``vllm``, ``trtllm``, ``sglang``: one engine's file format, its key and unit conventions and
   the rule it reads the file with;
 - ``report``: the evidence sidecar written next to every exported file;

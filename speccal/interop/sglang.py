@@ -128,7 +128,9 @@ def render(table: Any, kv_length: float, sidecar_name: str) -> Rendered:
         kind = ADDITIVE
         if not doc["bias_seconds"] > 0:
             raise InputError(
-                "table.fits.additive.bias_ms",
+                "table.kv_model"
+                if pricing.uses_kv_model(table, kv_length)
+                else "table.fits.additive.bias_ms",
                 p.bias_ms,
                 f"> 0 at KV {kv_length} (SGLang requires bias_seconds > 0)",
             )
@@ -185,11 +187,12 @@ def _context_note(table: Any, kv_length: float, kind: str) -> str:
         kvm = table.kv_model
         note = (
             f"context: the table's KV model ({kvm.kv_term} slope, span {kvm.min_kv_length}.."
-            f"{kvm.max_kv_length}) at KV {kv_length:g}: theta(M) carries the slope term "
-            "(SGLang's table has no KV axis)"
+            f"{kvm.max_kv_length}) at KV {kv_length:g} (SGLang's table has no KV axis)"
         )
         if kind == SPS:
-            note += "; a G several request buckets reach takes the median of their costs"
+            note += ": a G several request buckets reach takes the median of their costs"
+        else:
+            note += ": theta(M) carries the slope term slope(G) * G * kv"
         return note
     f = table.fit_for(kv_length)
     return (

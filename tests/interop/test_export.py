@@ -163,6 +163,29 @@ def test_sglang_golden_sidecar_holds_the_metadata_sglang_lacks(at_root):
     assert no_acc["acceptance"] is None and no_acc["buckets"] == []
 
 
+def test_sglang_export_of_a_kv_model_table_records_the_model_and_kv(at_root, tmp_path):
+    table = Path("tables/dense-2b-h200.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = load_table(table)
+        res = run_export(
+            ExportRequest(table=table, engine="sglang", out=tmp_path / "s.json", kv_length=1500.0)
+        )
+    kvm = t.kv_model
+    assert res.report["pricing"] == {
+        "model": "kv_model",
+        "kv_length": 1500.0,
+        "kv_term": kvm.kv_term,
+        "kv_span": [kvm.min_kv_length, kvm.max_kv_length],
+        "form": "bias + alpha(Bcap) + theta(G) + slope(G) * G * kv",
+    }
+    # decisions are compared with the error of the model that prices them
+    held = res.report["table"]["heldout"]
+    worst = max(c.leave_one_point_out.mean_abs_pct for c in kvm.per_context)
+    assert held["metric"].startswith("kv_model.") and held["pct"] == pytest.approx(worst, abs=1e-6)
+    assert any("KV model" in n and "1500" in n for n in res.report["notes"])
+
+
 def _run(*args):
     return CliRunner().invoke(app, list(args), env=ENV)
 
