@@ -326,10 +326,10 @@ class HybridModel(PathBound, nn.Module):
         if cfg.base.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryTable(cfg.base, max_positions, max_model_len)
-        # verification rows are a causal chunk; the verify inputs are built on the host (the
-        # in-graph update's packed layout has no [B, R] grid for the recurrence)
+        # verification rows are a causal chunk; the in-graph update's packed rows reach the
+        # recurrence through the grid map the state strategy derives from cu_q_lens
         self.capabilities = ModelCapabilities(requires_causal_chunked_prefill=True,
-                                              supports_in_graph_input_update=False,
+                                              supports_in_graph_input_update=True,
                                               has_recurrent_state=True)
 
     @property
@@ -387,6 +387,12 @@ class HybridModel(PathBound, nn.Module):
         """``[N, hidden] -> [N, vocab]``, float32 unless ``upcast`` is False (argmax-only)."""
         out = self.lm_head(hidden)
         return out.float() if upcast else out
+
+    def argmax_partials(self, hidden: torch.Tensor,  # [N, hidden]
+                        keys: torch.Tensor | None = None) -> torch.Tensor:  # [N] tokens
+        """Each row's argmax token for ``ops.verify_accept`` (which also takes plain tokens):
+        the LM head runs its torch product here, so ``keys`` (the fused head's) is unused."""
+        return self.logits(hidden, upcast=False).argmax(dim=-1)
 
 
 class HybridMTPHead(PathBound, nn.Module):

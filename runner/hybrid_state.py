@@ -208,22 +208,28 @@ class StateStrategy(ABC):
 
     # ------------------------------------------------------------------ the round (device)
 
-    def verify_args(self, t: dict, bcap: int, k: int) -> tuple[StateMeta, LinearState]:
+    def verify_args(self, t: dict, bcap: int, k: int,
+                    packed: torch.Tensor | None = None) -> tuple[StateMeta, LinearState]:
         """The ``(state_meta, state)`` pair of the verify forward over the packed rows.
 
-        ``t``: the round's staged tensors (``slot_index [bcap]``, ``num_verify [bcap]``,
-        ``ver_row [G]`` into the ``[bcap, k + 1]`` grid).
+        ``t``: the round's staged tensors (``slot_index [bcap]``, ``num_verify [bcap]``, and
+        for the host update ``ver_row [G]`` into the ``[bcap, k + 1]`` grid). ``packed``: the
+        in-graph update's ``cu_q_lens [bcap + 1]`` (int32, written on the device); the grid
+        row of each packed row is then derived from it here, on the device.
         """
         slots = t["slot_index"]
         rows = self.row_of[slots]
         num_valid = t["num_verify"] + 1  # [bcap]: pending token + verified drafts
+        grid = t["ver_row"] if packed is None else _grid_rows(packed, k + 1,
+                                                              t["ver_row"].shape[0])
         if k == 0:
-            return StateMeta(rows, rows, 1, num_valid, row_index=t["ver_row"]), self.state
-        return self._verify_meta(t, bcap, k, rows, num_valid), self.state
+            return StateMeta(rows, rows, 1, num_valid, row_index=grid), self.state
+        return self._verify_meta(t, bcap, k, rows, num_valid, grid), self.state
 
     @abstractmethod
-    def _verify_meta(self, t, bcap, k, rows, num_valid) -> StateMeta:
-        """The verify forward's rows: read ``rows [bcap]``, ``num_valid [bcap]`` real rows."""
+    def _verify_meta(self, t, bcap, k, rows, num_valid, grid) -> StateMeta:
+        """The verify forward's rows: read ``rows [bcap]``, ``num_valid [bcap]`` real rows,
+        ``grid [G]``: each packed row's cell of the ``[bcap, k + 1]`` grid."""
 
     def commit(self, t: dict, bcap: int, k: int, num_accepted: torch.Tensor) -> None:
         """After acceptance: make each slot's committed row the state after its accepted
@@ -263,12 +269,11 @@ class ScratchSwapStrategy(StateStrategy):
         return StateTraffic(read=2 * s, written=2 * s, index_bytes=2 * 8 * bcap,
                             saved_inputs=2 * saved)
 
-    def _verify_meta(self, t, bcap, k, rows, num_valid):
+    def _verify_meta(self, t, bcap, k, rows, num_valid, grid):
         scratch = self.scratch_of[t["slot_index"]]
         saves = [(pre[:bcap, :, : k + 1], post[:bcap, : k + 1], g[:bcap, : k + 1],
                   beta[:bcap, : k + 1]) for pre, post, g, beta in self.saves]
-        return StateMeta(rows, scratch, k + 1, num_valid, row_index=t["ver_row"],
-                         replay_saves=saves)
+        return StateMeta(rows, scratch, k + 1, num_valid, row_index=grid, replay_saves=saves)
 
     def _commit(self, t, bcap, k, num_accepted):
         slots = t["slot_index"]
@@ -313,10 +318,9 @@ class SnapshotStrategy(StateStrategy):
         pos = (self.ring_pos[slots][:, None] + self.offsets[None, : k + 1]) % ring
         return self.base[slots][:, None] + pos
 
-    def _verify_meta(self, t, bcap, k, rows, num_valid):
+    def _verify_meta(self, t, bcap, k, rows, num_valid, grid):
         snap = self._snapshot_rows(t["slot_index"], k)
-        return StateMeta(rows, None, k + 1, num_valid, row_index=t["ver_row"],
-                         snapshot_rows=snap)
+        return StateMeta(rows, None, k + 1, num_valid, row_index=grid, snapshot_rows=snap)
 
     def _commit(self, t, bcap, k, num_accepted):
         slots = t["slot_index"]
@@ -333,6 +337,17 @@ def make_strategy(name: str, target: HybridModel, **kw) -> StateStrategy:
     if name not in _CLASSES:
         raise InputError("state_strategy", name, f"one of {', '.join(STATE_STRATEGIES)}")
     return _CLASSES[name](target, **kw)
+
+
+def _grid_rows(cu_q_lens: torch.Tensor, num_r: int, num_rows: int) -> torch.Tensor:
+    """Packed row ``p`` -> its ``[B, R]`` grid cell ``b * R + i`` (rows of request ``b`` are
+    ``cu[b] .. cu[b + 1]``); rows past ``cu[B]`` -> the trash cell ``B * R``. [G] int64, by
+    ``searchsorted``: static shapes, no host read."""
+    cu = cu_q_lens.long()
+    num_b = cu.shape[0] - 1
+    p = torch.arange(num_rows, device=cu.device)
+    b = torch.searchsorted(cu[1:], p, right=True).clamp(max=num_b - 1)
+    return torch.where(p < cu[-1], b * num_r + p - cu[b], num_b * num_r)
 
 
 def _chunk_meta(blocks: list[int], positions: np.ndarray, block_size: int, seq_len: int,

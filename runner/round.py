@@ -786,7 +786,8 @@ class RoundRunner:
             )
             plan = self.plan(bcap, k + 1)
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
-            h = target(ids, pos, meta, self.target_kv)  # [G, hidden]
+            extra = () if self.state is None else self.state.verify_args(t, bcap, k, packed=cu)
+            h = target(ids, pos, meta, self.target_kv, *extra)  # [G, hidden]
             if fast:
                 # acceptance (greedy / forced / none at k = 0), emitted tokens and the slot state
                 # in one launch that also finishes the LM head's argmax (its per-tile partials on
@@ -803,6 +804,8 @@ class RoundRunner:
                     row_argmax, src, draft_tokens, nv, t["slot_index"], h,
                     self.ext_tokens, self.ext_hidden, greedy=greedy, tune=kx,
                 )
+                if self.state is not None:  # the state after each request's accepted prefix
+                    self.state.commit(t, bcap, k, num_accepted)
                 return RoundOutputs(num_accepted, out, None, t["num_verify"])
             logits = target.logits(h)  # [G, V] float32
             grid_logits = logits[src].view(bcap, k + 1, -1)  # rows past num_verify: ignored

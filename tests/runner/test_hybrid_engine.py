@@ -109,7 +109,7 @@ def family(request, tmp_path_factory):
 def _engine(folder, strategy: str, **kw) -> Engine:
     cfg = dict(model=str(folder), draft_width=W, request_buckets=(1, 2, 4), max_model_len=64,
                block_size=4, prefill_chunk=8, acceptance="greedy", state_strategy=strategy)
-    return Engine(EngineConfig(**{**cfg, **kw}))
+    return Engine(EngineConfig.flat(**{**cfg, **kw}))
 
 
 def _stop_case(refs):
@@ -122,12 +122,13 @@ def _stop_case(refs):
     return params, want
 
 
-def _run(eng: Engine, prompts, params, k: int) -> tuple[list[list[int]], list]:
+def _run(eng: Engine, prompts, params, k: int,
+         plan: RoundPlan | None = None) -> tuple[list[list[int]], list]:
     rids = [eng.add_request(p, prm) for p, prm in zip(prompts, params, strict=True)]
     out = {r: [] for r in rids}
     results = []
     while eng.has_unfinished():
-        res = eng.step(RoundPlan(k))
+        res = eng.step(plan or RoundPlan(k))
         for rid, toks in zip(res.request_ids, res.emitted, strict=True):
             out[rid] += toks
         for rid, tok in res.first_tokens.items():  # prefill-finished requests
@@ -213,6 +214,35 @@ def test_speculative_greedy_equals_transformers_every_accepted_length(family, st
                 assert r.state_bytes == eng.runner.state.round_traffic(r.bcap, k).total
     # forced partial-accept rounds (K >= 2) really happened, as did full and zero ones
     assert counts["partial"] >= 10 and counts["full"] >= 5 and counts["zero"] >= 5, counts
+
+
+@pytest.mark.parametrize("strategy", STATE_STRATEGIES)
+def test_in_graph_input_update_equals_transformers(family, strategy):
+    """The device-side verify input update (packed rows, ``cu_q_lens`` written on the device;
+    the reference kernels on CPU): the strategy derives the linear layers' grid from
+    ``cu_q_lens``; the mixed batch under the oracle draft still emits transformers' tokens,
+    with partial acceptance, for k = 2 and 4; plain decoding too."""
+    folder, refs = family
+    params, want = _stop_case(refs)
+    eng = _engine(folder, strategy, input_update="in_graph")
+    assert eng.input_update == "in_graph"
+    for k in (2, 4):
+        oracle = OracleDraft(eng, {tuple(p): r for p, r in zip(PROMPTS, refs, strict=True)}, k)
+        eng.runner.draft_part = oracle
+        got, results = _run(eng, PROMPTS, params, k)
+        assert got == want, k
+        ms = [a for r in results for a in r.accepted.tolist()]
+        assert any(0 < a < k for a in ms) and k in ms, ms
+    # adaptive verify: the verify lengths are allocated on the device from the draft scores
+    # (the staged host rows are placeholders), so the grid must come from cu_q_lens
+    oracle = OracleDraft(eng, {tuple(p): r for p, r in zip(PROMPTS, refs, strict=True)}, W)
+    eng.runner.draft_part = oracle
+    got, results = _run(eng, PROMPTS, params, W, RoundPlan(W, verify_budget=8))
+    assert got == want
+    assert {int(n) for r in results for n in r.num_verify} - {0, W}  # real allocations
+    plain = _engine(folder, strategy, input_update="in_graph", speculative=False)
+    got, _ = _run(plain, PROMPTS, params, 0)
+    assert got == want
 
 
 def test_pipelined_loop_equals_transformers(family):
