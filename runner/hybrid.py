@@ -27,7 +27,8 @@ Serving (issue 22): :class:`HybridModel` has the target calling convention of
 ``speccal.runner.model.TargetModel`` plus the state pair (``forward(ids, positions, attn_meta,
 kv_caches, state_meta, state)``, ``logits``, :attr:`HybridModel.capabilities` declaring the
 recurrent state); the linear layers read the flat rows in the ``[B, R]`` grid of
-``StateMeta.row_index`` (the verify rows' ``AttnMeta.row_index``). Which state rows a forward
+``StateMeta.row_index`` (the host update's ``AttnMeta.row_index``, or derived from the in-graph
+update's ``cu_q_lens`` by the state strategy). Which state rows a forward
 reads and writes, and how a rejected draft's state is undone, is the state strategy's
 (``speccal.runner.hybrid_state``). :class:`HybridMTPHead` is the ``qwen3_5_mtp`` head: the
 fusion block of the draft-family descriptor around one gated full-attention layer of this
