@@ -294,13 +294,31 @@ def load_model(
     )
 
 
+# where a checkpoint keeps the text stack (``model.X`` of HybridModel): a causal LM's own, or
+# the language model of a vision-language checkpoint (Qwen3.5's published ones; the vision
+# tower's ``model.visual.*`` tensors are not read)
+TEXT_PREFIXES = ("model.", "model.language_model.")
+
+
+def text_prefix(keys: set[str]) -> str:
+    """The :data:`TEXT_PREFIXES` entry under which ``keys`` hold ``embed_tokens.weight``."""
+    found = [p for p in TEXT_PREFIXES if p + "embed_tokens.weight" in keys]
+    if len(found) != 1:
+        raise InputError("checkpoint tensor names", sorted(p + "embed_tokens.weight"
+                                                           for p in found) or "none",
+                         f"exactly one of {[p + 'embed_tokens.weight' for p in TEXT_PREFIXES]}")
+    return found[0]
+
+
 def _build_hybrid(cfg: HybridConfig, source: TensorSource, device: torch.device,
                   dtype: torch.dtype, max_model_len: int, max_positions: int) -> HybridModel:
     layers = cfg.base.num_hidden_layers
     with torch.device("meta"):
         target = HybridModel(cfg, 1, 1)
     target = _materialise(target, device)
-    key_map = {name: name for name, _ in target.named_parameters()}
+    prefix = text_prefix(set(source.keys()))
+    key_map = {name: prefix + name.removeprefix("model.") if name.startswith("model.") else name
+               for name, _ in target.named_parameters()}
     if cfg.base.tie_word_embeddings:
         key_map.pop("lm_head.weight", None)
     target_keys = {k for k in source.keys() if not is_any_draft_key(k, layers)}

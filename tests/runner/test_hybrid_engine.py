@@ -432,3 +432,27 @@ def test_qwen3_5_2b_shape_bf16_k1_equals_plain_and_divergences_are_reported(stra
         if k == 1:
             assert same, lines
     print("\n".join(lines))
+
+
+def test_vision_language_checkpoint_layout_serves_its_text_stack(family, tmp_path):
+    """Qwen3.5's published checkpoints are vision-language ones: the text stack under
+    ``model.language_model.``, a vision tower under ``model.visual.`` (not read), the text
+    config under ``text_config``. The same weights in that layout decode the same tokens."""
+    folder, refs = family
+    tensors = load_file(str(folder / "model.safetensors"))
+    vl = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): t
+          for k, t in tensors.items()}
+    vl["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
+    out = tmp_path / "vl"
+    out.mkdir()
+    save_file(vl, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((folder / "config.json").read_text())
+    cfg = {"architectures": [text["architectures"][0].replace("ForCausalLM",
+                                                              "ForConditionalGeneration")],
+           "model_type": text["model_type"], "text_config": text, "vision_config": {}}
+    (out / "config.json").write_text(json.dumps(cfg))
+    eng = _engine(out, "scratch_swap")
+    assert eng.loaded.family.name == "qwen3_5_mtp"
+    params, want = _stop_case(refs)
+    got, _ = _run(eng, PROMPTS, params, 3)
+    assert got == want
