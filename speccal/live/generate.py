@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from speccal.runner.distributed.dp import DataParallelRunner
 from speccal.runner.engine import Engine, RoundPlan
 from speccal.runner.sampling import SamplingParams
 
@@ -50,8 +51,6 @@ def generate_on_ranks(
     round shape per step, so ``num_draft_steps`` is the agreed one, not this argument). Every
     rank returns every prompt's tokens, in the order given (one host-side gather).
     """
-    from speccal.runner.distributed.dp import DataParallelRunner
-
     mine = list(prompts)[comm.dp_rank :: comm.dp_size]
     if comm.dp_size > 1:
         outs = DataParallelRunner(engine, comm).generate(mine, params)
