@@ -125,6 +125,7 @@ class CalibrateOptions:
     remeasure_rounds: int | None = None
     accept_noisy: bool = False
     loop: str = "pipelined"
+    state_strategy: str = "scratch_swap"  # hybrid targets (EngineConfig.state_strategy)
     kernels: Mapping[str, Any] | None = None  # a KernelConfig.to_dict() object; None: defaults
 
     @property
@@ -139,6 +140,9 @@ class CalibrateOptions:
 # the transitions most of a default calibration's wall time. One forward per prompt up to this
 # many tokens.
 CALIBRATION_PREFILL_CHUNK = 4096
+
+#: ``speccal.runner.hybrid_state.STATE_STRATEGIES`` (the runner needs torch; a test keeps them equal)
+STATE_STRATEGIES = ("scratch_swap", "snapshots")
 
 
 def make_engine(opts: CalibrateOptions) -> Any:
@@ -162,6 +166,7 @@ def make_engine(opts: CalibrateOptions) -> Any:
         "seed": opts.seed,
         "pipeline": opts.loop == "pipelined",
         "prefill_chunk": CALIBRATION_PREFILL_CHUNK,
+        "state_strategy": opts.state_strategy,
     }
     if opts.dtype is not None:
         kwargs["dtype"] = opts.dtype
@@ -187,6 +192,8 @@ def _check_options(opts: CalibrateOptions) -> None:
     machine.check_threads(opts.threads)
     if opts.loop not in LOOPS:
         raise InputError("--loop", opts.loop, " or ".join(LOOPS))
+    if opts.state_strategy not in STATE_STRATEGIES:
+        raise InputError("--state-strategy", opts.state_strategy, " or ".join(STATE_STRATEGIES))
     check_bounds(opts.max_spread_pct, opts.max_heldout_pct, opts.remeasure_rounds)
     if opts.resume and opts.overwrite:
         raise InputError(

@@ -169,6 +169,17 @@ def register(app: typer.Typer) -> None:
                 "synchronous (host and device work in series). Recorded in the table.",
             ),
         ] = "pipelined",
+        state_strategy: Annotated[
+            str,
+            typer.Option(
+                "--state-strategy",
+                help="Hybrid (linear-attention) targets: how the recurrent state survives "
+                "rejected drafts: scratch_swap (verify writes a scratch row; full acceptance "
+                "swaps, partial acceptance replays the accepted prefix) or snapshots (the state "
+                "after every draft position; acceptance picks one). Recorded in the table; "
+                "ignored by full-attention targets.",
+            ),
+        ] = "scratch_swap",
         threads: Annotated[
             int | None,
             typer.Option(
@@ -263,6 +274,7 @@ def register(app: typer.Typer) -> None:
             remeasure_rounds=remeasure_rounds,
             accept_noisy=accept_noisy,
             loop=loop,
+            state_strategy=state_strategy,
             kernels=None if kernels is None else read_json(kernels, "--kernels"),
             flags={
                 "mode": mode,

@@ -236,3 +236,17 @@ def test_table_check_rebuilds_the_loop_the_table_was_measured_with(tmp_path):
     old = tmp_path / "old.json"
     old.write_text(json.dumps(doc))
     assert engine_options(load_table(old), model=None, device=None).loop == "synchronous"
+
+
+def test_state_strategy_option_reaches_the_engine_and_bad_values_are_refused():
+    from speccal.calibrate.pipeline import STATE_STRATEGIES, make_engine
+    from speccal.runner.hybrid_state import STATE_STRATEGIES as RUNNER_STRATEGIES
+
+    assert STATE_STRATEGIES == RUNNER_STRATEGIES
+    eng = make_engine(CalibrateOptions(max_model_len=64, request_buckets=(1,),
+                                       state_strategy="snapshots"))
+    assert eng.config.state_strategy == "snapshots"
+    res = CliRunner().invoke(app, ["calibrate", "--state-strategy", "rollback", "--out", "x.json"],
+                             env={"COLUMNS": "120"})
+    assert 2 in (res.exit_code, getattr(res.exception, "exit_code", None))
+    assert "--state-strategy: got 'rollback'" in res.stderr
