@@ -294,16 +294,8 @@ class Engine:
         # a pipelined request may run one round past its stop: w + 1 more positions / KV slots
         self._lag_slots = w + 1 if config.pipeline else 0
         max_len = config.max_model_len or 4096
-        self.loaded: LoadedModel = load_model(
-            config.model,
-            device=self.device,
-            dtype=dtype,
-            seed=config.seed,
-            max_model_len=max_len,
-            max_positions=max_len + w + 2 + self._lag_slots,
-            need_draft=config.speculative,
-            draft_family=config.draft_family,
-        )
+        self.loaded: LoadedModel = self._load_model(dtype, max_len,
+                                                    max_len + w + 2 + self._lag_slots)
         mcfg = self.loaded.config
         self._has_state = self.loaded.capabilities.has_recurrent_state
         if config.max_model_len is None:
@@ -334,7 +326,7 @@ class Engine:
             num_layers,
             num_blocks,
             bs,
-            mcfg.num_key_value_heads,
+            self._kv_heads(),
             mcfg.head_dim,
             torch_dtype,
             self.device,
@@ -389,6 +381,17 @@ class Engine:
         self._early_finished: list[int] = []
         self._round_index = 0
         self._inflight: list[_Flight] = []  # pipelined: queued rounds, oldest first
+
+    def _load_model(self, dtype: str, max_len: int, max_positions: int) -> LoadedModel:
+        """The target and head this engine serves (a subclass loads its shard instead)."""
+        c = self.config
+        return load_model(c.model, device=self.device, dtype=dtype, seed=c.seed,
+                          max_model_len=max_len, max_positions=max_positions,
+                          need_draft=c.speculative, draft_family=c.draft_family)
+
+    def _kv_heads(self) -> int:
+        """KV heads this engine's cache holds per layer (a tensor-parallel rank: its own)."""
+        return self.loaded.config.num_key_value_heads
 
     def _capture_graphs(self) -> None:
         """Capture every (Bcap, k[, G]) graph the geometry allows, largest first (one pool)."""
