@@ -49,16 +49,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from speccal.base.errors import InputError
-from speccal.runner import sampling
-from speccal.runner.attention import AttnMeta
 from speccal.runner.hybrid import HybridModel
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.linear_attention import LinearState, StateMeta
-from speccal.runner.path import prefill_path, rebound
+from speccal.runner.prefill import prefill as prefill_request
 from speccal.runner.request import Request
 
 STATE_STRATEGIES = ("scratch_swap", "snapshots")
@@ -164,47 +161,17 @@ class StateStrategy(ABC):
         delta rule carrying the state between chunks, on the torch backend
         (``speccal.runner.path.prefill_path``) as the dense prefill.
         """
-        with rebound([target, draft], prefill_path(target.path)):
-            return self._prefill(req, target, draft, kv, chunk=chunk, generator=generator,
-                                 device=device)
-
-    def _prefill(self, req, target, draft, kv, *, chunk, generator, device):
         self.reset_slot(req.slot)
-        prompt = req.prompt
-        n = len(prompt)
-        bs = kv.allocator.block_size
-        kv.allocator.grow(req.blocks, n)
-        num_kv = target.num_kv_layers
-        ids = torch.as_tensor(prompt, dtype=torch.int64, device=device)
         rows = self.row_of[req.slot : req.slot + 1]
-        carry = None
-        h = None
-        for p0 in range(0, n, chunk):
-            p1 = min(p0 + chunk, n)
-            pos, meta = _chunk_meta(req.blocks, np.arange(p0, p1), bs, p1, device)
+        num_kv = target.num_kv_layers
+
+        def target_chunk(ids, pos, meta, p0, p1):
             smeta = StateMeta(rows, rows, p1 - p0, is_chunked=True)
-            h = target(ids[p0:p1], pos, meta, kv.layers[:num_kv], smeta, self.state)
-            if draft is None:
-                continue
-            hid = h[:-1] if carry is None else torch.cat([carry, h[:-1]], dim=0)
-            if hid.shape[0] > 0:
-                d0 = p0 if carry is None else p0 - 1
-                dpos, dmeta = _chunk_meta(req.blocks, np.arange(d0, p1 - 1), bs, p1 - 1, device)
-                draft(target, hid, ids[d0 + 1 : p1], dpos, dmeta, kv.layers[num_kv])
-            carry = h[-1:]
-        logits = target.logits(h[-1:])
-        p = req.params
-        token = sampling.sample_plain(
-            logits,
-            torch.tensor([p.temperature], device=device),
-            torch.tensor([p.top_k], device=device),
-            torch.tensor([p.top_p], device=device),
-            torch.tensor([p.min_p], device=device),
-            generator,
-        )
-        req.num_computed = n
-        req.is_prefilled = True
-        return int(token.item()), h[-1]
+            return target(ids, pos, meta, kv.layers[:num_kv], smeta, self.state)
+
+        return prefill_request(req, target, draft, kv, chunk=chunk, generator=generator,
+                               device=device,
+                               num_kv_layers=num_kv, target_chunk=target_chunk)
 
     # ------------------------------------------------------------------ the round (device)
 
@@ -348,21 +315,3 @@ def _grid_rows(cu_q_lens: torch.Tensor, num_r: int, num_rows: int) -> torch.Tens
     p = torch.arange(num_rows, device=cu.device)
     b = torch.searchsorted(cu[1:], p, right=True).clamp(max=num_b - 1)
     return torch.where(p < cu[-1], b * num_r + p - cu[b], num_b * num_r)
-
-
-def _chunk_meta(blocks: list[int], positions: np.ndarray, block_size: int, seq_len: int,
-                device) -> tuple[torch.Tensor, AttnMeta]:
-    """Positions and attention metadata of one prefill chunk of one request."""
-    bt = np.asarray(blocks, dtype=np.int64)
-    slots = bt[positions // block_size] * block_size + positions % block_size
-    n = len(positions)
-    meta = AttnMeta(
-        slot_mapping=torch.as_tensor(slots, device=device),
-        row_index=torch.arange(n, device=device),
-        block_table=torch.as_tensor(
-            bt[None, : -(-seq_len // block_size)].astype(np.int32), device=device
-        ),
-        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
-        num_q_rows=n,
-    )
-    return torch.as_tensor(positions, device=device), meta

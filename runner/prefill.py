@@ -11,6 +11,8 @@ products and torch attention whatever the engine's path; the Triton kernels serv
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -54,8 +56,16 @@ def prefill(
     chunk: int,
     generator: torch.Generator,
     device: torch.device,
+    num_kv_layers: int | None = None,
+    target_chunk: Callable[[torch.Tensor, torch.Tensor, AttnMeta, int, int], torch.Tensor]
+    | None = None,
 ) -> tuple[int, torch.Tensor]:
     """Fill the KV caches for ``req.prompt`` and sample the first token.
+
+    ``num_kv_layers``: target layers with a KV cache (default: every layer); the head's KV is
+    the next one. ``target_chunk(ids, positions, meta, p0, p1) -> hidden`` runs the target on
+    chunk ``[p0, p1)`` (default: ``target(ids, positions, meta, its KV layers)``; a hybrid
+    target's state strategy passes its own, which also carries the recurrent state).
 
     Returns
     -------
@@ -64,31 +74,35 @@ def prefill(
     hidden : torch.Tensor
         ``[hidden]`` target hidden state of the last prompt position.
     """
+    num_kv = target.config.num_hidden_layers if num_kv_layers is None else num_kv_layers
+    if target_chunk is None:
+        def target_chunk(ids, pos, meta, p0, p1):
+            return target(ids, pos, meta, kv.layers[:num_kv])
     with rebound([target, draft], prefill_path(target.path)):
-        return _prefill(req, target, draft, kv, chunk=chunk, generator=generator, device=device)
+        return _prefill(req, target, draft, kv, num_kv, target_chunk, chunk=chunk,
+                        generator=generator, device=device)
 
 
-def _prefill(req: Request, target: TargetModel, draft: MTPHead | None, kv: KVCache, *,
-             chunk: int, generator: torch.Generator, device: torch.device):
+def _prefill(req: Request, target: TargetModel, draft: MTPHead | None, kv: KVCache, num_kv: int,
+             target_chunk, *, chunk: int, generator: torch.Generator, device: torch.device):
     prompt = req.prompt
     n = len(prompt)
     bs = kv.allocator.block_size
     kv.allocator.grow(req.blocks, n)
-    num_layers = target.config.num_hidden_layers
     ids = torch.as_tensor(prompt, dtype=torch.int64, device=device)
     carry = None  # [1, hidden]: last hidden of the previous chunk
     h = None
     for p0 in range(0, n, chunk):
         p1 = min(p0 + chunk, n)
         pos, meta = _meta(req.blocks, np.arange(p0, p1), bs, p1, device)
-        h = target(ids[p0:p1], pos, meta, kv.layers[:num_layers])  # [p1 - p0, hidden]
+        h = target_chunk(ids[p0:p1], pos, meta, p0, p1)  # [p1 - p0, hidden]
         if draft is None:
             continue
         hid = h[:-1] if carry is None else torch.cat([carry, h[:-1]], dim=0)
         if hid.shape[0] > 0:
             d0 = p0 if carry is None else p0 - 1
             dpos, dmeta = _meta(req.blocks, np.arange(d0, p1 - 1), bs, p1 - 1, device)
-            draft(target, hid, ids[d0 + 1 : p1], dpos, dmeta, kv.layers[num_layers])
+            draft(target, hid, ids[d0 + 1 : p1], dpos, dmeta, kv.layers[num_kv])
         carry = h[-1:]
     logits = target.logits(h[-1:])  # [1, V]
     p = req.params
