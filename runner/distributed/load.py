@@ -195,14 +195,11 @@ def shard_loaded(loaded: LoadedModel, *, rank: int, tp: int, max_model_len: int,
 
 
 def _loaded(target, draft, cfg, family, fingerprint, is_random, description, tokenizer):
-    kwargs = {}
-    # LoadedModel grows a KV-layer count with the hybrid targets (all layers of a dense one)
-    if "num_kv_layers" in {f.name for f in dataclasses.fields(LoadedModel)}:
-        kwargs["num_kv_layers"] = cfg.num_hidden_layers
     return LoadedModel(target=target, draft=draft, config=cfg, family=family,
                        fingerprint=fingerprint, architecture=cfg.architecture,
                        is_random=is_random, description=description, tokenizer_path=tokenizer,
-                       capabilities=target.capabilities, **kwargs)
+                       capabilities=target.capabilities,
+                       num_kv_layers=cfg.num_hidden_layers)  # a dense target: every layer
 
 
 def load_shard(
