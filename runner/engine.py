@@ -233,7 +233,6 @@ class RoundResult:
     emitted: list[list[int]]
     finished: list[int]
     draft_scores: np.ndarray  # [B, k] float32
-    accept_matrix: np.ndarray  # [B, k] bool
     kv_lengths: np.ndarray  # [B] int64, after the round
     num_prefill_tokens: int = 0
     # recurrent-state bytes the round moved (hybrid targets: StateTraffic.total of the round's
@@ -247,6 +246,10 @@ class RoundResult:
     discarded_num_verify: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     discarded_draft_scores: np.ndarray | None = None
     discarded_kv_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def accept_matrix(self) -> np.ndarray:  # [B, k] bool: draft position j of request b accepted
+        return np.arange(self.k)[None, :] < np.asarray(self.accepted)[:, None]
 
     def physical(self) -> RoundResult:
         """The rows the device ran: the live rows, then (pipelined) the discarded ones.
@@ -264,14 +267,12 @@ class RoundResult:
         if ds is None:
             ds = np.zeros((self.num_discarded, k), np.float32)
         acc = np.concatenate([self.accepted, self.discarded_accepted])
-        pos = np.arange(k)
         return replace(
             self,
             num_requests=self.num_requests + self.num_discarded,
             accepted=acc,
             num_verify=np.concatenate([self.num_verify, self.discarded_num_verify]),
             draft_scores=np.concatenate([self.draft_scores, ds]),
-            accept_matrix=pos[None, :] < acc[:, None],
             kv_lengths=np.concatenate([self.kv_lengths, self.discarded_kv_lengths]),
             num_discarded=0,
         )
@@ -759,7 +760,6 @@ class Engine:
             self.stats.add(nv, accepted, num_emitted)
         round_index = self._round_index
         self._round_index += 1
-        pos = np.arange(k)
         return RoundResult(
             num_requests=n,
             bcap=bcap,
@@ -771,7 +771,6 @@ class Engine:
             emitted=emitted,
             finished=finished,
             draft_scores=scores,
-            accept_matrix=pos[None, :] < accepted[:, None],
             kv_lengths=kv_lens,
             num_prefill_tokens=num_prefill,
             first_tokens=first,
@@ -885,7 +884,6 @@ class Engine:
         accepted, nv, scores = accepted[idx], nv[idx], scores[idx]
         if k > 0:
             self.stats.add(nv, accepted, num_emitted)
-        pos = np.arange(k)
         return RoundResult(
             num_requests=len(live),
             bcap=x.bcap,
@@ -897,7 +895,6 @@ class Engine:
             emitted=emitted,
             finished=finished,
             draft_scores=scores,
-            accept_matrix=pos[None, :] < accepted[:, None],
             kv_lengths=kv_lens,
             num_prefill_tokens=f.num_prefill,
             first_tokens=dict(f.first),
