@@ -9,6 +9,7 @@ Also builds the plain-dict form of the effective configuration used by ``--json`
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -220,12 +221,10 @@ def kv_model_errors(table: Any) -> dict | None:
         return None
     pct = [(p.context_index, 100.0 * abs(p.loco_ms - p.step_ms) / p.step_ms)
            for p in kv.points if p.loco_ms is not None]
-    vals = sorted(v for _, v in pct)
+    vals = [v for _, v in pct]
 
     def median(xs):
-        xs = sorted(xs)
-        n = len(xs)
-        return (xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])) if n else None
+        return statistics.median(xs) if xs else None
 
     return {
         "kv_term": kv.kv_term,

@@ -139,8 +139,8 @@ def _device_target() -> tuple:
     return (t.backend, t.arch, t.warp_size)
 
 
-def precompile(fns: Iterable[Callable[[], object]], *, workers: int | None = None,
-               pool: ProcessPoolExecutor | None = None) -> PrecompileReport:
+def precompile(fns: Iterable[Callable[[], object]], *,
+               workers: int | None = None) -> PrecompileReport:
     """Run each of ``fns`` once in a dry pass and compile the Triton kernels it would launch in
     ``workers`` processes (default: the CPUs this process may use) into Triton's cache.
 
@@ -153,19 +153,18 @@ def precompile(fns: Iterable[Callable[[], object]], *, workers: int | None = Non
     report = PrecompileReport()
     target = _device_target()
     submitted: dict[tuple, object] = {}
-    own_pool = pool is None
     n_workers = workers or _default_workers()
-    t_first: list[float] = []
+    pool: ProcessPoolExecutor | None = None  # started at the first compile the pass meets
+    t_first = 0.0
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002, ARG001
+        nonlocal pool, t_first
         spec = compile["specialization_data"]
         ident = (fn.module, fn.name, spec)
         if ident not in submitted:
-            nonlocal pool
             if pool is None:
                 pool = ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn"))
-            if not t_first:
-                t_first.append(time.perf_counter())
+                t_first = time.perf_counter()
             submitted[ident] = pool.submit(compile_specialization, fn.module, fn.name, spec, target)
         return True  # skip this compile and its launch: the worker compiles it
 
@@ -184,7 +183,7 @@ def precompile(fns: Iterable[Callable[[], object]], *, workers: int | None = Non
     try:
         if submitted:
             wait(list(submitted.values()))
-            report.compile_wall_s = time.perf_counter() - t_first[0]
+            report.compile_wall_s = time.perf_counter() - t_first
         for (module, name, _), fut in submitted.items():
             label = f"{module}.{name}"
             exc = fut.exception()
@@ -195,7 +194,7 @@ def precompile(fns: Iterable[Callable[[], object]], *, workers: int | None = Non
             report.compile_cpu_s += fut.result()
             report.by_kernel[label] = report.by_kernel.get(label, 0) + 1
     finally:
-        if own_pool and pool is not None:
+        if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     report.workers = n_workers if submitted else 0
     report.total_s = time.perf_counter() - t0
