@@ -18,7 +18,8 @@ triton backend, speculative=False, greedy requests (the greedy fast path). Both 
 B = 1 / 8 / 32 [decode_speedup_vs_hf_b1, _b8, _b32].
 
 The deadline counts from process start; ``DIR/hf.json`` is rewritten after every measurement, so
-a run cut short still leaves its figures.
+a run cut short still leaves its figures. ``engine_tok_s`` and ``hf_tok_s`` (static or dynamic
+cache, any device) are also the hybrid comparison's (``bench_hybrid.py``).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ T0 = time.time()
 
 def ours(batches: tuple[int, ...]) -> dict[int, float]:
     from speccal.kernels.config import KernelConfig
-    from speccal.runner.engine import Engine, EngineConfig, RoundPlan
-    from speccal.runner.sampling import SamplingParams
+    from speccal.runner.engine import Engine, EngineConfig
 
     eng = Engine(
         EngineConfig.flat(kernels=KernelConfig.from_env(),
@@ -56,28 +56,36 @@ def ours(batches: tuple[int, ...]) -> dict[int, float]:
             max_model_len=PROMPT + WARMUP + STEPS + 8,
         )
     )
-    vocab = eng.loaded.config.vocab_size
-    rng = np.random.default_rng(0)
-    out = {}
-    for b in batches:
-        eng.reset()
-        for _ in range(b):
-            eng.add_request(
-                rng.integers(0, vocab, PROMPT).tolist(),
-                SamplingParams(max_tokens=WARMUP + STEPS + 2, ignore_eos=True),
-            )
-        eng.prefill_pending()
-        for _ in range(WARMUP):
-            eng.step(RoundPlan(num_draft_steps=0))
-        eng.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(STEPS):
-            eng.step(RoundPlan(num_draft_steps=0))
-        eng.synchronize()
-        out[b] = b * STEPS / (time.perf_counter() - t0)
+    out = {b: engine_tok_s(eng, b) for b in batches}
     del eng
     torch.cuda.empty_cache()
     return out
+
+
+def engine_tok_s(eng, batch: int, prompt: int = PROMPT, steps: int = STEPS,
+                 warmup: int = WARMUP) -> float:
+    """Plain decode tokens/s of ``Engine.step`` end to end: ``batch`` random prompts of
+    ``prompt`` tokens prefilled, ``warmup`` untimed rounds, then ``steps`` timed ones."""
+    from speccal.runner.engine import RoundPlan
+    from speccal.runner.sampling import SamplingParams
+
+    vocab = eng.loaded.config.vocab_size
+    rng = np.random.default_rng(0)
+    eng.reset()
+    for _ in range(batch):
+        eng.add_request(
+            rng.integers(0, vocab, prompt).tolist(),
+            SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True),
+        )
+    eng.prefill_pending()
+    for _ in range(warmup):
+        eng.step(RoundPlan(num_draft_steps=0))
+    eng.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step(RoundPlan(num_draft_steps=0))
+    eng.synchronize()
+    return batch * steps / (time.perf_counter() - t0)
 
 
 def hf_model():
@@ -98,10 +106,11 @@ def hf_model():
     return conf, model.to("cuda", torch.bfloat16).eval()
 
 
-def static_cache(conf, batch: int):
+def static_cache(conf, batch: int, length: int | None = None, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16):
     from transformers import StaticCache
 
-    length = PROMPT + WARMUP + STEPS + 16
+    length = length or PROMPT + WARMUP + STEPS + 16
     try:
         return StaticCache(config=conf, max_cache_len=length)
     except TypeError:  # older signature: explicit batch, device, dtype
@@ -109,38 +118,55 @@ def static_cache(conf, batch: int):
             config=conf,
             max_batch_size=batch,
             max_cache_len=length,
-            device="cuda",
-            dtype=torch.bfloat16,
+            device=device,
+            dtype=dtype,
         )
 
 
-def hf_tok_s(conf, model, batch: int, compiled: bool) -> float:
-    """Greedy tokens/s of the hand-written static-cache loop at ``batch``."""
-    cache = static_cache(conf, batch)
-    ids = torch.randint(0, conf.vocab_size, (batch, PROMPT), device="cuda")
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def hf_tok_s(conf, model, batch: int, compiled: bool, *, cache: str = "static",
+             prompt: int = PROMPT, steps: int = STEPS, warmup: int = WARMUP,
+             device: str = "cuda") -> float:
+    """Greedy tokens/s of the hand-written decode loop at ``batch``: ``cache`` is ``static``
+    (``StaticCache``) or ``dynamic`` (``DynamicCache``, the model's default; not compiled)."""
+    if cache == "static":
+        cache_obj = static_cache(conf, batch, prompt + warmup + steps + 16, device,
+                                 next(model.parameters()).dtype)
+    elif cache == "dynamic" and not compiled:
+        from transformers import DynamicCache
+
+        cache_obj = DynamicCache(config=conf)
+    else:
+        raise ValueError(f"cache={cache!r} (compiled={compiled}): expected 'static', or "
+                         "'dynamic' without compile")
+    ids = torch.randint(0, conf.vocab_size, (batch, prompt), device=device)
 
     def one(tok, pos):
-        return model(tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
+        return model(tok, past_key_values=cache_obj, cache_position=pos, use_cache=True).logits
 
     step = torch.compile(one, mode="reduce-overhead", fullgraph=False) if compiled else one
 
     def run(tok, i):
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
-        pos = torch.tensor([PROMPT + i], device="cuda")
+        pos = torch.tensor([prompt + i], device=device)
         return step(tok, pos)[:, -1].argmax(-1, keepdim=True).clone()
 
     with torch.inference_mode():
-        model(ids, past_key_values=cache, cache_position=torch.arange(PROMPT, device="cuda"))
+        model(ids, past_key_values=cache_obj, cache_position=torch.arange(prompt, device=device))
         tok = ids[:, -1:]
-        for i in range(WARMUP):
+        for i in range(warmup):
             tok = run(tok, i)
-        torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
-        for i in range(STEPS):
-            tok = run(tok, WARMUP + i)
-        torch.cuda.synchronize()
-    return batch * STEPS / (time.perf_counter() - t0)
+        for i in range(steps):
+            tok = run(tok, warmup + i)
+        _sync(device)
+    return batch * steps / (time.perf_counter() - t0)
 
 
 def compile_child(out: Path, batches: list[int]) -> None:

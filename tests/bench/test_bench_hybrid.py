@@ -1,0 +1,153 @@
+"""bench/bench_hybrid.py on the CPU (fp32, eager): a small random Qwen3.5 checkpoint with an
+``mtp.*`` head (transformers' ``save_pretrained`` plus the 15 head tensors of the published
+layout), every stage run with reduced sizes, and the JSON's figures checked for finiteness and
+against the state strategies' accounting (``speccal.runner.hybrid_state``): scratch-swap moves
+two state rows each way per request at every k plus the saved replay inputs, snapshots read one
+row and write ``k + 1``, so snapshots write more state-row bytes than scratch-swap from k = 2 on
+and fewer in total at k = 1 when the saved inputs are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+    pytest.skip("transformers without Qwen3.5 (needs >= 5)", allow_module_level=True)
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_hybrid.py"
+SHAPES = dict(vocab_size=128, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
+              linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+              tie_word_embeddings=True, mtp_num_hidden_layers=1)
+W = 3
+BATCH = 2
+PROMPTS = 2
+
+
+def _checkpoint(folder: Path) -> Path:
+    """Random Qwen3.5 text checkpoint (3 delta-net + 1 attention layer) with an MTP head whose
+    layer is named like the target's full-attention layer (vLLM's ``qwen3_5_mtp`` layout)."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**SHAPES))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # away from the init, so every term matters
+            if not name.endswith(("A_log", "dt_bias")):
+                p.normal_(0.0, 0.2)
+    hf.save_pretrained(folder)
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    h = SHAPES["hidden_size"]
+    head = {"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,),
+            "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,)}
+    head.update({k.replace("model.layers.3.", "mtp.layers.0."): tuple(t.shape)
+                 for k, t in tensors.items() if k.startswith("model.layers.3.")})
+    g = torch.Generator().manual_seed(1)
+    tensors.update({k: torch.randn(s, generator=g) * 0.2 for k, s in head.items()})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_hybrid")
+    folder = _checkpoint(root / "ckpt")
+    out = root / "out"
+    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--model", str(folder), "--out",
+           str(out), "--kv", "24", "--repeats", "3", "--draft-width", str(W), "--round-batch",
+           str(BATCH), "--round-prompt", "12", "--rounds", "2", "--round-warmup", "1",
+           "--check-prompts", str(PROMPTS), "--check-tokens", "8", "--hf-steps", "3"]
+    # one intra-op thread: on a shared 2-core host two threads per op run this tiny model's
+    # small ops several times slower (6 s vs 36 s for the whole run here)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads((out / "hybrid.json").read_text()), proc.stdout
+
+
+def _finite_numbers(obj, where="") -> list[str]:
+    """Paths of every non-finite number in a JSON value."""
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _finite_numbers(v, f"{where}.{k}")]
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in _finite_numbers(v, f"{where}[{i}]")]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return [where]
+    return []
+
+
+def test_every_figure_is_present_finite_and_positive(report):
+    res, stdout = report
+    assert res["device"] == "cpu" and res["versions"]["torch"] == torch.__version__
+    assert {"triton", "fla", "transformers"} <= set(res["versions"])
+    assert not _finite_numbers(res)
+    assert not res["skipped"]
+    for key in ("copy_bandwidth_gbs", "decode_step_ms_b1", "decode_floor_ms", "ours_tok_s_b1",
+                "hf_tok_s_b1", "hybrid_decode_step_floor_ratio",
+                "hybrid_decode_speedup_vs_hf_b1"):
+        assert res[key] > 0, key
+    assert res["hybrid_decode_speedup_vs_hf_b1"] == pytest.approx(
+        res["ours_tok_s_b1"] / res["hf_tok_s_b1"])
+    assert res["hf_config_b1"] in ("static cache, no compile", "dynamic cache, no compile")
+    assert res["hf_compile_status"].startswith("not tried")
+    assert "hybrid_decode_step_floor_ratio" in stdout  # the printed summary
+
+
+def test_floor_is_weights_state_and_kv_over_the_copy_bandwidth(report):
+    res, _ = report
+    h, v, kvh, d = (SHAPES[k] for k in ("hidden_size", "vocab_size", "num_key_value_heads",
+                                        "head_dim"))
+    assert res["weight_bytes"] > h * v * 4  # at least the (tied) LM head, fp32
+    # 3 delta-net layers: conv state (conv_dim x 3) and delta-rule state, fp32, read + written
+    conv_dim = 2 * 2 * 8 + 4 * 12
+    assert res["state_bytes"] == 2 * 3 * (conv_dim * 3 * 4 + 4 * 8 * 12 * 4)
+    assert res["kv_bytes"] == 1 * 2 * 24 * kvh * d * 4  # one attention layer, KV 24
+    total = res["weight_bytes"] + res["state_bytes"] + res["kv_bytes"]
+    assert res["decode_floor_ms"] == pytest.approx(total / (res["copy_bandwidth_gbs"] * 1e9) * 1e3)
+    assert res["hybrid_decode_step_floor_ratio"] == pytest.approx(
+        res["decode_step_ms_b1"] / res["decode_floor_ms"])
+
+
+def test_both_strategies_at_every_k_with_the_bytes_their_mechanisms_move(report):
+    res, _ = report
+    table = res["hybrid_state_strategy_round_ms"]
+    assert set(table) == {"scratch_swap", "snapshots"}
+    for per_k in table.values():
+        assert set(per_k) == {f"k{k}" for k in range(1, W + 1)}
+        assert all(ms > 0 for ms in per_k.values())
+    rows = res["strategy_rounds"]
+    s = res["state_bytes"] // 2 * BATCH  # one state row per request of the bucket
+    for k in range(1, W + 1):
+        swap, snap = rows["scratch_swap"][f"k{k}"]["state_bytes"], rows["snapshots"][f"k{k}"][
+            "state_bytes"]
+        assert swap["read"] == swap["written"] == 2 * s and swap["saved_inputs"] > 0
+        assert snap["read"] == s and snap["written"] == (k + 1) * s and snap["saved_inputs"] == 0
+        for t in (swap, snap):
+            assert t["total"] == t["read"] + t["written"] + t["index_bytes"] + t["saved_inputs"]
+        if k >= 2:  # a snapshot row per verified position against one scratch row
+            assert snap["written"] > swap["written"]
+        if k == 1:
+            assert snap["total"] < swap["total"]
+
+
+def test_speculative_greedy_equals_plain_greedy_on_cpu_fp32(report):
+    """fp32 on the CPU: every K of both strategies emits the plain tokens (no divergence to
+    explain); the verdict fields say so."""
+    res, _ = report
+    checks = res["greedy_check"]
+    assert set(checks) == {"scratch_swap", "snapshots"}
+    for c in checks.values():
+        assert set(c) == {f"k{k}" for k in range(1, W + 1)}
+        for v in c.values():
+            assert v["identical_prompts"] == PROMPTS and v["divergences"] == []
+            assert 0.0 <= v["acceptance_rate"] <= 1.0
+    assert res["greedy_k1_identical"] is True and res["greedy_divergences_explained"] is True
