@@ -116,6 +116,10 @@ def _print_report(d: dict[str, Any]) -> None:
             _num(p.get("gain_vs_best_fixed_pct"), "+.2f"),
         )
     print_table(err_console, t)
+    strategy = d.get("table", {}).get("state_strategy", "none")
+    if strategy != "none":
+        err_console.print(f"recurrent-state strategy: {strategy} (its cost is inside every "
+                          "round cost the table measured)")
     err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}")
     for p in d["policies"]:
         gain = p.get("gain_vs_best_fixed_pct")
@@ -253,6 +257,9 @@ def replay_cmd(
         "path": str(table) if table else None,
         "mode": cost.mode,
         "synthetic": table is None,
+        # a hybrid target's recurrent-state handling is inside every measured round cost; the
+        # table records the strategy, not the state bytes (those need the model's state shapes)
+        "state_strategy": cost_table.compatibility.state_strategy,
     }
     if plot is not None:
         # The synthetic table is a real CostTable too: its title says it is synthetic.
