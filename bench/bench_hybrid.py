@@ -41,6 +41,7 @@ appends the three headline figures to ``bench/results.jsonl``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -85,6 +86,14 @@ class SharedWeightsEngine(Engine):
 
     def _load_model(self, dtype: str, max_len: int, max_positions: int) -> LoadedModel:
         return self._shared
+
+
+def free(device: torch.device) -> None:
+    """Release a finished engine's graphs and buffers (its runner's wrapped methods form
+    reference cycles, so collect before emptying the allocator's cache)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------- bandwidth and floor
@@ -404,8 +413,7 @@ def main(argv=None) -> dict:
         res.update(hf_eager(loaded, device, args.kv, args.hf_steps))
         pick_peer(res)
         save()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free(device)
 
     # ---- both state strategies, same forced workload, per k
     if not skip("strategies"):
@@ -427,15 +435,17 @@ def main(argv=None) -> dict:
                 rows[f"k{k}"]["state_ms_at_copy_bw"] = t.total / bw * 1e3
             per[strategy] = rows
             del eng, state
+            free(device)
             log(f"{strategy}: " + ", ".join(
                 f"k{k} {rows[f'k{k}']['window_mean']:.3f} ms" for k in ns.ks))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
         res["strategy_rounds"] = per
         key = "device_execute" if device.type == "cuda" else "window_mean"
         res["strategy_round_ms_key"] = key
         res["hybrid_state_strategy_round_ms"] = {
             s: {f"k{k}": per[s][f"k{k}"][key] for k in ns.ks} for s in STATE_STRATEGIES}
+        res["hybrid_state_bytes_per_round"] = {
+            s: {f"k{k}": per[s][f"k{k}"]["state_bytes"]["total"] for k in ns.ks}
+            for s in STATE_STRATEGIES}
         save()
 
     # ---- greedy: speculative == plain at K = 1, K >= 2 divergences with their margins
@@ -453,6 +463,7 @@ def main(argv=None) -> dict:
             spec = engine(acceptance="greedy", request_buckets=(1,), state_strategy=strategy)
             checks[strategy] = greedy_check(plain, spec, prompts, want, params, w)
             del spec
+            free(device)
             log(f"greedy {strategy}: " + ", ".join(
                 f"K={k}: {checks[strategy][f'k{k}']['identical_prompts']}/{len(prompts)}"
                 for k in range(1, w + 1)))
@@ -465,8 +476,7 @@ def main(argv=None) -> dict:
                 for d in v["divergences"])
         save()
     del plain
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free(device)
 
     # ---- transformers compiled (child process, killed at the deadline)
     left = deadline - time.time()

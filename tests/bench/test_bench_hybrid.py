@@ -125,6 +125,9 @@ def test_both_strategies_at_every_k_with_the_bytes_their_mechanisms_move(report)
         assert set(per_k) == {f"k{k}" for k in range(1, W + 1)}
         assert all(ms > 0 for ms in per_k.values())
     rows = res["strategy_rounds"]
+    assert res["hybrid_state_bytes_per_round"] == {
+        name: {kk: r["state_bytes"]["total"] for kk, r in per_k.items()}
+        for name, per_k in rows.items()}
     s = res["state_bytes"] // 2 * BATCH  # one state row per request of the bucket
     for k in range(1, W + 1):
         swap, snap = rows["scratch_swap"][f"k{k}"]["state_bytes"], rows["snapshots"][f"k{k}"][
