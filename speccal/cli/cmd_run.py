@@ -130,6 +130,15 @@ DpOpt = Annotated[
     int,
     typer.Option("--dp", help="Data-parallel replicas; replica d decodes prompts d, d + DP, ..."),
 ]
+StateStrategyOpt = Annotated[
+    str,
+    typer.Option(
+        "--state-strategy",
+        help="Hybrid (linear-attention) targets: scratch_swap or snapshots, as `speccal "
+        "calibrate --state-strategy` (a --cost-table must have been measured with the same "
+        "one); ignored by full-attention targets.",
+    ),
+]
 
 
 def _engine_config(
@@ -146,14 +155,19 @@ def _engine_config(
     graph_mode=None,
     attention_backend=None,
     loop="pipelined",
+    state_strategy="scratch_swap",
 ):
     """The ``EngineConfig`` of a command's options (defaults: the path served on ``device``, the
-    pipelined round loop)."""
+    pipelined round loop, the scratch-swap state strategy)."""
     if loop not in LOOPS:
         raise InputError("--loop", loop, " or ".join(LOOPS))
     # lazy: the runner imports torch; the CLI starts (and reports a missing torch) without it
     from speccal.runner.engine import EngineConfig
+    from speccal.runner.hybrid_state import STATE_STRATEGIES
     from speccal.runner.path import served_path
+
+    if state_strategy not in STATE_STRATEGIES:
+        raise InputError("--state-strategy", state_strategy, " or ".join(STATE_STRATEGIES))
 
     served = served_path(device)
     return EngineConfig(
@@ -170,6 +184,7 @@ def _engine_config(
         max_model_len=max_model_len,
         speculative=speculative,
         pipeline=loop == "pipelined",
+        state_strategy=state_strategy,
     )
 
 
@@ -195,6 +210,7 @@ def generate(
     graph_mode: GraphModeOpt = None,
     attention_backend: AttentionOpt = None,
     loop: LoopOpt = "pipelined",
+    state_strategy: StateStrategyOpt = "scratch_swap",
     tp: TpOpt = 1,
     dp: DpOpt = 1,
     dtype: DtypeOpt = None,
@@ -267,6 +283,7 @@ def generate(
         graph_mode=graph_mode,
         attention_backend=attention_backend,
         loop=loop,
+        state_strategy=state_strategy,
     )
     num_k = 0 if plain else (k if k is not None else draft_width)
 
@@ -361,6 +378,7 @@ def bench(
     graph_mode: GraphModeOpt = None,
     attention_backend: AttentionOpt = None,
     loop: LoopOpt = "pipelined",
+    state_strategy: StateStrategyOpt = "scratch_swap",
     dtype: DtypeOpt = None,
     draft_width: DraftWidthOpt = 3,
     k: KOpt = None,
@@ -470,6 +488,7 @@ def bench(
         graph_mode=graph_mode,
         attention_backend=attention_backend,
         loop=loop,
+        state_strategy=state_strategy,
     )
     workload = {"num_requests": num_requests, "prompt_len": prompt_len, "max_tokens": max_tokens}
     if policy:

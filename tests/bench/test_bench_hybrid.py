@@ -1,10 +1,10 @@
-"""bench/bench_hybrid.py on the CPU (fp32, eager): a small random Qwen3.5 checkpoint with an
-``mtp.*`` head (transformers' ``save_pretrained`` plus the 15 head tensors of the published
-layout), every stage run with reduced sizes, and the JSON's figures checked for finiteness and
-against the state strategies' accounting (``speccal.runner.hybrid_state``): scratch-swap moves
-two state rows each way per request at every k plus the saved replay inputs, snapshots read one
-row and write ``k + 1``, so snapshots write more state-row bytes than scratch-swap from k = 2 on
-and fewer in total at k = 1 when the saved inputs are counted.
+"""bench/bench_hybrid.py on the CPU (fp32, eager): the small random Qwen3.5 checkpoint (with an
+``mtp.*`` head) of ``tests/runner/test_hybrid_engine.py``, every stage run with reduced sizes,
+and the JSON's figures checked for finiteness and against the state strategies' accounting
+(``speccal.runner.hybrid_state``): scratch-swap moves two state rows each way per request at
+every k plus the saved replay inputs, snapshots read one row and write ``k + 1``, so snapshots
+write more state-row bytes than scratch-swap from k = 2 on and fewer in total at k = 1 when the
+saved inputs are counted.
 """
 
 from __future__ import annotations
@@ -18,49 +18,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "Qwen3_5ForCausalLM"):
-    pytest.skip("transformers without Qwen3.5 (needs >= 5)", allow_module_level=True)
+# the random Qwen3.5 checkpoint of the hybrid engine tests (skips without transformers >= 5)
+from tests.runner.test_hybrid_engine import SHAPES, write_checkpoint
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_hybrid.py"
-SHAPES = dict(vocab_size=128, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
-              linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
-              tie_word_embeddings=True, mtp_num_hidden_layers=1)
 W = 3
 BATCH = 2
 PROMPTS = 2
 
 
-def _checkpoint(folder: Path) -> Path:
-    """Random Qwen3.5 text checkpoint (3 delta-net + 1 attention layer) with an MTP head whose
-    layer is named like the target's full-attention layer (vLLM's ``qwen3_5_mtp`` layout)."""
-    torch.manual_seed(0)
-    hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**SHAPES))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():  # away from the init, so every term matters
-            if not name.endswith(("A_log", "dt_bias")):
-                p.normal_(0.0, 0.2)
-    hf.save_pretrained(folder)
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    h = SHAPES["hidden_size"]
-    head = {"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,),
-            "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,)}
-    head.update({k.replace("model.layers.3.", "mtp.layers.0."): tuple(t.shape)
-                 for k, t in tensors.items() if k.startswith("model.layers.3.")})
-    g = torch.Generator().manual_seed(1)
-    tensors.update({k: torch.randn(s, generator=g) * 0.2 for k, s in head.items()})
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return folder
-
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_hybrid")
-    folder = _checkpoint(root / "ckpt")
+    folder = root / "ckpt"
+    write_checkpoint(folder, "qwen3_5")
     out = root / "out"
     cmd = [sys.executable, str(BENCH), "--device", "cpu", "--model", str(folder), "--out",
            str(out), "--kv", "24", "--repeats", "3", "--draft-width", str(W), "--round-batch",
@@ -106,7 +78,7 @@ def test_floor_is_weights_state_and_kv_over_the_copy_bandwidth(report):
     res, _ = report
     h, v, kvh, d = (SHAPES[k] for k in ("hidden_size", "vocab_size", "num_key_value_heads",
                                         "head_dim"))
-    assert res["weight_bytes"] > h * v * 4  # at least the (tied) LM head, fp32
+    assert res["weight_bytes"] > h * v * 4  # at least the LM head, fp32
     # 3 delta-net layers: conv state (conv_dim x 3) and delta-rule state, fp32, read + written
     conv_dim = 2 * 2 * 8 + 4 * 12
     assert res["state_bytes"] == 2 * 3 * (conv_dim * 3 * 4 + 4 * 8 * 12 * 4)
