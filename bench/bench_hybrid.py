@@ -247,8 +247,8 @@ def top2_margin(eng: Engine, tokens: list[int]) -> dict[str, float | int]:
                                          generator=eng.generator, device=eng.device)
     eng.kv.allocator.free(req.blocks)
     weight = eng.loaded.target.lm_head.weight
-    logits = hidden.float() @ weight.float().T  # [vocab]
-    top = logits.topk(2)
+    with torch.inference_mode():  # the prefill's hidden is an inference tensor
+        top = (hidden.float() @ weight.float().T).topk(2)  # of the [vocab] logits
     v1, v2 = float(top.values[0]), float(top.values[1])
     step = torch.finfo(weight.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(v1), 1e-30)))
     return {"margin": v1 - v2, "dtype_step": step, "top1": int(top.indices[0]),

@@ -126,3 +126,63 @@ def test_speculative_greedy_equals_plain_greedy_on_cpu_fp32(report):
             assert v["identical_prompts"] == PROMPTS and v["divergences"] == []
             assert 0.0 <= v["acceptance_rate"] <= 1.0
     assert res["greedy_k1_identical"] is True and res["greedy_divergences_explained"] is True
+
+
+def _bench_module():
+    """``bench/bench_hybrid.py`` imported as the scripts import each other (``bench/`` first on
+    ``sys.path``: its sibling modules ``bench_decode``, ``results``, ...)."""
+    import importlib
+
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        return importlib.import_module("bench_hybrid")
+    finally:
+        sys.path.remove(str(BENCH.parent))
+
+
+def test_top2_margin_is_the_plain_paths_next_token_and_its_gap(tmp_path):
+    """The divergence explanation (run only where a divergence happens, so never by the CPU
+    run above): the margin's top-1 is the token plain greedy emits after the same tokens, the
+    margin is the top-1 minus top-2 logit, and one fp32 step at the top-1 logit is its ulp."""
+    from speccal.live.generate import generate
+    from speccal.runner.engine import Engine, EngineConfig
+    from speccal.runner.sampling import SamplingParams
+
+    bench = _bench_module()
+    write_checkpoint(tmp_path / "q", "qwen3_5")
+    plain = Engine(EngineConfig(model=str(tmp_path / "q"), speculative=False,
+                                request_buckets=(1,), max_model_len=64))
+    prompt = [5, 17, 3, 88, 41, 9, 60, 2]
+    want = generate(plain, [prompt], SamplingParams(max_tokens=4, ignore_eos=True), 0)[0]
+    for i in range(4):
+        m = bench.top2_margin(plain, prompt + want[:i])
+        assert m["top1"] == want[i] and m["top2"] != m["top1"]
+        assert m["margin"] >= 0 and m["explained"] is (m["margin"] < m["dtype_step"])
+        assert 0 < m["dtype_step"] < 1e-3  # 2 ** -23 relative: fp32 logits of order one
+
+
+def test_a_divergence_is_reported_with_its_position_tokens_and_margin(tmp_path):
+    """``greedy_check`` against a reference whose third token is wrong: the speculative run
+    (which emits the true greedy tokens) diverges there, and the row names both tokens and the
+    plain path's margin after the reference's first two tokens."""
+    from speccal.live.generate import generate
+    from speccal.runner.engine import Engine, EngineConfig
+    from speccal.runner.sampling import SamplingParams
+
+    bench = _bench_module()
+    write_checkpoint(tmp_path / "q", "qwen3_5")
+    cfg = dict(model=str(tmp_path / "q"), request_buckets=(1,), max_model_len=64, draft_width=2)
+    plain = Engine(EngineConfig(**cfg, speculative=False))
+    spec = Engine(EngineConfig(**cfg, state_strategy="snapshots"))
+    prompt = [5, 17, 3, 88, 41, 9, 60, 2]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    true = generate(plain, [prompt], params, 0)[0]
+    wrong = list(true)
+    wrong[2] = (true[2] + 1) % SHAPES["vocab_size"]
+    out = bench.greedy_check(plain, spec, [prompt], [wrong], params, 2)
+    for k in (1, 2):
+        (row,) = out[f"k{k}"]["divergences"]
+        assert out[f"k{k}"]["identical_prompts"] == 0
+        assert (row["prompt"], row["position"], row["spec"], row["plain"]) == (
+            0, 2, true[2], wrong[2])
+        assert row == {**row, **bench.top2_margin(plain, prompt + wrong[:2])}
