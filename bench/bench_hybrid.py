@@ -284,7 +284,7 @@ def greedy_check(plain: Engine, spec: Engine, prompts, want: list[list[int]],
 
 def versions(device: torch.device) -> dict[str, object]:
     out: dict[str, object] = {"torch": torch.__version__, "python": platform.python_version()}
-    for name in ("triton", "fla", "transformers"):
+    for name in ("triton", "fla", "causal_conv1d", "transformers"):
         try:
             out[name] = __import__(name).__version__
         except Exception:  # not installed here: recorded as absent
@@ -410,7 +410,11 @@ def main(argv=None) -> dict:
 
     # ---- transformers, eager configurations (the compiled one last: it may take minutes)
     if not skip("hf"):
-        res.update(hf_eager(loaded, device, args.kv, args.hf_steps))
+        try:
+            res.update(hf_eager(loaded, device, args.kv, args.hf_steps))
+        except (ImportError, UnsupportedError) as exc:  # no peer here: the rest still runs
+            res["hf_error"] = f"{type(exc).__name__}: {exc}"
+            log(f"no transformers peer: {res['hf_error']}")
         pick_peer(res)
         save()
     free(device)
