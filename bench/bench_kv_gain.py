@@ -4,7 +4,8 @@
 Two ``draft_step`` tables of the same preset and machine: a multi-context one (the default KV
 levels up to ``--max-kv-length``: it carries the KV-aware model) and a single-context one at the
 workload's *starting* context (``--prompt-len``: what a user calibrating "at the context they
-serve" gets). One pipelined engine then decodes the same workload, requests whose KV grows from
+serve" gets). One pipelined engine on the path the tables were calibrated on (the device's served path, as
+``speccal calibrate`` picks it) then decodes the same workload, requests whose KV grows from
 ``--prompt-len`` to ``--prompt-len + --max-tokens``, under adaptive draft step priced by each
 table, interleaved ``--repeats`` times (``speccal.live.policies.run_interleaved``). Reported:
 
@@ -36,6 +37,7 @@ from speccal.costmodel.table import load_table
 from speccal.live.policies import Phase, live_cost_model, replay_prediction, run_interleaved
 from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel
 from speccal.runner.engine import Engine, EngineConfig
+from speccal.runner.path import KernelConfig, served_path
 from speccal.runner.sampling import SamplingParams
 
 
@@ -101,6 +103,7 @@ def main() -> None:
                                  draft_width=args.draft_width, acceptance="synthetic",
                                  acceptance_profile=profile, pipeline=True,
                                  max_model_len=args.max_kv_length,
+                                 path=served_path(args.device, KernelConfig()),
                                  request_buckets=tuple(int(b) for b in args.request_buckets.split(","))))
     compat = engine.compatibility()
     t_kv, t_single = load_table(kv_path, expect=compat), load_table(single_path, expect=compat)

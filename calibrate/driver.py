@@ -32,8 +32,11 @@ all land in the same slow or fast stretch. Per (point, window):
    end edge, outside the timed span. Round results are inspected only after the closing sync,
    selected by ``round_index``: every round must have run exactly the grid's (Bcap, G, k).
 
-Synthetic requests: token ids drawn from ``numpy.random.default_rng((token_seed, context, Bcap, G,
-k))`` (same prompts for a point on resume). Every point is measured at the same mean KV length
+Synthetic requests: prefixes of one token sequence drawn from ``numpy.random.default_rng`` of
+``token_seed`` (``synthetic_base``; same prompts for a point on resume). An engine that supports
+it (``Engine.supports_prompt_source``: targets without recurrent state) prefills the longest
+prompt once (``Engine.set_prompt_source``) and admits each window's requests by copying their
+KV from it, so a transition costs a copy and one round instead of ``Bcap`` prefills. Every point is measured at the same mean KV length
 (``calibrated_kv_length``), whatever its Bcap and G, because a per-interval fit has no KV axis:
 a KV effect that differed between points would be fitted into alpha(Bcap) or theta(G). The KV
 axis comes from several intervals (``speccal.costmodel.kv``, fitted on each window's recorded
@@ -162,27 +165,45 @@ def prompt_lengths(cfg: CalibrationConfig, point: GridPoint) -> np.ndarray:
     return np.round(lo + levels * (hi - lo) + lead).astype(int)
 
 
+def synthetic_base(cfg: CalibrationConfig, vocab_size: int) -> np.ndarray:
+    """The token sequence every synthetic prompt is a prefix of (deterministic in
+    ``token_seed``), as long as the longest interval's ``max_kv_length``."""
+    n = max(ctx.max_kv_length for ctx in cfg.contexts)
+    return np.random.default_rng((cfg.token_seed, 0x5EED)).integers(0, vocab_size, size=n)
+
+
+def window_prompt_lengths(cfg: CalibrationConfig, point: GridPoint,
+                          advance_rounds: int = 0) -> np.ndarray:
+    """Prompt length of each of the point's requests in a window advanced by
+    ``advance_rounds`` rounds: ``prompt_lengths`` plus the tokens each request emits in that many
+    rounds under forced full acceptance (``verify_tokens[b] + 1`` per round)."""
+    verify = np.asarray(point.verify_tokens or (point.k,) * point.bcap, dtype=np.int64)
+    return prompt_lengths(cfg, point) + advance_rounds * (verify + 1)
+
+
 def synthetic_prompts(
     cfg: CalibrationConfig, point: GridPoint, vocab_size: int, advance_rounds: int = 0
 ) -> list[list[int]]:
-    """The ``point.bcap`` synthetic prompts of a point (deterministic in ``token_seed``).
+    """The ``point.bcap`` synthetic prompts of a window: prefixes of ``synthetic_base`` of
+    ``window_prompt_lengths`` tokens.
 
-    Lengths from ``prompt_lengths``. ``advance_rounds``: each prompt is extended by the tokens
-    its request emits in that many rounds under forced full acceptance (``verify_tokens[b] + 1``
-    per round), drawn from a second generator, so a window measured after a fresh transition
-    starts at the KV lengths it would have had ``advance_rounds`` rounds into a sequential run.
+    ``advance_rounds``: each prompt is extended by the tokens its request emits in that many
+    rounds, so a window measured after a fresh transition starts at the KV lengths it would have
+    had ``advance_rounds`` rounds into a sequential run. Every prompt being a prefix of one
+    sequence lets the engine admit it by copying KV (``Engine.set_prompt_source``) instead of a
+    prefill; content does not matter to a round's time (forced acceptance: every shape is the
+    grid's whatever the tokens).
     """
-    key = (cfg.token_seed, point.context_index, point.bcap, point.g, point.k)
-    rng = np.random.default_rng(key)
-    prompts = [
-        rng.integers(0, vocab_size, size=int(n)).tolist() for n in prompt_lengths(cfg, point)
-    ]
-    if advance_rounds > 0:
-        more = np.random.default_rng((*key, advance_rounds))
-        verify = point.verify_tokens or (point.k,) * point.bcap
-        for prompt, v in zip(prompts, verify, strict=True):
-            prompt.extend(more.integers(0, vocab_size, size=advance_rounds * (v + 1)).tolist())
-    return prompts
+    base = synthetic_base(cfg, vocab_size)
+    return [base[: int(n)].tolist() for n in window_prompt_lengths(cfg, point, advance_rounds)]
+
+
+def longest_prompt(cfg: CalibrationConfig, points: Sequence[GridPoint],
+                   window_indices: Sequence[int]) -> int:
+    """The longest synthetic prompt of these points and windows (the prompt source's length)."""
+    w = cfg.windows_per_point
+    return max(int(window_prompt_lengths(cfg, p, (i % w) * cfg.window_steps).max())
+               for p in points for i in window_indices)
 
 
 def measurement_row(
@@ -233,6 +254,12 @@ def loop_of(engine: Any) -> str:
     """The engine's round loop as its compatibility records it (``pipelined`` |
     ``synchronous``; engines that record none run the synchronous loop)."""
     return str(engine.compatibility().get("loop", "synchronous"))
+
+
+def prompt_fill(engine: Any) -> str:
+    """How ``drive`` puts the synthetic prompts into this engine's KV cache: ``kv_copy``
+    (``Engine.set_prompt_source``) or ``prefill`` (one prefill per prompt)."""
+    return "kv_copy" if getattr(engine, "supports_prompt_source", False) else "prefill"
 
 
 def _window_results(
@@ -311,6 +338,12 @@ def drive(
     points_done = skipped = sum(n == 0 for n in left.values())
     measured = rounds = 0
     t_transition = t_warmup = t_sampling = 0.0
+    todo = [p for p in points if left[p.key]]
+    if todo and prompt_fill(engine) == "kv_copy":
+        t0 = clock()
+        engine.set_prompt_source(
+            synthetic_base(cfg, vocab_size)[: longest_prompt(cfg, todo, indices)].tolist())
+        t_transition += clock() - t0
 
     # Window-major order: window i of every point, then window i + 1; inside a window round the
     # contexts alternate point by point (module docstring). One context: the grid's order.
@@ -369,6 +402,8 @@ def drive(
             if on_window is not None:
                 on_window(point, window_index)
     engine.reset()
+    if todo and prompt_fill(engine) == "kv_copy":
+        engine.set_prompt_source(None)
     return DriveStats(
         points_total=len(points),
         points_done=points_done,

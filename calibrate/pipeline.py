@@ -58,7 +58,7 @@ from speccal.calibrate.config import (
     parse_config_file,
     resolve_config,
 )
-from speccal.calibrate.driver import DriveStats, drive, loop_of
+from speccal.calibrate.driver import DriveStats, drive, loop_of, prompt_fill
 from speccal.calibrate.feasibility import check_feasible
 from speccal.calibrate.gate import (
     GateConfig,
@@ -352,6 +352,7 @@ def _calibrate(
             "sources": {**cfg.sources, "threads": threads.source},
             "threads": threads.threads,
             "timing": loop_timing(selection.rows, loop_of(engine)),
+            "prompts": prompt_fill(engine),
         },
         geometry=geometry,
         provenance=Provenance.now(

@@ -53,7 +53,7 @@ from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError, SpeccalError, UnsupportedError
 from speccal.calibrate import lock, machine, report
 from speccal.calibrate.config import UserConfig, parse_config_file, resolve_config
-from speccal.calibrate.driver import drive, loop_of
+from speccal.calibrate.driver import drive, loop_of, prompt_fill
 from speccal.calibrate.feasibility import check_feasible
 from speccal.calibrate.gate import (
     GateConfig,
@@ -362,7 +362,8 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
             pd.DataFrame(selection.rows), model=cfg.model, compatibility=compat,
             calibration={**cfg.to_dict(), "sources": {**cfg.sources, "threads": threads.source},
                          "threads": threads.threads,
-                         "timing": loop_timing(selection.rows, loop_of(engine))},
+                         "timing": loop_timing(selection.rows, loop_of(engine)),
+                         "prompts": prompt_fill(engine)},
             geometry=geometry,
             provenance=Provenance.now(command=_command(comm.world_size), timings=timings,
                                       torch_version=versions["torch_version"],

@@ -158,7 +158,10 @@ class CalibrationConfig(_Strict):
     ``default``, ``measurements``, ``compatibility`` or ``caller``). ``threads`` is torch's
     intra-op thread count during measurement, ``quality`` the run's quality gate and ``timing``
     how its windows were timed (:class:`LoopTimingBlock`), all None for a table no calibration
-    run measured (a bare fit, a migrated older table).
+    run measured (a bare fit, a migrated older table). ``prompts`` says how each window's
+    synthetic prompts reached the KV cache: ``kv_copy`` (copied from one prefilled source
+    sequence, ``Engine.set_prompt_source``) or ``prefill`` (each prompt prefilled: hybrid
+    targets); None for tables from before it was recorded.
     """
 
     model: Literal["additive", "sps"] = "additive"
@@ -176,6 +179,7 @@ class CalibrationConfig(_Strict):
     threads: int | None = Field(default=None, ge=1)
     quality: QualityBlock | None = None
     timing: LoopTimingBlock | None = None
+    prompts: Literal["kv_copy", "prefill"] | None = None
 
 
 class GeometryBlock(_Strict):

@@ -387,6 +387,7 @@ def paged_attention(
         )
         if not dry_pass_active():
             return res
+        return res.zero_()  # dry pass: a finite stand-in (see _dry_gemv), not the reference
     split = dict(
         num_splits=num_splits if plan.max_splits > 1 else None,
         split_len=split_len if plan.max_splits > 1 else None, max_splits=plan.max_splits,
@@ -751,6 +752,7 @@ def linear(
                             row_scale=scale, tune=tune)
         if not dry_pass_active():
             return res
+        return _dry_gemv(res, residual, norm)
     rs = None
     if scale is not None:
         rs = torch.rsqrt(scale[0].sum(1) / x.shape[1] + scale[1])
@@ -758,6 +760,21 @@ def linear(
     if norm is not None:
         norm[2].copy_(ref.rms_norm_ref(res, norm[0], norm[1]))
     return res if out is None else out.copy_(res)
+
+
+def _dry_gemv(res: torch.Tensor, residual: torch.Tensor | None, norm: tuple | None) -> torch.Tensor:
+    """What a GEMV returns in ``precompile``'s dry pass once its launch was skipped: finite
+    values of the right shapes (zeros; a residual keeps its values), not the reference. The
+    dry pass only needs shapes and valid indices downstream; the fp32 references (every weight
+    cast to fp32 per call, attention over whole block tables) made it cost seconds per graph
+    set. Index-producing ops (metadata, acceptance, tiling) still run their references."""
+    if norm is not None:
+        norm[2].zero_()
+    return residual if residual is not None else res.zero_()
+
+
+# argmax key of a row whose every logit is 0: value 0.0, column 0 (``reference.argmax_keys_ref``)
+_ZERO_ROW_KEY = int(ref.argmax_keys_ref(torch.zeros(1, 1))[0])
 
 
 @dataclass(frozen=True)
@@ -826,7 +843,9 @@ def linear_deferred_norm(
                       defer=(norm_weight, xw, ss), after=after, tune=tune)
         if not dry_pass_active():
             return DeferredNorm(xw, ss, eps)
-        backend = "reference"  # the dry pass: the launch was skipped, torch computes it
+        if after is not None and after.target:  # as below: the counters' state in order
+            after.counters.zero_()
+        return DeferredNorm(_dry_gemv(xw, None, None), ss.zero_(), eps)
     if after is not None and after.target:  # counted by attention, not polled: zero it (in order)
         after.counters.zero_()
     linear(x, weight, residual=residual, residual_settled=residual_settled, backend=backend,
@@ -880,8 +899,10 @@ def linear_argmax(
                                    prefetch=tune.gemv.prefetch_tiles, keys=keys, tune=tune)
         if not dry_pass_active():
             return out if keys is None else ArgmaxKeys(keys)
-        if keys is not None:
-            keys.zero_()  # the keys' entry state: a skipped launch folded nothing in
+        if keys is not None:  # dry pass: every row's argmax is column 0 (a valid token)
+            keys.fill_(_ZERO_ROW_KEY)
+            return ArgmaxKeys(keys)
+        return tuple(t.zero_() for t in out)  # tile max 0 at column 0 in every tile
     if keys is not None:  # the keys' unsigned max with what they hold (zeros: the keys)
         new = ref.argmax_keys_ref(ref.linear_ref(x, weight))
         flip = -(1 << 63)  # unsigned order = signed order with the sign bit flipped

@@ -6,16 +6,22 @@ well over a hundred of them, which made the first ``speccal calibrate`` on an H2
 its compile/capture time in the compiler. :func:`precompile` removes that series:
 
 1. **Dry pass.** Each callable (a graph's forward) runs once eagerly with Triton's own
-   ``knobs.runtime.jit_cache_hook`` installed. The hook sees every launch that would compile,
+   ``knobs.runtime.jit_cache_hook`` installed. The hook sees every launch of a
+   ``speccal.kernels`` kernel that would compile (other libraries' kernels, such as
+   flash-linear-attention's autotuned ones, compile and run in-process as usual),
    submits the kernel's specialization (Triton's ``specialization_data``: signature, constexprs,
    attributes, options) to a pool of worker processes and tells Triton to skip the launch. While
-   the pass is on, every ``speccal.kernels.ops`` op also runs its pure-torch reference after the
-   (skipped) Triton launch, so the values downstream ops read (indices, lengths) are real ones and
-   no launch reads uninitialised memory.
+   the pass is on, the ``speccal.kernels.ops`` ops that produce indices and lengths (metadata,
+   acceptance, tiling) run their pure-torch references after the (skipped) launch, so the values
+   downstream ops read are real ones; the ops that produce activations (GEMVs, attention, LM
+   head) return zeros of their shapes instead, so no launch reads uninitialised memory and no
+   fp32 reference runs (those made the pass cost seconds).
 2. **Workers** rebuild each kernel's ``ASTSource`` from that data and ``triton.compile`` it for the
-   device's target; the compiled binaries land in Triton's on-disk cache (``TRITON_CACHE_DIR``).
+   device's target, then build its launcher (Triton compiles a small C module per kernel
+   signature with the host compiler the first time a kernel loads); binaries and launchers land
+   in Triton's on-disk cache (``TRITON_CACHE_DIR``).
 3. The **real capture** that follows compiles each kernel again in-process, and every one of those
-   compiles is a cache load (milliseconds).
+   compiles, launchers included, is a cache load (milliseconds).
 
 Kernels already compiled in this process launch for real during the dry pass (Triton never calls
 the hook for them); the reference that follows overwrites their outputs. A kernel the dry pass
@@ -39,6 +45,9 @@ from dataclasses import dataclass, field
 
 __all__ = ["CompileMeter", "PrecompileReport", "compile_specialization", "dry_pass_active",
            "precompile"]
+
+# modules whose Triton kernels the dry pass hands to the workers (and whose ops return zeros)
+OWN_KERNELS = "speccal.kernels."
 
 _DRY = contextvars.ContextVar("speccal_precompile_dry_pass", default=False)
 
@@ -120,16 +129,34 @@ def compile_specialization(module: str, name: str, spec: str, target: tuple) -> 
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
     gpu = GPUTarget(*target)
     opts = make_backend(gpu).parse_options(options)
-    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=opts.__dict__)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu,
+                            options=opts.__dict__)
+    _build_launcher(kernel)
     return time.perf_counter() - t0
 
 
+def _build_launcher(kernel) -> None:
+    """Build ``kernel``'s launcher into Triton's cache, as its first load in the parent would
+    (``CompiledKernel._init_handles`` -> the driver's ``launcher_cls``: C source generated from
+    the signature, compiled by the host compiler, cached by source hash). Needs no GPU context.
+    A failure leaves it to the parent (built there at first load, as without precompiling)."""
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001  # a speed-up only: the parent builds what is missing
+        return
+
+
 def _default_workers() -> int:
+    """One worker per CPU this process may use but one: the dry pass itself is a busy Python
+    thread, and the workers' start-up (each imports torch and Triton) and compiles would take
+    its core otherwise."""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         n = os.cpu_count() or 1
-    return max(1, min(32, n))
+    return max(1, min(32, n - 1))
 
 
 def _device_target() -> tuple:
@@ -159,6 +186,11 @@ def precompile(fns: Iterable[Callable[[], object]], *,
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002, ARG001
         nonlocal pool, t_first
+        if not fn.module.startswith(OWN_KERNELS):
+            # another library's kernel (flash-linear-attention's): compiled and launched
+            # in-process as usual. Its autotuner times real launches; skipped ones would all
+            # time ~0 and it would cache an arbitrary config.
+            return False
         spec = compile["specialization_data"]
         ident = (fn.module, fn.name, spec)
         if ident not in submitted:

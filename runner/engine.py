@@ -54,6 +54,7 @@ from speccal.runner.kv_cache import KVCache
 from speccal.runner.loader import LoadedModel, load_model
 from speccal.runner.path import ExecutionPath, bind_path
 from speccal.runner.prefill import prefill
+from speccal.runner.prompt_source import PromptSource
 from speccal.runner.presets import PRESETS
 from speccal.runner.request import Request
 from speccal.runner.round import RoundRunner
@@ -382,6 +383,7 @@ class Engine:
         self._early_finished: list[int] = []
         self._round_index = 0
         self._inflight: list[_Flight] = []  # pipelined: queued rounds, oldest first
+        self.prompt_source: PromptSource | None = None
 
     def _load_model(self, dtype: str, max_len: int, max_positions: int) -> LoadedModel:
         """The target and head this engine serves (a subclass loads its shard instead)."""
@@ -601,24 +603,76 @@ class Engine:
         self._early_finished.extend(finished)
         return first
 
+    @property
+    def supports_prompt_source(self) -> bool:
+        """Whether :meth:`set_prompt_source` can serve this engine's target (its per-request
+        state is the KV cache alone: no recurrent state rows)."""
+        return self.runner.state is None
+
+    def set_prompt_source(self, tokens: Sequence[int] | None) -> None:
+        """Prefill ``tokens`` once and admit later prompts that are prefixes of them by copying
+        their KV (``speccal.runner.prompt_source``); ``None`` drops the source.
+
+        Calibration uses it so that a window's transition costs a copy instead of a prefill per
+        request. Refused for hybrid targets (their recurrent state at a prefix's end cannot be
+        read off the source) and for a source longer than the model context or the KV cache.
+        """
+        self.prompt_source = None
+        if tokens is None:
+            return
+        if not self.supports_prompt_source:
+            raise UnsupportedError(
+                "set_prompt_source: the target carries recurrent state (hybrid linear "
+                "attention); its prompts are prefilled one by one"
+            )
+        toks = [int(t) for t in tokens]
+        vocab = self.loaded.config.vocab_size
+        if not toks or not all(0 <= t < vocab for t in toks):
+            raise InputError("prompt source", f"{len(toks)} tokens", f"token ids in [0, {vocab})")
+        if len(toks) > self.max_model_len or len(toks) > self.num_free_kv_tokens:
+            raise InputError("prompt source", f"{len(toks)} tokens",
+                             f"<= max_model_len {self.max_model_len} and <= the free KV "
+                             f"({self.num_free_kv_tokens} tokens)")
+        req = Request(-1, toks, SamplingParams())
+        rows: list[torch.Tensor] = []
+        try:
+            prefill(req, self.runner.target, self.runner.draft, self.kv,
+                    chunk=self.config.prefill_chunk, generator=self.generator,
+                    device=self.device, hidden_out=rows)
+            self.prompt_source = PromptSource(np.asarray(toks), self.kv, req.blocks,
+                                              torch.cat(rows, dim=0))
+        finally:
+            self.kv.allocator.free(req.blocks)
+
     def _admit(self, result_first: dict[int, int]) -> tuple[int, list[int]]:
-        num_tokens = 0
-        finished = []
+        admitted = []
         while self._waiting and self._free_slots:
             req = self._waiting.pop(0)
             req.slot = self._free_slots.pop()
             self._running.append(req)
-            # a hybrid target's prefill also fills the slot's state rows
-            fill = prefill if self.runner.state is None else self.runner.state.prefill
-            tok, hidden = fill(
-                req,
-                self.runner.target,
-                self.runner.draft,
-                self.kv,
-                chunk=self.config.prefill_chunk,
-                generator=self.generator,
-                device=self.device,
-            )
+            admitted.append(req)
+        src = self.prompt_source
+        copied = [r for r in admitted if src is not None and src.covers(r.prompt)]
+        filled = dict(zip((r.rid for r in copied),
+                          src.admit(copied, self.runner.target, self.kv, self.generator,
+                                    self.device) if copied else [], strict=True))
+        num_tokens = 0
+        finished = []
+        for req in admitted:
+            if req.rid in filled:
+                tok, hidden = filled[req.rid]
+            else:
+                # a hybrid target's prefill also fills the slot's state rows
+                fill = prefill if self.runner.state is None else self.runner.state.prefill
+                tok, hidden = fill(
+                    req,
+                    self.runner.target,
+                    self.runner.draft,
+                    self.kv,
+                    chunk=self.config.prefill_chunk,
+                    generator=self.generator,
+                    device=self.device,
+                )
             num_tokens += len(req.prompt)
             result_first[req.rid] = tok
             self.runner.set_slot(req, tok, hidden)

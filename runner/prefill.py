@@ -59,6 +59,7 @@ def prefill(
     num_kv_layers: int | None = None,
     target_chunk: Callable[[torch.Tensor, torch.Tensor, AttnMeta, int, int], torch.Tensor]
     | None = None,
+    hidden_out: list[torch.Tensor] | None = None,
 ) -> tuple[int, torch.Tensor]:
     """Fill the KV caches for ``req.prompt`` and sample the first token.
 
@@ -66,6 +67,8 @@ def prefill(
     the next one. ``target_chunk(ids, positions, meta, p0, p1) -> hidden`` runs the target on
     chunk ``[p0, p1)`` (default: ``target(ids, positions, meta, its KV layers)``; a hybrid
     target's state strategy passes its own, which also carries the recurrent state).
+    ``hidden_out``: when given, each chunk's target hidden rows are appended to it (the rows of
+    every prompt position, in order; ``speccal.runner.prompt_source`` keeps them).
 
     Returns
     -------
@@ -80,11 +83,12 @@ def prefill(
             return target(ids, pos, meta, kv.layers[:num_kv])
     with rebound([target, draft], prefill_path(target.path)):
         return _prefill(req, target, draft, kv, num_kv, target_chunk, chunk=chunk,
-                        generator=generator, device=device)
+                        generator=generator, device=device, hidden_out=hidden_out)
 
 
 def _prefill(req: Request, target: TargetModel, draft: MTPHead | None, kv: KVCache, num_kv: int,
-             target_chunk, *, chunk: int, generator: torch.Generator, device: torch.device):
+             target_chunk, *, chunk: int, generator: torch.Generator, device: torch.device,
+             hidden_out: list[torch.Tensor] | None):
     prompt = req.prompt
     n = len(prompt)
     bs = kv.allocator.block_size
@@ -96,6 +100,8 @@ def _prefill(req: Request, target: TargetModel, draft: MTPHead | None, kv: KVCac
         p1 = min(p0 + chunk, n)
         pos, meta = _meta(req.blocks, np.arange(p0, p1), bs, p1, device)
         h = target_chunk(ids[p0:p1], pos, meta, p0, p1)  # [p1 - p0, hidden]
+        if hidden_out is not None:
+            hidden_out.append(h.clone())  # later chunks may reuse the forward's buffers
         if draft is None:
             continue
         hid = h[:-1] if carry is None else torch.cat([carry, h[:-1]], dim=0)

@@ -116,7 +116,7 @@ class RoundRunner:
     """Owns static buffers and slot state; runs rounds of the target + MTP head.
 
     ``precompile_workers``: processes that compile the captured graphs' Triton kernels before
-    :meth:`capture` (``speccal.kernels.precompile``; None: one per CPU, 0: compile in-process
+    :meth:`capture` (``speccal.kernels.precompile``; None: one per CPU but one, 0: compile in-process
     during capture, one kernel after the other). ``precompile_report`` says what the last
     capture precompiled.
     """

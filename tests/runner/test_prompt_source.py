@@ -1,0 +1,115 @@
+"""Engine.set_prompt_source: prefixes of a prefilled source are admitted by copying their KV."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from speccal.base.errors import InputError, UnsupportedError
+from speccal.live.generate import generate
+from speccal.runner import engine as engine_mod
+from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+from speccal.runner.sampling import SamplingParams
+from tests.runner.test_hybrid_engine import write_checkpoint
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def _engine(**kw) -> Engine:
+    base = dict(model="tiny", draft_width=3, request_buckets=(1, 2, 4), max_model_len=160,
+                block_size=8, prefill_chunk=32)
+    return Engine(EngineConfig.flat(**(base | kw)))
+
+
+def _source(n: int = 120) -> list[int]:
+    return np.random.default_rng(7).integers(0, 256, size=n).tolist()
+
+
+def _count_prefills(monkeypatch) -> list[int]:
+    seen: list[int] = []
+    real = engine_mod.prefill
+
+    def counting(req, *a, **kw):
+        seen.append(len(req.prompt))
+        return real(req, *a, **kw)
+
+    monkeypatch.setattr(engine_mod, "prefill", counting)
+    return seen
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_copied_prompts_decode_the_tokens_of_prefilled_ones(monkeypatch, pipeline):
+    """Prefixes of the source (1 token, inside a block, block edges, the whole source; one is
+    not a prefix) give the greedy tokens of the same prompts prefilled, in one batch."""
+    src = _source()
+    prompts = [src[:1], src[:13], src[:16], src[:17], src[:120], [5, 6, 7, 8, 9]]
+    ref = generate(_engine(pipeline=pipeline), prompts, GREEDY, 3)
+    eng = _engine(pipeline=pipeline)
+    eng.set_prompt_source(src)
+    seen = _count_prefills(monkeypatch)
+    out = generate(eng, prompts, GREEDY, 3)
+    assert out == ref
+    assert seen == [5]  # only the prompt that is not a prefix was prefilled
+
+
+def test_copied_kv_equals_a_prefill_of_the_prefix():
+    src = _source()
+    ref, eng = _engine(), _engine()
+    eng.set_prompt_source(src)
+    for e in (ref, eng):
+        e.add_request(src[:45], GREEDY)
+        e.prefill_pending()
+    (r,), (c,) = ref._running, eng._running
+    n, last = 45, len(ref.kv.layers) - 1
+    for i, ((rk, rv), (ck, cv)) in enumerate(zip(ref.kv.layers, eng.kv.layers, strict=True)):
+        # the head's row n - 1 is the pending draft-extend row: the first round writes it
+        m = n - 1 if i == last else n
+        for a, b in ((rk, ck), (rv, cv)):
+            ra = torch.cat([a[blk] for blk in r.blocks])[:m]
+            ca = torch.cat([b[blk] for blk in c.blocks])[:m]
+            torch.testing.assert_close(ca, ra, rtol=1e-5, atol=1e-5)
+    assert c.num_computed == r.num_computed == n and c.output == r.output
+    torch.testing.assert_close(eng.runner.ext_hidden[c.slot], ref.runner.ext_hidden[r.slot],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_source_survives_reset_and_is_dropped_with_none(monkeypatch):
+    src = _source(64)
+    eng = _engine(acceptance="forced")
+    eng.set_prompt_source(src)
+    assert eng.prompt_source is not None and eng.prompt_source.nbytes > 0
+    free = eng.num_free_kv_tokens
+    seen = _count_prefills(monkeypatch)
+    for _ in range(2):
+        eng.add_request(src[:30], GREEDY)
+        eng.add_request(src[:64], GREEDY)
+        res = eng.step(RoundPlan(2))
+        assert res.kv_lengths.tolist() == [33, 67]
+        eng.reset()
+    assert seen == [] and eng.num_free_kv_tokens == free  # the source holds no pool blocks
+    eng.set_prompt_source(None)
+    assert eng.prompt_source is None
+    eng.add_request(src[:30], GREEDY)
+    eng.prefill_pending()
+    assert seen == [30]
+
+
+def test_bad_sources_are_refused():
+    eng = _engine()
+    with pytest.raises(InputError, match="prompt source"):
+        eng.set_prompt_source([])
+    with pytest.raises(InputError, match="token ids"):
+        eng.set_prompt_source([1, 2, 10**9])
+    with pytest.raises(InputError, match="max_model_len"):
+        eng.set_prompt_source(_source(161))
+    assert eng.prompt_source is None and eng.num_free_kv_tokens == eng.geometry.kv_capacity_tokens
+
+
+def test_hybrid_targets_refuse_a_prompt_source(tmp_path):
+    write_checkpoint(tmp_path / "hf", "qwen3_5")
+    eng = Engine(EngineConfig.flat(model=str(tmp_path / "hf"), draft_width=2,
+                                   request_buckets=(1, 2), max_model_len=64, block_size=4))
+    assert not eng.supports_prompt_source
+    with pytest.raises(UnsupportedError, match="recurrent state"):
+        eng.set_prompt_source([1, 2, 3])
