@@ -71,7 +71,8 @@ class PrecompileReport:
     compile_cpu_s : sum of the workers' per-kernel compile times.
     total_s : wall time of the whole call (dry pass, then waiting for the last compile).
     failed : ``module.kernel: error`` for specializations the workers could not compile (they
-        compile in-process later, where a real error surfaces with Triton's own message).
+        compile in-process later, where a real error surfaces with Triton's own message), and
+        ``dry pass stopped: error`` when a callable raised (the rest compiles in-process).
     by_kernel : compiled specializations per ``module.kernel``.
     """
 
@@ -208,6 +209,8 @@ def precompile(fns: Iterable[Callable[[], object]], *,
     try:
         for fn in fns:
             fn()
+    except Exception as exc:  # noqa: BLE001  # a speed-up only: the capture compiles the rest
+        report.failed.append(f"dry pass stopped: {type(exc).__name__}: {exc}")
     finally:
         knobs.jit_cache_hook = previous
         _DRY.reset(token)

@@ -13,6 +13,7 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+import torch
 
 from speccal.kernels.precompile import CompileMeter, dry_pass_active
 
@@ -98,3 +99,16 @@ def test_compile_meter_restores_hooks_and_counts(triton_cache):
         knobs.jit_post_compile_hook(key="k")
     assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == before
     assert meter.count == 1 and meter.seconds >= 0
+
+
+
+def test_the_dry_pass_argmax_key_decodes_to_column_zero():
+    """The LM head's dry-pass stand-in fills its keys with the key of an all-zero row: it must
+    decode to column 0 (a zero key would decode to column 2**32 - 1, an invalid token id)."""
+    from speccal.kernels import ops
+    from speccal.kernels import reference as ref
+
+    keys = torch.full((3,), ops._ZERO_ROW_KEY, dtype=torch.int64)
+    assert ref.unpack_argmax_keys_ref(keys).tolist() == [0, 0, 0]
+    assert ops._ZERO_ROW_KEY == int(ref.argmax_keys_ref(torch.zeros(1, 5))[0])
+    assert ref.unpack_argmax_keys_ref(torch.zeros(1, dtype=torch.int64)).item() == 2**32 - 1
