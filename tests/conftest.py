@@ -8,6 +8,22 @@ import pytest
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+# Rich fixes a console's width when it is built with COLUMNS set, and the CLI builds its consoles
+# at import: the width a test pins with ``CliRunner().invoke(..., env={"COLUMNS": ...})`` holds
+# only if COLUMNS was unset when ``speccal.cli`` was first imported. GNU readline exports
+# COLUMNS=80 LINES=24 when it loads (a pytest-xdist worker loads it before this file), which made
+# the human-output tests wrap at 80 columns under ``-n 2``; every test pins its own width.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
+# Under pytest-xdist the workers share the cores: one worker's OpenMP/BLAS threads spin-waiting
+# behind another's makes torch and numpy code several times slower. Each worker (and every
+# subprocess it starts) gets its share of the cores unless the caller chose a thread count.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, str(max(1, _share)))
+
 
 def _has_cuda() -> bool:
     try:
