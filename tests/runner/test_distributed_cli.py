@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -30,12 +29,6 @@ NO_LAUNCHER = {"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "MASTER_ADD
                "MASTER_PORT": None, "COLUMNS": "120"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _error_line(res) -> str:
     lines = [x for x in res.output.splitlines() if x.startswith("error:")]
     assert len(lines) == 1, res.output
@@ -46,7 +39,9 @@ def test_torchrun_calibrate_tp2_rank0_alone_prints_and_writes(tmp_path):
     (tmp_path / "cal.json").write_text(json.dumps(CAL))
     out = tmp_path / "t.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), "-m", "speccal", "calibrate", "--tp", "2",
+           # --standalone: the agent binds its store to a free port itself and hands it to the
+           # ranks (no port chosen here that another process could take before the bind)
+           "--standalone", "-m", "speccal", "calibrate", "--tp", "2",
            "--config", str(tmp_path / "cal.json"), "--out", str(out), *ARGS, "--json",
            # two-round windows on 2 shared cores skew ~5 % between TP ranks: the refusal has its
            # own test (a 3x clock, test_distributed_ranks); this one checks the CLI's plumbing

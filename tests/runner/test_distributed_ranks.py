@@ -16,7 +16,6 @@ import functools
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -195,12 +194,6 @@ def _worker(work: Path, ckpt: Path) -> None:
 # ---------------------------------------------------------------- the test process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _hf_checkpoint(path: Path) -> Path:
     """A random Qwen2 (q/k/v bias, untied) saved by transformers, with a MiMo MTP head added."""
     transformers = pytest.importorskip("transformers")
@@ -239,8 +232,13 @@ def ranks(tmp_path_factory):
     work = tmp_path_factory.mktemp("ranks")
     ckpt = work / "ckpt"
     (work / "cal.json").write_text(json.dumps(SMALL_CAL))
+    # This process holds the rendezvous store, as torchrun's agent does (the ranks join it as
+    # clients): bound to a port the kernel picks and held until the ranks are done, so no other
+    # process (another xdist worker's launch) can take the port between choosing and binding it.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+           "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "TORCHELASTIC_RESTART_COUNT": "0", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, str(work), str(ckpt)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
