@@ -109,7 +109,11 @@ def test_docs_show_every_workflow():
         'pip install torch==2.13.0 && pip install -e ".[dev]" && mkdir -p out && '
         "speccal calibrate --model tiny --out out/tiny-cpu.json" in quick
     )
-    assert "python3 -m pytest -q" in quick
+    # the README's test command is the one CI runs
+    readme_tests = re.findall(r"^python3 -m pytest -q.*$", quick, re.MULTILINE)
+    ci_tests = re.findall(r"^python3 -m pytest.*$", (ROOT / ".ci" / "run").read_text(),
+                          re.MULTILINE)
+    assert readme_tests == ci_tests == ["python3 -m pytest -q -n 2"], (readme_tests, ci_tests)
     # Inputs come before the commands reading them: the chain runs in the order shown.
     order = [c for c in cmds if "out/measurements.csv" in c or "out/compat.json" in c]
     assert order[0].startswith("table export") and order[1].startswith("table compat"), order
