@@ -40,7 +40,21 @@ def _interpreting_on_cpu() -> bool:
             and os.environ.get("SPECCAL_KERNEL_TEST_DEVICE") == "cpu")
 
 
+def _shares_a_module_fixture(item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture of its own module (a calibrated table, two
+    launched ranks, an executed notebook: set up once per worker that runs one of its tests)."""
+    module = item.nodeid.split("::")[0]
+    return any(defs[-1].scope == "module" and defs[-1].baseid == module
+               for defs in item._fixtureinfo.name2fixturedefs.values())
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
+    # one xdist worker runs all of such a module's tests: its expensive setup runs once, not
+    # once on each worker; every other test is spread test by test
+    for item in items:
+        if _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if _has_cuda() or _interpreting_on_cpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
