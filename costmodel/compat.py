@@ -13,13 +13,18 @@ table):
 
 - **semantic** (refused with ``CompatibilityError`` naming every expected vs found value):
   ``draft_width``, ``model.*`` (architecture, weight fingerprint, dtype, quantization),
-  ``topology.tp``, ``topology.dp``, ``graph_mode``, ``device.kind``, ``attention_backend``
+  ``topology.tp``, ``topology.dp``, ``topology.world_size`` (compared where both sides know
+  it: a table or engine that never recorded it is decided by ``tp`` and ``dp``, whose product
+  it is), ``graph_mode``, ``device.kind``, ``attention_backend``
   (another attention kernel family is another program), ``state_strategy`` (how a hybrid
   target's recurrent state is kept consistent under rejected drafts, ``scratch_swap`` or
   ``snapshots``: another round with other state traffic; ``none`` for targets without
   recurrent state, the value of every table measured before the field existed). An ``attention_backend`` recorded as
   ``unknown`` on either side (a migrated version 1 table) only warns.
-- **performance-only** (``CompatibilityWarning``): ``device.name``, ``input_update`` (in-graph
+- **performance-only** (``CompatibilityWarning``): ``device.name``, ``topology.devices`` (every
+  rank's device name in world-rank order, recorded by a multi-rank run; a differing list names
+  the differing ranks, unknown on either side is silent: ``device.name`` covers rank 0),
+  ``input_update`` (in-graph
   or host metadata update: the same round, another launch schedule), the kernel configuration
   (a digest mismatch names every differing field of the two configs by dotted key,
   ``gemv.panel: table=X running=Y``; a configuration recorded as unknown on either side says
@@ -168,12 +173,19 @@ class ModelIdentity(_Strict):
 
 
 class Topology(_Strict):
-    """Tensor and data parallel sizes; ``unknown`` where no runner recorded them (a bare fit)."""
+    """Tensor and data parallel sizes; ``unknown`` where no runner recorded them (a bare fit).
+
+    ``world_size`` (``tp * dp``) and ``devices`` (every rank's device name, world-rank order)
+    are recorded by a multi-rank run (``DistributedEngine.compatibility``); a table without
+    them, and a one-rank engine, leaves them ``unknown``, which is not written.
+    """
 
     tp: Annotated[int, Field(ge=1)] | Literal["unknown"]
     dp: Annotated[int, Field(ge=1)] | Literal["unknown"]
+    world_size: Annotated[int, Field(ge=1)] | Literal["unknown"] = UNKNOWN
+    devices: list[str] | Literal["unknown"] = UNKNOWN
 
-    @field_validator("tp", "dp", mode="before")
+    @field_validator("tp", "dp", "world_size", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         # before the union, so a bad size reads as one rule, not one error per union branch
@@ -182,6 +194,38 @@ class Topology(_Strict):
         ):
             raise ValueError("an integer >= 1 or 'unknown'")
         return value
+
+    @field_validator("world_size")
+    @classmethod
+    def _product(cls, value: Any, info: ValidationInfo) -> Any:
+        tp, dp = info.data.get("tp"), info.data.get("dp")
+        if value != UNKNOWN and isinstance(tp, int) and isinstance(dp, int) and value != tp * dp:
+            raise ValueError(f"tp * dp = {tp} * {dp} = {tp * dp} (or 'unknown')")
+        return value
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _names(cls, value: Any, info: ValidationInfo) -> Any:
+        if value == UNKNOWN:
+            return value
+        if not isinstance(value, list) or not value or not all(
+            isinstance(n, str) and n for n in value
+        ):
+            raise ValueError("a non-empty list of device names (one per rank) or 'unknown'")
+        world = info.data.get("world_size")
+        if isinstance(world, int) and len(value) != world:
+            raise ValueError(f"{world} device names (world_size), one per rank")
+        return value
+
+    @model_serializer(mode="wrap")
+    def _omit_unknown_ranks(self, handler):
+        """``world_size`` / ``devices`` are written only where a run recorded them, so a
+        one-rank table is byte-identical to one written before the fields existed."""
+        out = handler(self)
+        for name in ("world_size", "devices"):
+            if out.get(name) == UNKNOWN:
+                out.pop(name)
+        return out
 
 
 class DeviceInfo(_Strict):
@@ -283,6 +327,8 @@ def make_compatibility(
     quantization: str = UNKNOWN,
     tp: int | str = 1,
     dp: int | str = 1,
+    world_size: int | str = UNKNOWN,
+    devices: list[str] | str = UNKNOWN,
     graph_mode: str = "split",
     attention_backend: str = UNKNOWN,
     input_update: str = UNKNOWN,
@@ -302,6 +348,8 @@ def make_compatibility(
     ``tp``, ``dp``, ``graph_mode`` and ``device_kind`` accept ``unknown`` too (what a bare
     ``speccal fit`` records: :data:`UNKNOWN_RUN`); a semantic field recorded as unknown differs
     from every running config's value, so such a table is refused, naming the field.
+    ``world_size`` and ``devices`` (rank order) default to unknown (not written), as a one-rank
+    run records them.
     """
     if kernel_config is None:
         kernels = dict(UNKNOWN_EXECUTION["kernels"])
@@ -317,7 +365,7 @@ def make_compatibility(
             "dtype": dtype,
             "quantization": quantization,
         },
-        "topology": {"tp": tp, "dp": dp},
+        "topology": {"tp": tp, "dp": dp, "world_size": world_size, "devices": devices},
         "graph_mode": graph_mode,
         "attention_backend": attention_backend,
         "input_update": input_update,
@@ -398,6 +446,32 @@ def loop_mismatch(expected: str, found: str) -> Mismatch | None:
     )
 
 
+def topology_mismatches(expected: Topology, found: Topology) -> list[Mismatch]:
+    """The rank-layout differences beyond ``tp`` / ``dp`` (which are in :data:`SEMANTIC_FIELDS`).
+
+    ``world_size`` is semantic where both sides know it; ``devices`` performance-only, naming
+    each rank whose device differs (another count of ranks: every rank past the shorter list).
+    ``unknown`` on either side is not compared (a one-rank engine, a table older than the
+    fields): ``tp`` and ``dp`` decide the layout, ``device.name`` rank 0's device.
+    """
+    out = []
+    if UNKNOWN not in (expected.world_size, found.world_size) and (
+        expected.world_size != found.world_size
+    ):
+        out.append(Mismatch("topology.world_size", expected.world_size, found.world_size, True))
+    e, f = expected.devices, found.devices
+    if UNKNOWN not in (e, f) and e != f:
+        ranks = [r for r in range(max(len(e), len(f)))
+                 if r >= len(e) or r >= len(f) or e[r] != f[r]]
+        detail = "; ".join(
+            f"rank {r}: table={f[r] if r < len(f) else '<absent>'} "
+            f"running={e[r] if r < len(e) else '<absent>'}"
+            for r in ranks
+        )
+        out.append(Mismatch("topology.devices", e, f, False, detail))
+    return out
+
+
 def kernels_mismatch(expected: KernelsInfo, found: KernelsInfo) -> Mismatch | None:
     """A warning for differing kernel configurations (naming the fields), or None."""
     if not (expected.known and found.known):
@@ -440,6 +514,7 @@ def compare(
         for f in SEMANTIC_FIELDS
         if _get(expected, f) != _get(found, f)
     ]
+    out += topology_mismatches(expected.topology, found.topology)
     if expected.attention_backend != found.attention_backend:
         known = UNKNOWN not in (expected.attention_backend, found.attention_backend)
         out.append(

@@ -3,11 +3,12 @@
 This module owns :class:`DistributedEngine`, an :class:`~speccal.runner.engine.Engine` whose
 model is this rank's TP shard (``speccal.runner.distributed.load``) bound to its TP group
 (``speccal.runner.distributed.tp``), whose KV cache holds only its KV heads, and whose
-:meth:`~DistributedEngine.compatibility` records the topology. Everything else (requests,
-rounds, stop rules, pipelining) is the base Engine's: every TP rank of a replica is given the
-same requests and plans, runs the same rounds in lockstep (the collectives inside the model
-forward are the only synchronisation) and emits the same tokens; DP replicas each run their
-own batch (``speccal.runner.distributed.dp`` agrees their plans).
+:meth:`~DistributedEngine.compatibility` records the topology (``tp``, ``dp``, ``world_size``
+and every rank's device name). Everything else (requests, rounds, stop rules, pipelining) is
+the base Engine's: every TP rank of a replica is given the same requests and plans, runs the
+same rounds in lockstep (the collectives inside the model forward are the only
+synchronisation) and emits the same tokens; DP replicas each run their own batch
+(``speccal.runner.distributed.dp`` agrees their plans).
 
 Refused under TP > 1 (``UnsupportedError``): the Triton backend (its fused decode layer and LM
 head argmax have no TP reduction; the per-op path is unverified on GPUs) and captured graphs
@@ -48,6 +49,7 @@ class DistributedEngine(Engine):
 
     def __init__(self, config: EngineConfig, comm: Comm):
         self.comm = comm
+        self._device_names: list[str] | None = None  # every rank's, gathered on first use
         check_tp_path(config, comm.tp_size)
         super().__init__(config)
 
@@ -73,13 +75,23 @@ class DistributedEngine(Engine):
         return f"{self.loaded.description} (tp={t.tp}, dp={t.dp}, rank {self.comm.rank})"
 
     def device_names(self) -> list[str]:
-        """Every rank's device name, in world-rank order (collective: every rank calls)."""
-        return self.comm.all_gather_object(device_name(self.device))
+        """Every rank's device name, in world-rank order.
+
+        Gathered (a host-side collective: every rank calls) the first time, from then on the
+        cached list: the first call of this or :meth:`compatibility` must be made by every
+        rank at the same point (after construction, which runs no collective, so that a rank
+        failing to build cannot leave its peers in this gather)."""
+        if self._device_names is None:
+            self._device_names = list(self.comm.all_gather_object(device_name(self.device)))
+        return list(self._device_names)
 
     def compatibility(self) -> dict:
-        """The base engine's compatibility with ``topology = {tp, dp}`` of this run (semantic:
-        a table of another topology is refused). Every rank's device name is in
-        :meth:`device_names`; ``device.name`` is this rank's."""
+        """The base engine's compatibility with ``topology = {tp, dp, world_size, devices}`` of
+        this run: ``tp``, ``dp`` and ``world_size`` semantic (a table of another topology is
+        refused), ``devices`` (every rank's device name, world-rank order) performance-only;
+        ``device.name`` is this rank's. Collective the first time (:meth:`device_names`)."""
         out = super().compatibility()
-        out["topology"] = {"tp": self.comm.tp_size, "dp": self.comm.dp_size}
+        t = self.comm.topology
+        out["topology"] = {"tp": t.tp, "dp": t.dp, "world_size": t.world_size,
+                           "devices": self.device_names()}
         return out

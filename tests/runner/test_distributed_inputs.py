@@ -202,5 +202,7 @@ def test_distributed_engine_keeps_in_step_with_engine(one_rank):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7], [9, 10]]
     assert generate(dist_eng, prompts, params, 3) == generate(base, prompts, params, 3)
-    want = {**base.compatibility(), "topology": {"tp": 1, "dp": 1}}
+    name = base.compatibility()["device"]["name"]
+    want = {**base.compatibility(),
+            "topology": {"tp": 1, "dp": 1, "world_size": 1, "devices": [name]}}
     assert dist_eng.compatibility() == want
