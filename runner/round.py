@@ -55,6 +55,10 @@ LM head's per-tile argmax partials (``TargetModel.argmax_partials``: no logits, 
 and reduces them itself. The choice is a host flag that selects a different captured graph
 (the ``sampling`` field of the target :class:`GraphKey`), never a device read. One difference: the fast path draws no random
 numbers, so a later mixed batch sees another generator state than after general-path rounds.
+Under tensor parallelism the argmax-only selections reduce across the vocabulary shards instead
+of gathering ``[N, V]`` logits: the draft's token and score (``MTPHead.greedy_draft``) every
+step, the host update's target tokens (``TargetModel.greedy_tokens``) and the in-graph one's
+(``argmax_partials``); only sampling (and rejection sampling) gathers the shards.
 """
 
 from __future__ import annotations
@@ -744,10 +748,15 @@ class RoundRunner:
                     plan,
                 )
                 fb, normed = draft(target, fb, tok, t["step_pos"][j - 1], meta, self.draft_kv)
-            logits = draft.logits(target, normed)  # [bcap, V]
-            tok = logits.argmax(dim=-1)
+            if getattr(draft, "tp", None) is not None:
+                # TP: token and score from [bcap] reductions over the vocabulary shards
+                tok, score = draft.greedy_draft(target, normed)
+            else:
+                logits = draft.logits(target, normed)  # [bcap, V]
+                tok = logits.argmax(dim=-1)
+                score = sampling.draft_token_probability(logits, tok)
             drafts.append(tok)
-            scores.append(sampling.draft_token_probability(logits, tok))
+            scores.append(score)
         return torch.stack(drafts, 1), torch.stack(scores, 1)
 
     def target_part(self, x: RoundInputs, draft_tokens: torch.Tensor) -> RoundOutputs:
@@ -820,13 +829,15 @@ class RoundRunner:
             )
             extra = () if self.state is None else self.state.verify_args(t, bcap, k)
             h = target(grid_tokens[t["ver_grid"]], t["ver_pos"], meta, self.target_kv, *extra)
-            logits = target.logits(h, upcast=not fast)  # [G, V]
             if fast:
-                row_tok = logits.argmax(dim=-1)  # [G]
+                # argmax only: under TP from the shards' (max, index) keys, no logits gathered
+                row_tok = (target.greedy_tokens(h) if getattr(target, "tp", None) is not None
+                           else target.logits(h, upcast=False).argmax(dim=-1))  # [G]
                 gt = row_tok.new_zeros(bcap * (k + 1) + 1)
                 gt.index_copy_(0, t["ver_row"], row_tok)
                 grid_tok = gt[:-1].view(bcap, k + 1)
             else:
+                logits = target.logits(h)  # [G, V] float32
                 gl = logits.new_zeros(bcap * (k + 1) + 1, logits.shape[-1])
                 gl.index_copy_(0, t["ver_row"], logits)
                 grid_logits = gl[:-1].view(bcap, k + 1, -1)
