@@ -16,6 +16,10 @@ interleaved order (round-robin, rotated each cycle: A B C, B C A, C A B, ...;
 min-max spread, the median replay error and the gain over the best fixed ``k`` from medians;
 ``--json`` adds ``repeats``, ``order`` and ``run_log`` (per-run cycle, position, UTC start/end).
 ``N = 1`` (the ``--policy`` default) is one run per policy, output as before.
+Under ``torchrun`` both commands take ``--tp``/``--dp`` (``speccal.cli.dist.run_ranks``): every
+rank runs the library call, rank 0 alone prints (``bench``: tokens/s of the whole world, titled
+with the number of ranks), and an error on another rank surfaces on rank 0 naming the rank;
+``bench --policy`` stays on one rank.
 Human output goes to stderr through Rich, ``--json`` to stdout. Random-weight presets are
 labelled as such in both outputs. The commands only parse options into a config
 (``speccal.runner.engine.EngineConfig``, ``speccal.live.bench.PolicyBenchConfig``), call the
@@ -124,11 +128,12 @@ LOOPS = ("pipelined", "synchronous")
 TpOpt = Annotated[
     int,
     typer.Option("--tp", help="Tensor-parallel ranks per model replica (launch with torchrun "
-                 "--nproc-per-node TP*DP -m speccal generate ...)."),
+                 "--nproc-per-node TP*DP -m speccal generate|bench ...)."),
 ]
 DpOpt = Annotated[
     int,
-    typer.Option("--dp", help="Data-parallel replicas; replica d decodes prompts d, d + DP, ..."),
+    typer.Option("--dp", help="Data-parallel replicas; replica d decodes prompts d, d + DP, ... "
+                 "(in step: one agreed round shape per step)."),
 ]
 StateStrategyOpt = Annotated[
     str,
@@ -310,8 +315,9 @@ def generate(
         if engine.is_random_weights:
             console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}", soft_wrap=True)
         if comm is not None:
-            return engine, tokenizer, prompts, generate_on_ranks(engine, prompts, params, num_k,
-                                                                 comm)
+            outs = generate_on_ranks(engine, prompts, params, num_k, comm)
+            engine.compatibility()  # every rank: gathers the ranks' device names (cached)
+            return engine, tokenizer, prompts, outs
         with ProgressReporter(
             "generate",
             console=console,
@@ -379,6 +385,8 @@ def bench(
     attention_backend: AttentionOpt = None,
     loop: LoopOpt = "pipelined",
     state_strategy: StateStrategyOpt = "scratch_swap",
+    tp: TpOpt = 1,
+    dp: DpOpt = 1,
     dtype: DtypeOpt = None,
     draft_width: DraftWidthOpt = 3,
     k: KOpt = None,
@@ -458,7 +466,8 @@ def bench(
     """Speculative vs plain decoding in one process: tokens/s, TPOT, acceptance, speed-up.
 
     With --policy: the same workload live under each policy (one engine), with the replay
-    prediction of every run from its own trace."""
+    prediction of every run from its own trace. Under torchrun with --tp/--dp: every rank runs
+    both sides; rank 0 reports the whole world's tokens/s."""
     # lazy: these import torch; the CLI starts (and reports a missing torch) without it
     from speccal.live.bench import PolicyBenchConfig, run_policy_bench
     from speccal.live.bench import bench as run_bench
@@ -491,6 +500,23 @@ def bench(
         state_strategy=state_strategy,
     )
     workload = {"num_requests": num_requests, "prompt_len": prompt_len, "max_tokens": max_tokens}
+    if is_distributed(tp, dp):
+        if policy:
+            raise InputError("--policy", ",".join(policy),
+                             "unset with --tp/--dp (live policy benches run on one rank)")
+        if dp > 1 and k is not None:
+            raise InputError("--k", k, "unset with --dp > 1 (the replicas agree on k every round)")
+
+        def body(comm, console: Console) -> dict:
+            with _status_bar(console) as report:
+                return run_bench(cfg, num_draft_steps=k if k is not None else draft_width,
+                                 repeats=3 if repeats is None else repeats, seed=seed,
+                                 on_progress=report, comm=comm, **workload)
+
+        res = run_ranks(tp, dp, device, body, err_console)
+        if res is not None:  # rank 0 prints
+            _print_bench(_clean(res), model, as_json)
+        return
     if policy:
         config = PolicyBenchConfig(
             engine=cfg,
@@ -530,9 +556,14 @@ def _print_bench(res: dict, model: str, as_json: bool) -> None:
         err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {eng['description']}", soft_wrap=True)
     else:
         err_console.print(eng["description"])
+    topo = setup.get("topology")
+    where = eng["compatibility"]["device"]["name"]
+    if topo is not None:  # a torchrun run: the tokens/s are the whole world's
+        names = sorted(set(topo["devices"]))
+        where = (f"{topo['world_size']} ranks (tp={topo['tp']}, dp={topo['dp']}; "
+                 f"{', '.join(names)})")
     table = Table(
-        title=f"{model} on {eng['compatibility']['device']['name']}, "
-        f"k={setup['num_draft_steps']}, {setup['num_requests']} requests"
+        title=f"{model} on {where}, k={setup['num_draft_steps']}, {setup['num_requests']} requests"
     )
     for col in ("mode", "tokens/s", "decode tok/s", "TPOT ms", "acceptance", "mean accepted"):
         table.add_column(col)
@@ -581,10 +612,10 @@ def _parse_phases(values: list[str] | None) -> tuple:
 
 
 @contextmanager
-def _status_bar() -> Iterator[Callable[[str], None]]:
+def _status_bar(console: Console | None = None) -> Iterator[Callable[[str], None]]:
     """A transient status line on stderr (log lines when it is not a terminal); yields
-    ``report(message)``."""
-    with ProgressReporter("bench", console=err_console, transient=True) as bar:
+    ``report(message)``. ``console``: a rank's (silent on ranks other than 0)."""
+    with ProgressReporter("bench", console=console or err_console, transient=True) as bar:
         yield lambda msg: bar.update(phase=msg)
 
 

@@ -1,7 +1,8 @@
 """Library entry points of ``speccal bench``: timed live runs of the embedded runner.
 
 This module owns :func:`bench` (speculative vs plain decoding of the same random prompts in one
-process: tokens/s, TPOT, acceptance, speed-up), :func:`bench_policies` (the same workload under
+process, or on every rank of a ``torchrun`` run with ``comm``: :func:`timed_run_ranks`;
+tokens/s, TPOT, acceptance, speed-up), :func:`bench_policies` (the same workload under
 each policy object on one engine, through ``speccal.live.policies``, each policy ``repeats`` times
 in an interleaved, rotated order with per-policy medians and the replay prediction of every run)
 and :func:`run_policy_bench` (``speccal bench --policy``: a validated :class:`PolicyBenchConfig`
@@ -34,8 +35,11 @@ from speccal.live.policies import (
     run_live,
 )
 from speccal.policy import CostModel, check_adaptive_modes, make_policy, parse_policy
+from speccal.runner.distributed.dp import DataParallelRunner
+from speccal.runner.distributed.engine import DistributedEngine
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.sampling import SamplingParams
+from speccal.runner.stats import SpecStats
 from speccal.trace import save_trace
 
 #: Acceptance modes a bench may run: its requests are greedy, so ``sample`` has nothing to do.
@@ -115,6 +119,88 @@ def timed_run(
     return timing, outs
 
 
+def _replica_run(engine: Engine, rids: Sequence[int], k: int, comm: Any
+                 ) -> tuple[list[list[int]], float, float]:
+    """This rank's part of a timed run on ``comm``'s ranks over its added requests ``rids``: DP
+    replicas run in step (``DataParallelRunner``: one agreed round per step, so ``k`` is the
+    agreed one there). Returns its outputs and its prefill and decode spans."""
+    engine.synchronize()
+    t0 = time.perf_counter()
+    engine.prefill_pending()
+    engine.synchronize()
+    t1 = time.perf_counter()
+    if comm.dp_size > 1:
+        runner = DataParallelRunner(engine, comm)
+        while runner.step()[1]:
+            pass
+        engine.drain()
+    else:
+        plan = RoundPlan(k)
+        while engine.has_unfinished():
+            engine.step(plan)
+    engine.synchronize()
+    t2 = time.perf_counter()
+    outs = [list(engine.requests[r].output) for r in rids]
+    for r in rids:
+        engine.release(r)
+    return outs, t1 - t0, t2 - t1
+
+
+def timed_run_ranks(
+    engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, k: int, comm: Any,
+    phase: str = "bench: timed run",
+) -> tuple[RunTiming, list[list[int]]]:
+    """:func:`timed_run` on every rank of ``comm`` (collective: every rank calls, the same
+    ``prompts``): replica ``d`` runs prompts ``d, d + D, ...``.
+
+    The requests are added behind an error barrier (``Comm.agree``: a refusal on any rank is
+    raised on every rank naming it, and the ranks start the clock together); a rank failing
+    inside the run's collectives leaves its peers there until the group's timeout. The timing
+    is the whole run's: every replica's tokens over the slowest rank's prefill and decode spans
+    (a TP step and a DP round last as long as their slowest rank). Returns every prompt's
+    tokens, in order, on every rank.
+    """
+    mine = list(prompts)[comm.dp_rank :: comm.dp_size]
+    rids = comm.agree(f"{phase}: add the requests",
+                      lambda: [engine.add_request(p, params) for p in mine])
+    local = comm.agree(phase, lambda: _replica_run(engine, rids, k, comm))
+    seen = comm.all_gather_object(local)  # world-rank order; the TP ranks of a replica agree
+    outs: list[list[int]] = [[] for _ in prompts]
+    for d in range(comm.dp_size):
+        for j, tokens in enumerate(seen[d * comm.tp_size][0]):
+            outs[d + j * comm.dp_size] = tokens
+    prefill_s = max(p for _, p, _ in seen)
+    decode_s = max(d for *_, d in seen)
+    total = sum(len(o) for o in outs)
+    per_req_decode = np.mean([max(len(o) - 1, 1) for o in outs])
+    timing = RunTiming(
+        tokens=total,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        tokens_per_s=total / max(prefill_s + decode_s, 1e-12),
+        decode_tokens_per_s=(total - len(outs)) / max(decode_s, 1e-12),
+        tpot_ms=1000.0 * decode_s / per_req_decode,
+    )
+    return timing, outs
+
+
+def pooled_stats(engine: Engine, comm: Any) -> SpecStats:
+    """Every DP replica's speculative statistics summed (collective; the TP ranks of a replica
+    hold the same ones, so each replica counts once)."""
+    seen = comm.all_gather_object(engine.stats)
+    out = SpecStats(engine.config.draft_width)
+    for d in range(comm.dp_size):
+        s = seen[d * comm.tp_size]
+        out.num_rounds += s.num_rounds
+        out.num_drafted += s.num_drafted
+        out.num_accepted += s.num_accepted
+        out.num_emitted += s.num_emitted
+        out.drafted_at += s.drafted_at
+        out.accepted_at += s.accepted_at
+        out.hist += s.hist
+    return out
+
+
 def workload_prompts(
     vocab_size: int, num_requests: int, prompt_len: int, seed: int
 ) -> list[list[int]]:
@@ -133,12 +219,20 @@ def bench(
     repeats: int = 3,
     seed: int = 0,
     on_progress: Callable[[str], None] | None = None,
+    comm: Any = None,
 ) -> dict:
     """Speculative (``config``) vs plain decoding of the same random prompts, one process.
 
     Each side runs one warm-up generation, then ``repeats`` timed ones; the medians are
     reported. Greedy requests ignore EOS so both sides generate ``max_tokens`` tokens. The
     arguments are checked before any engine is built.
+
+    With ``comm`` (a ``speccal.runner.distributed.comm.Comm``, under ``torchrun``) every rank
+    calls this: each builds its ``DistributedEngine``, DP replica ``d`` decodes prompts ``d, d +
+    D, ...`` (with ``D > 1`` the replicas agree on every round, so ``num_draft_steps`` is the
+    agreed ``k``), the timing of each run is the whole world's (:func:`timed_run_ranks`), the
+    acceptance statistics are pooled over the replicas and ``setup.topology`` records the run
+    (``tp``, ``dp``, ``world_size``, every rank's device). Every rank returns the same result.
     """
     _check_acceptance(config.acceptance)
     check_workload(num_requests, prompt_len, max_tokens)
@@ -154,16 +248,27 @@ def bench(
     plain = dataclasses.replace(
         config, speculative=False, acceptance="greedy", acceptance_profile=None
     )
+    def run(engine, prompts, params, k, what):
+        if comm is None:
+            return timed_run(engine, prompts, params, k)
+        return timed_run_ranks(engine, prompts, params, k, comm, phase=f"bench: {what}")
+
+    topology = None
     for name, cfg, k in (("plain", plain, 0), ("spec", config, num_draft_steps)):
-        engine = Engine(cfg)
+        if comm is None:
+            engine = Engine(cfg)
+        else:
+            engine = comm.agree(f"bench: build the {name} runner",
+                                lambda cfg=cfg: DistributedEngine(cfg, comm))
         prompts = workload_prompts(engine.loaded.config.vocab_size, num_requests, prompt_len, seed)
-        timed_run(engine, prompts, dataclasses.replace(params, max_tokens=min(4, max_tokens)), k)
+        run(engine, prompts, dataclasses.replace(params, max_tokens=min(4, max_tokens)), k,
+            f"{name} warm-up")
         engine.stats = type(engine.stats)(engine.config.draft_width)
         runs = []
         for i in range(repeats):
             if on_progress:
                 on_progress(f"{name} run {i + 1}/{repeats}")
-            timing, outs = timed_run(engine, prompts, params, k)
+            timing, outs = run(engine, prompts, params, k, f"{name} run {i + 1}")
             runs.append(timing)
         outputs[name] = outs
         results[name] = {
@@ -175,8 +280,11 @@ def bench(
             "tokens_per_run": runs[0].tokens,
         }
         if k > 0:
-            results[name].update(engine.stats.to_dict())
+            stats = engine.stats if comm is None else pooled_stats(engine, comm)
+            results[name].update(stats.to_dict())
         results.setdefault("engine", {})[name] = _engine_doc(engine)
+        if comm is not None:
+            topology = dict(engine.compatibility()["topology"])
         del engine
     results["speedup"] = results["spec"]["tokens_per_s"] / results["plain"]["tokens_per_s"]
     results["tpot_speedup"] = results["plain"]["tpot_ms"] / results["spec"]["tpot_ms"]
@@ -193,6 +301,8 @@ def bench(
         "max_tokens": max_tokens,
         "repeats": repeats,
     }
+    if topology is not None:
+        results["setup"]["topology"] = topology
     return results
 
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from speccal.live.generate import generate
-from speccal.runner.engine import Engine, EngineConfig
+from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.sampling import SamplingParams
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [7, 1, 8], [100, 200, 30, 40, 50]]
@@ -119,6 +119,60 @@ def _scenarios(work: Path, ckpt: Path):
                 "draft_p_err": float((draft_p - draft_token_probability(gathered, draft_tok))
                                      .abs().max())}
 
+    def tp_gathers():
+        # argmax-only rounds reduce across the vocabulary shards: no [N, V] gather in a greedy
+        # round (draft tokens and scores, host and in-graph target tokens); sampling gathers
+        calls = []
+        gather = tp2.all_gather_tp
+
+        def counting(x, dim=-1):
+            calls.append(tuple(x.shape))
+            return gather(x, dim)
+
+        out = {}
+        for name, cfg, params in (
+            ("host", EngineConfig.flat(**BASE, input_update="host"), None),
+            ("in_graph", EngineConfig.flat(**BASE, input_update="in_graph"), None),
+            ("sample", EngineConfig(**BASE, acceptance="sample", seed=5), SAMPLED),
+        ):
+            eng = DistributedEngine(cfg, tp2)
+            params = params or SamplingParams(max_tokens=NEW, ignore_eos=True)
+            rids = [eng.add_request(p, params) for p in PROMPTS]
+            eng.prefill_pending()  # the first token is sampled from gathered logits (prefill)
+            tp2.all_gather_tp = counting
+            try:
+                while eng.has_unfinished():
+                    eng.step(RoundPlan(3))
+            finally:
+                del tp2.all_gather_tp  # the bound method again
+            out[name] = {"gathers": len(calls),
+                         "tokens": [list(eng.requests[r].output) for r in rids]}
+            calls.clear()
+        return out
+
+    def bench_ranks():  # speccal bench --tp/--dp's library call, and an error on rank 1
+        from speccal.base.errors import InputError
+        from speccal.live.bench import bench, timed_run_ranks
+
+        cfg = EngineConfig(**BASE)
+        kw = dict(num_requests=3, prompt_len=6, max_tokens=6, num_draft_steps=3, repeats=1)
+        out = {name: bench(cfg, comm=c, **kw) for name, c in (("tp2", tp2), ("dp2", dp2))}
+        res = {name: {"setup": r["setup"], "outputs_equal": r["outputs_equal"],
+                      "tokens": [r["plain"]["tokens_per_run"], r["spec"]["tokens_per_run"]],
+                      "rounds": r["spec"]["rounds"], "accepted": r["spec"]["accepted"]}
+               for name, r in out.items()}
+        eng = DistributedEngine(cfg, tp2)
+        if tp2.rank == 1:
+            def refuse(*_):
+                raise InputError("prompt", "rank 1's", "a test refusal")
+            eng.add_request = refuse
+        try:
+            timed_run_ranks(eng, PROMPTS, SamplingParams(max_tokens=2), 3, tp2)
+        except Exception as exc:  # noqa: BLE001 - the refusal is the result
+            res["error"] = {"type": type(exc).__name__, "message": str(exc),
+                            "exit_code": getattr(exc, "exit_code", None)}
+        return res
+
     def dp_tiny():
         eng = DistributedEngine(EngineConfig(**BASE), dp2)
         mine = PROMPTS[dp2.dp_rank::2]
@@ -172,7 +226,7 @@ def _scenarios(work: Path, ckpt: Path):
         return {"error": None}
 
     return {"tp_tiny": tp_tiny, "tp_hf": tp_hf, "tp_argmax": tp_argmax, "dp_tiny": dp_tiny,
-            "generate_ranks": generate_ranks,
+            "generate_ranks": generate_ranks, "tp_gathers": tp_gathers, "bench_ranks": bench_ranks,
             "calibrate_tp2": calibrate_tp2, "calibrate_dp2": calibrate_dp2,
             "calibrate_skewed": calibrate_skewed,
             "rank_error": rank_error}
@@ -280,7 +334,9 @@ def test_tp2_tiny_greedy_equals_tp1(ranks):
         assert out["pipelined"] == ref, f"rank {r} pipelined loop"
         assert out["sample"] == sampled, f"rank {r} rejection sampling (gathered logits)"
         assert out["kv_heads"] == 1  # the tiny preset's 2 KV heads, one per rank
-        assert out["compat_topology"] == {"tp": 2, "dp": 1}
+        topo = out["compat_topology"]
+        assert (topo["tp"], topo["dp"], topo["world_size"]) == (2, 1, 2)
+        assert len(topo["devices"]) == 2 and all(topo["devices"])
 
 
 def test_tp2_hf_checkpoint_greedy_equals_tp1(ranks):
@@ -315,6 +371,34 @@ def test_dp2_replicas_give_tp1_tokens_and_agree_on_one_bucket(ranks):
         assert [r0["physical"][i], r1["physical"][i]] == g
 
 
+def test_tp2_greedy_rounds_gather_no_logits_and_keep_tp1_tokens(ranks):
+    ref = _reference()
+    sampled = generate(Engine(EngineConfig(**BASE, acceptance="sample", seed=5)), PROMPTS,
+                       SAMPLED, 3)
+    for r, out in enumerate(_ok(ranks, "tp_gathers")):
+        assert out["host"]["gathers"] == 0 and out["in_graph"]["gathers"] == 0, f"rank {r}"
+        assert out["host"]["tokens"] == ref and out["in_graph"]["tokens"] == ref, f"rank {r}"
+        assert out["sample"]["gathers"] > 0  # rejection sampling needs the whole distribution
+        assert out["sample"]["tokens"] == sampled, f"rank {r}"
+
+
+def test_bench_on_ranks_reports_the_world_and_names_a_failing_rank(ranks):
+    a, b = _ok(ranks, "bench_ranks")
+    for name, (tp, dp) in (("tp2", (2, 1)), ("dp2", (1, 2))):
+        assert a[name] == b[name], name  # every rank returns the same result
+        topo = a[name]["setup"]["topology"]
+        assert (topo["tp"], topo["dp"], topo["world_size"]) == (tp, dp, 2)
+        assert len(topo["devices"]) == 2
+        assert a[name]["outputs_equal"]  # greedy: spec == plain
+        assert a[name]["tokens"] == [3 * 6, 3 * 6]  # every replica's tokens, not rank 0's
+    assert a["dp2"]["rounds"] > 0
+    for o in (a, b):
+        assert o["error"]["type"] == "RankError" and o["error"]["exit_code"] == 2
+        assert ("bench: timed run: add the requests failed on 1 rank(s): rank 1: InputError: "
+                "prompt: got "
+                "\"rank 1's\", expected a test refusal") in o["error"]["message"]
+
+
 def test_generate_on_ranks_returns_every_prompt_in_order_on_every_rank(ranks):
     ref = _reference()
     for r, out in enumerate(_ok(ranks, "generate_ranks")):
@@ -334,7 +418,10 @@ def test_two_rank_calibration_writes_one_table_with_topology(ranks):
     assert [d["rank"] for d in a["topology"]["devices"]] == [0, 1]
     assert {s["bcap"] for s in a["skew"]} == {1}
     table = load_table(work / "t.json")
-    assert table.compatibility.topology.tp == 2 and table.compatibility.topology.dp == 1
+    topo = table.compatibility.topology
+    assert (topo.tp, topo.dp, topo.world_size) == (2, 1, 2)
+    assert topo.devices == [d["name"] for d in a["topology"]["devices"]]  # both ranks', in order
+    assert len(topo.devices) == 2
     journal = (work / "t.json.journal.jsonl").read_text().splitlines()
     assert {json.loads(x)["row"]["rank"] for x in journal[1:]} == {0, 1}
     one = Engine(EngineConfig(model="tiny", acceptance="forced", request_buckets=(1,),
