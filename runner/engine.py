@@ -54,8 +54,8 @@ from speccal.runner.kv_cache import KVCache
 from speccal.runner.loader import LoadedModel, load_model
 from speccal.runner.path import ExecutionPath, bind_path
 from speccal.runner.prefill import prefill
-from speccal.runner.prompt_source import PromptSource
 from speccal.runner.presets import PRESETS
+from speccal.runner.prompt_source import PromptSource
 from speccal.runner.request import Request
 from speccal.runner.round import RoundRunner
 from speccal.runner.sampling import SamplingParams, check_supported
