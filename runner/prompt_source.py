@@ -26,7 +26,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from speccal.base.errors import InputError
 from speccal.runner import sampling
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.model import TargetModel
@@ -62,13 +61,10 @@ class PromptSource:
 
     def admit(self, reqs: list[Request], target: TargetModel, kv: KVCache,
               generator: torch.Generator, device: torch.device) -> list[tuple[int, torch.Tensor]]:
-        """KV of each request's prompt (a covered prefix) copied into its blocks, its first token
+        """KV of each request's prompt (a prefix :meth:`covers` accepted: the caller checks)
+        copied into its blocks, its first token
         sampled; returns ``(token, hidden row)`` per request, as ``prefill`` would. Sets
         ``num_computed`` / ``is_prefilled`` like ``prefill``."""
-        for req in reqs:
-            if not self.covers(req.prompt):
-                raise InputError("prompt", f"{len(req.prompt)} tokens",
-                                 f"a prefix of the prompt source ({len(self.tokens)} tokens)")
         dst, src = [], []
         for req in reqs:
             n = len(req.prompt)

@@ -93,43 +93,35 @@ def timed_run(
 ) -> tuple[RunTiming, list[list[int]]]:
     """One timed generation: prefill (synced), then rounds until every request finishes."""
     rids = [engine.add_request(p, params) for p in prompts]
-    engine.synchronize()
-    t0 = time.perf_counter()
-    engine.prefill_pending()
-    engine.synchronize()
-    t1 = time.perf_counter()
-    plan = RoundPlan(k)
-    while engine.has_unfinished():
-        engine.step(plan)
-    engine.synchronize()
-    t2 = time.perf_counter()
-    outs = [list(engine.requests[r].output) for r in rids]
-    for r in rids:
-        engine.release(r)
+    outs, prefill_s, decode_s = _replica_run(engine, rids, k, None)
+    return _run_timing(outs, prefill_s, decode_s), outs
+
+
+def _run_timing(outs: list[list[int]], prefill_s: float, decode_s: float) -> RunTiming:
+    """A run's :class:`RunTiming` from its outputs and its prefill and decode spans."""
     total = sum(len(o) for o in outs)
     per_req_decode = np.mean([max(len(o) - 1, 1) for o in outs])
-    timing = RunTiming(
+    return RunTiming(
         tokens=total,
-        prefill_s=t1 - t0,
-        decode_s=t2 - t1,
-        tokens_per_s=total / (t2 - t0),
-        decode_tokens_per_s=(total - len(outs)) / max(t2 - t1, 1e-12),
-        tpot_ms=1000.0 * (t2 - t1) / per_req_decode,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        tokens_per_s=total / max(prefill_s + decode_s, 1e-12),
+        decode_tokens_per_s=(total - len(outs)) / max(decode_s, 1e-12),
+        tpot_ms=1000.0 * decode_s / per_req_decode,
     )
-    return timing, outs
 
 
-def _replica_run(engine: Engine, rids: Sequence[int], k: int, comm: Any
+def _replica_run(engine: Engine, rids: Sequence[int], k: int, comm: Any | None
                  ) -> tuple[list[list[int]], float, float]:
-    """This rank's part of a timed run on ``comm``'s ranks over its added requests ``rids``: DP
-    replicas run in step (``DataParallelRunner``: one agreed round per step, so ``k`` is the
-    agreed one there). Returns its outputs and its prefill and decode spans."""
+    """A timed run over the added requests ``rids`` (on ``comm``'s ranks: this rank's part; DP
+    replicas run in step, ``DataParallelRunner``: one agreed round per step, so ``k`` is the
+    agreed one there). Returns the outputs and the prefill and decode spans."""
     engine.synchronize()
     t0 = time.perf_counter()
     engine.prefill_pending()
     engine.synchronize()
     t1 = time.perf_counter()
-    if comm.dp_size > 1:
+    if comm is not None and comm.dp_size > 1:
         runner = DataParallelRunner(engine, comm)
         while runner.step()[1]:
             pass
@@ -171,17 +163,7 @@ def timed_run_ranks(
             outs[d + j * comm.dp_size] = tokens
     prefill_s = max(p for _, p, _ in seen)
     decode_s = max(d for *_, d in seen)
-    total = sum(len(o) for o in outs)
-    per_req_decode = np.mean([max(len(o) - 1, 1) for o in outs])
-    timing = RunTiming(
-        tokens=total,
-        prefill_s=prefill_s,
-        decode_s=decode_s,
-        tokens_per_s=total / max(prefill_s + decode_s, 1e-12),
-        decode_tokens_per_s=(total - len(outs)) / max(decode_s, 1e-12),
-        tpot_ms=1000.0 * decode_s / per_req_decode,
-    )
-    return timing, outs
+    return _run_timing(outs, prefill_s, decode_s), outs
 
 
 def pooled_stats(engine: Engine, comm: Any) -> SpecStats:
