@@ -22,8 +22,8 @@ table):
   recurrent state, the value of every table measured before the field existed). An ``attention_backend`` recorded as
   ``unknown`` on either side (a migrated version 1 table) only warns.
 - **performance-only** (``CompatibilityWarning``): ``device.name``, ``topology.devices`` (every
-  rank's device name in world-rank order, recorded by a multi-rank run; a differing list names
-  the differing ranks, unknown on either side is silent: ``device.name`` covers rank 0),
+  rank's device name in world-rank order; a differing list names the differing ranks; unknown
+  on either side, or one rank on both, is silent: ``device.name`` covers rank 0),
   ``input_update`` (in-graph
   or host metadata update: the same round, another launch schedule), the kernel configuration
   (a digest mismatch names every differing field of the two configs by dotted key,
@@ -176,8 +176,9 @@ class Topology(_Strict):
     """Tensor and data parallel sizes; ``unknown`` where no runner recorded them (a bare fit).
 
     ``world_size`` (``tp * dp``) and ``devices`` (every rank's device name, world-rank order)
-    are recorded by a multi-rank run (``DistributedEngine.compatibility``); a table without
-    them, and a one-rank engine, leaves them ``unknown``, which is not written.
+    are recorded by every run since they exist (``Engine.compatibility``: one rank, its
+    device; ``DistributedEngine.compatibility``: the whole world); a table older than them (or
+    a bare fit) leaves them ``unknown``, which is not written.
     """
 
     tp: Annotated[int, Field(ge=1)] | Literal["unknown"]
@@ -348,8 +349,8 @@ def make_compatibility(
     ``tp``, ``dp``, ``graph_mode`` and ``device_kind`` accept ``unknown`` too (what a bare
     ``speccal fit`` records: :data:`UNKNOWN_RUN`); a semantic field recorded as unknown differs
     from every running config's value, so such a table is refused, naming the field.
-    ``world_size`` and ``devices`` (rank order) default to unknown (not written), as a one-rank
-    run records them.
+    ``world_size`` and ``devices`` (rank order) default to unknown (not written): nothing
+    about the run is invented.
     """
     if kernel_config is None:
         kernels = dict(UNKNOWN_EXECUTION["kernels"])
@@ -451,8 +452,9 @@ def topology_mismatches(expected: Topology, found: Topology) -> list[Mismatch]:
 
     ``world_size`` is semantic where both sides know it; ``devices`` performance-only, naming
     each rank whose device differs (another count of ranks: every rank past the shorter list).
-    ``unknown`` on either side is not compared (a one-rank engine, a table older than the
-    fields): ``tp`` and ``dp`` decide the layout, ``device.name`` rank 0's device.
+    ``unknown`` on either side is not compared (a table older than the fields, a bare fit):
+    ``tp`` and ``dp`` decide the layout, ``device.name`` rank 0's device; nor are two one-rank
+    lists (``device.name`` already names that device: one warning, not two).
     """
     out = []
     if UNKNOWN not in (expected.world_size, found.world_size) and (
@@ -460,7 +462,7 @@ def topology_mismatches(expected: Topology, found: Topology) -> list[Mismatch]:
     ):
         out.append(Mismatch("topology.world_size", expected.world_size, found.world_size, True))
     e, f = expected.devices, found.devices
-    if UNKNOWN not in (e, f) and e != f:
+    if UNKNOWN not in (e, f) and e != f and not len(e) == len(f) == 1:
         ranks = [r for r in range(max(len(e), len(f)))
                  if r >= len(e) or r >= len(f) or e[r] != f[r]]
         detail = "; ".join(

@@ -435,6 +435,7 @@ class Engine:
         """Compatibility metadata (docs/ARCHITECTURE.md) of this engine. ``state_strategy``
         only where the target keeps recurrent state (a table without it means ``none``, the
         form a dense target's table has always had)."""
+        name = device_name(self.device)
         out = {
             "draft_width": self.config.draft_width,
             "model": {
@@ -443,10 +444,11 @@ class Engine:
                 "dtype": self.dtype_name,
                 "quantization": "none",
             },
-            "topology": {"tp": 1, "dp": 1},
+            # one rank: DistributedEngine records the whole world's layout and device names
+            "topology": {"tp": 1, "dp": 1, "world_size": 1, "devices": [name]},
             "graph_mode": self.path.graph_mode,
             "verification_mode": self.config.acceptance,
-            "device": {"kind": self.device.type, "name": device_name(self.device)},
+            "device": {"kind": self.device.type, "name": name},
             "attention_backend": self.path.attention_backend,
             "input_update": self.input_update,
             "kernels": {"digest": self.path.kernels.digest(),

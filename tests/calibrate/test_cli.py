@@ -105,7 +105,9 @@ def _edit(path, dest, fn):
 @pytest.mark.parametrize(
     "edit, field",
     [
-        (lambda d: d["compatibility"]["topology"].update(dp=2), "topology.dp"),
+        (lambda d: d["compatibility"]["topology"].update(
+            dp=2, world_size=2, devices=d["compatibility"]["topology"]["devices"] * 2),
+         "topology.dp"),
         (lambda d: d["compatibility"].update(graph_mode="unified"), "graph_mode"),
     ],
 )

@@ -1,7 +1,8 @@
 """Topology in the compatibility metadata: tp, dp and world_size are semantic (another layout is
 refused naming expected and found), the per-rank device names performance-only (a warning
-naming the ranks), and a table without world_size / devices (older, or one rank) loads with
-them unknown and writes them nowhere."""
+naming the ranks); a one-rank run records world_size 1 and its device, and a table without
+world_size / devices (older than them, or a bare fit) loads with them unknown and writes them
+nowhere."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ from .fixtures.make_fixtures import HERE as FIXTURES
 from .helpers import compat, measurements
 
 CPU = "Intel(R) Xeon(R) Processor"
+
+
+def one_rank(name: str = "test-cpu", **changes) -> dict:
+    """COMPAT as a one-rank run records it (Engine.compatibility): world_size 1, its device."""
+    return compat(**{"topology.world_size": 1, "topology.devices": [name], "device.name": name,
+                     **changes})
 
 
 def two_ranks(**changes) -> dict:
@@ -96,3 +103,44 @@ def test_bad_topology_is_refused_naming_the_field(topology, field, expected):
     with pytest.raises(InputError, match=rf"compatibility\.{re.escape(field)}: got .*expected "
                                           rf"{re.escape(expected)}"):
         as_compatibility(compat(topology=topology))
+
+
+def test_one_rank_table_records_its_world_and_refuses_two_ranks(tmp_path):
+    path = save_table(build_table(measurements(), compatibility=one_rank()), tmp_path / "t.json")
+    topo = json.loads(path.read_text())["compatibility"]["topology"]
+    assert topo == {"tp": 1, "dp": 1, "world_size": 1, "devices": ["test-cpu"]}
+    assert load_table(path, expect=one_rank()).compatibility.topology.world_size == 1
+    with pytest.raises(CompatibilityError) as info:
+        load_table(path, expect=two_ranks())
+    assert "topology.tp: expected 2, found 1" in str(info.value)
+    assert "topology.world_size: expected 2, found 1" in str(info.value)
+
+
+def test_one_rank_table_on_another_device_warns_once_by_device_name(tmp_path):
+    # device.name already names rank 0's device: topology.devices would only repeat it
+    path = save_table(build_table(measurements(), compatibility=one_rank()), tmp_path / "t.json")
+    with pytest.warns(CompatibilityWarning) as seen:
+        load_table(path, expect=one_rank("other-cpu"))
+    (msg,) = [str(w.message) for w in seen if "device" in str(w.message)]
+    assert "device.name: expected 'other-cpu', found 'test-cpu'" in msg
+    assert "topology.devices" not in msg
+
+
+@pytest.mark.parametrize("golden", ["table_legacy_no_draft_width.json", "table_v1_additive.json",
+                                    "table_v1_sps.json", "table_v2_additive.json",
+                                    "table_v2_sps.json"])
+def test_every_past_golden_loads_under_a_one_rank_engine_with_its_world_unknown(golden):
+    table = load_table(FIXTURES / golden)
+    recorded = table.compatibility.model_dump(mode="json")
+    assert set(recorded["topology"]) == {"tp", "dp"}  # unknown world: not written
+    name = recorded["device"]["name"]
+    running = {**recorded, "topology": {"tp": 1, "dp": 1, "world_size": 1, "devices": [name]}}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        again = load_table(FIXTURES / golden, expect=running)
+    assert not [w for w in seen if "topology" in str(w.message)]
+    assert (again.compatibility.topology.world_size, again.compatibility.topology.devices) == (
+        "unknown", "unknown")
+    with pytest.raises(CompatibilityError, match=r"topology\.tp: expected 2, found 1"):
+        load_table(FIXTURES / golden, expect={
+            **running, "topology": {"tp": 2, "dp": 1, "world_size": 2, "devices": [name] * 2}})
