@@ -124,8 +124,8 @@ class RotaryTable(torch.nn.Module):
         k: torch.Tensor,  # [N, num_kv_heads, head_dim]
         positions: torch.Tensor,  # [N] int64
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions][:, None, :]  # [N, 1, rotary_dim]
-        sin = self.sin[positions][:, None, :]
+        cos = self.cos.index_select(0, positions)[:, None, :]  # [N, 1, rotary_dim]
+        sin = self.sin.index_select(0, positions)[:, None, :]
         return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
 
 
