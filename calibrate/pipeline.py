@@ -491,7 +491,9 @@ def _measure(
         "config": cfg.to_dict(),
         "geometry": geometry.to_dict(),
         "compatibility": dict(compat),
-        "measurement": {"threads": threads.threads},
+        # "windows": every window of a point a replicate at the same KV (driver, step 1); a
+        # journal whose windows advanced through the interval is another run's
+        "measurement": {"threads": threads.threads, "windows": "replicates"},
     }
     device_label = f"{compat['device']['kind']}:{compat['device']['name']}"
     vocab_size = _vocab_size(engine)

@@ -343,7 +343,8 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
         console.print(f"  {s.describe()}", soft_wrap=True, highlight=False)
     header = {"config": cfg.to_dict(), "geometry": geometry.to_dict(),
               "compatibility": dict(compat),
-              "measurement": {"threads": threads.threads, "topology": topo}}
+              "measurement": {"threads": threads.threads, "topology": topo,
+                              "windows": "replicates"}}
     if is_root:  # every rank's windows, each tagged with its rank
         with open_journal(opts.journal_path, header, resume=False, overwrite=True) as journal:
             for rank, rows in enumerate(by_rank):

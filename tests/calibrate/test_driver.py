@@ -1,5 +1,5 @@
-"""The driver's window-major order, the advanced prompts that keep each window's KV range, and
-the prompt plan that measures every point at the same mean KV length."""
+"""The driver's window-major order, windows that replicate one KV range, and the prompt plan that
+measures every point at the same mean KV length."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from speccal.calibrate.driver import (
     calibrated_kv_length,
     mean_measured_rounds,
     prompt_lengths,
+    replicate_advance,
     synthetic_prompts,
 )
 from speccal.calibrate.feasibility import reserve_tokens
@@ -52,19 +53,31 @@ def test_windows_run_window_major(tmp_path, small_config, engine_factory):
     assert len(order) == 4 * 3 and len(set(order)) == 12
 
 
-def test_window_i_starts_where_a_sequential_run_would(tmp_path, small_config, engine_factory):
-    """Forced acceptance grows each request by v + 1 per round: window i's mean KV sits
-    ``window_steps * (v + 1)`` above window i - 1's, as if the windows ran back to back."""
+def test_windows_of_a_point_are_replicates_at_one_kv(tmp_path, small_config, engine_factory):
+    """Every window of a point (re-measures too) starts at the middle of a back-to-back run
+    (``replicate_advance`` rounds in), so a point's windows share one mean KV, the interval's
+    calibrated KV: the window spread the gate judges holds noise, not the KV growth (windows
+    advanced by ``i * window_steps`` rounds sat ``window_steps * (v + 1)`` tokens apart)."""
     rows = _cfg(tmp_path, small_config, engine_factory, windows_per_point=3, window_steps=3)
+    assert replicate_advance(replace(_default_like_cfg(), window_steps=3)) == 3
     by_point: dict = {}
     for r in rows:
-        by_point.setdefault((r["bcap"], r["g"], r["k"]), {})[r["window_index"]] = r[
-            "mean_kv_length"
-        ]
-    for (bcap, g, k), kv in by_point.items():
-        per_round = g / bcap  # mean (v + 1) over the batch
-        for i in (1, 2):
-            assert abs(kv[i] - kv[i - 1] - 3 * per_round) < 1e-9, (bcap, g, k, kv)
+        by_point.setdefault((r["context_index"], r["bcap"], r["g"], r["k"]), []).append(r)
+    assert len(by_point) == 4
+    for key, windows in by_point.items():
+        assert sorted(r["window_index"] for r in windows) == [0, 1, 2], key
+        kv = {r["mean_kv_length"] for r in windows}
+        assert len(kv) == 1, (key, kv)
+
+
+def test_replicate_advance_is_the_middle_of_a_back_to_back_run():
+    base = _default_like_cfg()
+    assert replicate_advance(base) == 32  # 3 windows of 32 rounds
+    assert replicate_advance(replace(base, windows_per_point=1)) == 0
+    assert replicate_advance(replace(base, windows_per_point=2, window_steps=7)) == 3
+    # mean measured rounds: the transition, warmup, the middle of a window, the advance
+    cfg = replace(base, warmup_steps=8, windows_per_point=2, window_steps=7)
+    assert mean_measured_rounds(cfg) == 1 + 8 + 4 + 3
 
 
 def test_advanced_prompts_extend_the_base_prompts(small_config, engine_factory):

@@ -284,7 +284,7 @@ def test_threads_flag_is_used_recorded_and_part_of_the_journal_key(tmp_path, cfg
         run(tmp_path, cfg_path, make, threads=2)
     assert make.last.threads_seen == {2}
     header = json.loads((tmp_path / "t.json.journal.jsonl").read_text().splitlines()[0])
-    assert header["measurement"] == {"threads": 2}
+    assert header["measurement"] == {"threads": 2, "windows": "replicates"}
     # windows measured with 2 threads are not mixed with windows measured with 1
     with pytest.raises(Exception, match="another run"):
         run(tmp_path, cfg_path, fake(), resume=True)
