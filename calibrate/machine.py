@@ -164,3 +164,19 @@ def describe_load(sample: dict[str, Any]) -> str:
     if gpu is not None:
         text += f", GPU {gpu:.0f} % busy"
     return text
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux ``/proc``; None elsewhere): what a command spent
+    before its own clock started (interpreter start-up, imports), shown in a cold start's
+    breakdown."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            # field 22 (starttime, clock ticks since boot) counted after the ")" closing comm
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+

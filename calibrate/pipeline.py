@@ -253,16 +253,17 @@ def calibrate(
     """
     console = console or Console(stderr=True)
     t_start = time.perf_counter()
+    startup_s = machine.process_age_s()  # interpreter start and imports, before this clock
     _check_options(opts)
     if opts.cost_table is not None:
-        return _calibrate(opts, console, engine_factory, t_start, clock)
+        return _calibrate(opts, console, engine_factory, t_start, clock, startup_s)
     held: list[lock.OutputLock] = []
     try:
         for output, field_name in _locked_outputs(opts):
             held.append(lock.acquire(output, field_name, command=_invocation()))
         # Under the lock, so that no other run changes the journal between check and use.
         check_discard(opts.journal_path, resume=opts.resume, overwrite=opts.overwrite)
-        return _calibrate(opts, console, engine_factory, t_start, clock)
+        return _calibrate(opts, console, engine_factory, t_start, clock, startup_s)
     finally:
         for h in reversed(held):
             h.release()
@@ -274,8 +275,10 @@ def _calibrate(
     engine_factory: Callable[[CalibrateOptions], Any] | None,
     t_start: float,
     clock: Callable[[], float],
+    startup_s: float | None = None,
 ) -> dict[str, Any]:
-    """``calibrate`` after the option checks, with the outputs locked."""
+    """``calibrate`` after the option checks, with the outputs locked; ``startup_s``: the
+    process's age when ``calibrate`` started (reported with the timings)."""
     parsed = parse_config_file(opts.config_path) if opts.config_path is not None else None
 
     meter = _compile_meter()
@@ -292,6 +295,9 @@ def _calibrate(
             soft_wrap=True,
         )
         compile_info = _compile_info(engine, meter)
+        build = getattr(engine, "build_timings", None)
+        if build:
+            console.print(_build_line(build, startup_s), soft_wrap=True)
         if compile_info is not None:
             console.print(_compile_line(compile_info), soft_wrap=True)
 
@@ -400,7 +406,8 @@ def _calibrate(
         "kv_model": report.kv_model_errors(table),
         "quality": quality,
         "timing": table.calibration.timing.model_dump(mode="json"),
-        "timings": {**timings, "fit_s": fit_s, "total_s": time.perf_counter() - t_start},
+        "timings": {**timings, "fit_s": fit_s, "total_s": time.perf_counter() - t_start,
+                    "startup_s": startup_s, "build": dict(getattr(engine, "build_timings", None) or {})},
         "triton_compile": {**(compile_info or {}), "in_process_compiles": meter.count,
                            "in_process_compile_s": round(meter.seconds, 3)},
     }
@@ -447,6 +454,16 @@ def _compile_info(engine: Any, meter: Any) -> dict[str, Any] | None:
     return {"precompile": rep.to_dict(), "build_compiles": meter.count,
             "build_compile_s": round(meter.seconds, 3),
             "graphs": len(graphs.graphs), "capture_s": round(graphs.capture_s, 3)}
+
+
+def _build_line(build: dict[str, float], startup_s: float | None) -> str:
+    """Where the runner build's time went (``Engine.build_timings``) and the process's start-up."""
+    parts = [f"{name[:-2]} {build[name]:.1f} s" for name in ("load_s", "setup_s", "fuse_s",
+                                                          "graphs_s") if name in build]
+    line = f"runner build {build.get('total_s', 0.0):.1f} s ({', '.join(parts)})"
+    if startup_s is not None:
+        line += f"; process start-up and imports before calibrate {startup_s:.1f} s"
+    return line
 
 
 def _compile_line(info: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ the state traffic of the round's shape; the strategy is part of :meth:`Engine.co
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -292,6 +293,9 @@ class Engine:
             default_dtype(self.device) if preset is None or self.device.type != "cpu" else "float32"
         )
         self.dtype_name = dtype
+        # where the build's time goes (speccal calibrate prints it: cold start is a product goal)
+        t_build = time.perf_counter()
+        self.build_timings: dict[str, float] = {}
         w = config.draft_width
         # a pipelined request may run one round past its stop: w + 1 more positions / KV slots
         self._lag_slots = w + 1 if config.pipeline else 0
@@ -300,6 +304,7 @@ class Engine:
                                                     max_len + w + 2 + self._lag_slots)
         mcfg = self.loaded.config
         self._has_state = self.loaded.capabilities.has_recurrent_state
+        self.build_timings["load_s"] = time.perf_counter() - t_build
         if config.max_model_len is None:
             max_len = min(mcfg.max_position_embeddings, 4096)
         elif config.max_model_len > mcfg.max_position_embeddings:
@@ -362,6 +367,8 @@ class Engine:
             pipeline=config.pipeline,
             state=state,
         )
+        self.build_timings["setup_s"] = time.perf_counter() - t_build - self.build_timings["load_s"]
+        t_fuse = time.perf_counter()
         for module in (self.loaded.target, self.loaded.draft):
             if module is not None:
                 bind_path(module, self.path)
@@ -372,8 +379,12 @@ class Engine:
             if self.loaded.draft is not None:
                 self.loaded.draft.layer.self_attn.fuse_weights()
                 self.loaded.draft.layer.mlp.fuse_weights()
+        self.build_timings["fuse_s"] = time.perf_counter() - t_fuse
         if self.path.graph_mode == "split":
-            self._capture_graphs()
+            t_capture = time.perf_counter()
+            self._capture_graphs()  # precompile (CUDA + Triton) and capture
+            self.build_timings["graphs_s"] = time.perf_counter() - t_capture
+        self.build_timings["total_s"] = time.perf_counter() - t_build
         self.stats = SpecStats(w)
         self._ids = itertools.count()
         self._waiting: list[Request] = []

@@ -163,3 +163,20 @@ def test_measured_mean_kv_is_the_same_for_every_bucket(tmp_path, engine_factory)
     for key, kv in means.items():
         assert abs(kv - target) <= 0.5, (key, kv, target)
     assert max(means.values()) - min(means.values()) <= 1.0
+
+
+def test_runner_build_and_startup_are_reported(tmp_path, small_config, engine_factory):
+    """The cold-start breakdown: the engine's build phases (``Engine.build_timings``) and the
+    process's start-up before ``calibrate`` are printed and in the JSON timings."""
+    import io
+
+    out = io.StringIO()
+    opts = CalibrateOptions(config_path=small_config, out=tmp_path / "t.json", progress=False,
+                            remeasure_rounds=0, accept_noisy=True)
+    summary = calibrate(opts, console=Console(file=out, width=200), engine_factory=engine_factory)
+    build = summary["timings"]["build"]
+    assert set(build) >= {"load_s", "setup_s", "fuse_s", "total_s"}
+    assert 0 <= build["load_s"] <= build["total_s"]
+    assert summary["timings"]["startup_s"] > 0  # Linux /proc (CI and the GPU hosts)
+    line = next(ln for ln in out.getvalue().splitlines() if ln.startswith("runner build "))
+    assert "load " in line and "process start-up and imports" in line
