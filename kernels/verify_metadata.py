@@ -17,14 +17,14 @@ import triton
 import triton.language as tl
 
 from speccal.kernels.pdl import pdl_enter
-from speccal.kernels.verify_tokens import packed_rows
+from speccal.kernels.verify_tokens import index_blocks, packed_rows
 
 __all__ = ["verify_metadata_update_triton"]
 
 INT32_MAX = 2**31 - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("B", "G", "K_MAX", "max_cu"))  # as verify_tokens' kernel
 def _verify_metadata_kernel(
     vl_ptr, ctx_ptr, bt_ptr, pos_ptr, slot_ptr, seq_ptr, cu_ptr, grid_ptr,
     B, G, K_MAX, stride_bt, max_blocks, page, max_cu,
@@ -85,8 +85,7 @@ def verify_metadata_update_triton(
         verify_lens, context_lens, block_table, positions, slot_mapping, seq_lens, cu_q_lens,
         grid_rows if grid_rows is not None else positions, batch, g, k_max,
         block_table.stride(0), block_table.shape[1], block_size, cap,
-        BLOCK_B=triton.next_power_of_2(batch), BLOCK_R=triton.next_power_of_2(k_max + 1),
-        BLOCK_G=min(1024, triton.next_power_of_2(g)), GRID=grid_rows is not None, PDL=pdl,
+        **index_blocks(batch, k_max, g), GRID=grid_rows is not None, PDL=pdl,
         **({} if argmax_keys is None else dict(keys_ptr=argmax_keys, KEYS=True)),
         num_warps=1, launch_pdl=pdl,
     )

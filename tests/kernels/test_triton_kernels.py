@@ -856,3 +856,34 @@ def test_attention_signal_lets_the_panel_poll(rows, max_splits, fold):
             assert ops.attention_signal(h, wo, tune).counters.tolist() == [0, 0]
     for a, b in zip(*graphs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_index_kernels_compile_once_for_every_bucket():
+    """Cold start: the verify token / metadata kernels compile one specialization for every
+    (Bcap, k, G) of a default grid up to 16 requests (``verify_tokens.index_blocks``, shape
+    integers not specialised), not one per shape (48 of dense-2b's 133 precompiled kernels)."""
+    if DEV == "cpu":
+        pytest.skip("the interpreter keeps no compiled specializations")
+    from speccal.kernels.verify_metadata import _verify_metadata_kernel
+    from speccal.kernels.verify_tokens import _verify_token_kernel
+
+    def specializations(kernel):
+        return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+    before = (specializations(_verify_token_kernel), specializations(_verify_metadata_kernel))
+    for batch in (1, 2, 4, 8, 16):
+        for k_max in (1, 2, 3, 5):
+            g = batch * (k_max + 1)
+            base, drafts, vl, ctx, bt = _verify_inputs(batch * 7 + k_max, batch, k_max, g)
+            base, drafts, vl, ctx, bt = (x.to(DEV) for x in (base, drafts, vl, ctx, bt))
+            ids = torch.empty(g, dtype=torch.int64, device=DEV)
+            ops.verify_token_update(base, drafts, vl, ids, pad_id=-1, backend="triton")
+            pos = torch.empty(g, dtype=torch.int64, device=DEV)
+            slots = torch.empty(g, dtype=torch.int64, device=DEV)
+            seq = torch.empty(batch, dtype=torch.int32, device=DEV)
+            cu = torch.empty(batch + 1, dtype=torch.int32, device=DEV)
+            ops.verify_metadata_update(vl, ctx, bt, 16, pos, slots, seq, cu, k_max, max_cu=g,
+                                       backend="triton")
+    after = (specializations(_verify_token_kernel), specializations(_verify_metadata_kernel))
+    # at most one new specialization each (none if an earlier test compiled the same flag set)
+    assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1, (before, after)
