@@ -45,7 +45,7 @@ def packed_rows(vl_ptr, b, B, K_MAX, BLOCK_B: tl.constexpr):
 
 # The shape integers are not specialised (Triton would compile B = 1, G = 1, K_MAX = 1 and
 # multiples of 16 apart): an index kernel gains nothing from it (``index_blocks``).
-@triton.jit(do_not_specialize=("B", "G", "K_MAX", "stride_d"))
+@triton.jit(do_not_specialize=("B", "G", "K_MAX", "stride_d", "pad_id"))
 def _verify_token_kernel(
     base_ptr, bidx_ptr, draft_ptr, vl_ptr, ids_ptr, B, G, K_MAX, stride_d, pad_id,
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, INDEXED: tl.constexpr,
