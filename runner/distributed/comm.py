@@ -10,12 +10,18 @@ Backend: ``nccl`` for CUDA devices, ``gloo`` for CPU (:func:`backend_for`). Host
 (``all_gather_object``, ``broadcast_object``) go through a gloo group either way, so metadata
 never lands on a device stream. :meth:`Comm.agree` is the error barrier: each rank runs a phase,
 then every rank learns which ranks failed and why, so an error on rank 1 surfaces on rank 0
-naming the rank instead of leaving rank 0 waiting in a collective.
+naming the rank instead of leaving rank 0 waiting in a collective. A rank that fails while a
+peer is still inside the phase (blocked in a collective with it) does not wait for that peer:
+after ``Topology.failure_grace_s`` it leaves the group, which fails the peer's collective, and
+the peer reads the failure from the rendezvous store (``speccal.runner.distributed.failure``).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import gc
+import traceback
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -24,6 +30,10 @@ import torch
 import torch.distributed as dist
 
 from speccal.base.errors import InputError, SpeccalError, UnsupportedError
+from speccal.runner.distributed.failure import Failure, Notes, RankError
+
+__all__ = ["Comm", "RankError", "Topology", "backend_for", "check_world", "init_comm",
+           "rank_device", "rank_env"]
 
 T = TypeVar("T")
 
@@ -31,20 +41,7 @@ BACKENDS = ("gloo", "nccl")
 #: What ``torchrun`` sets and :func:`init_comm` needs.
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT_S = 600.0
-
-
-class RankError(SpeccalError):
-    """One or more ranks failed a phase; the message names each rank and its error.
-
-    ``exit_code`` is the largest of the failing ranks' (2 when every failure was bad input).
-    """
-
-    def __init__(self, phase: str, failures: list[tuple[int, str, str, int]]):
-        self.phase = phase
-        self.failures = failures  # (rank, error type, message, exit code)
-        self.exit_code = max(code for *_, code in failures)
-        parts = [f"rank {r}: {kind}: {msg}" for r, kind, msg, _ in failures]
-        super().__init__(f"{phase} failed on {len(failures)} rank(s): " + "; ".join(parts))
+DEFAULT_FAILURE_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -57,12 +54,16 @@ class Topology:
     dp : data-parallel replicas (each its own batch and Engine).
     backend : ``gloo`` or ``nccl``; None picks by device (:func:`backend_for`).
     timeout_s : collective timeout; a rank stuck this long in a collective fails.
+    failure_grace_s : how long a rank whose phase failed waits for the other ranks at the
+        error barrier before it leaves the group (a peer that has not arrived by then is
+        inside the phase, maybe in a collective this rank will never join).
     """
 
     tp: int = 1
     dp: int = 1
     backend: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    failure_grace_s: float = DEFAULT_FAILURE_GRACE_S
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp"):
@@ -71,8 +72,9 @@ class Topology:
                 raise InputError(name, v, "an integer >= 1")
         if self.backend is not None and self.backend not in BACKENDS:
             raise InputError("backend", self.backend, f"one of {', '.join(BACKENDS)}")
-        if not self.timeout_s > 0:
-            raise InputError("timeout_s", self.timeout_s, "a positive number of seconds")
+        for name in ("timeout_s", "failure_grace_s"):
+            if not getattr(self, name) > 0:
+                raise InputError(name, getattr(self, name), "a positive number of seconds")
 
     @property
     def world_size(self) -> int:
@@ -123,11 +125,12 @@ class Comm:
     """This rank's view of a running process group laid out by ``topology``.
 
     Built by :func:`init_comm` (or :meth:`create` over an already initialised default group,
-    which every rank must call in the same order: it creates the subgroups).
+    which every rank must call in the same order: it creates the subgroups). ``notes``: the
+    failure notes in the rendezvous store (None: failures are exchanged by collectives only).
     """
 
     def __init__(self, topology: Topology, rank: int, local_rank: int, tp_group, dp_group,
-                 host_group, backend: str):
+                 host_group, backend: str, notes: Notes | None = None):
         self.topology = topology
         self.rank = rank
         self.local_rank = local_rank
@@ -140,10 +143,16 @@ class Comm:
         self.dp_group = dp_group
         self.host_group = host_group
         self.backend = backend
+        self.notes = notes
+        self.left: str | None = None  # why this rank left the group (then nothing runs)
+        self._seq = 0  # error barriers passed: the same count on every rank
 
     @classmethod
-    def create(cls, topology: Topology, local_rank: int | None = None) -> Comm:
-        """Lay ``topology`` over the initialised default group (collective: every rank calls)."""
+    def create(cls, topology: Topology, local_rank: int | None = None, store=None) -> Comm:
+        """Lay ``topology`` over the initialised default group (collective: every rank calls).
+
+        ``store``: the run's rendezvous store, for failure notes (:func:`init_comm` passes it;
+        None: the default group's)."""
         if not dist.is_initialized():
             raise UnsupportedError("Comm.create needs an initialised torch.distributed group "
                                    "(init_comm joins the processes torchrun started)")
@@ -163,8 +172,13 @@ class Comm:
                 dp_group = g
         host = (dist.group.WORLD if backend == "gloo"
                 else dist.new_group(list(range(world)), backend="gloo", timeout=timeout))
+        box = [uuid.uuid4().hex[:12] if rank == 0 else None]  # this Comm's keys in the store
+        dist.broadcast_object_list(box, src=0, group=host)
+        if store is None:
+            store = _default_store()
+        notes = None if store is None else Notes(store, box[0], rank, world)
         return cls(topology, rank, rank if local_rank is None else local_rank, tp_group,
-                   dp_group, host, backend)
+                   dp_group, host, backend, notes)
 
     # ------------------------------------------------------------------ tensor collectives
 
@@ -204,20 +218,79 @@ class Comm:
         Returns ``fn()``'s value when every rank succeeded; otherwise raises :class:`RankError`
         on every rank, naming each failing rank, its error type and message (a rank whose own
         call succeeded raises it too, so all ranks leave the phase together).
+
+        A failed rank waits at most ``failure_grace_s`` for the others; if one has not arrived
+        it is inside the phase (maybe in a collective with this rank), so this rank leaves the
+        group and raises ``RankError(agreed=False)``; the peer's collective then fails, and it
+        raises the failures noted in the store, root cause first (module
+        ``speccal.runner.distributed.failure``). A ``RankError`` raised inside ``fn`` passes
+        through unchanged: it is already every rank's, or this rank has left. After leaving,
+        every call raises.
         """
+        self._check_joined(phase)
+        self._seq += 1
+        seq, notes = self._seq, self.notes
+        own: Exception | None = None
         try:
             value, failure = fn(), None
+        except RankError:
+            raise
         except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised below
-            value = None
-            failure = (type(exc).__name__, str(exc), getattr(exc, "exit_code", 1))
-            own = exc
-        else:
-            own = None
-        seen = self.all_gather_object(failure)
-        failures = [(r, *f) for r, f in enumerate(seen) if f is not None]
+            value, own = None, exc
+            failure = Failure.of(self.rank, phase, exc)
+            if notes is not None:
+                notes.post(failure)
+        if notes is not None:
+            notes.arrive(seq)  # before waiting: ranks failing together find each other here
+            if failure is not None and not notes.wait_arrivals(
+                    seq, self.topology.failure_grace_s):
+                self._leave_after(phase, failure, own)
+        try:
+            seen = self.all_gather_object(failure)
+        except Exception as exc:  # noqa: BLE001 - a peer left the group: its note says why
+            self._leave_after(phase, failure or Failure.of(self.rank, phase, exc), own or exc,
+                              exc)
+        failures = [Failure(r, f.kind, f.message, f.exit_code) for r, f in enumerate(seen)
+                    if f is not None]
         if failures:
+            if notes is not None and failure is not None:
+                notes.withdraw()
             raise RankError(phase, failures) from own
         return value
+
+    def _leave_after(self, phase: str, failure: Failure, cause: BaseException,
+                     *handled: BaseException):
+        """Leave the group after this rank's ``failure`` (raised as ``cause``) and raise every
+        noted failure."""
+        notes = self.notes
+        seen = notes.read() if notes is not None else []
+        if not any(f.rank == self.rank for f in seen):
+            if notes is not None:  # a broken collective: the ranks after this one read it too
+                notes.post(failure)
+            seen.append(failure)
+        if notes is not None:
+            notes.leave()
+        for exc in (cause, *handled):  # their frames may hold a group: it must go to close
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__)
+        self.leave(f"{phase} failed")
+        raise RankError(phase, seen, agreed=False) from cause
+
+    def leave(self, why: str = "left") -> None:
+        """Leave the process group now: destroy it and drop this rank's references to its
+        groups, so that gloo closes the connections and a peer blocked in a collective with
+        this rank fails at once instead of at ``timeout_s``. Every later call raises."""
+        if self.left is not None:
+            return
+        self.left = why
+        self.tp_group = self.dp_group = self.host_group = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()  # a group's connections close when its last reference goes
+
+    def _check_joined(self, phase: str) -> None:
+        if self.left is not None:
+            raise SpeccalError(f"{phase}: this rank has left the process group ({self.left})")
 
     def barrier(self) -> None:
         dist.barrier(group=self.host_group)
@@ -250,14 +323,28 @@ def init_comm(topology: Topology, env: Mapping[str, str], device: str = "cpu") -
         if not torch.cuda.is_available():
             raise UnsupportedError("backend 'nccl' needs CUDA devices; use gloo on cpu")
         torch.cuda.set_device(local_rank)  # NCCL collectives run on the current device
+    store = None
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend, init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
-            rank=rank, world_size=world, timeout=_dt.timedelta(seconds=topology.timeout_s))
-    return Comm.create(topology, local_rank)
+        # the rendezvous as init_process_group's tcp:// method makes it (the agent's store
+        # under torchrun), kept for failure notes (speccal.runner.distributed.failure)
+        timeout = _dt.timedelta(seconds=topology.timeout_s)
+        store, _, _ = next(dist.rendezvous(
+            f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}", rank, world, timeout=timeout))
+        store.set_timeout(timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store),
+                                rank=rank, world_size=world, timeout=timeout)
+    return Comm.create(topology, local_rank, store)
 
 
 def rank_device(device: str, comm: Comm) -> str:
     """The device this rank runs on: ``cuda`` becomes ``cuda:LOCAL_RANK`` (one GPU per rank);
     an explicit index or ``cpu`` is kept."""
     return f"cuda:{comm.local_rank}" if device == "cuda" else device
+
+
+def _default_store():
+    """The default group's store (a group initialised elsewhere), or None if torch hides it."""
+    try:
+        return dist.distributed_c10d._get_default_store()  # private, hence the fallback
+    except (AttributeError, RuntimeError, ValueError):
+        return None

@@ -31,7 +31,7 @@ def _calibrate_ranks(opts, tp: int, dp: int, max_rank_skew_pct: float):
         return calibrate_ranks(opts, comm, engine_factory=rank_engine_factory(comm),
                                max_rank_skew_pct=max_rank_skew_pct, console=console)
 
-    return run_ranks(tp, dp, opts.device, body, _err)
+    return run_ranks(tp, dp, opts.device, body, _err, command="calibrate")
 
 
 def _buckets(text: str | None) -> tuple[int, ...] | None:

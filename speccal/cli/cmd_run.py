@@ -332,7 +332,7 @@ def generate(
     if is_distributed(tp, dp):
         if dp > 1 and k is not None:
             raise InputError("--k", k, "unset with --dp > 1 (the replicas agree on k every round)")
-        got = run_ranks(tp, dp, device, run, err_console)
+        got = run_ranks(tp, dp, device, run, err_console, command="generate")
         if got is None:  # not rank 0: rank 0 prints
             return
     else:
@@ -513,7 +513,7 @@ def bench(
                                  repeats=3 if repeats is None else repeats, seed=seed,
                                  on_progress=report, comm=comm, **workload)
 
-        res = run_ranks(tp, dp, device, body, err_console)
+        res = run_ranks(tp, dp, device, body, err_console, command="bench")
         if res is not None:  # rank 0 prints
             _print_bench(_clean(res), model, as_json)
         return

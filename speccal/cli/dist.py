@@ -8,9 +8,14 @@ command's body with this rank's :class:`~speccal.runner.distributed.comm.Comm` a
 
 Rank 0 alone prints: the other ranks get a console that writes nowhere, and an error on them
 is not printed there but exchanged (``Comm.agree``) so that rank 0 reports it naming the rank
-(``RankError``); every rank exits with the same code. Errors before the group is joined (bad
-options, missing environment, a wrong world size) are the same on every rank and printed by
-rank 0 only (its rank is read from the environment).
+(``RankError``); every rank exits with the same code. The whole body is one more error barrier,
+so a rank failing outside the command's own barriers (inside a collective, say) is reported the
+same way: it leaves the group after ``Topology.failure_grace_s``, its peers' collectives fail
+and they report its error, root cause first. Such a failure is also printed by the rank that
+caused it (``torchrun`` stops every rank once one exits non-zero, possibly before rank 0
+printed). An error that every rank raised alike is printed once, as on one rank. Errors
+before the group is joined (bad options, missing environment, a wrong world size) are the same
+on every rank and printed by rank 0 only (its rank is read from the environment).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from speccal.base.errors import InputError, SpeccalError
+from speccal.runner.distributed.failure import RankError
 
 T = TypeVar("T")
 
@@ -50,34 +57,42 @@ def is_distributed(tp: int, dp: int) -> bool:
 
 
 def run_ranks(tp: int, dp: int, device: str, body: Callable[[Any, Console], T],
-              console: Console | None = None) -> T | None:
-    """Join the ``tp`` x ``dp`` run and call ``body(comm, console)`` on this rank.
+              console: Console | None = None, command: str = "run") -> T | None:
+    """Join the ``tp`` x ``dp`` run and call ``body(comm, console)`` on this rank, behind the
+    error barrier ``speccal COMMAND`` (module docstring).
 
     Returns ``body``'s value on rank 0 and None on the others (which print nothing). A
-    :class:`SpeccalError` propagates on rank 0 (the CLI prints it) and becomes a silent
-    ``typer.Exit`` with the same code on the other ranks.
+    :class:`SpeccalError` propagates on rank 0 (the CLI prints it) and becomes a ``typer.Exit``
+    with the same code on the other ranks, silent unless this rank caused a failure that the
+    ranks did not agree on.
     """
     rank = env_rank()
     quiet = rank != 0
     out = Console(file=io.StringIO()) if quiet else (console or Console(stderr=True))
+    phase = f"speccal {command}"
     try:
+        # the runner's distributed package imports torch: only once a run is distributed
         from speccal.runner.distributed.comm import Topology, init_comm
 
         check_sizes(tp, dp)
         comm = init_comm(Topology(tp=tp, dp=dp), dict(os.environ), device)
         try:
-            value = body(comm, out)
+            value = comm.agree(phase, lambda: body(comm, out))
         finally:
-            _leave()
+            comm.leave()
+    except RankError as exc:
+        alike = exc.agreed and exc.phase == phase and len({
+            (f.kind, f.message) for f in exc.failures}) == 1 and len(exc.failures) > 1
+        if alike and isinstance(exc.__cause__, SpeccalError):
+            exc = exc.__cause__  # every rank raised this one error: say it as one rank would
+        elif quiet and not exc.agreed and exc.first_rank == rank:
+            Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}",
+                                       soft_wrap=True)
+        if quiet:
+            raise typer.Exit(exc.exit_code) from None
+        raise exc from None
     except SpeccalError as exc:
         if quiet:
             raise typer.Exit(exc.exit_code) from None
         raise
     return None if quiet else value
-
-
-def _leave() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()

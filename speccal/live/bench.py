@@ -147,7 +147,8 @@ def timed_run_ranks(
 
     The requests are added behind an error barrier (``Comm.agree``: a refusal on any rank is
     raised on every rank naming it, and the ranks start the clock together); a rank failing
-    inside the run's collectives leaves its peers there until the group's timeout. The timing
+    inside the run, where its peers may be blocked in a collective with it, leaves the group
+    after ``Topology.failure_grace_s`` and they report it (``Comm.agree``). The timing
     is the whole run's: every replica's tokens over the slowest rank's prefill and decode spans
     (a TP step and a DP round last as long as their slowest rank). Returns every prompt's
     tokens, in order, on every rank.

@@ -89,3 +89,71 @@ def test_bad_sizes_are_refused(tmp_path, flag, value):
                              env=env)
     assert res.exit_code == 2
     assert _error_line(res) == f"error: {flag}: got {value}, expected an integer >= 1"
+
+
+class _FailingComm:
+    """What init_comm returns in the run_ranks tests: its barrier raises ``exc``."""
+
+    def __init__(self, exc):
+        self.exc, self.left = exc, False
+
+    def agree(self, phase, fn):
+        raise self.exc
+
+    def leave(self):
+        self.left = True
+
+
+def _run_ranks_raising(monkeypatch, rank: int, exc):
+    from speccal.cli.dist import run_ranks
+    from speccal.runner.distributed import comm as comm_mod
+
+    fake = _FailingComm(exc)
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr(comm_mod, "init_comm", lambda topology, env, device: fake)
+    try:
+        run_ranks(2, 1, "cpu", lambda comm, console: None, command="generate")
+    finally:
+        assert fake.left  # the group is left whatever happened
+    raise AssertionError("run_ranks returned")
+
+
+def _failures(*ranks, message="m", phase="speccal generate"):
+    from speccal.runner.distributed.failure import Failure
+
+    return [Failure(r, "InputError", message, 2, phase, i + 1) for i, r in enumerate(ranks)]
+
+
+def test_an_error_every_rank_raised_alike_is_printed_as_one_rank_would(monkeypatch):
+    import typer
+
+    from speccal.base.errors import InputError
+    from speccal.runner.distributed.failure import RankError
+
+    cause = InputError("--prompt", "hi", "token ids")
+    alike = RankError("speccal generate", _failures(0, 1, message=str(cause)))
+    alike.__cause__ = cause
+    with pytest.raises(InputError) as info:
+        _run_ranks_raising(monkeypatch, 0, alike)
+    assert info.value is cause
+    with pytest.raises(typer.Exit) as info:
+        _run_ranks_raising(monkeypatch, 1, alike)
+    assert info.value.exit_code == 2
+
+
+def test_the_rank_that_caused_an_unagreed_failure_prints_it(monkeypatch, capsys):
+    import typer
+
+    from speccal.runner.distributed.failure import RankError
+
+    left = RankError("speccal generate", _failures(1, 0), agreed=False)
+    with pytest.raises(typer.Exit) as info:  # rank 1, the root cause: says it itself
+        _run_ranks_raising(monkeypatch, 1, left)
+    assert info.value.exit_code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("error: speccal generate failed on 2 rank(s), first on rank 1: ")
+    with pytest.raises(typer.Exit):  # another quiet rank stays quiet
+        _run_ranks_raising(monkeypatch, 2, left)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(RankError):  # rank 0 raises it for the CLI to print
+        _run_ranks_raising(monkeypatch, 0, left)

@@ -206,3 +206,99 @@ def test_distributed_engine_keeps_in_step_with_engine(one_rank):
     want = {**base.compatibility(),
             "topology": {"tp": 1, "dp": 1, "world_size": 1, "devices": [name]}}
     assert dist_eng.compatibility() == want
+
+
+def test_one_rank_agree_keeps_the_group_and_finds_the_default_store(one_rank):
+    from speccal.runner.distributed.comm import RankError
+
+    assert one_rank.notes is not None  # the file store of the group, found without init_comm
+    with pytest.raises(RankError) as info:
+        one_rank.agree("a phase", lambda: int("x"))
+    assert info.value.agreed and str(info.value).startswith(
+        "a phase failed on 1 rank(s): rank 0: ValueError: invalid literal")
+    assert one_rank.notes.read() == []  # an agreed failure withdraws its note
+    assert one_rank.agree("next phase", lambda: 7) == 7
+
+
+# ------------------------------------------------- failure notes in the store (no process group)
+
+
+def _notes(store, rank, world=2, comm_id="c"):
+    from speccal.runner.distributed.failure import Notes
+
+    return Notes(store, comm_id, rank, world)
+
+
+def _failure(rank, msg="boom", phase="p", code=1):
+    from speccal.runner.distributed.failure import Failure
+
+    return Failure(rank, "ValueError", msg, code, phase)
+
+
+def test_notes_read_every_rank_first_noted_first_and_per_comm():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    a, b = _notes(store, 0), _notes(store, 1)
+    b.post(_failure(1, "root cause"))
+    a.post(_failure(0, "consequence"))
+    assert [(f.rank, f.message, f.order) for f in a.read()] == [
+        (1, "root cause", 1), (0, "consequence", 2)]
+    assert _notes(store, 0, comm_id="other").read() == []  # another Comm's keys
+    b.withdraw()
+    assert [f.rank for f in a.read()] == [0]
+
+
+def test_wait_arrivals_true_when_all_arrive_false_after_grace_or_at_once_when_one_left():
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    a, b, c = (_notes(store, r, world=3) for r in range(3))
+    b.arrive(1)
+    t0 = time.monotonic()
+    assert not a.wait_arrivals(1, 0.2)  # rank 2 is missing: the whole grace
+    assert time.monotonic() - t0 >= 0.2
+    c.arrive(1)
+    assert a.wait_arrivals(1, 0.2)
+    c.leave()
+    t0 = time.monotonic()
+    assert not a.wait_arrivals(2, 30.0)  # rank 2 left: it will never arrive, no waiting
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_notes_fall_back_when_the_store_is_gone():
+    class Gone:
+        def __getattr__(self, name):
+            def fail(*_a, **_k):
+                raise RuntimeError("store unreachable")
+            return fail
+
+    n = _notes(Gone(), 0)
+    n.post(_failure(0))  # no error of its own on top of the one being reported
+    n.arrive(1)
+    n.leave()
+    assert n.read() == [] and not n.wait_arrivals(1, 5.0)
+
+
+def test_rank_error_names_ranks_root_cause_first_and_trims_broken_collectives():
+    from speccal.runner.distributed.failure import RankError
+
+    agreed = RankError("p", [_failure(0, code=2), _failure(1, "other", code=1)])
+    assert agreed.agreed and agreed.exit_code == 2
+    assert str(agreed) == "p failed on 2 rank(s): rank 0: ValueError: boom; rank 1: ValueError: other"
+    broken = ("[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1. "
+              "This is typically caused by a remote worker crashing.")
+    left = RankError("q", [_failure(1, "root. cause", phase="build"), _failure(0, broken, "q")],
+                     agreed=False)
+    assert not left.agreed and left.first_rank == 1
+    assert str(left) == (
+        "q failed on 2 rank(s), first on rank 1: rank 1 (in build): ValueError: root. cause; "
+        "rank 0: ValueError: Connection closed by peer [127.0.0.1]:1 (not every rank reached "
+        "the error barrier: the ranks left the process group)")
+
+
+def test_failure_grace_is_validated():
+    with pytest.raises(InputError, match="^failure_grace_s: got 0"):
+        Topology(failure_grace_s=0)

@@ -1,6 +1,7 @@
 """Two gloo ranks on CPU: TP=2 and DP=2 emit exactly the TP=1 greedy tokens, a 2-rank calibration
 writes one table with its topology, a simulated rank skew refuses, and an error on one rank is
-reported naming it.
+reported naming it, also when its peer is blocked in a collective with it (the last scenario:
+the ranks leave the group).
 
 One pair of worker processes (this file run as a script, with the environment ``torchrun`` sets:
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) runs every scenario once
@@ -218,18 +219,51 @@ def _scenarios(work: Path, ckpt: Path):
                 raise ValueError("rank one's own failure")
             return "ok"
 
+        def both_fail():
+            raise ValueError(f"rank {tp2.rank} fails too")
+
+        out = {}
+        for name, fn in (("one", fail), ("both", both_fail)):
+            try:
+                tp2.agree("a test phase", fn)
+                out[name] = {"error": None}
+            except Exception as exc:  # noqa: BLE001
+                out[name] = {"error": type(exc).__name__, "message": str(exc),
+                             "exit_code": getattr(exc, "exit_code", None),
+                             "agreed": getattr(exc, "agreed", None)}
+        out["usable"] = tp2.all_gather_object(tp2.rank)  # an agreed failure keeps the group
+        return out
+
+    def rank_leaves():  # last: the ranks leave the group
+        comm = Comm.create(Topology(tp=2, timeout_s=120, failure_grace_s=0.5))  # default store
+        x = torch.ones(4)
+
+        def phase():
+            if comm.rank == 1:
+                raise ValueError("rank one fails while rank 0 is in an all-reduce")
+            comm.all_reduce_tp(x)  # rank 0 waits here for a rank that never comes
+
+        t0 = time.perf_counter()
         try:
-            tp2.agree("a test phase", fail)
+            comm.agree("a collective phase", phase)
+            out = {"error": None}
         except Exception as exc:  # noqa: BLE001
-            return {"error": type(exc).__name__, "message": str(exc),
-                    "exit_code": getattr(exc, "exit_code", None)}
-        return {"error": None}
+            out = {"error": type(exc).__name__, "message": str(exc),
+                   "exit_code": getattr(exc, "exit_code", None),
+                   "agreed": getattr(exc, "agreed", None),
+                   "failures": [f.rank for f in getattr(exc, "failures", [])]}
+        out["seconds"] = time.perf_counter() - t0
+        try:
+            comm.agree("after leaving", lambda: None)
+        except Exception as exc:  # noqa: BLE001
+            out["after"] = str(exc)
+        return out
 
     return {"tp_tiny": tp_tiny, "tp_hf": tp_hf, "tp_argmax": tp_argmax, "dp_tiny": dp_tiny,
             "generate_ranks": generate_ranks, "tp_gathers": tp_gathers, "bench_ranks": bench_ranks,
             "calibrate_tp2": calibrate_tp2, "calibrate_dp2": calibrate_dp2,
             "calibrate_skewed": calibrate_skewed,
-            "rank_error": rank_error}
+            "rank_error": rank_error, "rank_leaves": rank_leaves}
 
 
 def _worker(work: Path, ckpt: Path) -> None:
@@ -453,9 +487,30 @@ def test_rank_skew_refuses_naming_rank_and_points(ranks):
 
 def test_error_on_one_rank_is_reported_on_every_rank_naming_it(ranks):
     for o in _ok(ranks, "rank_error"):
-        assert o["error"] == "RankError" and o["exit_code"] == 1
-        assert "a test phase failed on 1 rank(s): rank 1: ValueError: rank one's own failure" \
-            in o["message"]
+        one, both = o["one"], o["both"]
+        assert one["error"] == "RankError" and one["exit_code"] == 1 and one["agreed"]
+        assert one["message"] == (
+            "a test phase failed on 1 rank(s): rank 1: ValueError: rank one's own failure")
+        # ranks failing together find each other at the barrier: one agreed error, both named
+        assert both["agreed"] and both["message"] == (
+            "a test phase failed on 2 rank(s): rank 0: ValueError: rank 0 fails too; "
+            "rank 1: ValueError: rank 1 fails too")
+        assert o["usable"] == [0, 1]
+
+
+def test_rank_failing_while_its_peer_is_in_a_collective_is_named_within_the_grace(ranks):
+    # without leaving, rank 0 would wait in the all-reduce for the group's 120 s timeout
+    r0, r1 = _ok(ranks, "rank_leaves")
+    root = ("a collective phase failed on {n} rank(s), first on rank 1: rank 1: ValueError: "
+            "rank one fails while rank 0 is in an all-reduce")
+    assert r1["error"] == "RankError" and not r1["agreed"] and r1["failures"] == [1]
+    assert r1["message"].startswith(root.format(n=1) + " (not every rank reached")
+    assert r0["error"] == "RankError" and not r0["agreed"] and r0["failures"] == [1, 0]
+    assert r0["message"].startswith(root.format(n=2) + "; rank 0: ")  # then its broken collective
+    assert r0["exit_code"] == r1["exit_code"] == 1
+    for o in (r0, r1):
+        assert o["seconds"] < 30  # the 0.5 s grace, plus a busy host's scheduling
+        assert "this rank has left the process group" in o["after"]
 
 
 if __name__ == "__main__":
