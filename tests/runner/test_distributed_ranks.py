@@ -97,8 +97,11 @@ def _scenarios(work: Path, ckpt: Path):
         eng = DistributedEngine(EngineConfig(model=str(ckpt), **BASE), tp2)
         plain = DistributedEngine(EngineConfig(model=str(ckpt), speculative=False, **BASE), tp2)
         q = eng.loaded.target.model.layers[0].self_attn.q_proj
+        replica = DistributedEngine(EngineConfig(model=str(ckpt), **BASE), dp2)
+        dp = DataParallelRunner(replica, dp2).generate(
+            PROMPTS[dp2.dp_rank::2], SamplingParams(max_tokens=NEW, ignore_eos=True))
         return {"spec": _greedy(eng), "plain": _greedy(plain, k=0),
-                "q_shape": list(q.weight.shape), "q_bias": q.bias.tolist()}
+                "q_shape": list(q.weight.shape), "q_bias": q.bias.tolist(), "dp": dp}
 
     def tp_argmax():
         # ties across and within shards: the lowest global index wins, as torch.argmax
@@ -373,7 +376,7 @@ def test_tp2_tiny_greedy_equals_tp1(ranks):
         assert len(topo["devices"]) == 2 and all(topo["devices"])
 
 
-def test_tp2_hf_checkpoint_greedy_equals_tp1(ranks):
+def test_tp2_and_dp2_hf_checkpoint_greedy_equal_tp1(ranks):
     _, _, ckpt = ranks
     spec, plain = _reference(str(ckpt)), _reference(str(ckpt), k=0, speculative=False)
     assert spec == plain  # greedy speculative decoding is lossless on one rank too
@@ -384,6 +387,7 @@ def test_tp2_hf_checkpoint_greedy_equals_tp1(ranks):
         assert o["spec"] == spec and o["plain"] == plain, f"rank {r}"
         assert o["q_shape"] == [2 * 8, 32]  # 2 of 4 query heads of head_dim 8
         assert torch.allclose(torch.tensor(o["q_bias"]), full_bias[r * 16:(r + 1) * 16])
+        assert o["dp"] == spec[r::2], f"DP replica {r}"  # its share of the prompts
 
 
 def test_vocab_parallel_argmax_and_draft_score_match_gathered(ranks):
