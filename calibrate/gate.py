@@ -20,10 +20,23 @@ take window indices ``r * windows_per_point + i`` (``i`` = 0..w-1), so every win
 identity in the journal ((mode, context, Bcap, G, k, window index)); window ``r * w + i`` starts at
 the KV lengths of window ``i`` (``speccal.calibrate.driver``). Whether round ``r`` is due is a
 function of the journal's rows only (:func:`points_to_remeasure`), so ``--resume`` continues the
-same plan. The fit uses each point's quietest complete round (the smallest spread, the earliest
-on a tie): noise on a shared host only slows rounds down, and mixing a slow stretch into a quiet
-one would move the median. The other rounds stay in the journal, and their spreads in the
-table's quality record.
+same plan. The fit pools every complete round of a point: its cost is the median of all of their
+windows (``build_table``'s ``combine="median"``), and the table records the spread of each round.
+
+Why pooled, not the quietest round (the rule until 2026-12-02). A re-measured point is one whose
+windows disagreed; picking the round whose three windows happen to agree best keeps three
+windows out of up to nine and says nothing about their level: on a 2-vCPU VM the machine's speed
+drifts by ~10 % within a second even when quiet (bench/RESULTS.md: 15,360 rounds of one shape,
+window means at lag 1.5 s uncorrelated) and other processes slow whole stretches of seconds by up
+to 2x, so three agreeing windows are as likely to sit in one slow stretch as in a fast one. On
+one default tiny calibration journal (76 points, 59 of them re-measured twice) the additive
+fit's leave-one-point-out error was 14.8 % from the quietest rounds, 11.8 % from round 0 alone
+and 9.4 % from every round pooled: the pick made the table worse than not re-measuring at all.
+The median of all windows is robust to a minority of slow windows (the case the old rule was
+written for: a busy host only slows rounds down) and uses every window measured. Nothing about
+the judgement changes: a round is noisy by the same spread and bound, re-measurement is planned
+the same way, and the table is refused by the same held-out statistic and bound, now computed
+on the better estimate. The rounds' spreads stay in the table's quality record.
 
 **Refusal** (after the fit). The held-out error gated is the leave-one-point-out mean absolute
 error in % of the measured cost (``diagnostics.leave_one_point_out.mean_abs_pct``), the worst over
@@ -219,16 +232,18 @@ def points_to_remeasure(
 
 @dataclass(frozen=True)
 class PointQuality:
-    """The rounds of one point and the round the fit uses."""
+    """The rounds of one point; the fit pools rounds ``0 .. kept_round`` (every complete one)."""
 
     point: GridPoint
     spreads: tuple[float | None, ...]  # per complete round, in round order
-    kept_round: int
-    noisy: bool  # the kept round is still above the bound
+    kept_round: int  # the last round the fit uses (it pools rounds 0 .. kept_round)
+    noisy: bool  # every round is above the bound (no re-measurement came out quiet)
 
     @property
     def kept_spread(self) -> float | None:
-        return self.spreads[self.kept_round]
+        """The largest spread among the rounds the fit uses (None when none is measurable)."""
+        known = [s for s in self.spreads[: self.kept_round + 1] if s is not None]
+        return max(known) if known else None
 
     def to_dict(self) -> dict[str, Any]:
         p = self.point
@@ -245,7 +260,7 @@ class PointQuality:
 
 @dataclass(frozen=True)
 class Selection:
-    """The windows the fit uses (each point's quietest complete round) and every point's record."""
+    """The windows the fit uses (every complete round of each point) and every point's record."""
 
     rows: list[dict[str, Any]]
     points: tuple[PointQuality, ...]
@@ -257,12 +272,12 @@ class Selection:
 
     @property
     def noisy(self) -> tuple[PointQuality, ...]:
-        """Points still above the spread bound in the round the fit uses."""
+        """Points above the spread bound in every round."""
         return tuple(q for q in self.points if q.noisy)
 
     @property
     def spread_max_pct(self) -> float | None:
-        """The largest spread among the kept rounds (None when none is measurable)."""
+        """The largest spread among the rounds the fit uses (None when none is measurable)."""
         known = [q.kept_spread for q in self.points if q.kept_spread is not None]
         return max(known) if known else None
 
@@ -273,10 +288,12 @@ def select_windows(
     windows_per_point: int,
     gate: GateConfig,
 ) -> Selection:
-    """Each point's quietest complete round (module docstring).
+    """Every complete round of each point, pooled (module docstring).
 
     A point without any complete round (an interrupted run is never fitted, so only rows of a
-    journal edited by hand) keeps all of its windows.
+    journal edited by hand) keeps all of its windows; windows of an incomplete last round are
+    left out (the re-measurement was cut short: a partial round would weigh its windows unlike
+    the others').
     """
     by_point = rounds_of(rows, windows_per_point)
     kept: list[dict[str, Any]] = []
@@ -288,14 +305,14 @@ def select_windows(
             kept.extend(dict(r) for w in rounds.values() for r in w.values())
             continue
         # Complete rounds are 0 .. n-1: a round is only due after every earlier one completed.
-        best = min(spreads, key=lambda r: (math.inf if spreads[r] is None else spreads[r], r))
-        kept.extend(dict(row) for _, row in sorted(rounds[best].items()))
+        for r in sorted(spreads):
+            kept.extend(dict(row) for _, row in sorted(rounds[r].items()))
         records.append(
             PointQuality(
                 point=p,
                 spreads=tuple(spreads[r] for r in sorted(spreads)),
-                kept_round=best,
-                noisy=is_noisy(spreads[best], gate),
+                kept_round=max(spreads),
+                noisy=all(is_noisy(s, gate) for s in spreads.values()),
             )
         )
     kept.sort(key=lambda r: (int(r["window_index"]), _point_key(r)))

@@ -24,7 +24,8 @@ Order (nothing is sampled before every check has passed):
    (fsync), then re-measure the noisy points in at most ``remeasure_rounds`` rounds (appended
    the same way); print the warm-up (``transition_s`` + ``warmup_s``) and measuring
    (``sampling_s``) times and the load after;
-6. fit each point's quietest round (``speccal.costmodel.table_build.build_table``), record the
+6. fit every complete round of each point, pooled (``speccal.calibrate.gate``;
+   ``speccal.costmodel.table_build.build_table``), record the
    gate in ``calibration.quality``, the window timing (loop, wall over device span) in
    ``calibration.timing`` and the timings in ``provenance.timings``, print the fit report
    and the gate's verdict; refuse (``QualityGateError``, exit 1, the journal kept) a table whose

@@ -324,7 +324,8 @@ def print_gate(
         soft_wrap=True,
     )
     for q in selection.flagged:
-        state = "still noisy" if q.noisy else "kept round " + str(q.kept_round)
+        pooled = f"rounds 0-{q.kept_round} pooled"
+        state = f"still noisy, {pooled}" if q.noisy else pooled
         console.print(f"  {describe_point(q)} ({state})", soft_wrap=True)
     if held.pct is None:
         verdict = (

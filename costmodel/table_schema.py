@@ -101,8 +101,10 @@ class PointSpread(_Strict):
     g: int = Field(ge=1)
     k: int = Field(ge=0)
     spread_pct: list[Annotated[float, Field(ge=0)] | None]  # per round; round 0 = first windows
-    kept_round: int = Field(ge=0)  # the round whose windows the fit uses
-    noisy: bool  # the kept round is still above max_spread_pct
+    # the last round the fit uses: it pools rounds 0..kept_round (tables calibrated before
+    # 2026-12-02: the quietest round, fitted alone)
+    kept_round: int = Field(ge=0)
+    noisy: bool  # every round is above max_spread_pct
 
 
 class QualityBlock(_Strict):

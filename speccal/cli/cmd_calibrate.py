@@ -202,7 +202,7 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--remeasure-rounds",
                 help="Quality gate: extra rounds of windows a noisy point gets, at most "
-                "(0-5; default 2). The fit uses each point's quietest round.",
+                "(0-5; default 2). The fit pools every round of a point (median of its windows).",
             ),
         ] = None,
         max_heldout_pct: Annotated[
