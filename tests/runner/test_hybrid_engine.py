@@ -21,6 +21,9 @@ tokens must still be transformers'.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
 import itertools
 import json
 
@@ -92,13 +95,31 @@ def write_checkpoint(folder, kind: str, *, mtp_depths: int = 1):
     return hf
 
 
+@contextlib.contextmanager
+def torch_linear_attention(kind: str):
+    """transformers' pure-torch gated delta rule while the reference runs on the CPU: with
+    flash-linear-attention installed (the GPU hosts) transformers binds fla's Triton kernels at
+    import, and those refuse CPU tensors."""
+    mod = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    names = [n for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+             if hasattr(mod, n)]
+    saved = {n: getattr(mod, n) for n in names}
+    try:
+        for n in names:
+            setattr(mod, n, inspect.unwrap(saved[n]))
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(mod, n, fn)
+
+
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def family(request, tmp_path_factory):
     """``(folder, refs)``: refs[i] = transformers' greedy tokens of PROMPTS[i] (batch 1)."""
     folder = tmp_path_factory.mktemp("hybrid") / request.param
     hf = write_checkpoint(folder, request.param)
     refs = []
-    with torch.no_grad():
+    with torch.no_grad(), torch_linear_attention(request.param):
         for p, n in zip(PROMPTS, MAX_TOKENS, strict=True):
             out = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
