@@ -105,81 +105,6 @@ def paged_attention_torch(
     return out.reshape(num_b, num_r, num_heads, head_dim)
 
 
-# Least padded keys (``B * T - sum(seq_lens)``) for which :func:`paged_attention_ragged` beats
-# the padded batch on a CPU: below it the ragged path's per-request ops cost more than the padded
-# keys it skips (measured on a 2-vCPU Xeon, tiny preset: ~0.2 ms of ops at B = 8 against
-# ~50 ns per padded key row of gather + attention).
-RAGGED_MIN_PADDED_KEYS = 4096
-
-
-def ragged_pays(
-    seq_lens: list[int], num_blocks: int, block_size: int
-) -> bool:  # seq_lens: host copy [B]
-    """Whether :func:`paged_attention_ragged` serves a batch on the CPU (module docstring)."""
-    return (len(seq_lens) > 1
-            and len(seq_lens) * num_blocks * block_size - sum(seq_lens) >= RAGGED_MIN_PADDED_KEYS)
-
-
-def paged_attention_ragged(
-    q: torch.Tensor,  # [B, R, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    num_q_rows: int,
-    scale: float,
-    lens: list[int] | None = None,  # host copy of seq_lens (read here when None)
-) -> torch.Tensor:  # [B, R, num_heads, head_dim]
-    """:func:`paged_attention_torch` with each request over its own keys only (CPU).
-
-    The padded batch gathers and attends ``B x max(seq_lens)`` keys; with requests of unequal
-    lengths (calibration spreads a batch over its context interval) most of them are masked
-    padding, and on a CPU that gather and attention are the round's cost. Here one gather
-    copies every request's used blocks, packed, and each request attends its first
-    ``seq_lens[b]`` keys (a view of the pack) under the same causal rule: query row ``i`` sees
-    keys ``<= seq_lens[b] - R + i``, a row at a negative position key 0 only. Same result as
-    the padded batch up to float rounding (masked keys add exact zeros there). Reads the
-    lengths on the host, so it is for CPU tensors (eager; never captured).
-    """
-    num_b, num_r, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    lens = [max(int(n), 1) for n in (seq_lens.tolist() if lens is None else lens)]
-    counts = [-(-n // block_size) for n in lens]  # blocks each request reads
-    cols = torch.arange(block_table.shape[1], device=q.device)
-    used = cols[None, :] < torch.tensor(counts, device=q.device)[:, None]  # [B, max_blocks]
-    blocks = block_table[used].long()  # [sum(counts)] row-major: request 0's blocks first
-    keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)  # [sum, Hkv, D]
-    values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
-    # [B, Hkv, group * R, D]: the heads of one KV group stacked along the query axis
-    qg = q.view(num_b, num_r, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qg = qg.reshape(num_b, num_kv_heads, group * num_r, head_dim)
-    longest = max(lens)
-    causal = None
-    if num_r > 1:  # [R, longest] lower-right causal; request b uses its last seq_lens[b] columns
-        rows = torch.arange(num_r, device=q.device)
-        causal = (torch.arange(longest, device=q.device)[None, :]
-                  <= (longest - num_r + rows)[:, None])
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    outs = []
-    start = 0
-    for b, n in enumerate(lens):
-        kb = keys[start : start + n].transpose(0, 1).to(q.dtype)  # [Hkv, T_b, D]
-        vb = values[start : start + n].transpose(0, 1).to(q.dtype)
-        start += counts[b] * block_size
-        if causal is None:  # one row at position n - 1: every key visible
-            outs.append(sdpa(qg[b], kb, vb, scale=scale))
-            continue
-        mask = causal[:, longest - n :]
-        if n < num_r:  # rows at negative positions (front padding) see key 0
-            mask = mask.clone()
-            mask[:, 0] = True
-        outs.append(sdpa(qg[b], kb, vb, attn_mask=mask.repeat(group, 1), scale=scale))
-    out = torch.stack(outs)  # [B, Hkv, group * R, D]
-    out = out.view(num_b, num_kv_heads, group, num_r, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_b, num_r, num_heads, head_dim)
-
-
 def attend_rows(
     q: torch.Tensor,  # [N, num_heads, head_dim]
     k_cache: torch.Tensor,
@@ -220,11 +145,6 @@ def attend_rows(
         extra = {"tune": path.kernels}
         if meta.plan is not None:
             extra.update(plan=meta.plan, tiling=meta.tiling)
-    elif q.device.type == "cpu":  # host reads are free here: skip the padded keys when it pays
-        lens = meta.seq_lens.tolist()
-        if ragged_pays(lens, meta.block_table.shape[1], k_cache.shape[1]):
-            fn = paged_attention_ragged
-            extra = {"lens": lens}
     out = fn(
         grid[: num_b * num_r].view(num_b, num_r, *q.shape[1:]),
         k_cache,

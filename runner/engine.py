@@ -945,7 +945,8 @@ class Engine:
                 if req.num_inflight == 0:
                     self._finish(req)
         idx = np.array(keep, dtype=np.int64)
-        gone = np.setdiff1d(np.arange(len(f.batch)), idx)
+        gone = (np.setdiff1d(np.arange(len(f.batch)), idx) if len(keep) < len(f.batch)
+                else idx[:0])  # nothing discarded (every round but a stop's): no set op
         d_kv = np.array([f.batch[b].num_computed + int(accepted[b]) + 1 for b in gone], np.int64)
         d_acc, d_nv, d_sc = accepted[gone], nv[gone], scores[gone]
         accepted, nv, scores = accepted[idx], nv[idx], scores[idx]

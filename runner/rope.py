@@ -126,7 +126,11 @@ class RotaryTable(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos.index_select(0, positions)[:, None, :]  # [N, 1, rotary_dim]
         sin = self.sin.index_select(0, positions)[:, None, :]
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+        if q.dtype != k.dtype:
+            return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+        # q and k heads rotated in one pass (elementwise: the same values, half the ops)
+        qk = _rotate(torch.cat([q, k], dim=1), cos, sin, self.rotary_dim)
+        return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
