@@ -63,6 +63,7 @@ step, the host update's target tokens (``TargetModel.greedy_tokens``) and the in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -71,7 +72,7 @@ import torch
 from speccal.base.errors import UnsupportedError
 from speccal.kernels import ops
 from speccal.kernels._backend import interpreting, triton_available
-from speccal.kernels.precompile import PrecompileReport, precompile
+from speccal.kernels.precompile import CompilePool, PrecompileReport, precompile
 from speccal.runner import sampling
 from speccal.runner.attention import AttnMeta
 from speccal.runner.buffers import StaticInputs
@@ -126,6 +127,8 @@ class RoundRunner:
     """
 
     precompile_workers: int | None = None
+    #: precompile workers started before the build reached capture (``Engine``), or None
+    compile_pool: CompilePool | None = None
 
     def __init__(
         self,
@@ -225,6 +228,9 @@ class RoundRunner:
         self.slot_len = torch.zeros(self.num_slots, dtype=i64, device=device)
         self.slot_ext = torch.ones(self.num_slots, dtype=i64, device=device)
         self._stage = 0  # pipelined: host staging slot of the next round
+        # pipelined: views of the device-derived inputs per (name, shape): the same every round
+        # of a bucket (stable addresses), so built once
+        self._derived_views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         pin = is_pinnable(device)
         self._host_tokens = torch.zeros(max_bucket * (w1 + 2), dtype=i64, pin_memory=pin)
         self._host_nv = torch.zeros(max_bucket, dtype=i64, pin_memory=pin)
@@ -485,10 +491,13 @@ class RoundRunner:
         for b, r in enumerate(batch):
             bt[b, : len(r.blocks)] = r.blocks[:width]
         rows = bcap * w1
-        put, dev = self.inputs.put, self.inputs.dev
+        put, dev, views = self.inputs.put, self.inputs.dev, self._derived_views
 
-        def view(name: str, *shape: int) -> torch.Tensor:
-            return dev[name][: int(np.prod(shape))].view(shape)
+        def view(name: str, *shape: int) -> torch.Tensor:  # built once per (name, shape)
+            v = views.get((name, shape))
+            if v is None:
+                v = views[(name, shape)] = dev[name][: math.prod(shape)].view(shape)
+            return v
 
         t = {"is_real": put("is_real", (np.arange(bcap) < n).astype(np.int64))}
         t["block_table"] = put("block_table", bt)
@@ -913,16 +922,20 @@ class RoundRunner:
             if self._precompiles():
                 self.precompile_report = precompile(
                     [lambda key=key: self._graph_forward(key, make_inputs, captured=False)()
-                     for key in order], workers=self.precompile_workers)
+                     for key in order], workers=self.precompile_workers, pool=self.compile_pool)
             for key in order:
                 self.graphs.capture(key, self._graph_forward(key, make_inputs, captured=True))
         synchronize(self.device)
 
     def _precompiles(self) -> bool:
+        return self.will_precompile(self.device, self.path)
+
+    @classmethod
+    def will_precompile(cls, device: torch.device, path: ExecutionPath) -> bool:
         """Whether :meth:`capture` compiles the graphs' Triton kernels in parallel first
         (``speccal.kernels.precompile``): CUDA, Triton ops on, not under the interpreter."""
-        return (self.precompile_workers != 0 and self.device.type == "cuda"
-                and self.path.attention_backend == "triton" and self.path.kernels.backend != "reference"
+        return (cls.precompile_workers != 0 and device.type == "cuda"
+                and path.attention_backend == "triton" and path.kernels.backend != "reference"
                 and triton_available() and not interpreting())
 
     def _graph_forward(self, key: GraphKey, make_inputs, *, captured: bool):
