@@ -43,8 +43,8 @@ from concurrent.futures import ProcessPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["CompileMeter", "PrecompileReport", "compile_specialization", "dry_pass_active",
-           "precompile"]
+__all__ = ["CompileMeter", "CompilePool", "PrecompileReport", "compile_specialization",
+           "dry_pass_active", "precompile"]
 
 # modules whose Triton kernels the dry pass hands to the workers (and whose ops return zeros)
 OWN_KERNELS = "speccal.kernels."
@@ -160,6 +160,61 @@ def _default_workers() -> int:
     return max(1, min(32, n - 1))
 
 
+# what a worker imports before its first compile: the kernel modules (each imports torch) and
+# Triton's compiler with its CUDA backend
+_WORKER_IMPORTS = ("triton.compiler.compiler", "triton.backends.nvidia.compiler",
+                   "speccal.kernels.gemv", "speccal.kernels.paged_attention",
+                   "speccal.kernels.rmsnorm", "speccal.kernels.rotary_kv",
+                   "speccal.kernels.attention_tiling", "speccal.kernels.verify_accept",
+                   "speccal.kernels.verify_metadata", "speccal.kernels.verify_tokens")
+
+
+def _prepare_worker() -> None:
+    """Worker initializer: the imports every compile needs, done while the parent still loads
+    the model instead of in front of the first compile."""
+    for name in _WORKER_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001  # a speed-up only: the compile imports what it needs
+            continue
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+class CompilePool:
+    """The precompile worker processes, started ahead of the dry pass.
+
+    Each spawned worker starts an interpreter and imports torch and Triton (seconds, on every
+    core at once); started when the engine build begins (``Engine``), that start-up runs beside
+    the model load instead of in front of the first compile. ``workers``: None for one per CPU
+    this process may use but one. The owner calls :meth:`shutdown` (also usable as a context
+    manager).
+    """
+
+    def __init__(self, workers: int | None = None):
+        self.workers = workers or _default_workers()
+        self._pool = ProcessPoolExecutor(self.workers,
+                                         mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_prepare_worker)
+        # one task per worker: the executor spawns a process per task while none is idle
+        for _ in range(self.workers):
+            self._pool.submit(_ready)
+
+    def submit(self, fn: Callable, *args):
+        return self._pool.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
 def _device_target() -> tuple:
     from triton.runtime import driver
 
@@ -168,9 +223,13 @@ def _device_target() -> tuple:
 
 
 def precompile(fns: Iterable[Callable[[], object]], *,
-               workers: int | None = None) -> PrecompileReport:
+               workers: int | None = None, pool: CompilePool | None = None) -> PrecompileReport:
     """Run each of ``fns`` once in a dry pass and compile the Triton kernels it would launch in
     ``workers`` processes (default: the CPUs this process may use) into Triton's cache.
+
+    ``pool``: workers started earlier (:class:`CompilePool`, owned and shut down by the caller);
+    None: a pool of ``workers`` is started at the first compile the pass meets and shut down
+    here.
 
     ``fns`` must be safe to run eagerly (a captured graph's forward is, by construction). Returns
     a :class:`PrecompileReport`; the caller captures afterwards. With triton missing, nothing to
@@ -181,8 +240,8 @@ def precompile(fns: Iterable[Callable[[], object]], *,
     report = PrecompileReport()
     target = _device_target()
     submitted: dict[tuple, object] = {}
-    n_workers = workers or _default_workers()
-    pool: ProcessPoolExecutor | None = None  # started at the first compile the pass meets
+    own = pool is None
+    n_workers = pool.workers if pool is not None else workers or _default_workers()
     t_first = 0.0
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002, ARG001
@@ -195,9 +254,10 @@ def precompile(fns: Iterable[Callable[[], object]], *,
         spec = compile["specialization_data"]
         ident = (fn.module, fn.name, spec)
         if ident not in submitted:
-            if pool is None:
-                pool = ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn"))
+            if not submitted:
                 t_first = time.perf_counter()
+            if pool is None:  # started at the first compile the pass meets
+                pool = CompilePool(n_workers)
             submitted[ident] = pool.submit(compile_specialization, fn.module, fn.name, spec, target)
         return True  # skip this compile and its launch: the worker compiles it
 
@@ -229,8 +289,8 @@ def precompile(fns: Iterable[Callable[[], object]], *,
             report.compile_cpu_s += fut.result()
             report.by_kernel[label] = report.by_kernel.get(label, 0) + 1
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        if own and pool is not None:
+            pool.shutdown()
     report.workers = n_workers if submitted else 0
     report.total_s = time.perf_counter() - t0
     return report

@@ -112,3 +112,19 @@ def test_the_dry_pass_argmax_key_decodes_to_column_zero():
     assert ref.unpack_argmax_keys_ref(keys).tolist() == [0, 0, 0]
     assert ops._ZERO_ROW_KEY == int(ref.argmax_keys_ref(torch.zeros(1, 5))[0])
     assert ref.unpack_argmax_keys_ref(torch.zeros(1, dtype=torch.int64)).item() == 2**32 - 1
+
+
+def test_compile_pool_starts_its_workers_up_front():
+    """``CompilePool`` spawns every worker when it is made (the engine starts it before the model
+    load, so the workers' imports overlap the load); a task then runs in one of them, and the
+    pool stops on ``shutdown``."""
+    import os
+
+    from speccal.kernels.precompile import CompilePool, _ready
+
+    with CompilePool(1) as pool:
+        assert pool.workers == 1
+        assert len(pool._pool._processes) == 1  # spawned now, not at the first compile
+        pid = pool.submit(_ready).result(timeout=120)
+        assert pid != os.getpid()
+    assert pool._pool._shutdown_thread
