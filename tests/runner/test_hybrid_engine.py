@@ -416,10 +416,17 @@ def test_split_graphs_emit_the_eager_tokens_on_cuda(family, strategy):
     folder, refs = family
     params, _ = _stop_case(refs)
     kw = dict(device="cuda", dtype="float32", request_buckets=(4,), draft_width=3)
-    eager = _engine(folder, strategy, **kw)
-    split = Engine(EngineConfig.flat(**{**dict(
+    split_cfg = EngineConfig.flat(**{**dict(
         model=str(folder), max_model_len=64, block_size=4, prefill_chunk=8,
-        acceptance="greedy", state_strategy=strategy), **kw}, graph_mode="split"))
+        acceptance="greedy", state_strategy=strategy), **kw}, graph_mode="split")
+    if folder.name == "qwen3_next":
+        # the routed-expert MLP's per-expert gathers have data-dependent shapes: refused by
+        # name, never captured (H200: the refusal, not a token mismatch)
+        with pytest.raises(UnsupportedError, match="routed-expert MLP"):
+            Engine(split_cfg)
+        return
+    eager = _engine(folder, strategy, **kw)
+    split = Engine(split_cfg)
     for k in (1, 2, 3):
         want, _ = _run(eager, PROMPTS, params, k)
         got, _ = _run(split, PROMPTS, params, k)
