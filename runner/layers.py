@@ -47,7 +47,7 @@ class RMSNorm(PathBound, nn.Module):
             return ops.rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps,
                                    tune=self.kx).view(x.shape)
         dtype = x.dtype
-        if dtype == torch.float32:  # one op, bitwise equal to the steps below in float32
+        if dtype == torch.float32 and x.is_cpu:  # one op, bitwise equal to the steps below
             return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
