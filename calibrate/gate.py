@@ -29,9 +29,11 @@ windows out of up to nine and says nothing about their level: on a 2-vCPU VM the
 drifts by ~10 % within a second even when quiet (bench/RESULTS.md: 15,360 rounds of one shape,
 window means at lag 1.5 s uncorrelated) and other processes slow whole stretches of seconds by up
 to 2x, so three agreeing windows are as likely to sit in one slow stretch as in a fast one. On
-one default tiny calibration journal (76 points, 59 of them re-measured twice) the additive
-fit's leave-one-point-out error was 14.8 % from the quietest rounds, 11.8 % from round 0 alone
-and 9.4 % from every round pooled: the pick made the table worse than not re-measuring at all.
+three journals of the default tiny calibration (76 points, 45-64 of them re-measured) the
+additive fit's leave-one-point-out error (worst context) was 14.8 / 7.4 / 4.8 % from the
+quietest rounds, 11.8 / 7.9 / 6.2 % from round 0 alone and 9.4 / 7.6 / 3.9 % from every round
+pooled (bench/RESULTS.md): on the first the pick made the table worse than not re-measuring at
+all, and pooled was never far from the best.
 The median of all windows is robust to a minority of slow windows (the case the old rule was
 written for: a busy host only slows rounds down) and uses every window measured. Nothing about
 the judgement changes: a round is noisy by the same spread and bound, re-measurement is planned
