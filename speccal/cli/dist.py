@@ -30,7 +30,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from speccal.base.errors import InputError, SpeccalError
-from speccal.runner.distributed.failure import RankError
 
 T = TypeVar("T")
 
@@ -66,6 +65,10 @@ def run_ranks(tp: int, dp: int, device: str, body: Callable[[Any, Console], T],
     with the same code on the other ranks, silent unless this rank caused a failure that the
     ranks did not agree on.
     """
+    # the runner is imported inside commands only (the CLI starts without torch); this module
+    # of it is torch-free
+    from speccal.runner.distributed.failure import RankError
+
     rank = env_rank()
     quiet = rank != 0
     out = Console(file=io.StringIO()) if quiet else (console or Console(stderr=True))
