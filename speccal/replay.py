@@ -462,10 +462,13 @@ def run_sequential(
     }
 
     def step(
-        r: int, acc_full: np.ndarray, scores: np.ndarray | None, kv: float, phase: int
+        r: int, acc_full: np.ndarray, scores: np.ndarray | None, kv: float, phase: int,
+        decide_kv: float | None = None,
     ) -> np.ndarray:
+        # decide on the KV the plan saw (decide_kv), price at the round's own KV (kv)
         nb = acc_full.size
-        d = policy.decide(BatchState(round_index=r, num_requests=nb, kv_length=kv))
+        d = policy.decide(BatchState(round_index=r, num_requests=nb,
+                                     kv_length=kv if decide_kv is None else decide_kv))
         if d.verify_tokens is not None:
             v = np.asarray(d.verify_tokens, dtype=np.int64)
         elif cost.mode == "target_verify" and scores is not None:
@@ -504,6 +507,7 @@ def run_sequential(
     if isinstance(trace, RoundTrace):
         cu = trace.cu_requests
         n = trace.num_rounds if max_rounds is None else min(max_rounds, trace.num_rounds)
+        plan_kv = trace.decision_kv  # what the live plan saw, where the trace recorded it
         for r in range(n):
             sl = slice(cu[r], cu[r + 1])
             sc = (
@@ -511,7 +515,8 @@ def run_sequential(
                 if trace.draft_scores is None
                 else np.nan_to_num(trace.draft_scores[sl].astype(np.float64))
             )
-            step(r, trace.accepted[sl], sc, float(trace.kv_length[r]), int(trace.phase[r]))
+            step(r, trace.accepted[sl], sc, float(trace.kv_length[r]), int(trace.phase[r]),
+                 float(plan_kv[r]))
     else:
         match = trace.match_length
         ids, starts, lengths = np.unique(trace.request, return_index=True, return_counts=True)

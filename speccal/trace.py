@@ -4,7 +4,10 @@ Two kinds of trace (full description in ``docs/TRACES.md``):
 
 - **rounds** (:class:`RoundTrace`): one record per speculative round as it ran. Per round ``r``:
   ``num_requests[r]`` (B), ``kv_length[r]`` (mean KV length), ``k[r]`` (draft forwards run),
-  ``phase[r]`` (index into ``meta["phases"]``); per request of the round, flattened over rounds
+  ``phase[r]`` (index into ``meta["phases"]``), optionally ``plan_kv_length[r]`` (the mean KV
+  length the plan of round ``r`` saw: recorded by the live runner, whose host knows the KV only
+  as of the rounds it has collected; replay decides on it); per request of the round, flattened
+  over rounds
   in round order (``cu_requests`` ``[R + 1]`` are the offsets): ``accepted [N]`` (accepted drafts,
   ``0..k``) and ``draft_scores [N, w]`` (draft probability of each selected token; NaN at
   positions ``>= k``). Replaying other ``k`` needs rounds recorded at full width (``k == w``):
@@ -53,6 +56,7 @@ class RoundTrace:
     draft_scores: np.ndarray | None = None  # [N, w] float32, NaN beyond k
     phase: np.ndarray | None = None  # [R] int64; default all 0
     meta: dict[str, Any] = field(default_factory=dict)
+    plan_kv_length: np.ndarray | None = None  # [R] float64: the KV each round's plan saw
 
     def __post_init__(self) -> None:
         w = int(self.draft_width)
@@ -82,6 +86,12 @@ class RoundTrace:
         object.__setattr__(self, "k", k)
         object.__setattr__(self, "accepted", acc)
         object.__setattr__(self, "phase", phase)
+        if self.plan_kv_length is not None:
+            pkv = np.asarray(self.plan_kv_length, dtype=np.float64).reshape(-1)
+            if pkv.size != r or not np.isfinite(pkv).all() or (pkv < 0).any():
+                raise SchemaError("plan_kv_length", pkv.size,
+                                  f"{r} finite values >= 0, one per round")
+            object.__setattr__(self, "plan_kv_length", pkv)
         if self.draft_scores is not None:
             s = np.asarray(self.draft_scores, dtype=np.float32)
             if s.shape != (acc.size, w):
@@ -104,6 +114,14 @@ class RoundTrace:
     def cu_requests(self) -> np.ndarray:
         """Offsets ``[R + 1]`` of each round's requests in the flattened arrays."""
         return np.concatenate(([0], np.cumsum(self.num_requests)))
+
+    @property
+    def decision_kv(self) -> np.ndarray:
+        """``[R]`` the mean KV length each round's plan decided on: ``plan_kv_length`` when
+        the trace recorded it (the live runner does: its host knows the KV only as of the
+        rounds it has collected, two rounds behind on the pipelined loop), else ``kv_length``
+        (a trace from elsewhere: the KV after the round is the best it says)."""
+        return self.kv_length if self.plan_kv_length is None else self.plan_kv_length
 
     @property
     def full_width(self) -> bool:
@@ -213,12 +231,16 @@ class RoundTraceBuilder:
         self._k: list[int] = []
         self._acc: list[np.ndarray] = []
         self._scores: list[np.ndarray] = []
+        self._plan_kv: list[float | None] = []
 
-    def add(self, k: int, accepted: Any, draft_scores: Any, kv_lengths: Any) -> None:
-        """One round: ``accepted [B]``, ``draft_scores [B, k]``, ``kv_lengths [B]``."""
+    def add(self, k: int, accepted: Any, draft_scores: Any, kv_lengths: Any,
+            plan_kv_length: float | None = None) -> None:
+        """One round: ``accepted [B]``, ``draft_scores [B, k]``, ``kv_lengths [B]``, and the
+        mean KV the round's plan saw (recorded only when every round gives it)."""
         acc = np.asarray(accepted, dtype=np.int64).reshape(-1)
         if acc.size == 0:
             return
+        self._plan_kv.append(None if plan_kv_length is None else float(plan_kv_length))
         sc = np.full((acc.size, self.draft_width), np.nan, dtype=np.float32)
         sc[:, :k] = np.asarray(draft_scores, dtype=np.float32).reshape(acc.size, k)
         self._b.append(acc.size)
@@ -242,6 +264,8 @@ class RoundTraceBuilder:
             if self._scores
             else np.zeros((0, w), np.float32),
             meta=meta or {},
+            plan_kv_length=None if not self._plan_kv or None in self._plan_kv
+            else np.asarray(self._plan_kv, dtype=np.float64),
         )
 
 
@@ -351,6 +375,8 @@ def _to_parquet(trace: Trace) -> bytes:
             "phase": pa.array(trace.phase),
             "accepted": pa.LargeListArray.from_arrays(offsets, pa.array(trace.accepted)),
         }
+        if trace.plan_kv_length is not None:
+            cols["plan_kv_length"] = pa.array(trace.plan_kv_length)
         if trace.draft_scores is not None:
             cols["draft_scores"] = pa.LargeListArray.from_arrays(
                 pa.array(offsets.to_numpy() * w),
@@ -406,6 +432,8 @@ def _from_parquet(path: Path) -> Trace:
             accepted=flat("accepted", np.int64),
             draft_scores=scores,
             meta=h.get("meta", {}),
+            plan_kv_length=plain("plan_kv_length", np.float64)
+            if "plan_kv_length" in table.column_names else None,
         )
     return TokenTrace(
         draft_width=w,
@@ -435,6 +463,8 @@ def _to_jsonl(trace: Trace) -> bytes:
                 "phase": int(trace.phase[r]),
                 "accepted": trace.accepted[cu[r] : cu[r + 1]].tolist(),
             }
+            if trace.plan_kv_length is not None:
+                row["plan_kv_length"] = float(trace.plan_kv_length[r])
             if trace.draft_scores is not None:
                 row["draft_scores"] = _nan_to_none(trace.draft_scores[cu[r] : cu[r + 1]])
             lines.append(json.dumps(row, allow_nan=False))
@@ -489,6 +519,7 @@ def _from_jsonl(path: Path) -> Trace:
             accepted=np.array([a for r in rows for a in r["accepted"]], dtype=np.int64),
             draft_scores=scores_of(rows),
             meta=h.get("meta", {}),
+            plan_kv_length=_optional_column(rows, "plan_kv_length", np.float64),
         )
     return TokenTrace(
         draft_width=w,
@@ -501,6 +532,16 @@ def _from_jsonl(path: Path) -> Trace:
         else np.array([r["draft_scores"] for r in rows], dtype=np.float32).reshape(-1, w),
         meta=h.get("meta", {}),
     )
+
+
+def _optional_column(rows: list[dict], name: str, dtype) -> np.ndarray | None:
+    """An optional per-row field: on every row, or on none (None)."""
+    have = [name in r for r in rows]
+    if not any(have):
+        return None
+    if not all(have):
+        raise SchemaError(name, f"on {sum(have)} of {len(rows)} rows", "on every row or none")
+    return np.array([r[name] for r in rows], dtype=dtype)
 
 
 def _rows(x: Any) -> list:

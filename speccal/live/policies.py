@@ -217,6 +217,7 @@ def run_live(
     emitted = 0
     prefill_s = 0.0
     decisions: dict[int, Decision] = {}  # engine round index -> the decision that planned it
+    plan_kv: dict[int, float] = {}  # engine round index -> the mean KV its plan saw
     pipelined = bool(engine.config.pipeline)
 
     def plan_fn(state: RoundState) -> RoundPlan:
@@ -228,6 +229,7 @@ def run_live(
             )
         )
         decisions[state.round_index] = d
+        plan_kv[state.round_index] = float(state.kv_length)
         return to_plan(d, mode)
 
     t_loop = time.perf_counter()
@@ -254,6 +256,7 @@ def run_live(
         t_prev = t1
         emitted += sum(len(e) for e in res.emitted)
         d = decisions.pop(res.round_index, None)
+        seen_kv = plan_kv.pop(res.round_index, None)
         res = res.physical()  # pipelined: the rows of the extra round too (what the device ran)
         if res.num_requests == 0:
             continue
@@ -261,7 +264,7 @@ def run_live(
             raise RuntimeError("engine.step ran a round without calling the plan callback")
         r = res.round_index - base
         policy.observe(Feedback.from_round_result(res, r))
-        builder.add(res.k, res.accepted, res.draft_scores, res.kv_lengths)
+        builder.add(res.k, res.accepted, res.draft_scores, res.kv_lengths, seen_kv)
         rec["k"].append(res.k)
         rec["g"].append(d.g)
         rec["g_run"].append(res.g)

@@ -130,3 +130,32 @@ def test_pipelined_round_cost_is_its_period_including_the_host_work_between_step
             assert total >= 0.9 * run.loop_s
         else:
             assert total <= run.loop_s - 0.9 * delay * run.k.size
+
+
+def test_replay_decides_on_the_kv_the_live_plan_saw():
+    """A cost whose best k flips at KV 40: the live plan of round n sees the KV of the rounds
+    collected so far (two behind on the pipelined loop), and the trace records it
+    (``plan_kv_length``), so the replay switches k at the same round; deciding on the trace's
+    after-round KV (a trace without the record) switches earlier (H200, bench_kv_gain: every
+    single-context replay missed the round its table ran out of calibrated KV)."""
+    from dataclasses import replace
+
+    eng = _engine()
+
+    def f(bcap, g, kv):
+        g, kv = np.asarray(g, float), np.asarray(kv, float)
+        return 4.0 + np.where(kv < 40.0, 0.2, 20.0) * g
+
+    cost = CostModel(cost=f, geometry=eng.geometry, mode="draft_step")
+    cfg = AdaptiveStepConfig(window_size=4, update_interval=1, switch_min_gain=0.0)
+    run = run_live(eng, AdaptiveStepPolicy(cost, cfg), "draft_step", _prompts(eng, 4),
+                   SamplingParams(max_tokens=60, ignore_eos=True))
+    trace = run.trace
+    assert trace.plan_kv_length is not None and trace.plan_kv_length.size == run.k.size
+    assert trace.plan_kv_length.mean() < trace.kv_length.mean()  # the plan saw an older KV
+    assert run.k.max() == W and run.k.min() == 1  # the flip happened inside the run
+    pred = replay_prediction(run, cost, AdaptiveStepPolicy(cost, cfg))
+    assert pred["decisions_match"]
+    bare = run_sequential(replace(trace, plan_kv_length=None), cost,
+                          AdaptiveStepPolicy(cost, cfg), pipelined=True)
+    assert not np.array_equal(bare.k, run.k)

@@ -107,3 +107,40 @@ def test_files_refuse_bad_headers(tmp_path):
         load_trace(tmp_path / "missing.parquet")
     with pytest.raises(InputError, match=".parquet or .jsonl"):
         save_trace(small_round_trace(), tmp_path / "t.csv")
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_plan_kv_length_round_trips_and_is_what_replay_decides_on(tmp_path, suffix):
+    """The live runner records the KV each round's plan saw (``plan_kv_length``); it survives
+    both formats, and ``decision_kv`` is it (else the after-round ``kv_length``)."""
+    b = RoundTraceBuilder(3)
+    b.add(3, [1, 2], [[0.5] * 3, [0.5] * 3], [10, 12], plan_kv_length=4.0)
+    b.add(3, [0, 3], [[0.5] * 3, [0.5] * 3], [13, 16], plan_kv_length=9.5)
+    tr = b.build({"source": "test"})
+    np.testing.assert_array_equal(tr.decision_kv, [4.0, 9.5])
+    back = load_trace(save_trace(tr, tmp_path / f"t{suffix}"))
+    np.testing.assert_array_equal(back.plan_kv_length, [4.0, 9.5])
+    plain = load_trace(save_trace(small_round_trace(), tmp_path / f"p{suffix}"))
+    assert plain.plan_kv_length is None
+    np.testing.assert_array_equal(plain.decision_kv, plain.kv_length)
+    # a builder given it for some rounds only records none
+    b2 = RoundTraceBuilder(3)
+    b2.add(3, [1], [[0.5] * 3], [10], plan_kv_length=4.0)
+    b2.add(3, [1], [[0.5] * 3], [14])
+    assert b2.build().plan_kv_length is None
+
+
+def test_plan_kv_length_is_validated(tmp_path):
+    with pytest.raises(SchemaError, match="plan_kv_length"):
+        RoundTrace(draft_width=3, num_requests=[1], kv_length=[5.0], k=[3], accepted=[1],
+                   plan_kv_length=[-1.0])
+    p = tmp_path / "t.jsonl"
+    tr = RoundTrace(draft_width=3, num_requests=[1, 1], kv_length=[5.0, 9.0], k=[3, 3],
+                    accepted=[1, 2], plan_kv_length=[1.0, 5.0])
+    save_trace(tr, p)
+    lines = p.read_text().splitlines()
+    row = json.loads(lines[2])
+    del row["plan_kv_length"]
+    p.write_text("\n".join([lines[0], lines[1], json.dumps(row)]) + "\n")
+    with pytest.raises(SchemaError, match="plan_kv_length"):
+        load_trace(p)
