@@ -213,16 +213,22 @@ class HybridRandomSource:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.shapes[key]
 
-    def _randn(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        g = torch.Generator(device="cpu")
+    def _generator(self, key: str, device: torch.device) -> torch.Generator:
+        g = torch.Generator(device=device)
         g.manual_seed((self.seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
-        return torch.randn(shape, generator=g)
+        return g
+
+    def _randn(self, key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        # drawn on the target device, as RandomSource does: a 2B-shape target's weights drawn
+        # on the host took 26 s of a 48 s cold engine build on the H200 (bench/RESULTS.md)
+        return torch.randn(shape, generator=self._generator(key, device), device=device)
 
     def get(
         self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         if torch.device(device).type == "meta":  # shapes only (a full-size layout check)
             return torch.empty(shape, dtype=dtype, device="meta")
+        device = torch.device(device)
         p = self.preset
         fam = self.family
         is_draft = fam is not None and fam.is_draft_key(key, self.num_target_layers)
@@ -231,30 +237,29 @@ class HybridRandomSource:
         fan_in = shape[-1] if len(shape) > 1 else 1
         scale = p.init_scale / fan_in**0.5
         if key.endswith("linear_attn.norm.weight"):
-            out = torch.ones(shape)
+            out = torch.ones(shape, device=device)
         elif "norm" in key.rsplit(".", 2)[-2]:
-            out = torch.zeros(shape)
+            out = torch.zeros(shape, device=device)
         elif key.endswith("A_log"):
-            g = torch.Generator(device="cpu")
-            g.manual_seed((self.seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
-            out = torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+            out = torch.empty(shape, device=device).uniform_(
+                1.0, 16.0, generator=self._generator(key, device)).log()
         elif key.endswith("dt_bias"):
-            out = torch.ones(shape)
+            out = torch.ones(shape, device=device)
         elif key.endswith("embed_tokens.weight"):
-            out = self._randn(key, shape)
+            out = self._randn(key, shape, device)
         elif is_draft and key == fam.key_for(f"{fam.proj}.weight", self.num_target_layers):
             h = shape[0]
-            out = self._randn(key, shape) * (0.02 / shape[1] ** 0.5)
+            out = self._randn(key, shape, device) * (0.02 / shape[1] ** 0.5)
             half = slice(0, h) if fam.concat_order[0] == "embed" else slice(h, 2 * h)
-            out[:, half] += torch.eye(h)
+            out[:, half] += torch.eye(h, device=device)
         elif is_draft and ".mlp." in key:  # the head's MLP copies the target's first MLP
-            out = self._randn("model.layers.0.mlp." + key.split(".mlp.", 1)[1], shape) * scale
+            out = self._randn("model.layers.0.mlp." + key.split(".mlp.", 1)[1], shape, device) * scale
         else:
             if key.endswith(("o_proj.weight", "linear_attn.out_proj.weight")):
                 scale *= p.attn_scale
             if not is_draft and layer >= 1 and ".mlp." in key:
                 scale *= p.deep_scale
-            out = self._randn(key, shape) * scale
+            out = self._randn(key, shape, device) * scale
         return out.to(device=device, dtype=dtype)
 
 
