@@ -2,8 +2,8 @@
 
 Usage: python3 bench/fit_journal.py JOURNAL.jsonl --out TABLE.json [--windows-per-point 3]
 
-Keeps each point's quietest complete round of windows (the rule of
-``speccal.calibrate.gate.select_windows``), fits the additive model (and the KV-aware model
+Selects the windows as a calibration does (``speccal.calibrate.gate.select_windows``: every
+complete round of each point, pooled), fits the additive model (and the KV-aware model
 when the journal holds three or more contexts) with ``build_table`` and the journal header's
 compatibility, writes the table and prints the spreads and the KV model's held-out errors.
 A diagnostic for bench/RESULTS.md; `speccal calibrate --resume` is the user's way to finish a
@@ -13,13 +13,14 @@ run.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import warnings
 
 import pandas as pd
 
+from speccal.calibrate.gate import GateConfig, select_windows
+from speccal.calibrate.grid import GridPoint
 from speccal.costmodel.table import save_table
 from speccal.costmodel.table_build import build_table
 
@@ -33,24 +34,16 @@ def main() -> None:
     w = args.windows_per_point
     lines = [json.loads(line) for line in open(args.journal, encoding="utf-8")]
     head, rows = lines[0], [x["row"] for x in lines[1:] if x.get("kind") == "window"]
-    by = collections.defaultdict(lambda: collections.defaultdict(dict))
-    for r in rows:
-        by[(r["context_index"], r["bcap"], r["g"], r["k"])][r["window_index"] // w][
-            r["window_index"] % w] = r
-    kept, first, best_spreads = [], [], []
-    for rounds in by.values():
-        complete = {i: ws for i, ws in rounds.items() if len(ws) == w}
-        spread = {}
-        for i, ws in complete.items():
-            ms = [x["step_ms"] for x in ws.values()]
-            spread[i] = (max(ms) - min(ms)) / statistics.median(ms) * 100
-        best = min(spread, key=lambda i: (spread[i], i))
-        first.append(spread[0])
-        best_spreads.append(spread[best])
-        kept.extend(complete[best].values())
-    print(f"{len(by)} points, {len(kept)} windows kept; first-round spread median "
-          f"{statistics.median(first):.1f} % max {max(first):.1f} %; kept median "
-          f"{statistics.median(best_spreads):.1f} % max {max(best_spreads):.1f} %")
+    # select_windows looks points up by (context, Bcap, G, k) only
+    points = [GridPoint(*key, None) for key in
+              sorted({(r["context_index"], r["bcap"], r["g"], r["k"]) for r in rows})]
+    sel = select_windows(rows, points, w, GateConfig.resolve(
+        head["compatibility"]["device"]["kind"]))
+    kept = sel.rows
+    first = [q.spreads[0] for q in sel.points if q.spreads and q.spreads[0] is not None]
+    print(f"{len(points)} points, {len(kept)} windows kept; first-round spread median "
+          f"{statistics.median(first):.1f} % max {max(first):.1f} %; pooled rounds' max "
+          f"{sel.spread_max_pct:.1f} %")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         table = build_table(pd.DataFrame(kept), model="additive",
