@@ -459,8 +459,9 @@ def _compile_info(engine: Any, meter: Any) -> dict[str, Any] | None:
 
 def _build_line(build: dict[str, float], startup_s: float | None) -> str:
     """Where the runner build's time went (``Engine.build_timings``) and the process's start-up."""
-    parts = [f"{name[:-2]} {build[name]:.1f} s" for name in ("device_s", "load_s", "setup_s",
-                                                          "fuse_s", "graphs_s") if name in build]
+    parts = [f"{name[:-2].replace('_', ' ')} {build[name]:.1f} s"
+             for name in ("device_s", "load_s", "setup_s", "fuse_s", "graphs_s",
+                          "prefill_warmup_s") if name in build]
     line = f"runner build {build.get('total_s', 0.0):.1f} s ({', '.join(parts)})"
     if startup_s is not None:
         line += f"; process start-up and imports before calibrate {startup_s:.1f} s"

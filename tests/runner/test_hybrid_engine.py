@@ -276,6 +276,23 @@ def test_pipelined_loop_equals_transformers(family):
         assert got == want, strategy
 
 
+def test_warm_prefill_leaves_the_engine_as_it_was(family):
+    """``Engine.warm_prefill`` (run by the build for hybrid targets on CUDA, where fla autotunes
+    at the first prefill): afterwards no request, every slot free, fresh statistics, the
+    generator's state unchanged, and the pipelined greedy tokens still transformers'."""
+    folder, refs = family
+    params, want = _stop_case(refs)
+    eng = _engine(folder, "scratch_swap", pipeline=True)
+    free = sorted(eng._free_slots)
+    gen = eng.generator.get_state().clone()
+    eng.warm_prefill()
+    assert not eng.has_unfinished() and not eng.requests and eng.round_index == 0
+    assert sorted(eng._free_slots) == free and eng.stats.num_rounds == 0
+    assert torch.equal(eng.generator.get_state(), gen)
+    got, _ = _run(eng, PROMPTS, params, 3)
+    assert got == want
+
+
 def test_state_bytes_per_round_by_strategy_and_k(family):
     """Scratch-swap moves two state rows each way at every k (verify: committed read,
     scratch write; replay: committed read and write) plus the saved inputs of the verified
