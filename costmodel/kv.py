@@ -4,15 +4,25 @@ Attention reads the whole KV of every verified row, so a round's cost grows with
 mean KV length. Over the combined points of all context intervals (one per ``(context, Bcap,
 G)``: median ``step_ms`` of its windows, mean of their recorded ``mean_kv_length``) the model is
 
-``cost_ms(Bcap, G, kv) = bias + alpha(Bcap) + theta(G) + slope(G) * G * kv``
+``cost_ms(Bcap, G, kv) = bias + alpha(Bcap) + theta(G) + slope(x) * x * kv``
 
 with ``alpha`` and ``theta`` categorical as in ``speccal.costmodel.additive`` (the smallest Bcap
-and G are the reference, so ``bias`` is the corner cell's cost at KV 0) and two candidate slope
-forms (``kv_term``):
+and G are the reference, so ``bias`` is the corner cell's cost at KV 0) and four candidate slope
+forms (``kv_term``), two axes ``x`` times two ways of sharing the slope:
 
-- ``shared``: one slope ``beta`` for every G (``slope(G) = beta``): the attention work per
-  verified row and KV token is the same at every graph shape;
-- ``per_g``: one slope per G level (the attention kernel's tiling differs between shapes).
+- ``shared``: ``x = G``, one slope ``beta`` for every G: the attention work per verified row
+  and KV token is the same at every graph shape;
+- ``per_g``: ``x = G``, one slope per G level (the attention kernel's tiling differs between
+  shapes);
+- ``shared_bcap``: ``x = Bcap``, one slope: attention reads each request's KV once, whatever
+  number of its rows are verified (the paged kernels read a request's KV blocks once for all
+  of its query rows and heads of a group), so memory-bound attention costs ``Bcap * kv``;
+- ``per_bcap``: ``x = Bcap``, one slope per Bcap level.
+
+The request axis came second and fits better where attention is memory-bound: on the shipped
+tables (76 points over four contexts each) leave-one-context-out mean / max 0.95 / 2.5 %
+(``per_bcap``) against 1.45 / 6.7 % (``per_g``) on the H200, and 3.5 / 13.8 % against
+7.6 / 35.9 % on the 2-vCPU CPU, where the G forms had priced a calibrated point 23 % off.
 
 Why these and not theta per KV level with interpolation between the contexts: every window of
 a context is measured at the same mean KV (``speccal.calibrate.driver.calibrated_kv_length``),
@@ -22,12 +32,14 @@ except by the same linear interpolation, with one ``theta`` vector per context t
 extrapolate its edge contexts from one segment. The linear terms use all contexts for one slope.
 Which slope form a table gets is decided by held-out error (:func:`select_kv_model`):
 leave-one-context-out first (the question a KV-aware lookup answers: how wrong is the price at a
-KV that was not calibrated), then leave-one-point-out; a tie within
-:data:`TIE_PCT` percentage points keeps ``shared`` (fewer parameters).
+KV that was not calibrated), then leave-one-point-out; forms within :data:`TIE_PCT` percentage
+points of the best count as tied and the one with the fewest slopes wins (``shared`` first, in
+:data:`KV_TERMS` order).
 
 Fitted attributes: ``bias_ms_``, ``bcap_levels_`` / ``alpha_ms_`` ``[nb]``, ``g_levels_`` /
-``theta_ms_`` ``[ng]``, ``beta_ms_`` (``[1]`` for ``shared``, ``[ng]`` for ``per_g``; ms per
-verified row and KV token), ``points_`` ``[m, 3]`` (bcap, g, kv) and ``point_ms_`` ``[m]``.
+``theta_ms_`` ``[ng]``, ``beta_ms_`` (``[1]`` for the shared forms, ``[ng]`` for ``per_g``,
+``[nb]`` for ``per_bcap``; ms per unit of ``x`` and KV token), ``points_`` ``[m, 3]`` (bcap, g,
+kv) and ``point_ms_`` ``[m]``.
 ``X`` is ``[n, 3]`` with columns ``[bcap, g, kv_length]``; ``predict`` is NaN for a Bcap or G that
 is not a level (the KV span is the lookup's concern, ``speccal.costmodel.lookup``). Parameters
 are persisted as arrays (``speccal.costmodel.table_schema.KVModelBlock``), never pickles.
@@ -49,7 +61,10 @@ from speccal.costmodel.estimator import COMBINE, single_thread_blas
 from speccal.costmodel.grid import check_connected
 from speccal.costmodel.lookup import level_lookup
 
-KV_TERMS = ("shared", "per_g")
+KV_TERMS = ("shared", "per_g", "shared_bcap", "per_bcap")
+#: kv_term -> (the slope's axis x: "g" or "bcap", one slope per level of it)
+KV_FORMS = {"shared": ("g", False), "per_g": ("g", True),
+            "shared_bcap": ("bcap", False), "per_bcap": ("bcap", True)}
 #: Held-out errors (percentage points of mean |error|) closer than this count as a tie.
 TIE_PCT = 0.1
 _HAT_TOL = 1e-9
@@ -60,29 +75,31 @@ MIN_CONTEXTS = 3
 def kv_design(
     points: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray, kv_term: str
 ) -> np.ndarray:
-    """Design ``[m, p]``: the additive one-hot columns, then the ``G * kv`` slope column(s).
+    """Design ``[m, p]``: the additive one-hot columns, then the ``x * kv`` slope column(s).
 
     ``points`` is ``[m, 3]`` (bcap, g, kv); KV is scaled to thousands of tokens inside the design
     only (conditioning), the fitted ``beta_ms_`` is per token.
     """
     D = design_matrix(points[:, :2], bcap_levels, g_levels)
-    gkv = points[:, 1] * points[:, 2] / 1000.0
-    if kv_term == "shared":
-        S = gkv[:, None]
+    axis, per_level = KV_FORMS[kv_term]
+    col, levels = (0, bcap_levels) if axis == "bcap" else (1, g_levels)
+    xkv = points[:, col] * points[:, 2] / 1000.0
+    if not per_level:
+        S = xkv[:, None]
     else:
-        gi = np.searchsorted(g_levels, points[:, 1])
-        S = np.zeros((len(points), len(g_levels)))
-        S[np.arange(len(points)), gi] = gkv
+        i = np.searchsorted(levels, points[:, col])
+        S = np.zeros((len(points), len(levels)))
+        S[np.arange(len(points)), i] = xkv
     return np.hstack([D, S])
 
 
 class KVCostModel(RegressorMixin, BaseEstimator):
-    """``bias + alpha(Bcap) + theta(G) + slope(G) * G * kv`` in ms (see module docstring).
+    """``bias + alpha(Bcap) + theta(G) + slope(x) * x * kv`` in ms (see module docstring).
 
     Parameters
     ----------
-    kv_term : {"shared", "per_g"}
-        One slope for every G, or one per G level.
+    kv_term : {"shared", "per_g", "shared_bcap", "per_bcap"}
+        The slope's axis (G or Bcap) and whether it has one slope or one per level.
     combine : {"median", "mean"}
         How repeated windows of one (Bcap, G, KV) point are combined before the fit.
     """
@@ -142,22 +159,47 @@ class KVCostModel(RegressorMixin, BaseEstimator):
             np.asarray(g, dtype=np.float64),
             np.asarray(kv_length, dtype=np.float64),
         )
-        gl = self.g_levels_.astype(np.float64)
-        a = level_lookup(bcap, self.bcap_levels_.astype(np.float64), self.alpha_ms_)
+        bl, gl = self.bcap_levels_.astype(np.float64), self.g_levels_.astype(np.float64)
+        a = level_lookup(bcap, bl, self.alpha_ms_)
         t = level_lookup(g, gl, self.theta_ms_)
-        if len(self.beta_ms_) == 1:
-            slope = np.where(np.isnan(t), np.nan, self.beta_ms_[0])
+        axis, per_level = KV_FORMS[self.kv_term]
+        x, levels = (bcap, bl) if axis == "bcap" else (g, gl)
+        if per_level:
+            slope = level_lookup(x, levels, self.beta_ms_)
+        else:  # NaN off the levels of either axis, as the categorical terms are
+            slope = np.where(np.isnan(a + t), np.nan, self.beta_ms_[0])
+        return self.bias_ms_ + a + t + slope * x * kv
+
+    def additive_at(self, kv_length: float) -> tuple[float, np.ndarray, np.ndarray]:
+        """``(bias, alpha [nb], theta [ng])`` of the additive model this one is at one KV length
+        (the slope term folded into ``alpha`` or ``theta``), re-referenced to the smallest Bcap
+        and G: what an engine's additive table holds for that KV."""
+        check_is_fitted(self, "bias_ms_")
+        kv = float(kv_length)
+        alpha, theta = self.alpha_ms_.astype(np.float64), self.theta_ms_.astype(np.float64)
+        axis, per_level = KV_FORMS[self.kv_term]
+        levels = self.bcap_levels_ if axis == "bcap" else self.g_levels_
+        beta = self.beta_ms_ if per_level else np.full(len(levels), self.beta_ms_[0])
+        term = beta * levels.astype(np.float64) * kv
+        if axis == "bcap":
+            alpha = alpha + term
         else:
-            slope = level_lookup(g, gl, self.beta_ms_)
-        return self.bias_ms_ + a + t + slope * g * kv
+            theta = theta + term
+        return float(self.bias_ms_ + alpha[0] + theta[0]), alpha - alpha[0], theta - theta[0]
 
     @classmethod
     def from_params(
-        cls, bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, beta_ms, *, combine="median"
+        cls, bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, beta_ms, *,
+        kv_term: str | None = None, combine="median",
     ) -> KVCostModel:
-        """Rebuild a fitted model from stored parameters (``len(beta_ms)`` picks the form)."""
+        """Rebuild a fitted model from stored parameters; ``kv_term`` None infers the G forms
+        from ``len(beta_ms)`` (``shared`` for one slope, else ``per_g``)."""
         beta = np.asarray(beta_ms, dtype=np.float64)
-        m = cls(kv_term="shared" if len(beta) == 1 else "per_g", combine=combine)
+        if kv_term is None:
+            kv_term = "shared" if len(beta) == 1 else "per_g"
+        if kv_term not in KV_TERMS:
+            raise InputError("kv_term", kv_term, f"one of {list(KV_TERMS)}")
+        m = cls(kv_term=kv_term, combine=combine)
         m.bias_ms_ = float(bias_ms)
         m.bcap_levels_ = np.asarray(bcap_levels, dtype=np.int64)
         m.alpha_ms_ = np.asarray(alpha_ms, dtype=np.float64)
@@ -267,6 +309,7 @@ def _loco(ctx: np.ndarray, P: np.ndarray, y: np.ndarray, kv_term: str) -> np.nda
             gl,
             np.concatenate([[0.0], coef[nb : nb + ng - 1]]),
             coef[nb + ng - 1 :] / 1000.0,
+            kv_term=kv_term,
         )
         out[test] = m.predict_at(P[test, 0], P[test, 1], P[test, 2])
     return out
@@ -333,11 +376,12 @@ def select_kv_model(windows: pd.DataFrame, *, combine: str = "median") -> KVFit 
 
 
 def _choose(candidates: dict[str, dict[str, ErrorSummary]]) -> tuple[str, str]:
-    """The slope form with the lower held-out error, and which error decided."""
+    """The slope form with the lowest held-out error, and which error decided: among the forms
+    within :data:`TIE_PCT` of the best, the one with the fewest slopes (then KV_TERMS order)."""
     for metric in ("leave_one_context_out", "leave_one_point_out"):
         errs = {t: candidates[t][metric].mean_abs_pct for t in KV_TERMS}
         if all(e is not None for e in errs.values()):
-            if errs["per_g"] < errs["shared"] - TIE_PCT:
-                return "per_g", metric
-            return "shared", metric
+            best = min(errs.values())
+            tied = [t for t in KV_TERMS if errs[t] <= best + TIE_PCT]
+            return min(tied, key=lambda t: (KV_FORMS[t][1], KV_TERMS.index(t))), metric
     return "shared", "fewest_parameters"

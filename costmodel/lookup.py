@@ -133,19 +133,12 @@ class TableLookup:
         self._fits = tuple(fits)
         self.model = table.model
         kvm = table.kv_model if kv_aware else None
-        #: The KV model's arrays ``(bias, bcap_levels, alpha, g_levels, theta, beta)`` or None.
+        #: The KV model (``speccal.costmodel.kv.KVCostModel`` rebuilt from the table) or None.
         self._kv = None
         #: Inclusive KV span the KV model prices (None: the per-interval fits answer).
         self.kv_span: tuple[float, float] | None = None
         if kvm is not None:
-            self._kv = (
-                float(kvm.bias_ms),
-                np.asarray(kvm.bcap_levels, dtype=np.float64),
-                np.asarray(kvm.alpha_ms, dtype=np.float64),
-                np.asarray(kvm.g_levels, dtype=np.float64),
-                np.asarray(kvm.theta_ms, dtype=np.float64),
-                np.asarray(kvm.beta_ms, dtype=np.float64),
-            )
+            self._kv = kvm.estimator()
             self._kv_levels = (list(kvm.bcap_levels), list(kvm.g_levels))
             self.kv_span = (float(kvm.min_kv_length), float(kvm.max_kv_length))
         #: Inclusive KV bounds of each context interval, in the table's order.
@@ -258,11 +251,8 @@ class TableLookup:
         )
         out = np.full(b.shape, np.nan)
         if self._kv is not None:
-            bias, bl, alpha, gl, theta, beta = self._kv
             m = (kv >= self.kv_span[0]) & (kv <= self.kv_span[1])
-            t = level_lookup(gg[m], gl, theta)
-            slope = level_lookup(gg[m], gl, beta) if len(beta) > 1 else t * 0 + beta[0]
-            out[m] = bias + level_lookup(b[m], bl, alpha) + t + slope * gg[m] * kv[m]
+            out[m] = self._kv.predict_at(b[m], gg[m], kv[m])
         for f in self._fits if self._kv is None else ():
             m = (kv >= f.lo) & (kv <= f.hi)
             if not m.any():

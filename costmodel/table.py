@@ -36,6 +36,7 @@ from speccal.base.errors import GridError, InputError, SchemaError
 from speccal.base.geometry import Geometry, default_target_rows
 from speccal.costmodel.compat import UNKNOWN_EXECUTION, Compatibility, check_compatibility
 from speccal.costmodel.grid import check_contexts
+from speccal.costmodel.kv import KV_FORMS
 from speccal.costmodel.table_schema import SCHEMA_VERSION, CostTable, validate_block
 
 LEGACY_DRAFT_WIDTH = 7
@@ -275,7 +276,8 @@ def _check_kv_model(t: CostTable, source: str) -> None:
         a, b = getattr(kv, lv), getattr(kv, val)
         if len(a) == 0 or len(a) != len(b) or a != sorted(set(a)):
             raise SchemaError(f"{where}.{lv}", a, f"ascending distinct levels, one {val} each")
-    want = 1 if kv.kv_term == "shared" else len(kv.g_levels)
+    axis, per_level = KV_FORMS[kv.kv_term]
+    want = (len(kv.bcap_levels) if axis == "bcap" else len(kv.g_levels)) if per_level else 1
     if len(kv.beta_ms) != want:
         raise SchemaError(
             f"{where}.beta_ms", kv.beta_ms, f"{want} value(s) for kv_term {kv.kv_term!r}"

@@ -266,7 +266,7 @@ class KVContextErrors(_Strict):
 class KVCandidate(_Strict):
     """Held-out errors of one slope form the selection compared."""
 
-    kv_term: Literal["shared", "per_g"]
+    kv_term: Literal["shared", "per_g", "shared_bcap", "per_bcap"]
     leave_one_context_out: ErrorBlock
     leave_one_point_out: ErrorBlock
 
@@ -288,14 +288,15 @@ class KVModelBlock(_Strict):
     """The KV-aware model over every context (``speccal.costmodel.kv``), present only in tables
     of three or more context intervals with a connected (Bcap, G) grid.
 
-    ``cost = bias + alpha(Bcap) + theta(G) + beta(G) * G * kv`` for ``kv`` in
+    ``cost = bias + alpha(Bcap) + theta(G) + beta(x) * x * kv`` for ``kv`` in
     ``[min_kv_length, max_kv_length]`` (the calibrated span: the smallest and largest bound of the
-    contexts); ``beta_ms`` has one value (``shared``) or one per G level (``per_g``), in ms per
-    verified row and KV token. ``bias_ms`` is the reference cell's cost extrapolated to KV 0 and
-    may be any finite number.
+    contexts), ``x`` = G (``shared``, ``per_g``) or Bcap (``shared_bcap``, ``per_bcap``);
+    ``beta_ms`` has one value (the shared forms) or one per level of ``x`` (``per_g``: per G
+    level, ``per_bcap``: per Bcap level), in ms per unit of ``x`` and KV token. ``bias_ms`` is the
+    reference cell's cost extrapolated to KV 0 and may be any finite number.
     """
 
-    kv_term: Literal["shared", "per_g"]
+    kv_term: Literal["shared", "per_g", "shared_bcap", "per_bcap"]
     combine: Literal["median", "mean"] = "median"
     reference: Literal["smallest_bcap_and_g"] = "smallest_bcap_and_g"
     min_kv_length: int = Field(ge=0)
@@ -323,6 +324,7 @@ class KVModelBlock(_Strict):
             self.g_levels,
             self.theta_ms,
             self.beta_ms,
+            kv_term=self.kv_term,
             combine=self.combine,
         )
 

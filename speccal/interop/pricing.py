@@ -8,9 +8,10 @@ write decisions (vLLM, TensorRT-LLM) price through ``speccal.policy.CostModel`` 
 lookup) and record the same :func:`pricing_block`.
 
 - :func:`additive_at`: at a fixed KV the KV model ``bias + alpha(Bcap) + theta(G) +
-  slope(G) * G * kv`` is additive in Bcap and G: ``alpha`` unchanged, ``theta_kv(G) = theta(G)
-  + slope(G) * G * kv`` re-referenced to the smallest G (so ``bias`` is the reference cell's cost
-  at that KV, the convention of ``AdditiveParams``: positive where the cost is).
+  slope(x) * x * kv`` is additive in Bcap and G: the slope term folds into ``theta`` (``x = G``)
+  or ``alpha`` (``x = Bcap``), re-referenced to the smallest level
+  (``KVCostModel.additive_at``; so ``bias`` is the reference cell's cost at that KV, the
+  convention of ``AdditiveParams``: positive where the cost is).
 - :func:`g_curve`: one cost per captured G (an SPS curve). A context's SPS fit is a function of G
   only; the KV model is not (its ``alpha(Bcap)``), so at a G that several request buckets reach
   the curve takes the median of their costs, as the SPS fit pools every Bcap measured at a G;
@@ -64,15 +65,6 @@ def check_kv(table: Any, kv_length: float) -> None:
         _context_fit(table, kv_length)
 
 
-def _kv_theta(table: Any, kv_length: float) -> np.ndarray:
-    """``theta(G) + slope(G) * G * kv`` per G level of the KV model (ms)."""
-    kvm = table.kv_model
-    g = np.asarray(kvm.g_levels, dtype=np.float64)
-    beta = np.asarray(kvm.beta_ms, dtype=np.float64)
-    slope = beta if len(beta) > 1 else np.full(len(g), beta[0])
-    return np.asarray(kvm.theta_ms, dtype=np.float64) + slope * g * float(kv_length)
-
-
 def additive_at(table: Any, kv_length: float) -> Additive:
     """The additive parameters the lookup prices ``kv_length`` with (see module docstring).
 
@@ -80,13 +72,13 @@ def additive_at(table: Any, kv_length: float) -> Additive:
     """
     if uses_kv_model(table, kv_length):
         kvm = table.kv_model
-        theta = _kv_theta(table, kv_length)
+        bias, alpha, theta = kvm.estimator().additive_at(kv_length)
         return Additive(
-            bias_ms=float(kvm.bias_ms + theta[0]),
+            bias_ms=bias,
             bcap_levels=list(kvm.bcap_levels),
-            alpha_ms=[float(a) for a in kvm.alpha_ms],
+            alpha_ms=[float(a) for a in alpha],
             g_levels=list(kvm.g_levels),
-            theta_ms=[float(t - theta[0]) for t in theta],
+            theta_ms=[float(t) for t in theta],
         )
     p = _context_fit(table, kv_length).additive
     if p is None:

@@ -7,7 +7,7 @@ import pytest
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from speccal.base.errors import InputError
-from speccal.costmodel.kv import KVCostModel, select_kv_model
+from speccal.costmodel.kv import KV_TERMS, KVCostModel, select_kv_model
 from speccal.costmodel.synthetic import make_measurements
 
 from .helpers import ALPHA, BIAS, THETA
@@ -74,6 +74,47 @@ def test_per_g_slopes_win_when_the_truth_has_them():
     assert fit.model.kv_term == "per_g"
     shared = fit.candidates["shared"]["leave_one_context_out"].mean_abs_pct
     assert fit.leave_one_context_out.mean_abs_pct < shared
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_request_axis_slopes_win_when_the_truth_has_them(shared):
+    """Attention that reads each request's KV once costs ``Bcap * kv``: with that truth (one
+    slope, or one per Bcap) the request-axis forms win leave-one-context-out by a margin, and
+    the G forms cannot describe it."""
+    df = kv_rows(slope=0.0)
+    per = {b: 4e-5 for b in ALPHA} if shared else {1: 1e-5, 2: 3e-5, 4: 8e-5, 8: 2e-5}
+    slope = df["bcap"].map(per)
+    df["step_ms"] += slope * df["bcap"] * df["mean_kv_length"]
+    df["elapsed_s"] = df["step_ms"] * df["window_steps"] / 1000
+    fit = select_kv_model(df)
+    want = "shared_bcap" if shared else "per_bcap"
+    assert fit.model.kv_term == want
+    c = {t: fit.candidates[t]["leave_one_context_out"].mean_abs_pct for t in KV_TERMS}
+    assert c[want] < 0.5 * min(c["shared"], c["per_g"]), c
+    m = fit.model
+    levels = (1,) if shared else tuple(sorted(ALPHA))
+    assert m.beta_ms_.shape == (len(levels),)
+    assert np.allclose(m.beta_ms_, [per[b] for b in levels], rtol=0.05)
+
+
+@pytest.mark.parametrize("kv_term", KV_TERMS)
+def test_additive_at_one_kv_is_the_model_at_that_kv(kv_term):
+    """What an engine's additive file holds at one KV (``additive_at``: the slope folded into
+    alpha or theta, re-referenced to the smallest levels) prices every cell as ``predict_at``."""
+    df = kv_rows()
+    X = df[["bcap", "g", "mean_kv_length"]].to_numpy()
+    m = KVCostModel(kv_term=kv_term).fit(X, df["step_ms"].to_numpy())
+    kv = 3000.0
+    bias, alpha, theta = m.additive_at(kv)
+    assert alpha[0] == 0.0 and theta[0] == 0.0
+    for i, b in enumerate(m.bcap_levels_):
+        for j, g in enumerate(m.g_levels_):
+            want = m.predict_at(b, g, kv)
+            assert bias + alpha[i] + theta[j] == pytest.approx(float(want), rel=1e-12)
+    back = KVCostModel.from_params(m.bias_ms_, m.bcap_levels_, m.alpha_ms_, m.g_levels_,
+                                   m.theta_ms_, m.beta_ms_, kv_term=kv_term)
+    assert np.array_equal(back.predict_at(X[:, 0], X[:, 1], X[:, 2]),
+                          m.predict_at(X[:, 0], X[:, 1], X[:, 2]))
 
 
 def test_no_kv_model_below_three_contexts():
@@ -158,7 +199,7 @@ def test_table_stores_the_kv_model_and_the_lookup_prices_any_kv_in_the_span():
         8192,
     )
     assert parse_table(t.to_json()) == t  # parameters persist as arrays and rebuild exactly
-    assert [c.kv_term for c in t.kv_model.candidates] == ["shared", "per_g"]
+    assert [c.kv_term for c in t.kv_model.candidates] == list(KV_TERMS)
     assert t.kv_model.leave_one_context_out.n_evaluated == 48
     # Inside one interval the cost now moves with KV (the per-interval fit is flat there).
     lo, hi = t.cost_ms(4, 16, 2100).cost_ms, t.cost_ms(4, 16, 8000).cost_ms
@@ -221,4 +262,25 @@ def test_a_malformed_kv_model_is_refused_naming_the_field(change, field):
     doc = _table().to_json_dict()
     change(doc)
     with pytest.raises(SchemaError, match=field):
+        parse_table(json.dumps(doc))
+
+
+def test_a_table_checks_the_slope_count_of_its_form():
+    """``beta_ms`` holds one slope for a shared form, one per level of its axis otherwise."""
+    import json
+
+    from speccal.base.errors import SchemaError
+    from speccal.costmodel.table import parse_table
+
+    doc = json.loads(_table().to_json())
+    kv = doc["kv_model"]
+    nb = len(kv["bcap_levels"])
+    kv["kv_term"], kv["beta_ms"] = "per_bcap", [1e-5] * nb
+    t = parse_table(json.dumps(doc))
+    assert t.kv_model.estimator().kv_term == "per_bcap"
+    kv["beta_ms"] = [1e-5] * (nb + 1)
+    with pytest.raises(SchemaError, match="beta_ms"):
+        parse_table(json.dumps(doc))
+    kv["kv_term"], kv["beta_ms"] = "shared_bcap", [1e-5, 2e-5]
+    with pytest.raises(SchemaError, match="beta_ms"):
         parse_table(json.dumps(doc))

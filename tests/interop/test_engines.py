@@ -215,9 +215,10 @@ def test_sglang_prices_the_kv_model_at_the_exact_kv():
         block = sglang_pricing(t, kv)
         assert block["model"] == "kv_model" and block["kv_length"] == kv
         docs.append(r.document)
-    assert docs[0]["theta_seconds"] != docs[1]["theta_seconds"] != docs[2]["theta_seconds"]
-    # the slope term moves the cost of the largest G most (slope(G) * G * kv)
-    assert docs[2]["theta_seconds"][-1] > docs[0]["theta_seconds"][-1]
+    # the slope term (slope(x) * x * kv) moves the axis it is on, the largest level most
+    axis = "alpha_seconds" if t.kv_model.kv_term in ("shared_bcap", "per_bcap") else "theta_seconds"
+    assert docs[0][axis] != docs[1][axis] != docs[2][axis]
+    assert docs[2][axis][-1] > docs[0][axis][-1]
     # without the KV model (kv_aware off: the interval's fit) speccal prices these KVs alike
     doc = t.to_json_dict()
     del doc["kv_model"]
