@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# One GPU-host call of the pending H200 measurements, stage by stage under one wall budget.
+#
+# Here (a machine with pip and the registries), once per checkout:
+#     bash bench/gpu_session.sh wheels      # .whl/: packages the GPU image lacks (git-ignored)
+# On the GPU host (the device tool: carry .whl; $OUT is where results come back):
+#     bash bench/gpu_session.sh run [--budget S] STAGE...
+#
+# Stages, in the order given (a stage that would start with less than its minimum left is
+# skipped and said so; each runs under `timeout` of what is left):
+#   cold        cold default calibration of dense-2b (empty Triton cache: run it first on a
+#               fresh host) [calibration_cold_wall_s_2b_h200]
+#   cuda        the CUDA suite (pytest -m cuda tests/runner tests/kernels, 8 workers, verbose)
+#   hybridtest  the hybrid engine's CUDA tests and the index-kernel test only
+#   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
+#   hybridcal   speccal calibrate (draft_step, small grid) + speccal bench --policy on qwen3.5-2b
+#   kvgain      bench/bench_kv_gain.py [kv_aware_gain_pct]
+#   live        bench/bench_live_policy.py, one process: the first live stage of a call
+#               calibrates the draft-step table, later ones (live2, live3: any name starting with
+#               live) load it [replay_vs_live_error_pct: run three]
+#
+# Everything a stage writes lands under /tmp/w/STAGE; after every stage /tmp/w is packed into
+# $OUT/session.tgz (one file: the device tool brings back at most 8), so a call cut by its limit
+# still returns what finished. Python runs unbuffered; each stage's tail is printed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=python3
+WHEELS=(pydantic==2.13.4 pydantic_core==2.46.4 annotated-types typing-inspection
+        flash-linear-attention==0.6.0 fla-core==0.6.0 transformers==5.24.0)
+
+wheels() {
+    mkdir -p .whl
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}"
+    ls -la .whl
+}
+
+run() {
+    local budget=570
+    if [[ "${1:-}" == "--budget" ]]; then budget=$2; shift 2; fi
+    : "${OUT:?OUT must name the folder whose files come back}"
+    export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+    local W=/tmp/w T0
+    T0=$(date +%s)
+    mkdir -p "$W"
+    left() { echo $(( budget - ($(date +%s) - T0) )); }
+    pack() { tar czf "$OUT/session.tgz" -C "$W" . 2>/dev/null; }
+    # the image's python3 (pip may belong to another interpreter): packages it lacks from
+    # .whl, this project in place without its dependencies
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || { echo "wheels: install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site
+    $PY -m pip install -q --no-build-isolation --no-deps -e . > "$W/install.log" 2>&1 \
+        || { cat "$W/install.log"; exit 1; }
+    { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+      $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+      git rev-parse HEAD 2>/dev/null || true; } > "$W/host.txt" 2>&1
+    cat "$W/host.txt"
+    export TRITON_CACHE_DIR=/tmp/tcache
+    local stage min
+    for stage in "$@"; do
+        case $stage in
+            cold) min=90 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;;
+            hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;;
+            *) echo "unknown stage $stage"; continue ;;
+        esac
+        if (( $(left) < min )); then
+            echo "=== $stage skipped: $(left) s left, it needs $min"
+            continue
+        fi
+        local d="$W/$stage"
+        mkdir -p "$d"
+        echo "=== $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s $stage"
+        case $stage in
+            cold)
+                rm -rf "$TRITON_CACHE_DIR"
+                /usr/bin/time -v timeout "$(left)" $PY -m speccal calibrate --model dense-2b \
+                    --device cuda --dtype bfloat16 --out "$d/dense-2b-h200.json" --json \
+                    > "$d/cal.json" 2> "$d/cal.log"
+                echo "rc=$?"
+                grep -E "Elapsed|runner build|Triton:|quality gate: (window|held)" "$d/cal.log" ;;
+            cuda)
+                timeout "$(left)" $PY -m pytest -m cuda tests/runner tests/kernels -n 8 -v -rfE \
+                    -p no:cacheprovider --durations=15 > "$d/tests.log" 2>&1
+                echo "rc=$?"
+                grep -E "^(FAILED|ERROR)|passed|failed" "$d/tests.log" | tail -20 ;;
+            hybridtest)
+                timeout "$(left)" $PY -m pytest -m cuda tests/runner/test_hybrid_engine.py \
+                    tests/kernels/test_triton_kernels.py -k "hybrid or index_kernels" -n 6 -q -rfE \
+                    -p no:cacheprovider > "$d/tests.log" 2>&1
+                echo "rc=$?"
+                tail -5 "$d/tests.log" ;;
+            hybrid)
+                timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" --skip compile \
+                    --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1
+                echo "rc=$?"
+                tail -22 "$d/log.txt" ;;
+            hybridcal)
+                echo '{"request_buckets": [1, 2, 4], "contexts": [{"prefill_tokens": 256, "min_kv_length": 1, "max_kv_length": 1024}], "warmup_steps": 4, "window_steps": 16, "windows_per_point": 3}' > "$d/cfg.json"
+                timeout "$(( $(left) - 60 ))" $PY -m speccal calibrate --model qwen3.5-2b \
+                    --device cuda --dtype bfloat16 --mode draft_step --request-buckets 1,2,4 \
+                    --config "$d/cfg.json" --out "$d/t.json" --json > "$d/cal.json" 2> "$d/cal.log"
+                echo "rc=$?"
+                grep -E "^(runner build|Triton|quality gate: (window|held)|wrote|error)" "$d/cal.log"
+                timeout "$(left)" $PY -m speccal bench --model qwen3.5-2b --device cuda \
+                    --policy adaptive-step --policy fixed:1 --policy fixed:3 --cost-table "$d/t.json" \
+                    --acceptance synthetic --profile 0.7,0.5,0.35 --num-requests 4 \
+                    --request-buckets 1,2,4 --max-tokens 64 --repeats 2 --json \
+                    > "$d/bench.json" 2> "$d/bench.log"
+                echo "rc=$?"
+                grep -v "^bench:" "$d/bench.log" | tail -14 ;;
+            kvgain)
+                timeout "$(left)" $PY bench/bench_kv_gain.py --model dense-2b --device cuda \
+                    --dtype bfloat16 --out "$d" > "$d/log.txt" 2>&1
+                echo "rc=$?"
+                tail -6 "$d/log.txt" ;;
+            live*)
+                # the first live stage calibrates the draft-step table in its process, the
+                # later ones load it (three back-to-back processes, as the metric asks)
+                local table=(--table-out "$W/live-table.json")
+                [[ -f "$W/live-table.json" ]] && table=(--table "$W/live-table.json")
+                timeout "$(left)" $PY bench/bench_live_policy.py --model dense-2b --device cuda \
+                    --dtype bfloat16 --graph-mode split --attention-backend triton \
+                    --num-requests 32 --max-tokens 256 --warmup-steps 4 --window-steps 32 \
+                    --windows-per-point 3 --repeats 4 --pipeline --device-label H200 \
+                    "${table[@]}" --json-out "$d/live.json" > "$d/log.txt" 2>&1
+                echo "rc=$?"
+                tail -12 "$d/log.txt" ;;
+        esac
+        pack
+    done
+    echo "=== done +$(( $(date +%s) - T0 ))s"
+}
+
+case "${1:-}" in
+    wheels) wheels ;;
+    run) shift; run "$@" ;;
+    *) sed -n '2,27p' "$0"; exit 2 ;;
+esac
