@@ -360,6 +360,7 @@ def _calibrate(
             "threads": threads.threads,
             "timing": loop_timing(selection.rows, loop_of(engine)),
             "prompts": prompt_fill(engine),
+            "state_traffic": engine.state_traffic() if hasattr(engine, "state_traffic") else None,
         },
         geometry=geometry,
         provenance=Provenance.now(

@@ -152,6 +152,23 @@ class LoopTimingBlock(_Strict):
     device_step_ms_median: float | None = Field(default=None, gt=0)
 
 
+class StateTrafficBlock(_Strict):
+    """Recurrent-state bytes one round moves over a bucket of ``bcap`` requests with ``k`` draft
+    steps, under the table's state strategy (``speccal.runner.hybrid_state.StateTraffic``:
+    state rows read and written, slot-table bytes, the verified rows' saved inputs)."""
+
+    bcap: int = Field(ge=1)
+    k: int = Field(ge=0)
+    read: int = Field(ge=0)
+    written: int = Field(ge=0)
+    index_bytes: int = Field(ge=0)
+    saved_inputs: int = Field(ge=0)
+
+    @property
+    def total(self) -> int:
+        return self.read + self.written + self.index_bytes + self.saved_inputs
+
+
 class CalibrationConfig(_Strict):
     """The effective calibration config a table was measured with (defaults filled in).
 
@@ -163,7 +180,10 @@ class CalibrationConfig(_Strict):
     run measured (a bare fit, a migrated older table). ``prompts`` says how each window's
     synthetic prompts reached the KV cache: ``kv_copy`` (copied from one prefilled source
     sequence, ``Engine.set_prompt_source``) or ``prefill`` (each prompt prefilled: hybrid
-    targets); None for tables from before it was recorded.
+    targets); None for tables from before it was recorded. ``state_traffic``: a hybrid target's
+    recurrent-state bytes per round for every captured bucket and ``k`` (computed from the
+    model's state shapes and the strategy; their time is inside the measured costs), None for a
+    target without recurrent state or a table from before it was recorded.
     """
 
     model: Literal["additive", "sps"] = "additive"
@@ -182,6 +202,7 @@ class CalibrationConfig(_Strict):
     quality: QualityBlock | None = None
     timing: LoopTimingBlock | None = None
     prompts: Literal["kv_copy", "prefill"] | None = None
+    state_traffic: list[StateTrafficBlock] | None = None
 
 
 class GeometryBlock(_Strict):
@@ -515,6 +536,8 @@ class CostTable(_Strict):
             # Absent, not null: a table without a KV model keeps the bytes it had before the
             # block existed.
             doc.pop("kv_model", None)
+        if doc["calibration"].get("state_traffic") is None:  # likewise: only hybrid targets
+            doc["calibration"].pop("state_traffic", None)
         return doc
 
     def to_json(self) -> str:

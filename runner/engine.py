@@ -493,6 +493,21 @@ class Engine:
     def description(self) -> str:
         return self.loaded.description
 
+    def state_traffic(self) -> list[dict] | None:
+        """The recurrent-state bytes a round moves, per captured bucket and ``k`` in ``1..w``
+        (``StateStrategy.round_traffic``; recorded in a calibrated table), or None for a target
+        without recurrent state."""
+        state = self.runner.state
+        if state is None:
+            return None
+        out = []
+        for bcap in self.geometry.request_buckets:
+            for k in range(1, self.config.draft_width + 1):
+                t = state.round_traffic(bcap, k)
+                out.append({"bcap": bcap, "k": k, "read": t.read, "written": t.written,
+                            "index_bytes": t.index_bytes, "saved_inputs": t.saved_inputs})
+        return out
+
     def compatibility(self) -> dict:
         """Compatibility metadata (docs/ARCHITECTURE.md) of this engine. ``state_strategy``
         only where the target keeps recurrent state (a table without it means ``none``, the

@@ -120,6 +120,12 @@ def _print_report(d: dict[str, Any]) -> None:
     if strategy != "none":
         err_console.print(f"recurrent-state strategy: {strategy} (its cost is inside every "
                           "round cost the table measured)")
+    traffic = d.get("table", {}).get("state_traffic")
+    if traffic:
+        top = max(s["bcap"] for s in traffic)
+        per_k = ", ".join(f"k {s['k']}: {s['total'] / 1e6:,.1f} MB"
+                          for s in sorted(traffic, key=lambda s: s["k"]) if s["bcap"] == top)
+        err_console.print(f"state bytes per round at Bcap {top}: {per_k}", soft_wrap=True)
     err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}")
     for p in d["policies"]:
         gain = p.get("gain_vs_best_fixed_pct")
@@ -258,8 +264,10 @@ def replay_cmd(
         "mode": cost.mode,
         "synthetic": table is None,
         # a hybrid target's recurrent-state handling is inside every measured round cost; the
-        # table records the strategy, not the state bytes (those need the model's state shapes)
+        # table records the strategy and (calibrated since 2026-12-02) the bytes it moves
         "state_strategy": cost_table.compatibility.state_strategy,
+        "state_traffic": None if cost_table.calibration.state_traffic is None else [
+            {**s.model_dump(), "total": s.total} for s in cost_table.calibration.state_traffic],
     }
     if plot is not None:
         # The synthetic table is a real CostTable too: its title says it is synthetic.

@@ -49,3 +49,36 @@ def test_an_unknown_state_strategy_is_refused_before_the_engine(command, monkeyp
     r = CliRunner().invoke(app, [*command, "--state-strategy", "rollback"], env=ENV)
     assert r.exit_code == 2, r.output
     assert "--state-strategy: got 'rollback'" in r.stderr and "snapshots" in r.stderr
+
+
+@pytest.mark.parametrize("strategy", ["scratch_swap", "snapshots"])
+def test_calibration_records_the_state_bytes_per_round(folder, tmp_path, strategy):
+    """``speccal calibrate`` on a hybrid target records its strategy and the state bytes a round
+    moves per bucket and k (``calibration.state_traffic``, from the engine's own
+    ``StateStrategy.round_traffic``): snapshots write one state row per verified position, so
+    deeper speculation moves more state; scratch-swap moves two rows each way at every k."""
+    from rich.console import Console
+
+    from speccal.calibrate.pipeline import CalibrateOptions, calibrate
+    from speccal.costmodel.table import load_table
+
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({
+        "request_buckets": [1, 2], "warmup_steps": 1, "window_steps": 2, "windows_per_point": 2,
+        "contexts": [{"prefill_tokens": 12, "min_kv_length": 1, "max_kv_length": 40}]}))
+    out = tmp_path / "t.json"
+    opts = CalibrateOptions(model=str(folder), config_path=cfg, out=out, flags={"mode": "draft_step"},
+                            request_buckets=(1, 2), max_model_len=64, state_strategy=strategy,
+                            progress=False, remeasure_rounds=0, accept_noisy=True)
+    calibrate(opts, console=Console(quiet=True))
+    table = load_table(out)
+    assert table.compatibility.state_strategy == strategy
+    assert table.calibration.prompts == "prefill"
+    traffic = {(s.bcap, s.k): s for s in table.calibration.state_traffic}
+    assert set(traffic) == {(b, k) for b in (1, 2) for k in (1, 2, 3)}
+    for b in (1, 2):
+        totals = [traffic[(b, k)].total for k in (1, 2, 3)]
+        assert totals[0] > 0
+        if strategy == "snapshots":
+            assert totals[0] < totals[1] < totals[2]
+        assert traffic[(2, 1)].read == 2 * traffic[(1, 1)].read  # per request row of the bucket
