@@ -202,6 +202,16 @@ class CompilePool:
         for _ in range(self.workers):
             self._pool.submit(_ready)
 
+    @classmethod
+    def start(cls, workers: int | None = None) -> CompilePool | None:
+        """A started pool, or None where processes cannot be started here (a speed-up only:
+        :func:`precompile` then starts its own at the first compile, or the capture compiles
+        in-process)."""
+        try:
+            return cls(workers)
+        except (OSError, RuntimeError, ValueError):
+            return None
+
     def submit(self, fn: Callable, *args):
         return self._pool.submit(fn, *args)
 

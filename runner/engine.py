@@ -300,7 +300,7 @@ class Engine:
         self.build_timings: dict[str, float] = {}
         # the Triton precompile workers start now: their start-up (torch + Triton imports) runs
         # beside the model load, not in front of the first compile (speccal.kernels.precompile)
-        pool = (CompilePool(RoundRunner.precompile_workers)
+        pool = (CompilePool.start(RoundRunner.precompile_workers)
                 if config.path.graph_mode == "split"
                 and RoundRunner.will_precompile(self.device, self.path) else None)
         try:

@@ -128,3 +128,17 @@ def test_compile_pool_starts_its_workers_up_front():
         pid = pool.submit(_ready).result(timeout=120)
         assert pid != os.getpid()
     assert pool._pool._shutdown_thread
+
+
+def test_a_compile_pool_that_cannot_start_is_none(monkeypatch):
+    """The engine starts its pool with ``CompilePool.start``: where processes cannot be started
+    the build goes on without it (the precompile starts its own, or the capture compiles)."""
+    import concurrent.futures
+
+    from speccal.kernels.precompile import CompilePool
+
+    def refuse(*a, **k):
+        raise OSError("no processes here")
+
+    monkeypatch.setattr(concurrent.futures.ProcessPoolExecutor, "submit", refuse)
+    assert CompilePool.start(1) is None
