@@ -15,6 +15,8 @@
 #   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
 #   hybridcal   speccal calibrate (draft_step, small grid) + speccal bench --policy on qwen3.5-2b
 #   kvgain      bench/bench_kv_gain.py [kv_aware_gain_pct]
+#   buildprof   cProfile of one dense-2b engine build (where the model load's seconds go; run
+#               it after `cold` so the Triton cache is warm and compiles stay out of it)
 #   live        bench/bench_live_policy.py, one process: the first live stage of a call
 #               calibrates the draft-step table, later ones (live2, live3: any name starting with
 #               live) load it [replay_vs_live_error_pct: run three]
@@ -65,7 +67,7 @@ run() {
     for stage in "$@"; do
         case $stage in
             cold) min=90 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;;
-            hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;;
+            hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
         if (( $(left) < min )); then
@@ -118,6 +120,19 @@ run() {
                     --dtype bfloat16 --out "$d" > "$d/log.txt" 2>&1
                 echo "rc=$?"
                 tail -6 "$d/log.txt" ;;
+            buildprof)
+                timeout "$(left)" $PY - "$d/build.prof" > "$d/profile.txt" 2>&1 <<'PYEOF'
+import cProfile, pstats, sys
+from speccal.runner.engine import Engine, EngineConfig
+from speccal.runner.path import KernelConfig, served_path
+cfg = EngineConfig(model="dense-2b", device="cuda", dtype="bfloat16", acceptance="forced",
+                   pipeline=True, path=served_path("cuda", KernelConfig()))
+cProfile.run("engine = Engine(cfg)", sys.argv[1])
+print(engine.build_timings)
+pstats.Stats(sys.argv[1]).sort_stats("cumulative").print_stats(45)
+PYEOF
+                echo "rc=$?"
+                head -60 "$d/profile.txt" | cut -c1-160 ;;
             live*)
                 # the first live stage calibrates the draft-step table in its process, the
                 # later ones load it (three back-to-back processes, as the metric asks)
@@ -139,5 +154,5 @@ run() {
 case "${1:-}" in
     wheels) wheels ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,27p' "$0"; exit 2 ;;
+    *) sed -n "2,29p" "$0"; exit 2 ;;
 esac
