@@ -154,5 +154,5 @@ PYEOF
 case "${1:-}" in
     wheels) wheels ;;
     run) shift; run "$@" ;;
-    *) sed -n "2,29p" "$0"; exit 2 ;;
+    *) awk 'NR > 1 && /^#/ {print; next} NR > 1 {exit}' "$0"; exit 2 ;;
 esac
