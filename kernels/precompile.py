@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 __all__ = ["CompileMeter", "CompilePool", "PrecompileReport", "compile_specialization",
-           "dry_pass_active", "precompile"]
+           "dry_pass_active", "precompile", "triton_cache_is_empty"]
 
 # modules whose Triton kernels the dry pass hands to the workers (and whose ops return zeros)
 OWN_KERNELS = "speccal.kernels."
@@ -183,13 +183,35 @@ def _ready() -> int:
     return os.getpid()
 
 
+def triton_cache_is_empty() -> bool:
+    """Whether Triton's on-disk cache (``triton.knobs.cache.dir``) holds nothing yet: a fresh
+    host, where every kernel the capture needs will be compiled (:class:`CompilePool` is then
+    worth starting before the dry pass). False when Triton is missing or the cache has entries
+    (then most kernels load from it and a pool is started only if the dry pass meets a compile).
+    """
+    try:
+        import triton
+    except ImportError:
+        return False
+    path = triton.knobs.cache.dir
+    try:
+        with os.scandir(path) as it:
+            return next(it, None) is None
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
 class CompilePool:
     """The precompile worker processes, started ahead of the dry pass.
 
     Each spawned worker starts an interpreter and imports torch and Triton (seconds, on every
-    core at once); started when the engine build begins (``Engine``), that start-up runs beside
-    the model load instead of in front of the first compile. ``workers``: None for one per CPU
-    this process may use but one. The owner calls :meth:`shutdown` (also usable as a context
+    core at once); started when the engine build begins (``Engine``, on a host whose Triton
+    cache is empty), that start-up runs beside the model load instead of in front of the first
+    compile. With a warm cache the engine starts none: its workers would only import and exit,
+    and shutting them down waits for their imports. ``workers``: None for one per CPU this
+    process may use but one. The owner calls :meth:`shutdown` (also usable as a context
     manager).
     """
 

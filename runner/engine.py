@@ -42,7 +42,7 @@ import torch
 from speccal import __version__
 from speccal.base.errors import CapacityError, InputError, UnsupportedError
 from speccal.base.geometry import Geometry
-from speccal.kernels.precompile import CompilePool
+from speccal.kernels.precompile import CompilePool, triton_cache_is_empty
 from speccal.runner.device import (
     default_dtype,
     device_name,
@@ -298,11 +298,13 @@ class Engine:
         # where the build's time goes (speccal calibrate prints it: cold start is a product goal)
         t_build = time.perf_counter()
         self.build_timings: dict[str, float] = {}
-        # the Triton precompile workers start now: their start-up (torch + Triton imports) runs
-        # beside the model load, not in front of the first compile (speccal.kernels.precompile)
+        # on a cold host the Triton precompile workers start now: their start-up (torch + Triton
+        # imports) runs beside the model load, not in front of the first compile
+        # (speccal.kernels.precompile; with a warm cache the dry pass starts a pool if it needs one)
         pool = (CompilePool.start(RoundRunner.precompile_workers)
                 if config.path.graph_mode == "split"
-                and RoundRunner.will_precompile(self.device, self.path) else None)
+                and RoundRunner.will_precompile(self.device, self.path)
+                and triton_cache_is_empty() else None)
         try:
             self._build(config, dtype, t_build, pool)
         finally:

@@ -142,3 +142,26 @@ def test_a_compile_pool_that_cannot_start_is_none(monkeypatch):
 
     monkeypatch.setattr(concurrent.futures.ProcessPoolExecutor, "submit", refuse)
     assert CompilePool.start(1) is None
+
+
+def test_without_triton_no_host_is_cold(monkeypatch):
+    import sys
+
+    from speccal.kernels.precompile import triton_cache_is_empty
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    assert triton_cache_is_empty() is False
+
+
+def test_an_empty_triton_cache_is_a_cold_host(tmp_path, monkeypatch):
+    """The engine pre-starts its compile workers only on a cold host: Triton's cache dir missing
+    or empty; a cache with entries is not cold."""
+    triton = pytest.importorskip("triton")
+    from speccal.kernels.precompile import triton_cache_is_empty
+
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "missing"))
+    assert triton_cache_is_empty() is True
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    assert triton_cache_is_empty() is True
+    (tmp_path / "abc123").mkdir()
+    assert triton_cache_is_empty() is False
