@@ -285,6 +285,15 @@ class Selection:
         known = [q.kept_spread for q in self.points if q.kept_spread is not None]
         return max(known) if known else None
 
+    @property
+    def last_round_spread_max_pct(self) -> float | None:
+        """The largest spread of each point's last complete round: the machine's noise once
+        re-measuring is done (a slow window of a re-measured point's first round stays in
+        :attr:`spread_max_pct`, since the fit pools it)."""
+        known = [q.spreads[q.kept_round] for q in self.points
+                 if q.spreads and q.spreads[q.kept_round] is not None]
+        return max(known) if known else None
+
 
 def select_windows(
     rows: Iterable[Mapping[str, Any]],

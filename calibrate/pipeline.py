@@ -408,6 +408,7 @@ def _calibrate(
         "kv_model": report.kv_model_errors(table),
         "quality": quality,
         "timing": table.calibration.timing.model_dump(mode="json"),
+        "window_spread_pct_max_last_round": selection.last_round_spread_max_pct,
         "timings": {**timings, "fit_s": fit_s, "total_s": time.perf_counter() - t_start,
                     "startup_s": startup_s, "build": dict(getattr(engine, "build_timings", None) or {})},
         "triton_compile": {**(compile_info or {}), "in_process_compiles": meter.count,

@@ -318,6 +318,9 @@ def print_gate(
         if spread is None
         else f"max {spread:.1f} % (bound {bound:g} %)"
     )
+    last = selection.last_round_spread_max_pct
+    if spread is not None and last is not None and selection.flagged and last < spread:
+        spread_text += f", {last:.1f} % in each point's last round"
     console.print(
         f"quality gate: window spread {spread_text}; {len(selection.flagged)} point(s) flagged, "
         f"{quality['remeasured_windows']} window(s) re-measured",

@@ -102,6 +102,10 @@ def test_remeasure_plan_is_a_function_of_the_rows():
     assert flagged.kept_round == 1 and not flagged.noisy
     assert flagged.spreads[0] == pytest.approx(100 / 3)
     assert sel.spread_max_pct == pytest.approx(100 / 3)  # the largest among the rounds fitted
+    # each point's last round: the quiet point's only round, the flagged point's re-measure
+    assert sel.last_round_spread_max_pct == pytest.approx(max(
+        q.spreads[-1] for q in sel.points))
+    assert sel.last_round_spread_max_pct < sel.spread_max_pct
     # no re-measure allowed: nothing is due, the point stays flagged as noisy
     none = GateConfig(max_spread_pct=10.0, max_heldout_pct=10.0, remeasure_rounds=0)
     assert points_to_remeasure(rows[:6], (quiet, noisy), 3, 1, none) == ()
@@ -141,7 +145,10 @@ def test_quiet_run_measures_each_window_once_and_passes(tmp_path, cfg_path):
 def test_noisy_point_is_remeasured_and_every_round_pooled(tmp_path, cfg_path):
     # Bcap 1 G 4: its first three windows at 1.0, 1.3, 1.0 x the cost (30 % spread), then quiet.
     make = fake(factors={(1, 4): [1.0, 1.3, 1.0]})
-    summary = run(tmp_path, cfg_path, make)
+    out = io.StringIO()
+    summary = run(tmp_path, cfg_path, make, console=Console(file=out, width=200))
+    assert "window spread max 30.0 % (bound 10 %), 0.0 % in each point's last round" in (
+        out.getvalue())
     assert make.last.steps == (len(POINTS) * W + W) * STEPS_PER_WINDOW
     journal = by_point(journal_windows(tmp_path))
     assert journal[(1, 4)] == [0, 1, 2, 3, 4, 5]  # unique window identities, appended
@@ -155,6 +162,9 @@ def test_noisy_point_is_remeasured_and_every_round_pooled(tmp_path, cfg_path):
     assert q.remeasured_windows == W and q.passed
     assert q.heldout_pct == pytest.approx(0.0, abs=1e-6)  # the median of the six is the cost
     assert summary["windows"] == (len(POINTS) + 1) * W and summary["windows_journal"] == 6 * W
+    # the pooled spread keeps the slow first round; each point's last round is quiet
+    assert q.window_spread_pct_max == pytest.approx(30.0)
+    assert summary["window_spread_pct_max_last_round"] == pytest.approx(0.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("rounds", [0, 1, 2])
