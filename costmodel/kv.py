@@ -93,6 +93,16 @@ def kv_design(
     return np.hstack([D, S])
 
 
+def _params(coef: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray) -> tuple:
+    """``(bias, bcap_levels, alpha, g_levels, theta, beta)`` of a :func:`kv_design` fit's
+    coefficients (reference levels 0, ``beta`` per KV token), :meth:`KVCostModel.from_params`'s
+    arguments."""
+    nb, ng = len(bcap_levels), len(g_levels)
+    return (float(coef[0]), bcap_levels.astype(np.int64), np.concatenate([[0.0], coef[1:nb]]),
+            g_levels.astype(np.int64), np.concatenate([[0.0], coef[nb : nb + ng - 1]]),
+            np.asarray(coef[nb + ng - 1 :], dtype=np.float64) / 1000.0)
+
+
 class KVCostModel(RegressorMixin, BaseEstimator):
     """``bias + alpha(Bcap) + theta(G) + slope(x) * x * kv`` in ms (see module docstring).
 
@@ -135,13 +145,8 @@ class KVCostModel(RegressorMixin, BaseEstimator):
         D = kv_design(keys, bl, gl, self.kv_term)
         with single_thread_blas():
             coef, *_ = np.linalg.lstsq(D, value, rcond=None)
-        nb, ng = len(bl), len(gl)
-        self.bias_ms_ = float(coef[0])
-        self.bcap_levels_ = bl.astype(np.int64)
-        self.alpha_ms_ = np.concatenate([[0.0], coef[1:nb]])
-        self.g_levels_ = gl.astype(np.int64)
-        self.theta_ms_ = np.concatenate([[0.0], coef[nb : nb + ng - 1]])
-        self.beta_ms_ = np.asarray(coef[nb + ng - 1 :], dtype=np.float64) / 1000.0
+        (self.bias_ms_, self.bcap_levels_, self.alpha_ms_, self.g_levels_, self.theta_ms_,
+         self.beta_ms_) = _params(coef, bl, gl)
         self.points_ = keys
         self.point_ms_ = value
         return self
@@ -301,16 +306,7 @@ def _loco(ctx: np.ndarray, P: np.ndarray, y: np.ndarray, kv_term: str) -> np.nda
             coef, _, rank, _ = np.linalg.lstsq(D, train_y, rcond=None)
         if rank < D.shape[1]:
             continue
-        nb, ng = len(bl), len(gl)
-        m = KVCostModel.from_params(
-            coef[0],
-            bl,
-            np.concatenate([[0.0], coef[1:nb]]),
-            gl,
-            np.concatenate([[0.0], coef[nb : nb + ng - 1]]),
-            coef[nb + ng - 1 :] / 1000.0,
-            kv_term=kv_term,
-        )
+        m = KVCostModel.from_params(*_params(coef, bl, gl), kv_term=kv_term)
         out[test] = m.predict_at(P[test, 0], P[test, 1], P[test, 2])
     return out
 

@@ -139,7 +139,6 @@ class TableLookup:
         self.kv_span: tuple[float, float] | None = None
         if kvm is not None:
             self._kv = kvm.estimator()
-            self._kv_levels = (list(kvm.bcap_levels), list(kvm.g_levels))
             self.kv_span = (float(kvm.min_kv_length), float(kvm.max_kv_length))
         #: Inclusive KV bounds of each context interval, in the table's order.
         self.intervals: tuple[tuple[float, float], ...] = tuple((f.lo, f.hi) for f in fits)
@@ -183,7 +182,7 @@ class TableLookup:
                 f"kv_length {kv_length} outside the calibrated KV span [{int(lo)}, {int(hi)}] "
                 "(no extrapolation)"
             )
-        bl, gl = self._kv_levels
+        bl, gl = self._kv.bcap_levels_.tolist(), self._kv.g_levels_.tolist()
         if bcap not in bl:
             return f"bcap {bcap} is not a calibrated request bucket (calibrated: {bl})"
         rows = self.target_rows.get(bcap, [])

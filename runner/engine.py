@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -314,9 +314,15 @@ class Engine:
     def _build(self, config: EngineConfig, dtype: str, t_build: float,
                pool: CompilePool | None) -> None:
         """The rest of ``__init__``: model, KV cache, runner, fused weights, captured graphs."""
+        marks = [t_build]
+
+        def lap(name: str) -> None:  # the time since the previous phase ended
+            marks.append(time.perf_counter())
+            self.build_timings[name] = marks[-1] - marks[-2]
+
         if self.device.type == "cuda":  # the context's creation, apart from the model load
             torch.zeros(1, device=self.device)
-            self.build_timings["device_s"] = time.perf_counter() - t_build
+            lap("device_s")
         w = config.draft_width
         # a pipelined request may run one round past its stop: w + 1 more positions / KV slots
         self._lag_slots = w + 1 if config.pipeline else 0
@@ -325,8 +331,7 @@ class Engine:
                                                     max_len + w + 2 + self._lag_slots)
         mcfg = self.loaded.config
         self._has_state = self.loaded.capabilities.has_recurrent_state
-        self.build_timings["load_s"] = (time.perf_counter() - t_build
-                                        - self.build_timings.get("device_s", 0.0))
+        lap("load_s")
         if config.max_model_len is None:
             max_len = min(mcfg.max_position_embeddings, 4096)
         elif config.max_model_len > mcfg.max_position_embeddings:
@@ -389,9 +394,7 @@ class Engine:
             pipeline=config.pipeline,
             state=state,
         )
-        self.build_timings["setup_s"] = (time.perf_counter() - t_build - self.build_timings["load_s"]
-                                         - self.build_timings.get("device_s", 0.0))
-        t_fuse = time.perf_counter()
+        lap("setup_s")
         for module in (self.loaded.target, self.loaded.draft):
             if module is not None:
                 bind_path(module, self.path)
@@ -402,13 +405,12 @@ class Engine:
             if self.loaded.draft is not None:
                 self.loaded.draft.layer.self_attn.fuse_weights()
                 self.loaded.draft.layer.mlp.fuse_weights()
-        self.build_timings["fuse_s"] = time.perf_counter() - t_fuse
+        lap("fuse_s")
         if self.path.graph_mode == "split":
-            t_capture = time.perf_counter()
             self.runner.compile_pool = pool
             self._capture_graphs()  # precompile (CUDA + Triton) and capture
             self.runner.compile_pool = None
-            self.build_timings["graphs_s"] = time.perf_counter() - t_capture
+            lap("graphs_s")
         self.stats = SpecStats(w)
         self._ids = itertools.count()
         self._waiting: list[Request] = []
@@ -420,9 +422,8 @@ class Engine:
         self._inflight: list[_Flight] = []  # pipelined: queued rounds, oldest first
         self.prompt_source: PromptSource | None = None
         if self._has_state and self.device.type == "cuda":
-            t_warm = time.perf_counter()
             self.warm_prefill()
-            self.build_timings["prefill_warmup_s"] = time.perf_counter() - t_warm
+            lap("prefill_warmup_s")
         self.build_timings["total_s"] = time.perf_counter() - t_build
 
     def warm_prefill(self) -> None:
@@ -440,13 +441,12 @@ class Engine:
         """
         n = max(1, min(2 * CHUNK_SIZE + 1, self.max_model_len - self.config.draft_width - 2))
         saved = self.generator.get_state()
-        rid = self.add_request([0] * n, SamplingParams(max_tokens=1, ignore_eos=True))
+        self.add_request([0] * n, SamplingParams(max_tokens=1, ignore_eos=True))
         try:
             self.prefill_pending()
             self.synchronize()
         finally:
-            self.release(rid)
-            self.reset()
+            self.reset()  # releases the request
             self.generator.set_state(saved)
 
     def _load_model(self, dtype: str, max_len: int, max_positions: int) -> LoadedModel:
@@ -502,13 +502,9 @@ class Engine:
         state = self.runner.state
         if state is None:
             return None
-        out = []
-        for bcap in self.geometry.request_buckets:
-            for k in range(1, self.config.draft_width + 1):
-                t = state.round_traffic(bcap, k)
-                out.append({"bcap": bcap, "k": k, "read": t.read, "written": t.written,
-                            "index_bytes": t.index_bytes, "saved_inputs": t.saved_inputs})
-        return out
+        return [{"bcap": bcap, "k": k, **asdict(state.round_traffic(bcap, k))}
+                for bcap in self.geometry.request_buckets
+                for k in range(1, self.config.draft_width + 1)]
 
     def compatibility(self) -> dict:
         """Compatibility metadata (docs/ARCHITECTURE.md) of this engine. ``state_strategy``
