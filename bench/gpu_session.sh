@@ -10,6 +10,8 @@
 # skipped and said so; each runs under `timeout` of what is left):
 #   cold        cold default calibration of dense-2b (empty Triton cache: run it first on a
 #               fresh host) [calibration_cold_wall_s_2b_h200]
+#   pyc         compileall over the image's site-packages (timed; host.txt says whether the
+#               image ships bytecode): run before `cold` to time a cold start with it
 #   cuda        the CUDA suite (pytest -m cuda tests/runner tests/kernels, 8 workers, verbose)
 #   hybridtest  the hybrid engine's CUDA tests and the index-kernel test only
 #   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
@@ -60,13 +62,16 @@ run() {
         || { cat "$W/install.log"; exit 1; }
     { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
       $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+      # whether the interpreter finds bytecode for torch (without it every process compiles
+      # the modules it imports from source, seconds of a cold start)
+      $PY -c "import glob, os, sys, torch; d = os.path.dirname(torch.__file__); print('torch .py', len(glob.glob(d + '/**/*.py', recursive=True)), '.pyc', len(glob.glob(d + '/**/*.pyc', recursive=True)), 'dont_write_bytecode', sys.flags.dont_write_bytecode)"
       git rev-parse HEAD 2>/dev/null || true; } > "$W/host.txt" 2>&1
     cat "$W/host.txt"
     export TRITON_CACHE_DIR=/tmp/tcache
     local stage min
     for stage in "$@"; do
         case $stage in
-            cold) min=90 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;;
+            cold) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
@@ -85,6 +90,15 @@ run() {
                     > "$d/cal.json" 2> "$d/cal.log"
                 echo "rc=$?"
                 grep -E "Elapsed|runner build|Triton:|quality gate: (window|held)" "$d/cal.log" ;;
+            pyc)
+                # bytecode for the image's packages, as pip writes it at install time (the
+                # image ships torch without it); timed apart, before a `cold` stage
+                local site
+                site=$($PY -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+                /usr/bin/time -f "compileall %e s wall" timeout "$(left)" $PY -m compileall -q -j 16 \
+                    "$site" /tmp/site > "$d/log.txt" 2>&1
+                echo "rc=$?"
+                tail -3 "$d/log.txt" ;;
             cuda)
                 timeout "$(left)" $PY -m pytest -m cuda tests/runner tests/kernels -n 8 -v -rfE \
                     -p no:cacheprovider --durations=15 > "$d/tests.log" 2>&1
@@ -121,16 +135,21 @@ run() {
                 echo "rc=$?"
                 tail -6 "$d/log.txt" ;;
             buildprof)
-                timeout "$(left)" $PY - "$d/build.prof" > "$d/profile.txt" 2>&1 <<'PYEOF'
+                # from a file: the compile workers are spawned and re-import the main script
+                cat > "$d/build.py" <<'PYEOF'
 import cProfile, pstats, sys
 from speccal.runner.engine import Engine, EngineConfig
 from speccal.runner.path import KernelConfig, served_path
 cfg = EngineConfig(model="dense-2b", device="cuda", dtype="bfloat16", acceptance="forced",
                    pipeline=True, path=served_path("cuda", KernelConfig()))
-cProfile.run("engine = Engine(cfg)", sys.argv[1])
-print(engine.build_timings)
-pstats.Stats(sys.argv[1]).sort_stats("cumulative").print_stats(45)
+if __name__ == "__main__":
+    cProfile.run("engine = Engine(cfg)", sys.argv[1])
+    print(engine.build_timings)
+    stats = pstats.Stats(sys.argv[1])
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(45)
 PYEOF
+                timeout "$(left)" $PY "$d/build.py" "$d/build.prof" > "$d/profile.txt" 2>&1
                 echo "rc=$?"
                 head -60 "$d/profile.txt" | cut -c1-160 ;;
             live*)

@@ -21,15 +21,17 @@ are padding and leave the state untouched: zero decay, zero write strength), and
 where to store per-row snapshots (the state after each row: into per-layer buffers, or in
 place into state rows, ``StateMeta.snapshot_rows``). Those are the primitives the state
 strategies (``speccal.runner.hybrid_state``) build on; the strategies themselves live there.
-Decode / verify forwards are static-shape torch code (masks, gathers, ``index_copy_``), written
-to be captured in CUDA graphs; that capture has not yet been run on a GPU.
+Decode / verify forwards are static-shape torch code (masks, gathers, ``index_copy_``) and
+``fla`` calls, captured in CUDA graphs (split graph mode; the H200 tests compare them with the
+eager rounds token for token).
 
 Written by hand rather than taken from ``fla``: the causal conv1d (``F.conv1d`` over the
 concatenated ``[state | rows]``, any device: at decode / verify it is a few small ops, and its
 state layout, the last ``K - 1`` inputs, is transformers'; ``fla``'s conv keeps ``K`` columns
-of state and was not validated here), the per-position recurrence of the ``snapshots``
-strategy (``fla``'s fused recurrent kernel returns only the final state), and the CPU
-reference of both delta-rule forms (the ground truth of the tests).
+of state and was not validated here), the per-position stores of the ``snapshots`` strategy
+(``fla``'s fused recurrent kernel returns only the final state, so on CUDA it runs once per
+row: :func:`_fla_delta_rule_per_row`), and the CPU reference of both delta-rule forms (the
+ground truth of the tests).
 """
 
 from __future__ import annotations
@@ -350,13 +352,15 @@ class GatedDeltaNet(nn.Module):
         beta = beta.view(num_b, num_r, -1)
         s0 = ssm_state[meta.read_slots]
         per_row = snapshot is not None or rows is not None  # the recurrence, row by row
-        if x.is_cuda and not per_row:  # fla's kernels (not yet run on a GPU here)
+        snap = snapshot[1] if snapshot is not None else None
+        pool = (ssm_state, rows) if rows is not None else None
+        if x.is_cuda and per_row:  # fla's recurrent kernel one row at a time (snapshots)
+            out, s = _fla_delta_rule_per_row(q, k, v, g, beta, s0, snap, pool)
+        elif x.is_cuda:  # fla's kernels
             out, s = _fla_delta_rule(q, k, v, g, beta, s0, meta.is_chunked)
         elif meta.is_chunked and not per_row:
             out, s = chunk_gated_delta_rule(q, k, v, g, beta, s0)
         else:
-            snap = snapshot[1] if snapshot is not None else None
-            pool = (ssm_state, rows) if rows is not None else None
             out, s = recurrent_gated_delta_rule(q, k, v, g, beta, s0, snap, pool)
         if meta.write_slots is not None:
             conv_state.index_copy_(0, meta.write_slots, new_conv.to(conv_state.dtype))
@@ -420,6 +424,32 @@ def _fla_delta_rule(q, k, v, g, beta, state, is_chunked):  # shapes as the torch
                     initial_state=state.float().contiguous(), output_final_state=True,
                     use_qk_l2norm_in_kernel=True)
     return out.to(q.dtype), final
+
+
+def _fla_delta_rule_per_row(q, k, v, g, beta, state, snapshots, snapshot_rows):
+    """The snapshot strategy's recurrence on CUDA: ``fla``'s fused recurrent kernel once per
+    row (``T = 1``), each call starting from the previous row's final state, which is stored
+    after every row as :func:`recurrent_gated_delta_rule` stores it.
+
+    One call per row because the fused kernel returns only the state after its last row. Row
+    by row through the same kernel that plain decoding runs (one row per call, float32 state
+    in and out, no rounding between calls), a verified row computes exactly what the plain
+    step computes for that token; the torch recurrence (the CPU path) rounds differently, and
+    on the H200 the snapshot strategy's K = 1 greedy left plain greedy at token 35 of 48 with
+    it (bf16, qwen3.5-2b preset).
+    """
+    outs = []
+    s = state
+    for i in range(q.shape[1]):
+        o, s = _fla_delta_rule(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1],
+                               beta[:, i:i + 1], s, False)
+        outs.append(o)
+        if snapshots is not None:
+            snapshots[:, i] = s
+        if snapshot_rows is not None:
+            pool, idx = snapshot_rows
+            pool.index_copy_(0, idx[:, i], s.to(pool.dtype))
+    return torch.cat(outs, dim=1), s
 
 
 class LinearState:
