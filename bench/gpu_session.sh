@@ -9,7 +9,8 @@
 # Stages, in the order given (a stage that would start with less than its minimum left is
 # skipped and said so; each runs under `timeout` of what is left):
 #   cold        cold default calibration of dense-2b (empty Triton cache: run it first on a
-#               fresh host) [calibration_cold_wall_s_2b_h200]
+#               fresh host; cold2, ... repeat it with the cache emptied again)
+#               [calibration_cold_wall_s_2b_h200]
 #   pyc         compileall over the image's site-packages (timed; host.txt says whether the
 #               image ships bytecode): run before `cold` to time a cold start with it
 #   cuda        the CUDA suite (pytest -m cuda tests/runner tests/kernels, 8 workers, verbose)
@@ -71,7 +72,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            cold) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;;
+            cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
@@ -83,7 +84,7 @@ run() {
         mkdir -p "$d"
         echo "=== $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s $stage"
         case $stage in
-            cold)
+            cold*)
                 rm -rf "$TRITON_CACHE_DIR"
                 /usr/bin/time -v timeout "$(left)" $PY -m speccal calibrate --model dense-2b \
                     --device cuda --dtype bfloat16 --out "$d/dense-2b-h200.json" --json \
