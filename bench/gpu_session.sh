@@ -20,6 +20,8 @@
 #   kvgain      bench/bench_kv_gain.py [kv_aware_gain_pct]
 #   buildprof   cProfile of one dense-2b engine build (where the model load's seconds go; run
 #               it after `cold` so the Triton cache is warm and compiles stay out of it)
+#   phases      bench/bench_round_phases.py at B = 1 and 8, both loops [round_wall_over_device_b1,
+#               _b8, pipelined_speedup_b1, _b8]
 #   live        bench/bench_live_policy.py, one process: the first live stage of a call
 #               calibrates the draft-step table, later ones (live2, live3: any name starting with
 #               live) load it [replay_vs_live_error_pct: run three]
@@ -73,7 +75,7 @@ run() {
     for stage in "$@"; do
         case $stage in
             cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;;
-            hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;;
+            hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; phases) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
         if (( $(left) < min )); then
@@ -153,6 +155,17 @@ PYEOF
                 timeout "$(left)" $PY "$d/build.py" "$d/build.prof" > "$d/profile.txt" 2>&1
                 echo "rc=$?"
                 head -60 "$d/profile.txt" | cut -c1-160 ;;
+            phases)
+                # round wall / device time, pipelined vs synchronous, B = 1 and 8 (one process
+                # each) [round_wall_over_device_b1, _b8, pipelined_speedup_b1, _b8]
+                local b
+                for b in 1 8; do
+                    timeout "$(left)" $PY bench/bench_round_phases.py --model dense-2b \
+                        --device cuda --pipeline both --modes forced --trim --batch $b \
+                        --out "$d/rp$b" > "$d/log$b.txt" 2>&1
+                    echo "B=$b rc=$?"
+                    tail -14 "$d/log$b.txt"
+                done ;;
             live*)
                 # the first live stage calibrates the draft-step table in its process, the
                 # later ones load it (three back-to-back processes, as the metric asks)
