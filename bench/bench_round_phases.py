@@ -261,6 +261,7 @@ def main() -> None:
     ap.add_argument("--pipeline", choices=("off", "on", "both"), default="off",
                     help="EngineConfig.pipeline of the mode engines (both: each mode twice)")
     args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     args.ks = [int(v) for v in args.ks.split(",")]
     if args.attention_backend is None:
         args.attention_backend = "triton" if args.device.startswith("cuda") else "torch"
