@@ -4,7 +4,7 @@
 # Here (a machine with pip and the registries), once per checkout:
 #     bash bench/gpu_session.sh wheels      # .whl/: packages the GPU image lacks (git-ignored)
 # On the GPU host (the device tool: carry .whl; $OUT is where results come back):
-#     bash bench/gpu_session.sh run [--budget S] STAGE...
+#     bash bench/gpu_session.sh run [--budget S] [--commit HASH] STAGE...
 #
 # Stages, in the order given (a stage that would start with less than its minimum left is
 # skipped and said so; each runs under `timeout` of what is left):
@@ -49,6 +49,9 @@ wheels() {
 run() {
     local budget=570
     if [[ "${1:-}" == "--budget" ]]; then budget=$2; shift 2; fi
+    # the commit the copied tree is (the host's git metadata may be older than its files):
+    # bench/results.py records it instead of `git rev-parse`
+    if [[ "${1:-}" == "--commit" ]]; then export SPECCAL_COMMIT=$2; shift 2; fi
     : "${OUT:?OUT must name the folder whose files come back}"
     export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
     local W=/tmp/w T0
@@ -68,7 +71,8 @@ run() {
       # whether the interpreter finds bytecode for torch (without it every process compiles
       # the modules it imports from source, seconds of a cold start)
       $PY -c "import glob, os, sys, torch; d = os.path.dirname(torch.__file__); print('torch .py', len(glob.glob(d + '/**/*.py', recursive=True)), '.pyc', len(glob.glob(d + '/**/*.pyc', recursive=True)), 'dont_write_bytecode', sys.flags.dont_write_bytecode)"
-      git rev-parse HEAD 2>/dev/null || true; } > "$W/host.txt" 2>&1
+      echo "git HEAD $(git rev-parse --short HEAD 2>/dev/null), tree given as ${SPECCAL_COMMIT:-(not given)}"
+    } > "$W/host.txt" 2>&1
     cat "$W/host.txt"
     export TRITON_CACHE_DIR=/tmp/tcache
     local stage min

@@ -8,6 +8,7 @@ script adds (model, workload, ...), written with sorted keys. The scripts import
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,14 +19,29 @@ REQUIRED = ("metric", "value", "unit", "device", "commit", "date", "command")
 
 
 def git_commit() -> str:
-    """Short hash of the checked-out commit, or ``"unknown"`` outside git."""
+    """Short hash of the checked-out commit, ``"unknown"`` outside git.
+
+    ``SPECCAL_COMMIT`` overrides it: a copy of a work tree whose git metadata is older than its
+    files (the GPU host's copy is one) would otherwise record the wrong commit. A tree whose
+    tracked files differ from that commit gets ``+dirty``.
+    """
+    env = os.environ.get("SPECCAL_COMMIT", "").strip()
+    if env:
+        return env
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
         )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+            capture_output=True, text=True,
+        )
     except OSError:
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    commit = out.stdout.strip()
+    if not commit:
+        return "unknown"
+    return commit + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def append_results(lines: Iterable[dict], path: Path = RESULTS) -> None:
