@@ -7,11 +7,14 @@ device synchronisation and the human-readable device name recorded in compatibil
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import platform
 import re
+from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.kernels.precompile import CompileMeter as CompileMeter  # calibrate's compile count
@@ -128,3 +131,37 @@ def driver_version(device: torch.device) -> str | None:
         npu = importlib.import_module("torch_npu")
         return f"torch_npu {getattr(npu, '__version__', 'unknown')}"
     return None
+
+
+# torch.nn.init's in-place initialisers (every one a module's reset_parameters may call)
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
+                 "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                 "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+def _skip_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on the meta device with ``torch.nn.init``'s initialisers skipped.
+
+    A meta tensor holds no values, so initialising it does nothing useful, but it is not free:
+    ``nn.Embedding``'s ``normal_`` on a meta tensor goes through ``torch._refs``, whose wrapper
+    imports ``torch._dynamo`` (and with it sympy and ``torch.distributed.fsdp``) on first use.
+    On the H200 image, which ships no bytecode, that import compiled about a thousand modules
+    from source inside every engine build (bench/RESULTS.md, 2026-12-02 02:00). The
+    initialisers are module attributes looked up at call time, so replacing them for the
+    duration of the block covers every module built in it; the originals come back on exit,
+    exception or not. Not thread-safe (the engine builds on one thread).
+    """
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS if hasattr(nn.init, name)}
+    try:
+        for name in saved:
+            setattr(nn.init, name, _skip_init)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)

@@ -26,6 +26,7 @@ import torch
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.checkpoint import SafetensorsFolder, TensorSource
 from speccal.runner.config import ModelConfig, config_from_hf
+from speccal.runner.device import on_meta
 from speccal.runner.draft_families import REGISTRY, DraftFamily, is_any_draft_key, recognise
 from speccal.runner.hybrid import (
     HybridConfig,
@@ -63,7 +64,7 @@ HEAD_CLASSES = {"dense": MTPHead, "hybrid": HybridMTPHead}
 
 
 def _target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
+    with on_meta():
         model = TargetModel(cfg, 1, 1)
     return {
         k: tuple(v.shape)
@@ -85,7 +86,7 @@ def draft_config(cfg: ModelConfig, family: DraftFamily, keys: set[str] | None) -
 
 
 def _draft_shapes(cfg: ModelConfig, family: DraftFamily) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
+    with on_meta():
         head = MTPHead(cfg, family)
     shapes = dict(head.named_parameters())
     return {
@@ -122,8 +123,13 @@ def _fill(
 
 
 def _materialise(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    module = module.to_empty(device=device)
-    return module
+    """Uninitialised storage on ``device`` for every parameter and buffer of a meta module.
+
+    What ``Module.to_empty`` does, with ``torch.empty`` of each tensor's shape and dtype rather
+    than its ``empty_like`` of the meta tensor: that one runs through ``torch._refs`` and
+    imports sympy (seconds of a cold start on a host without bytecode; ``device.on_meta``).
+    """
+    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def build(
@@ -139,7 +145,7 @@ def build(
     """Build target and draft from ``source`` (see module docstring for the refusals)."""
     keys = set(source.keys())
     found = recognise(cfg.extra, keys, cfg.num_hidden_layers)
-    with torch.device("meta"):
+    with on_meta():
         target = TargetModel(cfg, 1, 1)
     target = _materialise(target, device)
     target_keys = {k for k in keys if not is_any_draft_key(k, cfg.num_hidden_layers)}
@@ -155,7 +161,7 @@ def build(
         return target, None, found[0] if found else None
     family, _ = found
     dcfg = draft_config(cfg, family, keys)
-    with torch.device("meta"):
+    with on_meta():
         head = MTPHead(dcfg, family)
     head = _materialise(head, device)
     _fill(
@@ -313,7 +319,7 @@ def text_prefix(keys: set[str]) -> str:
 def _build_hybrid(cfg: HybridConfig, source: TensorSource, device: torch.device,
                   dtype: torch.dtype, max_model_len: int, max_positions: int) -> HybridModel:
     layers = cfg.base.num_hidden_layers
-    with torch.device("meta"):
+    with on_meta():
         target = HybridModel(cfg, 1, 1)
     target = _materialise(target, device)
     prefix = text_prefix(set(source.keys()))
@@ -342,7 +348,7 @@ def hybrid_head_config(cfg: HybridConfig, family: DraftFamily,
 
 
 def _hybrid_head_shapes(cfg: HybridConfig, family: DraftFamily) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
+    with on_meta():
         head = HybridMTPHead(cfg, family)
     shapes = dict(head.named_parameters())
     return {key: tuple(shapes[name].shape)
@@ -352,7 +358,7 @@ def _hybrid_head_shapes(cfg: HybridConfig, family: DraftFamily) -> dict[str, tup
 def _build_hybrid_head(cfg: HybridConfig, family: DraftFamily, source: TensorSource,
                        device: torch.device, dtype: torch.dtype) -> HybridMTPHead:
     keys = set(source.keys())
-    with torch.device("meta"):
+    with on_meta():
         head = HybridMTPHead(hybrid_head_config(cfg, family, keys), family)
     head = _materialise(head, device)
     _fill(head, head.param_key_map(cfg.base.num_hidden_layers), source, keys, dtype, device,
@@ -411,7 +417,7 @@ def _hybrid_preset_source(name: str, seed: int, overrides: dict | None,
         raw["layer_types"] = ["linear_attention"] * 3 + ["full_attention"]
         raw["layer_types"] = raw["layer_types"] * (raw["num_hidden_layers"] // 4)
     cfg = hybrid_config_from_hf(raw)
-    with torch.device("meta"):
+    with on_meta():
         shapes = {k: tuple(v.shape) for k, v in HybridModel(cfg, 1, 1).state_dict().items()}
     if cfg.base.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)

@@ -25,7 +25,7 @@ from speccal.runner.config import ModelConfig
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).double() / dim))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").double() / dim))
 
 
 def inv_freq_and_scale(cfg: ModelConfig, max_model_len: int) -> tuple[torch.Tensor, float]:
@@ -90,8 +90,8 @@ def _yarn(cfg: ModelConfig, dim: int, base: float, factor: float) -> tuple[torch
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (factor * pos_freqs)
     extra_factor = 1 - ramp
@@ -100,12 +100,17 @@ def _yarn(cfg: ModelConfig, dim: int, base: float, factor: float) -> tuple[torch
 
 
 class RotaryTable(torch.nn.Module):
-    """Precomputed ``cos``/``sin`` tables ``[max_positions, rotary_dim]`` for one model."""
+    """Precomputed ``cos``/``sin`` tables ``[max_positions, rotary_dim]`` for one model.
+
+    Computed on the CPU in float64 whatever the default device (the loader moves the table to
+    the model's device): under a meta default device the arithmetic would run through
+    ``torch._refs``, which imports ``torch._dynamo`` (``speccal.runner.device.on_meta``).
+    """
 
     def __init__(self, cfg: ModelConfig, max_positions: int, max_model_len: int):
         super().__init__()
         inv_freq, scale = inv_freq_and_scale(cfg, max_model_len)
-        pos = torch.arange(max_positions, dtype=torch.float64)
+        pos = torch.arange(max_positions, dtype=torch.float64, device="cpu")
         freqs = torch.outer(pos, inv_freq)  # [P, rotary_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, rotary_dim]
         self.rotary_dim = emb.shape[-1]

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.checkpoint import SafetensorsFolder, TensorSource
 from speccal.runner.config import ModelConfig, config_from_hf
+from speccal.runner.device import on_meta
 from speccal.runner.draft_families import REGISTRY, recognise
 from speccal.runner.loader import (
     LoadedModel,
@@ -86,11 +87,11 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 def split_plan(cfg: ModelConfig, family, need_draft: bool) -> dict[str, int]:
     """Checkpoint key -> split dimension of every sharded tensor of target (and head)."""
-    with torch.device("meta"):
+    with on_meta():
         target = TargetModel(cfg, 1, 1)
     plan = {n: d for n, _ in target.named_parameters() if (d := split_dim(n)) is not None}
     if family is not None and need_draft:
-        with torch.device("meta"):
+        with on_meta():
             head = MTPHead(cfg, family)
         for name, key in head.param_key_map(cfg.num_hidden_layers).items():
             d = split_dim(name)
