@@ -428,10 +428,11 @@ def test_fla_delta_rule_equals_the_torch_reference_on_cuda(is_chunked):
 @pytest.mark.parametrize("strategy", STATE_STRATEGIES)
 def test_split_graphs_emit_the_eager_tokens_on_cuda(family, strategy):
     """Captured rounds (split graphs: the verify, the acceptance and the state commit inside
-    the target graph) emit exactly the eager rounds' tokens on the same device and kernels;
-    the mixed batch with the stop token, K = 1..3."""
+    the target graph) emit exactly the eager rounds' tokens on the same device and kernels,
+    and both emit transformers' greedy tokens (fp32, fla's kernels on the GPU against
+    transformers' torch reference on the CPU); the mixed batch with the stop token, K = 1..3."""
     folder, refs = family
-    params, _ = _stop_case(refs)
+    params, expected = _stop_case(refs)
     kw = dict(device="cuda", dtype="float32", request_buckets=(4,), draft_width=3)
     split_cfg = EngineConfig.flat(**{**dict(
         model=str(folder), max_model_len=64, block_size=4, prefill_chunk=8,
@@ -448,6 +449,7 @@ def test_split_graphs_emit_the_eager_tokens_on_cuda(family, strategy):
         want, _ = _run(eager, PROMPTS, params, k)
         got, _ = _run(split, PROMPTS, params, k)
         assert got == want, k
+        assert want == expected, (k, "eager CUDA rounds vs transformers")
 
 
 @pytest.mark.cuda
