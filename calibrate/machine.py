@@ -18,7 +18,9 @@ without torch, so that ``speccal calibrate`` on a machine without torch says so 
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,3 +182,49 @@ def process_age_s() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
 
+
+#: The packages whose import a calibration's processes pay for (the main process and every
+#: compile worker import torch and triton).
+BYTECODE_PACKAGES = ("torch", "triton")
+
+
+def missing_bytecode(packages: tuple[str, ...] = BYTECODE_PACKAGES) -> list[str]:
+    """The imported ``packages`` that every process compiles from source: no cached bytecode
+    for the package's ``__init__`` and an interpreter that writes none
+    (``PYTHONDONTWRITEBYTECODE``, ``-B``). Empty when bytecode is written: then only the first
+    process after an install pays.
+
+    Why it is reported: the H200 image these tables are measured on ships torch without
+    ``.pyc`` files and sets ``PYTHONDONTWRITEBYTECODE=1``; there a cold default calibration of
+    dense-2b spent 4.1-4.7 s in start-up and imports and 5.9-8.3 s loading the model, against
+    2.6-2.7 s and 2.0-2.1 s once ``python3 -m compileall`` had written the bytecode pip writes
+    at install time (bench/RESULTS.md, 2026-12-02 02:00). Containers built with
+    ``PYTHONDONTWRITEBYTECODE`` and without bytecode are common, and nothing else says why
+    their start is slow.
+    """
+    if not sys.dont_write_bytecode:
+        return []
+    out = []
+    for name in packages:
+        mod = sys.modules.get(name)
+        path = getattr(mod, "__file__", None)
+        if not path or not path.endswith(".py"):
+            continue
+        try:
+            cached = importlib.util.cache_from_source(path)
+        except (NotImplementedError, ValueError):
+            continue
+        if not os.path.exists(cached):
+            out.append(name)
+    return out
+
+
+def describe_missing_bytecode(names: list[str]) -> str:
+    """One line for :func:`missing_bytecode`'s answer (empty: nothing to say)."""
+    if not names:
+        return ""
+    dirs = sorted({os.path.dirname(os.path.dirname(sys.modules[n].__file__)) for n in names})
+    return (f"Python: no bytecode for {', '.join(names)} and PYTHONDONTWRITEBYTECODE is set, so "
+            f"every process (this one and each compile worker) compiles their modules from "
+            f"source; writing it once (python3 -m compileall -q {' '.join(dirs)}) took seconds "
+            f"off a cold start on the H200")

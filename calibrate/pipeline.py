@@ -299,6 +299,9 @@ def _calibrate(
         build = getattr(engine, "build_timings", None)
         if build:
             console.print(_build_line(build, startup_s), soft_wrap=True)
+        no_bytecode = machine.missing_bytecode()
+        if no_bytecode:
+            console.print(machine.describe_missing_bytecode(no_bytecode), soft_wrap=True)
         if compile_info is not None:
             console.print(_compile_line(compile_info), soft_wrap=True)
 
@@ -410,7 +413,8 @@ def _calibrate(
         "timing": table.calibration.timing.model_dump(mode="json"),
         "window_spread_pct_max_last_round": selection.last_round_spread_max_pct,
         "timings": {**timings, "fit_s": fit_s, "total_s": time.perf_counter() - t_start,
-                    "startup_s": startup_s, "build": dict(getattr(engine, "build_timings", None) or {})},
+                    "startup_s": startup_s, "build": dict(getattr(engine, "build_timings", None) or {}),
+                    "no_bytecode": no_bytecode},
         "triton_compile": {**(compile_info or {}), "in_process_compiles": meter.count,
                            "in_process_compile_s": round(meter.seconds, 3)},
     }

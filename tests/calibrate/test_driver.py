@@ -180,3 +180,39 @@ def test_runner_build_and_startup_are_reported(tmp_path, small_config, engine_fa
     assert summary["timings"]["startup_s"] > 0  # Linux /proc (CI and the GPU hosts)
     line = next(ln for ln in out.getvalue().splitlines() if ln.startswith("runner build "))
     assert "load " in line and "process start-up and imports" in line
+
+
+def test_missing_bytecode_is_reported(tmp_path, monkeypatch, small_config, engine_factory):
+    """A package without cached bytecode under an interpreter that writes none is named (every
+    process compiles it from source), once in the human output and in the JSON timings;
+    nothing is said when the interpreter writes bytecode or the bytecode exists."""
+    import io
+    import py_compile
+    import sys
+    import types
+
+    from speccal.calibrate import machine
+
+    pkg = tmp_path / "site" / "slowpkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("X = 1\n")
+    monkeypatch.setitem(sys.modules, "slowpkg", types.SimpleNamespace(
+        __file__=str(pkg / "__init__.py")))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert machine.missing_bytecode(("slowpkg", "not_imported")) == ["slowpkg"]
+    line = machine.describe_missing_bytecode(["slowpkg"])
+    assert "slowpkg" in line and str(tmp_path / "site") in line and "compileall" in line
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert machine.missing_bytecode(("slowpkg",)) == []
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    py_compile.compile(str(pkg / "__init__.py"), doraise=True)
+    assert machine.missing_bytecode(("slowpkg",)) == []
+
+    monkeypatch.setattr(machine, "missing_bytecode", lambda: ["slowpkg"])
+    out = io.StringIO()
+    opts = CalibrateOptions(config_path=small_config, out=tmp_path / "t.json", progress=False,
+                            remeasure_rounds=0, accept_noisy=True)
+    summary = calibrate(opts, console=Console(file=out, width=400), engine_factory=engine_factory)
+    assert summary["timings"]["no_bytecode"] == ["slowpkg"]
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("Python: no bytecode")]
+    assert len(lines) == 1 and "slowpkg" in lines[0]
