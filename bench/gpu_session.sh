@@ -16,6 +16,8 @@
 #   cuda        the CUDA suite (pytest -m cuda tests/runner tests/kernels, 8 workers, verbose)
 #   hybridtest  the hybrid engine's CUDA tests and the index-kernel test only
 #   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
+#   hybridhf    bench/bench_hybrid.py decode vs transformers with torch.compile tried
+#               [hybrid_decode_speedup_vs_hf_b1 against the fastest configuration]
 #   hybridcal   speccal calibrate (draft_step, small grid) + speccal bench --policy on qwen3.5-2b
 #   kvgain      bench/bench_kv_gain.py [kv_aware_gain_pct]
 #   buildprof   cProfile of one dense-2b engine build (where the model load's seconds go; run
@@ -56,6 +58,7 @@ run() {
     export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
     local W=/tmp/w T0
     T0=$(date +%s)
+    rm -rf "$W"  # a warm host keeps the last call's outputs: every call starts empty
     mkdir -p "$W"
     left() { echo $(( budget - ($(date +%s) - T0) )); }
     pack() { tar czf "$OUT/session.tgz" -C "$W" . 2>/dev/null; }
@@ -78,7 +81,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;;
+            cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;; hybridhf) min=150 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; phases) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
@@ -122,6 +125,13 @@ run() {
                     --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1
                 echo "rc=$?"
                 tail -22 "$d/log.txt" ;;
+            hybridhf)
+                # the decode comparison with every transformers configuration, torch.compile
+                # included (the fastest that works is the peer); strategies and greedy skipped
+                timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" --skip strategies,greedy \
+                    --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1
+                echo "rc=$?"
+                tail -16 "$d/log.txt" ;;
             hybridcal)
                 echo '{"request_buckets": [1, 2, 4], "contexts": [{"prefill_tokens": 256, "min_kv_length": 1, "max_kv_length": 1024}], "warmup_steps": 4, "window_steps": 16, "windows_per_point": 3}' > "$d/cfg.json"
                 timeout "$(( $(left) - 60 ))" $PY -m speccal calibrate --model qwen3.5-2b \
