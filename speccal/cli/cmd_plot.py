@@ -19,6 +19,8 @@ from rich.console import Console
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
 from speccal.costmodel.table import load_table
+from speccal.plots_replay import write_plots
+from speccal.plots_table import table_title, write_table_plots
 from speccal.policy import CostModel
 from speccal.replay import ReplayConfig, replay
 from speccal.scenarios import generate, make_scenario
@@ -130,10 +132,6 @@ def _plot(
     report = None
     if trace is not None or scenario is not None:
         report = _replay_report(table, trace, scenario, rounds, num_requests, kv_length, seed)
-    # matplotlib only when plotting (imported lazily: every CLI command would pay for it)
-    from speccal.plots_replay import write_plots
-    from speccal.plots_table import table_title, write_table_plots
-
     paths = write_table_plots(table, out)
     summary: dict[str, Any] = {"table": str(table_path), "out": str(out)}
     if report is not None:

@@ -30,6 +30,8 @@ from speccal.base.progress import ProgressReporter
 from speccal.base.rich_tables import print_table
 from speccal.costmodel.measurements import DEFAULT_MODE, MODES
 from speccal.costmodel.table import load_table
+from speccal.plots_replay import write_plots
+from speccal.plots_table import table_title
 from speccal.policy import AdaptiveStepConfig, AdaptiveVerifyConfig, CostModel, parse_policy
 from speccal.replay import ReplayConfig, check_replayable, replay
 from speccal.scenarios import generate, make_scenario, scenario_geometry, synthetic_table
@@ -269,10 +271,6 @@ def replay_cmd(
     }
     if plot is not None:
         # The synthetic table is a real CostTable too: its title says it is synthetic.
-        # matplotlib only when plotting (imported lazily: every CLI command would pay for it)
-        from speccal.plots_replay import write_plots
-        from speccal.plots_table import table_title
-
         d["plots"] = [str(p) for p in write_plots(report, plot, title=table_title(cost_table))]
     if json_out:
         typer.echo(json.dumps(d, sort_keys=True, allow_nan=False))

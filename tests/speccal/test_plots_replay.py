@@ -10,8 +10,7 @@ import pytest
 from matplotlib.ticker import MaxNLocator
 from typer.testing import CliRunner
 
-from speccal import plots_replay
-from speccal.cli import app
+from speccal.cli import app, cmd_plot, cmd_replay
 from speccal.costmodel.table import load_table, save_table
 from speccal.plots_replay import (
     OFFSET_FRACTION,
@@ -146,8 +145,7 @@ def test_cli_passes_the_table_title_to_the_replay_plots(command, tmp_path, monke
         seen["title"] = title
         return []
 
-    # both commands import the plotting module when they plot (lazily): patch it there
-    monkeypatch.setattr(plots_replay, "write_plots", capture)
+    monkeypatch.setattr(cmd_plot if command == "plot" else cmd_replay, "write_plots", capture)
     if command == "plot":
         args = ["plot", str(path), "--out", str(tmp_path / "o"), "--scenario", "steady"]
     else:
