@@ -220,9 +220,7 @@ def missing_bytecode(packages: tuple[str, ...] = BYTECODE_PACKAGES) -> list[str]
 
 
 def describe_missing_bytecode(names: list[str]) -> str:
-    """One line for :func:`missing_bytecode`'s answer (empty: nothing to say)."""
-    if not names:
-        return ""
+    """One line for a non-empty answer of :func:`missing_bytecode`."""
     dirs = sorted({os.path.dirname(os.path.dirname(sys.modules[n].__file__)) for n in names})
     return (f"Python: no bytecode for {', '.join(names)} and PYTHONDONTWRITEBYTECODE is set, so "
             f"every process (this one and each compile worker) compiles their modules from "

@@ -144,11 +144,19 @@ def recurrent_gated_delta_rule(
         delta = (v[:, :, i] - kv_mem) * beta[:, :, i, None]
         s = s + k[:, :, i, :, None] * delta[:, :, None, :]
         out[:, :, i] = (s * q[:, :, i, :, None]).sum(dim=-2)
-        if snapshots is not None:
-            snapshots[:, i] = s
-        if snapshot_rows is not None:
-            snapshot_rows[0].index_copy_(0, snapshot_rows[1][:, i], s.to(snapshot_rows[0].dtype))
+        _store_snapshot(i, s, snapshots, snapshot_rows)
     return out.transpose(1, 2).to(dtype), s
+
+
+def _store_snapshot(i: int, s: torch.Tensor, snapshots: torch.Tensor | None,
+                    snapshot_rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """The state after row ``i`` (``s [B, Hv, Dk, Dv]``) into the per-row buffer and / or the
+    pool rows of :func:`recurrent_gated_delta_rule`'s ``snapshots`` / ``snapshot_rows``."""
+    if snapshots is not None:
+        snapshots[:, i] = s
+    if snapshot_rows is not None:
+        pool, rows = snapshot_rows
+        pool.index_copy_(0, rows[:, i], s.to(pool.dtype))
 
 
 def chunk_gated_delta_rule(
@@ -444,11 +452,7 @@ def _fla_delta_rule_per_row(q, k, v, g, beta, state, snapshots, snapshot_rows):
         o, s = _fla_delta_rule(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1],
                                beta[:, i:i + 1], s, False)
         outs.append(o)
-        if snapshots is not None:
-            snapshots[:, i] = s
-        if snapshot_rows is not None:
-            pool, idx = snapshot_rows
-            pool.index_copy_(0, idx[:, i], s.to(pool.dtype))
+        _store_snapshot(i, s, snapshots, snapshot_rows)
     return torch.cat(outs, dim=1), s
 
 

@@ -122,13 +122,16 @@ def _fill(
             p.data = source.get(key, shape, dtype, device)
 
 
-def _materialise(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Uninitialised storage on ``device`` for every parameter and buffer of a meta module.
+def _empty(device: torch.device, cls: type[torch.nn.Module], *args) -> torch.nn.Module:
+    """``cls(*args)`` built on the meta device, then uninitialised storage on ``device`` for
+    every parameter and buffer (the loader fills them).
 
     What ``Module.to_empty`` does, with ``torch.empty`` of each tensor's shape and dtype rather
     than its ``empty_like`` of the meta tensor: that one runs through ``torch._refs`` and
     imports sympy (seconds of a cold start on a host without bytecode; ``device.on_meta``).
     """
+    with on_meta():
+        module = cls(*args)
     return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
@@ -145,9 +148,7 @@ def build(
     """Build target and draft from ``source`` (see module docstring for the refusals)."""
     keys = set(source.keys())
     found = recognise(cfg.extra, keys, cfg.num_hidden_layers)
-    with on_meta():
-        target = TargetModel(cfg, 1, 1)
-    target = _materialise(target, device)
+    target = _empty(device, TargetModel, cfg, 1, 1)
     target_keys = {k for k in keys if not is_any_draft_key(k, cfg.num_hidden_layers)}
     key_map = {name: name for name, _ in target.named_parameters()}
     if cfg.tie_word_embeddings:
@@ -161,9 +162,7 @@ def build(
         return target, None, found[0] if found else None
     family, _ = found
     dcfg = draft_config(cfg, family, keys)
-    with on_meta():
-        head = MTPHead(dcfg, family)
-    head = _materialise(head, device)
+    head = _empty(device, MTPHead, dcfg, family)
     _fill(
         head,
         head.param_key_map(cfg.num_hidden_layers),
@@ -319,9 +318,7 @@ def text_prefix(keys: set[str]) -> str:
 def _build_hybrid(cfg: HybridConfig, source: TensorSource, device: torch.device,
                   dtype: torch.dtype, max_model_len: int, max_positions: int) -> HybridModel:
     layers = cfg.base.num_hidden_layers
-    with on_meta():
-        target = HybridModel(cfg, 1, 1)
-    target = _materialise(target, device)
+    target = _empty(device, HybridModel, cfg, 1, 1)
     prefix = text_prefix(set(source.keys()))
     key_map = {name: prefix + name.removeprefix("model.") if name.startswith("model.") else name
                for name, _ in target.named_parameters()}
@@ -358,9 +355,7 @@ def _hybrid_head_shapes(cfg: HybridConfig, family: DraftFamily) -> dict[str, tup
 def _build_hybrid_head(cfg: HybridConfig, family: DraftFamily, source: TensorSource,
                        device: torch.device, dtype: torch.dtype) -> HybridMTPHead:
     keys = set(source.keys())
-    with on_meta():
-        head = HybridMTPHead(hybrid_head_config(cfg, family, keys), family)
-    head = _materialise(head, device)
+    head = _empty(device, HybridMTPHead, hybrid_head_config(cfg, family, keys), family)
     _fill(head, head.param_key_map(cfg.base.num_hidden_layers), source, keys, dtype, device,
           f"MTP head ({family.name})")
     head.eval()
