@@ -170,12 +170,13 @@ def attend_own_keys(
 
     The keys are gathered by ``key_slots`` (no block-table gather, no padding to the table's
     width) and attended with ``scaled_dot_product_attention`` under a causal mask aligned to the
-    last row (``is_causal`` when the rows are the whole sequence, the lower-right causal bias
-    otherwise), which SDPA runs on its flash / memory-efficient kernels where it can. Equal to
-    :func:`paged_attention_torch` on the same rows (tests).
+    last row: ``is_causal`` when the rows are the whole sequence (flash kernel), a boolean
+    lower-right mask otherwise (memory-efficient kernel). Not torch's ``causal_lower_right``
+    bias: importing ``torch.nn.attention.bias`` imports ``torch._dynamo`` and sympy, seconds of
+    the first prefill on a host without bytecode (measured in a cold H200 calibration), for an
+    attention that is a small part of a prefill chunk. Equal to :func:`paged_attention_torch`
+    on the same rows (tests).
     """
-    from torch.nn.attention.bias import causal_lower_right
-
     n, num_heads, head_dim = q.shape
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
@@ -191,5 +192,7 @@ def attend_own_keys(
     if n == t:
         out = sdpa(qh, keys[None], values[None], is_causal=True, scale=scale)
     else:
-        out = sdpa(qh, keys[None], values[None], attn_mask=causal_lower_right(n, t), scale=scale)
+        # row i is position t - n + i: it sees keys 0 .. t - n + i
+        mask = torch.ones(n, t, dtype=torch.bool, device=q.device).tril(diagonal=t - n)
+        out = sdpa(qh, keys[None], values[None], attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)

@@ -46,14 +46,31 @@ def test_rotary_table_is_computed_on_the_cpu_under_a_meta_default():
     assert torch.equal(got.cos, want.cos) and torch.equal(got.sin, want.sin)
 
 
-def test_engine_build_imports_no_dynamo():
+def test_engine_build_and_serving_import_no_dynamo():
+    # a build, then what a calibration does first: a chunked prefill (later chunks attend to
+    # earlier keys: the lower-right causal mask, whose torch helper imports torch._dynamo; it
+    # was seconds of a cold H200 calibration's first window), prompts admitted from it and
+    # rounds of both loops
     code = (
         "import sys\n"
-        "from speccal.runner.engine import Engine, EngineConfig\n"
-        "Engine(EngineConfig.flat(model='tiny', device='cpu', dtype='float32',"
-        " request_buckets=(1,)))\n"
-        "bad = [m for m in ('torch._dynamo', 'sympy') if m in sys.modules]\n"
-        "assert not bad, bad\n"
+        "from speccal.runner.engine import Engine, EngineConfig, RoundPlan\n"
+        "from speccal.runner.sampling import SamplingParams\n"
+        "def check(where):\n"
+        "    bad = [m for m in ('torch._dynamo', 'sympy') if m in sys.modules]\n"
+        "    assert not bad, (where, bad)\n"
+        "for pipeline in (True, False):\n"
+        "    e = Engine(EngineConfig.flat(model='tiny', device='cpu', dtype='float32',"
+        " request_buckets=(1, 2), prefill_chunk=16, pipeline=pipeline))\n"
+        "    check('build')\n"
+        "    e.set_prompt_source([i % 500 + 1 for i in range(90)])\n"
+        "    check('prompt source')\n"
+        "    for n in (20, 70):\n"
+        "        e.add_request([i % 500 + 1 for i in range(n)],"
+        " SamplingParams(max_tokens=8, ignore_eos=True))\n"
+        "    for _ in range(3):\n"
+        "        e.step(RoundPlan(num_draft_steps=2, verify_tokens=(2, 2)))\n"
+        "    e.drain()\n"
+        "    check('rounds')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
