@@ -22,6 +22,9 @@
 #   kvgain      bench/bench_kv_gain.py [kv_aware_gain_pct]
 #   buildprof   cProfile of one dense-2b engine build (where the model load's seconds go; run
 #               it after `cold` so the Triton cache is warm and compiles stay out of it)
+#   imports     a short dense-2b calibration in one process (after `cold`: warm Triton cache),
+#               then which heavy modules it imported (torch._dynamo, sympy, torch._inductor:
+#               seconds each on an image without bytecode) and the stack of each first import
 #   phases      bench/bench_round_phases.py at B = 1 and 8, both loops [round_wall_over_device_b1,
 #               _b8, pipelined_speedup_b1, _b8]
 #   live        bench/bench_live_policy.py, one process: the first live stage of a call
@@ -82,7 +85,7 @@ run() {
     for stage in "$@"; do
         case $stage in
             cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;; hybridhf) min=150 ;;
-            hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; phases) min=60 ;;
+            hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
         if (( $(left) < min )); then
@@ -169,6 +172,34 @@ PYEOF
                 timeout "$(left)" $PY "$d/build.py" "$d/build.prof" > "$d/profile.txt" 2>&1
                 echo "rc=$?"
                 head -60 "$d/profile.txt" | cut -c1-160 ;;
+            imports)
+                echo '{"request_buckets": [1, 2], "warmup_steps": 2, "window_steps": 8, "windows_per_point": 1}' > "$d/cfg.json"
+                cat > "$d/imports.py" <<'PYEOF'
+import runpy, sys, traceback
+HEAVY = ("torch._dynamo", "sympy", "torch._inductor")
+first = {}
+class Watch:
+    """records the stack of the first import of each heavy package; finds nothing itself"""
+    def find_spec(self, name, path=None, target=None):
+        if name in HEAVY and name not in first:
+            first[name] = "".join(traceback.format_stack(limit=40)[:-1])
+        return None
+if __name__ == "__main__":
+    sys.meta_path.insert(0, Watch())
+    sys.argv = ["speccal", "calibrate", "--model", "dense-2b", "--device", "cuda", "--dtype",
+                "bfloat16", "--request-buckets", "1,2", "--config", sys.argv[1], "--out",
+                sys.argv[2], "--accept-noisy", "--json"]
+    try:
+        runpy.run_module("speccal", run_name="__main__")
+    except SystemExit as exc:
+        print("exit", exc.code, file=sys.stderr)
+    print("heavy modules imported:", sorted(h for h in HEAVY if h in sys.modules), file=sys.stderr)
+    for h, stack in first.items():
+        print(f"--- first import of {h}:\n{stack}", file=sys.stderr)
+PYEOF
+                timeout "$(left)" $PY "$d/imports.py" "$d/cfg.json" "$d/t.json" > "$d/cal.json" 2> "$d/log.txt"
+                echo "rc=$?"
+                grep -A80 "^heavy modules" "$d/log.txt" | grep -v "^    " | tail -40 ;;
             phases)
                 # round wall / device time, pipelined vs synchronous, B = 1 and 8 (one process
                 # each) [round_wall_over_device_b1, _b8, pipelined_speedup_b1, _b8]
