@@ -15,8 +15,11 @@ and Triton attention on CUDA; eager fp32 and torch attention on CPU):
   (``bench_decode.target_ms``; CPU: ``Engine.step`` wall) vs its HBM floor = (weight bytes:
   ``bench_decode.floor_bytes`` plus the non-matrix parameters; the committed state row read and
   written, ``StateStrategy.round_traffic(1, 0)``; the full-attention layers' KV read) / copy
-  bandwidth [hybrid_decode_step_floor_ratio];
-- plain decode tokens/s at B = 1 of ``Engine.step`` end to end (``bench_hf.engine_tok_s``) vs
+  bandwidth [hybrid_decode_step_floor_ratio]; on CUDA, where that step's device time goes: its
+  kernels by name, time and launches per step (``bench_decode.breakdown``, torch.profiler over
+  graph replays; ``breakdown_b1``, every kernel of one replay in ``sequence_b1``);
+- plain decode tokens/s at B = 1 of ``Engine.step`` end to end (``bench_hf.engine_tok_s``; the
+  pipelined round loop, ``EngineConfig.pipeline``, as calibration and serving run it) vs
   transformers' ``Qwen3_5ForCausalLM`` with the same shapes and weights (this run's target
   state dict), greedy loop ``bench_hf.hf_tok_s``: static cache, dynamic cache, and (CUDA, time
   permitting) static cache + ``torch.compile(reduce-overhead)`` in a child process killed at
@@ -53,8 +56,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_decode import SEQUENCES, breakdown, fill, floor_bytes, target_ms
 from bench_decode import copy_bandwidth as cuda_copy_bandwidth
-from bench_decode import fill, floor_bytes, target_ms
 from bench_hf import engine_tok_s, hf_tok_s
 from bench_round_phases import measure_mode
 from results import append_results, git_commit
@@ -64,6 +67,7 @@ from speccal.kernels.config import KernelConfig
 from speccal.live.generate import generate
 from speccal.runner.device import resolve_device
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+from speccal.runner.graphs import GraphKey
 from speccal.runner.hybrid_state import STATE_STRATEGIES
 from speccal.runner.loader import LoadedModel, load_model
 from speccal.runner.request import Request
@@ -396,13 +400,19 @@ def main(argv=None) -> dict:
         return eng
 
     # ---- decode step vs its HBM floor, ours tokens/s
-    plain = engine(speculative=False, request_buckets=(1,))
+    plain = engine(speculative=False, request_buckets=(1,), pipeline=True)
     parts = floor_parts(plain, args.kv)
     res.update(parts)
     res["decode_floor_ms"] = sum(parts.values()) / bw * 1e3
     res["decode_step_ms_b1"] = decode_step_ms(plain, args.kv, args.repeats)
     res["hybrid_decode_step_floor_ratio"] = res["decode_step_ms_b1"] / res["decode_floor_ms"]
     log(f"decode step {res['decode_step_ms_b1']:.3f} ms, floor {res['decode_floor_ms']:.3f} ms")
+    if plain.runner.graphs is not None:  # the captured step's kernels (fill staged its inputs)
+        key = GraphKey("target", 1, 0, 1, plain.runner.resolve_update(1, 0, 1), "greedy")
+        res["breakdown_b1"] = breakdown(plain, key, top=40)
+        res["sequence_b1"] = SEQUENCES.get(key)
+        for name, us, launches in res["breakdown_b1"]:
+            log(f"  {us:9.2f} us {launches:6.2f} x  {name}")
     res["ours_tok_s_b1"] = engine_tok_s(plain, 1, prompt=args.kv, steps=args.hf_steps,
                                         warmup=min(4, args.hf_steps))
     log(f"ours {res['ours_tok_s_b1']:.1f} tok/s")

@@ -18,6 +18,8 @@
 #   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
 #   hybridhf    bench/bench_hybrid.py decode vs transformers with torch.compile tried
 #               [hybrid_decode_speedup_vs_hf_b1 against the fastest configuration]
+#   hybridprof  bench/bench_hybrid.py decode step only: its floor ratio and where its device time
+#               goes (kernels by time and launches per step)
 #   hybridcal   speccal calibrate (draft_step, small grid) + speccal bench --policy on qwen3.5-2b
 #   kvgain      bench/bench_kv_gain.py [kv_aware_gain_pct]
 #   buildprof   cProfile of one dense-2b engine build (where the model load's seconds go; run
@@ -84,7 +86,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;; hybridhf) min=150 ;;
+            cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
@@ -135,6 +137,11 @@ run() {
                     --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1
                 echo "rc=$?"
                 tail -16 "$d/log.txt" ;;
+            hybridprof)
+                timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" \
+                    --skip hf,compile,strategies,greedy > "$d/log.txt" 2>&1
+                echo "rc=$?"
+                grep -E " us .* x |decode step|built in" "$d/log.txt" | cut -c1-150 | head -50 ;;
             hybridcal)
                 echo '{"request_buckets": [1, 2, 4], "contexts": [{"prefill_tokens": 256, "min_kv_length": 1, "max_kv_length": 1024}], "warmup_steps": 4, "window_steps": 16, "windows_per_point": 3}' > "$d/cfg.json"
                 timeout "$(( $(left) - 60 ))" $PY -m speccal calibrate --model qwen3.5-2b \
