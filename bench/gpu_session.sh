@@ -15,6 +15,8 @@
 #               image ships bytecode): run before `cold` to time a cold start with it
 #   cuda        the CUDA suite (pytest -m cuda tests/runner tests/kernels, 8 workers, verbose)
 #   hybridtest  the hybrid engine's CUDA tests and the index-kernel test only
+#   pathtest    the CUDA tests of the served path against transformers, attention, the
+#               pipelined loop and the hybrid engine (a subset of `cuda`, ~2 min)
 #   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
 #   hybridhf    bench/bench_hybrid.py decode vs transformers with torch.compile tried
 #               [hybrid_decode_speedup_vs_hf_b1 against the fastest configuration]
@@ -86,7 +88,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
+            cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
@@ -125,6 +127,13 @@ run() {
                     -p no:cacheprovider > "$d/tests.log" 2>&1
                 echo "rc=$?"
                 tail -5 "$d/tests.log" ;;
+            pathtest)
+                timeout "$(left)" $PY -m pytest -m cuda tests/runner/test_hf_served_path.py \
+                    tests/runner/test_attention.py tests/runner/test_pipeline.py \
+                    tests/runner/test_hybrid_engine.py -n 8 -v -rfE -p no:cacheprovider \
+                    > "$d/tests.log" 2>&1
+                echo "rc=$?"
+                grep -E "^(FAILED|ERROR)|passed|failed" "$d/tests.log" | tail -20 ;;
             hybrid)
                 timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" --skip compile \
                     --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1

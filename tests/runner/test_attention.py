@@ -62,6 +62,30 @@ def test_own_keys_equal_paged_attention(seq_len, rows):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_own_keys_equal_paged_attention_cuda(dtype):
+    """On CUDA SDPA picks its fused kernels (flash under ``is_causal``, memory-efficient under
+    the boolean mask of a later chunk): same rows as the paged reference on the same inputs."""
+    g = torch.Generator().manual_seed(2)
+    num_blocks, bs, hkv, hq, d = 40, 16, 2, 8, 64
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to("cuda", dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to("cuda", dtype)
+    for seq_len, rows in ((300, 300), (300, 44), (517, 5)):
+        nb = -(-seq_len // bs)
+        block_table = (torch.randperm(num_blocks - 1, generator=g)[:nb] + 1).to(torch.int32)[None]
+        q = torch.randn(rows, hq, d, generator=g).to("cuda", dtype)
+        keys = torch.arange(seq_len)
+        key_slots = (block_table[0, keys // bs].long() * bs + keys % bs).cuda()
+        out = attend_own_keys(q, k_cache, v_cache, key_slots, 0.125)
+        ref = paged_attention_torch(q[None].float(), k_cache.float(), v_cache.float(),
+                                    block_table.cuda(),
+                                    torch.tensor([seq_len], dtype=torch.int32, device="cuda"),
+                                    rows, 0.125)[0]
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
 def test_execution_path_validates_the_backend_and_the_device():
     with pytest.raises(InputError, match="attention_backend"):
         ExecutionPath(attention_backend="flash")

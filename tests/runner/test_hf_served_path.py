@@ -85,10 +85,12 @@ def _hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tenso
     return out.sequences[0, len(prompt):].tolist(), scores
 
 
-def _engine(path: Path, dtype: str, speculative: bool, buckets=(1, 4)) -> Engine:
+def _engine(path: Path, dtype: str, speculative: bool, buckets=(1, 4),
+            prefill_chunk: int = 512) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cuda", dtype=dtype, draft_width=5,
                                request_buckets=buckets, max_model_len=256, block_size=16,
-                               speculative=speculative, path=served_path("cuda")))
+                               speculative=speculative, path=served_path("cuda"),
+                               prefill_chunk=prefill_chunk))
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -107,6 +109,16 @@ def test_fp32_plain_greedy_equals_transformers(fp32_case):
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
     assert generate(eng, PROMPTS[:1], params, 0) == want[:1]
     assert generate(eng, PROMPTS, params, 0) == want
+
+
+def test_fp32_chunked_prefill_equals_transformers(fp32_case):
+    """Prompts prefilled in chunks of 8: every chunk after the first attends to the keys of the
+    chunks before it under the lower-right causal mask (``attention.attend_own_keys``)."""
+    path, want = fp32_case
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    for speculative, k in ((False, 0), (True, 3)):
+        eng = _engine(path, "float32", speculative=speculative, prefill_chunk=8)
+        assert generate(eng, PROMPTS, params, k) == want
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
