@@ -13,7 +13,13 @@ call as the CLI, into a temporary directory. Reported:
 - ``sampling_s``: driving the grid: transitions (fresh requests + prefill round), warmup rounds and
   timed windows (``windows_s`` is the timed part alone);
 - ``fit_s``: ``build_table`` (fit + diagnostics);
-- ``total_s``: the whole call, including printing and the atomic table write.
+- ``total_s``: the whole call, including printing and the atomic table write;
+- ``transition_s``: the part of ``sampling_s`` that puts each window's fresh requests in place
+  (the prompt source's one prefill included) and runs their first round.
+
+``--prompt-fill prefill`` prefills every window's prompts instead of admitting them from the
+prompt source (``Engine.set_prompt_source``), to compare the two on the same grid.
+``--config FILE`` is ``speccal calibrate --config`` (a smaller grid).
 
 ``--record`` appends ``calibration_wall_s_<model>_<device>`` (or ``--metric``) to
 ``bench/results.jsonl`` as ``{metric, value, unit, device, commit, date, command}``.
@@ -49,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graph-mode", default=None, help="EngineConfig.graph_mode (default: eager)")
     ap.add_argument("--attention-backend", default=None, help="torch (default) or triton")
     ap.add_argument("--json-out", default=None, help="also write the result JSON here")
+    ap.add_argument("--config", default=None, help="calibration config file (JSON)")
+    ap.add_argument("--prompt-fill", choices=("auto", "prefill"), default="auto",
+                    help="auto: the engine's prompt source where it has one; prefill: every "
+                    "window's prompts prefilled")
     args = ap.parse_args(argv)
 
     from rich.console import Console
@@ -67,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             request_buckets=buckets,
             out=Path(tmp) / "table.json",
             threads=args.threads,  # calibrate pins (default: 1 on cpu) and restores them
+            config_path=Path(args.config) if args.config else None,
         )
         factory = None
         if args.graph_mode or args.attention_backend:
@@ -86,6 +97,18 @@ def main(argv: list[str] | None = None) -> int:
                     kwargs["attention_backend"] = args.attention_backend
                 return Engine(EngineConfig.flat(kernels=KernelConfig.from_env(), **kwargs))
 
+        if args.prompt_fill == "prefill":
+            from speccal.calibrate.pipeline import make_engine
+
+            built = factory or make_engine
+
+            def factory(o: CalibrateOptions):
+                eng = built(o)
+                # the driver asks the engine whether it has a prompt source: say no
+                eng.__class__ = type("PrefillingEngine", (type(eng),),
+                                     {"supports_prompt_source": property(lambda self: False)})
+                return eng
+
         summary = calibrate(opts, console=Console(stderr=True), engine_factory=factory)
         if args.table_out:
             import shutil
@@ -96,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_capture_s": t["compile_capture_s"],
         "sampling_s": t["transition_s"] + t["warmup_s"] + t["sampling_s"],
         "windows_s": t["sampling_s"],
+        "transition_s": t["transition_s"],
+        "prompt_fill": args.prompt_fill,
         "fit_s": t["fit_s"],
         "total_s": t["total_s"],
         "points": summary["points_done"],

@@ -39,9 +39,11 @@ all land in the same slow or fast stretch. Per (point, window):
 
 Synthetic requests: prefixes of one token sequence drawn from ``numpy.random.default_rng`` of
 ``token_seed`` (``synthetic_base``; same prompts for a point on resume). An engine that supports
-it (``Engine.supports_prompt_source``: targets without recurrent state) prefills the longest
-prompt once (``Engine.set_prompt_source``) and admits each window's requests by copying their
-KV from it, so a transition costs a copy and one round instead of ``Bcap`` prefills. Every point is measured at the same mean KV length
+it (``Engine.supports_prompt_source``) prefills the longest prompt once
+(``Engine.set_prompt_source``) and admits each window's requests by copying their KV from it,
+so a transition costs a copy and one round instead of ``Bcap`` prefills; a hybrid target's
+source also keeps the recurrent state after every prompt length of the grid
+(``source_lengths``), copied into each request's state row. Every point is measured at the same mean KV length
 (``calibrated_kv_length``), whatever its Bcap and G, because a per-interval fit has no KV axis:
 a KV effect that differed between points would be fitted into alpha(Bcap) or theta(G). The KV
 axis comes from several intervals (``speccal.costmodel.kv``, fitted on each window's recorded
@@ -219,6 +221,14 @@ def longest_prompt(cfg: CalibrationConfig, points: Sequence[GridPoint],
     return max(int(window_prompt_lengths(cfg, p, replicate_advance(cfg)).max()) for p in points)
 
 
+def source_lengths(cfg: CalibrationConfig, points: Sequence[GridPoint]) -> list[int]:
+    """Every synthetic prompt length these points' windows admit (the lengths a hybrid
+    target's prompt source keeps a recurrent state for; every window is a replicate, so the
+    window index does not change them)."""
+    advance = replicate_advance(cfg)
+    return sorted({int(n) for p in points for n in window_prompt_lengths(cfg, p, advance)})
+
+
 def measurement_row(
     cfg: CalibrationConfig,
     point: GridPoint,
@@ -356,7 +366,8 @@ def drive(
     if todo and prompt_fill(engine) == "kv_copy":
         t0 = clock()
         engine.set_prompt_source(
-            synthetic_base(cfg, vocab_size)[: longest_prompt(cfg, todo, indices)].tolist())
+            synthetic_base(cfg, vocab_size)[: longest_prompt(cfg, todo, indices)].tolist(),
+            lengths=source_lengths(cfg, todo))
         t_transition += clock() - t0
 
     # Window-major order: window i of every point, then window i + 1; inside a window round the

@@ -179,8 +179,9 @@ class CalibrationConfig(_Strict):
     how its windows were timed (:class:`LoopTimingBlock`), all None for a table no calibration
     run measured (a bare fit, a migrated older table). ``prompts`` says how each window's
     synthetic prompts reached the KV cache: ``kv_copy`` (copied from one prefilled source
-    sequence, ``Engine.set_prompt_source``) or ``prefill`` (each prompt prefilled: hybrid
-    targets); None for tables from before it was recorded. ``state_traffic``: a hybrid target's
+    sequence, ``Engine.set_prompt_source``; a hybrid target's recurrent state too, kept after
+    each prompt length) or ``prefill`` (each prompt prefilled); None for tables from before it
+    was recorded. ``state_traffic``: a hybrid target's
     recurrent-state bytes per round for every captured bucket and ``k`` (computed from the
     model's state shapes and the strategy; their time is inside the measured costs), None for a
     target without recurrent state or a table from before it was recorded.

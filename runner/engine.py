@@ -682,26 +682,32 @@ class Engine:
 
     @property
     def supports_prompt_source(self) -> bool:
-        """Whether :meth:`set_prompt_source` can serve this engine's target (its per-request
-        state is the KV cache alone: no recurrent state rows)."""
-        return self.runner.state is None
+        """Whether :meth:`set_prompt_source` can serve this engine's target: every target can;
+        a hybrid target's source needs the prompt lengths it will admit (``lengths``)."""
+        return True
 
-    def set_prompt_source(self, tokens: Sequence[int] | None) -> None:
+    @property
+    def prompt_source_needs_lengths(self) -> bool:
+        """Whether :meth:`set_prompt_source` needs ``lengths`` (a target with recurrent state:
+        its state after each admissible prefix is kept)."""
+        return self.runner.state is not None
+
+    def set_prompt_source(self, tokens: Sequence[int] | None,
+                          lengths: Sequence[int] | None = None) -> None:
         """Prefill ``tokens`` once and admit later prompts that are prefixes of them by copying
         their KV (``speccal.runner.prompt_source``); ``None`` drops the source.
 
         Calibration uses it so that a window's transition costs a copy instead of a prefill per
-        request. Refused for hybrid targets (their recurrent state at a prefix's end cannot be
-        read off the source) and for a source longer than the model context or the KV cache.
+        request. ``lengths``: the prompt lengths to be admitted. A hybrid target needs them:
+        its recurrent state after each of them is kept (one state row per length; other
+        prefixes take the normal prefill); a dense target admits every prefix and ignores them.
+        On CUDA the kept states take at most half the free device memory: lengths beyond that
+        (the longest first) are left to the normal prefill. Refused for a source longer than
+        the model context or the KV cache, and for lengths outside ``[1, len(tokens)]``.
         """
         self.prompt_source = None
         if tokens is None:
             return
-        if not self.supports_prompt_source:
-            raise UnsupportedError(
-                "set_prompt_source: the target carries recurrent state (hybrid linear "
-                "attention); its prompts are prefilled one by one"
-            )
         toks = [int(t) for t in tokens]
         vocab = self.loaded.config.vocab_size
         if not toks or not all(0 <= t < vocab for t in toks):
@@ -710,16 +716,42 @@ class Engine:
             raise InputError("prompt source", f"{len(toks)} tokens",
                              f"<= max_model_len {self.max_model_len} and <= the free KV "
                              f"({self.num_free_kv_tokens} tokens)")
+        state = self.runner.state
+        if state is not None and lengths is None:
+            raise InputError("prompt source lengths", None,
+                             "the prompt lengths to admit (a hybrid target keeps its recurrent "
+                             "state after each of them)")
+        want = sorted({int(n) for n in lengths or ()})
+        if want and not 1 <= want[0] <= want[-1] <= len(toks):
+            raise InputError("prompt source lengths", [want[0], want[-1]],
+                             f"lengths in [1, {len(toks)}] (the source's tokens)")
+        if state is not None and not self._free_slots:
+            raise InputError("prompt source", "no free slot",
+                             "a free request slot to prefill the source in (call reset first)")
+        if state is not None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            want = want[: max(0, int(free // 2 // max(1, state.bytes_per_row)))]
         req = Request(-1, toks, SamplingParams())
         rows: list[torch.Tensor] = []
+        states: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         try:
-            prefill(req, self.runner.target, self.runner.draft, self.kv,
-                    chunk=self.config.prefill_chunk, generator=self.generator,
-                    device=self.device, hidden_out=rows)
+            if state is None:
+                prefill(req, self.runner.target, self.runner.draft, self.kv,
+                        chunk=self.config.prefill_chunk, generator=self.generator,
+                        device=self.device, hidden_out=rows)
+            else:  # in a free slot's state row, reset again below
+                req.slot = self._free_slots[-1]
+                states = {}
+                state.prefill(req, self.runner.target, self.runner.draft, self.kv,
+                              chunk=self.config.prefill_chunk, generator=self.generator,
+                              device=self.device, hidden_out=rows, states_at=want,
+                              states_out=states)
             self.prompt_source = PromptSource(np.asarray(toks), self.kv, req.blocks,
-                                              torch.cat(rows, dim=0))
+                                              torch.cat(rows, dim=0), states)
         finally:
             self.kv.allocator.free(req.blocks)
+            if state is not None:
+                state.reset_slot(self._free_slots[-1])
 
     def _admit(self, result_first: dict[int, int]) -> tuple[int, list[int]]:
         admitted = []
@@ -732,7 +764,8 @@ class Engine:
         copied = [r for r in admitted if src is not None and src.covers(r.prompt)]
         filled = dict(zip((r.rid for r in copied),
                           src.admit(copied, self.runner.target, self.kv, self.generator,
-                                    self.device) if copied else [], strict=True))
+                                    self.device, self.runner.state) if copied else [],
+                          strict=True))
         num_tokens = 0
         finished = []
         for req in admitted:

@@ -47,6 +47,7 @@ State layout: ``LinearState`` rows (``speccal.runner.linear_attention``), per li
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -152,26 +153,46 @@ class StateStrategy(ABC):
 
     @torch.inference_mode()
     def prefill(self, req: Request, target: HybridModel, draft, kv: KVCache, *, chunk: int,
-                generator: torch.Generator, device: torch.device) -> tuple[int, torch.Tensor]:
+                generator: torch.Generator, device: torch.device,
+                hidden_out: list[torch.Tensor] | None = None,
+                states_at: Collection[int] = (),
+                states_out: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+                ) -> tuple[int, torch.Tensor]:
         """Chunked prefill of ``req`` into its committed state row, the full-attention layers'
         KV and the head's KV; returns the first token and the last prompt hidden ``[hidden]``.
 
         The layout of ``speccal.runner.prefill.prefill`` (chunk ``[p0, p1)`` runs the target on
         positions ``p0 .. p1 - 1`` and the head on ``p0 - 1 .. p1 - 2``), with the chunked
         delta rule carrying the state between chunks, on the torch backend
-        (``speccal.runner.path.prefill_path``) as the dense prefill.
+        (``speccal.runner.path.prefill_path``) as the dense prefill. ``hidden_out``: as
+        ``prefill``'s. ``states_at``: prompt lengths after which the state row is copied into
+        ``states_out[length]`` (per linear layer ``(conv [C, K - 1], ssm [Hv, Dk, Dv])``; a
+        chunk ends at each of them), what a prompt source admits prefixes with.
         """
         self.reset_slot(req.slot)
         rows = self.row_of[req.slot : req.slot + 1]
         num_kv = target.num_kv_layers
+        wanted = {int(n) for n in states_at}
 
         def target_chunk(ids, pos, meta, p0, p1):
             smeta = StateMeta(rows, rows, p1 - p0, is_chunked=True)
-            return target(ids, pos, meta, kv.layers[:num_kv], smeta, self.state)
+            h = target(ids, pos, meta, kv.layers[:num_kv], smeta, self.state)
+            if states_out is not None and p1 in wanted:
+                states_out[p1] = [(c[0], s[0]) for c, s in self.state.snapshot(rows)]
+            return h
 
         return prefill_request(req, target, draft, kv, chunk=chunk, generator=generator,
-                               device=device,
-                               num_kv_layers=num_kv, target_chunk=target_chunk)
+                               device=device, num_kv_layers=num_kv, target_chunk=target_chunk,
+                               hidden_out=hidden_out, cuts=wanted)
+
+    def admit_states(self, slots: torch.Tensor,
+                     states: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Set the committed state rows of ``slots [M]`` (int64, device) to ``states`` (one
+        ``prefill`` ``states_out`` entry per slot): a prompt source's admission."""
+        per_layer = [(torch.stack([st[i][0] for st in states]),
+                      torch.stack([st[i][1] for st in states]))
+                     for i in range(len(self.state.layers))]
+        self.state.restore(self.row_of[slots], per_layer)
 
     # ------------------------------------------------------------------ the round (device)
 

@@ -11,7 +11,7 @@ products and torch attention whatever the engine's path; the Triton kernels serv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 import torch
@@ -60,6 +60,7 @@ def prefill(
     target_chunk: Callable[[torch.Tensor, torch.Tensor, AttnMeta, int, int], torch.Tensor]
     | None = None,
     hidden_out: list[torch.Tensor] | None = None,
+    cuts: Collection[int] = (),
 ) -> tuple[int, torch.Tensor]:
     """Fill the KV caches for ``req.prompt`` and sample the first token.
 
@@ -69,6 +70,9 @@ def prefill(
     target's state strategy passes its own, which also carries the recurrent state).
     ``hidden_out``: when given, each chunk's target hidden rows are appended to it (the rows of
     every prompt position, in order; ``speccal.runner.prompt_source`` keeps them).
+    ``cuts``: prompt lengths at which a chunk also ends (:func:`chunk_ends`), so that a
+    ``target_chunk`` sees ``p1`` equal to each of them (a hybrid prompt source snapshots the
+    recurrent state there).
 
     Returns
     -------
@@ -83,12 +87,19 @@ def prefill(
             return target(ids, pos, meta, kv.layers[:num_kv])
     with rebound([target, draft], prefill_path(target.path)):
         return _prefill(req, target, draft, kv, num_kv, target_chunk, chunk=chunk,
-                        generator=generator, device=device, hidden_out=hidden_out)
+                        generator=generator, device=device, hidden_out=hidden_out, cuts=cuts)
+
+
+def chunk_ends(n: int, chunk: int, cuts: Collection[int] = ()) -> list[int]:
+    """End positions of the prefill chunks of an ``n``-token prompt: every multiple of
+    ``chunk`` below ``n``, ``n`` itself, and each cut in ``(0, n)`` (a cut only splits a chunk,
+    so no chunk is longer than ``chunk``)."""
+    return sorted(set(range(chunk, n, chunk)) | {n} | {int(c) for c in cuts if 0 < c < n})
 
 
 def _prefill(req: Request, target: TargetModel, draft: MTPHead | None, kv: KVCache, num_kv: int,
              target_chunk, *, chunk: int, generator: torch.Generator, device: torch.device,
-             hidden_out: list[torch.Tensor] | None):
+             hidden_out: list[torch.Tensor] | None, cuts: Collection[int] = ()):
     prompt = req.prompt
     n = len(prompt)
     bs = kv.allocator.block_size
@@ -96,8 +107,8 @@ def _prefill(req: Request, target: TargetModel, draft: MTPHead | None, kv: KVCac
     ids = torch.as_tensor(prompt, dtype=torch.int64, device=device)
     carry = None  # [1, hidden]: last hidden of the previous chunk
     h = None
-    for p0 in range(0, n, chunk):
-        p1 = min(p0 + chunk, n)
+    ends = chunk_ends(n, chunk, cuts)
+    for p0, p1 in zip([0, *ends[:-1]], ends, strict=True):
         pos, meta = _meta(req.blocks, np.arange(p0, p1), bs, p1, device)
         h = target_chunk(ids[p0:p1], pos, meta, p0, p1)  # [p1 - p0, hidden]
         if hidden_out is not None:

@@ -52,15 +52,26 @@ def test_an_unknown_state_strategy_is_refused_before_the_engine(command, monkeyp
 
 
 @pytest.mark.parametrize("strategy", ["scratch_swap", "snapshots"])
-def test_calibration_records_the_state_bytes_per_round(folder, tmp_path, strategy):
+def test_calibration_records_the_state_bytes_per_round(folder, tmp_path, strategy, monkeypatch):
     """``speccal calibrate`` on a hybrid target records its strategy and the state bytes a round
     moves per bucket and k (``calibration.state_traffic``, from the engine's own
     ``StateStrategy.round_traffic``): snapshots write one state row per verified position, so
-    deeper speculation moves more state; scratch-swap moves two rows each way at every k."""
+    deeper speculation moves more state; scratch-swap moves two rows each way at every k. Its
+    windows' prompts come from one prefilled source (``kv_copy``): one prefill in the run."""
     from rich.console import Console
 
     from speccal.calibrate.pipeline import CalibrateOptions, calibrate
     from speccal.costmodel.table import load_table
+    from speccal.runner.hybrid_state import StateStrategy
+
+    prefills: list[int] = []
+    real = StateStrategy.prefill
+
+    def counting(self, req, *a, **kw):
+        prefills.append(len(req.prompt))
+        return real(self, req, *a, **kw)
+
+    monkeypatch.setattr(StateStrategy, "prefill", counting)
 
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({
@@ -73,7 +84,8 @@ def test_calibration_records_the_state_bytes_per_round(folder, tmp_path, strateg
     calibrate(opts, console=Console(quiet=True))
     table = load_table(out)
     assert table.compatibility.state_strategy == strategy
-    assert table.calibration.prompts == "prefill"
+    assert table.calibration.prompts == "kv_copy"
+    assert len(prefills) == 1  # the source; every window admitted by copying KV and state
     traffic = {(s.bcap, s.k): s for s in table.calibration.state_traffic}
     assert set(traffic) == {(b, k) for b in (1, 2) for k in (1, 2, 3)}
     for b in (1, 2):
