@@ -51,6 +51,7 @@ from speccal.runner.device import (
     synchronize,
 )
 from speccal.runner.graphs import GraphKey
+from speccal.runner.hybrid import HybridModel, HybridMTPHead
 from speccal.runner.hybrid_state import STATE_STRATEGIES, make_strategy
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.linear_attention import CHUNK_SIZE
@@ -398,9 +399,13 @@ class Engine:
         for module in (self.loaded.target, self.loaded.draft):
             if module is not None:
                 bind_path(module, self.path)
-        # the dense layers' fused weights (a hybrid target's layers run their own products)
-        if (self.path.attention_backend == "triton" and self.device.type == "cuda"
-                and not self._has_state):
+        # the dense layers' fused weights (a hybrid target's layers run their own products:
+        # theirs keep the constants each forward computed from the weights, on every device)
+        if self._has_state:
+            for module in (self.loaded.target, self.loaded.draft):
+                if isinstance(module, (HybridModel, HybridMTPHead)):
+                    module.fuse_weights()
+        elif self.path.attention_backend == "triton" and self.device.type == "cuda":
             self.loaded.target.fuse_weights()
             if self.loaded.draft is not None:
                 self.loaded.draft.layer.self_attn.fuse_weights()

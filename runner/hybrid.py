@@ -185,17 +185,29 @@ def hybrid_config_from_hf(cfg: Mapping[str, Any],
 
 
 class OffsetRMSNorm(nn.Module):
-    """Zero-centred RMSNorm: ``x / rms(x) * (1 + weight)`` in float32 (weights init to 0)."""
+    """Zero-centred RMSNorm: ``x / rms(x) * (1 + weight)`` in float32 (weights init to 0).
+
+    :meth:`freeze` keeps ``1 + weight`` in float32 (``scale``) for serving: the same values,
+    two launches fewer per call (the cast and the add). The weights must not change after it
+    (the engine freezes once its weights are loaded and on their device). A second freeze
+    keeps the first tensor: graphs captured by an engine sharing these weights read it."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.scale: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def freeze(self) -> None:
+        if self.scale is None:
+            self.scale = 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
+        return (xf * scale).type_as(x)
 
 
 class GatedAttention(nn.Module):
@@ -288,6 +300,16 @@ class SparseMoE(nn.Module):
             if rows.numel():
                 out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+def freeze_constants(module: nn.Module) -> None:
+    """Freeze every submodule's weight-derived constants (``OffsetRMSNorm.freeze``,
+    ``GatedDeltaNet.freeze``): the values each forward computed from the weights, computed once
+    where the weights now live. Call after the weights are loaded and moved; they must not
+    change afterwards."""
+    for m in module.modules():
+        if isinstance(m, (OffsetRMSNorm, GatedDeltaNet)):
+            m.freeze()
 
 
 class HybridLayer(nn.Module):
@@ -388,6 +410,11 @@ class HybridModel(PathBound, nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
 
+    def fuse_weights(self) -> None:
+        """Serving constants computed once (:func:`freeze_constants`): same values, fewer
+        launches per forward."""
+        freeze_constants(self)
+
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]``, float32 unless ``upcast`` is False (argmax-only)."""
         out = self.lm_head(hidden)
@@ -446,6 +473,10 @@ class HybridMTPHead(PathBound, nn.Module):
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         normed = self.final_norm(x)
         return (normed if self.family.is_feedback_normed else x), normed
+
+    def fuse_weights(self) -> None:
+        """As :meth:`HybridModel.fuse_weights`, for the head's own modules."""
+        freeze_constants(self)
 
     def logits(self, target: HybridModel, normed: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32 through the target's LM head."""

@@ -207,6 +207,11 @@ class StateStrategy(ABC):
         """
         slots = t["slot_index"]
         rows = self.row_of[slots]
+        if k == 0 and t["ver_row"].shape[0] == bcap:
+            # plain decode: one row per request (padding requests' included, into the trash
+            # slot), so the packed rows already are the [bcap, 1] grid, in order, and every
+            # row is real: no grid scatter and gather, no masks, in every linear layer
+            return StateMeta(rows, rows, 1), self.state
         num_valid = t["num_verify"] + 1  # [bcap]: pending token + verified drafts
         grid = t["ver_row"] if packed is None else _grid_rows(packed, k + 1,
                                                               t["ver_row"].shape[0])

@@ -288,6 +288,7 @@ class GatedDeltaNet(nn.Module):
                                 bias=False, padding=c.conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(c.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(c.num_v_heads))
+        self.decay: torch.Tensor | None = None  # -exp(A_log) in float32 once frozen
         self.norm = RMSNormGated(c.head_v_dim, eps)
         self.out_proj = nn.Linear(c.value_dim, hidden_size, bias=False)
         if c.is_grouped_projection:
@@ -299,6 +300,14 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_z = nn.Linear(hidden_size, c.value_dim, bias=False)
             self.in_proj_b = nn.Linear(hidden_size, c.num_v_heads, bias=False)
             self.in_proj_a = nn.Linear(hidden_size, c.num_v_heads, bias=False)
+
+    @torch.no_grad()
+    def freeze(self) -> None:
+        """Keep ``-exp(A_log)`` in float32 for serving (the values each forward computed: three
+        launches fewer per call); ``A_log`` must not change afterwards. A second freeze keeps
+        the first tensor (captured graphs of an engine sharing these weights read it)."""
+        if self.decay is None:
+            self.decay = -self.A_log.float().exp()
 
     def _project(self, x: torch.Tensor):  # x [N, hidden]
         """``(qkv [N, conv_dim], z [N, Hv, Dv], b [N, Hv], a [N, Hv])`` from either layout."""
@@ -331,7 +340,8 @@ class GatedDeltaNet(nn.Module):
         conv_state, ssm_state = state
         qkv, z, b, a = self._project(x)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [N, Hv]
+        decay = self.decay if self.decay is not None else -self.A_log.float().exp()
+        g = decay * F.softplus(a.float() + self.dt_bias)  # [N, Hv]
         if meta.num_valid is not None:  # padding rows: no decay, no write
             is_real = (torch.arange(num_r, device=x.device)[None, :]
                        < meta.num_valid[:, None]).reshape(-1, 1)

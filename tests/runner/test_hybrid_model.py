@@ -482,3 +482,46 @@ def test_mtp_head_equals_a_transformers_layer_built_from_its_tensors(pair):
     assert torch.equal(fb, normed)  # the feedback is the normed output (descriptor)
     assert (got - want).abs().max().item() < ATOL
     assert (reference(("hidden", "embed")) - want).abs().max().item() > 100 * ATOL
+
+
+def _decode_rows(model: HybridModel, smeta_kw: dict, fuse: bool):
+    """Prefill two requests, then one plain decode row each under ``StateMeta(**smeta_kw)``:
+    the decode's hidden rows and the state rows after it (bit for bit comparable)."""
+    import copy
+
+    m = copy.deepcopy(model)
+    if fuse:
+        m.fuse_weights()
+    s = Session(m, 2)
+    s.step([0], [PROMPT], is_chunked=True)
+    s.step([1], [PROMPT[::-1]], is_chunked=True)
+    cfg = m.config.base
+    table = torch.tensor([[1 + b * BLOCKS_PER_REQ + j for j in range(BLOCKS_PER_REQ)]
+                          for b in (0, 1)], dtype=torch.int32)
+    n = len(PROMPT)
+    slot_map = torch.tensor([(1 + b * BLOCKS_PER_REQ + n // BLOCK) * BLOCK + n % BLOCK
+                             for b in (0, 1)])
+    attn = AttnMeta(slot_map, torch.arange(2), table, torch.tensor([n + 1, n + 1],
+                                                                   dtype=torch.int32), 1)
+    rows = torch.tensor([0, 1])
+    with torch.no_grad():
+        h = m(torch.tensor([3, 4]), torch.tensor([n, n]), attn, s.kv.layers,
+              StateMeta(rows, rows, 1, **smeta_kw), s.state)
+    assert cfg.hidden_size == h.shape[-1]
+    return h, [t.clone() for layer in s.state.layers for t in layer]
+
+
+def test_frozen_constants_and_the_plain_decode_shortcut_change_no_bit(pair):
+    """Serving constants frozen once (``fuse_weights``: ``1 + w`` of every zero-centred norm,
+    ``-exp(A_log)``) and a plain-decode ``StateMeta`` without grid or masks (what the state
+    strategy passes when every request has exactly one row) give the same bits as the
+    per-call forms with the identity grid and all-ones masks."""
+    _, _, ours, _ = pair
+    full = dict(num_valid=torch.tensor([1, 1]), row_index=torch.arange(2))
+    h_ref, st_ref = _decode_rows(ours, full, fuse=False)
+    for kw, fuse in ((full, True), ({}, False), ({}, True)):
+        h, st = _decode_rows(ours, kw, fuse)
+        assert torch.equal(h, h_ref)
+        assert all(torch.equal(a, b) for a, b in zip(st, st_ref, strict=True))
+    norms = [m for m in ours.modules() if type(m).__name__ == "OffsetRMSNorm"]
+    assert norms and all(m.scale is None for m in norms)  # the fixture's model stays unfrozen
