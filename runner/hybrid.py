@@ -35,9 +35,9 @@ fusion block of the draft-family descriptor around one gated full-attention laye
 module, with zero-centred norms. On CUDA the delta rule runs ``fla``'s kernels
 (``speccal.runner.linear_attention``) and the step is captured in CUDA graphs like a dense
 target's; the layers here are torch ops, not the dense path's fused Triton norms and gemv, so a
-B = 1 decode step is launch-bound: 1,757 kernels, 4.2 ms on the H200 for the qwen3.5-2b preset,
-4.7x its HBM floor, and transformers under ``torch.compile`` decodes 1.29x faster
-(bench/RESULTS.md, 2026-12-02 02:45).
+B = 1 decode step is launch-bound: 1,757 kernels, 4.2 ms on the H200 for the qwen3.5-2b preset
+before :func:`freeze_constants` (4.7x its HBM floor; transformers under ``torch.compile``
+decoded 1.29x faster, bench/RESULTS.md, 2026-12-02 02:45).
 """
 
 from __future__ import annotations
