@@ -756,7 +756,7 @@ class Engine:
         finally:
             self.kv.allocator.free(req.blocks)
             if state is not None:
-                state.reset_slot(self._free_slots[-1])
+                state.reset_slot(req.slot)
 
     def _admit(self, result_first: dict[int, int]) -> tuple[int, list[int]]:
         admitted = []

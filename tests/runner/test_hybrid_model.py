@@ -9,6 +9,7 @@ linear + 1 full attention, sharded, 15 ``mtp.*`` tensors added).
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -487,15 +488,13 @@ def test_mtp_head_equals_a_transformers_layer_built_from_its_tensors(pair):
 def _decode_rows(model: HybridModel, smeta_kw: dict, fuse: bool):
     """Prefill two requests, then one plain decode row each under ``StateMeta(**smeta_kw)``:
     the decode's hidden rows and the state rows after it (bit for bit comparable)."""
-    import copy
-
     m = copy.deepcopy(model)
+    cfg = m.config.base
     if fuse:
         m.fuse_weights()
     s = Session(m, 2)
     s.step([0], [PROMPT], is_chunked=True)
     s.step([1], [PROMPT[::-1]], is_chunked=True)
-    cfg = m.config.base
     table = torch.tensor([[1 + b * BLOCKS_PER_REQ + j for j in range(BLOCKS_PER_REQ)]
                           for b in (0, 1)], dtype=torch.int32)
     n = len(PROMPT)

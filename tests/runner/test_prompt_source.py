@@ -27,15 +27,17 @@ def _source(n: int = 120) -> list[int]:
     return np.random.default_rng(7).integers(0, 256, size=n).tolist()
 
 
-def _count_prefills(monkeypatch) -> list[int]:
+def _count_prefills(monkeypatch, owner=engine_mod) -> list[int]:
+    """Prompt lengths of every ``owner.prefill`` call from now on (default: the engine's dense
+    prefill; a hybrid engine's state strategy prefills its own)."""
     seen: list[int] = []
-    real = engine_mod.prefill
+    real = owner.prefill
 
     def counting(req, *a, **kw):
         seen.append(len(req.prompt))
         return real(req, *a, **kw)
 
-    monkeypatch.setattr(engine_mod, "prefill", counting)
+    monkeypatch.setattr(owner, "prefill", counting)
     return seen
 
 
@@ -125,19 +127,6 @@ def _hybrid_source(eng: Engine, n: int = 70) -> list[int]:
     return np.random.default_rng(7).integers(0, vocab, size=n).tolist()
 
 
-def _count_state_prefills(monkeypatch, eng: Engine) -> list[int]:
-    seen: list[int] = []
-    strategy = eng.runner.state
-    real = strategy.prefill
-
-    def counting(req, *a, **kw):
-        seen.append(len(req.prompt))
-        return real(req, *a, **kw)
-
-    monkeypatch.setattr(strategy, "prefill", counting)
-    return seen
-
-
 @pytest.mark.parametrize(("strategy", "pipeline"),
                          [("scratch_swap", False), ("snapshots", True)])
 def test_hybrid_copied_prompts_decode_the_tokens_of_prefilled_ones(monkeypatch, hybrid_folder,
@@ -153,7 +142,7 @@ def test_hybrid_copied_prompts_decode_the_tokens_of_prefilled_ones(monkeypatch, 
     eng = _hybrid(hybrid_folder, state_strategy=strategy, pipeline=pipeline)
     eng.set_prompt_source(src, lengths=lengths)
     assert sorted(eng.prompt_source.states) == lengths
-    seen = _count_state_prefills(monkeypatch, eng)
+    seen = _count_prefills(monkeypatch, eng.runner.state)
     assert generate(eng, prompts, GREEDY, 2) == want
     assert seen == [20]  # the one length without a kept state
 
