@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
 from speccal.base.atomic import read_text
 from speccal.base.errors import InputError
@@ -272,7 +272,7 @@ class CalibrationModel(_Strict):
 
     model: Literal["additive", "sps"] | None = None
     draft_width: StrictInt | None = None
-    request_buckets: list[StrictInt] | None = None
+    request_buckets: list[StrictInt] | None = Field(default=None, min_length=1)  # or absent
     # Either {"<Bcap>": [G, ...]} per bucket, or one list of G applied to every request bucket
     # (each bucket keeps the values that are legal for it).
     target_graph_rows: dict[str, list[StrictInt]] | list[StrictInt] | None = None

@@ -28,6 +28,16 @@ No measurement is lost or counted twice:
   window twice: resume keeps the first line of each window identity (``window_identity``: mode,
   context, Bcap, G, k, window index), drops the others and rewrites the file without them
   (atomically), so the fit sees each window once.
+
+Every window line is validated where it is read (``speccal.costmodel.measurements.row_problem``:
+known columns, integers that are integers, finite positive times, ``step_ms`` equal to
+``1000 * elapsed_s / window_steps``, the header's ``window_steps`` and ``mode``). ``--resume``
+refuses a journal with an invalid line, naming ``<path>:<line>: <field>=<value>``, and says how
+to keep the other windows: ``--resume --drop-bad-windows`` rewrites the journal without the
+invalid lines (atomically; a warning names them) and measures those windows again. A failed
+append (a full disk) is one ``OutputError`` naming the journal and the operating system's
+reason; the partial line is cut off, so the earlier lines stay intact and ``--resume`` works
+once there is room.
 """
 
 from __future__ import annotations
@@ -35,15 +45,35 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from speccal.base.atomic import write_bytes_atomic, write_text_atomic
-from speccal.base.errors import InputError, SchemaError
+from speccal.base.errors import InputError, LineError, OutputError, SchemaError, show
+from speccal.costmodel.compat import SpeccalWarning
+from speccal.costmodel.measurements import row_problem
 
 JOURNAL_VERSION = 1
+#: The option that drops invalid window lines at ``--resume`` (``speccal calibrate``).
+DROP_FLAG = "--drop-bad-windows"
+
+
+#: Window-line columns beyond the measurement columns: the probe clock's
+#: (``speccal.calibrate.driver.measurement_row``).
+EXTRA_ROW_COLUMNS = {
+    "clock": "str",
+    "wall_s": "float",
+    "probe_ms": "float",
+    "probe_ref_ms": "float",
+}
+
+
+class DroppedWindowLinesWarning(SpeccalWarning):
+    """``--resume --drop-bad-windows`` removed invalid window lines (named) from the journal;
+    their windows are measured again."""
 
 
 def run_key(
@@ -128,6 +158,7 @@ class Journal:
     resumed: bool = False
     dropped_torn_line: bool = False
     dropped_duplicates: int = 0
+    dropped_bad_lines: list[int] = field(default_factory=list)  # line numbers (1 = header)
     _fh: Any = None
 
     @property
@@ -136,11 +167,36 @@ class Journal:
         return {window_key(r) for r in self.rows}
 
     def append(self, row: Mapping[str, Any]) -> None:
-        """Append one finished window and fsync before returning."""
-        line = _dumps({"kind": "window", "row": dict(row)}) + "\n"
-        self._fh.write(line)
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        """Append one finished window and fsync before returning.
+
+        Raises
+        ------
+        OutputError
+            The write or fsync failed (a full disk, an I/O error): names the journal and the
+            operating system's reason. The partial line is cut off, so the journal keeps
+            exactly its earlier lines.
+        """
+        data = (_dumps({"kind": "window", "row": dict(row)}) + "\n").encode("utf-8")
+        fd = self._fh.fileno()
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self._fh.write(view) :]
+            os.fsync(fd)
+        except OSError as exc:
+            try:  # keep the earlier lines exactly: no torn line left behind
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            reason = exc.strerror or type(exc).__name__
+            raise OutputError(
+                "--journal",
+                str(self.path),
+                "a journal file that accepts the next window",
+                hint=f"{reason}; its {len(self.rows)} earlier window(s) are kept: free space "
+                "and rerun with --resume",
+            ) from None
         self.rows.append(dict(row))
 
     def close(self) -> None:
@@ -156,7 +212,12 @@ class Journal:
 
 
 def open_journal(
-    path: str | Path, header: Mapping[str, Any], *, resume: bool, overwrite: bool = False
+    path: str | Path,
+    header: Mapping[str, Any],
+    *,
+    resume: bool,
+    overwrite: bool = False,
+    drop_bad: bool = False,
 ) -> Journal:
     """Open ``path`` for appending windows of the run described by ``header``.
 
@@ -168,14 +229,19 @@ def open_journal(
     resume : keep the finished windows of an existing journal of the same run (duplicates of a
         window dropped, ``Journal.dropped_duplicates``).
     overwrite : without ``resume``, replace an existing journal even if it holds finished windows.
+    drop_bad : with ``resume``, drop invalid window lines (``Journal.dropped_bad_lines``,
+        :class:`DroppedWindowLinesWarning`) instead of refusing the journal.
 
     Raises
     ------
     InputError
         ``--resume`` on a journal of another run (different key) or an unreadable header; an
         existing journal with finished windows and neither ``resume`` nor ``overwrite``.
-    SchemaError
-        A corrupt line other than a torn last line.
+    LineError
+        With ``resume`` and without ``drop_bad``: an invalid line other than a torn last line
+        (names path, line, field and value, and how to keep the other windows).
+    OutputError
+        The journal cannot be written.
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -184,17 +250,54 @@ def open_journal(
     )
     full_header = {"kind": "header", "journal_version": JOURNAL_VERSION, "key": key, **dict(header)}
     if resume and p.exists() and p.stat().st_size > 0:
-        journal = _read(p, key)
+        journal = _read(p, key, header, drop_bad=drop_bad)
     else:
         check_discard(p, resume=resume, overwrite=overwrite)
         write_text_atomic(p, _dumps(full_header) + "\n", field="--journal")
         journal = Journal(path=p, key=key, resumed=False)
-    journal._fh = open(p, "a", encoding="utf-8")  # closed by Journal.close
+    try:
+        journal._fh = open(p, "ab", buffering=0)  # closed by Journal.close
+    except OSError as exc:
+        raise OutputError(
+            "--journal", str(p), "a writable journal file", hint=exc.strerror
+        ) from None
     return journal
 
 
-def _read(p: Path, key: str) -> Journal:
-    data = p.read_bytes()
+def _line_problem(
+    raw: bytes, config: Mapping[str, Any]
+) -> tuple[str, Any, str] | tuple[None, dict[str, Any], None]:
+    """``(field, value, expected)`` of an invalid window line, else ``(None, row, None)``."""
+    try:
+        rec = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return "line", raw[:80].decode("utf-8", "replace"), f"a JSON window record ({exc})"
+    if not isinstance(rec, dict) or rec.get("kind") != "window":
+        return "kind", rec.get("kind") if isinstance(rec, dict) else rec, "'window'"
+    extra = sorted(set(rec) - {"kind", "row"})
+    if extra:
+        return extra[0], rec[extra[0]], "no such key (unknown key)"
+    row = rec.get("row")
+    if not isinstance(row, dict):
+        return "row", row, "a measurement row object"
+    bad = row_problem(row, EXTRA_ROW_COLUMNS)
+    if bad is not None:
+        return bad
+    # the header's config is part of the key: a row disagreeing with it was edited
+    for col in ("window_steps", "mode"):
+        want = config.get(col)
+        if want is not None and col in row and row[col] != want:
+            return col, row[col], f"{show(want)}, the journal header's config.{col}"
+    return None, row, None
+
+
+def _read(p: Path, key: str, header: Mapping[str, Any], *, drop_bad: bool = False) -> Journal:
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise InputError(
+            "--journal", str(p), "a readable journal file", hint=exc.strerror
+        ) from None
     lines = data.split(b"\n")
     # A file that does not end in a newline ends in a torn line (killed mid-append).
     torn = lines[-1] != b""
@@ -204,7 +307,7 @@ def _read(p: Path, key: str) -> Journal:
         raise InputError("--journal", str(p), "a calibration journal with a header line")
     try:
         head = json.loads(complete[0])
-    except json.JSONDecodeError:
+    except (ValueError, UnicodeDecodeError):
         raise InputError(
             "--journal", str(p), "a calibration journal (first line is not JSON)"
         ) from None
@@ -220,34 +323,59 @@ def _read(p: Path, key: str) -> Journal:
             hint=f"it belongs to another run (key {str(head.get('key'))[:12]}: different config, geometry, "
             "compatibility or --threads); pass --overwrite (without --resume) to replace it or another --journal",
         )
+    config = header.get("config")
+    config = config if isinstance(config, Mapping) else {}
     rows = []
     kept_lines = [complete[0]]
     seen: set[tuple[Any, ...]] = set()
+    bad: list[tuple[int, str, Any, str]] = []
     for n, raw in enumerate(complete[1:], start=2):
-        try:
-            rec = json.loads(raw)
-            if rec.get("kind") != "window" or not isinstance(rec.get("row"), dict):
-                raise ValueError("not a window record")
-            window_key(rec["row"])
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise SchemaError(
-                f"{p}:{n}", raw[:80].decode("utf-8", "replace"), f"a window record ({exc})"
-            ) from None
-        ident = window_identity(rec["row"])
+        col, value, expected = _line_problem(raw, config)
+        if col is not None:
+            bad.append((n, col, value, expected))
+            continue
+        ident = window_identity(value)
         if ident in seen:  # the first measurement of a window stands (module docstring)
             continue
         seen.add(ident)
-        rows.append(rec["row"])
+        rows.append(value)
         kept_lines.append(raw)
-    dropped = len(complete) - len(kept_lines)
-    if dropped:
+    if bad and not drop_bad:
+        n, col, value, expected = bad[0]
+        numbers = ", ".join(str(b[0]) for b in bad[:10]) + (", ..." if len(bad) > 10 else "")
+        raise LineError(
+            str(p),
+            n,
+            col,
+            value,
+            expected,
+            hint=f"{len(bad)} invalid window line(s) ({numbers}) of {len(complete) - 1}; to keep "
+            f"the other windows rerun with --resume {DROP_FLAG} (the dropped windows are "
+            "measured again) or delete those lines; --overwrite discards every window",
+        )
+    dropped = len(complete) - len(kept_lines) - len(bad)
+    if dropped or bad:
         # Rewriting also drops a torn last line.
         write_bytes_atomic(p, b"".join(x + b"\n" for x in kept_lines), field="--journal")
     elif torn:
-        with open(p, "r+b") as fh:
-            fh.truncate(good_end)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with open(p, "r+b") as fh:
+                fh.truncate(good_end)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            raise OutputError(
+                "--journal", str(p), "a writable journal file", hint=exc.strerror
+            ) from None
+    if bad:
+        listed = "; ".join(f"line {n}: {c}={show(v)}" for n, c, v, _ in bad[:10])
+        warnings.warn(
+            DroppedWindowLinesWarning(
+                f"{p}: dropped {len(bad)} invalid window line(s) ({listed}"
+                f"{'; ...' if len(bad) > 10 else ''}); those windows are measured again"
+            ),
+            stacklevel=3,
+        )
     return Journal(
         path=p,
         key=key,
@@ -255,4 +383,5 @@ def _read(p: Path, key: str) -> Journal:
         resumed=True,
         dropped_torn_line=torn,
         dropped_duplicates=dropped,
+        dropped_bad_lines=[b[0] for b in bad],
     )

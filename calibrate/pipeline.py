@@ -113,6 +113,7 @@ class CalibrateOptions:
     journal: Path | None = None
     resume: bool = False
     overwrite: bool = False
+    drop_bad_windows: bool = False  # with resume: drop invalid journal lines (journal.py)
     cost_table: Path | None = None
     max_model_len: int | None = None
     flags: Mapping[str, Any] = field(default_factory=dict)
@@ -524,7 +525,8 @@ def _measure(
     vocab_size = _vocab_size(engine)
     w = cfg.windows_per_point
     with open_journal(
-        opts.journal_path, header, resume=opts.resume, overwrite=opts.overwrite
+        opts.journal_path, header, resume=opts.resume, overwrite=opts.overwrite,
+        drop_bad=opts.drop_bad_windows,
     ) as journal:
         if journal.resumed:
             notes = []

@@ -21,9 +21,12 @@ of the table's mode and draft width can produce (``k > w``; ``target_verify``: `
 from __future__ import annotations
 
 import io
+import math
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -72,8 +75,9 @@ class DuplicateWindowWarning(SpeccalWarning):
     """Rows repeating a window identity were dropped (the first row of each window is kept)."""
 
 
-# step_ms is derived from elapsed_s; a larger disagreement means the row was edited or corrupted.
-_STEP_MS_RTOL = 1e-6
+#: ``step_ms`` is derived from ``elapsed_s``; a larger disagreement means the row was edited or
+#: corrupted (measurement rows, journal lines and table windows alike).
+STEP_MS_RTOL = 1e-6
 
 # Lower bounds per integer column (inclusive).
 _INT_MIN = {
@@ -172,9 +176,63 @@ def validate_measurements(df: pd.DataFrame) -> pd.DataFrame:
     ).reset_index(drop=True)
 
 
+def row_problem(
+    row: Mapping[str, Any], extra_columns: Mapping[str, str] | None = None
+) -> tuple[str, Any, str] | None:
+    """The first problem of one measurement row given as a plain mapping (a journal line), or
+    None: ``(column, value, expected)``.
+
+    The rules of :func:`validate_measurements`, per row and without coercion: every key a
+    known column, the window identity (:data:`WINDOW_IDENTITY`) present, integers that are
+    JSON integers (not ``true``, not ``2.0``) above their bound, floats finite and positive
+    (``mean_kv_length`` >= 0), strings strings, ``num_requests <= bcap``, ``min_kv_length <=
+    max_kv_length`` and ``step_ms == 1000 * elapsed_s / window_steps``. Columns other than the
+    identity may be absent (``validate_measurements`` names a missing one). ``extra_columns``:
+    more known columns (``{name: "int" | "float" | "str"}``) a caller's rows carry.
+    """
+    kinds = {**REQUIRED_COLUMNS, **OPTIONAL_COLUMNS, **(extra_columns or {})}
+    for col, value in row.items():
+        if col not in kinds:
+            return str(col), value, "no such column (unknown key)"
+    for col in WINDOW_IDENTITY:
+        if col not in row:
+            return col, "missing", "a required column"
+    for col, kind in kinds.items():
+        if col not in row:
+            continue
+        v = row[col]
+        if kind == "str":
+            if not isinstance(v, str):
+                return col, v, "a string"
+            if col == "mode" and v not in MODES:
+                return col, v, f"one of {list(MODES)}"
+        elif kind == "int":
+            if not isinstance(v, int) or isinstance(v, bool):
+                return col, v, "an integer"
+            if v < _INT_MIN.get(col, 0):
+                return col, v, f"an integer >= {_INT_MIN.get(col, 0)}"
+        else:
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                return col, v, "a finite number"
+            if col == "mean_kv_length" and v < 0:
+                return col, v, "a number >= 0"
+            if col != "mean_kv_length" and v <= 0:
+                return col, v, "a number > 0"
+    if "num_requests" in row and "bcap" in row and row["num_requests"] > row["bcap"]:
+        return "num_requests", row["num_requests"], f"<= bcap ({row['bcap']})"
+    lo, hi = row.get("min_kv_length"), row.get("max_kv_length")
+    if lo is not None and hi is not None and lo > hi:
+        return "min_kv_length", lo, f"<= max_kv_length ({hi})"
+    if all(c in row for c in ("step_ms", "elapsed_s", "window_steps")):
+        expected = 1000.0 * row["elapsed_s"] / row["window_steps"]
+        if not math.isclose(row["step_ms"], expected, rel_tol=STEP_MS_RTOL, abs_tol=0.0):
+            return "step_ms", row["step_ms"], f"1000 * elapsed_s / window_steps = {show(expected)}"
+    return None
+
+
 def _check_consistency(df: pd.DataFrame) -> None:
     expected = 1000.0 * df["elapsed_s"].to_numpy() / df["window_steps"].to_numpy()
-    off = ~np.isclose(df["step_ms"].to_numpy(), expected, rtol=_STEP_MS_RTOL, atol=0.0)
+    off = ~np.isclose(df["step_ms"].to_numpy(), expected, rtol=STEP_MS_RTOL, atol=0.0)
     if off.any():
         i = int(np.flatnonzero(off)[0])
         raise InputError(

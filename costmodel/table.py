@@ -24,19 +24,24 @@ checked (``speccal.costmodel.compat``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pandas as pd
+
 from speccal import __version__
 from speccal.base.atomic import read_bytes, write_json_atomic
 from speccal.base.errors import GridError, InputError, SchemaError
-from speccal.base.geometry import Geometry, default_target_rows
+from speccal.base.geometry import MAX_REQUEST_BUCKETS, Geometry, default_target_rows
 from speccal.costmodel.compat import UNKNOWN_EXECUTION, Compatibility, check_compatibility
 from speccal.costmodel.grid import check_contexts
 from speccal.costmodel.kv import KV_FORMS
+from speccal.costmodel.measurements import STEP_MS_RTOL, check_shapes
 from speccal.costmodel.table_schema import SCHEMA_VERSION, CostTable, validate_block
 
 LEGACY_DRAFT_WIDTH = 7
@@ -138,7 +143,7 @@ def parse_table(raw: bytes | str, source: str = "table") -> CostTable:
         )
     while doc["schema_version"] < SCHEMA_VERSION:
         doc = MIGRATIONS[doc["schema_version"]](doc, source)
-    table = validate_block(CostTable, doc, source, SchemaError)
+    table = validate_block(CostTable, doc, source, SchemaError, strict=True)
     _check_consistent(table, source)
     return table
 
@@ -172,7 +177,11 @@ def migrate_legacy(doc: dict, source: str = "table") -> dict:
         if not bcaps:
             raise SchemaError(f"{source}: fits", "no bcap levels", "fits with bcap_levels")
         legal = default_target_rows(sorted(bcaps), int(w))
-        rows = {b: sorted(set(legal[b]) | {g for g in gs if g >= b}) for b in sorted(bcaps)}
+        # a measured G joins the buckets of every Bcap that can run it ([Bcap, Bcap * (w + 1)])
+        rows = {
+            b: sorted(set(legal[b]) | {g for g in gs if b <= g <= b * (int(w) + 1)})
+            for b in sorted(bcaps)
+        }
         doc["geometry"] = Geometry(
             draft_width=int(w), request_buckets=tuple(sorted(bcaps)), target_rows=rows
         ).to_dict()
@@ -256,8 +265,131 @@ def _check_consistent(t: CostTable, source: str) -> None:
                 )
         if f.model == "sps" and not f.sps.bcap_levels:
             raise SchemaError(f"{where}.sps.bcap_levels", [], "the request buckets measured")
+    _check_geometry(t, source)
+    _check_windows(t, source)
+    _check_predictions(t, source)
     if t.kv_model is not None:
         _check_kv_model(t, source)
+
+
+#: Relative tolerance between a stored prediction and the stored parameters' own (JSON keeps
+#: every float exactly; the slack only covers the order of floating-point additions).
+PREDICTION_RTOL = 1e-9
+
+
+def _check_geometry(t: CostTable, source: str) -> None:
+    """The geometry is one a runner can capture (``speccal.base.geometry``): ascending distinct
+    request buckets (at most ``MAX_REQUEST_BUCKETS``), each with ascending distinct target
+    buckets in ``[Bcap, Bcap * (w + 1)]`` including full width; what the calibration block says
+    it sampled lies inside it."""
+    geo, w, where = t.geometry_block, t.compatibility.draft_width, f"{source}: geometry"
+    buckets = geo.request_buckets
+    if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
+        raise SchemaError(
+            f"{where}.request_buckets", buckets, "ascending distinct integers >= 1, at least one"
+        )
+    if len(buckets) > MAX_REQUEST_BUCKETS:
+        raise SchemaError(
+            f"{where}.request_buckets", len(buckets), f"at most {MAX_REQUEST_BUCKETS} buckets"
+        )
+    if sorted(geo.target_rows) != buckets:
+        raise SchemaError(
+            f"{where}.target_rows", sorted(geo.target_rows), f"one key per request bucket {buckets}"
+        )
+    for b in buckets:
+        gs, full = geo.target_rows[b], b * (w + 1)
+        if gs != sorted(set(gs)) or not gs or gs[0] < b or gs[-1] != full:
+            raise SchemaError(
+                f"{where}.target_rows.{b}",
+                gs,
+                f"ascending distinct target buckets in [{b}, {full}] (Bcap .. Bcap * (w + 1), "
+                f"w = {w}) ending at full width {full}",
+            )
+    cal = t.calibration
+    for b in cal.request_buckets:
+        if b not in geo.target_rows:
+            raise SchemaError(
+                f"{source}: calibration.request_buckets",
+                cal.request_buckets,
+                f"captured request buckets (geometry: {buckets})",
+            )
+    for b, gs in cal.target_graph_rows.items():
+        extra = [g for g in gs if g not in geo.target_rows.get(b, ())]
+        if extra:
+            raise SchemaError(
+                f"{source}: calibration.target_graph_rows.{b}",
+                gs,
+                f"captured target buckets of Bcap {b} (geometry: "
+                f"{list(geo.target_rows.get(b, ()))})",
+            )
+    if geo.kv_capacity_tokens and geo.kv_capacity_tokens % geo.block_size:
+        raise SchemaError(
+            f"{where}.kv_capacity_tokens",
+            geo.kv_capacity_tokens,
+            f"a multiple of block_size {geo.block_size}",
+        )
+
+
+def _check_windows(t: CostTable, source: str) -> None:
+    """Every raw window is one the table's geometry and mode can produce, and its ``step_ms``
+    is ``1000 * elapsed_s / window_steps`` (the rule of ``speccal.costmodel.measurements``)."""
+    geo, w = t.geometry_block, t.compatibility.draft_width
+    for i, f in enumerate(t.fits):
+        for j, win in enumerate(f.windows):
+            where = f"{source}: fits.{i}.windows.{j}"
+            expected = 1000.0 * win.elapsed_s / win.window_steps
+            if not math.isclose(win.step_ms, expected, rel_tol=STEP_MS_RTOL, abs_tol=0.0):
+                raise SchemaError(
+                    f"{where}.step_ms",
+                    win.step_ms,
+                    f"1000 * elapsed_s / window_steps = {expected!r}",
+                )
+            if win.g not in geo.target_rows.get(win.bcap, ()):
+                raise SchemaError(
+                    f"{where}.g" if win.bcap in geo.target_rows else f"{where}.bcap",
+                    win.g if win.bcap in geo.target_rows else win.bcap,
+                    f"a captured shape (geometry.target_rows: "
+                    f"{ {b: list(g) for b, g in geo.target_rows.items()} })",
+                )
+        if not f.windows:
+            continue
+        df = pd.DataFrame([win.model_dump() for win in f.windows]).assign(
+            context_index=f.context_index
+        )
+        try:
+            check_shapes(df, t.calibration.mode, w)
+        except InputError as exc:
+            raise SchemaError(
+                f"{source}: fits.{i}.windows: {exc.field.removeprefix('measurements.')}",
+                exc.value,
+                exc.expected,
+                hint=exc.hint,
+            ) from None
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=PREDICTION_RTOL, abs_tol=1e-9)
+
+
+def _check_predictions(t: CostTable, source: str) -> None:
+    """The stored predictions are the stored parameters' own: a parameter edited after the fit
+    (or a prediction) disagrees with them at some point."""
+    for i, f in enumerate(t.fits):
+        pts = [p for p in f.diagnostics.points if p.predicted_ms is not None]
+        if not pts:
+            continue
+        est = f.estimator()
+        X = np.array([[p.bcap, p.g] for p in pts], dtype=np.float64)
+        pred = est.predict(X)
+        for j, (p, v) in enumerate(zip(pts, pred, strict=True)):
+            if not _close(p.predicted_ms, float(v)):
+                raise SchemaError(
+                    f"{source}: fits.{i}.{f.model}",
+                    f"predicted_ms {p.predicted_ms!r} at Bcap {p.bcap}, G {p.g}",
+                    f"parameters that predict the stored points ({float(v)!r} ms from "
+                    f"fits.{i}.{f.model}; fits.{i}.diagnostics.points.{j} says otherwise: the "
+                    "table was edited after its fit)",
+                )
 
 
 def _check_kv_model(t: CostTable, source: str) -> None:
@@ -281,6 +413,15 @@ def _check_kv_model(t: CostTable, source: str) -> None:
     if len(kv.beta_ms) != want:
         raise SchemaError(
             f"{where}.beta_ms", kv.beta_ms, f"{want} value(s) for kv_term {kv.kv_term!r}"
+        )
+    bad = kv.nonpositive_cells(t.geometry_block.target_rows)
+    if bad:
+        b, g, x, cost = bad[0]
+        raise SchemaError(
+            f"{where}",
+            f"{cost:.6g} ms at Bcap {b}, G {g}, KV {x}",
+            "a model pricing every calibrated cell above 0 ms over its span "
+            f"[{kv.min_kv_length}, {kv.max_kv_length}] ({len(bad)} cell end(s) are not)",
         )
 
 

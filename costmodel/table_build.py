@@ -178,12 +178,27 @@ def build_table(
             )
         )
     kv = select_kv_model(df, combine=combine)
+    kv_model = None if kv is None else kv_block(kv, fits)
+    if kv_model is not None:
+        bad = kv_model.nonpositive_cells(geom.target_rows)
+        if bad:
+            # a table refuses such a model (speccal.costmodel.table): keep the per-interval fits
+            b, g, x, cost = bad[0]
+            warnings.warn(
+                NonPositiveCostWarning(
+                    f"the KV model ({kv_model.kv_term}) prices {len(bad)} calibrated cell end(s) "
+                    f"at <= 0 ms (first: Bcap {b}, G {g}, KV {x}: {cost:.3f} ms); the table "
+                    "keeps only the per-interval fits (no kv_model block)"
+                ),
+                stacklevel=2,
+            )
+            kv_model = None
     table = CostTable(
         calibration=cal,
         compatibility=compat,
         geometry_block=geom,
         fits=fits,
-        kv_model=None if kv is None else kv_block(kv, fits),
+        kv_model=kv_model,
         provenance=prov,
     )
     cells = table.nonpositive_cells()

@@ -39,13 +39,14 @@ form. :func:`validate_block` turns a pydantic validation failure into a domain e
 
 from __future__ import annotations
 
+import json
 import platform
 import sys
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError
 
 from speccal import __version__
 from speccal.base.atomic import dumps_json
@@ -58,6 +59,11 @@ from speccal.costmodel.measurements import validate_measurements
 from speccal.costmodel.sps import SPSCostModel
 
 SCHEMA_VERSION = 2
+
+
+#: A request-bucket key of a ``{Bcap: [G, ...]}`` map: JSON object keys are strings, so the
+#: key alone is parsed from its text even when a document is validated strictly.
+BucketKey = Annotated[int, Strict(False)]
 
 
 class _Strict(BaseModel):
@@ -142,9 +148,14 @@ class LoopTimingBlock(_Strict):
     ``device_windows``: those with a device span (CUDA events; 0 on cpu). Over those,
     the median and largest ``wall_over_device`` (wall total over device span of a window) and
     the median device span per round (``device_step_ms_median``); None without device spans.
+    ``clock``: how each window was timed (``speccal.calibrate.timing.CLOCKS``: ``wall``, or
+    ``cpu_probe``: each round's thread CPU time over a speed probe's, priced at the probe's
+    reference ``probe_ref_ms``); tables from before it was recorded read ``wall``.
     """
 
     loop: Literal["pipelined", "synchronous"]
+    clock: Literal["wall", "cpu_probe"] = "wall"
+    probe_ref_ms: float | None = Field(default=None, gt=0)
     windows: int = Field(ge=0)
     device_windows: int = Field(ge=0)
     wall_over_device_median: float | None = Field(default=None, gt=0)
@@ -191,7 +202,7 @@ class CalibrationConfig(_Strict):
     draft_width: int = Field(ge=1)
     mode: Literal["draft_step", "target_verify"] = "draft_step"
     request_buckets: list[int]
-    target_graph_rows: dict[int, list[int]]
+    target_graph_rows: dict[BucketKey, list[int]]
     contexts: list[ContextInterval]
     warmup_steps: int = Field(default=8, ge=0)
     window_steps: int = Field(default=32, ge=1)
@@ -209,7 +220,7 @@ class CalibrationConfig(_Strict):
 class GeometryBlock(_Strict):
     draft_width: int = Field(ge=1)
     request_buckets: list[int]
-    target_rows: dict[int, list[int]]
+    target_rows: dict[BucketKey, list[int]]
     kv_capacity_tokens: int = Field(default=0, ge=0)
     max_model_len: int = Field(default=0, ge=0)
     block_size: int = Field(default=16, ge=1)
@@ -248,8 +259,8 @@ class Window(_Strict):
 
 
 class ErrorBlock(_Strict):
-    n_evaluated: int
-    n_skipped: int
+    n_evaluated: int = Field(ge=0)
+    n_skipped: int = Field(ge=0)
     mae_ms: float | None
     rmse_ms: float | None
     max_abs_ms: float | None
@@ -258,8 +269,8 @@ class ErrorBlock(_Strict):
 
 
 class PointBlock(_Strict):
-    bcap: int
-    g: int
+    bcap: int = Field(ge=1)
+    g: int = Field(ge=1)
     n_windows: int = Field(ge=1)
     step_ms: float = Field(gt=0)
     spread_ms: float = Field(ge=0)
@@ -336,6 +347,25 @@ class KVModelBlock(_Strict):
     per_context: list[KVContextErrors]
     candidates: list[KVCandidate]
     points: list[KVPoint]
+
+    def nonpositive_cells(
+        self, target_rows: dict[int, list[int]] | Any
+    ) -> list[tuple[int, int, int, float]]:
+        """``(bcap, g, kv_length, cost_ms)`` wherever the model prices a cell the lookup
+        answers (a level pair whose G is captured for that Bcap) at ``<= 0`` ms somewhere in the
+        span. The cost is linear in KV, so the span's two ends are checked."""
+        est = self.estimator()
+        out = []
+        for b in self.bcap_levels:
+            captured = set(target_rows.get(b, ()))
+            for g in self.g_levels:
+                if g not in captured:
+                    continue
+                for kv in (self.min_kv_length, self.max_kv_length):
+                    cost = float(est.predict_at([b], [g], [kv])[0])
+                    if not cost > 0:
+                        out.append((b, g, kv, cost))
+        return out
 
     def estimator(self):
         """Rebuild the fitted :class:`~speccal.costmodel.kv.KVCostModel` from the arrays."""
@@ -546,9 +576,16 @@ class CostTable(_Strict):
         return dumps_json(self.to_json_dict())
 
 
-def validate_block(cls, doc, source: str, error):
-    """``cls.model_validate(doc)``, raising ``error(field, value, expected)`` on the first problem."""
+def validate_block(cls, doc, source: str, error, *, strict: bool = False):
+    """``cls.model_validate(doc)``, raising ``error(field, value, expected)`` on the first problem.
+
+    ``strict``: validate ``doc`` (plain JSON values) as the JSON document it came from, with
+    pydantic's strict mode: a number is a JSON number (not ``true``, not ``"1.5"``), an integer
+    a JSON integer (not ``2.0``); what a file is read with.
+    """
     try:
+        if strict:
+            return cls.model_validate_json(json.dumps(doc, allow_nan=True), strict=True)
         return cls.model_validate(doc)
     except ValidationError as exc:
         err = exc.errors()[0]

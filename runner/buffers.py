@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from speccal.runner.device import is_pinnable
+from speccal.base.memory import check_fits, host_memory_available
+from speccal.runner.device import check_memory, is_pinnable
 
 _ALIGN = 64  # bytes between names: keeps every dtype view aligned
 
@@ -55,9 +56,19 @@ class StaticInputs:
             nbytes = numel * torch.empty((), dtype=dtype).element_size()
             self._span[name] = (off, nbytes)
             off += -(-nbytes // _ALIGN) * _ALIGN
-        self._dev_arena = torch.zeros(max(off, 1), dtype=torch.uint8, device=device)
         if not isinstance(num_host_slots, int) or num_host_slots < 1:
             raise ValueError(f"num_host_slots: {num_host_slots!r}, need an integer >= 1")
+        # sized by the largest bucket: refuse before allocating what cannot fit
+        value = "the largest request bucket"
+        if device.type == "cpu":
+            check_fits(off * (1 + num_host_slots), host_memory_available(),
+                       field="static round buffers", value=value, what="device and host arenas")
+        else:
+            check_memory(device, off, field="static round buffers", value=value,
+                         what="device arena")
+            check_fits(off * num_host_slots, host_memory_available(),
+                       field="static round buffers", value=value, what="pinned host arenas")
+        self._dev_arena = torch.zeros(max(off, 1), dtype=torch.uint8, device=device)
         self.num_host_slots = num_host_slots
         self._host_arenas = [
             torch.zeros(max(off, 1), dtype=torch.uint8, pin_memory=pin)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from speccal.base.errors import InputError, UnsupportedError
+from speccal.base.memory import check_fits, host_memory_available
 from speccal.kernels.precompile import CompileMeter as CompileMeter  # calibrate's compile count
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|npu)(?::(\d+))?$")
@@ -83,6 +84,30 @@ def device_name(device: torch.device) -> str:
 
 def default_dtype(device: torch.device) -> str:
     return "float32" if device.type == "cpu" else "bfloat16"
+
+
+def memory_available(device: torch.device) -> int | None:
+    """Bytes ``device`` can still allocate: free device memory on CUDA / NPU
+    (``mem_get_info``), the host's ``MemAvailable`` on the CPU; None when unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        if device.type == "npu":
+            return int(torch.npu.mem_get_info(device)[0])
+    except (RuntimeError, AttributeError):
+        return None
+    return host_memory_available()
+
+
+def check_memory(
+    device: torch.device, need_bytes: int, *, field: str, value: object, what: str
+) -> None:
+    """Refuse, before allocating, ``need_bytes`` of ``what`` on ``device`` that cannot fit
+    (``speccal.base.memory.check_fits``: one ``InputError`` naming ``field``, ``value`` and the
+    bytes needed and available)."""
+    where = "host" if device.type == "cpu" else f"{device} device"
+    check_fits(need_bytes, memory_available(device), field=field, value=value, what=what,
+               where=where)
 
 
 def is_pinnable(device: torch.device) -> bool:

@@ -31,6 +31,8 @@ the state traffic of the round's shape; the strategy is part of :meth:`Engine.co
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -44,6 +46,7 @@ from speccal.base.errors import CapacityError, InputError, UnsupportedError
 from speccal.base.geometry import Geometry
 from speccal.kernels.precompile import CompilePool, triton_cache_is_empty
 from speccal.runner.device import (
+    check_memory,
     default_dtype,
     device_name,
     driver_version,
@@ -58,7 +61,7 @@ from speccal.runner.linear_attention import CHUNK_SIZE
 from speccal.runner.loader import LoadedModel, load_model
 from speccal.runner.path import ExecutionPath, bind_path
 from speccal.runner.prefill import prefill
-from speccal.runner.presets import PRESETS
+from speccal.runner.presets import HYBRID_PRESETS, PRESETS
 from speccal.runner.prompt_source import PromptSource
 from speccal.runner.request import Request
 from speccal.runner.round import RoundRunner
@@ -177,6 +180,34 @@ class EngineConfig:
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
             raise InputError("max_model_len", self.max_model_len, "an integer >= 2")
+
+
+def _check_declared_context(model: str, max_model_len: int | None) -> None:
+    """Refuse ``max_model_len`` above the context the model declares before anything is
+    loaded: the loader allocates rotary tables of that many positions, so the check after
+    the load (``Engine._build``) would come after an allocation of any size. Reads a preset's
+    config or a folder's ``config.json``; says nothing when neither declares a limit (the
+    loader then reports the folder)."""
+    if max_model_len is None:
+        return
+    preset = PRESETS.get(model) or HYBRID_PRESETS.get(model)
+    if preset is not None:
+        cfg: Any = preset.config
+    else:
+        try:
+            with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
+                cfg = json.load(fh)
+        except (OSError, ValueError):
+            return
+    if not isinstance(cfg, dict):
+        return
+    text = cfg.get("text_config")
+    limit = cfg.get("max_position_embeddings",
+                    text.get("max_position_embeddings") if isinstance(text, dict) else None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and max_model_len > limit:
+        raise InputError(
+            "max_model_len", max_model_len, f"<= the model's max_position_embeddings={limit}"
+        )
 
 
 @dataclass(frozen=True)
@@ -328,6 +359,7 @@ class Engine:
         # a pipelined request may run one round past its stop: w + 1 more positions / KV slots
         self._lag_slots = w + 1 if config.pipeline else 0
         max_len = config.max_model_len or 4096
+        _check_declared_context(config.model, config.max_model_len)  # before the rotary tables
         self.loaded: LoadedModel = self._load_model(dtype, max_len,
                                                     max_len + w + 2 + self._lag_slots)
         mcfg = self.loaded.config
@@ -357,6 +389,16 @@ class Engine:
         )
         torch_dtype = next(self.loaded.target.parameters()).dtype
         num_layers = self.loaded.num_kv_layers + (1 if self.loaded.draft is not None else 0)
+        # refuse a cache that cannot fit before allocating it, naming what sized it
+        check_memory(
+            self.device,
+            KVCache.nbytes(num_layers, num_blocks, bs, self._kv_heads(), mcfg.head_dim,
+                           torch_dtype),
+            field="kv_capacity_tokens" if config.kv_capacity_tokens else
+            "max_model_len x max(request_buckets)",
+            value=config.kv_capacity_tokens or f"{max_len} x {max_bucket}",
+            what=f"KV cache ({(num_blocks - 1) * bs} tokens, {num_layers} layers)",
+        )
         self.kv = KVCache(
             num_layers,
             num_blocks,

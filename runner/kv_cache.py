@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from speccal.base.errors import CapacityError
+from speccal.runner.device import check_memory
 
 SENTINEL_SLOT = 0
 
@@ -72,6 +73,10 @@ class KVCache:
         device: torch.device,
     ):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # a backstop: the engine checks first, naming the options that sized the cache
+        need = self.nbytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        check_memory(device, need, field="KV cache", value=f"{num_blocks} blocks of {block_size}",
+                     what="K and V tensors")
         self.layers = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -80,3 +85,16 @@ class KVCache:
             for _ in range(num_layers)
         ]
         self.allocator = BlockAllocator(num_blocks, block_size)
+
+    @staticmethod
+    def nbytes(
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """Bytes of the K and V tensors of a cache of this shape (what ``__init__`` allocates)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * elem

@@ -25,6 +25,7 @@ import numpy as np
 
 from speccal.base.errors import InputError
 from speccal.base.geometry import Geometry, default_request_buckets
+from speccal.base.memory import check_fits, host_memory_available
 from speccal.costmodel.compat import make_compatibility
 from speccal.costmodel.synthetic import make_measurements
 from speccal.costmodel.table_build import build_table
@@ -85,11 +86,30 @@ class Scenario:
             raise InputError("score_concentration", self.score_concentration, "a number > 0")
         if not self.score_power > 0:
             raise InputError("score_power", self.score_power, "a number > 0")
+        rounds = sum(p.rounds for p in self.phases)
+        rows = sum(p.rounds * p.num_requests for p in self.phases)
+        check_fits(
+            trace_nbytes(rounds, rows, self.draft_width),
+            host_memory_available(),
+            field="rounds x num_requests",
+            value=f"{rounds} rounds, {rows} request rows",
+            what="scenario trace",
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["phases"] = [asdict(p) | {"acceptance": list(p.acceptance)} for p in self.phases]
         return d
+
+
+def trace_nbytes(rounds: int, rows: int, draft_width: int) -> int:
+    """Bytes :func:`generate` holds for a trace of ``rounds`` rounds and ``rows`` request rows:
+    per row a float32 score per draft position and an int64 accepted length, per round four
+    8-byte columns, each twice (the per-phase parts and the concatenated trace), plus one
+    chunk's draws (:data:`CHUNK_ROUNDS`)."""
+    per_row = 4 * draft_width + 8
+    chunk = CHUNK_ROUNDS * max(rows // max(rounds, 1), 1) * (8 + 4 + 4 + 1 + 8) * draft_width
+    return 2 * (rows * per_row + rounds * 32) + min(chunk, rows * 25 * draft_width)
 
 
 def generate(scenario: Scenario) -> RoundTrace:

@@ -57,6 +57,32 @@ class SchemaError(InputError):
     """A table or trace document that is unreadable, malformed or of an unsupported version."""
 
 
+class LineError(SchemaError):
+    """A bad line of a line-oriented file (a calibration journal): the message reads
+    ``<path>:<line>: <field>=<value>: expected <expected> (<hint>)``.
+
+    ``field`` is ``<path>:<line>: <field>`` like every other error naming a place, and
+    ``path``, ``line`` and ``column`` (the field inside the line) are kept for callers.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        line: int,
+        column: str,
+        value: Any,
+        expected: str,
+        *,
+        hint: str | None = None,
+    ):
+        self.path, self.line, self.column = path, line, column
+        super().__init__(
+            f"{path}:{line}: {column}", value, expected, hint=hint, found=_short(value)
+        )
+        msg = f"{path}:{line}: {column}={_short(value)}: expected {expected}"
+        self.args = (msg + (f" ({hint})" if hint else ""),)
+
+
 class OutputError(InputError):
     """An output that cannot be written: an existing directory, a missing parent, a parent that
     is a file, permission denied, a filesystem that refuses new files (``/proc``), a full disk.

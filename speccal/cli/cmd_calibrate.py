@@ -111,6 +111,14 @@ def register(app: typer.Typer) -> None:
                 "(without it, or --resume, such a journal is refused).",
             ),
         ] = False,
+        drop_bad_windows: Annotated[
+            bool,
+            typer.Option(
+                "--drop-bad-windows",
+                help="With --resume: drop invalid window lines of the journal (named in a "
+                "warning) and measure those windows again, instead of refusing the journal.",
+            ),
+        ] = False,
         cost_table: Annotated[
             Path | None,
             typer.Option(
@@ -265,6 +273,7 @@ def register(app: typer.Typer) -> None:
             journal=journal,
             resume=resume,
             overwrite=overwrite,
+            drop_bad_windows=drop_bad_windows,
             cost_table=cost_table,
             graph_mode=graph_mode,
             attention_backend=attention_backend,
