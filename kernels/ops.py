@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speccal.base.errors import InputError
+from speccal.base.errors import InputError, UnsupportedError
 from speccal.kernels import reference as ref
 from speccal.kernels._backend import arrival_counters, num_sms, pdl_level, use_triton
 from speccal.kernels.config import DEFAULT_KERNELS, KernelConfig
@@ -290,8 +290,12 @@ def paged_attention(
     meta_settled: bool = False,  # the previous launch writes none of the metadata
     signal: AttnSignal | None = None,  # armed here for the o projection (attention_signal)
     successor_panel: bool | None = None,  # the next launch is a register panel (residual_panel)
+    sliding_window: int = 0,  # keys within the last W positions only (0: full); reference only
 ) -> torch.Tensor:  # like q
     """Causal paged attention for decode (1 row) and verification (up to w+1 rows per request).
+
+    ``sliding_window`` W > 0: each row sees keys ``[position - W + 1, position]`` only. The
+    reference implements it; the Triton kernel does not, and refuses it.
 
     ``rope`` (packed layout only): q is the raw projection (any row/head stride, D contiguous)
     and the new rows' ``k_new``/``v_new`` are not in the cache yet; the op first applies the
@@ -374,7 +378,13 @@ def paged_attention(
         _check_int(num_splits, "tiling[0] (num_splits)", (batch,), (torch.int32,))
         _check_int(split_len, "tiling[1] (split_len)", (batch,), (torch.int32,))
 
+    _need(isinstance(sliding_window, int) and sliding_window >= 0, "sliding_window",
+          sliding_window, "an int >= 0")
     if use_triton(q, backend or tune.backend):
+        if sliding_window:
+            raise UnsupportedError(
+                f"config.json:sliding_window={sliding_window}: the Triton paged-attention "
+                "kernel has no sliding window; use attention_backend='torch'")
         from speccal.kernels.paged_attention import paged_attention_triton
 
         res = paged_attention_triton(
@@ -393,6 +403,7 @@ def paged_attention(
         split_len=split_len if plan.max_splits > 1 else None, max_splits=plan.max_splits,
     )
     if rope is not None:
+        _need(not sliding_window, "sliding_window", sliding_window, "0 with rope (fused layer)")
         res = ref.rope_paged_attention_ref(
             q, rope[0], rope[1], rope[2], k_cache, v_cache, block_table, seq_lens, num_q_rows,
             scale, cu_q_lens, rope[3], **split,
@@ -400,7 +411,7 @@ def paged_attention(
     else:
         res = ref.paged_attention_ref(
             q, k_cache, v_cache, block_table, seq_lens, num_q_rows, scale, q_lens=q_lens,
-            cu_q_lens=cu_q_lens, **split,
+            cu_q_lens=cu_q_lens, sliding_window=sliding_window, **split,
         )
     return res if out is None else out.copy_(res)
 

@@ -92,8 +92,9 @@ def paged_attention_ref(
     num_splits: torch.Tensor | None = None,  # [B] int32
     split_len: torch.Tensor | None = None,  # [B] int32
     max_splits: int = 1,
+    sliding_window: int = 0,  # W > 0: keys [position - W + 1, position] only
 ) -> torch.Tensor:  # same shape and dtype as q
-    """Causal paged attention over a block table, fp32 softmax.
+    """Causal paged attention over a block table, fp32 softmax (a sliding window optional).
 
     With ``num_splits``/``split_len`` given, it computes flash-decoding partial results per KV
     split (each normalised, with its log-sum-exp) and merges them, the way the split-KV kernel
@@ -124,6 +125,8 @@ def paged_attention_ref(
     pos = seq_lens.long()[:, None] - lens[:, None] + rows[None, :]  # [B, R]
     tok = torch.arange(max_len, device=dev)
     allowed = (tok[None, None, :] <= pos[:, :, None]) & valid[:, :, None]  # [B, R, L]
+    if sliding_window:
+        allowed &= tok[None, None, :] > pos[:, :, None] - sliding_window
     allowed = allowed[:, None, :, :]  # [B, 1, R, L]
 
     if num_splits is None:

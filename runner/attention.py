@@ -15,6 +15,10 @@ Data layout (shared with ``speccal.kernels``, see docs/ARCHITECTURE.md):
   padded rows point at the extra trash row ``B * R``). Query row ``i`` of request ``b`` sits at
   position ``seq_lens[b] - R + i`` and attends causally to KV ``[0, that position]``.
 - ``slot_mapping [N]`` int64: the KV slot (``block * block_size + offset``) each row writes.
+
+Sliding window (``window`` W > 0, transformers' ``sliding_window``): a query at position ``p``
+attends to keys ``p - W + 1 .. p`` only; every path here masks it (the Triton kernel refuses
+it: ``speccal.kernels.ops.paged_attention``).
 """
 
 from __future__ import annotations
@@ -73,11 +77,13 @@ def paged_attention_torch(
     seq_lens: torch.Tensor,  # [B] int32
     num_q_rows: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:  # [B, R, num_heads, head_dim]
     """Reference paged attention: gather each request's KV by block table, causal softmax.
 
-    Keys past ``seq_lens[b]`` and past the query's position are masked; rows whose position is
-    negative (front padding) may attend to key 0 so that their (discarded) output stays finite.
+    Keys past ``seq_lens[b]`` and past the query's position are masked, and with ``window``
+    those ``window`` or more positions before it; rows whose position is negative (front
+    padding) may attend to key 0 so that their (discarded) output stays finite.
     """
     num_b, num_r, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -89,6 +95,8 @@ def paged_attention_torch(
     q_pos = seq_lens.long()[:, None] - num_q_rows + torch.arange(num_r, device=q.device)  # [B, R]
     key_pos = torch.arange(max_keys, device=q.device)
     is_visible = key_pos[None, None, :] <= q_pos.clamp_min(0)[:, :, None]  # [B, R, T]
+    if window:
+        is_visible &= key_pos[None, None, :] > q_pos[:, :, None] - window
     # [B, Hkv, group * R, D]: the heads of one KV group are stacked along the query axis.
     qg = q.view(num_b, num_r, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qg = qg.reshape(num_b, num_kv_heads, group * num_r, head_dim)
@@ -112,13 +120,16 @@ def attend_rows(
     meta: AttnMeta,
     scale: float,
     path: ExecutionPath,
+    *,
+    window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # [N, num_heads, head_dim]
     """Scatter flat query rows into the ``[B, R]`` grid, attend with ``path``'s backend, gather
     them back. Packed metadata (``meta.cu_q_lens``) skips the scatter: the kernel reads the rows
     in place.
     """
     if meta.key_slots is not None:
-        return attend_own_keys(q, k_cache, v_cache, meta.key_slots, scale)
+        return attend_own_keys(q, k_cache, v_cache, meta.key_slots, scale, window)
+    extra = {"sliding_window": window} if window else {}
     if meta.cu_q_lens is not None:
         return ops.paged_attention(
             q.contiguous(),
@@ -132,17 +143,19 @@ def attend_rows(
             tiling=meta.tiling,
             plan=meta.plan,
             tune=path.kernels,
+            **extra,
         )
     num_b = meta.block_table.shape[0]
     num_r = meta.num_q_rows
     grid = q.new_zeros(num_b * num_r + 1, *q.shape[1:])
     grid.index_copy_(0, meta.row_index, q)
-    extra = {}
     fn = paged_attention_torch
+    if window:
+        extra = {"window": window}
     # prefill chunks stay on torch: the kernel is built for decode/verify rows
     if path.attention_backend == "triton" and num_r <= MAX_KERNEL_Q_ROWS:
         fn = ops.paged_attention
-        extra = {"tune": path.kernels}
+        extra = {"tune": path.kernels, **({"sliding_window": window} if window else {})}
         if meta.plan is not None:
             extra.update(plan=meta.plan, tiling=meta.tiling)
     out = fn(
@@ -165,13 +178,15 @@ def attend_own_keys(
     v_cache: torch.Tensor,
     key_slots: torch.Tensor,  # [T] int64: the slots of the request's positions 0 .. T - 1
     scale: float,
+    window: int = 0,  # sliding window (0: full attention)
 ) -> torch.Tensor:  # [N, num_heads, head_dim]
     """Causal attention of one request's rows over its own keys, read by slot (a prefill chunk).
 
     The keys are gathered by ``key_slots`` (no block-table gather, no padding to the table's
     width) and attended with ``scaled_dot_product_attention`` under a causal mask aligned to the
     last row: ``is_causal`` when the rows are the whole sequence (flash kernel), a boolean
-    lower-right mask otherwise (memory-efficient kernel). Not torch's ``causal_lower_right``
+    lower-right mask otherwise (memory-efficient kernel; also under a sliding ``window``, which
+    masks keys ``window`` or more positions before each row). Not torch's ``causal_lower_right``
     bias: importing ``torch.nn.attention.bias`` imports ``torch._dynamo`` and sympy, seconds of
     the first prefill on a host without bytecode (measured in a cold H200 calibration), for an
     attention that is a small part of a prefill chunk. Equal to :func:`paged_attention_torch`
@@ -189,10 +204,12 @@ def attend_own_keys(
     t = keys.shape[1]
     qh = q.transpose(0, 1)[None]  # [1, H, N, D]
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if n == t:
+    if n == t and not (window and window < t):
         out = sdpa(qh, keys[None], values[None], is_causal=True, scale=scale)
     else:
-        # row i is position t - n + i: it sees keys 0 .. t - n + i
+        # row i is position t - n + i: it sees keys 0 .. t - n + i (window: from t - n + i - W + 1)
         mask = torch.ones(n, t, dtype=torch.bool, device=q.device).tril(diagonal=t - n)
+        if window:
+            mask = mask.triu(diagonal=t - n - window + 1)
         out = sdpa(qh, keys[None], values[None], attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)

@@ -4,6 +4,8 @@ This module owns reading a checkpoint folder (``config.json`` + ``model.safetens
 listed in ``model.safetensors.index.json``) behind a small :class:`TensorSource` interface that
 the loader also gets from presets (``speccal.runner.presets``), and the model fingerprint of a
 folder. Tensors are read one at a time (``safe_open``) straight to the target device and dtype.
+An unreadable file (bad JSON, a truncated or corrupt safetensors file) is an ``InputError``
+naming the file, never a library traceback.
 """
 
 from __future__ import annotations
@@ -11,17 +13,35 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from speccal.base.errors import InputError, SchemaError
 
 _FULL_HASH_LIMIT = 2 * 1024**3  # hash whole files below this total size, else sample them
 _SAMPLE_CHUNKS = 64
 _CHUNK = 1 << 20
+T = TypeVar("T")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SchemaError(str(path), str(exc), "valid JSON") from None
+
+
+def _guard(f: Path, read: Callable[[], T]) -> T:
+    """``read()``, a safetensors library error of file ``f`` turned into an ``InputError``."""
+    try:
+        return read()
+    except (SafetensorError, OSError) as exc:
+        raise InputError(f"checkpoint file {f}", None, "a complete, valid safetensors file",
+                         found=f"an unreadable file ({exc})") from None
 
 
 class TensorSource(Protocol):
@@ -46,14 +66,16 @@ class SafetensorsFolder:
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():
             raise InputError("model", str(path), "a folder containing config.json")
-        try:
-            self.config: dict[str, Any] = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise SchemaError(str(cfg_path), str(exc), "valid JSON") from None
+        self.config: dict[str, Any] = _read_json(cfg_path)
+        if not isinstance(self.config, dict):
+            raise SchemaError(str(cfg_path), type(self.config).__name__, "a JSON object")
         index = self.path / "model.safetensors.index.json"
         self.key_to_file: dict[str, Path] = {}
+        self._handles = {}
+        self._shapes = {}
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            doc = _read_json(index)
+            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise SchemaError(str(index), weight_map, "a non-empty weight_map")
             for key, fname in weight_map.items():
@@ -66,18 +88,17 @@ class SafetensorsFolder:
             if not files:
                 raise InputError("model", str(path), "a folder with *.safetensors weights")
             for f in files:
-                with safe_open(str(f), framework="pt") as sf:
-                    for key in sf.keys():
-                        self.key_to_file[key] = f
-        self._handles: dict[Path, Any] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
+                for key in _guard(f, lambda f=f: list(self._open(f).keys())):
+                    self.key_to_file[key] = f
+    _handles: dict[Path, Any]
+    _shapes: dict[str, tuple[int, ...]]
 
     def files(self) -> list[Path]:
         return sorted(set(self.key_to_file.values()))
 
     def _open(self, f: Path):
         if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt")
+            self._handles[f] = _guard(f, lambda: safe_open(str(f), framework="pt"))
         return self._handles[f]
 
     def keys(self) -> list[str]:
@@ -85,13 +106,15 @@ class SafetensorsFolder:
 
     def shape(self, key: str) -> tuple[int, ...]:
         if key not in self._shapes:
-            self._shapes[key] = tuple(self._open(self.key_to_file[key]).get_slice(key).get_shape())
+            f = self.key_to_file[key]
+            self._shapes[key] = tuple(_guard(f, lambda: self._open(f).get_slice(key).get_shape()))
         return self._shapes[key]
 
     def get(
         self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        return self._open(self.key_to_file[key]).get_tensor(key).to(device=device, dtype=dtype)
+        f = self.key_to_file[key]
+        return _guard(f, lambda: self._open(f).get_tensor(key)).to(device=device, dtype=dtype)
 
     def has_tokenizer(self) -> bool:
         return any(

@@ -1,9 +1,18 @@
 """The dense decoder's configuration, read from a Hugging Face ``config.json`` dictionary.
 
 This module owns :class:`ModelConfig` (a frozen dataclass the model modules are built from) and
-its parsing from HF configs of the Qwen2 / Qwen3 / MiMo family. Structural flags that HF encodes
-in the model *class* (q/k bias in Qwen2, per-head q/k norm in Qwen3) are read from the checkpoint's
-tensor names when a ``key_names`` set is given, so no code tests a model name.
+its parsing from HF configs of the Llama / Mistral / Qwen2 / Qwen3 / MiMo family. Structural flags
+that HF encodes in the model *class* (q/k/v bias in Qwen2, per-head q/k norm in Qwen3, which
+projections ``attention_bias`` puts a bias on) are read from the checkpoint's tensor names when a
+``key_names`` set is given, so no code tests a model name; an explicit ``attention_bias`` /
+``mlp_bias`` that the tensors contradict is refused.
+
+Strictness (SPEC section 7): every config feature that changes the computation is implemented or
+refused naming its key. Sliding-window attention is implemented (:func:`layer_windows`: the
+``layer_types`` / ``use_sliding_window`` + ``max_window_layers`` / Mistral-style rules of
+transformers); the keys of :data:`UNIMPLEMENTED_KEYS` (soft-capping, MLA, multipliers ...) are
+refused when set to anything but their neutral value; integer fields of a wrong JSON type are
+refused naming key, value and the type expected.
 
 RoPE: ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5) are both read
 into one :class:`RopeConfig`; supported types are ``default``, ``linear``, ``dynamic`` (NTK),
@@ -12,8 +21,9 @@ into one :class:`RopeConfig`; supported types are ``default``, ``linear``, ``dyn
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from speccal.base.errors import InputError, UnsupportedError
@@ -49,7 +59,14 @@ class ModelConfig:
     tie_word_embeddings : bool
         The LM head reuses ``embed_tokens.weight``.
     is_qkv_bias : bool
-        q/k/v projections carry a bias (Qwen2, MiMo).
+        q/k/v projections carry a bias (Qwen2, MiMo; ``attention_bias`` of Llama / Qwen3).
+    is_o_bias : bool
+        The attention output projection carries a bias (``attention_bias`` of Llama / Qwen3).
+    is_mlp_bias : bool
+        gate / up / down projections carry a bias (``mlp_bias`` of Llama).
+    sliding_windows : tuple of int
+        Per layer, the attention window (a query at position ``p`` sees keys ``p - W + 1 .. p``,
+        transformers' ``sliding_window``) or 0 for full attention; empty: every layer full.
     is_qk_norm : bool
         Per-head RMSNorm on q and k before RoPE (Qwen3).
     eos_token_ids : tuple of int
@@ -73,17 +90,22 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     is_qkv_bias: bool = False
+    is_o_bias: bool = False
+    is_mlp_bias: bool = False
     is_qk_norm: bool = False
+    sliding_windows: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "DenseDecoder"
     num_mtp_depths: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.intermediate_size, int) or self.intermediate_size < 0:
+            raise InputError("config.intermediate_size", self.intermediate_size,
+                             "an integer >= 1 (0: no dense MLP, a routed-expert target)")
         for name in (
             "vocab_size",
             "hidden_size",
-            "intermediate_size",
             "num_hidden_layers",
             "num_attention_heads",
             "num_key_value_heads",
@@ -104,18 +126,116 @@ class ModelConfig:
                 f"rope_scaling type {self.rope.rope_type!r} is not supported "
                 f"(supported: {', '.join(ROPE_TYPES)})"
             )
+        if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
+            raise InputError("config.sliding_windows", len(self.sliding_windows),
+                             f"{self.num_hidden_layers} entries (one per layer) or none")
+
+    def window(self, layer: int) -> int:
+        """The attention window of ``layer`` (0: full attention)."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    def for_context(self, max_model_len: int) -> ModelConfig:
+        """This config for an engine of ``max_model_len`` positions: a window that holds every
+        position (``W >= max_model_len``) attends as full attention, so it is dropped (the
+        served paths that cannot mask a window then accept the config)."""
+        windows = tuple(0 if w >= max_model_len else w for w in self.sliding_windows)
+        if not any(windows):
+            windows = ()
+        return self if windows == self.sliding_windows else replace(self, sliding_windows=windows)
 
 
 # MTP depth fields published by the families speccal knows (data, read by draft_families too).
 MTP_DEPTH_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
 
+_NEUTRAL_SCALE = (None, 1, 1.0)
+
+#: Config keys some transformers family reads that change the computation and that the runner
+#: does not implement: key -> (the neutral values, accepted; what the key does). A key absent or
+#: neutral is accepted; any other value is refused naming the key.
+UNIMPLEMENTED_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "attn_logit_softcapping": ((None,), "attention logit soft-capping"),
+    "final_logit_softcapping": ((None,), "final logit soft-capping"),
+    "query_pre_attn_scalar": ((None,), "a query scale other than head_dim ** -0.5"),
+    "attention_multiplier": (_NEUTRAL_SCALE, "a query-scale multiplier"),
+    "embedding_multiplier": (_NEUTRAL_SCALE, "an embedding multiplier"),
+    "residual_multiplier": (_NEUTRAL_SCALE, "a residual-branch multiplier"),
+    "logits_scaling": (_NEUTRAL_SCALE, "a logit divisor"),
+    "scale_emb": (_NEUTRAL_SCALE, "an embedding scale"),
+    "scale_depth": ((None,), "depth-scaled residual branches"),
+    "kv_lora_rank": ((None,), "multi-head latent attention (MLA)"),
+    "q_lora_rank": ((None,), "multi-head latent attention (MLA)"),
+    "attention_chunk_size": ((None,), "chunked local attention"),
+    "use_qk_norm": ((None, False), "L2 q/k norm"),
+    "clip_qkv": ((None,), "q/k/v clipping"),
+    "rope_interleave": ((None, False), "interleaved (GPT-J) rotary"),
+    "use_bidirectional_attention": ((None, False), "bidirectional attention"),
+    "dual_chunk_attention_config": ((None,), "dual chunk attention"),
+}
+
+_MISSING = object()
+
+
+def _structure(allow_hybrid: bool) -> str:
+    return "a hybrid linear-attention target" if allow_hybrid else "a dense attention decoder"
+
+
+def _require(cfg: Mapping[str, Any], name: str, structure: str) -> Any:
+    if name not in cfg or cfg[name] is None:
+        arch = (cfg.get("architectures") or [None])[0]
+        raise InputError(
+            f"config.json:{name}",
+            None,
+            f"a value (required for {structure}; this config is architecture {arch!r}, "
+            f"model_type {cfg.get('model_type')!r})",
+        )
+    return cfg[name]
+
+
+def _int(cfg: Mapping[str, Any], name: str, structure: str, default: Any = _MISSING) -> int:
+    """The integer field ``name`` (a JSON integer: not a bool, string or float)."""
+    if default is not _MISSING and cfg.get(name) is None:
+        return default
+    value = _require(cfg, name, structure)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"config.json:{name}", value, "an integer")
+    return value
+
+
+def _float(cfg: Mapping[str, Any], name: str, default: float) -> float:
+    value = cfg.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"config.json:{name}", value, "a number")
+    return float(value)
+
+
+def _bool(cfg: Mapping[str, Any], name: str) -> bool | None:
+    """``cfg[name]`` as a bool, None when absent or null."""
+    value = cfg.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise InputError(f"config.json:{name}", value, "true or false")
+    return value
+
 
 def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
+    raw = cfg.get("rope_parameters") or {}
+    if not isinstance(raw, Mapping):
+        raise InputError("config.json:rope_parameters", raw, "a mapping of RoPE parameters")
+    nested = sorted(k for k, v in raw.items() if isinstance(v, Mapping))
+    if nested:
+        raise UnsupportedError(
+            f"config.json:rope_parameters has per-layer-type entries {nested}: one RoPE for "
+            "every layer is supported, expected a flat mapping")
+    params = dict(raw)
     scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(scaling, Mapping):
+        raise InputError("config.json:rope_scaling", scaling, "a mapping or null")
     if scaling:
         params.update(scaling)
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.pop("rope_theta", _float(cfg, "rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     partial = float(cfg.get("partial_rotary_factor", params.pop("partial_rotary_factor", 1.0)))
@@ -135,17 +255,121 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
     )
 
 
-def _require(cfg: Mapping[str, Any], name: str) -> Any:
-    if name not in cfg:
-        arch = (cfg.get("architectures") or [None])[0]
-        raise InputError(
-            f"config.json:{name}",
-            None,
-            "a value (required for a dense attention decoder, the runner's one target "
-            f"structure; this config is architecture {arch!r}, model_type "
-            f"{cfg.get('model_type')!r})",
-        )
-    return cfg[name]
+def layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Each layer's attention window (0: full), by transformers' three forms of the keys.
+
+    - ``use_sliding_window`` present (Qwen2 / Qwen3): the window only when it is true.
+    - ``layer_types`` present (transformers 5, Qwen2 / Qwen3 / Ministral): the
+      ``sliding_attention`` layers use ``sliding_window``, the others attend fully.
+    - else ``max_window_layers`` with ``use_sliding_window`` (transformers 4 Qwen2 configs):
+      layers from ``max_window_layers`` on; else (Mistral: ``sliding_window`` alone) every layer.
+
+    A config with ``layer_types`` but no sliding layer, a ``sliding_window`` and no
+    ``use_sliding_window`` reads one way in Mistral's code (every layer windowed) and the other
+    in the layer-typed families' (none): refused rather than guessed.
+    """
+    window = cfg.get("sliding_window")
+    switch = _bool(cfg, "use_sliding_window")
+    if "use_sliding_window" in cfg and not switch:
+        window = None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise InputError("config.json:sliding_window", window, "an integer >= 1 or null")
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise InputError("config.json:layer_types", layer_types,
+                             f"a list of {num_layers} entries (num_hidden_layers)")
+        sliding = [t == "sliding_attention" for t in layer_types]
+        if any(sliding) and window is None:
+            raise InputError("config.json:sliding_window", cfg.get("sliding_window"),
+                             "a window (layer_types names sliding_attention layers"
+                             + (", and use_sliding_window is false" if switch is False else "")
+                             + ")")
+        if not any(sliding) and window is not None and switch is None:
+            raise UnsupportedError(
+                f"config.json:sliding_window={window}: with layer_types naming no "
+                "sliding_attention layer and no use_sliding_window key, transformers' families "
+                "disagree on whether the window applies (Mistral: every layer; layer-typed "
+                "families: none); expected use_sliding_window or a sliding_window of null")
+        return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
+    if window is None:
+        return ()
+    if switch:
+        first = _int(cfg, "max_window_layers", "a sliding-window config", 0)
+        return tuple(window if i >= first else 0 for i in range(num_layers))
+    return (window,) * num_layers
+
+
+def _refuse_unimplemented(cfg: Mapping[str, Any]) -> None:
+    for key, (neutral, what) in UNIMPLEMENTED_KEYS.items():
+        if key in cfg and cfg[key] not in neutral:
+            raise UnsupportedError(
+                f"config.json:{key}={cfg[key]!r}: {what} is not implemented by the runner, "
+                f"expected {' or '.join(json_repr(v) for v in neutral)} (or no such key)")
+    no_rope = cfg.get("no_rope_layers")
+    if no_rope and not all(no_rope):
+        raise UnsupportedError(
+            f"config.json:no_rope_layers={no_rope!r}: layers without RoPE are not implemented, "
+            "expected every entry 1 (or no such key)")
+
+
+def json_repr(value: Any) -> str:
+    """``value`` as it reads in a ``config.json`` (``null``, ``false``, ``1.0``)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", False: "false", True: "true"}[value]
+    return repr(value)
+
+
+# checkpoint tensors of a target layer that carry each bias flag (any target layer)
+_BIAS_STEMS = {
+    "is_qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "is_o_bias": ("self_attn.o_proj.bias",),
+    "is_mlp_bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"),
+}
+_LAYER_KEY = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
+
+
+def _target_stems(names: Iterable[str], num_layers: int) -> set[str]:
+    """The per-layer stems (``self_attn.q_proj.bias``) of the target layers' tensors."""
+    out = set()
+    for key in names:
+        m = _LAYER_KEY.match(key)
+        if m is not None and int(m.group(1)) < num_layers:
+            out.add(m.group(2))
+    return out
+
+
+def _bias_flags(cfg: Mapping[str, Any], names: set[str] | None,
+                num_layers: int) -> dict[str, bool]:
+    """q/k/v, o and MLP bias flags: from the tensors when named, checked against the config.
+
+    Without tensor names (presets) ``attention_bias`` means the q/k/v bias the presets
+    describe (the Qwen2 form) and ``mlp_bias`` the MLP's. With them, the projections that have
+    a bias tensor are the ones that carry one (Qwen2 has q/k/v bias and no key; Llama / Qwen3
+    ``attention_bias`` puts one on q/k/v/o; MiMo's configs say ``attention_bias`` with q/k/v
+    only), and the config's explicit keys must agree: ``false`` with bias tensors present
+    (transformers would build no bias and drop them) or ``true`` with none is refused.
+    """
+    attn, mlp = _bool(cfg, "attention_bias"), _bool(cfg, "mlp_bias")
+    if names is None:
+        return {"is_qkv_bias": bool(attn), "is_o_bias": False, "is_mlp_bias": bool(mlp)}
+    stems = _target_stems(names, num_layers)
+    flags = {flag: any(s in stems for s in group) for flag, group in _BIAS_STEMS.items()}
+    for key, value, groups in (("attention_bias", attn, ("is_qkv_bias", "is_o_bias")),
+                               ("mlp_bias", mlp, ("is_mlp_bias",))):
+        present = sorted(s for g in groups for s in _BIAS_STEMS[g] if s in stems)
+        if value is False and present:
+            raise InputError(
+                f"config.json:{key}", False,
+                f"true for a checkpoint with bias tensors ({', '.join(present)} in its layers; "
+                "transformers builds no bias under false and drops them)")
+        if value is True and not present:
+            want = _BIAS_STEMS[groups[0]][0]
+            raise InputError(
+                f"config.json:{key}", True,
+                f"false for a checkpoint without bias tensors (no model.layers.N.{want})")
+    return flags
 
 
 def config_from_hf(
@@ -161,84 +385,90 @@ def config_from_hf(
     cfg : mapping
         The parsed ``config.json``; a nested ``text_config`` is used when present.
     key_names : iterable of str, optional
-        Tensor names of the checkpoint; when given, q/k/v bias and q/k norm are read from them
-        (``attention_bias`` in the config takes precedence for the bias).
+        Tensor names of the checkpoint; when given, the q/k/v, o and MLP biases and the q/k
+        norm are read from them (:func:`_bias_flags` checks them against ``attention_bias`` /
+        ``mlp_bias``).
     allow_hybrid : bool
         Parse the shared fields of a hybrid linear-attention / MoE config (``speccal.runner.hybrid``
         reads the rest, ``hybrid_config_from_hf``) instead of refusing it. The dense decoder
         keeps the default (refuse); the loader sends configs whose ``layer_types`` name
         ``linear_attention`` to the hybrid parser (``speccal.runner.hybrid.is_hybrid_config``).
+        A routed-expert hybrid config needs no ``intermediate_size`` (0: no dense MLP).
 
     Raises
     ------
     InputError
-        A missing or invalid field, naming it.
+        A missing or invalid field (a wrong JSON type included), naming it.
     UnsupportedError
-        A structure the dense decoder does not implement (non-SiLU MLP, MoE, linear attention).
+        A structure or feature the runner does not implement (non-SiLU MLP, MoE on the dense
+        decoder, linear attention, a :data:`UNIMPLEMENTED_KEYS` key), naming the key.
     """
+    if not isinstance(cfg, Mapping):
+        raise InputError("config.json", type(cfg).__name__, "a JSON object")
     if "text_config" in cfg and isinstance(cfg["text_config"], Mapping):
         cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise UnsupportedError(
-            f"config.json:hidden_act={act!r}: only SwiGLU (silu) MLPs are supported"
-        )
+    structure = _structure(allow_hybrid)
+    for act_key in ("hidden_act", "hidden_activation"):
+        act = cfg.get(act_key)
+        if act is not None and act not in ("silu", "swish"):
+            raise UnsupportedError(
+                f"config.json:{act_key}={act!r}: only SwiGLU (silu) MLPs are supported, "
+                "expected 'silu'")
     for moe_field in ("num_experts", "n_routed_experts", "num_local_experts"):
         if cfg.get(moe_field) and not allow_hybrid:
             raise UnsupportedError(
                 f"config.json:{moe_field}={cfg[moe_field]!r}: mixture-of-experts targets are not "
                 "supported by the dense decoder"
             )
+    _refuse_unimplemented(cfg)
     layer_types = cfg.get("layer_types") or ()
     known = ("full_attention", "sliding_attention") + (("linear_attention",) if allow_hybrid else ())
-    odd = sorted({t for t in layer_types if t not in known})
+    odd = sorted({str(t) for t in layer_types if t not in known})
     if odd:
         raise UnsupportedError(
             f"config.json:layer_types contains {odd}: the dense decoder has full-attention "
-            "layers only (hybrid linear-attention targets parse with "
+            "and sliding-window layers only (hybrid linear-attention targets parse with "
             "speccal.runner.hybrid.hybrid_config_from_hf)"
         )
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        raise UnsupportedError(
-            "config.json:use_sliding_window=true: sliding-window attention is not supported"
-        )
     names = set(key_names) if key_names is not None else None
-    hidden = int(_require(cfg, "hidden_size"))
-    heads = int(_require(cfg, "num_attention_heads"))
-    if "attention_bias" in cfg:
-        is_bias = bool(cfg["attention_bias"])
-    elif names is not None:
-        is_bias = "model.layers.0.self_attn.q_proj.bias" in names
-    else:
-        is_bias = False
+    hidden = _int(cfg, "hidden_size", structure)
+    heads = _int(cfg, "num_attention_heads", structure)
+    layers = _int(cfg, "num_hidden_layers", structure)
+    is_moe = allow_hybrid and bool(cfg.get("num_experts"))
+    inter = _int(cfg, "intermediate_size", structure, 0 if is_moe else _MISSING)
+    if inter < 1 and not is_moe:
+        raise InputError("config.json:intermediate_size", inter, "an integer >= 1")
     if names is not None:
-        is_qk_norm = "model.layers.0.self_attn.q_norm.weight" in names
+        is_qk_norm = "self_attn.q_norm.weight" in _target_stems(names, layers)
     else:
         is_qk_norm = bool(cfg.get("qk_norm", False))
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(
-        int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None
-    )
+    eos_list = eos if isinstance(eos, (list, tuple)) else [eos]
+    if any(e is not None and (isinstance(e, bool) or not isinstance(e, int)) for e in eos_list):
+        raise InputError("config.json:eos_token_id", eos, "an integer, a list of integers or null")
+    eos_ids = tuple(int(e) for e in eos_list if e is not None)
     depths = 0
     for f in MTP_DEPTH_FIELDS:
         if cfg.get(f):
-            depths = int(cfg[f])
+            depths = _int(cfg, f, structure)
             break
     archs = cfg.get("architectures") or [cfg.get("model_type", "DenseDecoder")]
+    tie = _bool(cfg, "tie_word_embeddings")
     return ModelConfig(
-        vocab_size=int(_require(cfg, "vocab_size")),
+        vocab_size=_int(cfg, "vocab_size", structure),
         hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size")),
-        num_hidden_layers=int(_require(cfg, "num_hidden_layers")),
+        intermediate_size=inter,
+        num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_key_value_heads=_int(cfg, "num_key_value_heads", structure, heads),
+        head_dim=_int(cfg, "head_dim", structure, hidden // heads if heads else 0),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
         rope=_rope_from_hf(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        is_qkv_bias=is_bias,
+        max_position_embeddings=_int(cfg, "max_position_embeddings", structure, 4096),
+        tie_word_embeddings=bool(tie),
+        **_bias_flags(cfg, names, layers),
         is_qk_norm=is_qk_norm,
+        sliding_windows=layer_windows(cfg, layers),
         eos_token_ids=eos_ids,
         architecture=str(archs[0]),
         num_mtp_depths=depths,

@@ -108,6 +108,19 @@ class HybridConfig:
         if self.linear.num_v_heads % self.linear.num_k_heads:
             raise InputError("config.json:linear_num_value_heads", self.linear.num_v_heads,
                              f"a multiple of linear_num_key_heads={self.linear.num_k_heads}")
+        dense = self.dense_mlp_layers()
+        if dense and self.base.intermediate_size < 1:
+            raise InputError("config.json:intermediate_size", None,
+                             f"a value: layers {dense} have a dense SwiGLU MLP")
+        if any(self.base.sliding_windows):
+            raise UnsupportedError(
+                f"config.json:sliding_window={max(self.base.sliding_windows)}: the hybrid "
+                "target's gated attention has no sliding window, expected null")
+
+    def dense_mlp_layers(self) -> list[int]:
+        """Indices of the layers whose MLP is the dense SwiGLU (not routed experts)."""
+        return [i for i in range(self.base.num_hidden_layers)
+                if self.moe is None or not self.moe.is_sparse(i)]
 
     def __getattr__(self, name: str) -> Any:
         """The shared shapes (``hidden_size``, ``num_key_value_heads`` ...) read through to
@@ -156,9 +169,12 @@ def hybrid_config_from_hf(cfg: Mapping[str, Any],
         raise InputError("config.json:layer_types", None, "the per-layer token mixer list")
 
     def need(name: str) -> int:
-        if name not in raw:
+        value = raw.get(name)
+        if value is None:
             raise InputError(f"config.json:{name}", None, "a value (hybrid linear attention)")
-        return int(raw[name])
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InputError(f"config.json:{name}", value, "an integer")
+        return value
 
     grouped = any(".linear_attn.in_proj_qkvz." in k for k in names)
     linear = LinearAttentionConfig(
@@ -172,12 +188,12 @@ def hybrid_config_from_hf(cfg: Mapping[str, Any],
     moe = None
     if raw.get("num_experts"):
         moe = MoEConfig(
-            num_experts=int(raw["num_experts"]),
+            num_experts=need("num_experts"),
             top_k=need("num_experts_per_tok"),
             expert_intermediate_size=need("moe_intermediate_size"),
             shared_intermediate_size=need("shared_expert_intermediate_size"),
             is_topk_normalised=bool(raw.get("norm_topk_prob", True)),
-            sparse_step=int(raw.get("decoder_sparse_step", 1)),
+            sparse_step=need("decoder_sparse_step") if "decoder_sparse_step" in raw else 1,
             dense_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
         )
     return HybridConfig(base=base, layer_types=tuple(layer_types), linear=linear, moe=moe,
@@ -225,7 +241,7 @@ class GatedAttention(nn.Module):
         self.q_proj = nn.Linear(h, self.num_heads * d * mult, bias=b.is_qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=b.is_qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=b.is_qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=b.is_qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=b.is_o_bias)
         self.q_norm = OffsetRMSNorm(d, b.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(d, b.rms_norm_eps)
 

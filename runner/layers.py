@@ -1,4 +1,5 @@
-"""Decoder building blocks of the Qwen2 / Qwen3 / MiMo family: RMSNorm, GQA attention, SwiGLU.
+"""Decoder building blocks of the Llama / Mistral / Qwen2 / Qwen3 / MiMo family: RMSNorm, GQA
+attention, SwiGLU.
 
 This module owns one decoder layer (:class:`DecoderLayer`) shared by the target and the MTP draft
 head. Parameter names match Hugging Face checkpoints (``self_attn.q_proj``, ``mlp.gate_proj``,
@@ -7,6 +8,14 @@ token rows ``[N, hidden]``; attention reads and writes the paged KV cache throug
 ``speccal.runner.attention`` (layout documented there). Each module is :class:`PathBound`: it
 dispatches on the engine's execution path (``self.path``: Triton ops on CUDA tensors under the
 ``triton`` backend, each op given ``path.kernels``) and never on process state.
+
+Biases (``ModelConfig.is_qkv_bias`` / ``is_o_bias`` / ``is_mlp_bias``) are added after each
+product; the row-parallel o and down biases after the TP reduction (once, not once per rank).
+The fused decode / verify layer (:meth:`DecoderLayer.forward_fused_to_next`) adds only the q/k/v
+bias: a layer with an o or MLP bias runs the per-op path (:meth:`DecoderLayer.can_fuse`). A
+sliding window (``ModelConfig.sliding_windows``) is masked by the torch attention; the Triton
+attention has no window, so :meth:`Attention.fuse_weights` (the engine's step into the Triton
+path) refuses it naming the key.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from speccal.base.errors import UnsupportedError
 from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig
@@ -55,9 +65,10 @@ class RMSNorm(PathBound, nn.Module):
 
 
 class Attention(TPBound, PathBound, nn.Module):
-    """GQA self-attention with optional q/k/v bias and per-head q/k RMSNorm (before RoPE)."""
+    """GQA self-attention with optional q/k/v and o biases, per-head q/k RMSNorm (before RoPE)
+    and an optional sliding window (``window`` keys, 0: full)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self._init_path()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -65,10 +76,11 @@ class Attention(TPBound, PathBound, nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = d
         self.scale = d**-0.5
+        self.window = cfg.window(layer)
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.is_qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.is_qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.is_qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.is_o_bias)
         if cfg.is_qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -106,13 +118,30 @@ class Attention(TPBound, PathBound, nn.Module):
         else:
             q, k = rotary(q, k, positions)
             write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        out = attend_rows(q, kv[0], kv[1], meta, self.scale, path)  # [N, heads, head_dim]
-        # row-parallel o: each TP rank's heads give a partial sum
-        return reduce_partial(_linear(out.reshape(n, hq * d), self.o_proj.weight, None, path),
-                              self.tp)
+        out = attend_rows(q, kv[0], kv[1], meta, self.scale, path,
+                          window=self.window)  # [N, heads, head_dim]
+        # row-parallel o: each TP rank's heads give a partial sum; the bias is added once
+        y = reduce_partial(_linear(out.reshape(n, hq * d), self.o_proj.weight, None, path),
+                           self.tp)
+        return y if self.o_proj.bias is None else y + self.o_proj.bias
 
     def fuse_weights(self) -> None:
-        """Make q/k/v weights views of one ``[(hq + 2 hk) d, hidden]`` matrix (one GEMV launch)."""
+        """Make q/k/v weights views of one ``[(hq + 2 hk) d, hidden]`` matrix (one GEMV launch).
+
+        Called when an engine serves this layer on the Triton path, whose attention kernel has
+        no sliding window: a windowed layer is refused here.
+
+        Raises
+        ------
+        UnsupportedError
+            This layer has a sliding window (``config.json:sliding_window``) smaller than the
+            engine's ``max_model_len`` (``ModelConfig.for_context`` drops the others).
+        """
+        if self.window:
+            raise UnsupportedError(
+                f"config.json:sliding_window={self.window}: the Triton attention kernels have "
+                "no sliding window; serve this model with attention_backend='torch', or with "
+                f"max_model_len <= {self.window} (where the window holds every position)")
         ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         qkv = torch.cat([w.data for w in ws], dim=0)
         offs = 0
@@ -130,26 +159,30 @@ class Attention(TPBound, PathBound, nn.Module):
 
 
 class MLP(TPBound, PathBound, nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, each product with an optional bias."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self._init_path()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        b = cfg.is_mlp_bias
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
         self.gate_up_weight: torch.Tensor | None = None  # set by fuse_weights
+        self.gate_up_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
         path = self.path
         if self.gate_up_weight is not None and path.fused(x):
-            gate_up = _linear(x, self.gate_up_weight, None, path)  # [N, 2 inter], (gate_i, up_i)
+            # [N, 2 inter], (gate_i, up_i)
+            gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, path)
             gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
         else:
-            gate = _linear(x, self.gate_proj.weight, None, path)
-            up = _linear(x, self.up_proj.weight, None, path)
+            gate = _linear(x, self.gate_proj.weight, self.gate_proj.bias, path)
+            up = _linear(x, self.up_proj.weight, self.up_proj.bias, path)
         out = _linear(nn.functional.silu(gate) * up, self.down_proj.weight, None, path)
-        return reduce_partial(out, self.tp)  # row-parallel down: partial sums over TP ranks
+        out = reduce_partial(out, self.tp)  # row-parallel down: partial sums over TP ranks
+        return out if self.down_proj.bias is None else out + self.down_proj.bias
 
     def fuse_weights(self) -> None:
         """Make gate/up weights views of one ``[2 inter, hidden]`` matrix whose rows interleave
@@ -159,16 +192,21 @@ class MLP(TPBound, PathBound, nn.Module):
         gu = torch.stack([w.data for w in ws], dim=1).reshape(-1, ws[0].shape[1])
         ws[0].data, ws[1].data = gu[0::2], gu[1::2]
         self.gate_up_weight = gu
+        if self.gate_proj.bias is not None:
+            bs = [self.gate_proj.bias, self.up_proj.bias]
+            gub = torch.stack([b.data for b in bs], dim=1).reshape(-1)
+            bs[0].data, bs[1].data = gub[0::2], gub[1::2]
+            self.gate_up_bias = gub
 
 
 class DecoderLayer(PathBound, nn.Module):
     """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self._init_path()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -187,10 +225,14 @@ class DecoderLayer(PathBound, nn.Module):
 
     def can_fuse(self, x: torch.Tensor, rotary: RotaryTable) -> bool:
         """Whether :meth:`forward_fused` serves ``x``: Triton ops on, fused weights, skinny rows,
-        full rotary (the fused rotary kernel's table). Only ``x``'s device and row count are
-        read, so the rows' token ids ``[N]`` answer as their hidden states would."""
+        full rotary (the fused rotary kernel's table), no o or MLP bias (the fused layer's
+        epilogues have none; such a layer runs the per-op path, which adds them). Only ``x``'s
+        device and row count are read, so the rows' token ids ``[N]`` answer as their hidden
+        states would."""
         return (
             self.path.fused(x)
+            and self.self_attn.o_proj.bias is None
+            and self.mlp.down_proj.bias is None
             and self.self_attn.tp is None  # the fused layer has no TP reduction
             and self.mlp.tp is None
             and x.shape[0] <= SKINNY_ROWS

@@ -7,6 +7,12 @@ fills every parameter from a :class:`~speccal.runner.checkpoint.TensorSource`, r
 tensors and shape mismatches by name. The result, :class:`LoadedModel`, also carries the model
 fingerprint used by cost-table compatibility.
 
+The loader is strict (SPEC section 7): every tensor of the checkpoint is consumed by a module of
+the target or its head, or ignored on purpose for a named reason (:data:`IGNORED_TENSORS`; the
+head's tensors when no head is built, claimed by its family's descriptor; a tied LM head; a
+vision tower next to the text model), or the load is refused listing the tensors no module
+consumes (:func:`check_consumed`). Config features are checked by ``speccal.runner.config``.
+
 Hybrid linear-attention targets (a ``linear_attention`` entry in ``layer_types``: Qwen3.5 /
 Qwen3-Next, :func:`speccal.runner.hybrid.is_hybrid_config`) load into
 :class:`~speccal.runner.hybrid.HybridModel` and their head into
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +69,60 @@ class LoadedModel:
 # DraftFamily.target_structure -> the head module it builds
 HEAD_CLASSES = {"dense": MTPHead, "hybrid": HybridMTPHead}
 
+#: Checkpoint tensors no module consumes on purpose: regular expression -> the reason. Any other
+#: tensor that no module of the target or its head consumes is refused by name.
+IGNORED_TENSORS: dict[str, str] = {
+    r"(?:^|\.)rotary_emb\.inv_freq$": "RoPE inverse frequencies (older checkpoints save them); "
+                                      "recomputed from config.json by speccal.runner.rope",
+}
+TIED_HEAD_REASON = "the LM head is tied to embed_tokens (tie_word_embeddings), as transformers ties it"
+DRAFT_REASON = "the MTP head's tensors (its family's descriptor claims them): no head is built"
+UNUSED_SHOWN = 6  # unused tensor names a refusal lists before the count of the rest
+
+
+def ignored_reason(key: str, *, is_tied: bool, is_head_dropped: bool, num_layers: int,
+                   extra: tuple[tuple[str, str], ...] = ()) -> str | None:
+    """Why ``key`` is not consumed on purpose, or None (then it must be consumed).
+
+    ``is_head_dropped``: no MTP head is built (plain decoding), so the keys a draft family
+    claims are dropped; ``extra``: (key prefix, reason) pairs of the layout (a vision tower).
+    """
+    for pattern, reason in IGNORED_TENSORS.items():
+        if re.search(pattern, key):
+            return reason
+    if is_tied and key == "lm_head.weight":
+        return TIED_HEAD_REASON
+    if is_head_dropped and is_any_draft_key(key, num_layers):
+        return DRAFT_REASON
+    for prefix, reason in extra:
+        if key.startswith(prefix):
+            return reason
+    return None
+
+
+def check_consumed(keys: set[str], used: set[str], what: str, **ignored) -> None:
+    """Refuse a checkpoint holding tensors that no module consumes and no rule ignores.
+
+    ``ignored``: the keyword arguments of :func:`ignored_reason`.
+
+    Raises
+    ------
+    InputError
+        Naming the first :data:`UNUSED_SHOWN` unused tensors and their count.
+    """
+    unused = sorted(k for k in keys - used if ignored_reason(k, **ignored) is None)
+    if not unused:
+        return
+    shown = ", ".join(unused[:UNUSED_SHOWN])
+    more = f" and {len(unused) - UNUSED_SHOWN} more" if len(unused) > UNUSED_SHOWN else ""
+    raise InputError(
+        "checkpoint tensors", None,
+        f"every tensor consumed by the {what} or ignored on purpose "
+        "(speccal.runner.loader.IGNORED_TENSORS): a tensor the runner has no module for is a "
+        "feature it does not implement, refused rather than computed without",
+        found=f"{len(unused)} that no module consumes ({shown}{more})",
+    )
+
 
 def _target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     with on_meta():
@@ -73,14 +134,25 @@ def _target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _head_flags(family: DraftFamily, keys: set[str], layers: int) -> dict[str, bool]:
+    """Bias / q-k norm flags of the head's layer, read from the head's own keys."""
+    def has(stem: str) -> bool:
+        return family.key_for(stem, layers) in keys
+
+    return dict(is_qkv_bias=has("self_attn.q_proj.bias"), is_o_bias=has("self_attn.o_proj.bias"),
+                is_mlp_bias=has("mlp.gate_proj.bias"))
+
+
 def draft_config(cfg: ModelConfig, family: DraftFamily, keys: set[str] | None) -> ModelConfig:
-    """The draft layer's config: the target's shapes, bias / q-k norm read from the draft keys."""
+    """The draft layer's config: the target's shapes, biases / q-k norm read from the draft
+    keys, full attention (the head's layer has no window: its family's layer attends fully)."""
+    cfg = dataclasses.replace(cfg, sliding_windows=())
     if keys is None:
         return cfg
     layers = cfg.num_hidden_layers
     return dataclasses.replace(
         cfg,
-        is_qkv_bias=family.key_for("self_attn.q_proj.bias", layers) in keys,
+        **_head_flags(family, keys, layers),
         is_qk_norm=family.key_for("self_attn.q_norm.weight", layers) in keys,
     )
 
@@ -103,7 +175,7 @@ def _fill(
     dtype,
     device,
     what: str,
-) -> None:
+) -> set[str]:  # the keys consumed
     params = dict(module.named_parameters())
     for name, key in key_map.items():
         p = params[name]
@@ -120,6 +192,7 @@ def _fill(
             )
         with torch.no_grad():
             p.data = source.get(key, shape, dtype, device)
+    return set(key_map.values())
 
 
 def _empty(device: torch.device, cls: type[torch.nn.Module], *args) -> torch.nn.Module:
@@ -145,35 +218,33 @@ def build(
     max_positions: int,
     need_draft: bool,
 ) -> tuple[TargetModel, MTPHead | None, DraftFamily | None]:
-    """Build target and draft from ``source`` (see module docstring for the refusals)."""
+    """Build target and draft from ``source`` (see module docstring for the refusals).
+
+    ``cfg``'s sliding windows are taken for ``max_model_len`` (``ModelConfig.for_context``)."""
     keys = set(source.keys())
-    found = recognise(cfg.extra, keys, cfg.num_hidden_layers)
+    cfg = cfg.for_context(max_model_len)
+    layers = cfg.num_hidden_layers
+    found = recognise(cfg.extra, keys, layers)
     target = _empty(device, TargetModel, cfg, 1, 1)
-    target_keys = {k for k in keys if not is_any_draft_key(k, cfg.num_hidden_layers)}
+    target_keys = {k for k in keys if not is_any_draft_key(k, layers)}
     key_map = {name: name for name, _ in target.named_parameters()}
     if cfg.tie_word_embeddings:
         key_map.pop("lm_head.weight", None)
-    _fill(target, key_map, source, target_keys, dtype, device, "target")
+    used = _fill(target, key_map, source, target_keys, dtype, device, "target")
     if cfg.tie_word_embeddings:
         target.lm_head.weight = target.model.embed_tokens.weight
     target.rotary = RotaryTable(cfg, max_positions, max_model_len).to(device)
     target.eval()
-    if found is None or not need_draft:
-        return target, None, found[0] if found else None
-    family, _ = found
-    dcfg = draft_config(cfg, family, keys)
-    head = _empty(device, MTPHead, dcfg, family)
-    _fill(
-        head,
-        head.param_key_map(cfg.num_hidden_layers),
-        source,
-        keys,
-        dtype,
-        device,
-        f"MTP head ({family.name})",
-    )
-    head.eval()
-    return target, head, family
+    head = None
+    if found is not None and need_draft:
+        family = found[0]
+        head = _empty(device, MTPHead, draft_config(cfg, family, keys), family)
+        used |= _fill(head, head.param_key_map(layers), source, keys, dtype, device,
+                      f"MTP head ({family.name})")
+        head.eval()
+    check_consumed(keys, used, "target or its MTP head", is_tied=cfg.tie_word_embeddings,
+                   is_head_dropped=head is None, num_layers=layers)
+    return target, head, found[0] if found else None
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -300,9 +371,15 @@ def load_model(
 
 
 # where a checkpoint keeps the text stack (``model.X`` of HybridModel): a causal LM's own, or
-# the language model of a vision-language checkpoint (Qwen3.5's published ones; the vision
-# tower's ``model.visual.*`` tensors are not read)
+# the language model of a vision-language checkpoint (Qwen3.5's published ones), with the
+# tensors that layout holds besides the text model (the vision tower, not read) and why
 TEXT_PREFIXES = ("model.", "model.language_model.")
+TEXT_PREFIX_IGNORED: dict[str, tuple[tuple[str, str], ...]] = {
+    "model.": (),
+    "model.language_model.": (
+        ("model.visual.", "the vision tower of a vision-language checkpoint (the text model "
+                          "is served)"),),
+}
 
 
 def text_prefix(keys: set[str]) -> str:
@@ -316,7 +393,11 @@ def text_prefix(keys: set[str]) -> str:
 
 
 def _build_hybrid(cfg: HybridConfig, source: TensorSource, device: torch.device,
-                  dtype: torch.dtype, max_model_len: int, max_positions: int) -> HybridModel:
+                  dtype: torch.dtype, max_model_len: int, max_positions: int,
+                  consumed: dict | None = None) -> HybridModel:
+    """The hybrid target; ``consumed``, when given, gets the keys filled (``"used"``) and the
+    :func:`ignored_reason` arguments of the layout (the caller checks after the head); without
+    it the target is checked alone (no head built)."""
     layers = cfg.base.num_hidden_layers
     target = _empty(device, HybridModel, cfg, 1, 1)
     prefix = text_prefix(set(source.keys()))
@@ -325,22 +406,37 @@ def _build_hybrid(cfg: HybridConfig, source: TensorSource, device: torch.device,
     if cfg.base.tie_word_embeddings:
         key_map.pop("lm_head.weight", None)
     target_keys = {k for k in source.keys() if not is_any_draft_key(k, layers)}
-    _fill(target, key_map, source, target_keys, dtype, device, "hybrid target")
+    used = _fill(target, key_map, source, target_keys, dtype, device, "hybrid target")
     if cfg.base.tie_word_embeddings:
         target.lm_head.weight = target.model.embed_tokens.weight
     target.rotary = RotaryTable(cfg.base, max_positions, max_model_len).to(device)
     target.eval()
+    ignored = dict(is_tied=cfg.base.tie_word_embeddings, num_layers=layers,
+                   extra=TEXT_PREFIX_IGNORED[prefix])
+    if consumed is None:
+        check_consumed(set(source.keys()), used, "hybrid target", is_head_dropped=True,
+                       **ignored)
+    else:
+        consumed.update(used=used, ignored=ignored)
     return target
 
 
 def hybrid_head_config(cfg: HybridConfig, family: DraftFamily,
                        keys: set[str] | None) -> HybridConfig:
-    """The head layer's config: the target's, with the routed MoE MLP only where the head's
-    own keys name a router (``<prefix>mlp.gate.weight``); ``keys`` None keeps the target's."""
-    if keys is None or cfg.moe is None:
+    """The head layer's config: the target's, with biases read from the head's own keys and
+    the routed MoE MLP only where they name a router (``<prefix>mlp.gate.weight``); ``keys``
+    None keeps the target's."""
+    if keys is None:
         return cfg
-    if family.key_for("mlp.gate.weight", cfg.base.num_hidden_layers) in keys:
+    layers = cfg.base.num_hidden_layers
+    cfg = dataclasses.replace(cfg, base=dataclasses.replace(
+        cfg.base, **_head_flags(family, keys, layers)))
+    if cfg.moe is None or family.key_for("mlp.gate.weight", layers) in keys:
         return cfg
+    if cfg.base.intermediate_size < 1:
+        raise InputError("config.json:intermediate_size", None,
+                         f"a value: the MTP head's layer has a dense SwiGLU MLP (no "
+                         f"{family.key_for('mlp.gate.weight', layers)} router tensor)")
     return dataclasses.replace(cfg, moe=None)
 
 
@@ -353,13 +449,14 @@ def _hybrid_head_shapes(cfg: HybridConfig, family: DraftFamily) -> dict[str, tup
 
 
 def _build_hybrid_head(cfg: HybridConfig, family: DraftFamily, source: TensorSource,
-                       device: torch.device, dtype: torch.dtype) -> HybridMTPHead:
+                       device: torch.device, dtype: torch.dtype
+                       ) -> tuple[HybridMTPHead, set[str]]:  # the head, the keys it consumed
     keys = set(source.keys())
     head = _empty(device, HybridMTPHead, hybrid_head_config(cfg, family, keys), family)
-    _fill(head, head.param_key_map(cfg.base.num_hidden_layers), source, keys, dtype, device,
-          f"MTP head ({family.name})")
+    used = _fill(head, head.param_key_map(cfg.base.num_hidden_layers), source, keys, dtype,
+                 device, f"MTP head ({family.name})")
     head.eval()
-    return head
+    return head, used
 
 
 def _hybrid_loaded(cfg: HybridConfig, source: TensorSource, *, device, dtype: str,
@@ -370,10 +467,16 @@ def _hybrid_loaded(cfg: HybridConfig, source: TensorSource, *, device, dtype: st
     torch_dtype = _dtype(dtype)
     layers = cfg.base.num_hidden_layers
     found = recognise(cfg.base.extra, source.keys(), layers, target_structure="hybrid")
-    target = _build_hybrid(cfg, source, device, torch_dtype, max_model_len, max_positions)
+    consumed: dict = {}
+    target = _build_hybrid(cfg, source, device, torch_dtype, max_model_len, max_positions,
+                           consumed)
     head = None
+    used = consumed["used"]
     if found is not None and need_draft:
-        head = _build_hybrid_head(cfg, found[0], source, device, torch_dtype)
+        head, head_used = _build_hybrid_head(cfg, found[0], source, device, torch_dtype)
+        used = used | head_used
+    check_consumed(set(source.keys()), used, "hybrid target or its MTP head",
+                   is_head_dropped=head is None, **consumed["ignored"])
     return LoadedModel(target, head, cfg.base, found[0] if found else None, fingerprint,
                        cfg.base.architecture, is_random, description, tokenizer_path,
                        target.capabilities, target.num_kv_layers, cfg)

@@ -61,12 +61,13 @@ class _Body(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class TargetModel(TPBound, PathBound, nn.Module):
-    """Dense decoder-only LM (Qwen2 / Qwen3 / MiMo family) over a paged KV cache."""
+    """Dense decoder-only LM (Llama / Mistral / Qwen2 / Qwen3 / MiMo family) over a paged KV
+    cache."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, max_model_len: int):
         super().__init__()

@@ -45,12 +45,13 @@ from speccal.runner.mtp import MTPHead
 from speccal.runner.presets import HYBRID_PRESETS, PRESETS, RandomSource
 
 #: Split dimension of each sharded parameter, by the last two parts of its module name
-#: (column-parallel: dim 0 of q/k/v/gate/up and their biases; row-parallel: dim 1 of o/down;
+#: (column-parallel: dim 0 of q/k/v/gate/up and their biases; row-parallel: dim 1 of o/down,
+#: whose biases are replicated and added once after the reduction, speccal.runner.layers;
 #: vocabulary-parallel: dim 0 of the embeddings and LM heads). Unlisted: replicated.
 SPLIT_DIMS: dict[str, int] = {
     "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0,
     "q_proj.bias": 0, "k_proj.bias": 0, "v_proj.bias": 0,
-    "gate_proj.weight": 0, "up_proj.weight": 0,
+    "gate_proj.weight": 0, "up_proj.weight": 0, "gate_proj.bias": 0, "up_proj.bias": 0,
     "o_proj.weight": 1, "down_proj.weight": 1,
     "embed_tokens.weight": 0, "lm_head.weight": 0,  # the target's
     "head.weight": 0, "embed.weight": 0,  # the MTP head's own (MTPHead.head / .embed)
