@@ -25,7 +25,7 @@ from speccal.runner.config import ModelConfig, config_from_hf, layer_windows
 from speccal.runner.engine import Engine, EngineConfig
 from speccal.runner.loader import load_model
 from speccal.runner.model import TargetModel
-from speccal.runner.path import ExecutionPath
+from speccal.runner.path import ExecutionPath, bind_path
 from speccal.runner.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -199,19 +199,16 @@ def test_o_and_mlp_biases_on_the_fused_path(tmp_path, fused_on_cpu):
     model = _save(tmp_path, "LlamaForCausalLM", "LlamaConfig", attention_bias=True,
                   mlp_bias=True)
     loaded = _load(tmp_path)
-    assert not any(layer.can_fuse(torch.zeros(1), loaded.target.rotary)
-                   for layer in loaded.target.model.layers)
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         want = model(ids[None]).logits[0]
-        gate_up = loaded.target.model.layers[0].mlp
         loaded.target.fuse_weights()
-        assert gate_up.gate_up_bias is not None
-    from speccal.runner.path import bind_path
-
+    assert all(layer.mlp.gate_up_bias is not None for layer in loaded.target.model.layers)
     bind_path(loaded.target, fused_on_cpu())
-    eng_tokens = _logits_of(loaded, ids)
-    torch.testing.assert_close(eng_tokens, want, atol=2e-3, rtol=1e-4)
+    rows = torch.zeros(4)  # a decode / verify step's row count
+    assert not any(layer.can_fuse(rows, loaded.target.rotary)
+                   for layer in loaded.target.model.layers)
+    torch.testing.assert_close(_logits_of(loaded, ids), want, atol=2e-3, rtol=1e-4)
 
 
 def _logits_of(loaded, ids: torch.Tensor) -> torch.Tensor:
@@ -559,3 +556,40 @@ def test_tensor_parallel_shards_of_mlp_biases_sum_to_the_full_layer(tmp_path):
     with torch.no_grad():
         parts = [s.target.model.layers[1].mlp(x) for s in shards]
         torch.testing.assert_close(sum(parts) - full.down_proj.bias, full(x))
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_every_torch_attention_path_masks_the_same_window(window):
+    """One request of 9 keys, its last 4 rows as queries: the grid attention, the kernels'
+    reference (dense and packed layouts) and the by-slot prefill attention agree, and equal
+    a direct softmax over keys ``p - W + 1 .. p``."""
+    from speccal.kernels import ops
+    from speccal.runner.attention import attend_own_keys, paged_attention_torch
+
+    g = torch.Generator().manual_seed(0)
+    t, n, h, hk, d, bs = 9, 4, 4, 2, 8, 4
+    k_cache = torch.randn(4, bs, hk, d, generator=g)
+    v_cache = torch.randn(4, bs, hk, d, generator=g)
+    table = torch.tensor([[1, 3, 2]], dtype=torch.int32)
+    q = torch.randn(1, n, h, d, generator=g)
+    seq = torch.tensor([t], dtype=torch.int32)
+    slots = (table[0].long()[:, None] * bs + torch.arange(bs)).reshape(-1)[:t]
+    keys = k_cache.view(-1, hk, d)[slots].repeat_interleave(h // hk, dim=1)  # [T, H, D]
+    values = v_cache.view(-1, hk, d)[slots].repeat_interleave(h // hk, dim=1)
+    want = torch.empty(n, h, d)
+    for i in range(n):
+        p = t - n + i
+        lo = max(0, p - window + 1)
+        att = torch.softmax(torch.einsum("hd,khd->hk", q[0, i], keys[lo:p + 1]) * d**-0.5, -1)
+        want[i] = torch.einsum("hk,khd->hd", att, values[lo:p + 1])
+    got = {
+        "grid": paged_attention_torch(q, k_cache, v_cache, table, seq, n, d**-0.5, window)[0],
+        "dense": ops.paged_attention(q, k_cache, v_cache, table, seq, n, d**-0.5,
+                                     sliding_window=window)[0],
+        "packed": ops.paged_attention(q[0].contiguous(), k_cache, v_cache, table, seq, n,
+                                      d**-0.5, cu_q_lens=torch.tensor([0, n]).int(),
+                                      sliding_window=window),
+        "by_slot": attend_own_keys(q[0], k_cache, v_cache, slots, d**-0.5, window),
+    }
+    for name, out in got.items():
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, msg=name)
