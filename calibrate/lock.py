@@ -1,13 +1,18 @@
 """Advisory lock on a calibration's outputs, so that two runs never write one table or journal.
 
-A run holds ``OUT.lock`` (next to the table; also ``JOURNAL.lock`` for a ``--journal`` elsewhere)
-from before the runner is built until the table is written: an exclusive ``fcntl.flock`` on an open
-descriptor, released by the kernel when the process dies, so a killed run (SIGKILL, power loss)
-never leaves a stale lock behind, only a stale file that the next run reuses.
+A run holds ``OUT.lock`` (next to the table) and ``JOURNAL.lock`` (next to its journal: the
+default ``OUT.journal.jsonl`` too, since another run may name that file with ``--journal``;
+:func:`run_outputs`) from before the runner is built until the table is written: an exclusive
+``fcntl.flock`` on an open descriptor, released by the kernel when the process dies, so a killed
+run (SIGKILL, SIGTERM, power loss) never leaves a stale lock behind, only a stale file that the
+next run takes over, saying so (a ``StaleLockWarning`` naming the file and the dead holder).
+A lock file sits next to the file its output resolves to (symlinks followed), so two spellings
+of one output share one lock.
 
 Layout: the lock file holds one JSON object describing its holder, written after the lock is
 taken: ``{"pid": int, "host": str, "started": ISO-8601 UTC, "command": str | null}``. A run that
-finds the lock taken reads it and refuses, naming that holder.
+finds the lock taken reads it and refuses, naming that holder; a run that gets the lock of a file
+still describing a holder (which never removed it: it was killed) warns before replacing it.
 
 Removal: the holder unlinks the file before releasing it. A run that opened the file just
 before the unlink could then lock an inode no longer at that path, while a third run creates a new
@@ -24,21 +29,34 @@ import fcntl
 import json
 import os
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
 from speccal.base.atomic import output_error
 from speccal.base.errors import InputError
+from speccal.costmodel.compat import SpeccalWarning
 
 
 class OutputLockedError(InputError):
     """Another live calibration holds the lock on this output."""
 
 
+class StaleLockWarning(SpeccalWarning):
+    """A lock file left by a run that ended without removing it was taken over."""
+
+
 def lock_path(path: str | os.PathLike) -> Path:
-    """The lock file of output ``path``: ``path`` with ``.lock`` appended to its name."""
-    p = Path(path)
+    """The lock file of output ``path``: the file ``path`` resolves to (symlinks followed) with
+    ``.lock`` appended to its name."""
+    p = Path(os.path.realpath(path))
     return p.with_name(p.name + ".lock")
+
+
+def run_outputs(out: str | os.PathLike, journal: str | os.PathLike) -> list[tuple[Path, str]]:
+    """``(output, option)`` of everything a calibration locks: its table and its journal
+    (the default ``OUT.journal.jsonl`` too: another run may name it with ``--journal``)."""
+    return [(Path(out), "--out"), (Path(journal), "--journal")]
 
 
 def read_holder(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -105,6 +123,15 @@ class OutputLock:
         self.release()
 
 
+def _recorded_holder(fd: int) -> dict[str, Any] | None:
+    """The holder a lock file just locked still records (its holder died holding it)."""
+    try:
+        doc = json.loads(os.pread(fd, 65536, 0) or b"null")
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc else None
+
+
 def _same_file(path: Path, fd: int) -> bool:
     try:
         st = os.stat(path)
@@ -155,6 +182,15 @@ def acquire(
         if not _same_file(path, fd):  # removed by its previous holder meanwhile: start over
             os.close(fd)
             continue
+        stale = _recorded_holder(fd)
+        if stale:
+            warnings.warn(
+                StaleLockWarning(
+                    f"{field}: took over the stale lock file {path} of "
+                    f"{describe_holder(stale)}, which ended without releasing it (killed?)"
+                ),
+                stacklevel=2,
+            )
         holder = {
             "pid": os.getpid(),
             "host": socket.gethostname(),

@@ -224,11 +224,8 @@ def _check_options(opts: CalibrateOptions) -> None:
 
 
 def _locked_outputs(opts: CalibrateOptions) -> list[tuple[Path, str]]:
-    """Outputs whose lock a calibration holds: the table, and a journal kept elsewhere."""
-    outputs = [(opts.out, "--out")]
-    if opts.journal is not None:
-        outputs.append((opts.journal, "--journal"))
-    return outputs
+    """Outputs whose lock a calibration holds: the table and its journal (``lock.run_outputs``)."""
+    return lock.run_outputs(opts.out, opts.journal_path)
 
 
 def calibrate(

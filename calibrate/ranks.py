@@ -258,10 +258,7 @@ def calibrate_ranks(
     def prepare() -> None:
         _check_options(opts, max_rank_skew_pct)
         if is_root and opts.cost_table is None:
-            outputs = [(opts.out, "--out")]
-            if opts.journal is not None:
-                outputs.append((opts.journal, "--journal"))
-            for output, name in outputs:
+            for output, name in lock.run_outputs(opts.out, opts.journal_path):
                 held.append(lock.acquire(output, name))
             check_discard(opts.journal_path, resume=False, overwrite=opts.overwrite)
 

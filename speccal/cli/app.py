@@ -14,21 +14,23 @@ workflow order: :data:`COMMAND_ORDER`).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from contextlib import contextmanager
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from speccal import __version__
-from speccal.base.errors import SpeccalError
+from speccal.base.errors import SpeccalError, show
+from speccal.base.rich_tables import make_console
 from speccal.cli import cmd_calibrate, cmd_export, cmd_fit, cmd_plot, cmd_replay, cmd_run, cmd_table
+from speccal.cli.dist import note_for_launcher
 from speccal.cli.help import HelpGroup, SpeccalTyper
 from speccal.costmodel.compat import SpeccalWarning
 
-err_console = Console(stderr=True)
+err_console = make_console()
 
 #: How to install a package a command needs (by top-level module name); others: ``pip install NAME``.
 INSTALL_HINTS = {
@@ -62,6 +64,45 @@ def warning_line(message: Warning | str, category: type[Warning]) -> str:
     return f"warning ({category.__name__}): {text}"
 
 
+def say_error(text: str) -> None:
+    """Print ``error: TEXT`` on stderr (the text escaped: a value in it is never markup), and
+    under torchrun leave it for the launcher's report too (``speccal.cli.dist``)."""
+    err_console.print(f"[bold red]error:[/] {escape(text)}", soft_wrap=True)
+    note_for_launcher(f"error: {text}")
+
+
+def usage_line(exc: Exception) -> str:
+    """The one line of a Click usage error, and where to read the options (``speccal calibrate
+    --help``): a value that does not parse reads like every other bad input (``--draft-width:
+    got 'abc', expected a valid integer``); any other (a missing or unknown option) is Click's
+    message with its line breaks folded."""
+    text = _bad_value(exc)
+    if text is None:
+        fmt = getattr(exc, "format_message", None)
+        text = " ".join((fmt() if fmt else str(exc)).split()).rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and ctx.command_path:
+        text += f" (see {ctx.command_path} --help)"
+    return text
+
+
+def _bad_value(exc: Exception) -> str | None:
+    """``OPTION: got VALUE, expected WHAT`` for a value Typer could not convert (its pydantic
+    validation error is the cause and holds the value); None for any other usage error."""
+    param, ctx = getattr(exc, "param", None), getattr(exc, "ctx", None)
+    errors = getattr(exc.__cause__, "errors", None)
+    if param is None or ctx is None or not callable(errors):
+        return None
+    try:
+        first = errors()[0]
+    except Exception:  # a best effort: Click's own message otherwise
+        return None
+    flags = [o for o in getattr(param, "opts", None) or () if o.startswith("-")]
+    name = "/".join(flags) or str(param.metavar or param.name)
+    expected = str(first.get("msg", "")).removeprefix("Input should be ").split(",")[0]
+    return f"{name}: got {show(first.get('input'))}, expected {expected or 'a valid value'}"
+
+
 @contextmanager
 def clean_warnings():
     """Show every warning raised inside as one line on stderr, once per text (no source line).
@@ -93,17 +134,37 @@ class _SpeccalGroup(HelpGroup):
             with clean_warnings():
                 return super().invoke(ctx)
         except SpeccalError as exc:
-            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+            say_error(str(exc))
             raise typer.Exit(exc.exit_code) from None
         except ModuleNotFoundError as exc:
             msg = missing_package_message(ctx.invoked_subcommand, exc)
             if msg is None:
                 raise
-            err_console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
+            say_error(msg)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
             raise typer.Exit(130) from None
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Run the CLI; a usage error (a value of the wrong type, a missing or unknown option)
+        is one ``error: ...`` line and exit 2, like every other bad input (no usage box)."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            # not standalone: Click raises its errors here instead of printing them in a box;
+            # an explicit exit (``typer.Exit``, --help, --version) comes back as its code
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.Abort:
+            err_console.print("[bold red]aborted[/]")
+            sys.exit(1)
+        except typer.TyperException as exc:  # Click's UsageError, BadParameter, ...
+            if type(exc).__name__ == "NoArgsIsHelpError":  # a bare group: its help (exit 2)
+                exc.show()
+                sys.exit(exc.exit_code)
+            say_error(usage_line(exc))
+            sys.exit(getattr(exc, "exit_code", 2))
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 ROOT_HELP = """Calibrate, fit, validate and replay cost tables for MTP speculative decoding.
@@ -117,6 +178,11 @@ Terms: Bcap = the captured draft batch size a batch is padded to; G = target row
 Acceptance modes: greedy (lossless), sample (rejection sampling), synthetic (accepted length
 drawn from a per-position profile), forced (every drafted token accepted: how calibration
 measures each shape exactly). Details: README.md and docs/.
+
+First use on a CPU: `speccal calibrate --model tiny --out out/tiny-cpu.json` takes under a
+minute on a small shared machine (one context interval, 19 points x 6 windows of 24 rounds; each
+round timed in thread CPU time against a speed probe, so a busy machine slows the run but not
+the table's accuracy: held-out error 1-3 % on a 2-vCPU VM beside another busy process).
 """
 
 app = SpeccalTyper(

@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from speccal.base.atomic import read_json
 from speccal.base.errors import InputError
+from speccal.base.paths import check_outputs
+from speccal.base.rich_tables import make_console
+from speccal.calibrate.lock import lock_path
 from speccal.cli.dist import env_rank, is_distributed, run_ranks
 
-_err = Console(stderr=True)
+_err = make_console()
 
 
 def _calibrate_ranks(opts, tp: int, dp: int, max_rank_skew_pct: float):
@@ -32,6 +34,19 @@ def _calibrate_ranks(opts, tp: int, dp: int, max_rank_skew_pct: float):
                                max_rank_skew_pct=max_rank_skew_pct, console=console)
 
     return run_ranks(tp, dp, opts.device, body, _err, command="calibrate")
+
+
+def _check_outputs(opts, kernels: Path | None) -> None:
+    """Refuse a table, journal or lock file that is one of the run's inputs or another output
+    (``speccal.base.paths``); a reused table (``--cost-table``) writes nothing."""
+    if opts.cost_table is not None:
+        return
+    journal = opts.journal_path
+    check_outputs(
+        [("--out", opts.out), ("--journal", journal),
+         ("--out's lock", lock_path(opts.out)), ("--journal's lock", lock_path(journal))],
+        [("--config", opts.config_path), ("--kernels", kernels)],
+    )
 
 
 def _buckets(text: str | None) -> tuple[int, ...] | None:
@@ -292,13 +307,14 @@ def register(app: typer.Typer) -> None:
                 "windows_per_point": windows_per_point,
             },
         )
+        _check_outputs(opts, kernels)
         try:
             if is_distributed(tp, dp):
                 summary = _calibrate_ranks(opts, tp, dp, max_rank_skew_pct)
                 if summary is None:  # ranks other than 0 print nothing
                     return
             else:
-                summary = calibrate(opts)
+                summary = calibrate(opts, console=_err)
         except QualityGateError as exc:
             if as_json and env_rank() == 0:  # the refused run's numbers, then the error (exit 1)
                 typer.echo(json.dumps(exc.summary, sort_keys=True, allow_nan=False))

@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from speccal.base.atomic import dumps_json
 from speccal.base.errors import InputError
-from speccal.base.rich_tables import print_table
+from speccal.base.rich_tables import make_console, print_table
 
-err_console = Console(stderr=True)
+err_console = make_console()
 
 
 def _pct(v: float | None) -> str:
@@ -113,14 +113,16 @@ def check(
         )
     print_table(err_console, grid)
     for line in report["compatibility"]:
-        err_console.print(f"note: measured runner differs from the table: {line}", soft_wrap=True)
+        err_console.print(
+            f"note: measured runner differs from the table: {line}", soft_wrap=True, markup=False
+        )
     held = report["heldout_pct"]
     verdict = "passed" if report["passed"] else "[bold red]FAILED[/]"
     med = report["median_abs_drift_pct"]
     err_console.print(
         f"{verdict}: median |drift| {'-' if med is None else f'{med:.1f}'} % over "
         f"{len(report['points'])} points, bound {report['bound_pct']:.1f} % "
-        f"({report['bound_source']}; table held-out "
+        f"({escape(str(report['bound_source']))}; table held-out "
         f"{'unknown' if held is None else f'{held:.1f} %'}); "
         f"{len(report['drifting'])} point(s) beyond it",
         soft_wrap=True,

@@ -12,20 +12,57 @@ best and the exported ``k``, and the whole workload's gain over the best single 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from speccal.base.atomic import check_writable, dumps_json
 from speccal.base.errors import InputError
+from speccal.base.paths import check_outputs
 from speccal.base.rich_tables import print_table
 from speccal.cli.cmd_table import err_console
 from speccal.interop.acceptance import MAX_ROWS
 from speccal.interop.export import ENGINES, ExportRequest, run_export
 from speccal.interop.importers import FORMATS, read_acceptance
 from speccal.trace import save_trace
+
+#: The kinds of an inline ``--profile KIND:r1,r2,...``.
+INLINE_KINDS = ("marginal", "conditional")
+#: What ``--profile`` takes (its help and its refusal).
+PROFILE_FORMS = (
+    "an engine file (vLLM /metrics scrape, vLLM per-request stats, speculation_profile.json, "
+    "CSV of accepted lengths), marginal:p1,p2,... or conditional:q1,q2,..."
+)
+
+
+def _check_profile(text: str | None) -> None:
+    """Refuse a ``--profile`` that is neither a file nor an inline profile, naming the forms
+    (an inline one's rates are checked by ``speccal.interop.export``)."""
+    if text is None or os.path.exists(text):
+        return
+    head, sep, rest = text.partition(":")
+    if head in INLINE_KINDS and rest.strip():
+        return
+    if sep and head in INLINE_KINDS:
+        hint = f"{head}: needs its rates, one per position"
+    elif sep and head.isidentifier():
+        hint = f"no profile kind {head!r}; the kinds are {' and '.join(INLINE_KINDS)}"
+    elif _numbers(text):
+        hint = f"name the rates' kind: marginal:{text} (prefix acceptance) or conditional:{text}"
+    else:
+        hint = "no such file"
+    raise InputError("--profile", text, PROFILE_FORMS, hint=hint)
+
+
+def _numbers(text: str) -> bool:
+    try:
+        return all(float(x) >= 0 for x in text.split(","))
+    except ValueError:
+        return False
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -56,7 +93,9 @@ def _print_export(report: dict, out: Path, sidecar: Path) -> None:
         print_table(err_console, t)
     held = report["table"]["heldout"]
     if held["metric"]:
-        err_console.print(f"table held-out error: {held['pct']:.2f} % ({held['metric']})")
+        err_console.print(
+            f"table held-out error: {held['pct']:.2f} % ({held['metric']})", markup=False
+        )
     wl = report["workload"]
     if wl and "schedule_tokens_per_s" in wl:
         where = f"{wl['rounds']:,} rounds" if "rounds" in wl else "equal time per bucket"
@@ -64,12 +103,14 @@ def _print_export(report: dict, out: Path, sidecar: Path) -> None:
             f"workload ({where}): exported schedule "
             f"{wl['schedule_tokens_per_s']:,.1f} tokens/s, "
             f"{wl['gain_vs_best_fixed_pct']:+.2f} % over the best single fixed k "
-            f"(k={wl['best_fixed_k']})"
+            f"(k={wl['best_fixed_k']})",
+            markup=False,
         )
     elif wl and wl.get("adaptive_gain_vs_best_fixed_pct") is not None:
         err_console.print(
             f"workload ({wl['rounds']:,} rounds): {wl['adaptive_policy']} (the planner's "
-            f"analogue) {wl['adaptive_gain_vs_best_fixed_pct']:+.2f} % over {wl['best_fixed']}"
+            f"analogue) {wl['adaptive_gain_vs_best_fixed_pct']:+.2f} % over {wl['best_fixed']}",
+            markup=False,
         )
     for a in report["adjustments"]:
         err_console.print(
@@ -81,9 +122,10 @@ def _print_export(report: dict, out: Path, sidecar: Path) -> None:
     if fid:
         err_console.print(
             f"engine reading vs table: max {_fmt(fid['max_abs_diff_pct'], '.2f')} % over "
-            f"{fid['points']} priced (num_reqs, M) points"
+            f"{fid['points']} priced (num_reqs, M) points",
+            markup=False,
         )
-    err_console.print(f"wrote {out} and {sidecar}")
+    err_console.print(f"wrote {out} and {sidecar}", markup=False)
 
 
 def export_cmd(
@@ -102,9 +144,7 @@ def export_cmd(
         str | None,
         typer.Option(
             "--profile",
-            help="Acceptance instead of --trace: an engine file (vLLM /metrics scrape, vLLM "
-            "per-request stats, speculation_profile.json, CSV of accepted lengths) or "
-            "marginal:p1,p2,... / conditional:q1,q2,...",
+            help=f"Acceptance instead of --trace: {PROFILE_FORMS}.",
         ),
     ] = None,
     fmt: Annotated[
@@ -151,9 +191,14 @@ def export_cmd(
         kv_length=kv_length,
         sidecar=sidecar,
     )
+    _check_profile(profile)
+    check_outputs(
+        [("--out", req.out), ("--sidecar", req.sidecar_path)],
+        [("TABLE", table), ("--trace", trace), ("--profile", profile)],
+    )
     check_writable(req.out, "--out")  # before the work: a bad path never costs the replay
     check_writable(req.sidecar_path, "--sidecar")
-    with err_console.status(f"exporting to {to}"):
+    with err_console.status(escape(f"exporting to {to}")):
         result = run_export(req)
     if json_out:
         typer.echo(dumps_json(result.report), nl=False)
@@ -202,6 +247,7 @@ def import_cmd(
         raise InputError("--kv-length", kv_length, "a number >= 0")
     if max_rows < 1:
         raise InputError("--max-rows", max_rows, "an integer >= 1")
+    check_outputs([("--out", out)], [("PATH", path), ("--since", since)])
     check_writable(out, "--out")
     acc = read_acceptance(
         path,
@@ -230,7 +276,8 @@ def import_cmd(
     err_console.print(
         f"wrote {out}: {summary['steps']:,} steps of {summary['format']} as "
         f"{summary['rounds']:,} rounds, w={trace.draft_width}, per-position acceptance [{p}]"
-        + ("" if acc.exact else " (scaled to --max-rows)")
+        + ("" if acc.exact else " (scaled to --max-rows)"),
+        markup=False,
     )
 
 

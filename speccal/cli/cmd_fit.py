@@ -20,6 +20,7 @@ import typer
 
 from speccal.base.atomic import check_writable, read_json
 from speccal.base.errors import InputError
+from speccal.base.paths import check_outputs
 from speccal.cli.cmd_table import _echo_json, err_console, fit_report
 from speccal.costmodel.compat import UNKNOWN_RUN, make_compatibility
 from speccal.costmodel.measurements import DEFAULT_MODE, MODES, draft_width_of, read_measurements
@@ -110,6 +111,10 @@ def fit(
     cal = _read_json(calibration, "--calibration") if calibration is not None else None
     if out.suffix.lower() != ".json":
         raise InputError("--out", str(out), "a path ending in .json")
+    check_outputs(
+        [("--out", out)],
+        [("MEASUREMENTS", measurements), ("--compat", compat), ("--calibration", calibration)],
+    )
     check_writable(out, "--out")  # before fitting: a bad path never costs the fit
 
     command = f"speccal fit {measurements} --model {model} --out {out}"
@@ -149,7 +154,7 @@ def fit(
         return
     _print_sources(table, bare=compat is None)
     fit_report(table, nonpositive=False)  # the root shows the fit's warning once
-    err_console.print(f"wrote {out}")
+    err_console.print(f"wrote {out}", markup=False)
 
 
 #: How ``fit`` says where a value came from (``calibration.sources``).
@@ -174,7 +179,8 @@ def _print_sources(table, *, bare: bool) -> None:
     width_src = src.get("draft_width", "default")
     err_console.print(
         f"mode {table.mode} ({mode_text}); draft width {table.draft_width} "
-        f"({_SOURCE_TEXT.get(width_src, width_src)})"
+        f"({_SOURCE_TEXT.get(width_src, width_src)})",
+        markup=False,
     )
     if bare:
         err_console.print(

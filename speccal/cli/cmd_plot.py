@@ -14,19 +14,30 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
+from speccal.base.paths import check_outputs
+from speccal.base.rich_tables import make_console
 from speccal.costmodel.table import load_table
-from speccal.plots_replay import write_plots
-from speccal.plots_table import table_title, write_table_plots
+from speccal.plots_replay import THROUGHPUT_PNG, TIMELINE_PNG, write_plots
+from speccal.plots_table import (
+    COMPONENTS_PNG,
+    FIT_PNG,
+    RESIDUALS_PNG,
+    table_title,
+    write_table_plots,
+)
 from speccal.policy import CostModel
 from speccal.replay import ReplayConfig, replay
 from speccal.scenarios import generate, make_scenario
 from speccal.trace import load_trace
 
-err_console = Console(stderr=True)
+err_console = make_console()
+
+#: The files ``plot`` writes into ``--out``: the table's, and the replay's with --trace/--scenario.
+TABLE_PNGS = (FIT_PNG, RESIDUALS_PNG, COMPONENTS_PNG)
+REPLAY_PNGS = (TIMELINE_PNG, THROUGHPUT_PNG)
 
 
 def _replay_report(
@@ -105,14 +116,16 @@ def plot_cmd(
         typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))
     else:
         for p in summary["plots"]:
-            err_console.print(f"wrote {p}")
+            err_console.print(f"wrote {p}", markup=False)
         if "replay" in summary:
             r = summary["replay"]
             gains = ", ".join(
                 f"{k} " + ("n/a (not priced on every round)" if v is None else f"{v:+.2f}%")
                 for k, v in r["gain_vs_best_fixed_pct"].items()
             )
-            err_console.print(f"replay: best fixed {r['best_fixed']}; gain vs best fixed: {gains}")
+            err_console.print(
+                f"replay: best fixed {r['best_fixed']}; gain vs best fixed: {gains}", markup=False
+            )
 
 
 def _plot(
@@ -127,10 +140,13 @@ def _plot(
 ) -> dict[str, Any]:
     if trace is not None and scenario is not None:
         raise InputError("--trace/--scenario", f"{trace} and {scenario}", "at most one of them")
+    replays = trace is not None or scenario is not None
+    names = (*TABLE_PNGS, *(REPLAY_PNGS if replays else ()))
+    check_outputs([("--out", out / n) for n in names], [("TABLE", table_path), ("--trace", trace)])
     check_writable(out, "--out", directory=True)  # before the replay and the figures
     table = load_table(table_path)
     report = None
-    if trace is not None or scenario is not None:
+    if replays:
         report = _replay_report(table, trace, scenario, rounds, num_requests, kv_length, seed)
     paths = write_table_plots(table, out)
     summary: dict[str, Any] = {"table": str(table_path), "out": str(out)}

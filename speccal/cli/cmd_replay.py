@@ -21,23 +21,23 @@ from typing import Annotated, Any
 
 import numpy as np
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
+from speccal.base.paths import check_outputs
 from speccal.base.progress import ProgressReporter
-from speccal.base.rich_tables import print_table
+from speccal.base.rich_tables import make_console, print_table
 from speccal.costmodel.measurements import DEFAULT_MODE, MODES
 from speccal.costmodel.table import load_table
-from speccal.plots_replay import write_plots
+from speccal.plots_replay import THROUGHPUT_PNG, TIMELINE_PNG, write_plots
 from speccal.plots_table import table_title
 from speccal.policy import AdaptiveStepConfig, AdaptiveVerifyConfig, CostModel, parse_policy
 from speccal.replay import ReplayConfig, check_replayable, replay
 from speccal.scenarios import generate, make_scenario, scenario_geometry, synthetic_table
 from speccal.trace import RoundTrace, RoundTraceBuilder, TokenTraceBuilder, load_trace, save_trace
 
-err_console = Console(stderr=True)
+err_console = make_console()
 
 #: Draft width of a scenario without a table: the runner's default, as ``calibrate`` and
 #: ``trace`` use.
@@ -119,20 +119,21 @@ def _print_report(d: dict[str, Any]) -> None:
     strategy = d.get("table", {}).get("state_strategy", "none")
     if strategy != "none":
         err_console.print(f"recurrent-state strategy: {strategy} (its cost is inside every "
-                          "round cost the table measured)")
+                          "round cost the table measured)", markup=False)
     traffic = d.get("table", {}).get("state_traffic")
     if traffic:
         top = max(s["bcap"] for s in traffic)
         per_k = ", ".join(f"k {s['k']}: {s['total'] / 1e6:,.1f} MB"
                           for s in sorted(traffic, key=lambda s: s["k"]) if s["bcap"] == top)
         err_console.print(f"state bytes per round at Bcap {top}: {per_k}", soft_wrap=True)
-    err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}")
+    err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}", markup=False)
     for p in d["policies"]:
         gain = p.get("gain_vs_best_fixed_pct")
         if p["name"].startswith("adaptive") and gain is not None:
             err_console.print(
                 f"{p['name']}: {gain:+.2f} % tokens/s over the best fixed k ({d['best_fixed']}), "
-                f"{p['switches']} switch(es)"
+                f"{p['switches']} switch(es)",
+                markup=False,
             )
 
 
@@ -218,6 +219,10 @@ def replay_cmd(
         )
     specs = [parse_policy(p) for p in (policy or [])]  # refuses a combined adaptive spec first
     if plot is not None:
+        check_outputs(
+            [("--plot", plot / n) for n in (TIMELINE_PNG, THROUGHPUT_PNG)],
+            [("--table", table), ("--trace", trace)],
+        )
         check_writable(plot, "--plot", directory=True)  # before the replay, not after it
     cost_table = None
     if table is not None:
@@ -277,7 +282,7 @@ def replay_cmd(
     else:
         _print_report(d)
         for p in d.get("plots", []):
-            err_console.print(f"wrote {p}")
+            err_console.print(f"wrote {p}", markup=False)
 
 
 def trace_cmd(
@@ -345,6 +350,7 @@ def trace_cmd(
         raise InputError("--kind", kind, "rounds or tokens")
     if scenario is not None and kind != "rounds":
         raise InputError("--kind", kind, "rounds with --scenario (scenarios are round traces)")
+    check_outputs([("--out", out), ("--rounds-out", rounds_out)])
     check_writable(out, "--out")  # before recording: a bad path never costs the run
     if rounds_out is not None:
         if scenario is not None or kind != "tokens":  # refused before --out is written
@@ -383,7 +389,9 @@ def trace_cmd(
         typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))
     else:
         err_console.print(
-            f"wrote {summary['kind']} trace {path}: {summary['records']:,} records, w={tr.draft_width} ({summary['elapsed_s']} s)"
+            f"wrote {summary['kind']} trace {path}: {summary['records']:,} records, "
+            f"w={tr.draft_width} ({summary['elapsed_s']} s)",
+            markup=False,
         )
 
 

@@ -33,6 +33,7 @@ import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated
 
 import typer
@@ -42,11 +43,12 @@ from rich.table import Table
 
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
+from speccal.base.paths import check_outputs
 from speccal.base.progress import ProgressReporter
-from speccal.base.rich_tables import print_table
+from speccal.base.rich_tables import make_console, print_table
 from speccal.cli.dist import is_distributed, run_ranks
 
-err_console = Console(stderr=True)
+err_console = make_console()
 
 
 def _parse_ids(text: str, field: str) -> list[int]:
@@ -313,7 +315,8 @@ def generate(
                 )
             prompts += [tokenizer.encode(p) for p in prompt]
         if engine.is_random_weights:
-            console.print(f"[yellow]RANDOM WEIGHTS[/]: {engine.description}", soft_wrap=True)
+            console.print(f"[yellow]RANDOM WEIGHTS[/]: {escape(engine.description)}",
+                          soft_wrap=True)
         if comm is not None:
             outs = generate_on_ranks(engine, prompts, params, num_k, comm)
             engine.compatibility()  # every rank: gathers the ranks' device names (cached)
@@ -357,13 +360,16 @@ def generate(
         typer.echo(json.dumps(_clean(doc), allow_nan=False))
         return
     for i, item in enumerate(results):
-        err_console.print(f"[bold]request {i}[/] ids: {item['output_ids']}", soft_wrap=True)
+        err_console.print(f"[bold]request {i}[/] ids: {escape(str(item['output_ids']))}",
+                          soft_wrap=True)
         if "text" in item:
-            err_console.print(f"  text: {item['text']!r}", soft_wrap=True)
+            err_console.print(f"  text: {item['text']!r}", soft_wrap=True, markup=False)
     if stats:
         err_console.print(
             f"k={num_k}: acceptance rate {stats['acceptance_rate']:.3f}, mean accepted length "
-            f"{stats['mean_accepted_length']:.3f}, accepted-length histogram {stats['accepted_length_hist']}"
+            f"{stats['mean_accepted_length']:.3f}, accepted-length histogram "
+            f"{stats['accepted_length_hist']}",
+            markup=False,
         )
 
 
@@ -528,6 +534,7 @@ def bench(
             trace_out=trace_out,
             **workload,
         )
+        check_outputs(_trace_outputs(config), [("--cost-table", cost_table)])
         with _status_bar() as report:
             doc = run_policy_bench(config, on_progress=report)
         doc.pop("runs")  # the TimedRun objects (not JSON)
@@ -545,6 +552,18 @@ def bench(
     _print_bench(_clean(res), model, as_json)
 
 
+def _trace_outputs(config) -> list[tuple[str, Path]]:
+    """``--trace-out`` and the path of every run's trace (``speccal.live.bench``'s naming)."""
+    if config.trace_out is None:
+        return []
+    from speccal.live.bench import _trace_path  # lazy: speccal.live imports torch
+
+    runs = [SimpleNamespace(policy=p, cycle=c)
+            for p in config.policies for c in range(config.repeats)]
+    return [("--trace-out", config.trace_out),
+            *(("--trace-out", _trace_path(r, config)[1]) for r in runs)]
+
+
 def _print_bench(res: dict, model: str, as_json: bool) -> None:
     """Print a ``speccal.live.bench.bench`` result (NaN already None)."""
     if as_json:
@@ -553,9 +572,10 @@ def _print_bench(res: dict, model: str, as_json: bool) -> None:
     eng = res["engine"]["spec"]
     setup = res["setup"]
     if eng["is_random_weights"]:
-        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {eng['description']}", soft_wrap=True)
+        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {escape(eng['description'])}",
+                          soft_wrap=True)
     else:
-        err_console.print(eng["description"])
+        err_console.print(eng["description"], markup=False)
     topo = setup.get("topology")
     where = eng["compatibility"]["device"]["name"]
     if topo is not None:  # a torchrun run: the tokens/s are the whole world's
@@ -582,7 +602,8 @@ def _print_bench(res: dict, model: str, as_json: bool) -> None:
     print_table(err_console, table)
     err_console.print(
         f"speed-up {res['speedup']:.2f}x tokens/s, {res['tpot_speedup']:.2f}x TPOT; "
-        f"outputs equal: {res['outputs_equal']}"
+        f"outputs equal: {res['outputs_equal']}",
+        markup=False,
     )
 
 
@@ -628,9 +649,10 @@ def _print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
         typer.echo(json.dumps(doc, allow_nan=False, sort_keys=True))
         return
     if eng["is_random_weights"]:
-        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {eng['description']}", soft_wrap=True)
+        err_console.print(f"[yellow]RANDOM WEIGHTS[/]: {escape(eng['description'])}",
+                          soft_wrap=True)
     for msg in doc["table_warnings"]:
-        err_console.print(f"[yellow]warning[/]: {msg}", soft_wrap=True)
+        err_console.print(f"[yellow]warning[/]: {escape(msg)}", soft_wrap=True)
     title = (
         f"{model} live policies, {setup['num_requests']} requests x {setup['max_tokens']} tokens"
     )
@@ -671,6 +693,7 @@ def _print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
         err_console.print(
             "run order (" + doc["order"]["scheme"] + "): " + " ".join(doc["order"]["sequence"]),
             soft_wrap=True,
+            markup=False,
         )
     for s in doc["policies"]:
         if s["policy"].startswith("adaptive"):
@@ -682,7 +705,7 @@ def _print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
                 soft_wrap=True,
             )
     for name, path in doc["traces"].items():
-        err_console.print(f"trace of {name}: {path}")
+        err_console.print(f"trace of {name}: {path}", markup=False)
 
 
 def _fmt(x, spec: str) -> str:

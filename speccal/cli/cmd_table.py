@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from speccal.base.atomic import (
@@ -30,14 +31,15 @@ from speccal.base.atomic import (
     write_text_atomic,
 )
 from speccal.base.errors import InputError, SpeccalError
-from speccal.base.rich_tables import print_table
+from speccal.base.paths import check_outputs
+from speccal.base.rich_tables import make_console, print_table
 from speccal.cli.cmd_check import check
 from speccal.cli.help import HelpGroup, SpeccalTyper
 from speccal.costmodel.measurements import write_measurements
 from speccal.costmodel.report import cost_grid, diff_tables, summary, to_markdown
 from speccal.costmodel.table import load_table
 
-err_console = Console(stderr=True)
+err_console = make_console()
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
@@ -52,7 +54,8 @@ def fit_report(table, console: Console = err_console, *, nonpositive: bool = Tru
     """
     s = summary(table)
     console.print(
-        f"[bold]{s['model']}[/] cost table, mode [bold]{s['mode']}[/], draft width "
+        f"[bold]{escape(str(s['model']))}[/] cost table, mode [bold]{escape(str(s['mode']))}[/], "
+        f"draft width "
         f"{s['draft_width']}, schema v{s['schema_version']}"
     )
     t = Table(title="fit report (ms; % of measured cost)", title_justify="left")
@@ -99,6 +102,7 @@ def fit_report(table, console: Console = err_console, *, nonpositive: bool = Tru
             f"{_fmt(loco['mean_abs_pct'], '.2f')} % ({loco['n_evaluated']} points), "
             f"leave-1-point-out mean {_fmt(lopo['mean_abs_pct'], '.2f')} %",
             soft_wrap=True,
+            markup=False,
         )
     for f in s["fits"] if nonpositive else ():
         cells = f.get("nonpositive_cells") or []
@@ -185,17 +189,19 @@ def show(
         return
     c = table.compatibility
     m = c.model
-    err_console.print(f"[bold]{table_path}[/]")
+    err_console.print(f"[bold]{escape(str(table_path))}[/]")
     err_console.print(
         f"model {m.architecture} ({m.fingerprint}, {m.dtype}, quant {m.quantization}); "
         f"tp={c.topology.tp} dp={c.topology.dp}; graph {c.graph_mode}; verify {c.verification_mode}; "
-        f"device {c.device.kind}/{c.device.name}"
+        f"device {c.device.kind}/{c.device.name}",
+        markup=False,
     )
     _execution_table(s["execution"], err_console)
     p = table.provenance
     err_console.print(
         f"speccal {p.speccal_version}, created {p.created}, torch {p.torch_version or '?'}"
-        + (f", migrated from {p.migrated_from}" if p.migrated_from else "")
+        + (f", migrated from {p.migrated_from}" if p.migrated_from else ""),
+        markup=False,
     )
     fit_report(table)
     if params:
@@ -246,8 +252,10 @@ def validate(
         )
         return
     for n in notes:
-        err_console.print(f"[yellow]warning:[/] {n}", soft_wrap=True)
-    err_console.print(f"[green]valid[/] {table_path} ({table.model}, {len(table.fits)} context(s))")
+        err_console.print(f"[yellow]warning:[/] {escape(n)}", soft_wrap=True)
+    err_console.print(
+        f"[green]valid[/] {escape(f'{table_path} ({table.model}, {len(table.fits)} context(s))')}"
+    )
 
 
 def diff(
@@ -285,7 +293,9 @@ def diff(
     print_table(err_console, t)
     err_console.print(
         f"{len(d['metadata'])} metadata difference(s); {len(d['costs'])} common cells, max |delta| "
-        f"{_fmt(d['max_abs_delta_pct'], '.2f')}%; only in a: {d['only_in_a']}, only in b: {d['only_in_b']}"
+        f"{_fmt(d['max_abs_delta_pct'], '.2f')}%; only in a: {d['only_in_a']}, only in b: "
+        f"{d['only_in_b']}",
+        markup=False,
     )
 
 
@@ -325,6 +335,7 @@ def export(
             "a .csv or .parquet file for --format measurements",
         )
     if out is not None:
+        check_outputs([("--out", out)], [("TABLE", table_path)])
         check_writable(out, "--out")
     table = load_table(table_path)
     if fmt == "measurements":
@@ -332,7 +343,8 @@ def export(
         write_measurements(rows, out)
         err_console.print(
             f"wrote {len(rows)} measurement rows ({table.mode}, w={table.draft_width}) to {out}; "
-            f"fit them with: speccal fit {out} --model {table.model} --out FILE.json"
+            f"fit them with: speccal fit {out} --model {table.model} --out FILE.json",
+            markup=False,
         )
         return
     grid = cost_grid(table)
@@ -341,7 +353,7 @@ def export(
         typer.echo(text, nl=False)
     else:
         write_text_atomic(out, text, field="--out")
-        err_console.print(f"wrote {len(grid)} rows to {out}")
+        err_console.print(f"wrote {len(grid)} rows to {out}", markup=False)
 
 
 def compat(
@@ -424,7 +436,8 @@ def compat(
     write_json_atomic(out, doc, field="--out")
     err_console.print(
         f"wrote the compatibility of {doc['model']['architecture']} (w={doc['draft_width']}, "
-        f"{doc['device']['kind']}, graph {doc['graph_mode']}) to {out}"
+        f"{doc['device']['kind']}, graph {doc['graph_mode']}) to {out}",
+        markup=False,
     )
 
 

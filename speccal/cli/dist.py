@@ -16,12 +16,20 @@ caused it (``torchrun`` stops every rank once one exits non-zero, possibly befor
 printed). An error that every rank raised alike is printed once, as on one rank. Errors
 before the group is joined (bad options, missing environment, a wrong world size) are the same
 on every rank and printed by rank 0 only (its rank is read from the environment).
+
+``torchrun`` itself exits 1 and prints its own ``ChildFailedError`` report (a traceback of the
+launcher, not of speccal) once any rank exits non-zero: its exit status cannot carry the rank's.
+So that the report names the error, every rank that exits on one leaves its one line in the file
+``torchrun`` reads for the report (``TORCHELASTIC_ERROR_FILE``: :func:`note_for_launcher`); the
+report's root cause then shows that line and the rank's exit code (2 for bad input).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,6 +38,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from speccal.base.errors import InputError, SpeccalError
+from speccal.base.rich_tables import make_console
 
 T = TypeVar("T")
 
@@ -40,6 +49,21 @@ def env_rank() -> int:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
         return 0
+
+
+def note_for_launcher(line: str) -> None:
+    """Under ``torchrun``, write this rank's one-line error where the launcher's failure report
+    reads it (``TORCHELASTIC_ERROR_FILE``, set for every rank); nothing elsewhere."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            # the layout torch's own ``@record`` writes (torch.distributed.elastic errors)
+            extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
+            json.dump({"message": {"message": line, "extraInfo": extra}}, fh)
+    except OSError:
+        pass  # the report then points at torch's docs instead: the rank's line is on stderr
 
 
 def check_sizes(tp: int, dp: int) -> None:
@@ -71,7 +95,7 @@ def run_ranks(tp: int, dp: int, device: str, body: Callable[[Any, Console], T],
 
     rank = env_rank()
     quiet = rank != 0
-    out = Console(file=io.StringIO()) if quiet else (console or Console(stderr=True))
+    out = make_console(file=io.StringIO()) if quiet else (console or make_console())
     phase = f"speccal {command}"
     try:
         # the runner's distributed package imports torch: only once a run is distributed
@@ -89,13 +113,14 @@ def run_ranks(tp: int, dp: int, device: str, body: Callable[[Any, Console], T],
         if alike and isinstance(exc.__cause__, SpeccalError):
             exc = exc.__cause__  # every rank raised this one error: say it as one rank would
         elif quiet and not exc.agreed and exc.first_rank == rank:
-            Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}",
-                                       soft_wrap=True)
+            make_console().print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         if quiet:
+            note_for_launcher(f"error: {exc}")
             raise typer.Exit(exc.exit_code) from None
         raise exc from None
     except SpeccalError as exc:
         if quiet:
+            note_for_launcher(f"error: {exc}")
             raise typer.Exit(exc.exit_code) from None
         raise
     return None if quiet else value
