@@ -37,7 +37,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Valid
 from speccal.base.atomic import read_text
 from speccal.base.errors import InputError
 from speccal.base.geometry import MAX_REQUEST_BUCKETS, Geometry
-from speccal.calibrate.feasibility import check_buckets_captured, default_contexts, reserve_tokens
+from speccal.calibrate.feasibility import (
+    DEFAULT_LEVELS,
+    check_buckets_captured,
+    default_contexts,
+    reserve_tokens,
+)
 from speccal.costmodel.grid import check_contexts
 
 MODELS = ("additive", "sps")
@@ -55,6 +60,21 @@ DEFAULT_TOKEN_SEED = 1
 DEFAULT_WINDOW_SIZE = 20
 DEFAULT_UPDATE_INTERVAL = 5
 DEFAULT_SWITCH_MIN_GAIN = 0.05
+
+#: Where a device kind's defaults differ from the seeds' (the source of each is ``default
+#: (KIND)``). cpu: a CPU round's time moves with the machine (``speccal.calibrate.timing``: even
+#: read by the probe clock one round's cost has ~14 % jitter and a window's ~5 % on a shared
+#: 2-vCPU VM), so a point needs ~200 rounds spread over the run for a ~2 % median, and the
+#: additive model's leave-one-point-out error is ~1.3x the points' noise on the default grid
+#: (each G level is measured at one to three Bcaps). The seeds' design (3 windows of 32 rounds
+#: after 8 warm-up rounds, 96 rounds a point) at four KV levels took 3-7 minutes there and
+#: refused its table at 10-17 % held-out. One context interval (SPEC section 4's default) of
+#: 19 points x 8 windows of 24 rounds after 2 warm-up rounds (216 rounds a point, windows
+#: spread over the run) keeps the README's quick start within a minute at ~4 % held-out
+#: (bench/RESULTS.md). Eager CPU rounds need no long warm-up: nothing is captured or tuned.
+KIND_DEFAULTS: dict[str, dict[str, int]] = {
+    "cpu": {"warmup_steps": 2, "window_steps": 24, "windows_per_point": 6, "context_levels": 1},
+}
 
 # Every key the effective configuration reports a source for, in print order.
 KEYS = (
@@ -211,7 +231,9 @@ class CalibrationConfig:
         _check_int("window_steps", self.window_steps, 1)
         _check_int("windows_per_point", self.windows_per_point, 1)
         _check_int("token_seed", self.token_seed, 0)
-        bad = {k: v for k, v in self.sources.items() if k not in KEYS or v not in SOURCES}
+        kinds = tuple(f"default ({kind})" for kind in KIND_DEFAULTS)
+        bad = {k: v for k, v in self.sources.items()
+               if k not in KEYS or v not in SOURCES + kinds}
         if bad:
             raise InputError("sources", bad, f"keys among {KEYS} and sources among {SOURCES}")
         object.__setattr__(self, "sources", dict(self.sources))
@@ -425,7 +447,9 @@ def _context(prefill: int, lo: int, hi: int, where: str) -> ContextInterval:
         raise InputError(f"{where}.{exc.field}", exc.value, exc.expected, hint=exc.hint) from None
 
 
-def resolve_config(user: UserConfig, geometry: Geometry) -> CalibrationConfig:
+def resolve_config(
+    user: UserConfig, geometry: Geometry, *, device_kind: str | None = None
+) -> CalibrationConfig:
     """Fill every value the user did not set from the documented defaults against ``geometry``.
 
     Parameters
@@ -433,6 +457,9 @@ def resolve_config(user: UserConfig, geometry: Geometry) -> CalibrationConfig:
     user : explicit values (file / flag).
     geometry : the warmed runner's captured geometry; its ``draft_width`` is the run's
         ``num_speculative_tokens``.
+    device_kind : the run's device kind; a kind in :data:`KIND_DEFAULTS` takes its window
+        design and context levels from there (source ``default (KIND)``), any other (or None)
+        the seeds' defaults.
 
     Returns
     -------
@@ -443,9 +470,14 @@ def resolve_config(user: UserConfig, geometry: Geometry) -> CalibrationConfig:
     sources: dict[str, str] = {}
     notes: dict[str, str] = {}
 
+    kind_defaults = KIND_DEFAULTS.get(device_kind or "", {})
+
     def pick(key: str, default: Any) -> Any:
         got = user.get(key)
         if got is None:
+            if key in kind_defaults:
+                sources[key] = f"default ({device_kind})"
+                return kind_defaults[key]
             sources[key] = "default"
             return default
         sources[key] = got[1]
@@ -540,12 +572,18 @@ def resolve_config(user: UserConfig, geometry: Geometry) -> CalibrationConfig:
             prefill_tokens=DEFAULT_PREFILL_TOKENS,
             min_kv_length=DEFAULT_MIN_KV_LENGTH,
             max_kv_length=DEFAULT_MAX_KV_LENGTH,
+            levels=kind_defaults.get("context_levels", DEFAULT_LEVELS),
         )
         contexts = tuple(ContextInterval(*ctx) for ctx in levels)
         if len(levels) > 1:
             spans = ", ".join(f"{lo}-{hi}" for _, lo, hi in levels)
             why = (f"{why}; " if why else "") + (
                 f"{len(levels)} geometric KV levels ({spans}) so the table prices context"
+            )
+        elif "context_levels" in kind_defaults:
+            why = (f"{why}; " if why else "") + (
+                f"{device_kind}: one interval (calibrate.config.KIND_DEFAULTS; give explicit "
+                "contexts for a KV-aware table)"
             )
         if why:
             notes["contexts"] = why

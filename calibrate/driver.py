@@ -72,7 +72,7 @@ from speccal.calibrate.config import CalibrationConfig
 from speccal.calibrate.feasibility import reserve_tokens
 from speccal.calibrate.grid import GridPoint
 from speccal.calibrate.journal import Journal
-from speccal.calibrate.timing import WindowTimer
+from speccal.calibrate.timing import SpeedProbe, WindowTime, WindowTimer
 
 
 class ShapeMismatchError(SpeccalError):
@@ -239,11 +239,13 @@ def measurement_row(
     *,
     device_ms: float | None = None,
     loop: str | None = None,
+    span: WindowTime | None = None,
 ) -> dict[str, Any]:
     """One journal / measurement row (required + optional columns of ARCHITECTURE.md).
 
     ``device_ms`` (the window's device span, CUDA events) adds ``device_ms`` and
-    ``wall_over_device`` (wall total over device span); ``loop`` adds the round loop.
+    ``wall_over_device`` (wall total over device span); ``loop`` adds the round loop; a
+    probe-clock ``span`` adds ``clock``, ``wall_s``, ``probe_ms`` and ``probe_ref_ms``.
     """
     ctx = cfg.contexts[point.context_index]
     row = {
@@ -270,6 +272,10 @@ def measurement_row(
     if device_ms is not None and device_ms > 0:
         row["device_ms"] = device_ms
         row["wall_over_device"] = 1000.0 * elapsed_s / device_ms
+    if span is not None and span.probe_ref_ms is not None:
+        # the probe clock (speccal.calibrate.timing): elapsed_s is the normalised CPU total
+        row.update(clock="cpu_probe", wall_s=span.wall_s, probe_ms=span.probe_ms,
+                   probe_ref_ms=span.probe_ref_ms)
     return row
 
 
@@ -331,6 +337,8 @@ def drive(
     window_indices: Sequence[int] | None = None,
     on_window: Callable[[GridPoint, int], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    probe: SpeedProbe | None = None,
+    probe_ref_ms: float | None = None,
 ) -> DriveStats:
     """Measure every window of ``points`` not yet in ``journal``.
 
@@ -347,12 +355,14 @@ def drive(
     on_window : ``f(point, window_index)`` after each window (progress display).
     clock : wall-clock seconds read at window edges (default ``time.perf_counter``; tests
         inject a fake one).
+    probe, probe_ref_ms : time the windows with the probe clock (``speccal.calibrate.timing``:
+        CPU engines) at this reference; None: the wall clock.
     """
     from speccal.runner.engine import RoundPlan
     from speccal.runner.sampling import SamplingParams
 
     done = journal.done
-    timer = WindowTimer(engine, clock)
+    timer = WindowTimer(engine, clock, probe=probe, probe_ref_ms=probe_ref_ms)
     loop = loop_of(engine)
     w = cfg.windows_per_point
     indices = tuple(range(w) if window_indices is None else window_indices)
@@ -402,14 +412,13 @@ def drive(
             # The window: every round queued before it has finished at the start edge; exactly
             # window_steps rounds are queued between the edges, and the end edge waits for the
             # last of them. A pipelined engine's last round is collected after the edge.
-            start = timer.start()
-            t_warmup += start - t1
+            engine.synchronize()  # the window's start edge syncs again: nothing is left then
+            t_warmup += clock() - t1
             first = engine.round_index
-            inside = [engine.step(plan) for _ in range(cfg.window_steps)]
-            span = timer.stop()
+            inside, span = timer.run(lambda: engine.step(plan), cfg.window_steps)  # noqa: B023
             queued = engine.round_index - first
             rounds += cfg.window_steps
-            t_sampling += span.elapsed_s
+            t_sampling += span.elapsed_s if span.wall_s is None else span.wall_s
             after = engine.drain()
             results = _window_results(before + inside + after, point, first, cfg.window_steps,
                                       queued)
@@ -418,7 +427,7 @@ def drive(
             )
             journal.append(
                 measurement_row(cfg, point, window_index, span.elapsed_s, mean_kv, device,
-                                device_ms=span.device_ms, loop=loop)
+                                device_ms=span.device_ms, loop=loop, span=span)
             )
             measured += 1
             left[point.key] -= 1

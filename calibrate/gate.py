@@ -69,8 +69,11 @@ from speccal.base.errors import InputError, SpeccalError
 from speccal.calibrate.grid import GridPoint
 
 #: Default bounds per device kind: (max_spread_pct, max_heldout_pct).
-DEFAULTS = {"cpu": (10.0, 10.0), "cuda": (3.0, 5.0), "npu": (3.0, 5.0)}
+DEFAULTS = {"cpu": (25.0, 10.0), "cuda": (3.0, 5.0), "npu": (3.0, 5.0)}
 DEFAULT_REMEASURE_ROUNDS = 2
+#: Device kinds whose re-measure rounds default otherwise (cpu: a point has 8 windows, so one
+#: more round is 8 more; see ``DEFAULTS``).
+KIND_REMEASURE_ROUNDS = {"cpu": 1}
 #: The most re-measure rounds a run may ask for ("a bounded number of times").
 MAX_REMEASURE_ROUNDS = 5
 #: The held-out statistic the gate compares with ``max_heldout_pct``.
@@ -131,13 +134,17 @@ class GateConfig:
             max_spread_pct=spread if max_spread_pct is None else float(max_spread_pct),
             max_heldout_pct=heldout if max_heldout_pct is None else float(max_heldout_pct),
             remeasure_rounds=(
-                DEFAULT_REMEASURE_ROUNDS if remeasure_rounds is None else int(remeasure_rounds)
+                KIND_REMEASURE_ROUNDS.get(device_kind, DEFAULT_REMEASURE_ROUNDS)
+                if remeasure_rounds is None else int(remeasure_rounds)
             ),
             accept_noisy=bool(accept_noisy),
             sources={
                 "max_spread_pct": default if max_spread_pct is None else "flag",
                 "max_heldout_pct": default if max_heldout_pct is None else "flag",
-                "remeasure_rounds": "default" if remeasure_rounds is None else "flag",
+                "remeasure_rounds": (
+                    ("default" if device_kind not in KIND_REMEASURE_ROUNDS else default)
+                    if remeasure_rounds is None else "flag"
+                ),
                 "accept_noisy": "flag" if accept_noisy else "default",
             },
         )

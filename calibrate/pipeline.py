@@ -73,7 +73,7 @@ from speccal.calibrate.gate import (
 )
 from speccal.calibrate.grid import GridPoint, build_grid
 from speccal.calibrate.journal import Journal, check_discard, open_journal
-from speccal.calibrate.timing import LOOPS, loop_timing
+from speccal.calibrate.timing import CLOCKS, LOOPS, SpeedProbe, at_run_speed, loop_timing
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import build_table
 from speccal.costmodel.table_schema import CostTable, Provenance
@@ -127,6 +127,7 @@ class CalibrateOptions:
     remeasure_rounds: int | None = None
     accept_noisy: bool = False
     loop: str = "pipelined"
+    clock: str = "auto"  # auto | wall | cpu_probe (speccal.calibrate.timing.CLOCKS)
     state_strategy: str = "scratch_swap"  # hybrid targets (EngineConfig.state_strategy)
     kernels: Mapping[str, Any] | None = None  # a KernelConfig.to_dict() object; None: defaults
 
@@ -194,6 +195,8 @@ def _check_options(opts: CalibrateOptions) -> None:
     machine.check_threads(opts.threads)
     if opts.loop not in LOOPS:
         raise InputError("--loop", opts.loop, " or ".join(LOOPS))
+    if opts.clock not in ("auto", *CLOCKS):
+        raise InputError("--clock", opts.clock, " or ".join(("auto", *CLOCKS)))
     if opts.state_strategy not in STATE_STRATEGIES:
         raise InputError("--state-strategy", opts.state_strategy, " or ".join(STATE_STRATEGIES))
     check_bounds(opts.max_spread_pct, opts.max_heldout_pct, opts.remeasure_rounds)
@@ -326,8 +329,8 @@ def _calibrate(
         ):
             # The captured buckets were chosen on the command line: calibrating all of them is the flag's doing.
             flags["request_buckets"] = tuple(geometry.request_buckets)
-        cfg = resolve_config(UserConfig.build(parsed, flags), geometry)
         kind = str(compat["device"]["kind"])
+        cfg = resolve_config(UserConfig.build(parsed, flags), geometry, device_kind=kind)
         gate = GateConfig.resolve(
             kind,
             max_spread_pct=opts.max_spread_pct,
@@ -521,6 +524,10 @@ def _measure(
     device_label = f"{compat['device']['kind']}:{compat['device']['name']}"
     vocab_size = _vocab_size(engine)
     w = cfg.windows_per_point
+    # CPU rounds are timed by the probe clock (speccal.calibrate.timing); the journal's header
+    # names the clock, so a journal of the other clock is another run's
+    probe = SpeedProbe() if window_clock(opts.clock, _device_type(engine)) == "cpu_probe" else None
+    header["measurement"]["clock"] = "wall" if probe is None else "cpu_probe"
     with open_journal(
         opts.journal_path, header, resume=opts.resume, overwrite=opts.overwrite,
         drop_bad=opts.drop_bad_windows,
@@ -539,6 +546,16 @@ def _measure(
                 + (f" ({'; '.join(notes)})" if notes else "")
             )
         report.print_grid(console, points, cfg, len(journal.rows))
+        probe_ref_ms = None
+        if probe is not None:
+            # a resumed run prices its windows at the reference its first windows used
+            kept = [r["probe_ref_ms"] for r in journal.rows if r.get("probe_ref_ms")]
+            probe_ref_ms = float(kept[0]) if kept else None
+            console.print(
+                "clock: each round's thread CPU time over a speed probe's (cpu: the machine's "
+                "speed drifts; speccal.calibrate.timing), priced at the run's median probe",
+                soft_wrap=True,
+            )
         load_before = machine.load_sample(opts.device)
         note = "[bold yellow]busy[/]: expect noisy windows; " if machine.busy(load_before) else ""
         console.print(
@@ -578,6 +595,8 @@ def _measure(
                 vocab_size=vocab_size,
                 on_window=on_window,
                 clock=clock,
+                probe=probe,
+                probe_ref_ms=probe_ref_ms,
             )
             for r in range(1, gate.remeasure_rounds + 1):
                 due = points_to_remeasure(journal.rows, points, w, r, gate)
@@ -602,6 +621,8 @@ def _measure(
                     window_indices=indices,
                     on_window=on_window,
                     clock=clock,
+                    probe=probe,
+                    probe_ref_ms=probe_ref_ms,
                 )
                 stats = stats.plus(more)
         load_after = machine.load_sample(opts.device)
@@ -612,7 +633,7 @@ def _measure(
             f"machine {machine.describe_load(load_after)} after",
             soft_wrap=True,
         )
-        selection = select_windows(journal.rows, points, w, gate)
+        selection = select_windows(at_run_speed(journal.rows), points, w, gate)
     return _Measured(
         stats=stats,
         journal=journal,
@@ -622,6 +643,24 @@ def _measure(
         load_before=load_before,
         load_after=load_after,
     )
+
+
+def window_clock(clock: str, device_type: str | None) -> str:
+    """The clock that times the windows (``speccal.calibrate.timing.CLOCKS``): ``auto`` is the
+    probe clock on a CPU engine and the wall clock elsewhere; an explicit ``cpu_probe`` needs
+    a CPU engine (a GPU's rounds are not this thread's work)."""
+    if clock == "auto":
+        return "cpu_probe" if device_type == "cpu" else "wall"
+    if clock == "cpu_probe" and device_type not in ("cpu", None):
+        raise InputError("--clock", clock, f"wall or auto on a {device_type} engine "
+                         "(cpu_probe times a CPU round's thread time)")
+    return clock
+
+
+def _device_type(engine: Any) -> str | None:
+    """The engine's torch device type (``cpu``, ``cuda``, ...); None for an engine without one
+    (the fakes of the tests, which keep the wall clock)."""
+    return getattr(getattr(engine, "device", None), "type", None)
 
 
 def with_quality(table: CostTable, quality: Mapping[str, Any]) -> CostTable:

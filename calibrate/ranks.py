@@ -216,6 +216,11 @@ def _check_options(opts: CalibrateOptions, max_rank_skew_pct: float) -> None:
     if opts.resume:
         raise UnsupportedError("--resume with more than one rank: a resumed run would need every "
                                "rank's journal; rerun with --overwrite")
+    if opts.clock == "cpu_probe":
+        # each rank would price its rounds at its own probe; the ranks' windows are compared
+        # with each other (max_rank_skew_pct), so several ranks keep the wall clock
+        raise UnsupportedError("--clock cpu_probe with more than one rank: the ranks time "
+                               "their windows by the wall clock (--clock auto or wall)")
     if opts.cost_table is not None:
         if not opts.cost_table.is_file():
             raise InputError("--cost-table", str(opts.cost_table), "an existing cost table file")
@@ -298,9 +303,10 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
             if opts.request_buckets is not None and not (
                     parsed and parsed.calibration.request_buckets is not None):
                 flags["request_buckets"] = tuple(geometry.request_buckets)
-            cfg = resolve_config(UserConfig.build(parsed, flags), geometry)
+            kind = str(compat["device"]["kind"])
+            cfg = resolve_config(UserConfig.build(parsed, flags), geometry, device_kind=kind)
             gate = GateConfig.resolve(
-                str(compat["device"]["kind"]), max_spread_pct=opts.max_spread_pct,
+                kind, max_spread_pct=opts.max_spread_pct,
                 max_heldout_pct=opts.max_heldout_pct, remeasure_rounds=opts.remeasure_rounds,
                 accept_noisy=opts.accept_noisy)
             check_feasible(cfg, geometry)

@@ -59,6 +59,41 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device("npu", i)
 
 
+#: glibc ``mallopt`` parameters: ``M_TRIM_THRESHOLD`` and ``M_MMAP_THRESHOLD``.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: The largest fixed mmap threshold glibc accepts on 64-bit hosts (``HEAP_MAX_SIZE / 2``).
+_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def keep_host_heap() -> bool:
+    """Keep freed host memory in the process's heap instead of handing it back to the kernel
+    after every round (glibc only; True when applied).
+
+    A CPU round allocates its temporaries (the KV gathers of a Bcap 8 batch at a 2,000-token
+    context: several MB each) and frees them before the next round. With glibc's defaults the
+    freed top of the heap above 128 KB is trimmed back to the kernel and blocks past the
+    (dynamic) mmap threshold are unmapped, so the next round faults the same pages in again:
+    on the 2-vCPU VM such rounds cost 1.8-2.3x their shape's rate, depending on which sizes
+    the process had freed before (calibration points of one shape 2x apart whose prompts
+    differed by 15 tokens; bench/RESULTS.md). A trim threshold of 1 GiB and the largest fixed
+    mmap threshold keep those pages resident; the engine calls this once for a CPU device.
+    Elsewhere (another C library) nothing changes.
+    """
+    try:
+        import ctypes
+        import ctypes.util
+
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = getattr(libc, "mallopt", None)
+    except OSError:
+        return False
+    if mallopt is None or platform.libc_ver()[0] != "glibc":
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30)) and bool(
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX))
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued work on ``device`` (no-op on CPU)."""
     if device.type == "cuda":

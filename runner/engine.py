@@ -50,6 +50,7 @@ from speccal.runner.device import (
     default_dtype,
     device_name,
     driver_version,
+    keep_host_heap,
     resolve_device,
     synchronize,
 )
@@ -320,6 +321,8 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_host_heap()  # a round's freed temporaries stay mapped (runner.device)
         self.path = config.path
         self.path.check_device(self.device)
         preset = PRESETS.get(config.model)
@@ -688,6 +691,7 @@ class Engine:
         self.drain()
         for rid in list(self.requests):
             self.release(rid)
+        self.kv.allocator.sort_free()  # a fresh batch's block layout does not depend on history
         self._early_finished = []
         self._round_index = 0
         self.stats = SpecStats(self.config.draft_width)

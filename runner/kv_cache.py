@@ -58,6 +58,19 @@ class BlockAllocator:
         self._free.extend(reversed(blocks))
         blocks.clear()
 
+    def sort_free(self) -> None:
+        """Put the free list back in block order (the lowest block is handed out first).
+
+        Requests growing side by side take their blocks from one free list in turn, and
+        freeing them pushes those interleavings back, so after a few batches a new batch's
+        blocks lie wherever the history left them. The KV gather of a CPU round reads whole
+        block tables: on the 2-vCPU VM the same Bcap 8 shape cost 23.0-31.6 (probe ratio) over
+        twelve batches with the history's layout and 23.1-26.7 from a sorted list
+        (bench/RESULTS.md). ``Engine.reset`` calls this, so every fresh batch starts from one
+        layout whatever ran before.
+        """
+        self._free.sort(reverse=True)
+
 
 class KVCache:
     """Cache tensors of ``num_layers`` layers (target layers then the draft layer)."""

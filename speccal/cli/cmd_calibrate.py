@@ -192,6 +192,16 @@ def register(app: typer.Typer) -> None:
                 "synchronous (host and device work in series). Recorded in the table.",
             ),
         ] = "pipelined",
+        clock: Annotated[
+            str,
+            typer.Option(
+                "--clock",
+                help="How windows are timed: auto (cpu_probe on cpu, wall elsewhere), wall "
+                "(wall time between synced edges) or cpu_probe (each round's thread CPU time "
+                "over a speed probe's, priced at the run's median probe: a shared CPU's speed "
+                "drifts). Recorded in the table.",
+            ),
+        ] = "auto",
         state_strategy: Annotated[
             str,
             typer.Option(
@@ -272,7 +282,14 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--json", help="Print the summary as JSON on stdout.")
         ] = False,
     ) -> None:
-        """Warm the runner, sample the calibration grid, fit and write a cost table."""
+        """Warm the runner, sample the calibration grid, fit and write a cost table.
+
+        On a CPU the defaults are one context interval and 6 windows of 24 rounds (2 warm-up)
+        per point, and every round is timed in thread CPU time against a fixed speed probe run
+        after it, priced at the run's median probe (the machine's speed drifts by 10-20 % within
+        seconds on a shared host; the table records `calibration.timing.clock: cpu_probe`).
+        The tiny preset's default CPU calibration takes under a minute.
+        """
         from speccal.calibrate.gate import QualityGateError
         from speccal.calibrate.pipeline import CalibrateOptions, calibrate
 
@@ -298,6 +315,7 @@ def register(app: typer.Typer) -> None:
             remeasure_rounds=remeasure_rounds,
             accept_noisy=accept_noisy,
             loop=loop,
+            clock=clock,
             state_strategy=state_strategy,
             kernels=None if kernels is None else read_json(kernels, "--kernels"),
             flags={

@@ -10,7 +10,8 @@ from rich.console import Console
 from speccal.base.errors import InputError
 from speccal.calibrate.check import check_table, spot_points
 from speccal.calibrate.pipeline import CalibrateOptions, calibrate
-from speccal.costmodel.table import load_table
+from speccal.costmodel.table import load_table, parse_table, save_table
+from speccal.costmodel.table_build import refit_table
 from tests.calibrate.fakes import CONFIG, fake
 
 #: Two contexts, so the spot points cover the first and last interval.
@@ -73,11 +74,17 @@ def test_a_drifting_point_is_named_and_the_check_fails(table_path):
 
 
 def test_a_perturbed_parameter_fails_and_an_explicit_bound_is_used(table_path, tmp_path):
-    doc = json.loads(table_path.read_text())
+    # The table of a machine 1.5x slower: every window slowed, refitted (a table whose stored
+    # parameters disagree with its own points is refused at load: test_table_forged.py).
+    table = load_table(table_path)
+    doc = table.to_json_dict()
     for fit in doc["fits"]:
-        fit["additive"]["bias_ms"] *= 1.5
+        for w in fit["windows"]:
+            w["elapsed_s"] *= 1.5
+            w["step_ms"] *= 1.5
+    slow = parse_table(json.dumps(doc), source="slowed windows")
     bad = tmp_path / "perturbed.json"
-    bad.write_text(json.dumps(doc))
+    save_table(refit_table(slow), bad)
     report, _ = _check(bad)
     assert not report["passed"] and len(report["drifting"]) == 8
     loose, _ = _check(bad, max_drift_pct=60.0)

@@ -51,7 +51,7 @@ def test_effective_configuration_printed_with_sources_and_geometry(
         sources["contexts"],
         sources["draft_width"],
     ) == (
-        "default",
+        "default (cpu)",  # calibrate.config.KIND_DEFAULTS
         "flag",
         "file",
         "run",
@@ -180,7 +180,8 @@ def test_sigkill_mid_calibration_then_resume(tmp_path, small, write_config):
         "cfg.json",
         "table.json",
         "table.json.journal.jsonl",
-        "table.json.lock",  # a dead holder's file: the kernel released its lock
+        "table.json.journal.jsonl.lock",  # dead holders' files: the kernel released the locks
+        "table.json.lock",
     ]
     before = journal.read_bytes()
     complete = before[: before.rfind(b"\n") + 1].count(b'"kind":"window"')

@@ -38,6 +38,11 @@ def cfg_path(tmp_path):
 
 def run(tmp_path, cfg_path, make, *, console=None, **kw):
     kw.setdefault("progress", False)
+    # the bounds these tests were written for (the fake engine is a cpu one, whose defaults,
+    # 25 % and one round, test_default_bounds_per_device_kind checks)
+    if kw.get("device", "cpu") == "cpu":
+        kw.setdefault("max_spread_pct", 10.0)
+        kw.setdefault("remeasure_rounds", 2)
     opts = CalibrateOptions(config_path=cfg_path, out=tmp_path / "t.json", **kw)
     console = console or Console(stderr=True, quiet=True)
     return calibrate(opts, console=console, engine_factory=make, clock=make.clock)
@@ -113,14 +118,15 @@ def test_remeasure_plan_is_a_function_of_the_rows():
 
 
 @pytest.mark.parametrize(
-    "kind, spread, heldout", [("cpu", 10.0, 10.0), ("cuda", 3.0, 5.0), ("npu", 3.0, 5.0)]
+    "kind, spread, heldout, rounds",
+    [("cpu", 25.0, 10.0, 1), ("cuda", 3.0, 5.0, 2), ("npu", 3.0, 5.0, 2)],
 )
-def test_default_bounds_per_device_kind(kind, spread, heldout):
+def test_default_bounds_per_device_kind(kind, spread, heldout, rounds):
     gate = GateConfig.resolve(kind)
     assert (gate.max_spread_pct, gate.max_heldout_pct, gate.remeasure_rounds) == (
         spread,
         heldout,
-        2,
+        rounds,
     )
     assert gate.sources["max_heldout_pct"] == f"default ({kind})"
     flagged = GateConfig.resolve(kind, max_heldout_pct=7.5, accept_noisy=True)
@@ -315,7 +321,7 @@ def test_threads_flag_is_used_recorded_and_part_of_the_journal_key(tmp_path, cfg
         run(tmp_path, cfg_path, make, threads=2)
     assert make.last.threads_seen == {2}
     header = json.loads((tmp_path / "t.json.journal.jsonl").read_text().splitlines()[0])
-    assert header["measurement"] == {"threads": 2, "windows": "replicates"}
+    assert header["measurement"] == {"threads": 2, "windows": "replicates", "clock": "wall"}
     # windows measured with 2 threads are not mixed with windows measured with 1
     with pytest.raises(Exception, match="another run"):
         run(tmp_path, cfg_path, fake(), resume=True)

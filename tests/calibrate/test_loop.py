@@ -86,8 +86,10 @@ def _run(tmp_path, loop="pipelined", spy=None, **over):
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(SMALL))
     spy = spy or SpyEngine(real_engine(3, loop == "pipelined"))
+    # the wall clock: these tests count the spy clock's ticks (test_probe_clock.py: the CPU one)
     opts = CalibrateOptions(config_path=cfg, out=tmp_path / "t.json", progress=False,
-                            remeasure_rounds=0, accept_noisy=True, loop=loop, **over)
+                            remeasure_rounds=0, accept_noisy=True, loop=loop, clock="wall",
+                            **over)
     summary = calibrate(opts, console=QUIET, engine_factory=lambda o: spy, clock=spy.clock)
     lines = [json.loads(x) for x in opts.journal_path.read_text().splitlines()]
     rows = [x["row"] for x in lines if x.get("kind") == "window"]
@@ -112,8 +114,9 @@ def test_each_window_holds_exactly_window_steps_rounds_of_its_shape(tmp_path, lo
     table = load_table(opts.out, expect=spy.compatibility())
     assert table.compatibility.loop == loop
     assert table.calibration.timing.model_dump() == {
-        "loop": loop, "windows": len(rows), "device_windows": 0, "wall_over_device_median": None,
-        "wall_over_device_max": None, "device_step_ms_median": None,
+        "loop": loop, "clock": "wall", "probe_ref_ms": None, "windows": len(rows),
+        "device_windows": 0, "wall_over_device_median": None, "wall_over_device_max": None,
+        "device_step_ms_median": None,
     }
     assert summary["timing"]["loop"] == loop and summary["effective_config"]["loop"] == loop
 
@@ -220,8 +223,9 @@ def test_loop_timing_summarises_only_windows_with_a_device_span():
             {"device_ms": 8.0, "wall_over_device": 1.5, "window_steps": 2},
             {"window_steps": 2}]
     assert loop_timing(rows, "pipelined") == {
-        "loop": "pipelined", "windows": 3, "device_windows": 2, "wall_over_device_median": 1.25,
-        "wall_over_device_max": 1.5, "device_step_ms_median": 3.0,
+        "loop": "pipelined", "clock": "wall", "probe_ref_ms": None, "windows": 3,
+        "device_windows": 2, "wall_over_device_median": 1.25, "wall_over_device_max": 1.5,
+        "device_step_ms_median": 3.0,
     }
 
 

@@ -140,10 +140,12 @@ def test_short_context_shrinks_default_prefill(tmp_path, engine_factory):
     eff = summary["effective_config"]
     reserve = (2 + 1 + 2) * 4
     contexts = eff["config"]["contexts"]
-    assert contexts[-1]["prefill_tokens"] == 128 and contexts[-1]["max_kv_length"] == 256
-    assert all(c["prefill_tokens"] + reserve <= c["max_kv_length"] for c in contexts)
+    # cpu: one default interval (calibrate.config.KIND_DEFAULTS), its prefill shrunk from
+    # 2048 to what the 256-token context holds past the reserve
+    (ctx,) = contexts
+    assert ctx["prefill_tokens"] == 256 - reserve and ctx["max_kv_length"] == 256
     assert "model context 256" in eff["notes"]["contexts"]
     assert eff["sources"]["contexts"] == "default"
     assert eff["config"]["request_buckets"] == [1, 2, 4]
-    # every captured G of every captured Bcap, in each of the 4 default KV levels
-    assert len(contexts) == 4 and summary["points_done"] == 4 * (4 + 5 + 5)
+    # every captured G of every captured Bcap
+    assert summary["points_done"] == 4 + 5 + 5
