@@ -27,11 +27,12 @@ it instead:
    ``probe_ref_ms`` is the median probe of the run's first window (kept in every journal row,
    so a resumed run prices its windows at the same reference; the fit then prices every
    window at the run's median probe instead, :func:`at_run_speed`). The probe is timed where
-   the rounds leave the caches: back to back, without rounds between, it ran in about half
-   the time and priced rounds ~1.5x below their own thread time. The drift
-   is a speed factor common to the round and the probe run a millisecond later: over 63 windows
-   of three shapes on a 2-vCPU VM with other work running, per-window CV went from 15-19 %
-   (wall) to 12-15 % (thread CPU) to 5 % (the probe ratio); bench/RESULTS.md.
+   the rounds leave the caches: back to back, without rounds between, it took 0.17-0.32 ms
+   against 0.32-0.54 ms between rounds, and a reference measured so priced rounds ~1.5x below
+   their own thread time. The drift is a speed factor common to the round and the probe run a
+   millisecond later: over 63 windows of three shapes on a 2-vCPU VM with other work running,
+   per-window CV went from 15-19 % (wall) to 12-15 % (thread CPU) to 5 % (the probe ratio;
+   measured with a 1.1 ms variant of the probe); bench/RESULTS.md.
 
 The table's costs are then this machine's CPU cost of a round at the speed it had while the
 reference was measured, and ``calibration.timing.clock`` says so. A window's ``elapsed_s`` is

@@ -18,7 +18,6 @@ from speccal.base.atomic import read_json
 from speccal.base.errors import InputError
 from speccal.base.paths import check_outputs
 from speccal.base.rich_tables import make_console
-from speccal.calibrate.lock import lock_path
 from speccal.cli.dist import env_rank, is_distributed, run_ranks
 
 _err = make_console()
@@ -39,6 +38,8 @@ def _calibrate_ranks(opts, tp: int, dp: int, max_rank_skew_pct: float):
 def _check_outputs(opts, kernels: Path | None) -> None:
     """Refuse a table, journal or lock file that is one of the run's inputs or another output
     (``speccal.base.paths``); a reused table (``--cost-table``) writes nothing."""
+    from speccal.calibrate.lock import lock_path  # in the command: the CLI starts without torch
+
     if opts.cost_table is not None:
         return
     journal = opts.journal_path

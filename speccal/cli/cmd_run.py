@@ -560,8 +560,9 @@ def _trace_outputs(config) -> list[tuple[str, Path]]:
 
     runs = [SimpleNamespace(policy=p, cycle=c)
             for p in config.policies for c in range(config.repeats)]
-    return [("--trace-out", config.trace_out),
-            *(("--trace-out", _trace_path(r, config)[1]) for r in runs)]
+    paths = [config.trace_out, *(_trace_path(r, config)[1] for r in runs)]
+    # one policy run once writes --trace-out itself: one output, not two
+    return [("--trace-out", path) for path in dict.fromkeys(Path(x) for x in paths)]
 
 
 def _print_bench(res: dict, model: str, as_json: bool) -> None:
