@@ -74,6 +74,7 @@ from speccal.calibrate.gate import (
 from speccal.calibrate.grid import GridPoint, build_grid
 from speccal.calibrate.journal import Journal, check_discard, open_journal
 from speccal.calibrate.timing import CLOCKS, LOOPS, SpeedProbe, at_run_speed, loop_timing
+from speccal.costmodel.coverage import warn_coverage
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import build_table
 from speccal.costmodel.table_schema import CostTable, Provenance
@@ -310,6 +311,7 @@ def _calibrate(
             table = load_table(
                 opts.cost_table, expect=compat, runtime_versions=engine.runtime_versions()
             )
+            warn_coverage(table, geometry, source=str(opts.cost_table))
             report.print_reused_table(console, table, opts.cost_table)
             return {
                 "status": "reused",

@@ -470,8 +470,8 @@ class AdaptiveVerifyPolicy:
         budgets, costs = self.cost.verify_candidates(state.num_requests, state.kv_length)
         g, _ = choose_budget(curve, state.num_requests, budgets, costs, self.config.resolution)
         reason = "warmup" if curve is None else "scored"
-        if curve is not None and not np.isfinite(costs).any():
-            reason = "uncalibrated"
+        if int(g) == 0 or (curve is not None and not np.isfinite(costs).any()):
+            reason = "uncalibrated"  # g == 0: no bucket of the table holds the batch
         return Decision(k=self.cost.draft_width, g=int(g), reason=reason)
 
 

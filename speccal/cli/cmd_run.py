@@ -670,6 +670,7 @@ def _print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
         "vs best fixed",
         "replay tok/s",
         *(["replay err % (median)"] if repeats > 1 else []),
+        "priced rounds",
     ):
         table.add_column(col)
     for s in doc["policies"]:
@@ -688,8 +689,17 @@ def _print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
             "-" if gain is None else f"{gain:+.1f}%",
             _fmt(pred, ".1f"),
             *([_fmt((s.get("replay") or {}).get("error_pct"), ".1f")] if repeats > 1 else []),
+            _coverage(s),
         )
     print_table(err_console, table)
+    short = [s["policy"] for s in doc["policies"] if s.get("rounds_uncalibrated")]
+    if short:
+        err_console.print(
+            f"[yellow]warning[/]: {escape(', '.join(short))} ran rounds the table does not "
+            "price (a batch past its request buckets or KV span: run at full width, "
+            "uncalibrated); calibrate the engine's captured buckets",
+            soft_wrap=True,
+        )
     if repeats > 1:
         err_console.print(
             "run order (" + doc["order"]["scheme"] + "): " + " ".join(doc["order"]["sequence"]),
@@ -711,6 +721,14 @@ def _print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
 
 def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _coverage(summary: dict) -> str:
+    """``priced / rounds`` of a policy's live run (a median over repeats)."""
+    priced, rounds = summary.get("rounds_priced"), summary.get("rounds")
+    if priced is None or not rounds:
+        return "-"
+    return f"{priced:.0f}/{rounds:.0f}"
 
 
 def register(app: typer.Typer) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from speccal.base.errors import InputError
+from speccal.costmodel.coverage import warn_coverage
 from speccal.costmodel.table import load_table
 from speccal.live.policies import (
     Phase,
@@ -498,6 +499,7 @@ def run_policy_bench(
                 expect=engine.compatibility(),
                 runtime_versions=engine.runtime_versions(),
             )
+            warn_coverage(table, engine.geometry, source=str(config.cost_table))
         table_warnings = [str(w.message) for w in caught]
         cost = live_cost_model(table)
     else:

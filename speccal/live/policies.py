@@ -111,6 +111,7 @@ class LiveRun:
     stats: dict[str, Any] = field(default_factory=dict)
     loop_s: float = math.nan  # wall time of the whole round loop minus prefill (bookkeeping too)
     pipelined: bool = False  # the engine ran pipelined rounds (feedback one round later)
+    priced: np.ndarray | None = None  # [rounds] bool: the table prices the shape the round ran
 
     @property
     def round_tokens(self) -> np.ndarray:
@@ -148,6 +149,9 @@ class LiveRun:
             "round_tokens": tok,
             "switches": int(np.count_nonzero(np.diff(self.k))),
             "reasons": reasons,
+            "rounds_priced": None if self.priced is None else int(self.priced.sum()),
+            "rounds_uncalibrated": (None if self.priced is None
+                                    else int(self.priced.size - self.priced.sum())),
             "timeline": self.timeline(),
         }
 
@@ -164,6 +168,18 @@ class LiveRun:
         ]
 
 
+def _priced(policy: Any, res: Any, kv_length: float | None) -> bool:
+    """Whether the policy's table prices the shape a round ran (its Bcap and target rows at
+    the KV its plan saw): False is a round the table could not have chosen for ("uncalibrated",
+    e.g. a batch past the table's request buckets)."""
+    cost = getattr(policy, "cost", None)
+    if cost is None:
+        return False
+    kv = float(np.mean(res.kv_lengths)) if kv_length is None else kv_length
+    return bool(np.isfinite(cost.lookup(np.asarray([res.bcap]), np.asarray([res.g]),
+                                        np.asarray([kv]))).all())
+
+
 def live_cost_model(table: Any) -> CostModel:
     """``CostModel.from_table(table, memo=True)``: scalar lookups memoised (identical values)."""
     return CostModel.from_table(table, memo=True)
@@ -173,8 +189,10 @@ def to_plan(decision: Decision, mode: str) -> RoundPlan:
     """The ``RoundPlan`` of a policy decision (see the module docstring)."""
     if decision.verify_tokens is not None:
         return RoundPlan(int(decision.k), verify_tokens=[int(v) for v in decision.verify_tokens])
-    if mode == "target_verify":
+    if mode == "target_verify" and decision.g > 0:
         return RoundPlan(int(decision.k), verify_budget=int(decision.g))
+    # g == 0: the table has no bucket holding this batch (the engine captured more than it
+    # calibrated): the full-width admission fallback, every draft verified at the engine's bucket
     return RoundPlan(int(decision.k))
 
 
@@ -211,7 +229,9 @@ def run_live(
     rids = [engine.add_request(p, params) for p in prompts]
     total_target = params.max_tokens * len(rids)
     builder = RoundTraceBuilder(w)
-    rec: dict[str, list] = {f: [] for f in ("k", "g", "g_run", "b", "acc", "ver", "ms", "why")}
+    rec: dict[str, list] = {
+        f: [] for f in ("k", "g", "g_run", "b", "acc", "ver", "ms", "why", "priced")
+    }
     phase_of_round: list[int] = []
     current_phase = -1
     emitted = 0
@@ -273,6 +293,7 @@ def run_live(
         rec["ver"].append(int(res.num_verify.sum()))
         rec["ms"].append(ms)
         rec["why"].append(d.reason)
+        rec["priced"].append(_priced(policy, res, seen_kv))
         phase_of_round.append(max(current_phase, 0))
     loop_s = time.perf_counter() - t_loop - prefill_s
     outputs = sum(len(engine.requests[r].output) for r in rids)
@@ -302,6 +323,7 @@ def run_live(
         verified=np.asarray(rec["ver"], dtype=np.int64),
         round_ms=np.asarray(rec["ms"], dtype=np.float64),
         reasons=rec["why"],
+        priced=np.asarray(rec["priced"], dtype=bool),
         trace=trace,
         prefill_s=prefill_s,
         output_tokens=int(outputs),

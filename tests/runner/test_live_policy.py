@@ -199,6 +199,39 @@ def test_uncalibrated_points_run_full_width():
     assert not replay_prediction(run, cost, make_policy("adaptive-step", cost))["priced"]
 
 
+@pytest.mark.parametrize(
+    "policy, mode", [("adaptive-verify", "target_verify"), ("adaptive-step", "draft_step"),
+                     ("fixed:2", "draft_step")])
+def test_a_batch_past_the_tables_buckets_runs_full_width_and_is_counted(policy, mode):
+    """The engine captured buckets 1..8, the table only 1, 2, 4: a batch of 6 has no bucket
+    in the table. It runs at full width (adaptive verify once handed the engine a budget of 0
+    and the run failed), and every report counts those rounds as unpriced."""
+    eng = _engine(profile=(0.9, 0.5, 0.2), buckets=(1, 2, 4, 8))
+    small = Geometry(draft_width=W, request_buckets=(1, 2, 4),
+                     target_rows={b: eng.geometry.target_rows[b] for b in (1, 2, 4)},
+                     kv_capacity_tokens=eng.geometry.kv_capacity_tokens,
+                     max_model_len=eng.geometry.max_model_len,
+                     block_size=eng.geometry.block_size)
+    known = _cost(small, mode=mode, per_row=3.0)
+
+    def table_cost(bcap, g, kv):  # a table prices only its own buckets
+        out = known.cost(bcap, g, kv)
+        return np.where(np.isin(np.asarray(bcap), small.request_buckets), out, np.nan)
+
+    cost = CostModel(cost=table_cost, geometry=small, mode=mode)
+    run = run_live(eng, make_policy(policy, cost), mode, _prompts(eng, 6, seed=3),
+                   SamplingParams(max_tokens=12, ignore_eos=True))
+    summary = run.summary()
+    big = run.num_requests > 4
+    assert big.any() and (~big).any()  # requests finish one by one: the batch shrinks to 4
+    assert not run.priced[big].any() and run.priced[~big].all()
+    assert summary["rounds_uncalibrated"] == int(big.sum())
+    assert summary["rounds_priced"] + summary["rounds_uncalibrated"] == summary["rounds"]
+    if policy.startswith("adaptive"):
+        assert {run.reasons[i] for i in np.flatnonzero(big)} == {"uncalibrated"}
+        assert (run.k[big] == W).all() and (run.verified[big] == W * run.num_requests[big]).all()
+
+
 def test_live_loop_refusals():
     eng = _engine()
     cost = _cost(eng.geometry)
