@@ -502,6 +502,10 @@ def resolve_config(
     sources["draft_width"] = "run"
 
     buckets = tuple(sorted(set(pick("request_buckets", geometry.request_buckets))))
+    if sources["request_buckets"] == "default":
+        notes["request_buckets"] = (
+            "every bucket the engine captured (its default: the device's served set, "
+            "speccal.base.geometry.SERVED_REQUEST_BUCKETS, as bench and generate)")
     check_buckets_captured(buckets, geometry)
     rows_in = pick("target_graph_rows", None)
     if rows_in is None:

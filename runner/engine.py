@@ -43,7 +43,7 @@ import torch
 
 from speccal import __version__
 from speccal.base.errors import CapacityError, InputError, UnsupportedError
-from speccal.base.geometry import Geometry
+from speccal.base.geometry import Geometry, served_request_buckets
 from speccal.kernels.precompile import CompilePool, triton_cache_is_empty
 from speccal.runner.device import (
     check_memory,
@@ -82,7 +82,9 @@ class EngineConfig:
     device : ``cpu``, ``cuda[:N]`` or ``npu[:N]``; validated, never a silent fallback.
     dtype : ``float32`` / ``bfloat16`` / ``float16``; None = float32 on CPU, bfloat16 elsewhere.
     draft_width : ``w``, the most draft tokens per round.
-    request_buckets : physical draft request buckets ``Bcap`` (ascending).
+    request_buckets : physical draft request buckets ``Bcap`` (ascending); None = the device
+        kind's served set (``speccal.base.geometry.SERVED_REQUEST_BUCKETS``: 1..64 on cuda /
+        npu, 1..8 on cpu), the same for calibrate, bench and generate.
     target_rows : optional ``{Bcap: (G, ...)}``; default ``Bcap * j`` for ``j = 1 .. w + 1``.
     acceptance : ``greedy`` | ``sample`` | ``synthetic`` | ``forced``.
     acceptance_profile : ``synthetic`` only: conditional acceptance per draft position (``w``).
@@ -116,7 +118,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None
     draft_width: int = 3
-    request_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    request_buckets: tuple[int, ...] | None = None
     target_rows: Mapping[int, Sequence[int]] | None = None
     acceptance: str = "greedy"
     acceptance_profile: tuple[float, ...] | None = None
@@ -151,7 +153,10 @@ class EngineConfig:
             raise UnsupportedError(
                 f"graph_mode='split' captures CUDA/NPU graphs; device {self.device!r} runs 'eager'"
             )
-        object.__setattr__(self, "request_buckets", tuple(int(b) for b in self.request_buckets))
+        buckets = self.request_buckets
+        if buckets is None:  # the device kind's served set (speccal.base.geometry)
+            buckets = served_request_buckets(self.device)
+        object.__setattr__(self, "request_buckets", tuple(int(b) for b in buckets))
         if self.acceptance == "synthetic":
             prof = self.acceptance_profile
             if prof is None or len(prof) != self.draft_width:

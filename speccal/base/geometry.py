@@ -29,6 +29,27 @@ from speccal.base.errors import InputError
 MAX_REQUEST_BUCKETS = 128
 
 
+#: The request buckets an engine captures when none are given, per device kind: the one bucket
+#: set ``speccal calibrate``, ``bench``, ``generate`` and the exports share, so a table prices
+#: what the engine serves (a calibration of 1, 2, 4, 8 beside a bench engine of 1..32 left 62 of
+#: 70 rounds of a 12-request batch unpriced). cuda / npu: powers of two up to 64 (a serving
+#: engine captures many buckets); cpu: up to 8, so the tiny preset's default CPU calibration
+#: stays within a minute (``--request-buckets`` widens it, up to :data:`MAX_REQUEST_BUCKETS`).
+SERVED_REQUEST_BUCKETS: dict[str, tuple[int, ...]] = {
+    "cuda": (1, 2, 4, 8, 16, 32, 64),
+    "npu": (1, 2, 4, 8, 16, 32, 64),
+    "cpu": (1, 2, 4, 8),
+}
+
+
+def served_request_buckets(device: str) -> tuple[int, ...]:
+    """:data:`SERVED_REQUEST_BUCKETS` of a device spec (``cpu``, ``cuda:1``, ...)."""
+    kind = str(device).split(":", 1)[0]
+    if kind not in SERVED_REQUEST_BUCKETS:
+        raise InputError("device", device, f"one of {', '.join(SERVED_REQUEST_BUCKETS)}[:N]")
+    return SERVED_REQUEST_BUCKETS[kind]
+
+
 def default_request_buckets(max_batch: int) -> tuple[int, ...]:
     """Powers of two up to ``max_batch`` plus ``max_batch`` itself (1, 2, 4, 8, ...)."""
     if max_batch < 1:

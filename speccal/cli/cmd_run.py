@@ -70,8 +70,6 @@ def _parse_floats(text: str | None, field: str) -> tuple[float, ...] | None:
         raise InputError(field, text, "comma-separated probabilities") from None
 
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
-
 # Options shared by ``generate`` and ``bench``.
 ModelOpt = Annotated[
     str, typer.Option("--model", help="Preset (tiny, dense-0.5b, dense-2b, mimo-7b) or HF folder.")
@@ -158,7 +156,7 @@ def _engine_config(
     seed,
     max_model_len,
     speculative,
-    request_buckets=DEFAULT_BUCKETS,
+    request_buckets=None,
     graph_mode=None,
     attention_backend=None,
     loop="pipelined",
@@ -184,7 +182,7 @@ def _engine_config(
         device=device,
         dtype=dtype,
         draft_width=draft_width,
-        request_buckets=tuple(request_buckets),
+        request_buckets=None if request_buckets is None else tuple(request_buckets),
         acceptance=acceptance,
         acceptance_profile=_parse_floats(profile, "--acceptance-profile"),
         seed=seed,
@@ -452,7 +450,8 @@ def bench(
         str | None,
         typer.Option(
             "--request-buckets",
-            help="Captured request buckets, e.g. 1,2,4,8 (default 1,2,4,8,16,32).",
+            help="Captured request buckets, e.g. 1,2,4,8 (default: the device's served set, "
+            "as speccal calibrate: 1..64 in powers of two on cuda/npu, 1,2,4,8 on cpu).",
             show_default=False,
         ),
     ] = None,
@@ -608,10 +607,11 @@ def _print_bench(res: dict, model: str, as_json: bool) -> None:
     )
 
 
-def _parse_buckets(text: str | None) -> tuple[int, ...]:
-    """``--request-buckets``: comma- or space-separated integers (default :data:`DEFAULT_BUCKETS`)."""
+def _parse_buckets(text: str | None) -> tuple[int, ...] | None:
+    """``--request-buckets``: comma- or space-separated integers (None: the engine's default,
+    ``speccal.base.geometry.SERVED_REQUEST_BUCKETS`` of the device)."""
     if not text:
-        return DEFAULT_BUCKETS
+        return None
     try:
         return tuple(int(b) for b in text.replace(",", " ").split())
     except ValueError:

@@ -102,7 +102,9 @@ def test_every_default_applied_with_its_source():
     expected["draft_width"] = "run"
     assert cfg.sources == expected
     assert len(cfg.sources) == 13
-    assert list(cfg.notes) == ["contexts"] and "3 geometric KV levels" in cfg.notes["contexts"]
+    assert list(cfg.notes) == ["request_buckets", "contexts"]
+    assert "3 geometric KV levels" in cfg.notes["contexts"]
+    assert "SERVED_REQUEST_BUCKETS" in cfg.notes["request_buckets"]
 
 
 def test_adaptive_step_file_accepted_unchanged(tmp_path):

@@ -77,3 +77,18 @@ def test_default_target_rows_share_g_levels_across_buckets():
     assert rows[1] == (1, 2, 3, 4) and rows[2] == (2, 3, 4, 6, 8) and rows[4][-1] == 16
     with pytest.raises(InputError, match="full width"):
         Geometry(draft_width=2, request_buckets=(1,), target_rows={1: (1, 2)})
+
+
+def test_one_served_bucket_set_per_device_kind():
+    """calibrate, bench and generate build their engines from EngineConfig, whose default
+    buckets are the device kind's served set: one set, so a table prices what serving runs."""
+    from speccal.base.geometry import SERVED_REQUEST_BUCKETS, served_request_buckets
+    from speccal.runner.engine import EngineConfig
+
+    assert served_request_buckets("cuda:1") == (1, 2, 4, 8, 16, 32, 64)
+    assert served_request_buckets("cpu") == (1, 2, 4, 8)
+    for kind, buckets in SERVED_REQUEST_BUCKETS.items():
+        assert EngineConfig(device=kind).request_buckets == buckets
+    assert EngineConfig(device="cuda", request_buckets=(1, 3)).request_buckets == (1, 3)
+    with pytest.raises(InputError, match="device"):
+        served_request_buckets("tpu")
