@@ -48,6 +48,7 @@ from typing import Any
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError, UnsupportedError
@@ -191,8 +192,9 @@ def make_engine(opts: CalibrateOptions) -> Any:
     return Engine(EngineConfig(**kwargs))
 
 
-def _check_options(opts: CalibrateOptions) -> None:
-    """Refuse contradictory options and unwritable outputs before anything is built."""
+def check_run_values(opts: CalibrateOptions) -> None:
+    """Refuse a named value of the run that is none of its choices (threads, loop, clock,
+    state strategy, gate bounds): one rule for one rank and for several (``ranks``)."""
     machine.check_threads(opts.threads)
     if opts.loop not in LOOPS:
         raise InputError("--loop", opts.loop, " or ".join(LOOPS))
@@ -201,6 +203,11 @@ def _check_options(opts: CalibrateOptions) -> None:
     if opts.state_strategy not in STATE_STRATEGIES:
         raise InputError("--state-strategy", opts.state_strategy, " or ".join(STATE_STRATEGIES))
     check_bounds(opts.max_spread_pct, opts.max_heldout_pct, opts.remeasure_rounds)
+
+
+def _check_options(opts: CalibrateOptions) -> None:
+    """Refuse contradictory options and unwritable outputs before anything is built."""
+    check_run_values(opts)
     if opts.resume and opts.overwrite:
         raise InputError(
             "--overwrite", True, "not combined with --resume (keep the journal or discard it)"
@@ -293,7 +300,7 @@ def _calibrate(
         compile_capture_s = time.perf_counter() - t0
         description = getattr(engine, "description", opts.model)
         console.print(
-            f"compile/capture {compile_capture_s:.1f} s: runner {description} built and warmed "
+            f"compile/capture {compile_capture_s:.1f} s: runner {escape(str(description))} built and warmed "
             f"({compat.get('graph_mode')} graphs)",
             soft_wrap=True,
         )
@@ -428,7 +435,7 @@ def _calibrate(
             _refusal(opts, held, gate, kind, measured.load_after), summary=summary
         )
     save_table(table, opts.out)  # --out was checked writable before the runner was built
-    console.print(f"wrote {opts.out} ({stats.points_done}/{stats.points_total} points)")
+    console.print(f"wrote {escape(str(opts.out))} ({stats.points_done}/{stats.points_total} points)")
     return summary
 
 
@@ -544,7 +551,7 @@ def _measure(
             if journal.dropped_torn_line:
                 notes.append("dropped a torn last line")
             console.print(
-                f"resuming from {opts.journal_path}: {len(journal.rows)} windows already measured"
+                f"resuming from {escape(str(opts.journal_path))}: {len(journal.rows)} windows already measured"
                 + (f" ({'; '.join(notes)})" if notes else "")
             )
         report.print_grid(console, points, cfg, len(journal.rows))

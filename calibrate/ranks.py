@@ -64,7 +64,7 @@ from speccal.calibrate.gate import (
 )
 from speccal.calibrate.grid import build_grid
 from speccal.calibrate.journal import check_discard, open_journal, window_key
-from speccal.calibrate.pipeline import CalibrateOptions, with_quality
+from speccal.calibrate.pipeline import CalibrateOptions, check_run_values, with_quality
 from speccal.calibrate.timing import loop_timing
 from speccal.costmodel.compat import check_compatibility
 from speccal.costmodel.table import load_table, parse_table, save_table
@@ -212,7 +212,7 @@ def topology_record(comm: Any, device_names: Sequence[str]) -> dict[str, Any]:
 
 def _check_options(opts: CalibrateOptions, max_rank_skew_pct: float) -> None:
     check_skew_bound(max_rank_skew_pct)
-    machine.check_threads(opts.threads)
+    check_run_values(opts)  # --loop, --clock, ... as one rank checks them
     if opts.resume:
         raise UnsupportedError("--resume with more than one rank: a resumed run would need every "
                                "rank's journal; rerun with --overwrite")

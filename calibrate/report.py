@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from speccal.base.geometry import Geometry
@@ -281,7 +282,7 @@ def print_reused_table(console: Console, table: Any, path: Any) -> None:
     """Source, saved calibration config and coverage of a table reused with ``--cost-table``."""
     cal = table.calibration
     console.print(
-        f"reusing cost table {path} (schema {table.schema_version}, created {table.provenance.created})"
+        f"reusing cost table {escape(str(path))} (schema {table.schema_version}, created {table.provenance.created})"
     )
     console.print(
         f"  saved calibration: model {cal.model}, mode {cal.mode}, draft_width {cal.draft_width}, "

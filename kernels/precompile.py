@@ -344,6 +344,10 @@ class CompileMeter:
         try:
             import triton
         except ImportError:
+            triton = None
+        if triton is None:
+            # yielded outside the except block: an error inside the caller's with-block is
+            # not chained to "No module named 'triton'"
             yield self
             return
         knobs = triton.knobs.runtime

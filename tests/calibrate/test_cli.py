@@ -327,3 +327,11 @@ def test_calibrate_without_torch_is_one_line(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs torch" in lines[0], res.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_paths_with_markup_are_printed_as_typed(tmp_path, small, write_config, patched):
+    """A table path that reads as Rich markup or an emoji code is echoed verbatim."""
+    out = tmp_path / "my:rocket:[bold]t.json"
+    res = invoke("--config", write_config(small), "--out", out)
+    assert res.exit_code == 0, res.output
+    assert f"wrote {out} (" in res.stderr.replace("\n", "")

@@ -80,3 +80,16 @@ def test_table_hash_is_of_the_canonical_json_and_mismatches_name_ranks():
     check_same_table([d0, d0])
     with pytest.raises(SpeccalError, match=r"table hash differs on ranks \[1, 3\]"):
         check_same_table([d0, d1, d0, d1])
+
+
+@pytest.mark.parametrize("field, value", [("loop", "bogus"), ("clock", "bogus"),
+                                          ("state_strategy", "bogus")])
+def test_several_ranks_refuse_what_one_rank_refuses(tmp_path, field, value):
+    """``torchrun ... calibrate --loop bogus`` once started a whole calibration."""
+    from speccal.base.errors import InputError
+    from speccal.calibrate.pipeline import CalibrateOptions
+    from speccal.calibrate.ranks import _check_options
+
+    opts = CalibrateOptions(out=tmp_path / "t.json", **{field: value})
+    with pytest.raises(InputError, match=f"--{field.replace('_', '-')}"):
+        _check_options(opts, 5.0)

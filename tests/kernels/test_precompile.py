@@ -165,3 +165,22 @@ def test_an_empty_triton_cache_is_a_cold_host(tmp_path, monkeypatch):
     assert triton_cache_is_empty() is True
     (tmp_path / "abc123").mkdir()
     assert triton_cache_is_empty() is False
+
+
+def test_an_error_inside_the_meter_is_not_chained_to_a_missing_triton(monkeypatch):
+    """Without triton, an error raised in the measured block keeps its own context (a full
+    disk once printed "During handling of ... No module named 'triton'" above it)."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_triton(name, *a, **kw):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("No module named 'triton'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    with pytest.raises(OSError) as exc:
+        with CompileMeter().measuring():
+            raise OSError(28, "No space left on device")
+    assert exc.value.__context__ is None
