@@ -14,6 +14,19 @@ groups of ``num_requests``) and returns a full-width :class:`~speccal.trace.Roun
 draft scores (no engine format here publishes them). Per-position (prefix) acceptance
 ``p_i`` = fraction of steps with ``a >= i + 1`` is the same in the rows and in the trace:
 ``trace.survival_counts().sum(axis=0) / N``.
+
+Steps of a dynamic-K deployment draft ``d <= w`` tokens, so position ``j`` (0-based) is only
+verified when ``d >= j + 1``. :func:`prefix_from_draft_lengths` estimates per-position prefix
+acceptance from ``counts[d, a]`` (steps that drafted ``d`` and accepted ``a``) with the
+product-limit (Kaplan-Meier) estimator: a step that accepted all ``d`` of its drafts is censored
+at ``d`` (its position ``d`` was never verified), any other step fails at position ``a``.
+Position ``j``'s conditional acceptance is ``q_j = passed_j / reached_j`` over the steps that
+verified it (``reached_j``: ``d >= j + 1`` and ``a >= j``; ``passed_j``: ``d >= j + 1`` and
+``a >= j + 1``) and ``p_j = q_0 * ... * q_j``. It is unbiased when the draft length does not
+depend on how the step's drafts would be accepted (a batch-size schedule: ``K`` follows the batch,
+not the tokens); pooling the per-position counts over the steps instead (``per_pos / steps``)
+counts every short draft as a rejection at its unverified positions and is biased low.
+:func:`from_draft_lengths` turns that estimate into full-width rows (``exact = False``).
 """
 
 from __future__ import annotations
@@ -198,3 +211,62 @@ def from_prefix(
         exact=False,
         source={**source, "rates": [float(v) for v in p], "rows": int(rows)},
     )
+
+
+def prefix_from_draft_lengths(
+    counts: np.ndarray, field: str = "acceptance_histogram_by_draft_length"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Product-limit prefix acceptance ``[w]`` and the steps that verified each position
+    ``[w]`` from ``counts[d, a]`` (``[w + 1, w + 1]``: steps that drafted ``d`` tokens and
+    accepted ``a <= d``); see the module docstring."""
+    c = np.asarray(counts, dtype=np.int64)
+    w = c.shape[0] - 1
+    if w < 1 or c.shape != (w + 1, w + 1) or (c < 0).any():
+        raise InputError(field, c.shape, "[w + 1, w + 1] step counts >= 0 (draft length, accepted)")
+    if np.triu(c, 1).any():  # c[d, a] with a > d
+        raise InputError(field, c.tolist(), "accepted <= the step's draft length")
+    prefix = np.zeros(w)
+    reached = np.zeros(w, dtype=np.int64)
+    p = 1.0
+    for j in range(w):
+        longer = c[j + 1 :]  # steps whose draft reached position j
+        reached[j] = int(longer[:, j:].sum())
+        passed = int(longer[:, j + 1 :].sum())
+        if reached[j] == 0:
+            if p > 0 and not longer.any():
+                raise InputError(
+                    field,
+                    f"no step drafted {j + 1} or more tokens",
+                    f"every position 1..{w} verified at least once (position {j + 1} never was)",
+                    hint="a deployment that never drafts num_spec_tokens cannot price the "
+                    "deepest positions; import with the largest K it ran",
+                )
+            p = 0.0  # every step that drafted this deep failed earlier
+        else:
+            p *= passed / reached[j]
+        prefix[j] = p
+    return prefix, reached
+
+
+def from_draft_lengths(
+    counts: np.ndarray,
+    *,
+    source: dict[str, Any],
+    rows: int = PROFILE_ROWS,
+    seed: int = 0,
+    field: str = "acceptance_histogram_by_draft_length",
+) -> Acceptance:
+    """Full-width rows whose prefix acceptance is the product-limit estimate of ``counts[d, a]``
+    (within ``1 / rows``); the source records the estimate, its inputs and the estimator."""
+    c = np.asarray(counts, dtype=np.int64)
+    prefix, reached = prefix_from_draft_lengths(c, field)
+    src = {
+        **source,
+        "estimator": "product-limit over draft lengths (a step that accepted its whole draft "
+        "is censored there)",
+        "steps_by_draft_length": {str(d): int(n) for d, n in enumerate(c.sum(axis=1)) if n},
+        "counts_by_draft_length": c.tolist(),
+        "positions_verified": reached.tolist(),
+        "prefix_acceptance_estimated": [float(v) for v in prefix],
+    }
+    return from_prefix(prefix, source=src, rows=rows, seed=seed, field=field)

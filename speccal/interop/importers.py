@@ -11,10 +11,17 @@ Formats (docs/INTEROP.md cites the engine code each rule is read from):
   ``c_w = 0``). Series of several engines (DP ranks) are summed; several ``model_name`` values
   need ``model_name``. ``since`` (an earlier scrape) is subtracted, so a window of serving can
   be imported.
-- ``vllm-requests``: vLLM's per-request ``speculative_decoding_stats`` (``--per-request-spec-
-  decode-stats summary|detailed``): a response, a list of responses or JSON lines, or the stats
-  objects themselves. ``acceptance_histogram`` (accepted drafts -> steps) is exact; with
-  ``detailed``, ``per_step_accepted`` gives each step in order.
+- ``vllm-requests``: vLLM's per-request spec-decode stats: a response, a list of responses or
+  JSON lines, or the stats objects themselves. Merged vLLM (#48915, ``--per-request-spec-decode-
+  metrics summary|detailed``) puts them at the response's top-level ``metrics.
+  speculative_decoding``: ``acceptance_histogram`` a dense list (index = accepted drafts),
+  ``acceptance_histogram_by_draft_length`` one such list per draft length, ``detailed`` adds
+  ``per_step_accepted`` / ``per_step_drafted`` in order. The legacy (pre-merge) shape, per-choice
+  ``speculative_decoding_stats`` with a sparse ``{accepted: steps}`` histogram
+  (``--per-request-spec-decode-stats``), is still read, full width only; the source's
+  ``shape`` says which was read. Full-width steps are exact; steps of several draft lengths (a
+  dynamic-K schedule) are estimated per position from the by-draft-length counts
+  (``speccal.interop.acceptance.prefix_from_draft_lengths``, product-limit).
 - ``profile``: a ``speculation_profile.json`` (NVIDIA Model Optimizer's specdec_bench):
   ``acceptance_length_histogram`` (keyed by acceptance *length*, bonus token included: length
   ``L`` = ``L - 1`` drafts accepted) when present, else ``marginal_accept_rates`` (prefix
@@ -22,9 +29,10 @@ Formats (docs/INTEROP.md cites the engine code each rule is read from):
 - ``csv``: one row per (request, step): ``accepted`` (required), ``drafted``, ``round``,
   ``kv_length``, ``request`` (optional).
 
-Every format must describe full-width steps (``num_draft_tokens == steps * w``): counts of
-shortened drafts (dynamic K, structured-output truncation) are censored past the short draft
-and are refused, as ``speccal replay`` refuses ``k < w`` rounds. A bad file is one
+Every other format must describe full-width steps (``num_draft_tokens == steps * w``): counts
+of shortened drafts (dynamic K, structured-output truncation) are censored past the short
+draft and are refused, as ``speccal replay`` refuses ``k < w`` rounds; a ``/metrics`` scrape of
+a dynamic-K deployment is refused with a message naming the per-request route. A bad file is one
 ``InputError`` naming the field, the value and what was expected.
 """
 
@@ -47,6 +55,7 @@ from speccal.interop.acceptance import (
     MAX_ROWS,
     PROFILE_ROWS,
     Acceptance,
+    from_draft_lengths,
     from_histogram,
     from_prefix,
     histogram_from_survival,
@@ -59,6 +68,8 @@ VLLM_DRAFTS = "vllm:spec_decode_num_drafts"
 VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+#: vLLM per-request stats: accepted-draft histograms per draft length (dynamic K).
+BY_DRAFT_LENGTH = "acceptance_histogram_by_draft_length"
 #: Labels that tell engines (ranks) of one model apart; their series are summed.
 ENGINE_LABELS = ("engine",)
 #: speculation_profile.json schema major version this reader knows.
@@ -233,7 +244,9 @@ def vllm_metrics(
             c[key] = diff if key == "per_pos" else int(diff)
     drafts, tokens, accepted, per = c["drafts"], c["draft_tokens"], c["accepted"], c["per_pos"]
     w = int(per.size)
-    _check_counts(field, drafts, tokens, accepted, per, w, names=_VLLM_NAMES)
+    _check_counts(
+        field, drafts, tokens, accepted, per, w, names=_VLLM_NAMES, short_hint=_SCRAPE_SHORT
+    )
     hist = histogram_from_survival(drafts, per)
     src = {
         **(source or {}),
@@ -248,6 +261,16 @@ def vllm_metrics(
     return from_histogram(hist, source=src, max_rows=max_rows, seed=seed)
 
 
+#: Why a scrape of a dynamic-K deployment is refused, and the route that imports it.
+_SCRAPE_SHORT = (
+    "steps drafted fewer than num_speculative_tokens (a dynamic-K schedule, "
+    "num_speculative_tokens_per_batch_size, or structured output): the counters do not say "
+    "which positions each step verified. Import the per-request stats instead: serve with "
+    "--per-request-spec-decode-metrics summary|detailed and run speccal import RESPONSES.json "
+    "--format vllm-requests (metrics.speculative_decoding with " + BY_DRAFT_LENGTH + " or "
+    "per_step_drafted)"
+)
+
 _VLLM_NAMES = {
     "drafts": f"{VLLM_DRAFTS}_total",
     "tokens": f"{VLLM_DRAFT_TOKENS}_total",
@@ -257,7 +280,15 @@ _VLLM_NAMES = {
 
 
 def _check_counts(
-    field: str, drafts: int, tokens: int, accepted: int, per: np.ndarray, w: int, names
+    field: str,
+    drafts: int,
+    tokens: int,
+    accepted: int,
+    per: np.ndarray,
+    w: int,
+    names,
+    short_hint: str = "shorter drafts (dynamic K, structured output) leave the deeper positions "
+    "unobserved; import acceptance measured at a fixed K",
 ) -> None:
     """The identities every counter set of full-width steps satisfies."""
     if drafts <= 0:
@@ -274,8 +305,7 @@ def _check_counts(
             tokens,
             f"steps x draft width = {drafts} x {w} = {drafts * w} (every step drafted at full "
             "width)",
-            hint="shorter drafts (dynamic K, structured output) leave the deeper positions "
-            "unobserved; import acceptance measured at a fixed K",
+            hint=short_hint,
         )
     if per[0] > drafts:
         raise InputError(
@@ -305,8 +335,21 @@ def _check_counts(
 # --------------------------------------------------------------------------------------------
 
 
-def _stats_objects(text: str, field: str) -> list[dict]:
-    """Every ``speculative_decoding_stats`` object of a response / list / JSON-lines file."""
+#: Where a response carries the per-request stats, and the histogram layout of each place.
+SHAPE_MERGED = "metrics.speculative_decoding"
+SHAPE_LEGACY = "choices[].speculative_decoding_stats"
+SHAPES = {
+    SHAPE_MERGED: "vLLM as merged (#48915, --per-request-spec-decode-metrics): top-level "
+    "metrics.speculative_decoding, dense-list histograms",
+    SHAPE_LEGACY: "pre-merge vLLM (--per-request-spec-decode-stats): per-choice "
+    "speculative_decoding_stats, sparse {accepted: steps} histogram",
+}
+
+
+def _stats_objects(text: str, field: str) -> list[tuple[str, dict]]:
+    """``(shape, stats)`` of every per-request stats object of a response / list / JSON-lines
+    file: ``metrics.speculative_decoding`` (merged vLLM), ``speculative_decoding_stats``
+    (legacy), or bare stats objects (shape by histogram layout: list merged, dict legacy)."""
     try:
         docs = [json.loads(text)]
     except json.JSONDecodeError:
@@ -318,18 +361,28 @@ def _stats_objects(text: str, field: str) -> list[dict]:
                 docs.append(json.loads(line))
             except json.JSONDecodeError as exc:
                 raise InputError(f"{field}: line {n}", line[:60], f"JSON ({exc.msg})") from None
-    out: list[dict] = []
+    out: list[tuple[str, dict]] = []
+
+    def stats(shape: str, obj: Any) -> None:
+        if obj is None:  # n > 1, or speculation off for the request
+            return
+        if not isinstance(obj, dict):
+            raise InputError(f"{field}: {shape}", type(obj).__name__, "a stats object")
+        out.append((shape, obj))
 
     def walk(obj: Any) -> None:
         if isinstance(obj, list):
             for x in obj:
                 walk(x)
         elif isinstance(obj, dict):
+            metrics = obj.get("metrics")
             if "acceptance_histogram" in obj and "num_spec_steps" in obj:
-                out.append(obj)
+                layout = isinstance(obj["acceptance_histogram"], list)
+                out.append((SHAPE_MERGED if layout else SHAPE_LEGACY, obj))
+            elif isinstance(metrics, dict) and "speculative_decoding" in metrics:
+                stats(SHAPE_MERGED, metrics["speculative_decoding"])
             elif "speculative_decoding_stats" in obj:
-                if obj["speculative_decoding_stats"] is not None:
-                    walk(obj["speculative_decoding_stats"])
+                stats(SHAPE_LEGACY, obj["speculative_decoding_stats"])
             else:
                 for key in ("choices", "data"):
                     if key in obj:
@@ -339,9 +392,13 @@ def _stats_objects(text: str, field: str) -> list[dict]:
     if not out:
         raise InputError(
             field,
-            "no speculative_decoding_stats",
-            "responses of a server run with --per-request-spec-decode-stats summary or detailed",
+            "no metrics.speculative_decoding (nor legacy speculative_decoding_stats)",
+            "responses of a vLLM server run with --per-request-spec-decode-metrics summary or "
+            "detailed (metrics.speculative_decoding; n = 1 requests)",
         )
+    shapes = sorted({shape for shape, _ in out})
+    if len(shapes) > 1:
+        raise InputError(field, shapes, "one shape per file (merged or legacy vLLM)")
     return out
 
 
@@ -352,83 +409,239 @@ def _int(obj: dict, key: str, field: str, minimum: int = 0) -> int:
     return v
 
 
-def vllm_requests(
-    text: str, *, source: dict[str, Any] | None = None, max_rows: int = MAX_ROWS, seed: int = 0
-) -> Acceptance:
-    """vLLM per-request ``speculative_decoding_stats`` -> Acceptance (see module docstring)."""
-    stats = _stats_objects(text, "vllm-requests")
-    w = None
-    hist_total = None
-    steps_per_request: list[np.ndarray] = []
-    for i, s in enumerate(stats):
-        f = f"vllm-requests[{i}]"
-        k = _int(s, "num_spec_tokens", f, 1)
-        if w is None:
-            w = k
-        elif k != w:
-            raise InputError(f"{f}.num_spec_tokens", k, f"the first request's {w}")
-        raw = s.get("acceptance_histogram")
-        if not isinstance(raw, dict):
-            raise InputError(f"{f}.acceptance_histogram", raw, "an object {accepted: steps}")
-        hist = np.zeros(w + 1, dtype=np.int64)
-        for key, count in raw.items():
+def _dense(raw: Any, w: int, field: str, length: int | None = None) -> np.ndarray:
+    """A dense ``[w + 1]`` count list (index = accepted drafts); a shorter list of ``length``
+    entries is zero-padded."""
+    n = w + 1 if length is None else length
+    if not isinstance(raw, list) or len(raw) not in {n, w + 1}:
+        raise InputError(
+            field,
+            raw if not isinstance(raw, list) else f"{len(raw)} entries",
+            f"a dense list of {w + 1} step counts (index j = j drafts accepted)",
+        )
+    for j, v in enumerate(raw):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise InputError(f"{field}[{j}]", v, "an integer >= 0")
+    out = np.zeros(w + 1, dtype=np.int64)
+    out[: len(raw)] = raw
+    return out
+
+
+def _sparse(raw: Any, w: int, field: str) -> np.ndarray:
+    if not isinstance(raw, dict):
+        raise InputError(field, raw, "an object {accepted: steps}")
+    hist = np.zeros(w + 1, dtype=np.int64)
+    for key, count in raw.items():
+        if not str(key).isdigit() or int(key) > w:
+            raise InputError(field, key, f"keys 0..num_spec_tokens={w} (accepted)")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise InputError(f"{field}[{key}]", count, "an integer >= 0")
+        hist[int(key)] += count
+    return hist
+
+
+def _by_draft_length(raw: Any, w: int, field: str) -> np.ndarray:
+    """``counts[d, a]`` from ``acceptance_histogram_by_draft_length``: a list indexed by draft
+    length ``d = 0..w`` (or an object keyed by it) of dense histograms (``d + 1`` or ``w + 1``
+    entries; none above ``d``)."""
+    if isinstance(raw, list):
+        if len(raw) != w + 1:
+            raise InputError(field, f"{len(raw)} entries", f"one histogram per draft length 0..{w}")
+        items = list(enumerate(raw))
+    elif isinstance(raw, dict):
+        items = []
+        for key, v in raw.items():
             if not str(key).isdigit() or int(key) > w:
-                raise InputError(
-                    f"{f}.acceptance_histogram", key, f"keys 0..num_spec_tokens={w} (accepted)"
-                )
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise InputError(f"{f}.acceptance_histogram[{key}]", count, "an integer >= 0")
-            hist[int(key)] += count
-        steps = _int(s, "num_spec_steps", f)
-        if steps != int(hist.sum()):
-            raise InputError(f"{f}.num_spec_steps", steps, f"the histogram's {int(hist.sum())}")
-        acc = _int(s, "num_accepted_draft_tokens", f)
-        tokens = _int(s, "num_draft_tokens", f)
-        per = np.cumsum(hist[::-1])[::-1][1:]
-        names = {
-            "drafts": "num_spec_steps",
-            "tokens": "num_draft_tokens",
-            "accepted": "num_accepted_draft_tokens",
-            "per_pos": "acceptance_histogram",
-        }
-        if steps:
-            _check_counts(f, steps, tokens, acc, per, w, names)
-        hist_total = hist if hist_total is None else hist_total + hist
-        if "per_step_accepted" in s:
-            pa, pd_ = s.get("per_step_accepted"), s.get("per_step_drafted")
-            if not isinstance(pa, list) or not isinstance(pd_, list) or len(pa) != steps:
-                raise InputError(
-                    f"{f}.per_step_accepted",
-                    None if not isinstance(pa, list) else f"{len(pa)} steps",
-                    f"{steps} steps (num_spec_steps), with per_step_drafted beside it",
-                )
-            arr = np.asarray(pa, dtype=np.int64)
-            dr = np.asarray(pd_, dtype=np.int64)
-            if dr.shape != arr.shape or (dr != w).any():
-                raise InputError(
-                    f"{f}.per_step_drafted", pd_[:8], f"{w} (full width) at every step"
-                )
-            if (arr > dr).any() or (arr < 0).any():
-                j = int(np.flatnonzero((arr > dr) | (arr < 0))[0])
-                raise InputError(
-                    f"{f}.per_step_accepted[{j}]", int(arr[j]), f"0..per_step_drafted ({w})"
-                )
-            if not (np.bincount(arr, minlength=w + 1) == hist).all():
-                raise InputError(
-                    f"{f}.per_step_accepted", pa[:8], "the steps acceptance_histogram counts"
-                )
-            steps_per_request.append(arr)
-    src = {**(source or {}), "engine": "vllm", "requests": len(stats)}
-    if len(steps_per_request) == len(stats):
+                raise InputError(field, key, f"draft lengths 0..num_spec_tokens={w}")
+            items.append((int(key), v))
+    else:
+        raise InputError(field, raw, "a list (or object) of histograms by draft length")
+    counts = np.zeros((w + 1, w + 1), dtype=np.int64)
+    for d, h in items:
+        if h is None:
+            continue
+        row = _dense(h, w, f"{field}[{d}]", length=d + 1)
+        if row[d + 1 :].any():
+            a = int(np.flatnonzero(row[d + 1 :])[0]) + d + 1
+            raise InputError(
+                f"{field}[{d}][{a}]", int(row[a]), f"0 (a step that drafted {d} accepts <= {d})"
+            )
+        counts[d] += row
+    return counts
+
+
+def _request_stats(shape: str, s: dict, w: int | None, f: str) -> dict[str, Any]:
+    """One request's stats, checked: ``w``, ``hist``, ``counts`` (``[d, a]``, None when only
+    full-width steps) and ``steps`` (per-step accepted in order, None without detailed)."""
+    k = _int(s, "num_spec_tokens", f, 1)
+    if w is not None and k != w:
+        raise InputError(f"{f}.num_spec_tokens", k, f"the first request's {w}")
+    w = k
+    if shape == SHAPE_MERGED:
+        hist = _dense(s.get("acceptance_histogram"), w, f"{f}.acceptance_histogram")
+    else:
+        hist = _sparse(s.get("acceptance_histogram"), w, f"{f}.acceptance_histogram")
+    steps = _int(s, "num_spec_steps", f)
+    if steps != int(hist.sum()):
+        raise InputError(f"{f}.num_spec_steps", steps, f"the histogram's {int(hist.sum())}")
+    acc = _int(s, "num_accepted_draft_tokens", f)
+    tokens = _int(s, "num_draft_tokens", f)
+    if acc != int((hist * np.arange(w + 1)).sum()):
+        raise InputError(
+            f"{f}.num_accepted_draft_tokens",
+            acc,
+            f"the histogram's accepted drafts ({int((hist * np.arange(w + 1)).sum())})",
+        )
+    if acc > tokens:
+        raise InputError(
+            f"{f}.num_accepted_draft_tokens",
+            acc,
+            f"<= num_draft_tokens = {tokens} (accepted > drafted)",
+        )
+    counts = None
+    if shape == SHAPE_MERGED and s.get(BY_DRAFT_LENGTH) is not None:
+        counts = _by_draft_length(s[BY_DRAFT_LENGTH], w, f"{f}.{BY_DRAFT_LENGTH}")
+        if not (counts.sum(axis=0) == hist).all():
+            raise InputError(
+                f"{f}.{BY_DRAFT_LENGTH}",
+                counts.sum(axis=0).tolist(),
+                f"summed over draft lengths, acceptance_histogram {hist.tolist()}",
+            )
+        drafted = int((counts.sum(axis=1) * np.arange(w + 1)).sum())
+        if drafted != tokens:
+            raise InputError(
+                f"{f}.num_draft_tokens", tokens, f"the drafts {BY_DRAFT_LENGTH} counts ({drafted})"
+            )
+    rows = None
+    if "per_step_accepted" in s:
+        pa, pd_ = s.get("per_step_accepted"), s.get("per_step_drafted")
+        if not isinstance(pa, list) or not isinstance(pd_, list) or len(pa) != steps:
+            raise InputError(
+                f"{f}.per_step_accepted",
+                None if not isinstance(pa, list) else f"{len(pa)} steps",
+                f"{steps} steps (num_spec_steps), with per_step_drafted beside it",
+            )
+        try:
+            arr = np.asarray(pa, dtype=np.int64).reshape(-1)
+            dr = np.asarray(pd_, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError):
+            raise InputError(f"{f}.per_step_accepted", pa[:8], "integers") from None
+        if shape == SHAPE_LEGACY and (dr.shape != arr.shape or (dr != w).any()):
+            raise InputError(
+                f"{f}.per_step_drafted", pd_[:8], f"{w} (full width) at every step (legacy shape)"
+            )
+        if dr.shape != arr.shape or (dr < 0).any() or (dr > w).any():
+            raise InputError(f"{f}.per_step_drafted", pd_[:8], f"one draft length 0..{w} per step")
+        if (arr > dr).any() or (arr < 0).any():
+            j = int(np.flatnonzero((arr > dr) | (arr < 0))[0])
+            raise InputError(
+                f"{f}.per_step_accepted[{j}]", int(arr[j]), f"0..per_step_drafted ({int(dr[j])})"
+            )
+        if not (np.bincount(arr, minlength=w + 1) == hist).all():
+            raise InputError(
+                f"{f}.per_step_accepted", pa[:8], "the steps acceptance_histogram counts"
+            )
+        if int(dr.sum()) != tokens:
+            raise InputError(
+                f"{f}.num_draft_tokens", tokens, f"the sum of per_step_drafted ({int(dr.sum())})"
+            )
+        pairs = np.zeros((w + 1, w + 1), dtype=np.int64)
+        np.add.at(pairs, (dr, arr), 1)
+        if counts is not None and not (pairs == counts).all():
+            raise InputError(
+                f"{f}.per_step_drafted", pd_[:8], f"the steps {BY_DRAFT_LENGTH} counts"
+            )
+        counts = pairs
+        rows = arr
+    full = tokens == steps * w
+    if counts is not None and not counts[:w].any():
+        counts = None  # every step drafted w: the exact full-width path
+    if counts is None and not full:
+        hint = (
+            f"serve with --per-request-spec-decode-metrics detailed, or a vLLM that reports "
+            f"{BY_DRAFT_LENGTH}, so speccal can tell which positions were verified"
+            if shape == SHAPE_MERGED
+            else "the legacy shape has no draft lengths: import acceptance measured at a "
+            "fixed K, or the merged shape (metrics.speculative_decoding)"
+        )
+        raise InputError(
+            f"{f}.num_draft_tokens",
+            tokens,
+            f"steps x draft width = {steps} x {w} = {steps * w} (full-width steps), or draft "
+            f"lengths ({BY_DRAFT_LENGTH} or per_step_drafted)",
+            hint=hint,
+        )
+    if counts is None:
+        counts_full = np.zeros((w + 1, w + 1), dtype=np.int64)
+        counts_full[w] = hist
+    else:
+        counts_full = counts
+    variable = counts is not None
+    return {
+        "w": w,
+        "hist": hist,
+        "counts": counts_full,
+        "variable": variable,
+        "rows": None if variable else rows,
+    }
+
+
+def vllm_requests(
+    text: str,
+    *,
+    source: dict[str, Any] | None = None,
+    max_rows: int = MAX_ROWS,
+    seed: int = 0,
+) -> Acceptance:
+    """vLLM per-request spec-decode stats -> Acceptance (see module docstring).
+
+    Full-width steps only: exact (every step in order with ``detailed``, else the pooled
+    histogram). Steps of several draft lengths (a dynamic-K schedule; merged shape only): the
+    product-limit estimate over the pooled ``counts[d, a]``
+    (:func:`~speccal.interop.acceptance.from_draft_lengths`).
+    """
+    field = "vllm-requests"
+    objs = _stats_objects(text, field)
+    shape = objs[0][0]
+    w = None
+    parsed = []
+    for i, (_, s) in enumerate(objs):
+        r = _request_stats(shape, s, w, f"{field}[{i}]")
+        w = r["w"]
+        parsed.append(r)
+    assert w is not None
+    src = {
+        **(source or {}),
+        "engine": "vllm",
+        "shape": shape,
+        "shape_read": SHAPES[shape],
+        "requests": len(parsed),
+    }
+    counts = sum(r["counts"] for r in parsed)
+    if int(counts.sum()) == 0:
+        raise InputError(field, "0 steps", "at least one speculative step")
+    if any(r["variable"] for r in parsed):
+        rows = min(max_rows, max(PROFILE_ROWS, int(counts.sum())))
+        return from_draft_lengths(
+            counts,
+            source={**src, "detailed": False, "draft_lengths": "variable"},
+            rows=rows,
+            seed=seed,
+            field=f"{field}.{BY_DRAFT_LENGTH}",
+        )
+    src["draft_lengths"] = "full width"
+    steps_per_request = [r["rows"] for r in parsed]
+    if all(a is not None for a in steps_per_request):
         # Detailed stats: every step in order, requests interleaved as concurrent decoding
         # runs them (step s of every live request, then step s + 1).
         longest = max(a.size for a in steps_per_request)
-        grid = np.full((len(stats), longest), -1, dtype=np.int64)
+        grid = np.full((len(parsed), longest), -1, dtype=np.int64)
         for r, a in enumerate(steps_per_request):
             grid[r, : a.size] = a
         rows = grid.T.reshape(-1)
         rows = rows[rows >= 0]
         return Acceptance(draft_width=w, accepted=rows, source={**src, "detailed": True})
+    hist_total = sum(r["hist"] for r in parsed)
     return from_histogram(
         hist_total, source={**src, "detailed": False}, max_rows=max_rows, seed=seed
     )

@@ -3,8 +3,19 @@
 Every writer follows the engine's own producer (docs/INTEROP.md): vLLM's
 ``SpecDecodingStats.observe_draft`` (one draft per request and step; ``per_pos[i] += 1`` for
 each accepted position) exported by ``SpecDecodingProm`` as ``vllm:...`` counters with the
-``_total`` suffix; vLLM's per-request ``speculative_decoding_stats``; Model Optimizer's
-``build_profile`` (``acceptance_length_histogram`` keyed by accepted + 1); a plain CSV.
+``_total`` suffix; vLLM's per-request stats, as merged (vllm-project/vllm#48915: top-level
+``metrics.speculative_decoding``, dense histograms; ``docs/features/speculative_decoding/
+acceptance_metrics.md`` at local-inference-lab/vllm@3b85a950, and the e2e test that reads
+``response.json()["metrics"]["speculative_decoding"]``) and in the pre-merge per-choice
+``speculative_decoding_stats`` shape; Model Optimizer's ``build_profile``
+(``acceptance_length_histogram`` keyed by accepted + 1); a plain CSV.
+
+``acceptance_histogram_by_draft_length`` is not in any stored vLLM snapshot: its layout here
+(a list indexed by draft length ``d = 0..num_spec_tokens`` of dense histograms of
+``num_spec_tokens + 1`` entries, index = accepted drafts) follows the issue's words ("a
+dense-list ``acceptance_histogram``, adds ``acceptance_histogram_by_draft_length``") and vLLM's
+own per-draft-length counter ``SpecDecodingStats.num_drafts_by_draft_length`` (a list of
+``num_spec_tokens + 1`` indexed by draft length, in a stored vLLM test of ``metrics.py``).
 """
 
 from __future__ import annotations
@@ -99,6 +110,92 @@ def vllm_request_stats(trace: RoundTrace, rounds: int, detailed: bool = True) ->
             }
         )
     return out
+
+
+def _merged_stats(pairs: np.ndarray, w: int, detailed: bool) -> dict:
+    """``metrics.speculative_decoding`` of one request from its ``[steps, 2]`` (drafted,
+    accepted) pairs, as vLLM #48915 writes it (+ the by-draft-length histograms)."""
+    d, a = pairs[:, 0], pairs[:, 1]
+    by_len = np.zeros((w + 1, w + 1), dtype=np.int64)
+    np.add.at(by_len, (d, a), 1)
+    n = int(a.size)
+    stats = {
+        "mean_acceptance_length": 1 + float(a.sum()) / n if n else 1.0,
+        "draft_acceptance_rate": float(a.sum()) / float(d.sum()) if d.sum() else 0.0,
+        "acceptance_histogram": np.bincount(a, minlength=w + 1).tolist(),
+        "acceptance_histogram_by_draft_length": by_len.tolist(),
+        "num_spec_steps": n,
+        "num_accepted_draft_tokens": int(a.sum()),
+        "num_draft_tokens": int(d.sum()),
+        "num_spec_tokens": w,
+    }
+    if detailed:
+        stats["per_step_accepted"] = a.tolist()
+        stats["per_step_drafted"] = d.tolist()
+    return stats
+
+
+def _merged_response(i: int, stats: dict) -> dict:
+    return {
+        "id": f"cmpl-{i}",
+        "object": "text_completion",
+        "model": "dense-2b",
+        "choices": [{"index": 0, "text": "...", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 512, "completion_tokens": 0, "total_tokens": 512},
+        "metrics": {"speculative_decoding": stats},
+    }
+
+
+def vllm_request_metrics(trace: RoundTrace, rounds: int, detailed: bool = True) -> list[dict]:
+    """Merged-shape responses (``metrics.speculative_decoding``) of full-width steps: request
+    ``i`` is slot ``i`` of every round (a trace of constant batch size)."""
+    b = int(trace.num_requests[0])
+    w = trace.draft_width
+    acc = trace.accepted[: rounds * b].reshape(rounds, b)
+    out = []
+    for i in range(b):
+        pairs = np.stack([np.full(rounds, w), acc[:, i]], axis=1)
+        out.append(_merged_response(i, _merged_stats(pairs, w, detailed)))
+    return out
+
+
+#: The dynamic-K fixture: vLLM's num_speculative_tokens_per_batch_size [[1, 2, 3], [3, 4, 2],
+#: [5, 8, 1]] at batch sizes cycling 1, 2, 4, 8, with known conditional acceptance per position.
+DYNAMIC_SCHEDULE = {1: 3, 2: 3, 4: 2, 8: 1}
+DYNAMIC_CONDITIONAL = (0.8, 0.6, 0.5)
+
+
+def dynamic_k_pairs(
+    rounds: int,
+    conditional=DYNAMIC_CONDITIONAL,
+    schedule=DYNAMIC_SCHEDULE,
+    seed: int = 0,
+) -> dict[int, np.ndarray]:
+    """Per request ``[steps, 2]`` (drafted, accepted) of a dynamic-K deployment: round ``r``
+    runs ``b = sorted(schedule)[r % len]`` requests (ids ``0..b-1``), each drafting
+    ``schedule[b]`` tokens and accepting the leading ones that pass ``Bernoulli(q_j)``;
+    the truth is prefix acceptance ``cumprod(conditional)`` at every position."""
+    rng = np.random.default_rng(seed)
+    sizes = sorted(schedule)
+    q = np.asarray(conditional)
+    w = q.size
+    steps: dict[int, list] = {}
+    for r in range(rounds):
+        b = sizes[r % len(sizes)]
+        k = schedule[b]
+        ok = rng.random((b, w)) < q  # the whole width, then cut at the draft length
+        lead = np.cumprod(ok, axis=1).sum(axis=1)
+        for i in range(b):
+            steps.setdefault(i, []).append((k, int(min(lead[i], k))))
+    return {i: np.asarray(v, dtype=np.int64) for i, v in steps.items()}
+
+
+def vllm_dynamic_k_requests(
+    rounds: int, detailed: bool = False, seed: int = 0, w: int = 3
+) -> list[dict]:
+    """Merged-shape responses of :func:`dynamic_k_pairs` (several K)."""
+    pairs = dynamic_k_pairs(rounds, seed=seed)
+    return [_merged_response(i, _merged_stats(p, w, detailed)) for i, p in pairs.items()]
 
 
 def speculation_profile(trace: RoundTrace, method: str = "mtp") -> dict:

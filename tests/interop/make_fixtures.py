@@ -58,7 +58,13 @@ def write_inputs() -> None:
         engine_files.vllm_metrics_text(engine_files.counts(tr), engines=2)
     )
     (DATA / "vllm-requests.json").write_text(
+        engine_files.dumps(engine_files.vllm_request_metrics(tr, rounds=250))
+    )
+    (DATA / "vllm-requests-legacy.json").write_text(
         engine_files.dumps(engine_files.vllm_request_stats(tr, rounds=250))
+    )
+    (DATA / "vllm-requests-dynamic-k.json").write_text(
+        engine_files.dumps(engine_files.vllm_dynamic_k_requests(rounds=4000))
     )
     (DATA / "speculation_profile.json").write_text(
         engine_files.dumps(engine_files.speculation_profile(tr))

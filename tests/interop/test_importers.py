@@ -11,7 +11,14 @@ import pytest
 
 from speccal.base.errors import InputError
 from speccal.interop import importers
-from speccal.interop.acceptance import Acceptance, apportion, from_histogram, from_prefix
+from speccal.interop.acceptance import (
+    Acceptance,
+    apportion,
+    from_draft_lengths,
+    from_histogram,
+    from_prefix,
+    prefix_from_draft_lengths,
+)
 from speccal.interop.importers import read_acceptance
 from speccal.interop.prometheus import parse_exposition
 from speccal.policy import CostModel
@@ -149,7 +156,13 @@ def test_shipped_example_inputs_import(trace):
     c = engine_files.counts(trace)
     acc = read_acceptance(DATA / "vllm-metrics.prom")
     assert acc.prefix_acceptance().tolist() == [v / c["drafts"] for v in c["per_pos"]]
-    for name in ("vllm-requests.json", "speculation_profile.json", "accepted.csv"):
+    for name in (
+        "vllm-requests.json",
+        "vllm-requests-legacy.json",
+        "vllm-requests-dynamic-k.json",
+        "speculation_profile.json",
+        "accepted.csv",
+    ):
         assert read_acceptance(DATA / name).num_steps > 0
 
 
@@ -359,3 +372,208 @@ def test_acceptance_refuses_lengths_past_the_width_and_bad_profiles():
     assert (
         importers.detect_format(Path("x.json"), '{"acceptance_histogram": {}}') == "vllm-requests"
     )
+
+
+# ------------------------------------------------------------- vLLM per-request, merged shape
+# The merged shape follows vllm-project/vllm PR #48915 (merged): top-level
+# ``metrics.speculative_decoding``, dense ``acceptance_histogram`` of num_spec_tokens + 1
+# entries (docs/features/speculative_decoding/acceptance_metrics.md at
+# local-inference-lab/vllm@3b85a950b49803bf62c7a6b0fa7287349ec2eae7, a vLLM fork's copy of the
+# merged doc; the PR's e2e test reads ``response.json()["metrics"]["speculative_decoding"]``).
+# ``acceptance_histogram_by_draft_length`` is in no stored vLLM snapshot: its layout (a list
+# indexed by draft length 0..num_spec_tokens of dense histograms) is taken from the issue text
+# and vLLM's ``SpecDecodingStats.num_drafts_by_draft_length`` (engine_files docstring).
+
+
+def _merged(**edit) -> dict:
+    s = {
+        "mean_acceptance_length": 2.0,
+        "draft_acceptance_rate": 0.5,
+        "acceptance_histogram": [2, 0, 0, 1],
+        "acceptance_histogram_by_draft_length": [
+            [0, 0, 0, 0],
+            [0, 0, 0, 0],
+            [0, 0, 0, 0],
+            [2, 0, 0, 1],
+        ],
+        "num_spec_steps": 3,
+        "num_accepted_draft_tokens": 3,
+        "num_draft_tokens": 9,
+        "num_spec_tokens": 3,
+    }
+    s.update(edit)
+    return s
+
+
+def _merged_text(*stats) -> str:
+    return json.dumps(
+        [{"choices": [{"index": 0}], "metrics": {"speculative_decoding": s}} for s in stats]
+    )
+
+
+def test_merged_vllm_request_metrics_read_and_say_which_shape(trace, tmp_path):
+    stats = engine_files.vllm_request_metrics(trace, rounds=200)
+    acc = read_acceptance(_write(tmp_path, "r.json", json.dumps(stats)))
+    assert acc.source["shape"] == importers.SHAPE_MERGED
+    assert "#48915" in acc.source["shape_read"] and acc.source["detailed"] is True
+    # detailed: every step in order, as with the legacy shape
+    assert np.array_equal(acc.to_trace(8, 512.0).accepted, trace.accepted[: 200 * 8])
+    summary = engine_files.vllm_request_metrics(trace, rounds=50, detailed=False)
+    acc = read_acceptance(
+        _write(tmp_path, "s.jsonl", "\n".join(map(json.dumps, summary))), "vllm-requests"
+    )
+    assert acc.exact and acc.source["detailed"] is False
+    assert acc.histogram().tolist() == np.bincount(trace.accepted[:400], minlength=4).tolist()
+    legacy = read_acceptance(DATA / "vllm-requests-legacy.json")
+    assert legacy.source["shape"] == importers.SHAPE_LEGACY
+    assert "pre-merge" in legacy.source["shape_read"]
+    merged = read_acceptance(DATA / "vllm-requests.json")
+    assert merged.source["shape"] == importers.SHAPE_MERGED
+    assert np.array_equal(merged.accepted, legacy.accepted)  # the same steps, either shape
+
+
+def test_by_draft_length_estimator_recovers_a_known_truth_exactly():
+    """Expected counts (no sampling) of conditional acceptance 0.8, 0.6, 0.5 at every
+    position, 1000 steps at K = 1 and 1000 at K = 3: the product-limit estimate is the truth
+    0.8, 0.48, 0.24; pooling per-position counts over all steps is not (K = 1 steps never
+    verified positions 2 and 3)."""
+    c = np.zeros((4, 4), dtype=np.int64)
+    c[1, :2] = [200, 800]  # K = 1: accepted 0 or 1 (censored)
+    c[3] = [200, 320, 240, 240]  # K = 3: 1000 * (0.2, 0.8 * 0.4, 0.48 * 0.5, 0.24)
+    prefix, reached = prefix_from_draft_lengths(c)
+    assert prefix == pytest.approx([0.8, 0.48, 0.24], abs=1e-12)
+    assert reached.tolist() == [2000, 800, 480]
+    naive = [(c[:, i + 1 :].sum()) / c.sum() for i in range(3)]
+    assert naive[1] == pytest.approx(0.24)  # half the truth: the estimator matters
+    acc = from_draft_lengths(c, source={}, rows=10000)
+    assert acc.prefix_acceptance() == pytest.approx([0.8, 0.48, 0.24], abs=1e-4)
+    assert acc.draft_width == 3 and not acc.exact
+    stats = _merged(
+        acceptance_histogram=c.sum(axis=0).tolist(),
+        acceptance_histogram_by_draft_length=c.tolist(),
+        num_spec_steps=2000,
+        num_accepted_draft_tokens=int((c.sum(axis=0) * np.arange(4)).sum()),
+        num_draft_tokens=1000 * 1 + 1000 * 3,
+    )
+    acc = importers.vllm_requests(_merged_text(stats))
+    assert acc.source["prefix_acceptance_estimated"] == pytest.approx([0.8, 0.48, 0.24])
+    assert acc.source["steps_by_draft_length"] == {"1": 1000, "3": 1000}
+
+
+def test_dynamic_k_deployment_imports_the_per_position_truth(tmp_path):
+    """Seeded: the fixture's 15000 steps at K = 3, 3, 2, 1 (batch sizes 1, 2, 4, 8) drawn at
+    conditional acceptance 0.8, 0.6, 0.5; tolerance 0.03 is over 4 standard errors at every
+    position (1452 steps reach position 3: sd of its estimate ~0.007)."""
+    truth = np.cumprod(engine_files.DYNAMIC_CONDITIONAL)
+    acc = read_acceptance(DATA / "vllm-requests-dynamic-k.json")
+    assert acc.source["shape"] == importers.SHAPE_MERGED
+    assert acc.source["draft_lengths"] == "variable"
+    assert acc.source["steps_by_draft_length"] == {"1": 8000, "2": 4000, "3": 3000}
+    est = np.array(acc.source["prefix_acceptance_estimated"])
+    assert est == pytest.approx(truth, abs=0.03)
+    assert acc.prefix_acceptance() == pytest.approx(est, abs=1 / 16384 + 1e-12)
+    # detailed (per_step_drafted instead of the histograms): the same counts, the same estimate
+    detailed = engine_files.vllm_dynamic_k_requests(rounds=4000, detailed=True)
+    for r in detailed:
+        del r["metrics"]["speculative_decoding"]["acceptance_histogram_by_draft_length"]
+    acc2 = read_acceptance(_write(tmp_path, "d.json", json.dumps(detailed)))
+    assert acc2.source["prefix_acceptance_estimated"] == pytest.approx(est, abs=1e-12)
+    tr = acc.to_trace(8, 1024.0)
+    assert tr.draft_width == 3 and (tr.k == 3).all()  # full-width rounds for replay
+    assert tr.meta["shape"] == importers.SHAPE_MERGED
+
+
+def test_dynamic_k_metrics_scrape_is_refused_naming_the_per_request_route(tmp_path):
+    pairs = np.concatenate(list(engine_files.dynamic_k_pairs(400).values()))
+    d, a = pairs[:, 0], pairs[:, 1]
+    c = {
+        "drafts": int(a.size),
+        "draft_tokens": int(d.sum()),
+        "accepted": int(a.sum()),
+        "per_pos": [int((a >= i + 1).sum()) for i in range(3)],
+    }
+    p = _write(tmp_path, "m.prom", engine_files.vllm_metrics_text(c))
+    with pytest.raises(InputError) as exc:
+        read_acceptance(p)
+    msg = str(exc.value)
+    assert "num_draft_tokens_total" in msg
+    assert "--per-request-spec-decode-metrics" in msg and "--format vllm-requests" in msg
+    assert "acceptance_histogram_by_draft_length" in msg
+
+
+BY = "acceptance_histogram_by_draft_length"
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        (_merged_text(_merged(acceptance_histogram={"0": 2, "3": 1})), "dense list"),
+        (_merged_text(_merged(acceptance_histogram=[2, 0, 1])), "acceptance_histogram"),
+        (_merged_text(_merged(acceptance_histogram=[2, 0, -1, 1])), "acceptance_histogram[2]"),
+        (_merged_text(_merged(num_spec_steps=4)), "num_spec_steps"),
+        (_merged_text(_merged(num_accepted_draft_tokens=2)), "num_accepted_draft_tokens"),
+        (  # by-draft-length histograms disagree with the histogram
+            _merged_text(_merged(**{BY: [[0] * 4, [0] * 4, [0] * 4, [1, 0, 0, 2]]})),
+            BY,
+        ),
+        (  # a step that drafted 1 cannot accept 2
+            _merged_text(
+                _merged(**{BY: [[0] * 4, [1, 0, 1, 0], [0] * 4, [1, 0, 0, 1]]}, num_draft_tokens=7)
+            ),
+            f"{BY}[1][2]",
+        ),
+        (  # drafted tokens disagree with the draft lengths
+            _merged_text(
+                _merged(**{BY: [[0] * 4, [1, 0, 0, 0], [0] * 4, [1, 0, 0, 1]]}, num_draft_tokens=9)
+            ),
+            "num_draft_tokens",
+        ),
+        (  # shortened steps without draft lengths: unobserved positions
+            _merged_text(_merged(**{BY: None}, num_draft_tokens=8)),
+            BY,
+        ),
+        (  # the schedule never drafts num_spec_tokens: position 3 never verified
+            _merged_text(
+                _merged(
+                    acceptance_histogram=[1, 1, 1, 0],
+                    **{BY: [[0] * 4, [1, 1, 0, 0], [0, 0, 1, 0], [0] * 4]},
+                    num_accepted_draft_tokens=3,
+                    num_draft_tokens=4,
+                )
+            ),
+            "position 3 never",
+        ),
+        (  # merged per-step arrays that disagree with the by-draft-length histograms
+            _merged_text(_merged(per_step_accepted=[0, 3, 0], per_step_drafted=[3, 3, 2])),
+            "num_draft_tokens",
+        ),
+        (  # one file, two shapes
+            json.dumps(
+                [
+                    {"metrics": {"speculative_decoding": _merged()}},
+                    {
+                        "choices": [
+                            {"speculative_decoding_stats": _merged(acceptance_histogram={"0": 3})}
+                        ]
+                    },
+                ]
+            ),
+            "one shape per file",
+        ),
+        ('[{"metrics": {"speculative_decoding": null}}]', "metrics.speculative_decoding"),
+    ],
+)
+def test_bad_merged_vllm_request_metrics(tmp_path, text, field):
+    p = _write(tmp_path, "r.json", text)
+    with pytest.raises(InputError) as exc:
+        read_acceptance(p, "vllm-requests")
+    assert field in str(exc.value), str(exc.value)
+
+
+def test_legacy_shape_still_refuses_shortened_drafts(tmp_path):
+    stats = json.loads(_stats(num_draft_tokens=8))
+    for key in ("per_step_accepted", "per_step_drafted"):
+        del stats[0]["choices"][0]["speculative_decoding_stats"][key]
+    p = _write(tmp_path, "r.json", json.dumps(stats))
+    with pytest.raises(InputError, match="legacy shape has no draft lengths"):
+        read_acceptance(p, "vllm-requests")
