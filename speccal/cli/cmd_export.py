@@ -131,7 +131,14 @@ def _print_export(report: dict, out: Path, sidecar: Path) -> None:
 def export_cmd(
     table: Annotated[Path, typer.Argument(help="Cost table JSON.", show_default=False)],
     to: Annotated[
-        str, typer.Option("--to", help=f"Engine: {', '.join(ENGINES)}.", show_default=False)
+        str,
+        typer.Option(
+            "--to",
+            help=f"Engine: {', '.join(ENGINES)} (sglang: the DSpark cost table, from a "
+            "target_verify table; sglang-adaptive: EAGLE/MTP --speculative-adaptive-config "
+            "steps per batch size, from a draft_step table).",
+            show_default=False,
+        ),
     ],
     out: Annotated[
         Path, typer.Option("--out", help="Engine file to write (atomically).", show_default=False)

@@ -14,8 +14,9 @@ One job per module:
 - ``pricing``: what a table's lookup prices at one KV length in the forms engine files carry
   (its KV model at that KV, else the interval's fit), the sidecar's record of it and the
   held-out error of the model that prices;
-- ``vllm``, ``trtllm``, ``sglang``: one engine's file format, its key and unit conventions and
-  the rule it reads the file with;
+- ``vllm``, ``trtllm``, ``sglang`` (DSpark cost table), ``sglang_adaptive`` (EAGLE / MTP
+  adaptive steps): one engine's file format, its key and unit conventions and the rule it reads
+  the file with;
 - ``report``: the evidence sidecar written next to every exported file;
 - ``export``: the ``speccal export`` pipeline (table + acceptance -> engine file + sidecar).
 

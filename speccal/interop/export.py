@@ -6,8 +6,8 @@ Steps (docs/INTEROP.md):
    (``--trace``, full width), or a profile (``--profile``: an engine file read by
    ``speccal.interop.importers``, or ``marginal:p1,p2,...`` / ``conditional:q1,q2,...``);
 2. score every request bucket (``speccal.interop.schedule``): tokens/s of every ``k``, the best;
-3. render the engine's file (``vllm``, ``trtllm``: the schedule, from a ``draft_step`` table;
-   ``sglang``: the table itself, from a ``target_verify`` table) and price the whole workload
+3. render the engine's file (``vllm``, ``trtllm``, ``sglang-adaptive``: the schedule, from a
+   ``draft_step`` table; ``sglang``: the table itself, from a ``target_verify`` table) and price the whole workload
    under what the file makes the engine run vs every single fixed ``k``: the trace's own rounds,
    or, for a profile, the same number of rounds at every bucket;
 4. write the file and its sidecar (``speccal.interop.report``), both atomically.
@@ -24,7 +24,7 @@ import numpy as np
 from speccal.base.atomic import read_bytes, write_json_atomic, write_text_atomic
 from speccal.base.errors import InputError
 from speccal.costmodel.table import load_table
-from speccal.interop import sglang, trtllm, vllm
+from speccal.interop import sglang, sglang_adaptive, trtllm, vllm
 from speccal.interop.acceptance import from_prefix
 from speccal.interop.importers import FORMATS, read_acceptance
 from speccal.interop.pricing import heldout, pricing_block
@@ -41,10 +41,15 @@ from speccal.policy import CostModel
 from speccal.replay import ReplayConfig, replay
 from speccal.trace import RoundTrace, load_trace
 
-ENGINES = ("vllm", "trtllm", "sglang")
-_MODULES = {"vllm": vllm, "trtllm": trtllm, "sglang": sglang}
+ENGINES = ("vllm", "trtllm", "sglang", "sglang-adaptive")
+_MODULES = {"vllm": vllm, "trtllm": trtllm, "sglang": sglang, "sglang-adaptive": sglang_adaptive}
 #: The table mode each engine's file describes.
-ENGINE_MODE = {"vllm": "draft_step", "trtllm": "draft_step", "sglang": "target_verify"}
+ENGINE_MODE = {
+    "vllm": "draft_step",
+    "trtllm": "draft_step",
+    "sglang": "target_verify",
+    "sglang-adaptive": "draft_step",
+}
 
 
 @dataclass(frozen=True)
@@ -178,7 +183,7 @@ def run_export(req: ExportRequest) -> ExportResult:
     engine = _MODULES[req.engine]
     need = ENGINE_MODE[req.engine]
     if table.mode != need:
-        other = "sglang" if need == "draft_step" else "vllm or trtllm"
+        other = "sglang" if need == "draft_step" else "vllm, trtllm or sglang-adaptive"
         raise InputError(
             "table.mode",
             table.mode,
@@ -218,6 +223,8 @@ def run_export(req: ExportRequest) -> ExportResult:
         decisions = {s.bcap: s.best_k for s in scores}
         if req.engine == "vllm":
             rendered = vllm.render(decisions, table.draft_width, table.compatibility.topology.dp)
+        elif req.engine == "sglang-adaptive":
+            rendered = sglang_adaptive.render(decisions, table.compatibility.topology.dp)
         else:
             rendered = trtllm.render(
                 decisions, {s.bcap: s.tokens_per_s for s in scores}, sidecar_file.name

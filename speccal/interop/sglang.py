@@ -27,8 +27,10 @@ level serves (``previous level + 1``) and one at the level itself, both with the
 so integer lookups between levels get the padded cost. :func:`fidelity` compares SGLang's
 reading of the file with the table at every integer ``(num_reqs, M)`` the table prices. The
 costs are full-step costs (draft + verify); SGLang's own profiler (``sglang.benchmark.
-dspark_sps_profiler``) times a plain server, i.e. the verify forward only. SGLang's table
-carries no model, device or version metadata: the sidecar is where they live.
+dspark_sps_profiler``) profiles a live DSpark server as well (static ragged verify, simulated
+acceptance length 1, ``1 / median`` server-side step time). SGLang's table carries no model,
+device or version metadata: the sidecar is where they live. SGLang's EAGLE / MTP adaptive
+steps are ``speccal.interop.sglang_adaptive``.
 """
 
 from __future__ import annotations

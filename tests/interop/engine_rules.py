@@ -196,3 +196,57 @@ def sglang_step_seconds(doc: dict, num_reqs: int, budget: int) -> float:
     edges = doc["sample_batch_tokens"]
     idx = max(0, min(bisect.bisect_right(edges, num_reqs + budget) - 1, len(edges) - 1))
     return 1.0 / doc["sample_steps_per_sec"][idx]
+
+
+# ----------------------------------------------------------------------- SGLang adaptive steps
+# python/sglang/srt/speculative/adaptive_spec_params.py @ 015c8726: resolve_adaptive_strategy,
+# _load_adaptive_config, resolve_candidate_steps_from_config, AdaptiveStepSlot.__init__;
+# adaptive_step_router.py @ a12239f6: AdaptiveStepRouter.batch_size_key_for_batch; the server
+# args' _init_adaptive_speculative_params (--speculative-num-steps in the candidates' union).
+
+
+def check_sglang_adaptive(text: str, num_steps: int | None = None) -> dict:
+    """Parse the config as SGLang does; returns ``{"slots": {bs: candidates}, "strategy",
+    "num_steps"}`` (``num_steps``: ``--speculative-num-steps``, default the union's middle)."""
+    cfg = json.loads(text)
+    if not isinstance(cfg, dict):
+        raise EngineRejects("speculative adaptive config must be a JSON object")
+    strategy = cfg.get("strategy", "ema")
+    if strategy not in ("ema", "throughput_aware"):
+        raise EngineRejects("'strategy' must be 'ema' or 'throughput_aware'")
+    slots = {}
+    for key, entry in cfg.items():
+        if not key.isdigit():
+            continue
+        if not isinstance(entry, dict):
+            raise EngineRejects(f"BS {key}: entry must be an object")  # .get would raise
+        steps = entry.get("candidate_steps")
+        if (
+            not isinstance(steps, list)
+            or not steps
+            or not all(isinstance(s, int) and s >= 0 for s in steps)
+        ):
+            raise EngineRejects(f"BS {key}: candidate_steps must be a list of non-negative ints")
+        slots[int(key)] = sorted(set(steps))
+    if not slots:
+        raise EngineRejects("must contain at least one integer-string BS key")
+    union = sorted({s for c in slots.values() for s in c})
+    if num_steps is None:
+        num_steps = union[len(union) // 2]
+    if num_steps not in union:
+        raise EngineRejects("--speculative-num-steps is not in the adaptive config candidate_steps")
+    return {"slots": slots, "strategy": strategy, "num_steps": num_steps}
+
+
+def sglang_adaptive_steps(parsed: dict, batch_size: int, cuda_graph_bs=None) -> int:
+    """The steps the slot serving ``batch_size`` starts at (AdaptiveStepSlot.__init__ with
+    initial_steps = --speculative-num-steps), after the router's CUDA-graph padding."""
+    if cuda_graph_bs:
+        graphs = sorted(cuda_graph_bs)
+        i = bisect.bisect_left(graphs, batch_size)
+        if i < len(graphs):
+            batch_size = graphs[i]
+    keys = sorted(parsed["slots"])
+    cands = parsed["slots"][keys[max(0, bisect.bisect_right(keys, batch_size) - 1)]]
+    n = parsed["num_steps"]
+    return n if n in cands else cands[len(cands) // 2]

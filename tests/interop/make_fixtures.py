@@ -43,6 +43,12 @@ EXPORTS = {
         {"profile": str(DATA / "vllm-metrics.prom"), "k0_ms": K0_MS, "kv_length": 1024.0},
     ),
     "sglang-additive.json": (TINY, "sglang", {"trace": TRACE}),
+    # acceptance imported from a dynamic-K deployment's per-request stats, exported as steps
+    "sglang-adaptive.json": (
+        DRAFT_STEP,
+        "sglang-adaptive",
+        {"profile": str(DATA / "vllm-requests-dynamic-k.json"), "k0_ms": K0_MS},
+    ),
     "sglang-sps.json": (SPS_TABLE, "sglang", {}),
 }
 

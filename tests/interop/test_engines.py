@@ -13,15 +13,17 @@ import pytest
 from speccal.base.errors import InputError
 from speccal.costmodel.table import load_table, parse_table
 from speccal.costmodel.table_build import refit_table
-from speccal.interop import sglang, trtllm, vllm
+from speccal.interop import sglang, sglang_adaptive, trtllm, vllm
 from speccal.interop.pricing import pricing_block as sglang_pricing
 from speccal.policy import CostModel
 
 from .engine_rules import (
     EngineRejects,
     check_sglang,
+    check_sglang_adaptive,
     check_trtllm,
     check_vllm,
+    sglang_adaptive_steps,
     sglang_step_seconds,
     trtllm_draft_len,
     vllm_dense,
@@ -270,3 +272,64 @@ def test_staircase_serves_each_level_from_the_previous_plus_one():
         [1, 2, 3, 4, 5, 8],
         [0.0, 1.0, 2.0, 2.0, 3.0, 3.0],
     )
+
+
+# SGLang's EAGLE / MTP adaptive steps: the rules of python/sglang/srt/speculative/
+# adaptive_spec_params.py @ 015c872628e328b530880bcf95ae91222604b225 (_load_adaptive_config,
+# AdaptiveStepSlot) and adaptive_step_router.py @ a12239f6ac74d804d169ee5d3cfed3c49fa7162c
+# (batch_size_key_for_batch), transcribed in engine_rules.
+
+
+@pytest.mark.parametrize("decisions", DECISIONS)
+@pytest.mark.parametrize("graphs", [None, [1, 2, 4, 8]], ids=["eager", "graphs-at-buckets"])
+def test_sglang_adaptive_file_passes_sglangs_rules_and_runs_the_decisions(decisions, graphs):
+    if all(v == 0 for v in decisions.values()):
+        with pytest.raises(InputError, match="serve without speculative decoding"):
+            sglang_adaptive.render(decisions, 1)
+        return
+    r = sglang_adaptive.render(decisions, 1)
+    parsed = check_sglang_adaptive(r.text)
+    assert parsed["strategy"] == "ema"
+    assert all(len(c) == 1 for c in parsed["slots"].values())  # one candidate: k held
+    prev = 0
+    for b in sorted(decisions):
+        for bs in range(prev + 1, b + 1):  # every batch size the bucket serves
+            assert sglang_adaptive_steps(parsed, bs, graphs) == decisions[b]
+        prev = b
+    for bs in range(9, 33):  # past the largest bucket: the last slot
+        assert sglang_adaptive_steps(parsed, bs, graphs) == decisions[8]
+    assert r.decisions == decisions
+    # any --speculative-num-steps in the union runs the same schedule
+    for n in sorted({k for k in decisions.values()}):
+        p = check_sglang_adaptive(r.text, num_steps=n)
+        assert [sglang_adaptive_steps(p, b) for b in sorted(decisions)] == [
+            decisions[b] for b in sorted(decisions)
+        ]
+
+
+def test_sglang_adaptive_slots_are_lower_bounds_merged_and_dp_is_refused():
+    assert sglang_adaptive.slots({1: 3, 2: 3, 4: 2, 8: 2}) == {1: 3, 3: 2}
+    assert sglang_adaptive.slots({1: 0, 2: 2, 4: 2, 8: 0}) == {1: 0, 2: 2, 5: 0}
+    doc = json.loads(sglang_adaptive.render({1: 3, 2: 3, 4: 2, 8: 2}, 1).text)
+    assert doc == {"strategy": "ema", "1": {"candidate_steps": [3]}, "3": {"candidate_steps": [2]}}
+    with pytest.raises(InputError, match="topology.dp"):
+        sglang_adaptive.render({1: 3}, 2)
+
+
+def test_sglang_adaptive_rules_reject_what_sglang_rejects():
+    for bad, why in (
+        ("[1]", "JSON object"),
+        ('{"strategy": "ucb", "1": {"candidate_steps": [1]}}', "strategy"),
+        ('{"strategy": "ema"}', "at least one"),
+        ('{"1": {"candidate_steps": []}}', "non-negative"),
+        ('{"1": {"candidate_steps": [-1, 2]}}', "non-negative"),
+        ('{"1": {"candidate_steps": 3}}', "non-negative"),
+    ):
+        with pytest.raises(EngineRejects, match=why):
+            check_sglang_adaptive(bad)
+    with pytest.raises(EngineRejects, match="num-steps"):
+        check_sglang_adaptive('{"1": {"candidate_steps": [1, 3]}}', num_steps=2)
+    # keys are lower bounds after CUDA-graph padding; below every key, the smallest slot
+    p = check_sglang_adaptive('{"4": {"candidate_steps": [1]}, "9": {"candidate_steps": [3]}}')
+    assert [sglang_adaptive_steps(p, b) for b in (1, 4, 8, 9, 20)] == [1, 1, 1, 3, 3]
+    assert sglang_adaptive_steps(p, 7, cuda_graph_bs=[4, 12]) == 3  # 7 pads to 12

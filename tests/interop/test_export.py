@@ -19,12 +19,25 @@ from speccal.interop.export import ExportRequest, run_export, sidecar_path
 from speccal.trace import load_trace
 
 from . import engine_files
-from .engine_rules import check_sglang, check_trtllm, check_vllm, trtllm_draft_len, vllm_dense
+from .engine_rules import (
+    check_sglang,
+    check_sglang_adaptive,
+    check_trtllm,
+    check_vllm,
+    sglang_adaptive_steps,
+    trtllm_draft_len,
+    vllm_dense,
+)
 from .make_fixtures import EXPORTS, GOLDEN, K0_MS
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"COLUMNS": "100", "NO_COLOR": "1"}
-RULES = {"vllm": check_vllm, "trtllm": check_trtllm, "sglang": check_sglang}
+RULES = {
+    "vllm": check_vllm,
+    "trtllm": check_trtllm,
+    "sglang": check_sglang,
+    "sglang-adaptive": check_sglang_adaptive,
+}
 TRACE = "notebooks/data/transition.parquet"
 DRAFT_STEP = "tables/dense-2b-h200-draft-step.json"
 
@@ -234,6 +247,7 @@ def test_cli_export_human_output(at_root, tmp_path):
     [
         (["tables/tiny-cpu.json", "--to", "vllm", "--trace", TRACE], "table.mode"),
         ([DRAFT_STEP, "--to", "sglang"], "table.mode"),
+        (["tables/tiny-cpu.json", "--to", "sglang-adaptive", "--trace", TRACE], "table.mode"),
         ([DRAFT_STEP, "--to", "vllm"], "--trace/--profile"),
         ([DRAFT_STEP, "--to", "tgi", "--trace", TRACE], "--to"),
         (
@@ -361,3 +375,31 @@ def test_time_in_the_engine_fit_in_speccal_export_back(at_root, tmp_path):
     assert all(b["best_k"] > 0 for b in json.loads(r.stdout)["buckets"])
     assert os.path.exists(tmp_path / "vllm.speccal.json")
     assert np.isfinite(json.loads(r.stdout)["workload"]["schedule_tokens_per_s"])
+
+
+def test_sglang_adaptive_golden_runs_the_best_k_of_a_dynamic_k_deployments_acceptance(at_root):
+    """The golden exports acceptance imported from a dynamic-K vLLM deployment's per-request
+    stats (product-limit estimate) as SGLang adaptive steps; SGLang's own parsing (engine_rules,
+    from adaptive_spec_params.py @ 015c8726) runs each bucket's best k."""
+    golden = ROOT / GOLDEN / "sglang-adaptive.json"
+    side = json.loads(sidecar_path(golden).read_text())
+    parsed = check_sglang_adaptive(golden.read_text())
+    assert side["engine"]["format"] == "speculative_adaptive_config"
+    assert side["table"]["mode"] == "draft_step"
+    assert side["acceptance"]["meta"]["shape"] == "metrics.speculative_decoding"
+    assert side["acceptance"]["meta"]["draft_lengths"] == "variable"
+    for b in side["buckets"]:
+        assert sglang_adaptive_steps(parsed, b["bcap"]) == b["best_k"] == b["exported_k"]
+        best = max(v for v in b["tokens_per_s"].values() if v is not None)
+        assert b["tokens_per_s"][str(b["best_k"])] == best
+
+
+def test_cli_export_sglang_refuses_a_draft_step_table_pointing_at_sglang_adaptive(
+    at_root, tmp_path
+):
+    r = _run("export", DRAFT_STEP, "--to", "sglang", "--out", str(tmp_path / "x.json"))
+    assert r.exit_code == 2 and "sglang-adaptive" in r.output, r.output
+    r = _run("export", "tables/tiny-cpu.json", "--to", "sglang-adaptive", "--trace", TRACE,
+             "--out", str(tmp_path / "y.json"))  # fmt: skip
+    assert r.exit_code == 2 and "--to sglang" in r.output, r.output
+    assert "expected draft_step" in r.output
