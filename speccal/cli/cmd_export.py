@@ -276,6 +276,9 @@ def import_cmd(
         "exact": acc.exact,
         "prefix_acceptance": trace.meta["prefix_acceptance"],
     }
+    for key in ("shape", "estimator"):  # vllm-requests: which shape was read, how estimated
+        if key in acc.source:
+            summary[key] = acc.source[key]
     if json_out:
         typer.echo(dumps_json(summary), nl=False)
         return
@@ -283,7 +286,9 @@ def import_cmd(
     err_console.print(
         f"wrote {out}: {summary['steps']:,} steps of {summary['format']} as "
         f"{summary['rounds']:,} rounds, w={trace.draft_width}, per-position acceptance [{p}]"
-        + ("" if acc.exact else " (scaled to --max-rows)"),
+        + ("" if acc.exact else " (scaled to --max-rows)")
+        + (f"; shape {summary['shape']}" if "shape" in summary else "")
+        + ("; estimated per position over several draft lengths" if "estimator" in summary else ""),
         markup=False,
     )
 

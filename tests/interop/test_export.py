@@ -403,3 +403,17 @@ def test_cli_export_sglang_refuses_a_draft_step_table_pointing_at_sglang_adaptiv
              "--out", str(tmp_path / "y.json"))  # fmt: skip
     assert r.exit_code == 2 and "--to sglang" in r.output, r.output
     assert "expected draft_step" in r.output
+
+
+def test_cli_import_says_which_vllm_shape_it_read_and_how_it_estimated(at_root, tmp_path):
+    out = tmp_path / "dk.parquet"
+    r = _run("import", "notebooks/data/interop/vllm-requests-dynamic-k.json", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "shape metrics.speculative_decoding" in r.output
+    assert "estimated per position over several draft lengths" in r.output
+    r = _run(
+        "import", "notebooks/data/interop/vllm-requests-legacy.json", "--out", str(out), "--json"
+    )
+    summary = json.loads(r.stdout)
+    assert summary["shape"] == "choices[].speculative_decoding_stats" and "estimator" not in summary
+    assert load_trace(out).meta["shape"] == summary["shape"]
