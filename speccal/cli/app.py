@@ -182,7 +182,8 @@ measures each shape exactly). Details: README.md and docs/.
 First use on a CPU: `speccal calibrate --model tiny --out out/tiny-cpu.json` takes under a
 minute on a small shared machine (one context interval, 19 points x 6 windows of 24 rounds; each
 round timed in thread CPU time against a speed probe, so a busy machine slows the run but not
-the table's accuracy: held-out error 1-3 % on a 2-vCPU VM beside another busy process).
+the table's accuracy: 25-28 s and held-out error 0.5-1.7 % on a 2-vCPU VM beside another
+busy process).
 """
 
 app = SpeccalTyper(
@@ -217,6 +218,19 @@ for _module in (cmd_fit, cmd_table, cmd_run, cmd_calibrate, cmd_replay, cmd_plot
     _module.register(app)
 
 
+#: Width of Typer's help pages when stdout is no terminal and nothing pins one (``COLUMNS``,
+#: ``TERMINAL_WIDTH``): the help texts are written in lines of at most 100 characters, and at
+#: Rich's fallback of 80 a piped ``--help`` folded every one of them in two.
+PIPED_HELP_WIDTH = 120
+
+
 def main() -> None:
     """Console-script entry point."""
+    import os
+
+    import typer.rich_utils
+
+    pinned = any((os.environ.get(v) or "").isdigit() for v in ("COLUMNS", "TERMINAL_WIDTH"))
+    if not pinned and not sys.stdout.isatty():
+        typer.rich_utils.MAX_WIDTH = PIPED_HELP_WIDTH
     app()

@@ -107,3 +107,17 @@ def test_profile_refusal_names_the_accepted_forms(tmp_path, profile, hint):
     assert "marginal:p1,p2,... or conditional:q1,q2,..." in line and hint in line
     assert "existing file" not in line
     assert not (tmp_path / "x.json").exists()
+
+
+def test_piped_help_keeps_the_help_texts_lines_whole():
+    """Typer's help pages folded every 100-column help line at Rich's 80-column fallback when
+    piped; off a terminal they are laid out at ``PIPED_HELP_WIDTH``."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
+    out = subprocess.run([sys.executable, "-m", "speccal", "--help"], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    line = "Terms: Bcap = the captured draft batch size a batch is padded to; G = target rows verified"
+    assert any(ln.strip() == line for ln in out.splitlines()), out
