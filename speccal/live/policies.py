@@ -168,16 +168,17 @@ class LiveRun:
         ]
 
 
-def _priced(policy: Any, res: Any, kv_length: float | None) -> bool:
-    """Whether the policy's table prices the shape a round ran (its Bcap and target rows at
-    the KV its plan saw): False is a round the table could not have chosen for ("uncalibrated",
-    e.g. a batch past the table's request buckets)."""
+def _priced(policy: Any, bcap: Sequence[int], g: Sequence[int],
+            kv_length: Sequence[float]) -> np.ndarray:
+    """``[rounds]`` bool: whether the policy's table prices the shape each round ran (its Bcap
+    and target rows at the KV its plan saw); False is a round the table could not have chosen
+    for ("uncalibrated", e.g. a batch past the table's request buckets). One vectorised lookup
+    after the loop: nothing is added to a round's host work."""
     cost = getattr(policy, "cost", None)
-    if cost is None:
-        return False
-    kv = float(np.mean(res.kv_lengths)) if kv_length is None else kv_length
-    return bool(np.isfinite(cost.lookup(np.asarray([res.bcap]), np.asarray([res.g]),
-                                        np.asarray([kv]))).all())
+    if cost is None or not len(bcap):
+        return np.zeros(len(bcap), dtype=bool)
+    return np.isfinite(cost.lookup(np.asarray(bcap), np.asarray(g),
+                                   np.asarray(kv_length, dtype=np.float64)))
 
 
 def live_cost_model(table: Any) -> CostModel:
@@ -230,7 +231,7 @@ def run_live(
     total_target = params.max_tokens * len(rids)
     builder = RoundTraceBuilder(w)
     rec: dict[str, list] = {
-        f: [] for f in ("k", "g", "g_run", "b", "acc", "ver", "ms", "why", "priced")
+        f: [] for f in ("k", "g", "g_run", "b", "acc", "ver", "ms", "why", "bcap", "kv")
     }
     phase_of_round: list[int] = []
     current_phase = -1
@@ -293,7 +294,8 @@ def run_live(
         rec["ver"].append(int(res.num_verify.sum()))
         rec["ms"].append(ms)
         rec["why"].append(d.reason)
-        rec["priced"].append(_priced(policy, res, seen_kv))
+        rec["bcap"].append(res.bcap)
+        rec["kv"].append(float(np.mean(res.kv_lengths)) if seen_kv is None else seen_kv)
         phase_of_round.append(max(current_phase, 0))
     loop_s = time.perf_counter() - t_loop - prefill_s
     outputs = sum(len(engine.requests[r].output) for r in rids)
@@ -323,7 +325,7 @@ def run_live(
         verified=np.asarray(rec["ver"], dtype=np.int64),
         round_ms=np.asarray(rec["ms"], dtype=np.float64),
         reasons=rec["why"],
-        priced=np.asarray(rec["priced"], dtype=bool),
+        priced=_priced(policy, rec["bcap"], rec["g_run"], rec["kv"]),
         trace=trace,
         prefill_s=prefill_s,
         output_tokens=int(outputs),
