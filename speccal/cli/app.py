@@ -14,12 +14,14 @@ workflow order: :data:`COMMAND_ORDER`).
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from contextlib import contextmanager
 from typing import Annotated
 
 import typer
+import typer.rich_utils
 from rich.markup import escape
 
 from speccal import __version__
@@ -226,10 +228,6 @@ PIPED_HELP_WIDTH = 120
 
 def main() -> None:
     """Console-script entry point."""
-    import os
-
-    import typer.rich_utils
-
     pinned = any((os.environ.get(v) or "").isdigit() for v in ("COLUMNS", "TERMINAL_WIDTH"))
     if not pinned and not sys.stdout.isatty():
         typer.rich_utils.MAX_WIDTH = PIPED_HELP_WIDTH

@@ -290,6 +290,7 @@ def import_cmd(
         + (f"; shape {summary['shape']}" if "shape" in summary else "")
         + ("; estimated per position over several draft lengths" if "estimator" in summary else ""),
         markup=False,
+        soft_wrap=True,  # one line, whatever the path's length
     )
 
 
