@@ -64,13 +64,13 @@ DEFAULT_SWITCH_MIN_GAIN = 0.05
 #: Where a device kind's defaults differ from the seeds' (the source of each is ``default
 #: (KIND)``). cpu: a CPU round's time moves with the machine (``speccal.calibrate.timing``: even
 #: read by the probe clock one round's cost has ~14 % jitter and a window's ~5 % on a shared
-#: 2-vCPU VM), so a point needs ~200 rounds spread over the run for a ~2 % median, and the
-#: additive model's leave-one-point-out error is ~1.3x the points' noise on the default grid
-#: (each G level is measured at one to three Bcaps). The seeds' design (3 windows of 32 rounds
-#: after 8 warm-up rounds, 96 rounds a point) at four KV levels took 3-7 minutes there and
-#: refused its table at 10-17 % held-out. One context interval (SPEC section 4's default) of
-#: 19 points x 8 windows of 24 rounds after 2 warm-up rounds (216 rounds a point, windows
-#: spread over the run) keeps the README's quick start within a minute at ~4 % held-out
+#: 2-vCPU VM), so a point needs a few hundred rounds spread over the run for a ~2 % median, and
+#: the additive model's leave-one-point-out error is ~1.3x the points' noise on the default
+#: grid (each G level is measured at one to three Bcaps). The seeds' design (3 windows of 32
+#: rounds after 8 warm-up rounds, 96 rounds a point) at four KV levels took 3-7 minutes there
+#: and refused its table at 10-17 % held-out. One context interval (SPEC section 4's default)
+#: of 19 points x 6 windows of 24 rounds after 2 warm-up rounds (156 rounds a point, windows
+#: spread over the run) took 25-28 s beside another busy process, at 0.5-1.7 % held-out
 #: (bench/RESULTS.md). Eager CPU rounds need no long warm-up: nothing is captured or tuned.
 KIND_DEFAULTS: dict[str, dict[str, int]] = {
     "cpu": {"warmup_steps": 2, "window_steps": 24, "windows_per_point": 6, "context_levels": 1},

@@ -20,7 +20,7 @@ it instead:
 1. every round of a window is timed in the calling thread's CPU time (``time.thread_time``;
    torch runs one intra-op thread during calibration, so a CPU round's work is this thread's):
    time the scheduler gave to another process is not counted;
-2. after every round a fixed **speed probe** (:class:`SpeedProbe`: ~0.5 ms of the op mix a tiny
+2. after every round a fixed **speed probe** (:class:`SpeedProbe`: 0.2-0.5 ms of the op mix a tiny
    round runs, small matmuls, norms, softmax and an ``index_select`` gather over 2 MiB) is
    timed the same way, and the round's cost is read relative to it: the window's step time is
    ``median over its rounds of (round CPU / probe CPU) * probe_ref_ms``, where
@@ -34,8 +34,8 @@ it instead:
    per-window CV went from 15-19 % (wall) to 12-15 % (thread CPU) to 5 % (the probe ratio;
    measured with a 1.1 ms variant of the probe); bench/RESULTS.md.
 
-The table's costs are then this machine's CPU cost of a round at the speed it had while the
-reference was measured, and ``calibration.timing.clock`` says so. A window's ``elapsed_s`` is
+The table's costs are then this machine's CPU cost of a round at its median speed over the
+run, and ``calibration.timing.clock`` says so (``probe_ref_ms``: that median probe). A window's ``elapsed_s`` is
 that normalised total (``window_steps * step_ms``), its ``wall_s`` the wall time between its
 edges, as measured. CUDA engines keep the wall clock (their host work is part of a round's
 cost, and their device is not shared).
@@ -213,7 +213,7 @@ class SpeedProbe:
     The op mix of a tiny-preset round in miniature (module docstring): eight chained
     ``linear -> rms_norm -> softmax`` steps over ``[8, 64]`` activations (dispatch-bound, as a
     small model's round is) and one ``index_select`` gather of 2,048 rows of a 2 MiB table
-    (memory-bound, as the KV gather of a long context is); ~0.5 ms on a 2-vCPU VM. Inputs are
+    (memory-bound, as the KV gather of a long context is); 0.2-0.5 ms on a 2-vCPU VM. Inputs are
     seeded and allocated once; the output is discarded.
     """
 
