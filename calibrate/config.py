@@ -72,8 +72,15 @@ DEFAULT_SWITCH_MIN_GAIN = 0.05
 #: of 19 points x 6 windows of 24 rounds after 2 warm-up rounds (156 rounds a point, windows
 #: spread over the run) took 25-28 s beside another busy process, at 0.5-1.7 % held-out
 #: (bench/RESULTS.md). Eager CPU rounds need no long warm-up: nothing is captured or tuned.
+#: cuda: 2 warm-up rounds after each window's transition instead of 8 (the graphs are captured
+#: and warmed at build; a transition copies KV and runs one round at the point's shape, and the
+#: pipeline is full after one more). On the H200 the widened default grid (136 points, 411
+#: windows) spent 11 s in warm-up rounds; with 2 it took 88.9 / 90.0 s cold against 95.1 /
+#: 96.6 s on the same kind of host, and its tables priced the grid within -0.14 / -0.19 %
+#: (median signed difference) of the 8-round tables' median (bench/RESULTS.md).
 KIND_DEFAULTS: dict[str, dict[str, int]] = {
     "cpu": {"warmup_steps": 2, "window_steps": 24, "windows_per_point": 6, "context_levels": 1},
+    "cuda": {"warmup_steps": 2},
 }
 
 # Every key the effective configuration reports a source for, in print order.

@@ -140,10 +140,14 @@ def test_cpu_defaults_of_the_window_design_and_contexts():
     assert len(cpu.contexts) == 1 and cpu.contexts[0].max_kv_length == 4096
     assert cpu.sources["window_steps"] == "default (cpu)"
     assert "one interval" in cpu.notes["contexts"]
-    # another kind keeps the seeds' defaults and the geometric KV levels
+    # cuda: short warm-up only, the seeds' windows and the geometric KV levels
     gpu = resolve_config(UserConfig.build(), _geometry(), device_kind="cuda")
-    assert gpu.warmup_steps == DEFAULT_WARMUP_STEPS and len(gpu.contexts) == 4
-    assert gpu.sources["window_steps"] == "default"
+    assert gpu.warmup_steps == KIND_DEFAULTS["cuda"]["warmup_steps"] and len(gpu.contexts) == 4
+    assert gpu.sources["warmup_steps"] == "default (cuda)"
+    assert gpu.sources["window_steps"] == "default" and gpu.windows_per_point == 3
+    # a kind without its own defaults keeps the seeds'
+    npu = resolve_config(UserConfig.build(), _geometry(), device_kind="npu")
+    assert npu.warmup_steps == DEFAULT_WARMUP_STEPS and npu.sources["warmup_steps"] == "default"
     # explicit values win over a kind's defaults
     given = resolve_config(UserConfig.build(parse_config_obj({"windows_per_point": 3})),
                            _geometry(), device_kind="cpu")
