@@ -591,6 +591,8 @@ class ReplayReport:
                     "name": r.name,
                     "kind": r.kind,
                     "priced": r.priced,
+                    "rounds": int(r.cost_ms.size),
+                    "rounds_priced": int(np.count_nonzero(np.isfinite(r.cost_ms) & (r.cost_ms > 0))),
                     **{k: _f(v) for k, v in t.items()},
                     "gain_vs_best_fixed_pct": _f(100.0 * (t["tokens_per_s"] / best - 1.0))
                     if t

@@ -102,7 +102,9 @@ def _print_report(d: dict[str, Any]) -> None:
         t.add_column(col, justify="left" if col == "policy" else "right")
     for p in d["policies"]:
         if not p["priced"]:
-            t.add_row(p["name"], "uncalibrated", "-", "-", "-", "-", "-", "-")
+            unpriced = p["rounds"] - p["rounds_priced"]
+            t.add_row(p["name"], f"uncalibrated ({unpriced}/{p['rounds']} rounds)", "-", "-", "-",
+                      "-", "-", "-")
             continue
         # Any metric may be None (no finite value, e.g. no priced baseline to compare with).
         t.add_row(

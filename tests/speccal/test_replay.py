@@ -380,3 +380,18 @@ def test_cli_replay_prints_na_for_a_missing_gain(monkeypatch):
     assert cells["adaptive-step"][1] == "n/a", r.output  # tokens/s
     assert cells["adaptive-step"][-1] == "n/a" and cells["fixed:2"][-1] == "n/a"
     assert cells["fixed:2"][1] != "n/a"  # the values that exist are still printed
+
+
+def test_the_report_counts_each_policys_priced_rounds():
+    """A fixed k whose rounds fall partly outside the table's span is "uncalibrated", and the
+    report says how many of its rounds were unpriced (issue 35: coverage is never silent)."""
+    trace = mixed_trace()
+    report = replay(trace, patchy_cost("draft_step")).to_dict()
+    by = {p["name"]: p for p in report["policies"]}
+    assert all(p["rounds"] == trace.num_rounds for p in by.values())
+    # the "far" phase (KV 9000) prices only full width: fixed:4 is priced there, fixed:1 is not
+    assert by["fixed:4"]["priced"] and by["fixed:4"]["rounds_priced"] == trace.num_rounds
+    low = by["fixed:1"]
+    assert not low["priced"] and 0 < low["rounds_priced"] < trace.num_rounds
+    far = int(np.count_nonzero(np.asarray(trace.kv_length) > 4096))
+    assert low["rounds"] - low["rounds_priced"] == far
