@@ -118,6 +118,23 @@ def _print_export(report: dict, out: Path, sidecar: Path) -> None:
             f"{_fmt(a['tokens_per_s_lost_pct'], '.2f')} % tokens/s lost): {a['why']}",
             markup=False,
         )
+    pb = report.get("per_bucket")
+    if pb and pb["gain_pct"] is not None:
+        err_console.print(
+            f"per batch size vs per bucket: {pb['tokens_per_s']:,.1f} vs "
+            f"{pb['per_bucket_tokens_per_s']:,.1f} tokens/s ({pb['gain_pct']:+.2f} %, at most "
+            f"{pb['max_gain_pct']:+.2f} % at one batch size; {len(report['ranges'])} ranges; "
+            f"batch sizes whose k differs: {pb['batch_sizes_differing'] or 'none'})",
+            markup=False,
+        )
+    for c in report.get("caveats", []):
+        if c["applies"]:
+            err_console.print(
+                f"warning: {report['engine']['name']} {c['id']}: {c['changes']} "
+                f"({', '.join(c['sources'])})",
+                markup=False,
+                soft_wrap=True,
+            )
     fid = report["fidelity"]
     if fid:
         err_console.print(
@@ -162,7 +179,8 @@ def export_cmd(
         typer.Option(
             "--k0-ms",
             help="Step time at k = 0 measured in the target engine (draft_step tables): MS or "
-            "BCAP=MS,... Default: the table's k = 0 windows, else k = 0 is not priced.",
+            "BCAP=MS,... Default: the table's k = 0 windows, else k = 0 is not priced; --to "
+            "vllm prices k = 0 only from this (its K = 0 step still runs a drafter forward).",
         ),
     ] = None,
     num_requests: Annotated[

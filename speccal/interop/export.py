@@ -6,6 +6,9 @@ Steps (docs/INTEROP.md):
    (``--trace``, full width), or a profile (``--profile``: an engine file read by
    ``speccal.interop.importers``, or ``marginal:p1,p2,...`` / ``conditional:q1,q2,...``);
 2. score every request bucket (``speccal.interop.schedule``): tokens/s of every ``k``, the best;
+   for vLLM also every logical batch size ``B = 1 .. largest bucket`` (its schedule is keyed by
+   batch size: the best ``k`` per ``B``, merged into ranges, with evidence per range and the
+   gain over running each bucket's ``k`` at all its batch sizes);
 3. render the engine's file (``vllm``, ``trtllm``, ``sglang-adaptive``: the schedule, from a
    ``draft_step`` table; ``sglang``: the table itself, from a ``target_verify`` table) and price the whole workload
    under what the file makes the engine run vs every single fixed ``k``: the trace's own rounds,
@@ -30,9 +33,13 @@ from speccal.interop.importers import FORMATS, read_acceptance
 from speccal.interop.pricing import heldout, pricing_block
 from speccal.interop.report import Rendered, bucket_rows, sidecar
 from speccal.interop.schedule import (
+    compare_per_bucket,
     equal_time_workload,
     parse_k0_ms,
+    per_bucket_k,
+    ranges,
     rebatch,
+    score_batch_sizes,
     score_buckets,
     workload_runs,
     zero_cost,
@@ -191,7 +198,8 @@ def run_export(req: ExportRequest) -> ExportResult:
             hint=f"calibrate with --mode {need}, or export this table --to {other}",
         )
     k0 = parse_k0_ms(req.k0_ms, tuple(table.geometry().request_buckets))
-    zero = zero_cost(table, k0)
+    # vLLM's K = 0 step runs a drafter forward speccal's k = 0 windows do not: --k0-ms only
+    zero = zero_cost(table, k0, table_k0=req.engine != "vllm")
     cost = CostModel.from_table(table)
     acc = acceptance_trace(req, table)
     if acc is None and req.engine != "sglang":
@@ -209,6 +217,7 @@ def run_export(req: ExportRequest) -> ExportResult:
     held = heldout(table)
     sidecar_file = req.sidecar_path
     workload = speccal_workload = None
+    range_rows = per_bucket = None
     if req.engine == "sglang":
         kv = req.kv_length
         if kv is None:
@@ -221,8 +230,16 @@ def run_export(req: ExportRequest) -> ExportResult:
         kvs = acc[0].kv_length
         priced_kv = (float(np.min(kvs)), float(np.max(kvs)))
         decisions = {s.bcap: s.best_k for s in scores}
-        if req.engine == "vllm":
-            rendered = vllm.render(decisions, table.draft_width, table.compatibility.topology.dp)
+        by_batch = req.engine == "vllm"
+        if by_batch:
+            batch_scores = score_batch_sizes(cost, trace, zero)
+            bucket_k = per_bucket_k(cost, decisions, len(batch_scores))
+            decisions = {s.bcap: s.best_k for s in batch_scores}
+            rendered = vllm.render(
+                decisions, table.draft_width, table.compatibility.topology.dp, k0_ms=bool(k0)
+            )
+            range_rows = ranges(cost, batch_scores, rendered.decisions)
+            per_bucket = compare_per_bucket(batch_scores, rendered.decisions, bucket_k)
         elif req.engine == "sglang-adaptive":
             rendered = sglang_adaptive.render(decisions, table.compatibility.topology.dp)
         else:
@@ -230,9 +247,13 @@ def run_export(req: ExportRequest) -> ExportResult:
                 decisions, {s.bcap: s.tokens_per_s for s in scores}, sidecar_file.name
             )
         if req.trace is not None:
-            workload = workload_runs(workload_trace, cost, rendered.decisions, zero)
+            workload = workload_runs(
+                workload_trace, cost, rendered.decisions, zero, per_batch_size=by_batch
+            )
             if rendered.decisions != decisions:
-                speccal_workload = workload_runs(workload_trace, cost, decisions, zero)
+                speccal_workload = workload_runs(
+                    workload_trace, cost, decisions, zero, per_batch_size=by_batch
+                )
         else:
             workload = equal_time_workload(scores, rendered.decisions)
             if rendered.decisions != decisions:
@@ -253,6 +274,8 @@ def run_export(req: ExportRequest) -> ExportResult:
         k0_meaning=engine.K0_MEANING,
         heldout_block=held,
         pricing=pricing_block(table, priced_kv),
+        ranges=range_rows,
+        per_bucket=per_bucket,
     )
     write_text_atomic(req.out, text, field="--out")
     write_json_atomic(sidecar_file, report, field="--sidecar")

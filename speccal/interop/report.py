@@ -15,6 +15,11 @@ version :data:`SIDECAR_VERSION`::
                   margin_pct, decisive, k0_source, adaptive, uncalibrated}],
      "workload": {...} | null, "speccal_workload": {...} | null,
      "adjustments": [...], "fidelity": {...} | null, "notes": [...],
+     "caveats": [{id, applies, changes, sources}],   the engine's behaviours that change the
+                                                     decision (``applies``: for this file)
+     "ranges": [{batch_sizes: [lo, hi], k, evidence: [{batch_size, tokens_per_s, runner_up_k,
+                 runner_up_tokens_per_s, cell, runner_up_cell, uncalibrated}]}] | null,
+     "per_bucket": {...} | null,                     per-batch-size vs per-bucket decisions
      "valid_for": {table identity, batch sizes, KV span, acceptance source}}
 
 ``decisive`` is true when the best ``k``'s predicted margin over the runner-up exceeds the
@@ -55,6 +60,7 @@ class Rendered:
     notes: list[str] = field(default_factory=list)
     fidelity: dict[str, Any] | None = None
     sidecar_name: str | None = None
+    caveats: list[dict[str, Any]] = field(default_factory=list)
 
 
 def clean(value: Any) -> Any:
@@ -119,6 +125,8 @@ def sidecar(
     k0_meaning: str,
     heldout_block: dict[str, Any],
     pricing: dict[str, Any],
+    ranges: list[dict[str, Any]] | None = None,
+    per_bucket: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The sidecar document (see module docstring)."""
     geo = table.geometry()
@@ -154,6 +162,9 @@ def sidecar(
         "adjustments": rendered.adjustments,
         "fidelity": rendered.fidelity,
         "notes": rendered.notes,
+        "caveats": rendered.caveats,
+        "ranges": ranges,
+        "per_bucket": per_bucket,
         "valid_for": {
             "draft_width": table.draft_width,
             "model": compat["model"],

@@ -81,9 +81,16 @@ def parse_k0_ms(text: str | None, buckets: tuple[int, ...]) -> dict[int, float]:
     return out
 
 
-def zero_cost(table: Any, k0_ms: dict[int, float]) -> ZeroCost:
-    """Where ``k = 0`` is priced for ``table`` (see module docstring)."""
+def zero_cost(table: Any, k0_ms: dict[int, float], *, table_k0: bool = True) -> ZeroCost:
+    """Where ``k = 0`` is priced for ``table`` (see module docstring).
+
+    ``table_k0=False``: only ``--k0-ms`` prices ``k = 0`` (vLLM, whose ``K = 0`` step still runs
+    a drafter forward that speccal's ``k = 0`` windows do not measure); without it ``k = 0`` is
+    never chosen.
+    """
     buckets = tuple(table.geometry().request_buckets)
+    if table.mode == "draft_step" and not table_k0:
+        return ZeroCost(flag_ms=dict(k0_ms))
     if table.mode == "draft_step":
         measured = sorted(
             {w.bcap for f in table.fits for w in f.windows if w.k == 0 and w.g == w.bcap}
@@ -181,7 +188,8 @@ def score_bucket(cost: CostModel, trace: RoundTrace, bcap: int, zero: ZeroCost) 
             uncalibrated=str(exc),
         )
     tps: dict[int, float | None] = {}
-    c0 = zero.costs(cost, np.full(tb.num_rounds, bcap), tb.kv_length)
+    cap = int(cost.bcap(np.array([bcap]))[0])  # a batch size between buckets pads up
+    c0 = zero.costs(cost, np.full(tb.num_rounds, cap), tb.kv_length)
     if np.isfinite(c0).all() and (c0 > 0).all():
         tps[0] = 1000.0 * float(tb.num_requests.sum()) / float(c0.sum())
     else:
@@ -207,7 +215,7 @@ def score_bucket(cost: CostModel, trace: RoundTrace, bcap: int, zero: ZeroCost) 
         rounds=tb.num_rounds,
         tokens_per_s=tps,
         best_k=best_k,
-        k0_source=zero.source(bcap),
+        k0_source=zero.source(cap),
         adaptive=ad,
     )
 
@@ -228,14 +236,18 @@ def schedule_run(
     k_of_bcap: Mapping[int, int],
     zero: ZeroCost,
     name: str = "schedule",
+    per_batch_size: bool = False,
 ) -> PolicyRun:
-    """The trace (its own batches) with ``k = k_of_bcap[bcap_for(B)]`` each round."""
+    """The trace (its own batches) with ``k = k_of_bcap[bcap_for(B)]`` each round
+    (``per_batch_size``: ``k = k_of_bcap[B]``, the map keyed by logical batch size)."""
     b = trace.num_requests
     bcap = cost.bcap(b)
-    missing = sorted(set(np.unique(bcap).tolist()) - set(k_of_bcap))
+    key = b if per_batch_size else bcap
+    missing = sorted(set(np.unique(key).tolist()) - set(k_of_bcap))
     if missing:
-        raise InputError("schedule", missing, "a decision for every bucket the trace uses")
-    k = np.array([k_of_bcap[int(x)] for x in bcap], dtype=np.int64)
+        what = "batch size" if per_batch_size else "bucket"
+        raise InputError("schedule", missing, f"a decision for every {what} the trace uses")
+    k = np.array([k_of_bcap[int(x)] for x in key], dtype=np.int64)
     cum = np.concatenate(
         (np.zeros((b.size, 1)), np.cumsum(trace.survival_counts(), axis=1)), axis=1
     )
@@ -261,15 +273,26 @@ def schedule_run(
 
 
 def workload_runs(
-    trace: RoundTrace, cost: CostModel, k_of_bcap: Mapping[int, int], zero: ZeroCost
+    trace: RoundTrace,
+    cost: CostModel,
+    k_of_bcap: Mapping[int, int],
+    zero: ZeroCost,
+    per_batch_size: bool = False,
 ) -> dict[str, Any]:
     """Tokens/s of the trace under the decisions and under every fixed ``k`` (``0`` only where
     priced at every round); the gain of the decisions over the best single fixed ``k`` (all on
-    the same rounds)."""
-    sched = schedule_run(trace, cost, k_of_bcap, zero)
+    the same rounds). ``per_batch_size``: the decisions are keyed by logical batch size."""
+    sched = schedule_run(trace, cost, k_of_bcap, zero, per_batch_size=per_batch_size)
     w = cost.draft_width
     fixed = {
-        k: schedule_run(trace, cost, dict.fromkeys(k_of_bcap, k), zero, name=f"fixed:{k}")
+        k: schedule_run(
+            trace,
+            cost,
+            dict.fromkeys(k_of_bcap, k),
+            zero,
+            name=f"fixed:{k}",
+            per_batch_size=per_batch_size,
+        )
         for k in range(0, w + 1)
     }
     fixed_tps = {k: (r.totals()["tokens_per_s"] if r.priced else None) for k, r in fixed.items()}
@@ -323,4 +346,90 @@ def equal_time_workload(scores: list[BucketScore], k_of_bcap: Mapping[int, int])
         "fixed_tokens_per_s": fixed,
         "best_fixed_k": best,
         "gain_vs_best_fixed_pct": 100.0 * (sched / priced[best] - 1.0),
+    }
+
+
+def score_batch_sizes(cost: CostModel, trace: RoundTrace, zero: ZeroCost) -> list[BucketScore]:
+    """:func:`score_bucket` at every logical batch size ``B = 1 .. largest bucket`` the trace can
+    fill (``BucketScore.bcap`` holds ``B``): a partly filled bucket is priced at its own
+    ``G = pad(B * (k + 1))``, not at the bucket's full batch."""
+    if trace.draft_width != cost.draft_width:
+        raise InputError(
+            "trace.draft_width", trace.draft_width, f"the table's draft_width = {cost.draft_width}"
+        )
+    top = min(int(cost.geometry.request_buckets[-1]), int(trace.accepted.size))
+    return [score_bucket(cost, trace, b, zero) for b in range(1, top + 1)]
+
+
+def per_bucket_k(cost: CostModel, k_of_bcap: Mapping[int, int], top: int) -> dict[int, int]:
+    """``{B: k}`` for ``B = 1 .. top`` from a per-bucket map: each ``B`` runs its bucket's ``k``."""
+    caps = cost.bcap(np.arange(1, top + 1))
+    return {b: int(k_of_bcap[int(c)]) for b, c in zip(range(1, top + 1), caps, strict=True)}
+
+
+def ranges(
+    cost: CostModel, scores: list[BucketScore], exported: Mapping[int, int]
+) -> list[dict[str, Any]]:
+    """Per-batch-size scores merged into ranges of equal exported ``k``, with their evidence:
+    per batch size the chosen ``k``'s and the runner-up's predicted tokens/s and the table cell
+    (``Bcap``, ``G = pad(B * (k + 1))``) each prices."""
+    out: list[dict[str, Any]] = []
+    for s in scores:
+        k = int(exported.get(s.bcap, s.best_k))
+        others = [(v, -kk) for kk, v in s.tokens_per_s.items() if kk != k and v is not None]
+        ru = -max(others)[1] if others else None
+        cap = int(cost.bcap(np.array([s.bcap]))[0])
+
+        def cell(kk: int | None, cap: int = cap, b: int = s.bcap) -> dict[str, int] | None:
+            if kk is None:
+                return None
+            g = cap if kk == 0 else int(cost.g(np.array([cap]), np.array([b * (kk + 1)]))[0])
+            return {"bcap": cap, "g": g}
+
+        row = {
+            "batch_size": s.bcap,
+            "tokens_per_s": s.tokens_per_s.get(k),
+            "runner_up_k": ru,
+            "runner_up_tokens_per_s": None if ru is None else s.tokens_per_s[ru],
+            "cell": cell(k),
+            "runner_up_cell": cell(ru),
+            "uncalibrated": s.uncalibrated,
+        }
+        if out and out[-1]["k"] == k:
+            out[-1]["batch_sizes"][1] = s.bcap
+            out[-1]["evidence"].append(row)
+        else:
+            out.append({"batch_sizes": [s.bcap, s.bcap], "k": k, "evidence": [row]})
+    return out
+
+
+def compare_per_bucket(
+    scores: list[BucketScore], per_b: Mapping[int, int], per_bucket: Mapping[int, int]
+) -> dict[str, Any]:
+    """Predicted tokens/s of the per-batch-size decisions vs each batch size running its
+    bucket's decision, at every batch size and as the mean over batch sizes (equal time each)."""
+    rows = []
+    for s in scores:
+        a, b = s.tokens_per_s.get(per_b[s.bcap]), s.tokens_per_s.get(per_bucket[s.bcap])
+        rows.append(
+            {
+                "batch_size": s.bcap,
+                "k": int(per_b[s.bcap]),
+                "per_bucket_k": int(per_bucket[s.bcap]),
+                "tokens_per_s": a,
+                "per_bucket_tokens_per_s": b,
+                "gain_pct": None if a is None or b is None else 100.0 * (a / b - 1.0),
+            }
+        )
+    priced = [r for r in rows if r["gain_pct"] is not None]
+    mean_a = float(np.mean([r["tokens_per_s"] for r in priced])) if priced else None
+    mean_b = float(np.mean([r["per_bucket_tokens_per_s"] for r in priced])) if priced else None
+    return {
+        "weighting": "equal time at every batch size 1 .. largest bucket",
+        "batch_sizes_differing": [r["batch_size"] for r in rows if r["k"] != r["per_bucket_k"]],
+        "tokens_per_s": mean_a,
+        "per_bucket_tokens_per_s": mean_b,
+        "gain_pct": None if not priced else 100.0 * (mean_a / mean_b - 1.0),
+        "max_gain_pct": max((r["gain_pct"] for r in priced), default=None),
+        "rows": rows,
     }

@@ -323,8 +323,10 @@ def test_cli_import_bad_file_is_one_line(tmp_path):
 
 
 def test_time_in_the_engine_fit_in_speccal_export_back(at_root, tmp_path):
-    """Rows timed in an engine at k = 0..w (k = 0: G = Bcap) -> speccal fit -> export: the fitted
-    table prices k = 0 from its own windows and the schedule drops speculation where it loses."""
+    """Rows timed in an engine at k = 0..w (k = 0: G = Bcap) -> speccal fit -> export: vLLM's
+    K = 0 is priced only from --k0-ms (its K = 0 step still runs a drafter forward), so the
+    fitted table's k = 0 windows are not used; with --k0-ms the schedule drops speculation
+    where it loses."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rows = load_table(ROOT / DRAFT_STEP).measurements()
@@ -340,22 +342,16 @@ def test_time_in_the_engine_fit_in_speccal_export_back(at_root, tmp_path):
     assert r.exit_code == 0, r.output
     out = tmp_path / "vllm.json"
     hard = "conditional:0.2,0.2,0.2"  # acceptance this low: speculation loses everywhere
-    r = _run(
-        "export",
-        str(fitted),
-        "--to",
-        "vllm",
-        "--profile",
-        hard,
-        "--kv-length",
-        "512",
-        "--out",
-        str(out),
-        "--json",
-    )
+    args = ["export", str(fitted), "--to", "vllm", "--profile", hard, "--kv-length", "512"]
+    r = _run(*args, "--out", str(out), "--json")
     assert r.exit_code == 0, r.output
     side = json.loads(r.stdout)
-    assert all(b["k0_source"].startswith("table") for b in side["buckets"])
+    assert all(b["k0_source"] is None and b["best_k"] > 0 for b in side["buckets"])
+    k0_ms = ",".join(f"{b}={ms:.4f}" for b, ms in k0.groupby("bcap")["step_ms"].median().items())
+    r = _run(*args, "--k0-ms", k0_ms, "--out", str(out), "--json")
+    assert r.exit_code == 0, r.output
+    side = json.loads(r.stdout)
+    assert all(b["k0_source"] == "--k0-ms" for b in side["buckets"])
     assert all(b["best_k"] == 0 for b in side["buckets"])
     assert check_vllm(out.read_text())["num_speculative_tokens_per_batch_size"] == [[1, 8, 0]]
     easy = "conditional:0.9,0.9,0.9"
