@@ -97,7 +97,10 @@ def caveats(schedule: list[list[int]], draft_width: int, k0_ms: bool) -> list[di
             "request, prefill chunks included; speccal's batch size counts decoding requests "
             "only, so a step that also schedules prefill chunks runs the K of a larger batch "
             "size than speccal priced",
-            "sources": ["vllm/v1/core/sched/scheduler.py (num_scheduled_tokens)"],
+            "sources": [
+                "vllm/v1/core/sched/scheduler.py Scheduler.schedule: "
+                "dynamic_sd_lookup[len(num_scheduled_tokens)]"
+            ],
         },
         {
             "id": "mrv2_ignores_k",
