@@ -184,7 +184,7 @@ measures each shape exactly). Details: README.md and docs/.
 First use on a CPU: `speccal calibrate --model tiny --out out/tiny-cpu.json` takes under a
 minute on a small shared machine (one context interval, 19 points x 6 windows of 24 rounds; each
 round timed in thread CPU time against a speed probe, so a busy machine slows the run but not
-the table's accuracy: 25-28 s and held-out error 0.5-1.7 % on a 2-vCPU VM beside another
+the table's accuracy: 21-28 s and held-out error 0.3-1.7 % on a 2-vCPU VM beside another
 busy process).
 """
 
