@@ -338,7 +338,6 @@ def drive(
     on_window: Callable[[GridPoint, int], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
     probe: SpeedProbe | None = None,
-    probe_ref_ms: float | None = None,
 ) -> DriveStats:
     """Measure every window of ``points`` not yet in ``journal``.
 
@@ -355,14 +354,15 @@ def drive(
     on_window : ``f(point, window_index)`` after each window (progress display).
     clock : wall-clock seconds read at window edges (default ``time.perf_counter``; tests
         inject a fake one).
-    probe, probe_ref_ms : time the windows with the probe clock (``speccal.calibrate.timing``:
-        CPU engines) at this reference; None: the wall clock.
+    probe : time the windows with the probe clock (``speccal.calibrate.timing``: CPU engines;
+        the call's first window sets the reference, and the fit re-prices every row at the
+        run's median probe, ``timing.at_run_speed``); None: the wall clock.
     """
     from speccal.runner.engine import RoundPlan
     from speccal.runner.sampling import SamplingParams
 
     done = journal.done
-    timer = WindowTimer(engine, clock, probe=probe, probe_ref_ms=probe_ref_ms)
+    timer = WindowTimer(engine, clock, probe=probe)
     loop = loop_of(engine)
     w = cfg.windows_per_point
     indices = tuple(range(w) if window_indices is None else window_indices)
@@ -412,10 +412,9 @@ def drive(
             # The window: every round queued before it has finished at the start edge; exactly
             # window_steps rounds are queued between the edges, and the end edge waits for the
             # last of them. A pipelined engine's last round is collected after the edge.
-            engine.synchronize()  # the window's start edge syncs again: nothing is left then
-            t_warmup += clock() - t1
             first = engine.round_index
             inside, span = timer.run(lambda: engine.step(plan), cfg.window_steps)  # noqa: B023
+            t_warmup += span.started_s - t1  # the start edge synced: the warm-up had finished
             queued = engine.round_index - first
             rounds += cfg.window_steps
             t_sampling += span.elapsed_s if span.wall_s is None else span.wall_s

@@ -555,11 +555,7 @@ def _measure(
                 + (f" ({'; '.join(notes)})" if notes else "")
             )
         report.print_grid(console, points, cfg, len(journal.rows))
-        probe_ref_ms = None
         if probe is not None:
-            # a resumed run prices its windows at the reference its first windows used
-            kept = [r["probe_ref_ms"] for r in journal.rows if r.get("probe_ref_ms")]
-            probe_ref_ms = float(kept[0]) if kept else None
             console.print(
                 "clock: each round's thread CPU time over a speed probe's (cpu: the machine's "
                 "speed drifts; speccal.calibrate.timing), priced at the run's median probe",
@@ -605,7 +601,6 @@ def _measure(
                 on_window=on_window,
                 clock=clock,
                 probe=probe,
-                probe_ref_ms=probe_ref_ms,
             )
             for r in range(1, gate.remeasure_rounds + 1):
                 due = points_to_remeasure(journal.rows, points, w, r, gate)
@@ -631,7 +626,6 @@ def _measure(
                     on_window=on_window,
                     clock=clock,
                     probe=probe,
-                    probe_ref_ms=probe_ref_ms,
                 )
                 stats = stats.plus(more)
         load_after = machine.load_sample(opts.device)

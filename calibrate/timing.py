@@ -24,9 +24,10 @@ it instead:
    round runs, small matmuls, norms, softmax and an ``index_select`` gather over 2 MiB) is
    timed the same way, and the round's cost is read relative to it: the window's step time is
    ``median over its rounds of (round CPU / probe CPU) * probe_ref_ms``, where
-   ``probe_ref_ms`` is the median probe of the run's first window (kept in every journal row,
-   so a resumed run prices its windows at the same reference; the fit then prices every
-   window at the run's median probe instead, :func:`at_run_speed`). The probe is timed where
+   ``probe_ref_ms`` is the median probe of the first window a driving call measures (kept in
+   every journal row; the fit then prices every window at the run's median probe instead,
+   :func:`at_run_speed`, so windows of a resumed run or a re-measure round, priced at their
+   own first window's reference, come out alike). The probe is timed where
    the rounds leave the caches: back to back, without rounds between, it took 0.17-0.32 ms
    against 0.32-0.54 ms between rounds, and a reference measured so priced rounds ~1.5x below
    their own thread time. The drift is a speed factor common to the round and the probe run a
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 #: How a window's rounds are timed (``calibration.timing.clock``): ``wall`` (wall total between
@@ -67,6 +68,7 @@ class WindowTime:
     device_ms : device span between the edges in ms (CUDA events); None without a device clock.
     wall_s, probe_ms, probe_ref_ms : probe clock only: the wall seconds between the edges, the
         median probe CPU ms of the window and the reference the rounds are priced at.
+    started_s : the clock's reading at the start edge (:meth:`WindowTimer.run`).
     """
 
     elapsed_s: float
@@ -74,6 +76,7 @@ class WindowTime:
     wall_s: float | None = None
     probe_ms: float | None = None
     probe_ref_ms: float | None = None
+    started_s: float | None = None
 
     @property
     def wall_over_device(self) -> float | None:
@@ -121,13 +124,13 @@ class WindowTimer:
         probe (module docstring).
         """
         if self._probe is None:
-            self.start()
+            t0 = self.start()
             results = [step() for _ in range(n)]
-            return results, self.stop()
+            return results, replace(self.stop(), started_s=t0)
         cpu = time.thread_time
         probe = self._probe
         ratios, probes, results = [], [], []
-        self.start()
+        t0 = self.start()
         for _ in range(n):
             c0 = cpu()
             results.append(step())
@@ -136,13 +139,13 @@ class WindowTimer:
             ratios.append((c1 - c0) / p)
             probes.append(p)
         span = self.stop()
-        if self.probe_ref_ms is None:  # the run's first window sets the reference
-            self.probe_ref_ms = 1000.0 * _median(sorted(probes))
+        probe_ms = 1000.0 * _median(sorted(probes))
+        if self.probe_ref_ms is None:  # the first window sets the reference
+            self.probe_ref_ms = probe_ms
         step_ms = _median(sorted(ratios)) * self.probe_ref_ms
         return results, WindowTime(
-            elapsed_s=n * step_ms / 1000.0, device_ms=span.device_ms,
-            wall_s=span.elapsed_s,
-            probe_ms=1000.0 * _median(sorted(probes)), probe_ref_ms=self.probe_ref_ms,
+            elapsed_s=n * step_ms / 1000.0, device_ms=span.device_ms, wall_s=span.elapsed_s,
+            probe_ms=probe_ms, probe_ref_ms=self.probe_ref_ms, started_s=t0,
         )
 
     @property
@@ -242,12 +245,12 @@ class SpeedProbe:
 def at_run_speed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Probe-clock rows priced at the run's median probe time instead of the first window's.
 
-    Every window is priced at one reference (``probe_ref_ms``, set by the run's first window,
-    so a resumed run prices its windows alike); that first window's probe is one moment's
-    speed. The run's median probe over every window (``probe_ms``) is the speed the table
-    should state, so each row's ``step_ms`` and ``elapsed_s`` are scaled by ``median /
-    probe_ref_ms`` (one factor for all rows: ratios between points are unchanged) and
-    ``probe_ref_ms`` becomes the median. Rows of the wall clock are returned as they are.
+    Each row was priced at the reference its driving call's first window set (``probe_ref_ms``:
+    one moment's speed, and another one for a re-measure round or a resumed run). The run's
+    median probe over every window (``probe_ms``) is the speed the table should state, so each
+    row's ``step_ms`` and ``elapsed_s`` are scaled by ``median / probe_ref_ms`` (its round /
+    probe ratio is unchanged) and ``probe_ref_ms`` becomes the median. Rows of the wall clock
+    are returned as they are.
     """
     probed = [r for r in rows if r.get("clock") == "cpu_probe"]
     if not probed:

@@ -35,6 +35,25 @@ def _read_json(path: Path) -> Any:
         raise SchemaError(str(path), str(exc), "valid JSON") from None
 
 
+def read_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint folder's ``config.json`` as a dict.
+
+    Raises
+    ------
+    InputError
+        No ``config.json`` in the folder.
+    SchemaError
+        It is not valid JSON, or not a JSON object.
+    """
+    cfg_path = Path(folder) / "config.json"
+    if not cfg_path.is_file():
+        raise InputError("model", str(folder), "a folder containing config.json")
+    cfg = _read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        raise SchemaError(str(cfg_path), type(cfg).__name__, "a JSON object")
+    return cfg
+
+
 def _guard(f: Path, read: Callable[[], T]) -> T:
     """``read()``, a safetensors library error of file ``f`` turned into an ``InputError``."""
     try:
@@ -63,12 +82,7 @@ class SafetensorsFolder:
         self.path = Path(path)
         if not self.path.is_dir():
             raise InputError("model", str(path), "a preset name or a checkpoint folder")
-        cfg_path = self.path / "config.json"
-        if not cfg_path.is_file():
-            raise InputError("model", str(path), "a folder containing config.json")
-        self.config: dict[str, Any] = _read_json(cfg_path)
-        if not isinstance(self.config, dict):
-            raise SchemaError(str(cfg_path), type(self.config).__name__, "a JSON object")
+        self.config: dict[str, Any] = read_config(self.path)
         index = self.path / "model.safetensors.index.json"
         self.key_to_file: dict[str, Path] = {}
         self._handles = {}

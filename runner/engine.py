@@ -31,8 +31,6 @@ the state traffic of the round's shape; the strategy is part of :meth:`Engine.co
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -42,9 +40,10 @@ import numpy as np
 import torch
 
 from speccal import __version__
-from speccal.base.errors import CapacityError, InputError, UnsupportedError
+from speccal.base.errors import CapacityError, InputError, SchemaError, UnsupportedError
 from speccal.base.geometry import Geometry, served_request_buckets
 from speccal.kernels.precompile import CompilePool, triton_cache_is_empty
+from speccal.runner.checkpoint import read_config
 from speccal.runner.device import (
     check_memory,
     default_dtype,
@@ -201,10 +200,9 @@ def _check_declared_context(model: str, max_model_len: int | None) -> None:
         cfg: Any = preset.config
     else:
         try:
-            with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
-                cfg = json.load(fh)
-        except (OSError, ValueError):
-            return
+            cfg = read_config(model)
+        except (InputError, SchemaError, OSError):
+            return  # the loader names what is wrong with the folder
     if not isinstance(cfg, dict):
         return
     text = cfg.get("text_config")
