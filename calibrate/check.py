@@ -254,10 +254,11 @@ def check_table(
     lookup = table.lookup()
     rows = []
     for gp in grid:
-        mine = [r for r in journal.rows if (r["context_index"], r["bcap"], r["g"]) == gp.key[:3]]
+        mine = [r for r in journal.rows
+                if (r["context_index"], r["bcap"], r["g"], r["k"]) == gp.key[:4]]
         measured = statistics.median(float(r["step_ms"]) for r in mine)
         kv = statistics.fmean(float(r["mean_kv_length"]) for r in mine)
-        answer = lookup.cost_ms(gp.bcap, gp.g, kv)
+        answer = lookup.cost_ms(gp.bcap, gp.g, kv, gp.k)
         drift = 100.0 * (measured - answer.cost_ms) / answer.cost_ms if answer.calibrated else None
         rows.append(
             {

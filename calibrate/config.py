@@ -188,6 +188,12 @@ class CalibrationConfig:
     policy : adaptive-draft-step policy block.
     sources : key (see ``KEYS``) -> ``default`` | ``file`` | ``flag`` | ``run``.
     notes : key -> why a default differs from its documented value (e.g. shrunk to fit).
+    partly_filled : draft_step only, ``(Bcap, G, k, B)``: the shapes a partly filled bucket
+        runs (``B`` < ``Bcap`` requests, ``G = pad(B * (k + 1))`` not a full batch's G;
+        ``speccal.base.geometry.Geometry.draft_step_shapes``) whose G is among
+        ``target_graph_rows``, each measured with ``B`` requests. Derived from the engine's
+        geometry by :func:`resolve` (not part of :meth:`to_dict`: the rows and the geometry
+        determine it).
     """
 
     model: str
@@ -203,6 +209,7 @@ class CalibrationConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     sources: Mapping[str, str] = field(default_factory=dict)
     notes: Mapping[str, str] = field(default_factory=dict)
+    partly_filled: tuple[tuple[int, int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -245,6 +252,16 @@ class CalibrationConfig:
             raise InputError("sources", bad, f"keys among {KEYS} and sources among {SOURCES}")
         object.__setattr__(self, "sources", dict(self.sources))
         object.__setattr__(self, "notes", dict(self.notes))
+        shapes = tuple(sorted(tuple(int(x) for x in s) for s in self.partly_filled))
+        for b, g, k, n in shapes:
+            if (self.mode != "draft_step" or b not in rows or g not in rows[b]
+                    or not 1 <= k <= self.draft_width or not 1 <= n < b
+                    or not n * (k + 1) <= g < b * (k + 1)):
+                raise InputError(
+                    "partly_filled", [b, g, k, n],
+                    "draft_step shapes (Bcap, G, k, B) with B < Bcap requests, k in 1..w and "
+                    "B * (k + 1) <= G < Bcap * (k + 1), G among target_graph_rows[Bcap]")
+        object.__setattr__(self, "partly_filled", shapes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values (no sources): what identifies this calibration."""
@@ -522,7 +539,9 @@ def resolve_config(
             for b in buckets
         }
         if mode == "draft_step":
-            rows = {b: tuple(g for g in gs if g % b == 0 and g // b >= 2) for b, gs in rows.items()}
+            # full batches (G = Bcap * (k + 1)) and the G partly filled batches pad to
+            rows = {b: tuple(sorted({g for g, _, _ in geometry.draft_step_shapes(b)}))
+                    for b in rows}
     elif isinstance(rows_in, Mapping):
         rows = {}
         for key, gs in rows_in.items():
@@ -598,6 +617,11 @@ def resolve_config(
             )
         if why:
             notes["contexts"] = why
+    partly = ()
+    if mode == "draft_step":
+        partly = tuple((b, g, k, n) for b in buckets
+                       for g, k, n in geometry.draft_step_shapes(b)
+                       if n < b and g in rows[b])
     policy = PolicyConfig(
         window_size=pick("policy.window_size", DEFAULT_WINDOW_SIZE),
         update_interval=pick("policy.update_interval", DEFAULT_UPDATE_INTERVAL),
@@ -617,4 +641,5 @@ def resolve_config(
         policy=policy,
         sources=sources,
         notes=notes,
+        partly_filled=partly,
     )

@@ -146,7 +146,8 @@ def calibrated_kv_length(cfg: CalibrationConfig, context_index: int) -> float:
 
 
 def prompt_lengths(cfg: CalibrationConfig, point: GridPoint) -> np.ndarray:
-    """Base prompt length of each of the point's ``Bcap`` requests (before window advance).
+    """Base prompt length of each of the point's ``B`` requests (before window advance; ``B`` =
+    ``Bcap`` but for a partly filled draft_step point).
 
     Every point, whatever its Bcap and G, is measured at the same mean KV length
     (``calibrated_kv_length``), in two steps:
@@ -172,7 +173,7 @@ def prompt_lengths(cfg: CalibrationConfig, point: GridPoint) -> np.ndarray:
     """
     ctx = cfg.contexts[point.context_index]
     lo, hi = ctx.min_kv_length, ctx.prefill_tokens
-    b = point.bcap
+    b = point.requests
     levels = (np.arange(b) + 0.5) / b
     verify = np.asarray(point.verify_tokens or (point.k,) * b, dtype=float)
     lead = (cfg.draft_width - verify) * mean_measured_rounds(cfg)
@@ -191,14 +192,14 @@ def window_prompt_lengths(cfg: CalibrationConfig, point: GridPoint,
     """Prompt length of each of the point's requests in a window advanced by
     ``advance_rounds`` rounds: ``prompt_lengths`` plus the tokens each request emits in that many
     rounds under forced full acceptance (``verify_tokens[b] + 1`` per round)."""
-    verify = np.asarray(point.verify_tokens or (point.k,) * point.bcap, dtype=np.int64)
+    verify = np.asarray(point.verify_tokens or (point.k,) * point.requests, dtype=np.int64)
     return prompt_lengths(cfg, point) + advance_rounds * (verify + 1)
 
 
 def synthetic_prompts(
     cfg: CalibrationConfig, point: GridPoint, vocab_size: int, advance_rounds: int = 0
 ) -> list[list[int]]:
-    """The ``point.bcap`` synthetic prompts of a window: prefixes of ``synthetic_base`` of
+    """The ``point.requests`` synthetic prompts of a window: prefixes of ``synthetic_base`` of
     ``window_prompt_lengths`` tokens.
 
     ``advance_rounds``: each prompt is extended by the tokens its request emits in that many
@@ -254,7 +255,7 @@ def measurement_row(
         "min_kv_length": ctx.min_kv_length,
         "max_kv_length": ctx.max_kv_length,
         "bcap": point.bcap,
-        "num_requests": point.bcap,
+        "num_requests": point.requests,
         "g": point.g,
         "k": point.k,
         "window_index": window_index,
@@ -318,7 +319,7 @@ def _window_results(
 
 def _check_shape(res: Any, point: GridPoint, phase: str) -> None:
     found = (int(res.num_requests), int(res.bcap), int(res.g), int(res.k))
-    want = (point.bcap, point.bcap, point.g, point.k)
+    want = (point.requests, point.bcap, point.g, point.k)
     if found != want:
         raise ShapeMismatchError(
             f"{phase} round ran (B, Bcap, G, k) = {found}, the grid point asks for {want}: "

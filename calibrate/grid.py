@@ -4,7 +4,11 @@ A ``GridPoint`` is one measured shape. In ``target_verify`` mode the draft runs 
 the target receives exactly ``G`` rows: request ``i`` of the ``Bcap`` synthetic requests verifies
 ``verify_tokens[i]`` drafted tokens, spread as evenly as possible so that
 ``sum(verify_tokens[i] + 1) == G``. In ``draft_step`` mode each candidate ``k`` is its own point set
-with ``G = Bcap * (k + 1)`` (full verification of ``k`` drafts, ``verify_tokens`` None).
+with ``G = Bcap * (k + 1)`` (full verification of ``k`` drafts, ``verify_tokens`` None), and the
+shapes partly filled buckets run (``CalibrationConfig.partly_filled``): ``B < Bcap`` requests
+verifying ``k`` drafts each, ``B * (k + 1)`` rows padded to a captured ``G`` no full batch of
+``Bcap`` verifies (serving rarely fills its bucket; a round of ``k`` draft forwards at that G is
+not the round of another ``k`` at the same G).
 
 Pure Python (no torch): the grid is built and checked before any sampling.
 """
@@ -28,10 +32,12 @@ class GridPoint:
     Attributes
     ----------
     context_index : index into ``CalibrationConfig.contexts``.
-    bcap : physical draft request bucket; calibration runs exactly ``bcap`` requests (B == Bcap).
+    bcap : physical draft request bucket.
     g : physical target rows.
     k : draft forwards per round (``num_draft_steps``).
     verify_tokens : per request, drafted tokens sent to the target (prefix length); None = all k.
+    num_requests : requests the point runs (``B``); None = ``bcap`` (a full bucket). A draft_step
+        point of a partly filled bucket runs fewer.
     """
 
     context_index: int
@@ -39,6 +45,12 @@ class GridPoint:
     g: int
     k: int
     verify_tokens: tuple[int, ...] | None = None
+    num_requests: int | None = None
+
+    @property
+    def requests(self) -> int:
+        """``B``, the requests every round of the point runs."""
+        return self.bcap if self.num_requests is None else self.num_requests
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -62,20 +74,27 @@ def split_rows(bcap: int, g: int, draft_width: int) -> tuple[int, ...]:
 def build_grid(cfg: CalibrationConfig) -> tuple[GridPoint, ...]:
     """All points of ``cfg``, ordered by context, then Bcap, then G (measurement order)."""
     w = cfg.draft_width
+    partly: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for b, g, k, n in cfg.partly_filled:
+        partly.setdefault((b, g), []).append((k, n))
     points: list[GridPoint] = []
     for ci in range(len(cfg.contexts)):
         for b in cfg.request_buckets:
             for g in cfg.target_graph_rows[b]:
-                if cfg.mode == "draft_step":
-                    if g % b or g // b < 2 or g // b > w + 1:
-                        raise GridError(
-                            f"target_graph_rows[{b}]",
-                            g,
-                            f"Bcap * (k + 1) for k in 1..{w} in draft_step mode",
-                        )
-                    points.append(GridPoint(ci, b, g, g // b - 1, None))
-                else:
+                if cfg.mode != "draft_step":
                     points.append(GridPoint(ci, b, g, w, split_rows(b, g, w)))
+                    continue
+                full = g % b == 0 and 2 <= g // b <= w + 1
+                if not full and (b, g) not in partly:
+                    raise GridError(
+                        f"target_graph_rows[{b}]",
+                        g,
+                        f"Bcap * (k + 1) for k in 1..{w} in draft_step mode, or a G a partly "
+                        "filled bucket pads to (CalibrationConfig.partly_filled)",
+                    )
+                at = [(g // b - 1, None)] if full else []
+                at += sorted(partly.get((b, g), ()))
+                points.extend(GridPoint(ci, b, g, k, None, n) for k, n in sorted(at))
     return tuple(points)
 
 

@@ -72,8 +72,8 @@ def coverage_gaps(table, engine: Geometry) -> CoverageGaps:
     for b in engine.request_buckets:
         if b in missing_b or kv_probe is None:
             continue
-        gs = tuple(g for g in _producible(engine.target_rows.get(b, ()), b, table.mode)
-                   if not lookup.cost_ms(b, g, kv_probe).calibrated)
+        gs = tuple(sorted({g for g, k in producible(engine, b, table.mode)
+                           if not lookup.cost_ms(b, g, kv_probe, k).calibrated}))
         if gs:
             missing_g[b] = gs
     spans = sorted((f.min_kv_length, f.max_kv_length) for f in table.fits)
@@ -87,13 +87,14 @@ def coverage_gaps(table, engine: Geometry) -> CoverageGaps:
     return CoverageGaps(missing_b, missing_g, tuple(kv_gaps))
 
 
-def _producible(rows, bcap: int, mode: str) -> tuple[int, ...]:
-    """The captured target rows a round of the table's mode can run at ``bcap``: in
-    ``draft_step`` full verification of ``k >= 1`` drafts (``G = Bcap * (k + 1)``), in
-    ``target_verify`` every bucket from ``Bcap`` up (trimmed budgets)."""
-    if mode == "draft_step":
-        return tuple(g for g in rows if g % bcap == 0 and g // bcap >= 2)
-    return tuple(g for g in rows if g >= bcap)
+def producible(engine: Geometry, bcap: int, mode: str) -> list[tuple[int, int | None]]:
+    """The ``(G, k)`` shapes a round of the table's mode can run at ``bcap``: in ``draft_step``
+    full verification of ``k >= 1`` drafts by every batch the bucket holds (``B`` in (previous
+    bucket, ``Bcap``], ``G = pad(B * (k + 1))``: partly filled buckets verify other G), in
+    ``target_verify`` every bucket from ``Bcap`` up (trimmed budgets; ``k`` is always ``w``)."""
+    if mode != "draft_step":
+        return [(g, None) for g in engine.target_rows.get(bcap, ()) if g >= bcap]
+    return [(g, k) for g, k, _ in engine.draft_step_shapes(bcap)]
 
 
 def _a_calibrated_kv(table) -> int | None:

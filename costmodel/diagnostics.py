@@ -20,6 +20,16 @@ of its windows, see ``speccal.costmodel.measurements.combine_windows``) and repo
   largest G, points whose Bcap was only measured at that G, and folds that disconnect the grid are
   skipped.
 
+Points are one per (Bcap, G, k): a draft_step grid measures a G under several k (partly filled
+buckets), and a fit with a draft-forward term (``k_term``) predicts each with its own k; an sps
+fit with one curve per k holds a point out of its own curve.
+
+:func:`select_additive` chooses a draft_step table's draft-forward term: it fits every form of
+``speccal.costmodel.additive.K_TERMS`` the grid can identify and keeps the one with the lowest
+leave-one-point-out error **on the partly filled points** (``num_requests < bcap``: the shapes
+serving produces that a full-batch grid never measured; all points when there are none), the
+fewest parameters among forms within :data:`TIE_PCT` percentage points.
+
 Every summary carries ``n_evaluated`` and ``n_skipped``; its error fields are None when nothing
 could be evaluated.
 """
@@ -32,14 +42,16 @@ import numpy as np
 import pandas as pd
 
 from speccal.base.errors import GridError
-from speccal.costmodel.additive import AdditiveCostModel, design_matrix
+from speccal.costmodel.additive import K_TERMS, AdditiveCostModel, full_design
 from speccal.costmodel.estimator import single_thread_blas
-from speccal.costmodel.lookup import level_lookup, sps_interp
+from speccal.costmodel.lookup import k_part, level_lookup, sps_interp
 from speccal.costmodel.measurements import combine_windows
 from speccal.costmodel.sps import SPSCostModel
 
 # h_ii this close to 1 means the remaining design loses rank without the point.
 _HAT_TOL = 1e-9
+#: Held-out errors (percentage points of mean |error|) closer than this count as a tie.
+TIE_PCT = 0.1
 
 
 @dataclass(frozen=True)
@@ -80,8 +92,8 @@ class ErrorSummary:
 class FitDiagnostics:
     """Diagnostics of one fitted context: per-point table plus three summaries."""
 
-    points: pd.DataFrame  # bcap, g, n_windows, step_ms, spread_ms, predicted_ms, residual_ms,
-    # residual_pct, lopo_ms, logo_ms (NaN where skipped)
+    points: pd.DataFrame  # bcap, g, k, num_requests, n_windows, step_ms, spread_ms,
+    # predicted_ms, residual_ms, residual_pct, lopo_ms, logo_ms (NaN where skipped)
     residuals: ErrorSummary
     leave_one_point_out: ErrorSummary
     leave_one_g_out: ErrorSummary
@@ -97,20 +109,20 @@ def diagnose(model, windows: pd.DataFrame) -> FitDiagnostics:
         step_ms, mean_kv_length, context_index``).
     """
     points = combine_windows(windows)
-    X = points[["bcap", "g"]].to_numpy(dtype=np.float64)
+    X = points[["bcap", "g", "k"]].to_numpy(dtype=np.float64)
     y = points["step_ms"].to_numpy(dtype=np.float64)
     pred = model.predict(X)
     if isinstance(model, AdditiveCostModel):
-        lopo = _additive_lopo(X, y)
-        logo = _additive_logo(X, y, model.combine)
+        lopo = _additive_lopo(X, y, model.k_term)
+        logo = _additive_logo(X, y, model.combine, model.k_term)
     elif isinstance(model, SPSCostModel):
-        wx = windows[["bcap", "g"]].to_numpy(dtype=np.float64)
+        wx = windows[["bcap", "g", "k"]].to_numpy(dtype=np.float64)
         wy = windows["step_ms"].to_numpy(dtype=np.float64)
         lopo = _sps_lopo(X, wx, wy, model)
         logo = _sps_logo(X, model)
     else:
         raise TypeError(f"no diagnostics for {type(model).__name__}")
-    out = points[["bcap", "g", "n_windows", "step_ms", "spread_ms"]].copy()
+    out = points[["bcap", "g", "k", "num_requests", "n_windows", "step_ms", "spread_ms"]].copy()
     out["predicted_ms"] = pred
     out["residual_ms"] = y - pred
     out["residual_pct"] = 100.0 * (y - pred) / y
@@ -124,9 +136,9 @@ def diagnose(model, windows: pd.DataFrame) -> FitDiagnostics:
     )
 
 
-def _additive_lopo(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _additive_lopo(X: np.ndarray, y: np.ndarray, k_term: str = "none") -> np.ndarray:
     bl, gl = np.unique(X[:, 0]), np.unique(X[:, 1])
-    D = design_matrix(X, bl, gl)
+    D = full_design(X, bl, gl, k_term)
     with single_thread_blas():
         coef, *_ = np.linalg.lstsq(D, y, rcond=None)
         # Hat diagonal from a thin QR: h_ii = ||Q_i||^2 (D has full column rank when connected).
@@ -139,19 +151,67 @@ def _additive_lopo(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return out
 
 
-def _additive_logo(X: np.ndarray, y: np.ndarray, combine: str) -> np.ndarray:
+def _additive_logo(X: np.ndarray, y: np.ndarray, combine: str,
+                   k_term: str = "none") -> np.ndarray:
     out = np.full(len(y), np.nan)
     glev = np.unique(X[:, 1])
     for g in glev[1:-1]:  # an edge G cannot be interpolated
         test = X[:, 1] == g
         try:
-            m = AdditiveCostModel(combine=combine).fit(X[~test], y[~test])
+            m = AdditiveCostModel(combine=combine, k_term=k_term).fit(X[~test], y[~test])
         except GridError:
             continue
+        bl = m.bcap_levels_.astype(np.float64)
         theta = np.interp(g, m.g_levels_.astype(np.float64), m.theta_ms_)
-        alpha = level_lookup(X[test, 0], m.bcap_levels_.astype(np.float64), m.alpha_ms_)
-        out[test] = m.bias_ms_ + alpha + theta
+        alpha = level_lookup(X[test, 0], bl, m.alpha_ms_)
+        extra = k_part(m.k_term, m.delta_ms_, bl, X[test, 0], X[test, 2])
+        out[test] = m.bias_ms_ + alpha + theta + extra
     return out
+
+
+@dataclass(frozen=True)
+class KTermChoice:
+    """The draft-forward term :func:`select_additive` chose, with every candidate's errors.
+
+    ``candidates``: per ``k_term`` the fit could identify, ``leave_one_point_out`` (all points)
+    and ``partly_filled`` (leave-one-point-out on the ``num_requests < bcap`` points only).
+    ``selected_by``: ``partly_filled``, ``leave_one_point_out`` (no partly filled point was
+    measured or none could be held out) or ``fewest_parameters`` (nothing could be held out).
+    """
+
+    k_term: str
+    selected_by: str
+    candidates: dict[str, dict[str, ErrorSummary]]
+
+
+def select_additive(windows: pd.DataFrame, *, combine: str = "median") -> KTermChoice:
+    """Choose the draft-forward term of an additive fit on one context's windows (module
+    docstring). Rows of one ``k`` (target_verify) give ``none`` with no candidates."""
+    points = combine_windows(windows)
+    if points["k"].nunique() < 2:
+        return KTermChoice("none", "fewest_parameters", {})
+    X = points[["bcap", "g", "k"]].to_numpy(dtype=np.float64)
+    y = points["step_ms"].to_numpy(dtype=np.float64)
+    partly = (points["num_requests"] < points["bcap"]).to_numpy()
+    bl, gl = np.unique(X[:, 0]), np.unique(X[:, 1])
+    candidates: dict[str, dict[str, ErrorSummary]] = {}
+    for k_term in K_TERMS:
+        D = full_design(X, bl, gl, k_term)
+        with single_thread_blas():
+            if int(np.linalg.matrix_rank(D)) < D.shape[1]:
+                continue
+        lopo = _additive_lopo(X, y, k_term)
+        candidates[k_term] = {
+            "leave_one_point_out": ErrorSummary.of(y, lopo),
+            "partly_filled": ErrorSummary.of(y[partly], lopo[partly]),
+        }
+    for metric in ("partly_filled", "leave_one_point_out"):
+        errs = {t: c[metric].mean_abs_pct for t, c in candidates.items()}
+        if errs and all(e is not None for e in errs.values()):
+            best = min(errs.values())
+            tied = [t for t in K_TERMS if t in errs and errs[t] <= best + TIE_PCT]
+            return KTermChoice(tied[0], metric, candidates)
+    return KTermChoice("none", "fewest_parameters", candidates)
 
 
 def _sps_lopo(X: np.ndarray, wx: np.ndarray, wy: np.ndarray, model: SPSCostModel) -> np.ndarray:
@@ -159,17 +219,22 @@ def _sps_lopo(X: np.ndarray, wx: np.ndarray, wy: np.ndarray, model: SPSCostModel
     # only the level at this point's G changes. Other Bcaps' windows at the same G keep that G
     # measured (their median/mean); if none remain, G is interpolated from its neighbours, or
     # skipped at the edge of the range.
+    # With one curve per k, everything happens on the point's own curve.
     fn = np.median if model.combine == "median" else np.mean
     glev = model.g_levels_.astype(np.float64)
-    by_g = {g: np.flatnonzero(wx[:, 1] == g) for g in glev}
+    klev = None if model.k_ is None else model.k_.astype(np.float64)
     out = np.full(len(X), np.nan)
-    for i, (b, g) in enumerate(X):
-        idx = by_g[g]
-        rest = idx[wx[idx, 0] != b]
+    for i, (b, g, k) in enumerate(X):
+        same = wx[:, 1] == g
+        curve = np.ones(len(glev), dtype=bool)
+        if klev is not None:
+            same &= wx[:, 2] == k
+            curve = klev == k
+        rest = np.flatnonzero(same & (wx[:, 0] != b))
         if len(rest):
             out[i] = fn(wy[rest])
         else:
-            keep = glev != g
+            keep = curve & (glev != g)
             if keep.any():
                 out[i] = sps_interp(np.array([g]), glev[keep], model.cost_ms_[keep])[0]
     return out
@@ -180,8 +245,13 @@ def _sps_logo(X: np.ndarray, model: SPSCostModel) -> np.ndarray:
     # interpolating the fitted curve without that level.
     out = np.full(len(X), np.nan)
     glev = model.g_levels_.astype(np.float64)
-    for j in range(1, len(glev) - 1):
-        keep = np.arange(len(glev)) != j
-        at = X[:, 1] == glev[j]
-        out[at] = sps_interp(X[at, 1], glev[keep], model.cost_ms_[keep])
+    klev = np.zeros(len(glev)) if model.k_ is None else model.k_.astype(np.float64)
+    for kk in np.unique(klev):
+        idx = np.flatnonzero(klev == kk)
+        for j in idx[1:-1]:  # an edge G of the curve cannot be interpolated
+            keep = idx[idx != j]
+            at = X[:, 1] == glev[j]
+            if model.k_ is not None:
+                at &= X[:, 2] == kk
+            out[at] = sps_interp(X[at, 1], glev[keep], model.cost_ms_[keep])
     return out

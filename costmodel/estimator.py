@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-from sklearn.utils.validation import validate_data
+from sklearn.utils.validation import check_array, validate_data
 from threadpoolctl import ThreadpoolController
 
 from speccal.base.errors import InputError
@@ -39,14 +39,17 @@ def single_thread_blas():
     return _CONTROLLER.limit(limits=1, user_api="blas")
 
 
-def check_xy(estimator, X, y=None, *, fit: bool):
+def check_xy(estimator, X, y=None, *, fit: bool, k_column: bool = False):
     """Validate ``X`` (and ``y`` when given) with sklearn, then the physical constraints.
 
     With ``fit=True`` ``y`` is required and ``n_features_in_`` is reset. Returns ``X`` as
     ``float64 [n, 2]``, and ``(X, y)`` with ``y`` as ``float64 [n]`` when fitting. ``y`` only has
-    to be finite here; positive step costs are checked where measurements enter.
+    to be finite here; positive step costs are checked where measurements enter. With
+    ``k_column`` a third column (``k``, draft forwards) is accepted too.
     """
-    if not fit:
+    if not fit and k_column:  # a model without a k term ignores a k column, and vice versa
+        X = check_array(X, dtype=np.float64)
+    elif not fit:
         X = validate_data(estimator, X, reset=False, dtype=np.float64)
     else:
         if y is None:
@@ -54,8 +57,9 @@ def check_xy(estimator, X, y=None, *, fit: bool):
                 f"{type(estimator).__name__} requires y to be passed, but the target y is None"
             )
         X, y = validate_data(estimator, X, y, reset=True, dtype=np.float64, y_numeric=True)
-    if X.shape[1] != 2:
-        raise InputError("X", f"n_features = {X.shape[1]}", "2 columns [bcap, g]")
+    if X.shape[1] != 2 and not (k_column and X.shape[1] == 3):
+        raise InputError("X", f"n_features = {X.shape[1]}",
+                         "2 columns [bcap, g]" + (" or 3 [bcap, g, k]" if k_column else ""))
     return (X, y) if fit else X
 
 

@@ -36,6 +36,11 @@ KV that was not calibrated), then leave-one-point-out; forms within :data:`TIE_P
 points of the best count as tied and the one with the fewest slopes wins (``shared`` first, in
 :data:`KV_TERMS` order).
 
+**Draft step tables** (rows whose ``k`` varies): the model adds the draft-forward term of
+``speccal.costmodel.additive`` (``k_term``: ``(k - 1) * delta``, shared or per Bcap), and the
+selection tries every ``kv_term`` with every ``k_term`` (held-out error first, fewest
+parameters among ties). ``X`` then has a fourth column ``k``.
+
 Fitted attributes: ``bias_ms_``, ``bcap_levels_`` / ``alpha_ms_`` ``[nb]``, ``g_levels_`` /
 ``theta_ms_`` ``[ng]``, ``beta_ms_`` (``[1]`` for the shared forms, ``[ng]`` for ``per_g``,
 ``[nb]`` for ``per_bcap``; ms per unit of ``x`` and KV token), ``points_`` ``[m, 3]`` (bcap, g,
@@ -55,11 +60,17 @@ from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from speccal.base.errors import InputError
-from speccal.costmodel.additive import design_matrix
+from speccal.costmodel.additive import (
+    K_TERMS,
+    check_k_term,
+    delta_groups,
+    design_matrix,
+    k_columns,
+)
 from speccal.costmodel.diagnostics import ErrorSummary
 from speccal.costmodel.estimator import COMBINE, single_thread_blas
 from speccal.costmodel.grid import check_connected
-from speccal.costmodel.lookup import level_lookup
+from speccal.costmodel.lookup import k_part, k_term_of, level_lookup
 
 KV_TERMS = ("shared", "per_g", "shared_bcap", "per_bcap")
 #: kv_term -> (the slope's axis x: "g" or "bcap", one slope per level of it)
@@ -73,12 +84,15 @@ MIN_CONTEXTS = 3
 
 
 def kv_design(
-    points: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray, kv_term: str
+    points: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray, kv_term: str,
+    k_term: str = "none",
 ) -> np.ndarray:
-    """Design ``[m, p]``: the additive one-hot columns, then the ``x * kv`` slope column(s).
+    """Design ``[m, p]``: the additive one-hot columns, the ``x * kv`` slope column(s), then
+    the draft-forward column(s) of ``k_term``.
 
-    ``points`` is ``[m, 3]`` (bcap, g, kv); KV is scaled to thousands of tokens inside the design
-    only (conditioning), the fitted ``beta_ms_`` is per token.
+    ``points`` is ``[m, 3]`` (bcap, g, kv) or ``[m, 4]`` (bcap, g, kv, k); KV is scaled to
+    thousands of tokens inside the design only (conditioning), the fitted ``beta_ms_`` is per
+    token.
     """
     D = design_matrix(points[:, :2], bcap_levels, g_levels)
     axis, per_level = KV_FORMS[kv_term]
@@ -90,17 +104,39 @@ def kv_design(
         i = np.searchsorted(levels, points[:, col])
         S = np.zeros((len(points), len(levels)))
         S[np.arange(len(points)), i] = xkv
-    return np.hstack([D, S])
+    if k_term == "none":
+        return np.hstack([D, S])
+    return np.hstack([D, S, k_columns(points[:, [0, 1, 3]], bcap_levels, k_term,
+                                      _groups(points, bcap_levels, g_levels, k_term))])
 
 
-def _params(coef: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray) -> tuple:
-    """``(bias, bcap_levels, alpha, g_levels, theta, beta)`` of a :func:`kv_design` fit's
-    coefficients (reference levels 0, ``beta`` per KV token), :meth:`KVCostModel.from_params`'s
-    arguments."""
+def _groups(points: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray,
+            k_term: str) -> np.ndarray | None:
+    """The per-Bcap draft-forward slopes' groups (``additive.delta_groups``), None otherwise."""
+    if k_term != "per_bcap":
+        return None
+    return delta_groups(points[:, [0, 1, 3]], bcap_levels, g_levels)
+
+
+def _n_slopes(kv_term: str, bcap_levels: np.ndarray, g_levels: np.ndarray) -> int:
+    axis, per_level = KV_FORMS[kv_term]
+    return (len(bcap_levels) if axis == "bcap" else len(g_levels)) if per_level else 1
+
+
+def _params(coef: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray,
+            kv_term: str = "shared", groups: np.ndarray | None = None) -> tuple:
+    """``(bias, bcap_levels, alpha, g_levels, theta, beta, delta)`` of a :func:`kv_design`
+    fit's coefficients (reference levels 0, ``beta`` per KV token, ``delta`` the draft-forward
+    term, empty without one, one per Bcap level when ``groups`` ties per-Bcap slopes),
+    :meth:`KVCostModel.from_params`'s arguments."""
     nb, ng = len(bcap_levels), len(g_levels)
+    ns = _n_slopes(kv_term, bcap_levels, g_levels)
+    s0 = nb + ng - 1
+    delta = np.asarray(coef[s0 + ns :], dtype=np.float64)
     return (float(coef[0]), bcap_levels.astype(np.int64), np.concatenate([[0.0], coef[1:nb]]),
-            g_levels.astype(np.int64), np.concatenate([[0.0], coef[nb : nb + ng - 1]]),
-            np.asarray(coef[nb + ng - 1 :], dtype=np.float64) / 1000.0)
+            g_levels.astype(np.int64), np.concatenate([[0.0], coef[nb:s0]]),
+            np.asarray(coef[s0 : s0 + ns], dtype=np.float64) / 1000.0,
+            delta if groups is None else delta[groups])
 
 
 class KVCostModel(RegressorMixin, BaseEstimator):
@@ -112,25 +148,35 @@ class KVCostModel(RegressorMixin, BaseEstimator):
         The slope's axis (G or Bcap) and whether it has one slope or one per level.
     combine : {"median", "mean"}
         How repeated windows of one (Bcap, G, KV) point are combined before the fit.
+    k_term : {"none", "shared", "per_bcap"}
+        The draft-forward term (``speccal.costmodel.additive``); not ``none`` needs a ``k``
+        column.
     """
 
-    def __init__(self, *, kv_term: str = "shared", combine: str = "median"):
+    def __init__(self, *, kv_term: str = "shared", combine: str = "median",
+                 k_term: str = "none"):
         self.kv_term = kv_term
         self.combine = combine
+        self.k_term = k_term
 
     def fit(self, X, y):
-        """Fit on ``X = [[bcap, g, kv_length]]``, ``y`` = step ms; returns ``self``.
+        """Fit on ``X = [[bcap, g, kv_length(, k)]]``, ``y`` = step ms; returns ``self``.
 
-        Raises ``InputError`` for an unknown ``kv_term``/``combine`` or fewer than two distinct
-        KV lengths (no slope to fit), ``GridError`` for a disconnected (Bcap, G) grid.
+        Raises ``InputError`` for an unknown ``kv_term``/``k_term``/``combine`` or fewer than
+        two distinct KV lengths (no slope to fit), ``GridError`` for a disconnected (Bcap, G)
+        grid.
         """
         if self.kv_term not in KV_TERMS:
             raise InputError("kv_term", self.kv_term, f"one of {list(KV_TERMS)}")
+        check_k_term(self.k_term)
         if self.combine not in COMBINE:
             raise InputError("combine", self.combine, f"one of {list(COMBINE)}")
         X, y = validate_data(self, X, y, reset=True, dtype=np.float64, y_numeric=True)
-        if X.shape[1] != 3:
-            raise InputError("X", f"n_features = {X.shape[1]}", "3 columns [bcap, g, kv_length]")
+        want = 3 if self.k_term == "none" else 4
+        if X.shape[1] not in (want, 4):
+            raise InputError("X", f"n_features = {X.shape[1]}",
+                             "3 columns [bcap, g, kv_length]" if want == 3
+                             else "4 columns [bcap, g, kv_length, k]")
         keys, inverse = np.unique(X, axis=0, return_inverse=True)
         grouped = pd.Series(y).groupby(inverse.reshape(-1), sort=True)
         value = (grouped.median() if self.combine == "median" else grouped.mean()).to_numpy()
@@ -140,13 +186,14 @@ class KVCostModel(RegressorMixin, BaseEstimator):
                 f"{len(np.unique(keys[:, 2]))} distinct value(s)",
                 "at least 2 KV lengths to fit a KV slope",
             )
-        check_connected(((int(b), int(g)) for b, g, _ in keys), where="kv model grid")
+        check_connected(((int(p[0]), int(p[1])) for p in keys), where="kv model grid")
         bl, gl = np.unique(keys[:, 0]), np.unique(keys[:, 1])
-        D = kv_design(keys, bl, gl, self.kv_term)
+        D = kv_design(keys, bl, gl, self.kv_term, self.k_term)
         with single_thread_blas():
             coef, *_ = np.linalg.lstsq(D, value, rcond=None)
         (self.bias_ms_, self.bcap_levels_, self.alpha_ms_, self.g_levels_, self.theta_ms_,
-         self.beta_ms_) = _params(coef, bl, gl)
+         self.beta_ms_, self.delta_ms_) = _params(coef, bl, gl, self.kv_term,
+                                                  _groups(keys, bl, gl, self.k_term))
         self.points_ = keys
         self.point_ms_ = value
         return self
@@ -155,10 +202,11 @@ class KVCostModel(RegressorMixin, BaseEstimator):
         """Step cost in ms; NaN where a row's Bcap or G is not a fitted level."""
         check_is_fitted(self, "bias_ms_")
         X = validate_data(self, X, reset=False, dtype=np.float64)
-        return self.predict_at(X[:, 0], X[:, 1], X[:, 2])
+        return self.predict_at(X[:, 0], X[:, 1], X[:, 2], X[:, 3] if X.shape[1] == 4 else None)
 
-    def predict_at(self, bcap, g, kv_length) -> np.ndarray:
-        """Vectorised prediction over broadcast arrays (what the table lookup calls)."""
+    def predict_at(self, bcap, g, kv_length, k=None) -> np.ndarray:
+        """Vectorised prediction over broadcast arrays (what the table lookup calls); NaN
+        without ``k`` when the model has a draft-forward term."""
         bcap, g, kv = np.broadcast_arrays(
             np.asarray(bcap, dtype=np.float64),
             np.asarray(g, dtype=np.float64),
@@ -173,7 +221,9 @@ class KVCostModel(RegressorMixin, BaseEstimator):
             slope = level_lookup(x, levels, self.beta_ms_)
         else:  # NaN off the levels of either axis, as the categorical terms are
             slope = np.where(np.isnan(a + t), np.nan, self.beta_ms_[0])
-        return self.bias_ms_ + a + t + slope * x * kv
+        extra = k_part(self.k_term, self.delta_ms_, bl, bcap,
+                       None if k is None else np.broadcast_to(k, bcap.shape))
+        return self.bias_ms_ + a + t + slope * x * kv + extra
 
     def additive_at(self, kv_length: float) -> tuple[float, np.ndarray, np.ndarray]:
         """``(bias, alpha [nb], theta [ng])`` of the additive model this one is at one KV length
@@ -194,24 +244,28 @@ class KVCostModel(RegressorMixin, BaseEstimator):
 
     @classmethod
     def from_params(
-        cls, bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, beta_ms, *,
-        kv_term: str | None = None, combine="median",
+        cls, bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, beta_ms, delta_ms=(), *,
+        kv_term: str | None = None, combine="median", k_term: str | None = None,
     ) -> KVCostModel:
         """Rebuild a fitted model from stored parameters; ``kv_term`` None infers the G forms
-        from ``len(beta_ms)`` (``shared`` for one slope, else ``per_g``)."""
+        from ``len(beta_ms)`` (``shared`` for one slope, else ``per_g``), ``k_term`` None from
+        ``len(delta_ms)``."""
         beta = np.asarray(beta_ms, dtype=np.float64)
+        delta = np.asarray(delta_ms, dtype=np.float64).reshape(-1)
         if kv_term is None:
             kv_term = "shared" if len(beta) == 1 else "per_g"
         if kv_term not in KV_TERMS:
             raise InputError("kv_term", kv_term, f"one of {list(KV_TERMS)}")
-        m = cls(kv_term=kv_term, combine=combine)
+        m = cls(kv_term=kv_term, combine=combine, k_term=k_term or k_term_of(len(delta)))
+        check_k_term(m.k_term)
+        m.delta_ms_ = delta
         m.bias_ms_ = float(bias_ms)
         m.bcap_levels_ = np.asarray(bcap_levels, dtype=np.int64)
         m.alpha_ms_ = np.asarray(alpha_ms, dtype=np.float64)
         m.g_levels_ = np.asarray(g_levels, dtype=np.int64)
         m.theta_ms_ = np.asarray(theta_ms, dtype=np.float64)
         m.beta_ms_ = beta
-        m.n_features_in_ = 3
+        m.n_features_in_ = 3 if m.k_term == "none" else 4
         return m
 
 
@@ -224,7 +278,8 @@ class KVFit:
 
     ``points``: one row per (context, Bcap, G): ``context_index, bcap, g, kv_length, step_ms,
     predicted_ms, lopo_ms, loco_ms`` (NaN where a point could not be held out).
-    ``candidates``: per ``kv_term`` its leave-one-context-out and leave-one-point-out summaries.
+    ``candidates``: per ``(kv_term, k_term)`` its leave-one-context-out and leave-one-point-out
+    summaries (``k_term`` is ``none`` for rows of one ``k``).
     """
 
     model: KVCostModel
@@ -233,12 +288,12 @@ class KVFit:
     leave_one_point_out: ErrorSummary
     leave_one_context_out: ErrorSummary
     per_context: dict[int, dict[str, ErrorSummary]]
-    candidates: dict[str, dict[str, ErrorSummary]]
+    candidates: dict[tuple[str, str], dict[str, ErrorSummary]]
     selected_by: str
 
 
 def kv_points(windows: pd.DataFrame, combine: str = "median") -> pd.DataFrame:
-    """Combined points of every context: ``context_index, bcap, g, kv_length, step_ms``.
+    """Combined points of every context: ``context_index, bcap, g, k, kv_length, step_ms``.
 
     The cost and the KV length of a point come from the same windows, so that the pair lies on
     the model when its windows do (their KV lengths differ: window ``i`` of a point starts
@@ -249,7 +304,7 @@ def kv_points(windows: pd.DataFrame, combine: str = "median") -> pd.DataFrame:
     """
     if combine not in COMBINE:
         raise InputError("combine", combine, f"one of {list(COMBINE)}")
-    keys = ["context_index", "bcap", "g"]
+    keys = ["context_index", "bcap", "g", "k"]
     df = windows[[*keys, "step_ms", "mean_kv_length"]].sort_values([*keys, "step_ms"])
     if combine == "mean":
         out = df.groupby(keys, sort=True).agg(
@@ -269,10 +324,11 @@ def kv_points(windows: pd.DataFrame, combine: str = "median") -> pd.DataFrame:
     return out.reset_index()
 
 
-def _lopo(P: np.ndarray, y: np.ndarray, kv_term: str) -> np.ndarray:
-    """Exact leave-one-point-out predictions (PRESS ``e_i / (1 - h_ii)``), NaN if ``h_ii = 1``."""
+def _lopo(P: np.ndarray, y: np.ndarray, kv_term: str, k_term: str = "none") -> np.ndarray:
+    """Exact leave-one-point-out predictions (PRESS ``e_i / (1 - h_ii)``), NaN if ``h_ii = 1``
+    (all NaN when the design is rank-deficient)."""
     bl, gl = np.unique(P[:, 0]), np.unique(P[:, 1])
-    D = kv_design(P, bl, gl, kv_term)
+    D = kv_design(P, bl, gl, kv_term, k_term)
     with single_thread_blas():
         coef, _, rank, _ = np.linalg.lstsq(D, y, rcond=None)
         if rank < D.shape[1]:
@@ -286,7 +342,8 @@ def _lopo(P: np.ndarray, y: np.ndarray, kv_term: str) -> np.ndarray:
     return out
 
 
-def _loco(ctx: np.ndarray, P: np.ndarray, y: np.ndarray, kv_term: str) -> np.ndarray:
+def _loco(ctx: np.ndarray, P: np.ndarray, y: np.ndarray, kv_term: str,
+          k_term: str = "none") -> np.ndarray:
     """Each context's points predicted by the model fitted on the other contexts.
 
     A fold is skipped (NaN) when fewer than two other contexts remain (one context has one KV:
@@ -301,13 +358,16 @@ def _loco(ctx: np.ndarray, P: np.ndarray, y: np.ndarray, kv_term: str) -> np.nda
         test = ctx == c
         train_P, train_y = P[~test], y[~test]
         bl, gl = np.unique(train_P[:, 0]), np.unique(train_P[:, 1])
-        D = kv_design(train_P, bl, gl, kv_term)
+        D = kv_design(train_P, bl, gl, kv_term, k_term)
         with single_thread_blas():
             coef, _, rank, _ = np.linalg.lstsq(D, train_y, rcond=None)
         if rank < D.shape[1]:
             continue
-        m = KVCostModel.from_params(*_params(coef, bl, gl), kv_term=kv_term)
-        out[test] = m.predict_at(P[test, 0], P[test, 1], P[test, 2])
+        m = KVCostModel.from_params(*_params(coef, bl, gl, kv_term,
+                                             _groups(train_P, bl, gl, k_term)),
+                                    kv_term=kv_term, k_term=k_term)
+        k = P[test, 3] if P.shape[1] == 4 else None
+        out[test] = m.predict_at(P[test, 0], P[test, 1], P[test, 2], k)
     return out
 
 
@@ -327,29 +387,36 @@ def select_kv_model(windows: pd.DataFrame, *, combine: str = "median") -> KVFit 
     if windows["context_index"].nunique() < MIN_CONTEXTS:
         return None
     pts = kv_points(windows, combine)
-    P = pts[["bcap", "g", "kv_length"]].to_numpy(dtype=np.float64)
+    several_k = pts["k"].nunique() > 1
+    cols = ["bcap", "g", "kv_length"] + (["k"] if several_k else [])
+    P = pts[cols].to_numpy(dtype=np.float64)
     y = pts["step_ms"].to_numpy(dtype=np.float64)
     ctx = pts["context_index"].to_numpy()
     try:
-        check_connected(((int(b), int(g)) for b, g, _ in P), where="kv model grid")
+        check_connected(((int(p[0]), int(p[1])) for p in P), where="kv model grid")
     except InputError:
         return None
     if len(np.unique(P[:, 2])) < 2:
         return None
-    held: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    candidates: dict[str, dict[str, ErrorSummary]] = {}
-    for term in KV_TERMS:
-        lopo, loco = _lopo(P, y, term), _loco(ctx, P, y, term)
-        held[term] = (lopo, loco)
-        candidates[term] = {
-            "leave_one_context_out": ErrorSummary.of(y, loco),
-            "leave_one_point_out": ErrorSummary.of(y, lopo),
-        }
-    chosen, selected_by = _choose(candidates)
-    # Fit on the combined points (one per context, Bcap, G), so every point weighs the same.
-    model = KVCostModel(kv_term=chosen, combine=combine).fit(P, y)
-    lopo, loco = held[chosen]
-    pred = model.predict_at(P[:, 0], P[:, 1], P[:, 2])
+    held: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+    candidates: dict[tuple[str, str], dict[str, ErrorSummary]] = {}
+    for k_term in K_TERMS if several_k else ("none",):
+        for term in KV_TERMS:
+            if not _full_rank(P, term, k_term):
+                continue
+            lopo, loco = _lopo(P, y, term, k_term), _loco(ctx, P, y, term, k_term)
+            held[term, k_term] = (lopo, loco)
+            candidates[term, k_term] = {
+                "leave_one_context_out": ErrorSummary.of(y, loco),
+                "leave_one_point_out": ErrorSummary.of(y, lopo),
+            }
+    if not candidates:
+        return None
+    (chosen, k_chosen), selected_by = _choose(candidates)
+    # Fit on the combined points (one per context, Bcap, G, k), so every point weighs the same.
+    model = KVCostModel(kv_term=chosen, combine=combine, k_term=k_chosen).fit(P, y)
+    lopo, loco = held[chosen, k_chosen]
+    pred = model.predict_at(P[:, 0], P[:, 1], P[:, 2], P[:, 3] if several_k else None)
     out = pts.copy()
     out["predicted_ms"], out["lopo_ms"], out["loco_ms"] = pred, lopo, loco
     per_context = {
@@ -371,13 +438,26 @@ def select_kv_model(windows: pd.DataFrame, *, combine: str = "median") -> KVFit 
     )
 
 
-def _choose(candidates: dict[str, dict[str, ErrorSummary]]) -> tuple[str, str]:
-    """The slope form with the lowest held-out error, and which error decided: among the forms
-    within :data:`TIE_PCT` of the best, the one with the fewest slopes (then KV_TERMS order)."""
+def _full_rank(P: np.ndarray, kv_term: str, k_term: str) -> bool:
+    bl, gl = np.unique(P[:, 0]), np.unique(P[:, 1])
+    D = kv_design(P, bl, gl, kv_term, k_term)
+    with single_thread_blas():
+        return int(np.linalg.matrix_rank(D)) == D.shape[1]
+
+
+def _choose(
+    candidates: dict[tuple[str, str], dict[str, ErrorSummary]],
+) -> tuple[tuple[str, str], str]:
+    """The ``(kv_term, k_term)`` with the lowest held-out error, and which error decided: among
+    the forms within :data:`TIE_PCT` of the best, the one with the fewest slopes, then the
+    simplest draft-forward term (KV_TERMS, K_TERMS order)."""
+    def order(c):
+        return (K_TERMS.index(c[1]), KV_FORMS[c[0]][1], KV_TERMS.index(c[0]))
+
     for metric in ("leave_one_context_out", "leave_one_point_out"):
-        errs = {t: candidates[t][metric].mean_abs_pct for t in KV_TERMS}
+        errs = {c: v[metric].mean_abs_pct for c, v in candidates.items()}
         if all(e is not None for e in errs.values()):
             best = min(errs.values())
-            tied = [t for t in KV_TERMS if errs[t] <= best + TIE_PCT]
-            return min(tied, key=lambda t: (KV_FORMS[t][1], KV_TERMS.index(t))), metric
-    return "shared", "fewest_parameters"
+            tied = [c for c in candidates if errs[c] <= best + TIE_PCT]
+            return min(tied, key=order), metric
+    return min(candidates, key=order), "fewest_parameters"

@@ -1,4 +1,9 @@
-"""Lookups on a cost table: the one owner of what a table answers at ``(Bcap, G, kv_length)``.
+"""Lookups on a cost table: the one owner of what a table answers at ``(Bcap, G, kv_length, k)``.
+
+``k`` is the round's draft forwards. A target_verify table's rounds all run ``k = w`` and its
+fits do not depend on it (``k`` may be left out); a draft_step table whose fit keeps the
+draft-forward term (``speccal.costmodel.additive``: ``k_term``; sps: one curve per ``k``) needs
+it, and a lookup without it, or at a ``k`` it did not measure, is uncalibrated.
 
 :class:`TableLookup` is built once from a ``speccal.costmodel.table_schema.CostTable`` and holds
 plain numpy arrays and lists only (no pydantic objects), so replay can call it 10^6 times:
@@ -48,6 +53,38 @@ MAX_EXACT_ENTRIES = 4096
 NOT_POSITIVE = "fitted cost not positive"
 
 
+def k_term_of(n_delta: int) -> str:
+    """The draft-forward term's form from its number of parameters (0, 1 or one per Bcap)."""
+    return "none" if n_delta == 0 else "shared" if n_delta == 1 else "per_bcap"
+
+
+def k_reason(k_levels: list[int] | None, k: Any, what: str) -> str | None:
+    """Why ``k`` is not priced by a ``what`` (``fit``, ``KV model``) pricing ``k_levels``
+    separately, or None (it is, or the ``what`` does not depend on k)."""
+    if k_levels is None:
+        return None
+    if k is None:
+        return (f"k (the round's draft forwards) is needed: this draft_step {what} prices "
+                f"k = {k_levels} separately")
+    if int(k) not in k_levels:
+        return f"k {k} is not a calibrated draft step count (calibrated: {k_levels})"
+    return None
+
+
+def k_part(k_term: str, delta: np.ndarray, bcap_levels: np.ndarray, bcap: np.ndarray,
+           k: np.ndarray | None) -> np.ndarray | float:
+    """``(k - 1) * delta`` of the additive forms (0 for ``none``; NaN where ``k`` is missing,
+    or ``bcap`` is not a level of a per-Bcap term)."""
+    if k_term == "none":
+        return 0.0
+    if k is None:
+        return np.full(np.shape(bcap), np.nan)
+    extra = np.asarray(k, dtype=np.float64) - 1.0
+    if k_term == "shared":
+        return extra * delta[0]
+    return extra * level_lookup(bcap, bcap_levels, delta)
+
+
 class CostLookup(NamedTuple):
     """Answer of a one-cell lookup: NaN cost and a reason when uncalibrated."""
 
@@ -71,6 +108,26 @@ def sps_interp(g: np.ndarray, g_levels: np.ndarray, cost_ms: np.ndarray) -> np.n
     return out
 
 
+def sps_curves(g: np.ndarray, k: np.ndarray | None, g_levels: np.ndarray, cost_ms: np.ndarray,
+               k_levels: np.ndarray | None) -> np.ndarray:
+    """:func:`sps_interp` on the curve of each row's ``k`` (``k_levels`` parallel to
+    ``g_levels``: one curve per k); one curve for every row when ``k_levels`` is None. NaN at a
+    ``k`` without a curve (or no ``k`` given for a per-k fit)."""
+    g = np.asarray(g, dtype=np.float64)
+    if k_levels is None:
+        return sps_interp(g, g_levels, cost_ms)
+    out = np.full(g.shape, np.nan)
+    if k is None:
+        return out
+    k = np.broadcast_to(np.asarray(k, dtype=np.float64), g.shape)
+    for kk in np.unique(k_levels):
+        at = k == kk
+        if at.any():
+            cur = k_levels == kk
+            out[at] = sps_interp(g[at], g_levels[cur], cost_ms[cur])
+    return out
+
+
 class _Fit(NamedTuple):
     """One context interval's model as plain arrays (``g_levels`` as a list for messages)."""
 
@@ -82,6 +139,14 @@ class _Fit(NamedTuple):
     arrays: tuple
     measured: frozenset[tuple[int, int]]
     context_index: int
+    k_levels: list[int] | None  # the k the fit prices (None: it does not depend on k)
+
+    def g_range(self, k: Any) -> list[int]:
+        """The sps G levels of the curve of ``k`` (all levels without per-k curves)."""
+        ks = self.arrays[3]
+        if ks is None:
+            return self.g_levels
+        return [g for g, kk in zip(self.g_levels, ks.tolist(), strict=True) if kk == int(k)]
 
 
 class TableLookup:
@@ -110,14 +175,19 @@ class TableLookup:
                     np.asarray(p.alpha_ms, dtype=np.float64),
                     np.asarray(p.g_levels, dtype=np.float64),
                     np.asarray(p.theta_ms, dtype=np.float64),
+                    k_term_of(len(p.delta_ms)),
+                    np.asarray(p.delta_ms, dtype=np.float64),
                 )
+                k_levels = sorted({w.k for w in f.windows}) if p.delta_ms else None
             else:
                 p = f.sps
                 arrays = (
                     np.asarray(p.bcap_levels, dtype=np.float64),
                     np.asarray(p.g_levels, dtype=np.float64),
                     np.asarray(p.cost_ms, dtype=np.float64),
+                    None if p.k is None else np.asarray(p.k, dtype=np.float64),
                 )
+                k_levels = None if p.k is None else sorted(set(p.k))
             fits.append(
                 _Fit(
                     float(f.min_kv_length),
@@ -128,6 +198,7 @@ class TableLookup:
                     arrays,
                     frozenset((pt.bcap, pt.g) for pt in f.diagnostics.points),
                     f.context_index,
+                    k_levels,
                 )
             )
         self._fits = tuple(fits)
@@ -137,9 +208,12 @@ class TableLookup:
         self._kv = None
         #: Inclusive KV span the KV model prices (None: the per-interval fits answer).
         self.kv_span: tuple[float, float] | None = None
+        #: The k a KV model with a draft-forward term prices (None: it does not depend on k).
+        self._kv_k: list[int] | None = None
         if kvm is not None:
             self._kv = kvm.estimator()
             self.kv_span = (float(kvm.min_kv_length), float(kvm.max_kv_length))
+            self._kv_k = kvm.k_levels()
         #: Inclusive KV bounds of each context interval, in the table's order.
         self.intervals: tuple[tuple[float, float], ...] = tuple((f.lo, f.hi) for f in fits)
 
@@ -150,14 +224,21 @@ class TableLookup:
                 return f
         return None
 
-    def reason(self, bcap: int, g: int, kv_length: float) -> str | None:
-        """Why ``(bcap, g, kv_length)`` is structurally uncalibrated, or None (it has a fit).
+    @property
+    def depends_on_k(self) -> bool:
+        """Whether the answer depends on ``k`` (a draft_step fit with a draft-forward term)."""
+        if self._kv is not None:
+            return self._kv_k is not None
+        return any(f.k_levels is not None for f in self._fits)
+
+    def reason(self, bcap: int, g: int, kv_length: float, k: int | None = None) -> str | None:
+        """Why ``(bcap, g, kv_length, k)`` is structurally uncalibrated, or None (it has a fit).
 
         The positivity of the fitted value is :meth:`cost_ms`'s concern. With a KV model the
         KV span, its levels and the captured buckets decide (:meth:`_kv_reason`).
         """
         if self._kv is not None:
-            return self._kv_reason(bcap, g, kv_length)
+            return self._kv_reason(bcap, g, kv_length, k)
         fit = self._fit_for(kv_length)
         if fit is None:
             spans = [[int(f.lo), int(f.hi)] for f in self._fits]
@@ -167,15 +248,21 @@ class TableLookup:
         rows = self.target_rows.get(bcap, [])
         if g not in rows:
             return f"g {g} is not a captured target bucket of bcap {bcap} (captured: {rows})"
+        why = k_reason(fit.k_levels, k, "fit")
+        if why is not None:
+            return why
         if fit.kind == "additive":
             if g not in fit.g_levels:
                 return f"g {g} is not a calibrated target bucket (calibrated: {fit.g_levels})"
-        elif not fit.g_levels[0] <= g <= fit.g_levels[-1]:
-            lo, hi = fit.g_levels[0], fit.g_levels[-1]
-            return f"g {g} is outside the calibrated range [{lo}, {hi}] (no extrapolation)"
+            return None
+        levels = fit.g_range(k)
+        if not levels[0] <= g <= levels[-1]:
+            at = "" if fit.k_levels is None else f" of k {k}"
+            return (f"g {g} is outside the calibrated range{at} [{levels[0]}, {levels[-1]}] "
+                    "(no extrapolation)")
         return None
 
-    def _kv_reason(self, bcap: int, g: int, kv_length: float) -> str | None:
+    def _kv_reason(self, bcap: int, g: int, kv_length: float, k: int | None) -> str | None:
         lo, hi = self.kv_span
         if not lo <= kv_length <= hi:
             return (
@@ -190,24 +277,25 @@ class TableLookup:
             return f"g {g} is not a captured target bucket of bcap {bcap} (captured: {rows})"
         if g not in gl:
             return f"g {g} is not a calibrated target bucket (calibrated: {gl})"
-        return None
+        return k_reason(self._kv_k, k, "KV model")
 
-    def cost_ms(self, bcap: int, g: int, kv_length: float) -> CostLookup:
+    def cost_ms(self, bcap: int, g: int, kv_length: float, k: int | None = None) -> CostLookup:
         """Full-step cost in ms at ``(bcap, g)`` and ``kv_length``, or an uncalibrated answer.
 
         Reasons: those of :meth:`reason`, or ``"fitted cost not positive"`` with the predicted
         value.
         """
-        why = self.reason(bcap, g, kv_length)
+        why = self.reason(bcap, g, kv_length, k)
         if why is not None:
             return CostLookup(math.nan, False, why)
-        value = float(self.fitted(bcap, g, kv_length))
+        value = float(self.fitted(bcap, g, kv_length, k))
         if not value > 0:
+            at = "" if k is None else f", k {k}"
             return CostLookup(
                 math.nan,
                 False,
-                f"{NOT_POSITIVE} ({value:.3f} ms at bcap {bcap}, g {g}): the {self.model} fit "
-                "is not physical here",
+                f"{NOT_POSITIVE} ({value:.3f} ms at bcap {bcap}, g {g}{at}): the {self.model} "
+                "fit is not physical here",
             )
         return CostLookup(value, True, None)
 
@@ -215,55 +303,66 @@ class TableLookup:
         """Calibrated cells where a fit predicts a step cost ``<= 0`` ms, per context interval.
 
         Every captured ``(bcap, g)`` of the geometry that would otherwise be calibrated is
-        checked (a fit is constant over its KV interval). Returns one dict per cell:
-        ``context_index, min_kv_length, max_kv_length, bcap, g, cost_ms, measured``.
+        checked (a fit is constant over its KV interval), at every ``k`` a k-dependent fit
+        prices. Returns one dict per cell: ``context_index, min_kv_length, max_kv_length, bcap,
+        g, k`` (None for a fit that does not depend on it), ``cost_ms, measured``.
         """
         cells = []
         for f in self._fits:
+            ks = self._kv_k if self._kv is not None else f.k_levels
             for b in f.bcap_levels:
                 for g in self.target_rows.get(b, []):
-                    if self.reason(b, g, f.lo) is not None:
-                        continue
-                    # A KV model is linear in kv: its least cost on the interval is at an end.
-                    value = float(min(self.fitted(b, g, f.lo), self.fitted(b, g, f.hi)))
-                    if not value > 0:
-                        cells.append(
-                            {
+                    for k in ks or (None,):
+                        if self.reason(b, g, f.lo, k) is not None:
+                            continue
+                        # A KV model is linear in kv: its least cost on the interval is at an end.
+                        value = float(min(self.fitted(b, g, f.lo, k),
+                                          self.fitted(b, g, f.hi, k)))
+                        if not value > 0:
+                            cells.append({
                                 "context_index": f.context_index,
                                 "min_kv_length": int(f.lo),
                                 "max_kv_length": int(f.hi),
                                 "bcap": b,
                                 "g": g,
+                                "k": k,
                                 "cost_ms": value,
                                 "measured": (b, g) in f.measured,
-                            }
-                        )
+                            })
         return cells
 
     # -- vectorised answers
-    def fitted(self, bcap: Any, g: Any, kv_length: Any) -> np.ndarray:
-        """What the fits predict in ms, broadcasting the arguments; NaN where uncalibrated."""
-        b, gg, kv = np.broadcast_arrays(
+    def fitted(self, bcap: Any, g: Any, kv_length: Any, k: Any = None) -> np.ndarray:
+        """What the fits predict in ms, broadcasting the arguments; NaN where uncalibrated
+        (``k`` None: NaN wherever the fit depends on k)."""
+        b, gg, kv, kk = np.broadcast_arrays(
             np.asarray(bcap, dtype=np.float64),
             np.asarray(g, dtype=np.float64),
             np.asarray(kv_length, dtype=np.float64),
+            np.asarray(np.nan if k is None else k, dtype=np.float64),
         )
+        have_k = k is not None
         out = np.full(b.shape, np.nan)
         if self._kv is not None:
             m = (kv >= self.kv_span[0]) & (kv <= self.kv_span[1])
-            out[m] = self._kv.predict_at(b[m], gg[m], kv[m])
+            if self._kv_k is not None:
+                m &= np.isin(kk, self._kv_k)
+            out[m] = self._kv.predict_at(b[m], gg[m], kv[m], kk[m] if have_k else None)
         for f in self._fits if self._kv is None else ():
             m = (kv >= f.lo) & (kv <= f.hi)
+            if f.k_levels is not None:
+                m &= np.isin(kk, f.k_levels)
             if not m.any():
                 continue
-            bm, gm = b[m], gg[m]
+            bm, gm, km = b[m], gg[m], (kk[m] if have_k else None)
             if f.kind == "additive":
-                bias, bl, alpha, gl, theta = f.arrays
-                out[m] = bias + level_lookup(bm, bl, alpha) + level_lookup(gm, gl, theta)
+                bias, bl, alpha, gl, theta, k_term, delta = f.arrays
+                out[m] = (bias + level_lookup(bm, bl, alpha) + level_lookup(gm, gl, theta)
+                          + k_part(k_term, delta, bl, bm, km))
             else:
-                bl, gl, cost = f.arrays
+                bl, gl, cost, ks = f.arrays
                 covered = level_lookup(bm, bl, np.zeros(len(bl)))  # 0 if calibrated, else NaN
-                out[m] = sps_interp(gm, gl, cost) + covered
+                out[m] = sps_curves(gm, km, gl, cost, ks) + covered
         key = b * self._gmax + gg
         if len(self._legal):
             idx = np.clip(np.searchsorted(self._legal, key), 0, len(self._legal) - 1)
@@ -272,9 +371,9 @@ class TableLookup:
             out[...] = np.nan
         return out if out.ndim else out[()]
 
-    def surface(self, bcap: Any, g: Any, kv_length: Any) -> np.ndarray:
+    def surface(self, bcap: Any, g: Any, kv_length: Any, k: Any = None) -> np.ndarray:
         """:meth:`fitted` with cells whose fitted cost is not positive as NaN (uncalibrated)."""
-        out = np.asarray(self.fitted(bcap, g, kv_length), dtype=np.float64)
+        out = np.asarray(self.fitted(bcap, g, kv_length, k), dtype=np.float64)
         out = np.where(out > 0, out, np.nan)  # NaN stays NaN; zero and negative costs join it
         return out if out.ndim else out[()]
 
@@ -285,25 +384,29 @@ class TableLookup:
 
 
 def evaluate(
-    cost: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+    cost: Callable[..., np.ndarray],
     bcap: Any,
     g: Any,
     kv_length: Any,
+    k: Any = None,
 ) -> np.ndarray:
     """``cost`` at padded buckets, broadcasting; NaN where ``bcap`` or ``g`` is 0 (no bucket).
 
     ``cost`` is only called on the points that have both buckets (a table's
-    :meth:`TableLookup.surface` or any ``f(bcap, g, kv) -> ms`` with NaN = uncalibrated).
+    :meth:`TableLookup.surface` or any ``f(bcap, g, kv) -> ms`` with NaN = uncalibrated);
+    ``k``, the rounds' draft forwards, is passed on as a fourth argument when given.
     """
-    b, gg, kv = np.broadcast_arrays(
+    b, gg, kv, kk = np.broadcast_arrays(
         np.asarray(bcap, dtype=np.int64),
         np.asarray(g, dtype=np.int64),
         np.asarray(kv_length, dtype=np.float64),
+        np.asarray(0 if k is None else k, dtype=np.int64),
     )
     ok = (b > 0) & (gg > 0)
     out = np.full(b.shape, np.nan)
     if ok.any():
-        out[ok] = np.asarray(cost(b[ok], gg[ok], kv[ok]), dtype=np.float64)
+        args = (b[ok], gg[ok], kv[ok]) + (() if k is None else (kk[ok],))
+        out[ok] = np.asarray(cost(*args), dtype=np.float64)
     return out
 
 

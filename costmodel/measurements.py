@@ -405,12 +405,13 @@ def combine_windows(df: pd.DataFrame) -> pd.DataFrame:
 
     Returns
     -------
-    One row per ``(context_index, bcap, g)`` with ``k`` (first), ``n_windows``, ``step_ms``
-    (median over windows), ``spread_ms`` (max - min over windows) and ``mean_kv_length`` (mean).
+    One row per ``(context_index, bcap, g, k)`` (a draft_step grid measures one G under several
+    k) with ``num_requests`` (the largest), ``n_windows``, ``step_ms`` (median over windows),
+    ``spread_ms`` (max - min over windows) and ``mean_kv_length`` (mean).
     """
-    grouped = df.groupby(["context_index", "bcap", "g"], sort=True)
+    grouped = df.groupby(["context_index", "bcap", "g", "k"], sort=True)
     out = grouped.agg(
-        k=("k", "first"),
+        num_requests=("num_requests", "max"),
         n_windows=("step_ms", "size"),
         step_ms=("step_ms", "median"),
         min_ms=("step_ms", "min"),

@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from speccal.costmodel.compat import flatten_config
+from speccal.costmodel.coverage import producible
 from speccal.costmodel.table_schema import CostTable
 
 ERROR_KEYS = ("residuals", "leave_one_point_out", "leave_one_g_out")
@@ -27,7 +28,7 @@ def summary(table: CostTable) -> dict[str, Any]:
     """JSON-ready overview of ``table`` (no raw windows, no per-point diagnostics).
 
     ``kv_model`` (only for a table that has one): its parameters, errors and candidates,
-    without its points. Each fit lists ``nonpositive_cells`` (``[{bcap, g, cost_ms, measured}]``): calibrated cells
+    without its points. Each fit lists ``nonpositive_cells`` (``[{bcap, g, k, cost_ms, measured}]``; ``k`` None unless the fit prices each k): calibrated cells
     where the fit predicts a step cost ``<= 0`` ms, which lookups treat as uncalibrated.
     """
     bad = table.nonpositive_cells()
@@ -46,7 +47,7 @@ def summary(table: CostTable) -> dict[str, Any]:
                 "params": params.model_dump(mode="json"),
                 **{k: getattr(f.diagnostics, k).model_dump(mode="json") for k in ERROR_KEYS},
                 "nonpositive_cells": [
-                    {k: c[k] for k in ("bcap", "g", "cost_ms", "measured")}
+                    {k: c[k] for k in ("bcap", "g", "k", "cost_ms", "measured")}
                     for c in bad
                     if c["context_index"] == f.context_index
                 ],
@@ -87,16 +88,26 @@ def cost_grid(table: CostTable) -> pd.DataFrame:
 
     Columns: ``context_index, min_kv_length, max_kv_length, bcap, g, k, measured, calibrated,
     cost_ms, steps_per_s, reason``. ``k`` is ``g / bcap - 1`` in ``draft_step`` mode when G is a
-    multiple of Bcap, else empty; costs are looked up at the interval's lower KV bound.
+    multiple of Bcap, else empty; a draft_step table whose fit keeps a draft-forward term has
+    one row per shape a round can run instead (``(G, k)`` of every batch each bucket holds,
+    ``speccal.costmodel.coverage``), priced at its ``k``. Costs are looked up at the interval's
+    lower KV bound.
     """
     rows = []
     geom = table.geometry()
+    by_k = table.mode == "draft_step" and table.lookup().depends_on_k
     for f in table.fits:
         measured = {(p.bcap, p.g) for p in f.diagnostics.points}
+        if by_k:
+            measured |= {(p.bcap, p.g, p.k) for p in f.diagnostics.points}
         for b in geom.request_buckets:
-            for g in geom.target_rows[b]:
-                look = table.cost_ms(b, g, f.min_kv_length)
-                k = g // b - 1 if table.mode == "draft_step" and g % b == 0 else None
+            if by_k:
+                cells = producible(geom, b, "draft_step")
+            else:
+                cells = [(g, g // b - 1 if table.mode == "draft_step" and g % b == 0 else None)
+                         for g in geom.target_rows[b]]
+            for g, k in cells:
+                look = table.cost_ms(b, g, f.min_kv_length, k)
                 rows.append(
                     {
                         "context_index": f.context_index,
@@ -105,7 +116,7 @@ def cost_grid(table: CostTable) -> pd.DataFrame:
                         "bcap": b,
                         "g": g,
                         "k": k,
-                        "measured": (b, g) in measured,
+                        "measured": ((b, g, k) if by_k else (b, g)) in measured,
                         "calibrated": look.calibrated,
                         "cost_ms": look.cost_ms,
                         "steps_per_s": 1000.0 / look.cost_ms if look.calibrated else math.nan,
@@ -136,8 +147,10 @@ def diff_tables(a: CostTable, b: CostTable) -> dict[str, Any]:
         for key in sorted(set(fa) | set(fb)):
             if fa.get(key) != fb.get(key):
                 meta.append({"field": key, "a": fa.get(key), "b": fb.get(key)})
-    ga, gb = cost_grid(a), cost_grid(b)
-    keys = ["context_index", "bcap", "g"]
+    # cells by (context, Bcap, G, k): a draft_step table pricing each k prices one G at several
+    # (k = -1 stands for "any": a fit that does not depend on it)
+    ga, gb = (g.assign(k=g["k"].fillna(-1).astype(int)) for g in (cost_grid(a), cost_grid(b)))
+    keys = ["context_index", "bcap", "g", "k"]
     ga, gb = ga[ga.calibrated][keys + ["cost_ms"]], gb[gb.calibrated][keys + ["cost_ms"]]
     both = ga.merge(gb, on=keys, suffixes=("_a", "_b"))
     costs = [
@@ -145,6 +158,7 @@ def diff_tables(a: CostTable, b: CostTable) -> dict[str, Any]:
             "context_index": int(r.context_index),
             "bcap": int(r.bcap),
             "g": int(r.g),
+            **({"k": int(r.k)} if r.k >= 0 else {}),
             "a_ms": float(r.cost_ms_a),
             "b_ms": float(r.cost_ms_b),
             "delta_ms": float(r.cost_ms_b - r.cost_ms_a),

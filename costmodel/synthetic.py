@@ -50,6 +50,8 @@ def make_measurements(
     noise_ms: float = 0.0,
     min_step_ms: float = 1e-3,
     seed: int = 0,
+    shapes: Sequence[tuple[int, int, int, int]] | None = None,
+    draft_ms: Mapping[int, float] | None = None,
 ) -> pd.DataFrame:
     """Measurement rows drawn from a known additive cost plus Gaussian noise.
 
@@ -68,6 +70,10 @@ def make_measurements(
     windows_per_point, window_steps : windows per point and rounds per window.
     noise_ms : standard deviation of per-window Gaussian noise on ``step_ms``.
     seed : seed of ``numpy.random.default_rng``.
+    shapes : ``(bcap, g, k, num_requests)`` to measure instead of ``points`` (draft_step: the
+        shapes of partly filled buckets, ``speccal.base.geometry.Geometry.draft_step_shapes``).
+    draft_ms : Bcap -> ms of one draft forward: a round of ``k`` draft forwards costs ``k *
+        draft_ms[bcap]`` more (the draft-forward term of ``speccal.costmodel.additive``).
 
     Returns
     -------
@@ -79,8 +85,12 @@ def make_measurements(
         raise InputError("windows_per_point", windows_per_point, "an integer >= 1")
     if noise_ms < 0:
         raise InputError("noise_ms", noise_ms, "a number >= 0")
-    if points is None:
-        points = legal_points(list(alpha_ms), list(theta_ms), draft_width)
+    if shapes is None:
+        if points is None:
+            points = legal_points(list(alpha_ms), list(theta_ms), draft_width)
+        shapes = [(b, g, draft_width if mode == "target_verify" else max(g // b - 1, 0), b)
+                  for b, g in points]
+    points = [(b, g) for b, g, _, _ in shapes]
     if not points:
         raise InputError("points", list(points), "at least one (bcap, g) pair")
     offsets = list(context_offsets_ms) if context_offsets_ms is not None else [0.0] * len(contexts)
@@ -89,11 +99,11 @@ def make_measurements(
     rng = np.random.default_rng(seed)
     rows = []
     for ci, (prefill, lo, hi) in enumerate(contexts):
-        for b, g in points:
+        for b, g, k, n in shapes:
             if b not in alpha_ms or g not in theta_ms:
                 raise InputError("points", (b, g), "Bcap in alpha_ms and G in theta_ms")
             truth = bias_ms + alpha_ms[b] + theta_ms[g] + offsets[ci]
-            k = draft_width if mode == "target_verify" else max(g // b - 1, 0)
+            truth += k * (draft_ms or {}).get(b, 0.0)
             for w in range(windows_per_point):
                 noise = noise_ms * rng.standard_normal()
                 kv = float(rng.uniform(lo, hi))  # drawn after the noise: the stream of old seeds
@@ -106,7 +116,7 @@ def make_measurements(
                         "min_kv_length": lo,
                         "max_kv_length": hi,
                         "bcap": b,
-                        "num_requests": b,
+                        "num_requests": n,
                         "g": g,
                         "k": k,
                         "window_index": w,

@@ -219,8 +219,47 @@ def migrate_v1(doc: dict, source: str = "table") -> dict:
     return doc
 
 
+def migrate_v2(doc: dict, source: str = "table") -> dict:
+    """Migrate a schema version 2 document to version 3: fits without a draft-forward term.
+
+    Version 3 adds the draft-forward term of draft_step fits (``k_term``, ``delta_ms``; sps: one
+    curve per ``k``) and each point's ``k`` / ``num_requests``. A version 2 fit has no term
+    (``k_term`` ``none``, one sps curve): it prices every cell exactly as before. Each point's
+    ``k`` and ``num_requests`` are read from its windows (a version 2 point held one ``k``).
+    """
+    doc = json.loads(json.dumps(doc))
+    fits = doc.get("fits")
+    for i, fit in enumerate(fits if isinstance(fits, list) else ()):
+        if not isinstance(fit, dict):
+            continue
+        for block, keys in (("additive", ("k_term", "delta_ms", "k_selection")), ("sps", ("k",))):
+            params = fit.get(block)
+            for key in keys if isinstance(params, dict) else ():
+                if key in params:
+                    raise SchemaError(f"{source}: fits.{i}.{block}.{key}", params[key],
+                                      "no such key in a schema version 2 table (added in "
+                                      "version 3)")
+        shapes: dict[tuple, dict] = {}
+        for w in fit.get("windows") or ():
+            if isinstance(w, dict):
+                got = shapes.setdefault((w.get("bcap"), w.get("g")), {"k": w.get("k"),
+                                                                     "num_requests": 0})
+                got["num_requests"] = max(got["num_requests"], w.get("num_requests") or 0)
+        diag = fit.get("diagnostics")
+        for p in (diag.get("points") or ()) if isinstance(diag, dict) else ():
+            got = shapes.get((p.get("bcap"), p.get("g"))) if isinstance(p, dict) else None
+            if got is not None:
+                p.setdefault("k", got["k"])
+                p.setdefault("num_requests", got["num_requests"] or None)
+    prov = doc.get("provenance")
+    if isinstance(prov, dict):
+        prov["migrated_from"] = prov.get("migrated_from") or "v2"
+    doc["schema_version"] = 3
+    return doc
+
+
 #: ``{version: migrate to version + 1}``; :func:`parse_table` applies them in order.
-MIGRATIONS: dict[int, Callable[[dict, str], dict]] = {1: migrate_v1}
+MIGRATIONS: dict[int, Callable[[dict, str], dict]] = {1: migrate_v1, 2: migrate_v2}
 
 
 def _check_consistent(t: CostTable, source: str) -> None:
@@ -259,17 +298,50 @@ def _check_consistent(t: CostTable, source: str) -> None:
             pairs = (("g_levels", "cost_ms"),)
         for lv, val in pairs:
             a, b = getattr(params, lv), getattr(params, val)
+            if f.model == "sps" and f.sps.k is not None:
+                continue  # one curve per k: checked by _check_k_term
             if len(a) == 0 or len(a) != len(b) or a != sorted(set(a)):
                 raise SchemaError(
                     f"{where}.{f.model}.{lv}", a, f"ascending distinct levels, one {val} each"
                 )
         if f.model == "sps" and not f.sps.bcap_levels:
             raise SchemaError(f"{where}.sps.bcap_levels", [], "the request buckets measured")
+        _check_k_term(t, f, where)
     _check_geometry(t, source)
     _check_windows(t, source)
     _check_predictions(t, source)
     if t.kv_model is not None:
         _check_kv_model(t, source)
+
+
+def _check_k_term(t: CostTable, f: Any, where: str) -> None:
+    """A draft-forward term only in draft_step tables, with one delta per its form; a per-k
+    sps fit's ``k`` parallel to ``g_levels``, each curve ascending in G."""
+    if f.model == "additive":
+        p = f.additive
+        want = {"none": 0, "shared": 1, "per_bcap": len(p.bcap_levels)}[p.k_term]
+        if len(p.delta_ms) != want:
+            raise SchemaError(f"{where}.additive.delta_ms", p.delta_ms,
+                              f"{want} value(s) for k_term {p.k_term!r}")
+        if p.k_term != "none" and t.calibration.mode != "draft_step":
+            raise SchemaError(f"{where}.additive.k_term", p.k_term,
+                              "'none' in a target_verify table (every round runs k = w)")
+        return
+    p = f.sps
+    if p.k is None:
+        return
+    if t.calibration.mode != "draft_step":
+        raise SchemaError(f"{where}.sps.k", p.k, "null in a target_verify table (one curve)")
+    if len(p.k) != len(p.g_levels) or len(p.cost_ms) != len(p.g_levels):
+        raise SchemaError(f"{where}.sps.k", p.k,
+                          f"one k per G level ({len(p.g_levels)}), parallel to cost_ms")
+    curves: dict[int, list[int]] = {}
+    for g, k in zip(p.g_levels, p.k, strict=True):
+        curves.setdefault(k, []).append(g)
+    for k, gs in curves.items():
+        if gs != sorted(set(gs)):
+            raise SchemaError(f"{where}.sps.g_levels", gs,
+                              f"ascending distinct G levels on the curve of k {k}")
 
 
 #: Relative tolerance between a stored prediction and the stored parameters' own (JSON keeps
@@ -379,7 +451,10 @@ def _check_predictions(t: CostTable, source: str) -> None:
         if not pts:
             continue
         est = f.estimator()
-        X = np.array([[p.bcap, p.g] for p in pts], dtype=np.float64)
+        if any(p.k is None for p in pts):  # migrated from version 2: no term needs k
+            X = np.array([[p.bcap, p.g] for p in pts], dtype=np.float64)
+        else:
+            X = np.array([[p.bcap, p.g, p.k] for p in pts], dtype=np.float64)
         pred = est.predict(X)
         for j, (p, v) in enumerate(zip(pts, pred, strict=True)):
             if not _close(p.predicted_ms, float(v)):
@@ -414,6 +489,10 @@ def _check_kv_model(t: CostTable, source: str) -> None:
         raise SchemaError(
             f"{where}.beta_ms", kv.beta_ms, f"{want} value(s) for kv_term {kv.kv_term!r}"
         )
+    want = {"none": 0, "shared": 1, "per_bcap": len(kv.bcap_levels)}[kv.k_term]
+    if len(kv.delta_ms) != want:
+        raise SchemaError(f"{where}.delta_ms", kv.delta_ms,
+                          f"{want} value(s) for k_term {kv.k_term!r}")
     bad = kv.nonpositive_cells(t.geometry_block.target_rows)
     if bad:
         b, g, x, cost = bad[0]

@@ -22,7 +22,7 @@ from speccal.base.errors import GridError, InputError, show
 from speccal.base.geometry import Geometry, default_target_rows
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.compat import Compatibility, SpeccalWarning, as_compatibility
-from speccal.costmodel.diagnostics import diagnose
+from speccal.costmodel.diagnostics import KTermChoice, diagnose, select_additive
 from speccal.costmodel.kv import KVFit, select_kv_model
 from speccal.costmodel.lookup import NOT_POSITIVE
 from speccal.costmodel.measurements import (
@@ -41,6 +41,8 @@ from speccal.costmodel.table_schema import (
     DiagnosticsBlock,
     ErrorBlock,
     GeometryBlock,
+    KTermCandidate,
+    KTermSelection,
     KVCandidate,
     KVContextErrors,
     KVModelBlock,
@@ -136,9 +138,20 @@ def build_table(
     fits = []
     for ci, (prefill, lo, hi) in sorted(context_intervals(df).items()):
         windows = df[df["context_index"] == ci].reset_index(drop=True)
-        X = windows[["bcap", "g"]].to_numpy(dtype=np.float64)
+        # A draft_step round's k is its draft forwards (a term of its own, or one sps curve per
+        # k); a target_verify round always drafts w, whatever its rows verify.
+        by_k = cal.mode == "draft_step"
+        X = windows[["bcap", "g", "k"] if by_k else ["bcap", "g"]].to_numpy(dtype=np.float64)
         y = windows["step_ms"].to_numpy(dtype=np.float64)
-        est = (AdditiveCostModel if model == "additive" else SPSCostModel)(combine=combine)
+        choice = None
+        if model == "additive" and by_k:
+            # rows of several k: the draft-forward term the held-out error picks
+            choice = select_additive(windows, combine=combine)
+            est = AdditiveCostModel(combine=combine, k_term=choice.k_term)
+        elif model == "additive":
+            est = AdditiveCostModel(combine=combine)
+        else:
+            est = SPSCostModel(combine=combine)
         est.fit(X, y)
         diag = diagnose(est, windows)
         bcaps = sorted(int(b) for b in windows["bcap"].unique())
@@ -159,10 +172,14 @@ def build_table(
                 alpha_ms=est.alpha_ms_.tolist(),
                 g_levels=est.g_levels_.tolist(),
                 theta_ms=est.theta_ms_.tolist(),
+                k_term=est.k_term,
+                delta_ms=est.delta_ms_.tolist(),
+                k_selection=_k_selection(choice),
             )
         else:
             params["sps"] = SPSParams(
-                g_levels=est.g_levels_.tolist(), cost_ms=est.cost_ms_.tolist(), bcap_levels=bcaps
+                g_levels=est.g_levels_.tolist(), cost_ms=est.cost_ms_.tolist(), bcap_levels=bcaps,
+                k=None if est.k_ is None else est.k_.tolist(),
             )
         fits.append(
             ContextFit(
@@ -207,6 +224,23 @@ def build_table(
     return table
 
 
+def _k_selection(choice: KTermChoice | None) -> KTermSelection | None:
+    """The table block of a draft-forward term's selection (None: rows of one k)."""
+    if choice is None or not choice.candidates:
+        return None
+    return KTermSelection(
+        selected_by=choice.selected_by,
+        candidates=[
+            KTermCandidate(
+                k_term=t,
+                leave_one_point_out=ErrorBlock(**e["leave_one_point_out"].to_dict()),
+                partly_filled=ErrorBlock(**e["partly_filled"].to_dict()),
+            )
+            for t, e in choice.candidates.items()
+        ],
+    )
+
+
 def kv_block(kv: KVFit, fits: list[ContextFit]) -> KVModelBlock:
     """The table block of a selected KV model; its span is the contexts' outer bounds."""
     m = kv.model
@@ -221,6 +255,8 @@ def kv_block(kv: KVFit, fits: list[ContextFit]) -> KVModelBlock:
         g_levels=m.g_levels_.tolist(),
         theta_ms=m.theta_ms_.tolist(),
         beta_ms=m.beta_ms_.tolist(),
+        k_term=m.k_term,
+        delta_ms=m.delta_ms_.tolist(),
         selected_by=kv.selected_by,
         residuals=ErrorBlock(**kv.residuals.to_dict()),
         leave_one_point_out=ErrorBlock(**kv.leave_one_point_out.to_dict()),
@@ -236,16 +272,18 @@ def kv_block(kv: KVFit, fits: list[ContextFit]) -> KVModelBlock:
         candidates=[
             KVCandidate(
                 kv_term=t,
+                k_term=kt,
                 leave_one_context_out=ErrorBlock(**e["leave_one_context_out"].to_dict()),
                 leave_one_point_out=ErrorBlock(**e["leave_one_point_out"].to_dict()),
             )
-            for t, e in kv.candidates.items()
+            for (t, kt), e in kv.candidates.items()
         ],
         points=[
             KVPoint(
                 context_index=int(r["context_index"]),
                 bcap=int(r["bcap"]),
                 g=int(r["g"]),
+                k=int(r["k"]),
                 kv_length=float(r["kv_length"]),
                 step_ms=float(r["step_ms"]),
                 predicted_ms=float(r["predicted_ms"]),
@@ -313,6 +351,8 @@ def _diagnostics_block(diag) -> DiagnosticsBlock:
             PointBlock(
                 bcap=int(r["bcap"]),
                 g=int(r["g"]),
+                k=int(r["k"]),
+                num_requests=int(r["num_requests"]),
                 n_windows=int(r["n_windows"]),
                 step_ms=float(r["step_ms"]),
                 spread_ms=float(r["spread_ms"]),

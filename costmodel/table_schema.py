@@ -1,12 +1,12 @@
-"""The cost-table document (schema version 2): its pydantic blocks.
+"""The cost-table document (schema version 3): its pydantic blocks.
 
 Owns the in-memory shape of a table; what it answers at a cell is
 ``speccal.costmodel.lookup`` (reached through :meth:`CostTable.lookup`), building one from
 measurements is ``speccal.costmodel.table_build``, reading and writing the file (and migrating
 older versions) is ``speccal.costmodel.table``. The document (JSON Schema committed under
-``tables/schema/cost_table.v2.schema.json``)::
+``tables/schema/cost_table.v3.schema.json``)::
 
-    {"schema_version": 2,
+    {"schema_version": 3,
      "calibration": {...effective config: model, draft_width, mode, request_buckets,
                      target_graph_rows, contexts, warmup_steps, window_steps,
                      windows_per_point, token_seed, policy, sources, threads,
@@ -18,11 +18,12 @@ older versions) is ``speccal.costmodel.table``. The document (JSON Schema commit
                        program: graph_mode, attention_backend, input_update, kernels, loop},
      "geometry": {...speccal.base.geometry.Geometry.to_dict()},
      "fits": [{context_index, prefill_tokens, min_kv_length, max_kv_length, model, combine,
-               "additive": {bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, reference}
-                 or "sps": {g_levels, cost_ms, bcap_levels},
+               "additive": {bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, reference,
+                            k_term, delta_ms, k_selection}
+                 or "sps": {g_levels, cost_ms, bcap_levels, k},
                "windows": [raw measured windows, so the table can be refitted],
                "diagnostics": {residuals, leave_one_point_out, leave_one_g_out, points}}],
-     "kv_model": {kv_term, min/max_kv_length, bias_ms, bcap_levels, alpha_ms, g_levels,
+     "kv_model": {kv_term, k_term, delta_ms, min/max_kv_length, bias_ms, bcap_levels, alpha_ms, g_levels,
                   theta_ms, beta_ms, selected_by, residuals, leave_one_point_out,
                   leave_one_context_out, per_context, candidates, points} | absent
                  (three or more contexts only: see KVModelBlock),
@@ -58,7 +59,7 @@ from speccal.costmodel.lookup import CostLookup, TableLookup
 from speccal.costmodel.measurements import validate_measurements
 from speccal.costmodel.sps import SPSCostModel
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 #: A request-bucket key of a ``{Bcap: [G, ...]}`` map: JSON object keys are strings, so the
@@ -229,19 +230,59 @@ class GeometryBlock(_Strict):
 # ---------------------------------------------------------------- fits
 
 
+class ErrorBlock(_Strict):
+    n_evaluated: int = Field(ge=0)
+    n_skipped: int = Field(ge=0)
+    mae_ms: float | None
+    rmse_ms: float | None
+    max_abs_ms: float | None
+    mean_abs_pct: float | None
+    max_abs_pct: float | None
+
+
+KTerm = Literal["none", "shared", "per_bcap"]
+
+
+class KTermCandidate(_Strict):
+    """Held-out errors of one draft-forward term the selection compared (version 3)."""
+
+    k_term: KTerm
+    leave_one_point_out: ErrorBlock
+    partly_filled: ErrorBlock  # leave-one-point-out on the points with num_requests < bcap
+
+
+class KTermSelection(_Strict):
+    """How a draft_step fit's draft-forward term was chosen
+    (``speccal.costmodel.diagnostics.select_additive``)."""
+
+    selected_by: Literal["partly_filled", "leave_one_point_out", "fewest_parameters"]
+    candidates: list[KTermCandidate]
+
+
 class AdditiveParams(_Strict):
+    """``bias + alpha(Bcap) + theta(G) + (k - 1) * delta`` (``speccal.costmodel.additive``;
+    ``delta_ms`` empty for ``k_term`` ``none``, one value for ``shared``, one per Bcap level
+    for ``per_bcap``)."""
+
     bias_ms: float = Field(ge=0)  # the cost of the reference cell: a measured step cost
     bcap_levels: list[int]
     alpha_ms: list[float]
     g_levels: list[int]
     theta_ms: list[float]
     reference: Literal["smallest_bcap_and_g"] = "smallest_bcap_and_g"
+    k_term: KTerm = "none"
+    delta_ms: list[float] = Field(default_factory=list)
+    k_selection: KTermSelection | None = None  # draft_step fits of several k only
 
 
 class SPSParams(_Strict):
+    """One curve over G, or one per ``k`` (``k`` parallel to ``g_levels``: the curve of ``k``
+    is the levels where ``k`` equals it, each ascending in G)."""
+
     g_levels: list[int]
     cost_ms: list[Annotated[float, Field(gt=0)]]
     bcap_levels: list[int]  # coverage: request buckets the curve was measured with
+    k: list[int] | None = None
 
 
 class Window(_Strict):
@@ -258,19 +299,11 @@ class Window(_Strict):
     mean_kv_length: float = Field(ge=0)
 
 
-class ErrorBlock(_Strict):
-    n_evaluated: int = Field(ge=0)
-    n_skipped: int = Field(ge=0)
-    mae_ms: float | None
-    rmse_ms: float | None
-    max_abs_ms: float | None
-    mean_abs_pct: float | None
-    max_abs_pct: float | None
-
-
 class PointBlock(_Strict):
     bcap: int = Field(ge=1)
     g: int = Field(ge=1)
+    k: int | None = Field(default=None, ge=0)  # None: migrated from version 2
+    num_requests: int | None = Field(default=None, ge=1)  # the most requests of its windows
     n_windows: int = Field(ge=1)
     step_ms: float = Field(gt=0)
     spread_ms: float = Field(ge=0)
@@ -300,6 +333,7 @@ class KVCandidate(_Strict):
     """Held-out errors of one slope form the selection compared."""
 
     kv_term: Literal["shared", "per_g", "shared_bcap", "per_bcap"]
+    k_term: KTerm = "none"
     leave_one_context_out: ErrorBlock
     leave_one_point_out: ErrorBlock
 
@@ -310,6 +344,7 @@ class KVPoint(_Strict):
     context_index: int = Field(ge=0)
     bcap: int = Field(ge=1)
     g: int = Field(ge=1)
+    k: int | None = Field(default=None, ge=0)
     kv_length: float = Field(ge=0)
     step_ms: float = Field(gt=0)
     predicted_ms: float
@@ -340,6 +375,8 @@ class KVModelBlock(_Strict):
     g_levels: list[int]
     theta_ms: list[float]
     beta_ms: list[float] = Field(min_length=1)
+    k_term: KTerm = "none"  # the draft-forward term, as in AdditiveParams
+    delta_ms: list[float] = Field(default_factory=list)
     selected_by: Literal["leave_one_context_out", "leave_one_point_out", "fewest_parameters"]
     residuals: ErrorBlock
     leave_one_point_out: ErrorBlock
@@ -355,6 +392,7 @@ class KVModelBlock(_Strict):
         answers (a level pair whose G is captured for that Bcap) at ``<= 0`` ms somewhere in the
         span. The cost is linear in KV, so the span's two ends are checked."""
         est = self.estimator()
+        ks = self.k_levels() or [None]
         out = []
         for b in self.bcap_levels:
             captured = set(target_rows.get(b, ()))
@@ -362,10 +400,17 @@ class KVModelBlock(_Strict):
                 if g not in captured:
                     continue
                 for kv in (self.min_kv_length, self.max_kv_length):
-                    cost = float(est.predict_at([b], [g], [kv])[0])
-                    if not cost > 0:
-                        out.append((b, g, kv, cost))
+                    for k in ks:
+                        cost = float(est.predict_at([b], [g], [kv], None if k is None else [k])[0])
+                        if not cost > 0:
+                            out.append((b, g, kv, cost))
         return out
+
+    def k_levels(self) -> list[int] | None:
+        """The draft forwards the model prices (its points' k), or None without a term."""
+        if self.k_term == "none":
+            return None
+        return sorted({p.k for p in self.points if p.k is not None})
 
     def estimator(self):
         """Rebuild the fitted :class:`~speccal.costmodel.kv.KVCostModel` from the arrays."""
@@ -376,8 +421,10 @@ class KVModelBlock(_Strict):
             self.g_levels,
             self.theta_ms,
             self.beta_ms,
+            self.delta_ms,
             kv_term=self.kv_term,
             combine=self.combine,
+            k_term=self.k_term,
         )
 
 
@@ -398,10 +445,11 @@ class ContextFit(_Strict):
         if self.model == "additive":
             p = self.additive
             return AdditiveCostModel.from_params(
-                p.bias_ms, p.bcap_levels, p.alpha_ms, p.g_levels, p.theta_ms, combine=self.combine
+                p.bias_ms, p.bcap_levels, p.alpha_ms, p.g_levels, p.theta_ms,
+                combine=self.combine, k_term=p.k_term, delta_ms=p.delta_ms,
             )
         p = self.sps
-        return SPSCostModel.from_params(p.g_levels, p.cost_ms, combine=self.combine)
+        return SPSCostModel.from_params(p.g_levels, p.cost_ms, combine=self.combine, k=p.k)
 
     def bcap_levels(self) -> list[int]:
         return (self.additive or self.sps).bcap_levels
@@ -469,7 +517,7 @@ class CostTable(_Strict):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[3] = SCHEMA_VERSION
     calibration: CalibrationConfig
     compatibility: Compatibility
     # Stored under the JSON key "geometry"; the attribute name leaves ``geometry()`` free for the
@@ -522,15 +570,17 @@ class CostTable(_Strict):
         """
         return self.lookup().surface
 
-    def cost_ms(self, bcap: int, g: int, kv_length: float) -> CostLookup:
+    def cost_ms(self, bcap: int, g: int, kv_length: float, k: int | None = None) -> CostLookup:
         """Full-step cost in ms at ``(bcap, g)`` and ``kv_length``, or an explicit uncalibrated answer.
 
         :meth:`TableLookup.cost_ms <speccal.costmodel.lookup.TableLookup.cost_ms>` (reasons:
         KV length outside every context interval; Bcap not a calibrated request bucket; G not a
         captured target bucket of that Bcap; G not a calibrated level (additive) or outside the
-        measured G range (sps); ``"fitted cost not positive"``, with the predicted value).
+        measured G range (sps); a draft_step fit with a draft-forward term asked without the
+        round's ``k`` or at a ``k`` it did not measure; ``"fitted cost not positive"``, with the
+        predicted value).
         """
-        return self.lookup().cost_ms(bcap, g, kv_length)
+        return self.lookup().cost_ms(bcap, g, kv_length, k)
 
     def nonpositive_cells(self) -> list[dict[str, Any]]:
         """Calibrated cells where a fit predicts a step cost ``<= 0`` ms, per context interval.

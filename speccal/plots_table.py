@@ -112,11 +112,13 @@ def fit_figure(table: CostTable):
     """
     geom = table.geometry()
     surface = table.cost_surface()
+    by_k = table.lookup().depends_on_k  # a line through the full batches, each at its own k
+    ks = np.arange(1, table.draft_width + 1)
     all_windows = table.measurements()
     fig, axes = _panels(len(table.fits), 11.0, 4.6)
     for ax, fit in zip(axes[:, 0], table.fits, strict=True):
         windows = all_windows[all_windows["context_index"] == fit.context_index]
-        points = {(p.bcap, p.g): p for p in fit.diagnostics.points}
+        points = {(p.bcap, p.g, p.k): p for p in fit.diagnostics.points}
         bcaps = sorted(fit.bcap_levels())
         colors = _bcap_colors(bcaps)
         kv = float(fit.min_kv_length)
@@ -124,7 +126,7 @@ def fit_figure(table: CostTable):
             col = colors[b]
             w = windows[windows["bcap"] == b]
             ax.scatter(w["g"], w["step_ms"], s=9, color=col, alpha=0.35, linewidths=0)
-            pts = sorted((g, p.step_ms) for (bb, g), p in points.items() if bb == b)
+            pts = sorted((g, p.step_ms) for (bb, g, _), p in points.items() if bb == b)
             if pts:
                 ax.scatter(
                     *zip(*pts, strict=True),
@@ -134,8 +136,12 @@ def fit_figure(table: CostTable):
                     linewidths=0.5,
                     zorder=3,
                 )
-            gs = np.asarray(geom.target_rows.get(b, ()), dtype=np.float64)
-            fitted = surface(b, gs, kv) if gs.size else gs
+            if by_k:
+                gs = (b * (ks + 1)).astype(np.float64)
+                fitted = surface(b, gs, kv, ks)
+            else:
+                gs = np.asarray(geom.target_rows.get(b, ()), dtype=np.float64)
+                fitted = surface(b, gs, kv) if gs.size else gs
             # Own dash pattern per Bcap: nearly equal alpha(Bcap) puts two lines on top of
             # each other, and colour alone does not show the one underneath.
             ax.plot(

@@ -62,12 +62,16 @@ class CostModel:
         ``target_verify`` (the draft always runs ``w`` steps; ``G`` is the trimmed verify budget).
     memo : a :class:`~speccal.costmodel.lookup.LookupMemo` of scalar answers (exact for a
         table's cost), or None (every call computes).
+    k_aware : whether ``cost`` takes the rounds' draft forwards as a fourth argument,
+        ``f(bcap, g, kv_length, k)`` (a draft_step table whose fit keeps a draft-forward term:
+        a partly filled bucket verifies the G of another k, ``speccal.costmodel.lookup``).
     """
 
     cost: CostFn
     geometry: Geometry
     mode: str = "draft_step"
     memo: LookupMemo | None = field(default=None, compare=False, repr=False)
+    k_aware: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -88,6 +92,7 @@ class CostModel:
             geometry=table.geometry(),
             mode=str(table.mode),
             memo=lookup.memo() if memo else None,
+            k_aware=lookup.depends_on_k,
         )
 
     @property
@@ -104,9 +109,14 @@ class CostModel:
         """``geometry.pad_rows``: the captured target bucket holding the rows, 0 where none does."""
         return self.geometry.pad_rows(bcap, rows)
 
-    def lookup(self, bcap: np.ndarray, g: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
-        """Cost in ms with NaN for a missing bucket (0) or an uncalibrated point."""
-        return evaluate(self.cost, bcap, g, kv_length)
+    def lookup(self, bcap: np.ndarray, g: np.ndarray, kv_length: np.ndarray,
+               k: np.ndarray | int | None = None) -> np.ndarray:
+        """Cost in ms with NaN for a missing bucket (0) or an uncalibrated point; ``k``, the
+        rounds' draft forwards, reaches a ``k_aware`` cost (``w`` when not given: a
+        target_verify round drafts all ``w``)."""
+        if not self.k_aware:
+            return evaluate(self.cost, bcap, g, kv_length)
+        return evaluate(self.cost, bcap, g, kv_length, self.draft_width if k is None else k)
 
     @memoised("step", kv=True)
     def step_costs(self, num_requests: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
@@ -114,7 +124,7 @@ class CostModel:
         b, kv, inv = _unique_states(num_requests, kv_length)
         ks = np.arange(1, self.draft_width + 1)
         bcap = self.bcap(b)[:, None]
-        out = self.lookup(bcap, self.g(bcap, b[:, None] * (ks + 1)), kv[:, None])
+        out = self.lookup(bcap, self.g(bcap, b[:, None] * (ks + 1)), kv[:, None], ks)
         return out[inv].reshape(np.shape(num_requests) + (self.draft_width,))
 
     @memoised("verify", kv=True)

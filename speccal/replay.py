@@ -483,7 +483,7 @@ def run_sequential(
         rec["tokens"].append(float(a.sum() + nb))
         rec["accepted"].append(float(a.sum()))
         rec["verified"].append(float(v.sum()))
-        rec["cost_ms"].append(float(cost.lookup(bcap, d.g, kv)))
+        rec["cost_ms"].append(float(cost.lookup(bcap, d.g, kv, d.k)))
         rec["b"].append(nb)
         rec["phase"].append(phase)
         rec["reason"].append(d.reason)

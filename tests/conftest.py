@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# ``python3 -m pytest`` puts the working directory (the repository root) first on sys.path, where
+# the source folders ``kernels/``, ``runner/``, ... would shadow installed distributions of the
+# same name: transformers (5.25+) imports the hub's ``kernels`` package whenever it is installed,
+# and found this repository's folder instead. speccal itself is installed (``pip install -e``:
+# ``speccal.kernels`` maps to the folder), so the root is taken off the path before any test
+# imports transformers.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
 # Rich fixes a console's width when it is built with COLUMNS set, and the CLI builds its consoles
 # at import: the width a test pins with ``CliRunner().invoke(..., env={"COLUMNS": ...})`` holds

@@ -157,6 +157,22 @@ class Geometry:
             return gs[i]
         return self.g_for(bcap, min_rows)
 
+    def draft_step_shapes(self, bcap: int) -> list[tuple[int, int, int]]:
+        """Every ``(G, k, B)`` a draft-step round of ``bcap`` runs: ``k`` = 1..w draft forwards
+        for every batch ``B`` the bucket holds (previous bucket < B <= ``bcap``), ``G =
+        g_for(bcap, B * (k + 1))``, one entry per ``(G, k)`` with the largest such ``B``. Full
+        batches give ``G = bcap * (k + 1)``; partly filled ones pad to other G (12 requests at
+        k = 1 in bucket 16 verify 24 rows: a G a full bucket 16 never runs). Sorted by (G, k)."""
+        i = self.request_buckets.index(bcap)
+        prev = self.request_buckets[i - 1] if i else 0
+        shapes: dict[tuple[int, int], int] = {}
+        for n in range(prev + 1, bcap + 1):
+            for k in range(1, self.draft_width + 1):
+                g = self.g_for(bcap, n * (k + 1))
+                if g:
+                    shapes[g, k] = max(n, shapes.get((g, k), 0))
+        return sorted((g, k, n) for (g, k), n in shapes.items())
+
     @cached_property
     def _row_keys(self) -> tuple[np.ndarray, int]:
         """Every captured ``(Bcap, G)`` as one sorted key ``Bcap * span + G`` (``span`` > every G),

@@ -52,7 +52,7 @@ class ZeroCost:
         out = np.full(bcap.shape, np.nan)
         table = np.isin(bcap, np.asarray(self.table_buckets, dtype=np.int64))
         if table.any():
-            out[table] = cost.lookup(bcap[table], bcap[table], np.asarray(kv)[table])
+            out[table] = cost.lookup(bcap[table], bcap[table], np.asarray(kv)[table], 0)
         for b, ms in self.flag_ms.items():
             out[bcap == b] = ms
         return out

@@ -169,7 +169,7 @@ class LiveRun:
 
 
 def _priced(policy: Any, bcap: Sequence[int], g: Sequence[int],
-            kv_length: Sequence[float]) -> np.ndarray:
+            kv_length: Sequence[float], k: Sequence[int]) -> np.ndarray:
     """``[rounds]`` bool: whether the policy's table prices the shape each round ran (its Bcap
     and target rows at the KV its plan saw); False is a round the table could not have chosen
     for ("uncalibrated", e.g. a batch past the table's request buckets). One vectorised lookup
@@ -178,7 +178,7 @@ def _priced(policy: Any, bcap: Sequence[int], g: Sequence[int],
     if cost is None or not len(bcap):
         return np.zeros(len(bcap), dtype=bool)
     return np.isfinite(cost.lookup(np.asarray(bcap), np.asarray(g),
-                                   np.asarray(kv_length, dtype=np.float64)))
+                                   np.asarray(kv_length, dtype=np.float64), np.asarray(k)))
 
 
 def live_cost_model(table: Any) -> CostModel:
@@ -325,7 +325,7 @@ def run_live(
         verified=np.asarray(rec["ver"], dtype=np.int64),
         round_ms=np.asarray(rec["ms"], dtype=np.float64),
         reasons=rec["why"],
-        priced=_priced(policy, rec["bcap"], rec["g_run"], rec["kv"]),
+        priced=_priced(policy, rec["bcap"], rec["g_run"], rec["kv"], rec["k"]),
         trace=trace,
         prefill_s=prefill_s,
         output_tokens=int(outputs),

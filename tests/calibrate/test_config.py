@@ -18,6 +18,7 @@ from speccal.calibrate.config import (
     resolve_config,
 )
 from speccal.calibrate.feasibility import reserve_tokens
+from speccal.calibrate.grid import build_grid
 
 # The two files of the xLLM adaptive speculative decoding document, verbatim.
 ADAPTIVE_STEP_FILE = """{
@@ -118,8 +119,13 @@ def test_adaptive_step_file_accepted_unchanged(tmp_path):
     assert cfg.sources["request_buckets"] == "file"
     assert cfg.sources["policy.switch_min_gain"] == "file"
     assert cfg.sources["target_graph_rows"] == "default"
-    # draft_step: G = Bcap * (k + 1), k = 1..w
-    assert cfg.target_graph_rows[4] == (8, 12, 16, 20, 24)
+    # draft_step: G = Bcap * (k + 1), k = 1..w, and the G a partly filled bucket (3 requests in
+    # bucket 4) pads 3 * (k + 1) rows to, each measured with 3 requests
+    assert cfg.target_graph_rows[4] == (6, 8, 10, 12, 16, 20, 24)
+    assert [s for s in cfg.partly_filled if s[0] == 4] == [
+        (4, 6, 1, 3), (4, 10, 2, 3), (4, 12, 3, 3), (4, 16, 4, 3), (4, 20, 5, 3)]
+    points = build_grid(cfg)
+    assert sum(p.requests < p.bcap for p in points) == len(cfg.partly_filled) * len(cfg.contexts)
 
 
 def test_bare_file_accepted_unchanged():

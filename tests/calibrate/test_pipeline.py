@@ -73,6 +73,27 @@ def test_draft_step_mode_measures_each_k_on_its_own_points(
     assert summary["effective_config"]["sources"]["windows_per_point"] == "flag"
 
 
+def test_draft_step_mode_measures_the_shapes_of_partly_filled_buckets(
+    tmp_path, small, write_config, engine_factory
+):
+    # bucket 4 holds 3 or 4 requests: 3 at k = 1 verify 6 rows (G 6), 3 at k = 3 verify 12
+    # rows, the G that 4 requests verify at k = 2; both rounds run on the real engine
+    small.pop("target_graph_rows")
+    small["request_buckets"] = [4]
+    summary = run(engine_factory, config_path=write_config(small), out=tmp_path / "t.json",
+                  flags={"mode": "draft_step", "windows_per_point": 1})
+    assert summary["points_total"] == 5
+    table = load_table(tmp_path / "t.json")
+    assert table.calibration.target_graph_rows == {4: [6, 8, 12, 16]}
+    shapes = sorted((w.g, w.k, w.num_requests) for w in table.fits[0].windows)
+    assert shapes == [(6, 1, 3), (8, 1, 4), (12, 2, 4), (12, 3, 3), (16, 3, 4)]
+    pts = {(p.g, p.k): p.num_requests for p in table.fits[0].diagnostics.points}
+    assert pts[12, 3] == 3 and pts[12, 2] == 4
+    kv = table.fits[0].windows[0].mean_kv_length
+    for g, k, _ in shapes:
+        assert table.cost_ms(4, g, kv, k).calibrated, (g, k)
+
+
 @pytest.mark.parametrize(
     "patch, error, words",
     [

@@ -46,14 +46,19 @@ FIXTURES = Path(__file__).parent / "fixtures"
 SCHEMA_DIR = Path(__file__).parents[2] / "tables" / "schema"
 SCHEMA_FILE = SCHEMA_DIR / f"cost_table.v{SCHEMA_VERSION}.schema.json"
 #: Past versions' JSON Schemas are frozen: sha256 of the committed file.
-FROZEN_SCHEMAS = {1: "c6599d40c326760cc8d9159d8b381719433c72d72b830357152573adb70939e2"}
+FROZEN_SCHEMAS = {
+    1: "c6599d40c326760cc8d9159d8b381719433c72d72b830357152573adb70939e2",
+    2: "68473499ebe6d78fd705984ba99b64ca79e308b12f62f6271b31d9eec0f691ea",
+}
 #: Golden files of every version: name -> (schema version on disk, migrated_from after load).
 GOLDEN = {
     "table_legacy_no_draft_width.json": (None, "legacy"),
     "table_v1_additive.json": (1, "v1"),
     "table_v1_sps.json": (1, "v1"),
-    "table_v2_additive.json": (2, None),
-    "table_v2_sps.json": (2, None),
+    "table_v2_additive.json": (2, "v2"),
+    "table_v2_sps.json": (2, "v2"),
+    "table_v3_additive.json": (3, None),
+    "table_v3_sps.json": (3, None),
 }
 
 
@@ -111,27 +116,35 @@ def test_additive_refuses_an_unmeasured_g_level(two_context_df):
 def test_sps_interpolates_inside_and_refuses_outside_the_measured_range(two_context_df):
     df = two_context_df[two_context_df.g <= 16]
     table = build_table(df.query("g != 6"), model="sps", compatibility=COMPAT)
-    inside = table.cost_ms(2, 6, 10)
-    cost = dict(zip(table.fits[0].sps.g_levels, table.fits[0].sps.cost_ms, strict=True))
-    assert inside.calibrated and inside.cost_ms == pytest.approx((cost[4] + cost[8]) / 2)
+    # a draft_step sps fit keeps one curve per k: G 6 at k = 2 lies on the k = 2 curve (G 3 at
+    # Bcap 1, G 12 at Bcap 4), never on another k's curve
+    inside = table.cost_ms(2, 6, 10, 2)
+    p = table.fits[0].sps
+    cost = {g: c for g, c, k in zip(p.g_levels, p.cost_ms, p.k, strict=True) if k == 2}
+    assert sorted(cost) == [3, 12]
+    assert inside.calibrated
+    assert inside.cost_ms == pytest.approx(cost[3] + (6 - 3) / (12 - 3) * (cost[12] - cost[3]))
+    no_k = table.cost_ms(2, 6, 10)
+    assert not no_k.calibrated and "k (the round's draft forwards) is needed" in no_k.reason
     geom_rows = table.geometry().target_rows
     assert 24 in geom_rows[8] and 24 > max(cost)
-    out = table.cost_ms(8, 24, 10)
-    assert not out.calibrated and "outside the calibrated range" in out.reason
+    out = table.cost_ms(8, 24, 10, 2)
+    assert not out.calibrated and "outside the calibrated range of k 2" in out.reason
 
 
 @pytest.mark.parametrize("which", ["additive", "sps"])
 def test_cost_surface_agrees_with_cost_ms_everywhere(request, which):
     table = request.getfixturevalue(which)
-    b, g, kv = np.meshgrid(
-        [1, 2, 3, 4, 8], np.arange(0, 36), [0, 10, 1024, 1025, 5000], indexing="ij"
+    b, g, kv, k = np.meshgrid(
+        [1, 2, 3, 4, 8], np.arange(0, 36), [0, 10, 1024, 1025, 5000], [0, 1, 2, 3, 4],
+        indexing="ij",
     )
-    surf = table.cost_surface()(b, g, kv)
+    surf = table.cost_surface()(b, g, kv, k)
     assert surf.shape == b.shape
     scalar = np.array(
         [
-            table.cost_ms(int(x), int(y), int(z)).cost_ms
-            for x, y, z in zip(b.ravel(), g.ravel(), kv.ravel(), strict=True)
+            table.cost_ms(int(x), int(y), int(z), int(kk)).cost_ms
+            for x, y, z, kk in zip(b.ravel(), g.ravel(), kv.ravel(), k.ravel(), strict=True)
         ]
     )
     np.testing.assert_array_equal(surf.ravel(), scalar)
@@ -317,16 +330,16 @@ def _edited(doc: dict, where: str, value) -> str:
 @pytest.mark.parametrize(
     ("name", "where", "value", "expected"),
     [
-        ("table_v2_additive.json", "fits.0.additive.bias_ms", math.nan, "finite number"),
-        ("table_v2_additive.json", "fits.1.additive.theta_ms.2", math.inf, "finite number"),
-        ("table_v2_additive.json", "fits.0.additive.alpha_ms.1", -math.inf, "finite number"),
-        ("table_v2_additive.json", "fits.0.additive.bias_ms", -0.5, "greater than or equal to 0"),
-        ("table_v2_additive.json", "fits.0.windows.3.elapsed_s", -0.01, "greater than 0"),
-        ("table_v2_additive.json", "fits.0.windows.3.elapsed_s", 0.0, "greater than 0"),
-        ("table_v2_additive.json", "fits.1.windows.0.elapsed_s", math.nan, "finite number"),
-        ("table_v2_additive.json", "fits.0.windows.5.step_ms", -2.0, "greater than 0"),
-        ("table_v2_sps.json", "fits.0.sps.cost_ms.1", math.nan, "finite number"),
-        ("table_v2_sps.json", "fits.0.sps.cost_ms.0", 0.0, "greater than 0"),
+        ("table_v3_additive.json", "fits.0.additive.bias_ms", math.nan, "finite number"),
+        ("table_v3_additive.json", "fits.1.additive.theta_ms.2", math.inf, "finite number"),
+        ("table_v3_additive.json", "fits.0.additive.alpha_ms.1", -math.inf, "finite number"),
+        ("table_v3_additive.json", "fits.0.additive.bias_ms", -0.5, "greater than or equal to 0"),
+        ("table_v3_additive.json", "fits.0.windows.3.elapsed_s", -0.01, "greater than 0"),
+        ("table_v3_additive.json", "fits.0.windows.3.elapsed_s", 0.0, "greater than 0"),
+        ("table_v3_additive.json", "fits.1.windows.0.elapsed_s", math.nan, "finite number"),
+        ("table_v3_additive.json", "fits.0.windows.5.step_ms", -2.0, "greater than 0"),
+        ("table_v3_sps.json", "fits.0.sps.cost_ms.1", math.nan, "finite number"),
+        ("table_v3_sps.json", "fits.0.sps.cost_ms.0", 0.0, "greater than 0"),
         ("table_v1_additive.json", "fits.0.additive.bias_ms", math.nan, "finite number"),
     ],
 )
@@ -353,7 +366,7 @@ def test_build_refuses_a_negative_additive_bias():
 # ------------------------------------------------------------------------ golden files, schema
 
 
-@pytest.mark.parametrize("name", ["table_v2_additive.json", "table_v2_sps.json"])
+@pytest.mark.parametrize("name", ["table_v3_additive.json", "table_v3_sps.json"])
 def test_golden_current_files_load_and_resave_byte_identically(name):
     raw = (FIXTURES / name).read_bytes()
     table = parse_table(raw)
@@ -369,13 +382,17 @@ def test_golden_files_of_every_version_load_as_the_latest(name):
     assert doc.get("schema_version") == on_disk
     table = load_table(FIXTURES / name)
     assert table.schema_version == SCHEMA_VERSION and table.provenance.migrated_from == origin
-    if on_disk != SCHEMA_VERSION:
+    if on_disk is None or on_disk < 2:  # the execution path arrived in version 2
         c = table.compatibility
         assert (c.attention_backend, c.input_update) == ("unknown", "unknown")
         assert (c.kernels.digest, c.kernels.config) == ("unknown", None)
-    current = load_table(FIXTURES / f"table_v2_{table.model}.json")
-    assert table.fits == current.fits  # the same measurements and fits in every version
-    assert table.cost_ms(2, 8, 3000) == current.cost_ms(2, 8, 3000)
+    current = load_table(FIXTURES / f"table_v3_{table.model}.json")
+    # the same measurements in every version; refitted, they give this version's fits (a
+    # migrated fit keeps its own parameters: no draft-forward term, one sps curve)
+    assert [f.windows for f in table.fits] == [f.windows for f in current.fits]
+    assert refit_table(table).fits == current.fits
+    if table.model == "additive":  # the selection kept no draft-forward term: same prices
+        assert table.cost_ms(2, 8, 3000) == current.cost_ms(2, 8, 3000, 3)
 
 
 def test_every_past_version_has_a_migration():
@@ -383,7 +400,7 @@ def test_every_past_version_has_a_migration():
 
 
 def test_golden_additive_lookup_values():
-    table = load_table(FIXTURES / "table_v2_additive.json")
+    table = load_table(FIXTURES / "table_v3_additive.json")
     fit = table.fits[1]
     p = fit.additive
     expected = p.bias_ms + p.alpha_ms[p.bcap_levels.index(2)] + p.theta_ms[p.g_levels.index(8)]
@@ -523,6 +540,7 @@ def test_build_warns_and_lists_cells_with_non_positive_fitted_cost(nonphysical):
             "max_kv_length": 4096,
             "bcap": 1,
             "g": 2,
+            "k": None,
             "cost_ms": pytest.approx(NONADDITIVE_PREDICTED_12),
             "measured": True,
         }
@@ -535,7 +553,8 @@ def test_fit_report_summary_lists_non_positive_cells(nonphysical):
     fits = summary(nonphysical[0])["fits"]
     assert fits[0]["nonpositive_cells"] == []
     assert fits[1]["nonpositive_cells"] == [
-        {"bcap": 1, "g": 2, "cost_ms": pytest.approx(NONADDITIVE_PREDICTED_12), "measured": True}
+        {"bcap": 1, "g": 2, "k": None, "cost_ms": pytest.approx(NONADDITIVE_PREDICTED_12),
+         "measured": True}
     ]
     row = cost_grid(nonphysical[0]).query("context_index == 1 and bcap == 1 and g == 2").iloc[0]
     assert not row.calibrated and "fitted cost not positive" in row.reason
