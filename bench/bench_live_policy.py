@@ -38,6 +38,9 @@ first run, tokens/s, replay error; for plotting drift) and ``spread`` (min-max p
 results one step late, feedback with the pipeline's lag, replayed with the same lag by
 ``replay_prediction``), and the table is calibrated on the same round loop (the calibration
 engine is pipelined too). The JSON's ``setup.pipeline`` records it.
+
+The steps are functions (:func:`build_live_engine`, :func:`load_checked_table`,
+:func:`warm_up`, :func:`run_and_replay`), so ``bench_sweep.py`` runs the same code per workload.
 """
 
 from __future__ import annotations
