@@ -395,8 +395,28 @@ def sweep_metrics(docs: list[dict]) -> dict:
         "worst_error": None if worst is None else
         {"workload": worst[1], "policy": worst[2], "run": worst[3]},
         "decisions_match": all(p["decisions_match"] for d in docs for p in d["policies"].values()),
+        "by_workload": {d["workload"]["name"]: _workload_line(d) for d in docs},
     }
     return {"metrics": out, "context": context}
+
+
+def _workload_line(d: dict) -> dict:
+    """One workload's figures for a record line (rounded; NaN as None)."""
+    def num(x):
+        return round(float(x), 3) if x is not None and math.isfinite(float(x)) else None
+
+    ps = d["policies"].values()
+    errs = [p["error_pct_max"] for p in ps]
+    return {
+        "num_requests": d["workload"]["num_requests"],
+        "phased": d["workload"]["phased"],
+        "error_pct_max": num(max(errs)) if len(_finite(errs)) == len(errs) else None,
+        "uncalibrated_pct_max": num(max(p["uncalibrated_pct_max"] for p in ps)),
+        "best_fixed": d["best_fixed"],
+        "gain_vs_best_fixed_pct": num(d["gain_vs_best_fixed_pct"]),
+        "gain_vs_phase_oracle_pct": num(d["gain_vs_phase_oracle_pct"]),
+        "decisions_match": all(p["decisions_match"] for p in ps),
+    }
 
 
 def plot_errors(docs: list[dict], path: Path) -> Path:

@@ -102,6 +102,8 @@ def test_small_sweep_records_the_metrics_and_plots(sweep):
             assert key in x
         assert x["table_mode"] == "target_verify" and x["repeats"] == 2
         assert len(x["workloads"]) == 3 and x["decisions_match"] is True
+        assert list(x["by_workload"]) == list(WORKLOADS)
+        assert [w["num_requests"] for w in x["by_workload"].values()] == [3, 5, 7]
     png = (out / "errors.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
