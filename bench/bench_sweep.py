@@ -3,7 +3,10 @@
 Run: ``python3 bench/bench_sweep.py --table PATH [--model tiny] [--device cpu] [--dtype D]
 [--workloads A,B,..] [--repeats 3] [--max-tokens N] [--prompt-lens SHORT,LONG] [--json-out PATH]
 [--plot PATH] [--record]`` (on the H200: ``--model dense-2b --device cuda --dtype bfloat16
---table tables/dense-2b-h200-draft-step.json``).
+--table tables/dense-2b-h200-draft-step.json`` for adaptive-step, ``--table
+tables/dense-2b-h200.json`` for adaptive-verify; both tables hold buckets 1..8, so the counts are
+3, 5, 6 and 7: a table calibrated to 64 requests spreads them over 3..62). Each workload is a
+fresh process (engine build and graph capture included): ``--workloads`` runs a subset.
 
 The table decides the policies: a ``draft_step`` table runs ``fixed:1..w`` and
 ``adaptive-step``, a ``target_verify`` table ``fixed:1..w`` and ``adaptive-verify``. It also
