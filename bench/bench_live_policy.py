@@ -38,6 +38,9 @@ first run, tokens/s, replay error; for plotting drift) and ``spread`` (min-max p
 results one step late, feedback with the pipeline's lag, replayed with the same lag by
 ``replay_prediction``), and the table is calibrated on the same round loop (the calibration
 engine is pipelined too). The JSON's ``setup.pipeline`` records it.
+
+The steps are functions (:func:`build_live_engine`, :func:`load_checked_table`,
+:func:`warm_up`, :func:`run_and_replay`), so ``bench_sweep.py`` runs the same code per workload.
 """
 
 from __future__ import annotations
@@ -58,6 +61,101 @@ from results import append_results, git_commit
 
 def floats(text: str) -> tuple[float, ...]:
     return tuple(float(t) for t in text.replace(",", " ").split())
+
+
+# The steps of main() as functions, so other benches (bench_sweep.py) run the same code. Imports
+# are local: ``--help`` and the sweep's parent process stay free of torch.
+
+
+def build_live_engine(common: dict, profile: tuple[float, ...], pipeline: bool):
+    """The live engine: ``common`` (``EngineConfig.flat`` keywords: model, device, dtype,
+    draft_width, request_buckets, seed, graph_mode, attention_backend) with synthetic acceptance
+    at ``profile`` and the kernels of the environment."""
+    from speccal.kernels.config import KernelConfig
+    from speccal.runner.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig.flat(kernels=KernelConfig.from_env(), **common,
+                                    acceptance="synthetic", acceptance_profile=profile,
+                                    pipeline=pipeline))
+
+
+def load_checked_table(path: Path, engine) -> tuple:
+    """``(table, warnings, document)``: the table at ``path`` loaded against the engine's
+    compatibility (``load_table(expect=...)``), the messages of the mismatches it warned about,
+    and its JSON document."""
+    from speccal.costmodel.table import load_table
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = load_table(path, expect=engine.compatibility())
+    return table, [str(x.message) for x in caught], json.loads(Path(path).read_text())
+
+
+def policy_factory(spec: str, cost, step_cfg):
+    """A callable building a fresh ``spec`` policy on ``cost`` (``adaptive-step`` with
+    ``step_cfg``, an ``AdaptiveStepConfig``; anything else through ``make_policy``)."""
+    from speccal.policy import AdaptiveStepPolicy, make_policy
+
+    if spec == "adaptive-step":
+        return lambda: AdaptiveStepPolicy(cost, step_cfg)
+    return lambda: make_policy(spec, cost)
+
+
+def warm_up(engine, cost, prompts, max_tokens: int = 8) -> float:
+    """Run every fixed ``k`` once on ``prompts`` (``max_tokens`` each) so every shape has run
+    before timing; returns the seconds it took."""
+    from speccal.live.policies import run_live
+    from speccal.policy import make_policy
+    from speccal.runner.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    warm = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for k in range(1, engine.config.draft_width + 1):
+        run_live(engine, make_policy(f"fixed:{k}", cost), cost.mode, prompts, warm)
+    return time.perf_counter() - t0
+
+
+def run_and_replay(engine, names, cost, replay_cost, prompts, params, *, step_cfg, phases,
+                   repeats, meta, on_run=None):
+    """Steps 3 and 4: every policy of ``names`` ``repeats`` times, interleaved
+    (``run_interleaved``, planning with ``cost``), then a fresh twin replayed on every run's own
+    trace against ``replay_cost``. Returns ``(timed, per_policy, run_log)``: the
+    :class:`TimedRun` list, policy -> its runs' summaries (each with ``replay``, the prediction
+    without arrays), and per run its place, times, tokens/s and replay error."""
+    import numpy as np
+
+    from speccal.live.policies import replay_prediction, run_interleaved
+
+    timed = run_interleaved(
+        engine,
+        {n: policy_factory(n, cost, step_cfg) for n in names},
+        cost.mode,
+        prompts,
+        params,
+        repeats=repeats,
+        phases=phases,
+        meta=meta,
+        on_run=on_run,
+    )
+    per_policy: dict[str, list[dict]] = {n: [] for n in names}
+    run_log = []
+    for i, tr in enumerate(timed):
+        p = replay_prediction(tr.run, replay_cost, policy_factory(tr.policy, replay_cost,
+                                                                  step_cfg)())
+        s = tr.run.summary()
+        s["replay"] = {k: v for k, v in p.items() if not isinstance(v, np.ndarray)}
+        per_policy[tr.policy].append(s)
+        run_log.append(
+            {
+                **tr.record(i, s),
+                "replay_error_pct": p["error_pct"],
+                "replay_vs_live_loop_error_pct": 100.0
+                * abs(p["predicted_tokens_per_s"] - s["loop_tokens_per_s"])
+                / s["loop_tokens_per_s"],
+                "decisions_match": p["decisions_match"],
+            }
+        )
+    return timed, per_policy, run_log
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,17 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from speccal.calibrate.pipeline import CalibrateOptions, calibrate
-    from speccal.costmodel.table import load_table
     from speccal.kernels.config import KernelConfig
-    from speccal.live.policies import (
-        Phase,
-        live_cost_model,
-        median_summary,
-        replay_prediction,
-        run_interleaved,
-        run_live,
-    )
-    from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel, make_policy
+    from speccal.live.policies import Phase, live_cost_model, median_summary, replay_prediction
+    from speccal.policy import AdaptiveStepConfig, AdaptiveStepPolicy, CostModel
     from speccal.runner.engine import Engine, EngineConfig
     from speccal.runner.sampling import SamplingParams
 
@@ -195,15 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         calibrate_s = time.perf_counter() - t0
 
         # 2. live engine + table checked against it
-        engine = Engine(
-            EngineConfig.flat(kernels=KernelConfig.from_env(), **common, acceptance="synthetic",
-                              acceptance_profile=floats(args.profile), pipeline=args.pipeline)
-        )
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            table = load_table(table_path, expect=engine.compatibility())
-        table_warnings = [str(x.message) for x in caught]
-        table_doc = json.loads(table_path.read_text())
+        engine = build_live_engine(common, floats(args.profile), args.pipeline)
+        table, table_warnings, table_doc = load_checked_table(table_path, engine)
     cost = live_cost_model(table)  # the policies' lookups, cached (same values)
     replay_cost = CostModel.from_table(table)  # the replay's own, uncached
     if cost.mode != "draft_step":
@@ -226,30 +309,15 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
     }
     t0 = time.perf_counter()
-    warm = SamplingParams(max_tokens=8, ignore_eos=True)
-    for k in range(1, w + 1):  # every shape once before timing
-        run_live(engine, make_policy(f"fixed:{k}", cost), "draft_step", prompts, warm)
-    warmup_s = time.perf_counter() - t0
+    warmup_s = warm_up(engine, cost, prompts)  # every shape once before timing
     names = [f"fixed:{k}" for k in range(1, w + 1)] + ["adaptive-step"]
-
-    def fresh(spec, c):
-        if spec == "adaptive-step":
-            return lambda: AdaptiveStepPolicy(c, step_cfg)
-        return lambda: make_policy(spec, c)
 
     def announce(i, total, spec):
         console.print(f"live {spec} ({i + 1}/{total}) ...")
 
-    timed = run_interleaved(
-        engine,
-        {n: fresh(n, cost) for n in names},
-        "draft_step",
-        prompts,
-        params,
-        repeats=args.repeats,
-        phases=phases,
-        meta=meta,
-        on_run=announce,
+    timed, per_policy, run_log = run_and_replay(
+        engine, names, cost, replay_cost, prompts, params, step_cfg=step_cfg, phases=phases,
+        repeats=args.repeats, meta=meta, on_run=announce,
     )
     live_s = time.perf_counter() - t0
     for tr in timed:
@@ -260,24 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['mean_round_ms']:.2f} ms"
         )
 
-    # 4. replay of every run on its own trace (fresh twin, uncached table cost model)
-    per_policy: dict[str, list[dict]] = {n: [] for n in names}
-    run_log = []
-    for i, tr in enumerate(timed):
-        p = replay_prediction(tr.run, replay_cost, fresh(tr.policy, replay_cost)())
-        s = tr.run.summary()
-        s["replay"] = {k: v for k, v in p.items() if not isinstance(v, np.ndarray)}
-        per_policy[tr.policy].append(s)
-        run_log.append(
-            {
-                **tr.record(i, s),
-                "replay_error_pct": p["error_pct"],
-                "replay_vs_live_loop_error_pct": 100.0
-                * abs(p["predicted_tokens_per_s"] - s["loop_tokens_per_s"])
-                / s["loop_tokens_per_s"],
-                "decisions_match": p["decisions_match"],
-            }
-        )
+    # 4. (in run_and_replay) replay of every run on its own trace (fresh twin, uncached table)
     summaries = {n: median_summary(per_policy[n]) for n in names}
     ad = next(tr.run for tr in timed if tr.policy == "adaptive-step")  # the first adaptive run
     pred = replay_prediction(ad, replay_cost, AdaptiveStepPolicy(replay_cost, step_cfg))

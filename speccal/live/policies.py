@@ -18,6 +18,10 @@ and allocates each request's verified prefix on the device from the round's own 
 ``Feedback.from_round_result`` of the normal result collection (no extra device reads) and the
 round goes into a :class:`~speccal.trace.RoundTrace` (the format ``speccal trace`` writes).
 
+Requests may carry their own ``SamplingParams`` (:func:`request_params`; e.g. different
+``max_tokens``): they finish at different rounds, so the batch shrinks mid-run, and the phases'
+token fractions count the sum of the requests' ``max_tokens``.
+
 Round wall time is ``perf_counter`` around ``Engine.step`` (its result collection is the round's
 one device sync), so decode time excludes prefill.
 
@@ -197,12 +201,34 @@ def to_plan(decision: Decision, mode: str) -> RoundPlan:
     return RoundPlan(int(decision.k))
 
 
+def request_params(
+    params: SamplingParams | Sequence[SamplingParams] | Sequence[int], num_requests: int
+) -> list[SamplingParams]:
+    """One ``SamplingParams`` per request: ``params`` repeated, or the given per-request sequence
+    (``SamplingParams`` each, or ``max_tokens`` integers: greedy requests that ignore EOS, so each
+    emits exactly its own count). A sequence must have one entry per request."""
+    if isinstance(params, SamplingParams):
+        return [params] * num_requests
+    items = list(params)
+    if len(items) != num_requests:
+        raise InputError("params", f"{len(items)} entries", f"one per request ({num_requests})")
+    out = []
+    for x in items:
+        if isinstance(x, SamplingParams):
+            out.append(x)
+        elif isinstance(x, int | np.integer) and not isinstance(x, bool) and x >= 1:
+            out.append(SamplingParams(max_tokens=int(x), ignore_eos=True))
+        else:
+            raise InputError("params", x, "SamplingParams or a max_tokens integer >= 1")
+    return out
+
+
 def run_live(
     engine: Engine,
     policy: Policy,
     mode: str,
     prompts: Sequence[Sequence[int]],
-    params: SamplingParams,
+    params: SamplingParams | Sequence[SamplingParams] | Sequence[int],
     *,
     phases: Sequence[Phase] = (),
     meta: dict[str, Any] | None = None,
@@ -214,6 +240,9 @@ def run_live(
     engine : a warmed engine with no unfinished requests (speculative).
     policy : a fresh policy object (``decide`` / ``observe``).
     mode : the cost table's mode (``draft_step`` / ``target_verify``): how decisions become plans.
+    params : one ``SamplingParams`` for every request, or one per prompt (requests with
+        different ``max_tokens`` finish at different rounds, so the batch shrinks mid-run; see
+        :func:`request_params`).
     phases : synthetic acceptance profiles by emitted-token fraction (``acceptance="synthetic"``).
     meta : extra trace metadata (the run's setup); ``source``, ``compatibility``, ``policy`` and
         ``phases`` are filled in.
@@ -227,8 +256,9 @@ def run_live(
         raise InputError("phases", phases[0].name, "a first phase starting at fraction 0")
     w = engine.config.draft_width
     base = engine.round_index
-    rids = [engine.add_request(p, params) for p in prompts]
-    total_target = params.max_tokens * len(rids)
+    per_request = request_params(params, len(prompts))
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, per_request, strict=True)]
+    total_target = sum(sp.max_tokens for sp in per_request)  # phase fractions count these
     builder = RoundTraceBuilder(w)
     rec: dict[str, list] = {
         f: [] for f in ("k", "g", "g_run", "b", "acc", "ver", "ms", "why", "bcap", "kv")
@@ -427,7 +457,7 @@ def run_interleaved(
     factories: Mapping[str, Callable[[], Policy]],
     mode: str,
     prompts: Sequence[Sequence[int]],
-    params: SamplingParams,
+    params: SamplingParams | Sequence[SamplingParams] | Sequence[int],
     *,
     repeats: int = 1,
     phases: Sequence[Phase] = (),
@@ -440,11 +470,13 @@ def run_interleaved(
     ----------
     factories : policy name -> a callable building a fresh policy object (one per run), in the
         order of the first cycle.
+    params : one ``SamplingParams`` for every request or one per prompt (:func:`request_params`).
     on_run : ``on_run(index, total, name)`` before each run (progress).
 
     The engine's statistics are reset before every run, so ``LiveRun.stats`` is the run's own.
     """
     order = interleaved_order(list(factories), repeats)
+    params = request_params(params, len(prompts))  # refuse a bad sequence before any run
     w = engine.config.draft_width
     out: list[TimedRun] = []
     t_first = time.perf_counter()

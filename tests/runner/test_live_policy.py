@@ -25,6 +25,7 @@ from speccal.live.policies import (
     live_cost_model,
     median_summary,
     replay_prediction,
+    request_params,
     run_interleaved,
     run_live,
 )
@@ -230,6 +231,34 @@ def test_a_batch_past_the_tables_buckets_runs_full_width_and_is_counted(policy, 
     if policy.startswith("adaptive"):
         assert {run.reasons[i] for i in np.flatnonzero(big)} == {"uncalibrated"}
         assert (run.k[big] == W).all() and (run.verified[big] == W * run.num_requests[big]).all()
+
+
+def test_per_request_max_tokens_shrink_the_batch_mid_run():
+    """Requests with their own ``max_tokens`` finish at different rounds: the batch shrinks
+    while the others keep running, each request emits its own count, and the phase change
+    happens at the fraction of the summed ``max_tokens``."""
+    eng = _engine(profile=(0.5, 0.5, 0.5), buckets=(1, 2, 4))
+    cost = _cost(eng.geometry)
+    max_tokens = [4, 10, 18, 30]
+    run = run_live(eng, make_policy("fixed:2", cost), "draft_step", _prompts(eng, 4),
+                   max_tokens, phases=[Phase(0.0, (0.9, 0.9, 0.9)), Phase(0.5, (0.1, 0.1, 0.1))])
+    b = run.num_requests
+    assert b[0] == 4 and b[-1] == 1 and (np.diff(b) <= 0).all()
+    assert len(set(b.tolist())) == 4  # 4, 3, 2, 1: one request leaves at a time
+    assert run.output_tokens == sum(max_tokens)
+    assert run.phase[0] == 0 and run.phase[-1] == 1
+    # one SamplingParams for all (the old call) and a per-request sequence of them both work
+    same = run_live(eng, make_policy("fixed:2", cost), "draft_step", _prompts(eng, 4),
+                    SamplingParams(max_tokens=6, ignore_eos=True))
+    assert same.num_requests[0] == 4 and same.output_tokens == 24
+    each = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    assert request_params(each, 4) == each
+    runs = run_interleaved(eng, {"fixed:1": lambda: make_policy("fixed:1", cost)}, "draft_step",
+                           _prompts(eng, 4), max_tokens)
+    assert runs[0].run.output_tokens == sum(max_tokens) and runs[0].run.num_requests[-1] == 1
+    for bad in ([4, 10], [4, 0, 1, 1], [4, True, 1, 1]):
+        with pytest.raises(InputError, match="params"):
+            request_params(bad, 4)
 
 
 def test_live_loop_refusals():

@@ -1,0 +1,138 @@
+"""bench/bench_sweep.py on the CPU: the tiny preset and the committed ``tables/tiny-cpu.json``
+(``target_verify``: ``fixed:1..3`` and ``adaptive-verify``, both priced by the table on
+partly filled buckets), a small sweep of three workloads (request counts that are not buckets,
+per-request ``max_tokens`` so the batch shrinks mid-run, both phase directions), each in its own
+child process. Every round must be priced and every run's live decisions must equal the replay's
+on its own trace; the record lines carry the issue's metric names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "bench_sweep.py"
+TABLE = ROOT / "tables" / "tiny-cpu.json"
+WORKLOADS = ("n3-short-easy", "n40-long-easy-to-hard", "n56-short-hard-to-easy")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_sweep")
+    cmd = [sys.executable, str(BENCH), "--table", str(TABLE), "--model", "tiny", "--device",
+           "cpu", "--workloads", ",".join(WORKLOADS), "--repeats", "2", "--max-tokens", "12",
+           "--prompt-lens", "8,40", "--json-out", str(out / "sweep.json"), "--plot",
+           str(out / "errors.png"), "--record", "--results", str(out / "results.jsonl")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "sweep.json").read_text())
+    lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    return doc, lines, out
+
+
+def _module():
+    """bench/bench_sweep.py imported (it imports ``results`` from bench/, as a script does)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_sweep_under_test", BENCH)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses resolve their annotations through it
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return mod
+
+
+def test_small_sweep_prices_every_round_and_replays_the_live_decisions(sweep):
+    doc, _, _ = sweep
+    assert doc["failures"] == []
+    assert [d["workload"]["name"] for d in doc["workloads"]] == list(WORKLOADS)
+    buckets = (1, 2, 4, 8)
+    counts = [d["workload"]["num_requests"] for d in doc["workloads"]]
+    assert counts == [3, 5, 7] and not any(n in buckets for n in counts)
+    for d in doc["workloads"]:
+        assert d["mode"] == "target_verify" and d["adaptive"] == "adaptive-verify"
+        assert set(d["policies"]) == {"fixed:1", "fixed:2", "fixed:3", "adaptive-verify"}
+        assert len(set(d["workload"]["max_tokens"])) > 1
+        for name, p in d["policies"].items():
+            assert len(p["runs"]) == 2
+            for r in p["runs"]:
+                # every round priced: the table covers every partly filled bucket it ran
+                assert r["rounds_priced"] == r["rounds"] > 0 and r["rounds_uncalibrated"] == 0
+                assert r["decisions_match"] and r["verified_match"], (d["workload"]["name"], name)
+                assert np.isfinite(r["error_pct"]) and r["replay_tokens_per_s"] > 0
+                # requests with their own max_tokens leave one by one: the batch shrinks
+                assert r["batch_max"] == d["workload"]["num_requests"] > r["batch_min"]
+                assert r["output_tokens"] == sum(d["workload"]["max_tokens"])
+        assert np.isfinite(d["gain_vs_best_fixed_pct"])
+        assert np.isfinite(d["gain_vs_phase_oracle_pct"])
+        assert len(d["phases"]) == (2 if d["workload"]["phased"] else 1)
+    m = doc["metrics"]
+    assert m["uncalibrated_rounds_pct_sweep_max"] == 0.0
+    assert doc["context"]["decisions_match"] and doc["context"]["unpriced_runs"] == 0
+    worst = max(r["error_pct"] for d in doc["workloads"] for p in d["policies"].values()
+                for r in p["runs"])
+    assert m["replay_vs_live_error_pct_sweep_max"] == pytest.approx(worst)
+    gains = [d["gain_vs_best_fixed_pct"] for d in doc["workloads"]]
+    assert m["adaptive_verify_vs_best_fixed_pct_sweep_min"] == pytest.approx(min(gains))
+    assert m["adaptive_verify_vs_best_fixed_pct_phased_min"] == pytest.approx(min(gains[1:]))
+
+
+def test_small_sweep_records_the_metrics_and_plots(sweep):
+    doc, lines, out = sweep
+    names = {x["metric"] for x in lines}
+    assert names == {
+        "replay_vs_live_error_pct_sweep_max",
+        "uncalibrated_rounds_pct_sweep_max",
+        "adaptive_verify_vs_best_fixed_pct_sweep_min",
+        "adaptive_verify_vs_best_fixed_pct_phased_min",
+        "adaptive_verify_vs_phase_oracle_pct_sweep_min",
+        "adaptive_verify_vs_phase_oracle_pct_phased_min",
+    }
+    for x in lines:
+        for key in ("metric", "value", "unit", "device", "commit", "date", "command"):
+            assert key in x
+        assert x["table_mode"] == "target_verify" and x["repeats"] == 2
+        assert len(x["workloads"]) == 3 and x["decisions_match"] is True
+        assert list(x["by_workload"]) == list(WORKLOADS)
+        assert [w["num_requests"] for w in x["by_workload"].values()] == [3, 5, 7]
+    png = (out / "errors.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_workload_counts_are_not_buckets_over_the_whole_range():
+    mod = _module()
+    assert len(mod.WORKLOADS) >= 8
+    cuda = [mod.scaled_count(w.requests_of_64, (1, 2, 4, 8, 16, 32, 64)) for w in mod.WORKLOADS]
+    assert cuda == [3, 5, 6, 12, 24, 40, 48, 56, 62]
+    small = {mod.scaled_count(w.requests_of_64, (1, 2, 4, 8)) for w in mod.WORKLOADS}
+    assert small == {3, 5, 6, 7}  # every count below the top bucket 8 that is not a bucket
+    phased = [w.acceptance for w in mod.WORKLOADS if w.phased]
+    assert ("easy", "hard") in phased and ("hard", "easy") in phased
+    assert {p for w in mod.WORKLOADS for p in w.prompts} == {"short", "long"}
+
+
+def test_phase_oracle_takes_the_best_fixed_rate_of_each_phase():
+    mod = _module()
+
+    def run(phase, tokens, ms):
+        return SimpleNamespace(phase=np.asarray(phase), round_tokens=np.asarray(tokens, float),
+                               round_ms=np.asarray(ms, float))
+
+    # fixed:1 runs 1000 tok/s in phase 0 and 500 in phase 1; fixed:3 the other way round
+    fixed = {"fixed:1": [run([0, 1], [10, 10], [10, 20])],
+             "fixed:3": [run([0, 1], [10, 10], [20, 10])]}
+    adaptive = [run([0, 0, 1], [30, 30, 40], [1, 1, 1])]  # 60 tokens in phase 0, 40 in phase 1
+    got = mod.oracle_tokens_per_s(adaptive, fixed)
+    assert got["best_per_phase"] == {"0": "fixed:1", "1": "fixed:3"}
+    assert got["tokens_per_s"] == pytest.approx(100.0 / (60 / 1000.0 + 40 / 1000.0))
+    fixed["fixed:1"] = [run([0, 1], [10, 10], [10, 40])]  # slower in phase 1: no change
+    assert mod.oracle_tokens_per_s(adaptive, fixed)["tokens_per_s"] == pytest.approx(1000.0)
