@@ -11,6 +11,11 @@
 #   cold        cold default calibration of dense-2b (empty Triton cache: run it first on a
 #               fresh host; cold2, ... repeat it with the cache emptied again)
 #               [calibration_cold_wall_s_2b_h200]
+#   dscold      cold default --mode draft_step calibration of dense-2b (partly filled buckets
+#               measured: issue 35), its table at dscold/ds.json
+#   sweep       bench/bench_sweep.py on dscold's table (adaptive-step; every workload in its own
+#               process, 3 runs each) [replay_vs_live_error_pct_sweep_max, ...]
+#   sweepv      bench/bench_sweep.py on cold's target_verify table (adaptive-verify)
 #   pyc         compileall over the image's site-packages (timed; host.txt says whether the
 #               image ships bytecode): run before `cold` to time a cold start with it
 #   cuda        the CUDA suite (pytest -m cuda tests/runner tests/kernels, 8 workers, verbose)
@@ -88,7 +93,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
+            dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
@@ -100,6 +105,22 @@ run() {
         mkdir -p "$d"
         echo "=== $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s $stage"
         case $stage in
+            dscold*)
+                rm -rf "$TRITON_CACHE_DIR"
+                /usr/bin/time -v timeout "$(left)" $PY -m speccal calibrate --model dense-2b \
+                    --device cuda --dtype bfloat16 --mode draft_step --out "$d/ds.json" --json \
+                    > "$d/cal.json" 2> "$d/cal.log"
+                echo "rc=$?"
+                grep -E "Elapsed|runner build|Triton:|quality gate: (window|held)|^grid" "$d/cal.log" ;;
+            sweep*)
+                local tab="$W/dscold/ds.json"
+                [[ $stage == sweepv* ]] && tab="$W/cold/dense-2b-h200.json"
+                timeout "$(left)" $PY bench/bench_sweep.py --model dense-2b --device cuda \
+                    --dtype bfloat16 --table "$tab" --repeats 3 --json-out "$d/sweep.json" \
+                    --plot "$d/sweep.png" --record --results "$d/results.jsonl" \
+                    --device-label "NVIDIA H200" > "$d/log.txt" 2>&1
+                echo "rc=$?"
+                tail -40 "$d/log.txt" ;;
             cold*)
                 rm -rf "$TRITON_CACHE_DIR"
                 /usr/bin/time -v timeout "$(left)" $PY -m speccal calibrate --model dense-2b \
