@@ -21,16 +21,20 @@ Order (nothing is sampled before every check has passed):
 5. open the journal (``--resume`` keeps finished windows of the same run, each window once;
    ``--overwrite`` discards them), read the machine load, drive the grid with a progress display
    (``speccal.base.progress``: a bar on a terminal, log lines elsewhere), appending each window
-   (fsync), then re-measure the noisy points in at most ``remeasure_rounds`` rounds (appended
-   the same way); print the warm-up (``transition_s`` + ``warmup_s``) and measuring
-   (``sampling_s``) times and the load after;
+   (fsync); under the adaptive window count (``speccal.calibrate.gate.EarlyStop``) that first
+   pass measures every point's first ``min_windows_per_point`` windows and a second one the
+   rest of round 0 of the points whose windows spread; then re-measure the noisy points in at
+   most ``remeasure_rounds`` rounds (appended the same way); print the warm-up
+   (``transition_s`` + ``warmup_s``) and measuring (``sampling_s``) times and the load after
+   (``--json``: each pass's seconds under ``timings.phases``);
 6. fit every complete round of each point, pooled (``speccal.calibrate.gate``;
    ``speccal.costmodel.table_build.build_table``), record the
    gate in ``calibration.quality``, the window timing (loop, wall over device span) in
    ``calibration.timing`` and the timings in ``provenance.timings``, print the fit report
    and the gate's verdict; refuse (``QualityGateError``, exit 1, the journal kept) a table whose
    held-out error is beyond the bound unless ``accept_noisy``; write the table atomically at
-   ``--out`` - ``fit_s``. A crash or refusal before this leaves the previous table untouched.
+   ``--out`` - ``fit_s``; a last line prints every phase's seconds. A crash or refusal before
+   this leaves the previous table untouched.
 
 Returns a JSON-able summary (``--json``).
 """
@@ -621,13 +625,13 @@ def _measure(
             if early is not None:
                 due = points_for_more_windows(journal.rows, points, early)
                 report.print_more_windows(console, early, due, len(points))
-                todo = sum((*p.key, i) not in journal.done for p in due for i in early.rest)
-                progress.update(
-                    total=(progress.total or 0) + len(due) * len(early.rest),
-                    advance=len(due) * len(early.rest) - todo,
-                    phase="more windows",
-                )
                 if due:
+                    todo = sum((*p.key, i) not in journal.done for p in due for i in early.rest)
+                    progress.update(
+                        total=(progress.total or 0) + len(due) * len(early.rest),
+                        advance=len(due) * len(early.rest) - todo,
+                        phase="more windows",
+                    )
                     phases["more"] = drive(
                         engine,
                         cfg,
