@@ -22,11 +22,18 @@ Data layout of ``CalibrationConfig.to_dict()`` (stored in the journal header and
      "contexts": [{"prefill_tokens": 2048, "min_kv_length": 1, "max_kv_length": 4096}],
      "warmup_steps": 8, "window_steps": 32, "windows_per_point": 3, "token_seed": 1,
      "policy": {"window_size": 20, "update_interval": 5, "switch_min_gain": 0.05}}
+
+The adaptive window count (``min_windows_per_point``, ``early_stop_spread_pct``; the rule is
+``speccal.calibrate.gate.EarlyStop``) is not part of ``to_dict()``, which is the cost table's
+``calibration`` block: ``windows_dict()`` reports it (the journal header, ``--json``'s effective
+configuration), the table's ``calibration.sources`` names its source and every fitted point
+records the windows it got (``n_windows``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +67,8 @@ DEFAULT_TOKEN_SEED = 1
 DEFAULT_WINDOW_SIZE = 20
 DEFAULT_UPDATE_INTERVAL = 5
 DEFAULT_SWITCH_MIN_GAIN = 0.05
+#: Windows every point gets before the adaptive rule may stop it: the spread needs two.
+MIN_ADAPTIVE_WINDOWS = 2
 
 #: Where a device kind's defaults differ from the seeds' (the source of each is ``default
 #: (KIND)``). cpu: a CPU round's time moves with the machine (``speccal.calibrate.timing``: even
@@ -78,9 +87,17 @@ DEFAULT_SWITCH_MIN_GAIN = 0.05
 #: windows) spent 11 s in warm-up rounds; with 2 it took 88.9 / 90.0 s cold against 95.1 /
 #: 96.6 s on the same kind of host, and its tables priced the grid within -0.14 / -0.19 %
 #: (median signed difference) of the 8-round tables' median (bench/RESULTS.md).
-KIND_DEFAULTS: dict[str, dict[str, int]] = {
+#: cuda, adaptive window count (``min_windows_per_point``, ``early_stop_spread_pct``;
+#: ``speccal.calibrate.gate.EarlyStop``): every point is measured with 2 windows, and only a
+#: point whose two windows are more than 1 % apart gets its third. On the H200 every point's
+#: last round of three windows spread <= 2.43 % (<= 0.45-0.78 % in the two runs above), so
+#: almost every point stops at two and a third of the 411 windows and their transitions
+#: (~25 ms each) are saved; two windows within 1 % put their mean within 0.5 % of either,
+#: well inside the gate's 3 % spread. cpu keeps a fixed count: six windows of ~5 % CV
+#: spread 14-20 %, so an early stop would rarely fire and would cost accuracy where it did.
+KIND_DEFAULTS: dict[str, dict[str, int | float]] = {
     "cpu": {"warmup_steps": 2, "window_steps": 24, "windows_per_point": 6, "context_levels": 1},
-    "cuda": {"warmup_steps": 2},
+    "cuda": {"warmup_steps": 2, "min_windows_per_point": 2, "early_stop_spread_pct": 1.0},
 }
 
 # Every key the effective configuration reports a source for, in print order.
@@ -94,6 +111,8 @@ KEYS = (
     "warmup_steps",
     "window_steps",
     "windows_per_point",
+    "min_windows_per_point",
+    "early_stop_spread_pct",
     "token_seed",
     "policy.window_size",
     "policy.update_interval",
@@ -183,7 +202,13 @@ class CalibrationConfig:
     target_graph_rows : per ``Bcap``, the target row buckets ``G`` to sample, ascending.
     contexts : non-overlapping context intervals, in the order given.
     warmup_steps, window_steps, windows_per_point : rounds before measuring, rounds per window,
-        windows per grid point.
+        windows per grid point (the most a point's first round takes).
+    min_windows_per_point : None (every point gets ``windows_per_point``) or the windows every
+        point gets first (2 .. ``windows_per_point``); a point whose spread over them is within
+        ``early_stop_spread_pct`` keeps that many, the others get the rest
+        (``speccal.calibrate.gate.EarlyStop``).
+    early_stop_spread_pct : the early stop's spread bound (%); None: the gate's
+        ``max_spread_pct``. The gate's bound caps it either way.
     token_seed : seed of the synthetic prompt token ids.
     policy : adaptive-draft-step policy block.
     sources : key (see ``KEYS``) -> ``default`` | ``file`` | ``flag`` | ``run``.
@@ -207,6 +232,8 @@ class CalibrationConfig:
     windows_per_point: int = DEFAULT_WINDOWS_PER_POINT
     token_seed: int = DEFAULT_TOKEN_SEED
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    min_windows_per_point: int | None = None
+    early_stop_spread_pct: float | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
     notes: Mapping[str, str] = field(default_factory=dict)
     partly_filled: tuple[tuple[int, int, int, int], ...] = ()
@@ -244,6 +271,9 @@ class CalibrationConfig:
         _check_int("warmup_steps", self.warmup_steps, 0)
         _check_int("window_steps", self.window_steps, 1)
         _check_int("windows_per_point", self.windows_per_point, 1)
+        check_early_stop(
+            self.min_windows_per_point, self.early_stop_spread_pct, self.windows_per_point
+        )
         _check_int("token_seed", self.token_seed, 0)
         kinds = tuple(f"default ({kind})" for kind in KIND_DEFAULTS)
         bad = {k: v for k, v in self.sources.items()
@@ -278,6 +308,55 @@ class CalibrationConfig:
             "token_seed": self.token_seed,
             "policy": self.policy.to_dict(),
         }
+
+    @property
+    def adaptive_windows(self) -> bool:
+        """Whether a point may stop before ``windows_per_point`` windows (``EarlyStop``)."""
+        return (self.min_windows_per_point is not None
+                and self.min_windows_per_point < self.windows_per_point)
+
+    def windows_dict(self) -> dict[str, Any]:
+        """The window-count rule as JSON (not in ``to_dict``: module docstring)."""
+        return {
+            "windows_per_point": self.windows_per_point,
+            "min_windows_per_point": self.min_windows_per_point,
+            "early_stop_spread_pct": self.early_stop_spread_pct,
+        }
+
+
+def check_early_stop(
+    min_windows: Any, spread_pct: Any, windows_per_point: int
+) -> None:
+    """Refuse an adaptive window count no run can use, naming the key.
+
+    ``min_windows_per_point`` is None or an integer in ``2 .. windows_per_point`` (the spread
+    needs two windows; ``windows_per_point`` itself means a fixed count);
+    ``early_stop_spread_pct`` is None or a finite percentage > 0, and only comes with an
+    adaptive count (alone it would be silently unused).
+    """
+    if min_windows is not None and (
+        isinstance(min_windows, bool) or not isinstance(min_windows, int)
+        or not MIN_ADAPTIVE_WINDOWS <= min_windows <= windows_per_point
+    ):
+        raise InputError(
+            "min_windows_per_point", min_windows,
+            f"an integer in {MIN_ADAPTIVE_WINDOWS}..windows_per_point={windows_per_point}",
+            hint="the spread that decides a point's windows needs two; windows_per_point "
+            "itself gives every point the same count",
+        )
+    if spread_pct is None:
+        return
+    if isinstance(spread_pct, bool) or not (
+        isinstance(spread_pct, (int, float)) and math.isfinite(spread_pct) and spread_pct > 0
+    ):
+        raise InputError("early_stop_spread_pct", spread_pct, "a finite percentage > 0, e.g. 1")
+    if min_windows is None or min_windows >= windows_per_point:
+        raise InputError(
+            "early_stop_spread_pct", spread_pct,
+            f"given with min_windows_per_point < windows_per_point={windows_per_point}",
+            hint=f"min_windows_per_point is {min_windows}: every point gets "
+            f"{windows_per_point} windows, so no early stop applies",
+        )
 
 
 def check_no_overlap(contexts: tuple[ContextInterval, ...]) -> None:
@@ -326,6 +405,8 @@ class CalibrationModel(_Strict):
     warmup_steps: StrictInt | None = None
     window_steps: StrictInt | None = None
     windows_per_point: StrictInt | None = None
+    min_windows_per_point: StrictInt | None = None
+    early_stop_spread_pct: StrictFloat | StrictInt | None = None
     token_seed: StrictInt | None = None
 
 
@@ -433,6 +514,8 @@ class UserConfig:
                 "warmup_steps",
                 "window_steps",
                 "windows_per_point",
+                "min_windows_per_point",
+                "early_stop_spread_pct",
                 "token_seed",
             ):
                 v = getattr(cal, key)
@@ -591,6 +674,7 @@ def resolve_config(
         ("windows_per_point", windows, 1),
     ):
         _check_int(name, v, lo)
+    min_windows, early_stop = _early_stop(pick, windows, sources, notes)
 
     contexts = pick("contexts", None)
     if contexts is None:
@@ -639,7 +723,31 @@ def resolve_config(
         windows_per_point=windows,
         token_seed=pick("token_seed", DEFAULT_TOKEN_SEED),
         policy=policy,
+        min_windows_per_point=min_windows,
+        early_stop_spread_pct=early_stop,
         sources=sources,
         notes=notes,
         partly_filled=partly,
     )
+
+
+def _early_stop(
+    pick: Any, windows: int, sources: dict[str, str], notes: dict[str, str]
+) -> tuple[int | None, float | None]:
+    """``(min_windows_per_point, early_stop_spread_pct)`` of ``resolve_config``: explicit values
+    as given (checked by ``check_early_stop``); a device kind's default rule is dropped, with a
+    note, where ``windows_per_point`` leaves no window to save (a default must not refuse a run)."""
+    min_windows = pick("min_windows_per_point", None)
+    bound = pick("early_stop_spread_pct", None)
+    if bound is not None and not isinstance(bound, bool) and isinstance(bound, int):
+        bound = float(bound)
+    if (min_windows is not None and sources["min_windows_per_point"].startswith("default")
+            and min_windows >= windows):
+        notes["min_windows_per_point"] = (
+            f"none: windows_per_point={windows} leaves no window for the early stop to save")
+        min_windows = None
+    if (bound is not None and sources["early_stop_spread_pct"].startswith("default")
+            and (min_windows is None or min_windows >= windows)):
+        bound = None  # the kind's bound of a rule the run does not use
+    check_early_stop(min_windows, bound, windows)
+    return min_windows, bound

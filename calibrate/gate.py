@@ -14,6 +14,19 @@ default three windows a MAD is the median of two deviations and says little, whi
 spread is what a user compares against ("within 3 %"); it needs >= 2 windows (with one window
 per point nothing is flagged, and the record says the spread was not measurable).
 
+**Fewer windows where the spread is tiny** (``EarlyStop``, optional: the calibration config's
+``min_windows_per_point`` and ``early_stop_spread_pct``; on by default on cuda,
+``calibrate.config.KIND_DEFAULTS``). Round 0 is measured in two passes, each window-major: every
+point's first ``min_windows`` windows (indices ``0 .. min_windows - 1``), then the rest of the
+round (``min_windows .. windows_per_point - 1``) for the points whose first windows spread more
+than the early-stop bound (:func:`points_for_more_windows`). A point whose first windows agree
+has a complete round 0 of ``min_windows`` windows. The bound is capped by ``max_spread_pct``, so
+a round that stopped early is never noisy, and a noisy point always had its full round 0 before
+it is re-measured; re-measure rounds always take ``windows_per_point`` windows (their point
+disagreed once). Which points get the rest is a function of the journal's rows, like the
+re-measurement plan, so ``--resume`` measures exactly the windows still missing and fits the
+same ones.
+
 **Re-measurement** (bounded). After every point has its round 0, a point whose rounds so far are
 all noisy gets one more round, up to ``remeasure_rounds`` extra rounds. Round ``r``'s windows
 take window indices ``r * windows_per_point + i`` (``i`` = 0..w-1), so every window keeps a unique
@@ -207,14 +220,96 @@ def rounds_of(
 
 
 def round_spreads(
-    rounds: Mapping[int, Mapping[int, Mapping[str, Any]]], windows_per_point: int
+    rounds: Mapping[int, Mapping[int, Mapping[str, Any]]],
+    windows_per_point: int,
+    early: EarlyStop | None = None,
+    *,
+    judge: bool = True,
 ) -> dict[int, float | None]:
-    """Spread (%) of every complete round of one point, in round order."""
+    """Spread (%) of every complete round of one point, in round order: a round of
+    ``windows_per_point`` windows, or a round 0 that ``early`` stopped (``EarlyStop.stopped``)."""
     return {
         r: spread_pct([float(row["step_ms"]) for _, row in sorted(windows.items())])
         for r, windows in sorted(rounds.items())
         if len(windows) == windows_per_point
+        or (r == 0 and early is not None and early.stopped(windows, judge=judge))
     }
+
+
+@dataclass(frozen=True)
+class EarlyStop:
+    """The adaptive window count of round 0 (module docstring).
+
+    Attributes
+    ----------
+    windows_per_point : the most windows round 0 takes.
+    min_windows : windows every point gets first (2 .. ``windows_per_point - 1``).
+    spread_pct : a point whose first windows spread more than this (%) gets the rest.
+    """
+
+    windows_per_point: int
+    min_windows: int
+    spread_pct: float
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_windows < self.windows_per_point:
+            raise InputError("min_windows_per_point", self.min_windows,
+                             f"an integer in 2..{self.windows_per_point - 1}")
+        if not (math.isfinite(self.spread_pct) and self.spread_pct > 0):
+            raise InputError("early_stop_spread_pct", self.spread_pct, "a finite percentage > 0")
+
+    @classmethod
+    def of(cls, cfg: Any, gate: GateConfig) -> EarlyStop | None:
+        """The rule of an effective ``CalibrationConfig`` and gate (None: a fixed count); the
+        bound is ``cfg.early_stop_spread_pct`` (the gate's ``max_spread_pct`` if None), capped
+        by ``max_spread_pct``."""
+        if not cfg.adaptive_windows:
+            return None
+        bound = gate.max_spread_pct
+        if cfg.early_stop_spread_pct is not None:
+            bound = min(bound, float(cfg.early_stop_spread_pct))
+        return cls(cfg.windows_per_point, cfg.min_windows_per_point, bound)
+
+    @property
+    def first(self) -> range:
+        """Window indices every point gets."""
+        return range(self.min_windows)
+
+    @property
+    def rest(self) -> range:
+        """Window indices of round 0 a point with spread first windows gets."""
+        return range(self.min_windows, self.windows_per_point)
+
+    def stopped(self, windows: Mapping[int, Mapping[str, Any]], *, judge: bool = True) -> bool:
+        """Whether round 0's ``windows`` (``{window index: row}``) are exactly the first ones
+        and within the bound (a complete round 0). ``judge=False`` skips the bound: the fit's
+        selection, after every due window was measured, on rows the probe clock may have
+        re-priced (``timing.at_run_speed``), which must not undo the journal's decision."""
+        if sorted(windows) != list(self.first):
+            return False
+        if not judge:
+            return True
+        spread = spread_pct([float(row["step_ms"]) for _, row in sorted(windows.items())])
+        return spread is not None and spread <= self.spread_pct
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"windows_per_point": self.windows_per_point, "min_windows": self.min_windows,
+                "spread_pct": self.spread_pct}
+
+
+def points_for_more_windows(
+    rows: Iterable[Mapping[str, Any]], points: Sequence[GridPoint], early: EarlyStop
+) -> tuple[GridPoint, ...]:
+    """The points whose rest of round 0 is due: every first window is measured and their
+    spread is beyond ``early.spread_pct``. A function of the journal's rows only."""
+    by_point = rounds_of(rows, early.windows_per_point)
+    due = []
+    for p in points:
+        first = {i: row for i, row in by_point.get(p.key, {}).get(0, {}).items()
+                 if i in early.first}
+        if len(first) == early.min_windows and not early.stopped(first):
+            due.append(p)
+    return tuple(due)
 
 
 def is_noisy(spread: float | None, gate: GateConfig) -> bool:
@@ -228,15 +323,17 @@ def points_to_remeasure(
     windows_per_point: int,
     round_index: int,
     gate: GateConfig,
+    early: EarlyStop | None = None,
 ) -> tuple[GridPoint, ...]:
     """The points whose round ``round_index`` (>= 1) is due: rounds ``0 .. round_index - 1`` are
-    all complete and all noisy. A function of the journal's rows only (module docstring)."""
+    all complete (round 0 possibly stopped by ``early``) and all noisy. A function of the
+    journal's rows only (module docstring)."""
     if round_index < 1 or round_index > gate.remeasure_rounds:
         return ()
     by_point = rounds_of(rows, windows_per_point)
     due = []
     for p in points:
-        spreads = round_spreads(by_point.get(p.key, {}), windows_per_point)
+        spreads = round_spreads(by_point.get(p.key, {}), windows_per_point, early)
         earlier = [r for r in range(round_index) if r in spreads]
         if len(earlier) == round_index and all(is_noisy(spreads[r], gate) for r in earlier):
             due.append(p)
@@ -309,8 +406,10 @@ def select_windows(
     points: Sequence[GridPoint],
     windows_per_point: int,
     gate: GateConfig,
+    early: EarlyStop | None = None,
 ) -> Selection:
-    """Every complete round of each point, pooled (module docstring).
+    """Every complete round of each point, pooled (module docstring); with ``early``, a round
+    0 it stopped is complete with its first windows.
 
     A point without any complete round (an interrupted run is never fitted, so only rows of a
     journal edited by hand) keeps all of its windows; windows of an incomplete last round are
@@ -322,7 +421,7 @@ def select_windows(
     records = []
     for p in points:
         rounds = by_point.get(p.key, {})
-        spreads = round_spreads(rounds, windows_per_point)
+        spreads = round_spreads(rounds, windows_per_point, early, judge=False)
         if not spreads:
             kept.extend(dict(r) for w in rounds.values() for r in w.values())
             continue

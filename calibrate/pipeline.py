@@ -21,16 +21,20 @@ Order (nothing is sampled before every check has passed):
 5. open the journal (``--resume`` keeps finished windows of the same run, each window once;
    ``--overwrite`` discards them), read the machine load, drive the grid with a progress display
    (``speccal.base.progress``: a bar on a terminal, log lines elsewhere), appending each window
-   (fsync), then re-measure the noisy points in at most ``remeasure_rounds`` rounds (appended
-   the same way); print the warm-up (``transition_s`` + ``warmup_s``) and measuring
-   (``sampling_s``) times and the load after;
+   (fsync); under the adaptive window count (``speccal.calibrate.gate.EarlyStop``) that first
+   pass measures every point's first ``min_windows_per_point`` windows and a second one the
+   rest of round 0 of the points whose windows spread; then re-measure the noisy points in at
+   most ``remeasure_rounds`` rounds (appended the same way); print the warm-up
+   (``transition_s`` + ``warmup_s``) and measuring (``sampling_s``) times and the load after
+   (``--json``: each pass's seconds under ``timings.phases``);
 6. fit every complete round of each point, pooled (``speccal.calibrate.gate``;
    ``speccal.costmodel.table_build.build_table``), record the
    gate in ``calibration.quality``, the window timing (loop, wall over device span) in
    ``calibration.timing`` and the timings in ``provenance.timings``, print the fit report
    and the gate's verdict; refuse (``QualityGateError``, exit 1, the journal kept) a table whose
    held-out error is beyond the bound unless ``accept_noisy``; write the table atomically at
-   ``--out`` - ``fit_s``. A crash or refusal before this leaves the previous table untouched.
+   ``--out`` - ``fit_s``; a last line prints every phase's seconds. A crash or refusal before
+   this leaves the previous table untouched.
 
 Returns a JSON-able summary (``--json``).
 """
@@ -63,12 +67,14 @@ from speccal.calibrate.config import (
 from speccal.calibrate.driver import DriveStats, drive, loop_of, prompt_fill
 from speccal.calibrate.feasibility import check_feasible
 from speccal.calibrate.gate import (
+    EarlyStop,
     GateConfig,
     HeldOut,
     QualityGateError,
     Selection,
     check_bounds,
     held_out,
+    points_for_more_windows,
     points_to_remeasure,
     select_windows,
 )
@@ -399,6 +405,7 @@ def _calibrate(
     }
     table = with_quality(table, quality)
     fit_s = time.perf_counter() - t_fit
+    total_s = time.perf_counter() - t_start
     report.print_fit_report(console, table)
     report.print_kv_model(console, table)
     report.print_timing(console, table.calibration.timing)
@@ -422,7 +429,9 @@ def _calibrate(
         "quality": quality,
         "timing": table.calibration.timing.model_dump(mode="json"),
         "window_spread_pct_max_last_round": selection.last_round_spread_max_pct,
-        "timings": {**timings, "fit_s": fit_s, "total_s": time.perf_counter() - t_start,
+        "window_count": window_count(cfg, measured.early, selection),
+        "timings": {**timings, "fit_s": fit_s, "total_s": total_s,
+                    "phases": {name: phase_timings(st) for name, st in measured.phases.items()},
                     "startup_s": startup_s, "build": dict(getattr(engine, "build_timings", None) or {}),
                     "no_bytecode": no_bytecode},
         "triton_compile": {**(compile_info or {}), "in_process_compiles": meter.count,
@@ -430,6 +439,7 @@ def _calibrate(
     }
     console.print(f"Triton: {meter.count} in-process compiles or cache loads, {meter.seconds:.1f} s "
                   "over the whole run", soft_wrap=True)
+    console.print(phases_line(timings, fit_s, total_s), soft_wrap=True)
     if refused:
         raise QualityGateError(
             _refusal(opts, held, gate, kind, measured.load_after), summary=summary
@@ -502,6 +512,8 @@ class _Measured:
     """What the measuring phase of ``_calibrate`` hands to the fit."""
 
     stats: DriveStats
+    phases: dict[str, DriveStats]  # first, more (the early stop's rest), remeasure_<r>
+    early: EarlyStop | None
     journal: Journal
     selection: Selection
     remeasured_windows: int
@@ -533,6 +545,12 @@ def _measure(
     device_label = f"{compat['device']['kind']}:{compat['device']['name']}"
     vocab_size = _vocab_size(engine)
     w = cfg.windows_per_point
+    early = EarlyStop.of(cfg, gate)
+    # Every point's first pass: all of round 0, or its first windows under the early stop
+    first = range(w) if early is None else early.first
+    if early is not None:
+        # a journal of another window-count rule measured other windows (journal key)
+        header["measurement"]["early_stop"] = early.to_dict()
     # CPU rounds are timed by the probe clock (speccal.calibrate.timing); the journal's header
     # names the clock, so a journal of the other clock is another run's
     probe = SpeedProbe() if window_clock(opts.clock, _device_type(engine)) == "cpu_probe" else None
@@ -568,8 +586,8 @@ def _measure(
             f"torch intra-op threads {threads.threads}",
             soft_wrap=True,
         )
-        base = _all_windows(points, w)
-        left = {p.key: sum((*p.key, i) not in journal.done for i in range(w)) for p in points}
+        base = _all_windows(points, first)
+        left = {p.key: sum((*p.key, i) not in journal.done for i in first) for p in points}
         with ProgressReporter(
             "calibrate",
             console=console,
@@ -582,7 +600,7 @@ def _measure(
 
             def on_window(point: GridPoint, window_index: int) -> None:
                 nonlocal points_done
-                if window_index < w:
+                if window_index in first:
                     left[point.key] -= 1
                     points_done += left[point.key] == 0
                 progress.update(
@@ -598,12 +616,37 @@ def _measure(
                 journal,
                 device=device_label,
                 vocab_size=vocab_size,
+                window_indices=first,
                 on_window=on_window,
                 clock=clock,
                 probe=probe,
             )
+            phases = {"first": stats}
+            if early is not None:
+                due = points_for_more_windows(journal.rows, points, early)
+                report.print_more_windows(console, early, due, len(points))
+                if due:
+                    todo = sum((*p.key, i) not in journal.done for p in due for i in early.rest)
+                    progress.update(
+                        total=(progress.total or 0) + len(due) * len(early.rest),
+                        advance=len(due) * len(early.rest) - todo,
+                        phase="more windows",
+                    )
+                    phases["more"] = drive(
+                        engine,
+                        cfg,
+                        due,
+                        journal,
+                        device=device_label,
+                        vocab_size=vocab_size,
+                        window_indices=early.rest,
+                        on_window=on_window,
+                        clock=clock,
+                        probe=probe,
+                    )
+                    stats = stats.plus(phases["more"])
             for r in range(1, gate.remeasure_rounds + 1):
-                due = points_to_remeasure(journal.rows, points, w, r, gate)
+                due = points_to_remeasure(journal.rows, points, w, r, gate, early)
                 if not due:
                     break
                 indices = range(r * w, (r + 1) * w)
@@ -627,6 +670,7 @@ def _measure(
                     clock=clock,
                     probe=probe,
                 )
+                phases[f"remeasure_{r}"] = more
                 stats = stats.plus(more)
         load_after = machine.load_sample(opts.device)
         console.print(
@@ -636,9 +680,11 @@ def _measure(
             f"machine {machine.describe_load(load_after)} after",
             soft_wrap=True,
         )
-        selection = select_windows(at_run_speed(journal.rows), points, w, gate)
+        selection = select_windows(at_run_speed(journal.rows), points, w, gate, early)
     return _Measured(
         stats=stats,
+        phases=phases,
+        early=early,
         journal=journal,
         selection=selection,
         # Every re-measured window of the journal, a resumed run's earlier ones included.
@@ -646,6 +692,41 @@ def _measure(
         load_before=load_before,
         load_after=load_after,
     )
+
+
+def phase_timings(stats: DriveStats) -> dict[str, float | int]:
+    """One measuring phase's seconds (``--json``'s ``timings.phases``)."""
+    return {"windows": stats.windows_measured, "transition_s": stats.transition_s,
+            "warmup_s": stats.warmup_s, "sampling_s": stats.sampling_s}
+
+
+def phases_line(timings: Mapping[str, float], fit_s: float, total_s: float) -> str:
+    """Every phase's seconds in one line, at the end of a run."""
+    parts = [("compile/capture", timings["compile_capture_s"]),
+             ("transitions", timings["transition_s"]),
+             ("warm-up rounds", timings["warmup_s"]),
+             ("measuring", timings["sampling_s"]), ("fit", fit_s)]
+    return (f"total {total_s:.1f} s: "
+            + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts))
+
+
+def window_count(
+    cfg: CalibrationConfig, early: EarlyStop | None, selection: Selection
+) -> dict[str, Any]:
+    """The window-count rule and what it did (``--json``'s ``window_count``): the rule
+    (``CalibrationConfig.windows_dict``, the early stop's effective bound) and how many points
+    kept each count of round-0 windows (``{"2": 130, "3": 6}``)."""
+    per_point: dict[tuple, int] = {}
+    for row in selection.rows:
+        if int(row["window_index"]) < cfg.windows_per_point:
+            key = (int(row["context_index"]), int(row["bcap"]), int(row["g"]), int(row["k"]))
+            per_point[key] = per_point.get(key, 0) + 1
+    counts: dict[str, int] = {}
+    for n in sorted(per_point.values()):
+        counts[str(n)] = counts.get(str(n), 0) + 1
+    return {**cfg.windows_dict(), "rule": "fixed" if early is None else "early_stop",
+            "early_stop": None if early is None else early.to_dict(),
+            "points_by_round0_windows": counts}
 
 
 def window_clock(clock: str, device_type: str | None) -> str:
@@ -687,8 +768,8 @@ def _refusal(
     )
 
 
-def _all_windows(points, windows_per_point: int) -> set:
-    return {(*p.key, i) for p in points for i in range(windows_per_point)}
+def _all_windows(points, indices: range) -> set:
+    return {(*p.key, i) for p in points for i in indices}
 
 
 def _vocab_size(engine: Any) -> int:

@@ -56,9 +56,11 @@ from speccal.calibrate.config import UserConfig, parse_config_file, resolve_conf
 from speccal.calibrate.driver import drive, loop_of, prompt_fill
 from speccal.calibrate.feasibility import check_feasible
 from speccal.calibrate.gate import (
+    EarlyStop,
     GateConfig,
     QualityGateError,
     held_out,
+    points_for_more_windows,
     points_to_remeasure,
     select_windows,
 )
@@ -325,10 +327,20 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
             return drive(engine, cfg, due, mine, device=device_label, vocab_size=vocab,
                          window_indices=indices, clock=clock)
 
-        stats = comm.agree("calibrate: measure", lambda: measure(points, None))
+        early = EarlyStop.of(cfg, gate)
+        first = range(w) if early is None else early.first
+        stats = comm.agree("calibrate: measure", lambda: measure(points, first))
         by_rank = comm.all_gather_object(mine.rows)
+        if early is not None:  # every rank decides on the same gathered rows
+            due = points_for_more_windows(merge_ranks(by_rank), points, early)
+            report.print_more_windows(console, early, due, len(points))
+            if due:
+                more = comm.agree("calibrate: more windows",
+                                  lambda due=due: measure(due, early.rest))
+                stats = stats.plus(more)
+                by_rank = comm.all_gather_object(mine.rows)
         for r in range(1, gate.remeasure_rounds + 1):
-            due = points_to_remeasure(merge_ranks(by_rank), points, w, r, gate)
+            due = points_to_remeasure(merge_ranks(by_rank), points, w, r, gate, early)
             if not due:
                 break
             report.print_remeasure(console, r, gate, due)
@@ -356,7 +368,7 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
     check_rank_skew(skews, max_skew)  # the same verdict on every rank (same gathered rows)
 
     merged = merge_ranks(by_rank)
-    selection = select_windows(merged, points, w, gate)
+    selection = select_windows(merged, points, w, gate, early)
     versions = engine.runtime_versions()
     timings = {"compile_capture_s": compile_capture_s, "transition_s": stats.transition_s,
                "warmup_s": stats.warmup_s, "sampling_s": stats.sampling_s}

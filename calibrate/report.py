@@ -21,7 +21,7 @@ from speccal.base.geometry import Geometry
 from speccal.base.rich_tables import print_table
 from speccal.calibrate.config import KEYS, CalibrationConfig
 from speccal.calibrate.driver import calibrated_kv_length
-from speccal.calibrate.gate import GateConfig, HeldOut, Selection, describe_point
+from speccal.calibrate.gate import EarlyStop, GateConfig, HeldOut, Selection, describe_point
 from speccal.calibrate.grid import GridPoint
 from speccal.calibrate.machine import ThreadPin
 
@@ -58,8 +58,9 @@ def effective_config_dict(
     threads: ThreadPin | None = None,
     gate: GateConfig | None = None,
 ) -> dict:
-    """``{"config", "sources", "notes", "geometry", "graph_mode", "loop", "threads", "gate"}``
-    (``sources`` also names where ``threads`` and each gate bound came from)."""
+    """``{"config", "windows", "sources", "notes", "geometry", "graph_mode", "loop", "threads",
+    "gate"}`` (``sources`` also names where ``threads`` and each gate bound came from;
+    ``windows``: the window-count rule, ``CalibrationConfig.windows_dict``)."""
     sources = dict(cfg.sources)
     if threads is not None:
         sources["threads"] = threads.source
@@ -67,6 +68,7 @@ def effective_config_dict(
         sources.update({f"gate.{k}": v for k, v in gate.sources.items()})
     return {
         "config": cfg.to_dict(),
+        "windows": cfg.windows_dict(),
         "sources": sources,
         "notes": dict(cfg.notes),
         "geometry": geometry.to_dict(),
@@ -152,12 +154,29 @@ def print_grid(
     console: Console, points: tuple[GridPoint, ...], cfg: CalibrationConfig, done: int
 ) -> None:
     """One line: how much will be sampled, and the mean KV length every point is measured at."""
-    rounds = len(points) * (cfg.warmup_steps + cfg.windows_per_point * cfg.window_steps)
+    windows = cfg.min_windows_per_point if cfg.adaptive_windows else cfg.windows_per_point
+    rounds = len(points) * (cfg.warmup_steps + windows * cfg.window_steps)
     kv = ", ".join(f"{calibrated_kv_length(cfg, i):.1f}" for i in range(len(cfg.contexts)))
+    count = (
+        f"{windows} windows (up to {cfg.windows_per_point} where they spread)"
+        if cfg.adaptive_windows else f"{windows} windows"
+    )
     console.print(
-        f"grid: {len(points)} points x {cfg.windows_per_point} windows of {cfg.window_steps} rounds "
+        f"grid: {len(points)} points x {count} of {cfg.window_steps} rounds "
         f"({cfg.mode}, ~{rounds} rounds incl. warmup), every point at mean KV {kv}; "
         f"{done} windows already in the journal"
+    )
+
+
+def print_more_windows(console: Console, early: EarlyStop, due: tuple, points: int) -> None:
+    """One line after every point's first windows: how many stop there, how many get the rest."""
+    shown = ", ".join(f"Bcap={p.bcap} G={p.g} k={p.k}" for p in due[:8])
+    more = f" and {len(due) - 8} more" if len(due) > 8 else ""
+    console.print(
+        f"early stop: {points - len(due)} of {points} points keep {early.min_windows} windows "
+        f"(spread within {early.spread_pct:g} %); {len(due)} get windows "
+        f"{early.min_windows + 1}..{early.windows_per_point}" + (f": {shown}{more}" if due else ""),
+        soft_wrap=True,
     )
 
 

@@ -101,7 +101,7 @@ def register(app: typer.Typer) -> None:
         config: Annotated[
             Path | None,
             typer.Option(
-                "--config", help='Calibration JSON, every key optional: model, draft_width, request_buckets, target_graph_rows, contexts [{prefill_tokens, min_kv_length, max_kv_length}], warmup_steps, window_steps, windows_per_point, token_seed; or those keys under "calibration" next to "policy" {window_size, update_interval, switch_min_gain} (the adaptive-draft-step file: the two config shapes of the xLLM engine).'
+                "--config", help='Calibration JSON, every key optional: model, draft_width, request_buckets, target_graph_rows, contexts [{prefill_tokens, min_kv_length, max_kv_length}], warmup_steps, window_steps, windows_per_point, min_windows_per_point, early_stop_spread_pct, token_seed; or those keys under "calibration" next to "policy" {window_size, update_interval, switch_min_gain} (the adaptive-draft-step file: the two config shapes of the xLLM engine).'
             ),
         ] = None,
         out: Annotated[
@@ -158,6 +158,25 @@ def register(app: typer.Typer) -> None:
         ] = None,
         windows_per_point: Annotated[
             int | None, typer.Option("--windows-per-point", help="Override windows_per_point.")
+        ] = None,
+        min_windows_per_point: Annotated[
+            int | None,
+            typer.Option(
+                "--min-windows-per-point",
+                help="Adaptive window count: every point gets this many windows (2 or more), "
+                "and only a point whose windows spread more than --early-stop-spread-pct gets "
+                "the rest of --windows-per-point. Default: 2 on cuda, off elsewhere; "
+                "--windows-per-point itself turns it off.",
+            ),
+        ] = None,
+        early_stop_spread_pct: Annotated[
+            float | None,
+            typer.Option(
+                "--early-stop-spread-pct",
+                help="A point whose first windows spread ((max - min) / median) at most this "
+                "many % keeps them (capped by --max-spread-pct). Default: 1 on cuda; with "
+                "--min-windows-per-point elsewhere, the gate's --max-spread-pct.",
+            ),
         ] = None,
         graph_mode: Annotated[
             str | None,
@@ -324,6 +343,8 @@ def register(app: typer.Typer) -> None:
                 "warmup_steps": warmup_steps,
                 "window_steps": window_steps,
                 "windows_per_point": windows_per_point,
+                "min_windows_per_point": min_windows_per_point,
+                "early_stop_spread_pct": early_stop_spread_pct,
             },
         )
         _check_outputs(opts, kernels)
