@@ -185,7 +185,9 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 
 
 def print_fit_report(console: Console, table: Any) -> None:
-    """Per-point residuals and held-out errors of every fitted context of a ``CostTable``."""
+    """Per-point residuals and held-out errors of every fitted context of a ``CostTable``
+    (draft_step: each point's ``k`` and requests ``B``, and the draft-forward term chosen)."""
+    by_k = table.mode == "draft_step"
     for fit in table.fits:
         d = fit.diagnostics
         t = Table(
@@ -195,6 +197,7 @@ def print_fit_report(console: Console, table: Any) -> None:
         )
         for col in (
             "Bcap",
+            *(("B", "k") if by_k else ()),
             "G",
             "windows",
             "step ms",
@@ -209,6 +212,7 @@ def print_fit_report(console: Console, table: Any) -> None:
         for p in d.points:
             t.add_row(
                 str(p.bcap),
+                *((_fmt(p.num_requests, "d"), _fmt(p.k, "d")) if by_k else ()),
                 str(p.g),
                 str(p.n_windows),
                 _fmt(p.step_ms),
@@ -230,6 +234,16 @@ def print_fit_report(console: Console, table: Any) -> None:
                 f"{_fmt(e.max_abs_ms)} ms ({_fmt(e.max_abs_pct, '.1f')} %), {e.n_evaluated} points"
                 + (f", {e.n_skipped} skipped" if e.n_skipped else "")
             )
+        sel = fit.additive.k_selection if fit.additive is not None else None
+        if sel is not None:
+            errs = ", ".join(
+                f"{c.k_term} {_fmt(c.partly_filled.mean_abs_pct, '.1f')} %"
+                for c in sel.candidates)
+            console.print(
+                f"  draft-forward term: {fit.additive.k_term} (by {sel.selected_by}; partly "
+                f"filled points held out: {errs})", soft_wrap=True)
+        elif fit.sps is not None and fit.sps.k is not None:
+            console.print("  sps: one curve per k (draft forwards)")
 
 
 def kv_model_errors(table: Any) -> dict | None:

@@ -132,16 +132,24 @@ def _params_tables(table, console: Console) -> None:
                 t.add_row("alpha(Bcap)", str(b), f"{a:.4f}")
             for g, th in zip(p.g_levels, p.theta_ms, strict=True):
                 t.add_row("theta(G)", str(g), f"{th:.4f}")
+            if p.k_term == "shared":
+                t.add_row("delta (per draft forward past the first)", "every Bcap",
+                          f"{p.delta_ms[0]:.4f}")
+            for b, dl in zip(p.bcap_levels if p.k_term == "per_bcap" else (), p.delta_ms,
+                             strict=False):
+                t.add_row("delta(Bcap) (per draft forward past the first)", str(b), f"{dl:.4f}")
         else:
             p = f.sps
             t = Table(
                 title=f"context {f.context_index}: SPS over G (Bcaps {p.bcap_levels})",
                 title_justify="left",
             )
-            for col in ("G", "cost ms", "steps/s"):
+            ks = p.k if p.k is not None else [None] * len(p.g_levels)
+            for col in (("k",) if p.k is not None else ()) + ("G", "cost ms", "steps/s"):
                 t.add_column(col, justify="right")
-            for g, c in zip(p.g_levels, p.cost_ms, strict=True):
-                t.add_row(str(g), f"{c:.4f}", f"{1000.0 / c:.1f}")
+            for g, c, k in zip(p.g_levels, p.cost_ms, ks, strict=True):
+                t.add_row(*((str(k),) if k is not None else ()), str(g), f"{c:.4f}",
+                          f"{1000.0 / c:.1f}")
         print_table(console, t)
 
 
