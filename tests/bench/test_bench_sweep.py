@@ -136,3 +136,25 @@ def test_phase_oracle_takes_the_best_fixed_rate_of_each_phase():
     assert got["tokens_per_s"] == pytest.approx(100.0 / (60 / 1000.0 + 40 / 1000.0))
     fixed["fixed:1"] = [run([0, 1], [10, 10], [10, 40])]  # slower in phase 1: no change
     assert mod.oracle_tokens_per_s(adaptive, fixed)["tokens_per_s"] == pytest.approx(1000.0)
+
+
+def test_a_draft_step_table_prices_partly_filled_rounds_at_their_own_k(tmp_path):
+    """``tables/tiny-cpu-draft-step.json`` (schema 3: the partly filled shapes measured, a
+    draft-forward term per Bcap): ``fixed:1..3`` and ``adaptive-step`` at 3 and 5 requests
+    (buckets 4 and 8 partly filled, shrinking), every round priced, live == replay."""
+    table = ROOT / "tables" / "tiny-cpu-draft-step.json"
+    cmd = [sys.executable, str(BENCH), "--table", str(table), "--model", "tiny", "--device",
+           "cpu", "--workloads", "n3-short-easy,n40-long-easy-to-hard", "--repeats", "1",
+           "--max-tokens", "12", "--prompt-lens", "8,40", "--json-out", str(tmp_path / "s.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["failures"] == []
+    for d in doc["workloads"]:
+        assert d["mode"] == "draft_step" and d["adaptive"] == "adaptive-step"
+        for name, p in d["policies"].items():
+            for r in p["runs"]:
+                assert r["rounds_priced"] == r["rounds"] > 0 and r["rounds_uncalibrated"] == 0
+                assert r["decisions_match"], (d["workload"]["name"], name)
+                assert r["batch_max"] == d["workload"]["num_requests"] > r["batch_min"]
+    assert doc["metrics"]["uncalibrated_rounds_pct_sweep_max"] == 0.0
