@@ -140,3 +140,28 @@ def test_cli_prints_each_applicable_caveat(tmp_path):
     assert "per batch size vs per bucket:" in text and "+2.84 %" in text
     side = json.loads(out.with_suffix(".speccal.json").read_text())
     assert side["per_bucket"]["batch_sizes_differing"] == [3, 6]
+
+
+def test_per_batch_size_export_on_a_table_that_measured_partly_filled_buckets(tmp_path):
+    """``tables/tiny-cpu-draft-step.json`` measured the shapes partly filled buckets run and
+    prices each round's draft forwards: 3 requests at k = 2 and k = 3 both verify G 12 of
+    bucket 4, and k = 3 is no longer a free token (the shipped H200 table, version 2, priced
+    both alike). The per-batch-size schedule still differs from the per-bucket one where a
+    partly filled bucket's best k differs from its full batch's, by the predicted tokens/s
+    recorded here (CPU table, profile ``PARTLY``, KV 60)."""
+    table = ROOT / "tables/tiny-cpu-draft-step.json"
+    cost = CostModel.from_table(load_table(table))
+    ms = cost.step_costs(np.array([3]), np.array([60.0]))[0]
+    assert cost.g(np.array([4]), np.array([9]))[0] == cost.g(np.array([4]), np.array([12]))[0]
+    assert ms[2] - ms[1] > 0.5  # one more draft forward at bucket 4 (its delta), same G
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = run_export(ExportRequest(table=table, engine="vllm", out=tmp_path / "v.json",
+                                       profile=PARTLY, kv_length=60.0))
+    pb = res.report["per_bucket"]
+    assert pb["batch_sizes_differing"] == [3, 5]
+    assert pb["gain_pct"] == pytest.approx(0.682, abs=0.01)
+    assert pb["max_gain_pct"] == pytest.approx(3.624, abs=0.01)
+    rows = {r["batch_size"]: r for r in pb["rows"]}
+    for b in (3, 5):
+        assert rows[b]["tokens_per_s"] > rows[b]["per_bucket_tokens_per_s"]
