@@ -609,18 +609,12 @@ def _measure(
                     f"Bcap={point.bcap} G={point.g} k={point.k}",
                 )
 
-            stats = drive(
-                engine,
-                cfg,
-                points,
-                journal,
-                device=device_label,
-                vocab_size=vocab_size,
-                window_indices=first,
-                on_window=on_window,
-                clock=clock,
-                probe=probe,
-            )
+            def measure(pts, indices) -> DriveStats:
+                return drive(engine, cfg, pts, journal, device=device_label,
+                             vocab_size=vocab_size, window_indices=indices,
+                             on_window=on_window, clock=clock, probe=probe)
+
+            stats = measure(points, first)
             phases = {"first": stats}
             if early is not None:
                 due = points_for_more_windows(journal.rows, points, early)
@@ -632,18 +626,7 @@ def _measure(
                         advance=len(due) * len(early.rest) - todo,
                         phase="more windows",
                     )
-                    phases["more"] = drive(
-                        engine,
-                        cfg,
-                        due,
-                        journal,
-                        device=device_label,
-                        vocab_size=vocab_size,
-                        window_indices=early.rest,
-                        on_window=on_window,
-                        clock=clock,
-                        probe=probe,
-                    )
+                    phases["more"] = measure(due, early.rest)
                     stats = stats.plus(phases["more"])
             for r in range(1, gate.remeasure_rounds + 1):
                 due = points_to_remeasure(journal.rows, points, w, r, gate, early)
@@ -658,18 +641,7 @@ def _measure(
                     advance=len(due) * w - todo,
                     phase=f"re-measure {r}/{gate.remeasure_rounds}",
                 )
-                more = drive(
-                    engine,
-                    cfg,
-                    due,
-                    journal,
-                    device=device_label,
-                    vocab_size=vocab_size,
-                    window_indices=indices,
-                    on_window=on_window,
-                    clock=clock,
-                    probe=probe,
-                )
+                more = measure(due, indices)
                 phases[f"remeasure_{r}"] = more
                 stats = stats.plus(more)
         load_after = machine.load_sample(opts.device)
