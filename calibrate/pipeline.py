@@ -156,46 +156,58 @@ CALIBRATION_PREFILL_CHUNK = 4096
 STATE_STRATEGIES = ("scratch_swap", "snapshots")
 
 
-def make_engine(opts: CalibrateOptions) -> Any:
-    """Build and warm the runner for calibration (forced full acceptance: shapes == grid).
+def engine_config(opts: CalibrateOptions, *, device: str | None = None,
+                  tp: int = 1) -> Any:
+    """The ``EngineConfig`` of a calibration (forced full acceptance: shapes == grid), the one
+    conversion of the options that :func:`make_engine` and the ranks' factory
+    (``speccal.calibrate.ranks``) both build from: ``device`` a rank's own (``cuda:LOCAL_RANK``),
+    ``tp`` > 1 defaults the path to eager graphs and the torch backend (the only TP path; an
+    explicit other one is refused by the engine).
 
     Raises ``UnsupportedError`` (exit 2, one line) when torch is not installed: the runner is
     imported here, not at module level, so that the rest of calibrate stays torch-free.
     """
     try:
-        from speccal.runner.engine import Engine, EngineConfig
+        from speccal.runner.engine import EngineConfig
         from speccal.runner.path import KernelConfig, served_path
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "torch":
             raise
         raise UnsupportedError(machine.TORCH_MISSING) from None
-
+    device = device or opts.device
     kwargs: dict[str, Any] = {
         "model": opts.model,
-        "device": opts.device,
+        "device": device,
         "acceptance": "forced",
         "seed": opts.seed,
         "pipeline": opts.loop == "pipelined",
         "prefill_chunk": CALIBRATION_PREFILL_CHUNK,
         "state_strategy": opts.state_strategy,
     }
-    if opts.dtype is not None:
-        kwargs["dtype"] = opts.dtype
-    if opts.draft_width is not None:
-        kwargs["draft_width"] = opts.draft_width
+    for name in ("dtype", "draft_width", "max_model_len"):
+        if getattr(opts, name) is not None:
+            kwargs[name] = getattr(opts, name)
     if opts.request_buckets is not None:
         kwargs["request_buckets"] = tuple(opts.request_buckets)
-    if opts.max_model_len is not None:
-        kwargs["max_model_len"] = opts.max_model_len
     # Calibrate the path a deployment serves with unless asked otherwise; a table records
     # graph_mode, so an eager table cannot serve graphs.
     kernels = KernelConfig() if opts.kernels is None else KernelConfig.from_dict(opts.kernels)
-    served = served_path(opts.device, kernels)
+    served = served_path(device, kernels)
+    if tp > 1:
+        served = served.with_(graph_mode="eager", attention_backend="torch")
     kwargs["path"] = served.with_(
         graph_mode=opts.graph_mode or served.graph_mode,
         attention_backend=opts.attention_backend or served.attention_backend,
     )
-    return Engine(EngineConfig(**kwargs))
+    return EngineConfig(**kwargs)
+
+
+def make_engine(opts: CalibrateOptions) -> Any:
+    """Build and warm the runner for calibration (:func:`engine_config`)."""
+    from speccal.runner.engine import Engine
+
+    return Engine(engine_config(opts))
+
 
 
 def check_run_values(opts: CalibrateOptions) -> None:

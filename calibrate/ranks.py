@@ -66,7 +66,12 @@ from speccal.calibrate.gate import (
 )
 from speccal.calibrate.grid import build_grid
 from speccal.calibrate.journal import check_discard, open_journal, window_key
-from speccal.calibrate.pipeline import CalibrateOptions, check_run_values, with_quality
+from speccal.calibrate.pipeline import (
+    CalibrateOptions,
+    check_run_values,
+    engine_config,
+    with_quality,
+)
 from speccal.calibrate.timing import loop_timing
 from speccal.costmodel.compat import check_compatibility
 from speccal.costmodel.table import load_table, parse_table, save_table
@@ -460,27 +465,13 @@ def rank_engine_factory(comm: Any) -> Callable[[CalibrateOptions], Any]:
         try:
             from speccal.runner.distributed.comm import rank_device
             from speccal.runner.distributed.engine import DistributedEngine
-            from speccal.runner.engine import EngineConfig
-            from speccal.runner.path import KernelConfig, served_path
         except ModuleNotFoundError as exc:
             if exc.name is None or exc.name.split(".")[0] != "torch":
                 raise
             raise UnsupportedError(machine.TORCH_MISSING) from None
-        device = rank_device(opts.device, comm)
-        kwargs: dict[str, Any] = {"model": opts.model, "device": device, "acceptance": "forced",
-                                  "seed": opts.seed, "pipeline": opts.loop == "pipelined"}
-        for name in ("dtype", "draft_width", "max_model_len"):
-            if getattr(opts, name) is not None:
-                kwargs[name] = getattr(opts, name)
-        if opts.request_buckets is not None:
-            kwargs["request_buckets"] = tuple(opts.request_buckets)
-        kernels = KernelConfig() if opts.kernels is None else KernelConfig.from_dict(opts.kernels)
-        served = served_path(device, kernels)
-        if comm.tp_size > 1:
-            served = served.with_(graph_mode="eager", attention_backend="torch")
-        kwargs["path"] = served.with_(
-            graph_mode=opts.graph_mode or served.graph_mode,
-            attention_backend=opts.attention_backend or served.attention_backend)
-        return DistributedEngine(EngineConfig(**kwargs), comm)
+        # the same options -> EngineConfig conversion as one rank (it dropped the state
+        # strategy and the calibration prefill chunk when it was a copy)
+        cfg = engine_config(opts, device=rank_device(opts.device, comm), tp=comm.tp_size)
+        return DistributedEngine(cfg, comm)
 
     return make

@@ -254,7 +254,7 @@ class RoundState:
 PlanFn = Callable[[RoundState], RoundPlan]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RoundResult:
     """Host-side results of one :meth:`Engine.step`.
 
@@ -928,10 +928,15 @@ class Engine:
 
     @staticmethod
     def _empty_result(k: int, first: dict[int, int], finished: list[int], num_prefill: int) -> RoundResult:
+        # keyword-only (RoundResult is kw_only): this empty result was once built by position
+        # and shifted three fields (kv_lengths got the accept matrix, num_prefill_tokens an
+        # array, state_bytes the prefill count)
         empty = np.zeros(0, dtype=np.int64)
         return RoundResult(
-            0, 0, 0, k, [], empty, empty, [[first[r]] for r in first], finished,
-            np.zeros((0, k), np.float32), np.zeros((0, k), bool), empty, num_prefill, first,
+            num_requests=0, bcap=0, g=0, k=k, request_ids=[], accepted=empty,
+            num_verify=empty, emitted=[[first[r]] for r in first], finished=finished,
+            draft_scores=np.zeros((0, k), np.float32), kv_lengths=empty,
+            num_prefill_tokens=num_prefill, first_tokens=first,
         )
 
     def step(self, plan: RoundPlan | PlanFn) -> RoundResult:

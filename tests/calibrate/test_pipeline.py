@@ -170,3 +170,19 @@ def test_short_context_shrinks_default_prefill(tmp_path, engine_factory):
     assert eff["config"]["request_buckets"] == [1, 2, 4]
     # every captured G of every captured Bcap
     assert summary["points_done"] == 4 + 5 + 5
+
+
+def test_one_rank_and_the_ranks_build_the_same_engine_config():
+    """``engine_config`` is the one options -> EngineConfig conversion: the ranks' factory
+    (``calibrate.ranks``) takes it too, so the state strategy and the calibration prefill chunk
+    reach every rank (its copy once dropped both); TP > 1 defaults the path to eager / torch."""
+    from speccal.calibrate.pipeline import CALIBRATION_PREFILL_CHUNK, engine_config
+
+    opts = CalibrateOptions(model="tiny", device="cpu", out="t.json", state_strategy="snapshots",
+                            request_buckets=(1, 2), draft_width=3)
+    one = engine_config(opts)
+    assert (one.state_strategy, one.prefill_chunk) == ("snapshots", CALIBRATION_PREFILL_CHUNK)
+    assert one.acceptance == "forced" and one.request_buckets == (1, 2)
+    rank = engine_config(opts, device="cpu", tp=2)
+    assert (rank.state_strategy, rank.prefill_chunk) == (one.state_strategy, one.prefill_chunk)
+    assert (rank.path.graph_mode, rank.path.attention_backend) == ("eager", "torch")

@@ -201,3 +201,18 @@ def test_stats_per_position():
         "accepted_length_hist",
         "accepted_at",
     }
+
+
+def test_a_step_whose_requests_all_finish_at_prefill_returns_an_empty_round():
+    # max_tokens = 1: the prefill's first token finishes each request, no round runs; the empty
+    # result keeps every field in its place (it was once built by position and shifted three)
+    eng = Engine(_cfg(acceptance="forced"))
+    rids = [eng.add_request(list(range(1, n + 1)), SamplingParams(max_tokens=1, ignore_eos=True))
+            for n in (5, 9)]
+    res = eng.step(RoundPlan(2))
+    assert (res.num_requests, res.bcap, res.g, res.k) == (0, 0, 0, 2)
+    assert res.round_index == -1 and sorted(res.finished) == sorted(rids)
+    assert res.kv_lengths.shape == (0,) and res.kv_lengths.dtype == np.int64
+    assert res.num_prefill_tokens == 14 and res.state_bytes == 0
+    assert sorted(res.first_tokens) == sorted(rids)
+    assert [len(e) for e in res.emitted] == [1, 1] and res.draft_scores.shape == (0, 2)
