@@ -487,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
             doc = json.loads(out.read_text())
             doc["timings_s"]["process"] = time.perf_counter() - t0
             docs.append(doc)
+            if args.json_out:  # each workload as it finishes: a sweep cut short keeps them
+                Path(args.json_out).with_suffix(f".{name}.json").write_text(
+                    json.dumps(doc, sort_keys=True, default=float))
     summary = sweep_metrics(docs)
     for d in docs:
         wl = d["workload"]

@@ -117,6 +117,7 @@ run() {
                 [[ $stage == sweepv* ]] && tab="$W/cold/dense-2b-h200.json"
                 timeout "$(left)" $PY bench/bench_sweep.py --model dense-2b --device cuda \
                     --dtype bfloat16 --table "$tab" --repeats 3 --json-out "$d/sweep.json" \
+                    ${SWEEP_WORKLOADS:+--workloads "$SWEEP_WORKLOADS"} \
                     --plot "$d/sweep.png" --record --results "$d/results.jsonl" \
                     --device-label "NVIDIA H200" > "$d/log.txt" 2>&1
                 echo "rc=$?"
