@@ -134,3 +134,26 @@ def test_sps_keeps_one_curve_per_k():
     at_k2 = t.cost_ms(4, 12, KV, 2).cost_ms
     assert at_k1 != at_k2
     assert parse_table(t.to_json()).fits == t.fits
+
+
+def test_the_kv_model_keeps_the_term_across_contexts():
+    df = make_measurements(
+        bias_ms=BIAS, alpha_ms=ALPHA, theta_ms=THETA, draft_ms=DRAFT, draft_width=W,
+        contexts=((64, 1, 256), (512, 257, 1024), (2048, 1025, 4096)),
+        context_offsets_ms=(0.0, 0.4, 1.5), windows_per_point=2, window_steps=8,
+        noise_ms=0.004, shapes=shapes(), seed=5,
+    )
+    t = build_table(df, compatibility=COMPAT, geometry=GEOM)
+    kv = t.kv_model
+    assert kv is not None and kv.k_term in ("shared", "per_bcap") and kv.delta_ms
+    assert {c.k_term for c in kv.candidates} >= {"none", kv.k_term}
+    assert kv.k_levels() == [1, 2, 3]
+    assert parse_table(t.to_json()).kv_model == kv
+    # between the contexts' KV the model answers, each k apart, and needs the k
+    at = 700.0
+    k2, k3 = t.cost_ms(4, 12, at, 2), t.cost_ms(4, 12, at, 3)
+    assert k2.calibrated and k3.calibrated and k3.cost_ms - k2.cost_ms == pytest.approx(
+        DRAFT[4], abs=0.15)
+    assert not t.cost_ms(4, 12, at).calibrated
+    cost = CostModel.from_table(t)
+    assert cost.k_aware and np.isfinite(cost.step_costs(np.array([3]), np.array([at]))).all()
