@@ -62,6 +62,9 @@ class CostModel:
         ``target_verify`` (the draft always runs ``w`` steps; ``G`` is the trimmed verify budget).
     memo : a :class:`~speccal.costmodel.lookup.LookupMemo` of scalar answers (exact for a
         table's cost), or None (every call computes).
+    step_config : the adaptive draft step's settings the table was calibrated for (its
+        ``calibration.policy``), the default of every adaptive-step policy built on this cost
+        model (None: the defaults).
     k_aware : whether ``cost`` takes the rounds' draft forwards as a fourth argument,
         ``f(bcap, g, kv_length, k)`` (a draft_step table whose fit keeps a draft-forward term:
         a partly filled bucket verifies the G of another k, ``speccal.costmodel.lookup``).
@@ -72,6 +75,7 @@ class CostModel:
     mode: str = "draft_step"
     memo: LookupMemo | None = field(default=None, compare=False, repr=False)
     k_aware: bool = False
+    step_config: AdaptiveStepConfig | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -93,6 +97,7 @@ class CostModel:
             mode=str(table.mode),
             memo=lookup.memo() if memo else None,
             k_aware=lookup.depends_on_k,
+            step_config=table_step_config(table),
         )
 
     @property
@@ -146,6 +151,15 @@ class CostModel:
         costs = self.lookup(bcap[:, None], gs, kv[:, None])
         shape = np.shape(num_requests) + (width,)
         return gs[inv].reshape(shape), costs[inv].reshape(shape)
+
+
+def table_step_config(table: Any) -> AdaptiveStepConfig | None:
+    """The table's ``calibration.policy`` as an :class:`AdaptiveStepConfig` (None without one)."""
+    p = getattr(getattr(table, "calibration", None), "policy", None)
+    if p is None:
+        return None
+    return AdaptiveStepConfig(window_size=p.window_size, update_interval=p.update_interval,
+                              switch_min_gain=p.switch_min_gain)
 
 
 def _unique_states(
@@ -353,7 +367,7 @@ class AdaptiveStepPolicy:
                 f"adaptive-step needs a draft_step cost table; got mode {cost.mode!r}"
             )
         self.cost = cost
-        self.config = config or AdaptiveStepConfig()
+        self.config = config or cost.step_config or AdaptiveStepConfig()
         self.name = "adaptive-step"
         w = cost.draft_width
         self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=self.config.window_size)

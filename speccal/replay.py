@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -124,7 +124,8 @@ class ReplayConfig:
     """What to replay: policy specs (baselines ``fixed:1..w`` are always added) and settings."""
 
     policies: tuple[str, ...] = ("adaptive-step",)
-    step: AdaptiveStepConfig = field(default_factory=AdaptiveStepConfig)
+    # None: the cost model's (the table's ``calibration.policy``), else the defaults
+    step: AdaptiveStepConfig | None = None
     verify: AdaptiveVerifyConfig = field(default_factory=AdaptiveVerifyConfig)
     max_segments: int = 2000
     # feedback with the pipelined engine's lag (round r observed after deciding r + 1); also
@@ -659,6 +660,8 @@ def replay(
     :func:`check_replayable`).
     """
     cfg = config or ReplayConfig()
+    if cfg.step is None:
+        cfg = replace(cfg, step=cost.step_config or AdaptiveStepConfig())
     specs = [parse_policy(p) for p in cfg.policies]
     check_replayable(trace, cost, specs)
     pipelined = cfg.pipelined or bool(trace.meta.get("pipelined", False))

@@ -32,7 +32,13 @@ from speccal.costmodel.measurements import DEFAULT_MODE, MODES
 from speccal.costmodel.table import load_table
 from speccal.plots_replay import THROUGHPUT_PNG, TIMELINE_PNG, write_plots
 from speccal.plots_table import table_title
-from speccal.policy import AdaptiveStepConfig, AdaptiveVerifyConfig, CostModel, parse_policy
+from speccal.policy import (
+    AdaptiveStepConfig,
+    AdaptiveVerifyConfig,
+    CostModel,
+    parse_policy,
+    table_step_config,
+)
 from speccal.replay import ReplayConfig, check_replayable, replay
 from speccal.scenarios import generate, make_scenario, scenario_geometry, synthetic_table
 from speccal.trace import RoundTrace, RoundTraceBuilder, TokenTraceBuilder, load_trace, save_trace
@@ -50,14 +56,24 @@ SYNTHETIC_BANNER = (
 )
 
 
-def _step_config(window_size: int, update_interval: int, switch_min_gain: float):
-    """The adaptive-step settings; a bad one is refused naming its flag (``--switch-min-gain``)."""
+def _step_config(window_size: int | None, update_interval: int | None,
+                 switch_min_gain: float | None, table=None):
+    """The adaptive-step settings: each flag given, else the table's ``calibration.policy``
+    (the settings it was calibrated for), else the defaults; a bad one is refused naming its
+    flag (``--switch-min-gain``). Returns ``(config, source)``."""
+    base = (table_step_config(table) if table is not None else None) or AdaptiveStepConfig()
+    given = (window_size, update_interval, switch_min_gain)
+    source = ("flags" if all(v is not None for v in given) else
+              "table" if table is not None and table_step_config(table) is not None
+              else "default")
+    if any(v is not None for v in given) and source != "flags":
+        source += " + flags"
     try:
         return AdaptiveStepConfig(
-            window_size=window_size,
-            update_interval=update_interval,
-            switch_min_gain=switch_min_gain,
-        )
+            window_size=base.window_size if window_size is None else window_size,
+            update_interval=base.update_interval if update_interval is None else update_interval,
+            switch_min_gain=base.switch_min_gain if switch_min_gain is None else switch_min_gain,
+        ), source
     except InputError as exc:
         flag = "--" + exc.field.rsplit(".", 1)[-1].replace("_", "-")
         raise InputError(flag, exc.value, exc.expected) from None
@@ -85,6 +101,12 @@ def _num(v: float | None, spec: str) -> str:
 
 def _print_report(d: dict[str, Any]) -> None:
     verify = d["mode"] == "target_verify"
+    c = d["config"]
+    if any(p.startswith("adaptive-step") for p in c["policies"]):
+        err_console.print(
+            f"adaptive step: window {c['window_size']}, update interval {c['update_interval']}, "
+            f"switch min gain {c['switch_min_gain']:g} ({c.get('step_source', 'default')})",
+            markup=False)
     t = Table(
         title=f"replay: {d['rounds']:,} rounds, mode {d['mode']}, w={d['draft_width']}, best fixed {d['best_fixed']}",
         title_justify="left",
@@ -189,21 +211,25 @@ def replay_cmd(
     ] = 1024.0,
     seed: Annotated[int, typer.Option("--seed", help="Scenario seed.")] = 0,
     window_size: Annotated[
-        int,
+        int | None,
         typer.Option(
-            "--window-size", help="Adaptive step: completed batches in the acceptance window."
+            "--window-size", help="Adaptive step: completed batches in the acceptance window "
+            "(default: the table's calibration.policy, else 20)."
         ),
-    ] = 20,
+    ] = None,
     update_interval: Annotated[
-        int, typer.Option("--update-interval", help="Adaptive step: batches between re-scorings.")
-    ] = 5,
+        int | None,
+        typer.Option("--update-interval", help="Adaptive step: batches between re-scorings "
+                     "(default: the table's, else 5).")
+    ] = None,
     switch_min_gain: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--switch-min-gain",
-            help="Adaptive step: predicted relative gain a switch must exceed, in [0, 1).",
+            help="Adaptive step: predicted relative gain a switch must exceed, in [0, 1) "
+            "(default: the table's, else 0.05).",
         ),
-    ] = 0.05,
+    ] = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print the report as JSON on stdout.")
     ] = False,
@@ -238,7 +264,8 @@ def replay_cmd(
         if mode is not None and mode not in MODES:
             raise InputError("--mode", mode, " or ".join(MODES))
         w = draft_width or DEFAULT_DRAFT_WIDTH
-    step = _step_config(window_size, update_interval, switch_min_gain)  # refused before the work
+    # refused before the work
+    step, step_source = _step_config(window_size, update_interval, switch_min_gain, cost_table)
     if trace is not None:
         tr = load_trace(trace)
     else:
@@ -266,6 +293,7 @@ def replay_cmd(
     with ProgressReporter("replay", console=err_console, transient=True) as prog:
         report = replay(tr, cost, cfg, on_step=lambda s: prog.update(phase=s))
     d = report.to_dict()
+    d["config"]["step_source"] = step_source  # flags, the table's calibration.policy, defaults
     d["table"] = {
         "path": str(table) if table else None,
         "mode": cost.mode,

@@ -395,3 +395,33 @@ def test_the_report_counts_each_policys_priced_rounds():
     assert not low["priced"] and 0 < low["rounds_priced"] < trace.num_rounds
     far = int(np.count_nonzero(np.asarray(trace.kv_length) > 4096))
     assert low["rounds"] - low["rounds_priced"] == far
+
+
+def test_the_tables_policy_is_the_adaptive_steps_default(tmp_path):
+    """A table's ``calibration.policy`` (the settings it was calibrated for) is what replay,
+    bench and the exports build adaptive-step with unless a flag says otherwise."""
+    from pathlib import Path
+
+    from speccal.costmodel.table import load_table
+
+    base = load_table(Path(__file__).parents[2] / "tables" / "tiny-cpu-draft-step.json")
+    pol = base.calibration.policy.model_copy(update={"window_size": 7, "switch_min_gain": 0.1})
+    table = base.model_copy(update={"calibration": base.calibration.model_copy(
+        update={"policy": pol})})
+    path = save_table(table, tmp_path / "t.json")
+    cost = CostModel.from_table(load_table(path))
+    assert cost.step_config == AdaptiveStepConfig(window_size=7, update_interval=5,
+                                                  switch_min_gain=0.1)
+    assert make_policy("adaptive-step", cost).config == cost.step_config
+    trace = generate(make_scenario("transition", draft_width=3, rounds=300, num_requests=6,
+                                   kv_length=60.0))
+    rep = replay(trace, cost, ReplayConfig(policies=("adaptive-step",)))
+    assert rep.to_dict()["config"]["window_size"] == 7
+    tp = save_trace(trace, tmp_path / "tr.jsonl")
+    args = ["replay", "--table", str(path), "--trace", str(tp), "--json"]
+    d = json.loads(CliRunner().invoke(app, args, env=ENV).stdout)
+    assert (d["config"]["window_size"], d["config"]["step_source"]) == (7, "table")
+    r = CliRunner().invoke(app, [*args, "--window-size", "9"], env=ENV)
+    d = json.loads(r.stdout)
+    assert (d["config"]["window_size"], d["config"]["switch_min_gain"]) == (9, 0.1)
+    assert d["config"]["step_source"] == "table + flags"
