@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Valid
 from speccal.base.atomic import read_text
 from speccal.base.errors import InputError
 from speccal.base.geometry import MAX_REQUEST_BUCKETS, Geometry
+from speccal.base.vocab import POLICY_DEFAULTS
 from speccal.calibrate.feasibility import (
     DEFAULT_LEVELS,
     check_buckets_captured,
@@ -64,9 +65,9 @@ DEFAULT_WARMUP_STEPS = 8
 DEFAULT_WINDOW_STEPS = 32
 DEFAULT_WINDOWS_PER_POINT = 3
 DEFAULT_TOKEN_SEED = 1
-DEFAULT_WINDOW_SIZE = 20
-DEFAULT_UPDATE_INTERVAL = 5
-DEFAULT_SWITCH_MIN_GAIN = 0.05
+DEFAULT_WINDOW_SIZE = POLICY_DEFAULTS["window_size"]
+DEFAULT_UPDATE_INTERVAL = POLICY_DEFAULTS["update_interval"]
+DEFAULT_SWITCH_MIN_GAIN = POLICY_DEFAULTS["switch_min_gain"]
 #: Windows every point gets before the adaptive rule may stop it: the spread needs two.
 MIN_ADAPTIVE_WINDOWS = 2
 

@@ -57,6 +57,7 @@ from rich.markup import escape
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.progress import ProgressReporter
+from speccal.base.vocab import LOOPS, STATE_STRATEGIES
 from speccal.calibrate import lock, machine, report
 from speccal.calibrate.config import (
     CalibrationConfig,
@@ -80,7 +81,7 @@ from speccal.calibrate.gate import (
 )
 from speccal.calibrate.grid import GridPoint, build_grid
 from speccal.calibrate.journal import Journal, check_discard, open_journal
-from speccal.calibrate.timing import CLOCKS, LOOPS, SpeedProbe, at_run_speed, loop_timing
+from speccal.calibrate.timing import CLOCKS, SpeedProbe, at_run_speed, loop_timing
 from speccal.costmodel.coverage import warn_coverage
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import build_table
@@ -106,7 +107,7 @@ class CalibrateOptions:
     intra-op thread count (None: one on cpu, torch's own elsewhere); ``max_spread_pct``,
     ``max_heldout_pct``, ``remeasure_rounds`` and ``accept_noisy`` set the quality gate (None:
     the device kind's defaults, ``speccal.calibrate.gate.DEFAULTS``). ``loop`` is the engine's
-    round loop (``speccal.calibrate.timing.LOOPS``): ``pipelined`` (default, what a deployment
+    round loop (``speccal.base.vocab.LOOPS``): ``pipelined`` (default, what a deployment
     serves with: round ``n + 1`` queued while ``n`` runs) or ``synchronous``; recorded in the
     table's compatibility and ``calibration.timing``.
     """
@@ -152,8 +153,6 @@ class CalibrateOptions:
 # many tokens.
 CALIBRATION_PREFILL_CHUNK = 4096
 
-#: ``speccal.runner.hybrid_state.STATE_STRATEGIES`` (the runner needs torch; a test keeps them equal)
-STATE_STRATEGIES = ("scratch_swap", "snapshots")
 
 
 def engine_config(opts: CalibrateOptions, *, device: str | None = None,

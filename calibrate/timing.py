@@ -178,10 +178,6 @@ class WindowTimer:
         return WindowTime(elapsed_s=elapsed, device_ms=device_ms)
 
 
-#: The round loops ``speccal calibrate --loop`` takes (``EngineConfig.pipeline`` True / False).
-LOOPS = ("pipelined", "synchronous")
-
-
 def loop_timing(rows: list[dict[str, Any]], loop: str) -> dict[str, Any]:
     """The calibration block's ``timing`` summary (``costmodel.table_schema.LoopTimingBlock``)
     of the measurement rows the fit uses: the loop, the clock (:data:`CLOCKS`; with the probe

@@ -42,6 +42,7 @@ import torch
 from speccal import __version__
 from speccal.base.errors import CapacityError, InputError, SchemaError, UnsupportedError
 from speccal.base.geometry import Geometry, served_request_buckets
+from speccal.base.vocab import ACCEPTANCE_MODES
 from speccal.kernels.precompile import CompilePool, triton_cache_is_empty
 from speccal.runner.checkpoint import read_config
 from speccal.runner.device import (
@@ -67,8 +68,6 @@ from speccal.runner.request import Request
 from speccal.runner.round import RoundRunner
 from speccal.runner.sampling import SamplingParams, check_supported
 from speccal.runner.stats import SpecStats
-
-ACCEPTANCE_MODES = ("greedy", "sample", "synthetic", "forced")
 
 
 @dataclass(frozen=True)

@@ -53,13 +53,12 @@ from dataclasses import dataclass
 import torch
 
 from speccal.base.errors import InputError
+from speccal.base.vocab import STATE_STRATEGIES
 from speccal.runner.hybrid import HybridModel
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.linear_attention import LinearState, StateMeta
 from speccal.runner.prefill import prefill as prefill_request
 from speccal.runner.request import Request
-
-STATE_STRATEGIES = ("scratch_swap", "snapshots")
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from speccal.base.errors import InputError, UnsupportedError
+from speccal.base.vocab import GRAPH_MODES
 from speccal.kernels._backend import triton_available
 from speccal.kernels.config import DEFAULT_KERNELS, KernelConfig
 from speccal.runner.device import default_execution_path
 
-GRAPH_MODES = ("eager", "split")
 ATTENTION_BACKENDS = ("torch", "triton")
 INPUT_UPDATES = ("auto", "in_graph", "host")
 

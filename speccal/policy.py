@@ -30,6 +30,7 @@ import numpy as np
 
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.geometry import Geometry
+from speccal.base.vocab import POLICY_DEFAULTS
 from speccal.costmodel.lookup import LookupMemo, evaluate, memoised
 from speccal.policy_rules import (
     CURVE_RESOLUTION,
@@ -290,9 +291,9 @@ class Policy(Protocol):
 class AdaptiveStepConfig:
     """Adaptive draft step settings (SPEC section 4 defaults)."""
 
-    window_size: int = 20
-    update_interval: int = 5
-    switch_min_gain: float = 0.05
+    window_size: int = POLICY_DEFAULTS["window_size"]
+    update_interval: int = POLICY_DEFAULTS["update_interval"]
+    switch_min_gain: float = POLICY_DEFAULTS["switch_min_gain"]
 
     def __post_init__(self) -> None:
         if self.window_size < 1:

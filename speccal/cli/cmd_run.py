@@ -46,6 +46,7 @@ from speccal.base.errors import InputError
 from speccal.base.paths import check_outputs
 from speccal.base.progress import ProgressReporter
 from speccal.base.rich_tables import make_console, print_table
+from speccal.base.vocab import LOOPS
 from speccal.cli.dist import is_distributed, run_ranks
 
 err_console = make_console()
@@ -124,7 +125,6 @@ LoopOpt = Annotated[
         "synchronous (every round's host work in series with its device work).",
     ),
 ]
-LOOPS = ("pipelined", "synchronous")
 TpOpt = Annotated[
     int,
     typer.Option("--tp", help="Tensor-parallel ranks per model replica (launch with torchrun "
