@@ -97,9 +97,7 @@ def cost_grid(table: CostTable) -> pd.DataFrame:
     geom = table.geometry()
     by_k = table.mode == "draft_step" and table.lookup().depends_on_k
     for f in table.fits:
-        measured = {(p.bcap, p.g) for p in f.diagnostics.points}
-        if by_k:
-            measured |= {(p.bcap, p.g, p.k) for p in f.diagnostics.points}
+        measured = {(p.bcap, p.g, p.k) if by_k else (p.bcap, p.g) for p in f.diagnostics.points}
         for b in geom.request_buckets:
             if by_k:
                 cells = producible(geom, b, "draft_step")

@@ -61,11 +61,11 @@ def _step_config(window_size: int | None, update_interval: int | None,
     """The adaptive-step settings: each flag given, else the table's ``calibration.policy``
     (the settings it was calibrated for), else the defaults; a bad one is refused naming its
     flag (``--switch-min-gain``). Returns ``(config, source)``."""
-    base = (table_step_config(table) if table is not None else None) or AdaptiveStepConfig()
+    stored = table_step_config(table) if table is not None else None
+    base = stored or AdaptiveStepConfig()
     given = (window_size, update_interval, switch_min_gain)
     source = ("flags" if all(v is not None for v in given) else
-              "table" if table is not None and table_step_config(table) is not None
-              else "default")
+              "table" if stored is not None else "default")
     if any(v is not None for v in given) and source != "flags":
         source += " + flags"
     try:
