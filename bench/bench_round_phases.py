@@ -49,8 +49,6 @@ class _Timer:
         self.records: list[tuple[object, object, tuple[int, int]]] = []  # start, end, shape
         for name in ("prepare", "execute", "collect"):
             setattr(runner, name, self._wrap(name, getattr(runner, name)))
-        if hasattr(runner, "prepare_pipelined"):  # pipelined engines: its host phase
-            runner.prepare_pipelined = self._wrap("prepare", runner.prepare_pipelined)
 
     @classmethod
     def of(cls, runner, cuda: bool) -> _Timer:

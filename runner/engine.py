@@ -2,9 +2,10 @@
 
 This module owns :class:`EngineConfig` (frozen, validated), :class:`RoundPlan`,
 :class:`RoundResult` and :class:`Engine`, the API calibration and the CLI drive (see
-docs/ARCHITECTURE.md). ``Engine.step`` prefills newly admitted requests (chunked), then runs one
+docs/ARCHITECTURE.md). ``Engine.step`` prefills newly admitted requests (chunked), then queues one
 round over the running batch through :class:`~speccal.runner.round.RoundRunner`
-(prepare -> execute -> collect) and applies stop rules on the host.
+(prepare -> execute) and collects rounds (collect, stop rules on the host) until at most
+:attr:`Engine.queue_depth` stay queued.
 
 Batching: at most ``max(request_buckets)`` requests run at once (others wait, admitted in
 arrival order as slots free up); the physical batch is ``geometry.bcap_for(B)``; target rows are
@@ -12,13 +13,13 @@ arrival order as slots free up); the physical batch is ``geometry.bcap_for(B)``;
 ``RoundPlan.verify_budget``, the budget's bucket ``G`` with the verify lengths allocated on the
 device from the round's own draft scores (see :class:`RoundPlan`).
 
-Pipelined rounds (``EngineConfig.pipeline=True``; the synchronous loop stays the default):
-``Engine.step`` queues round ``n + 1`` before it collects round ``n`` and returns round ``n``'s
-result (one step late; ``Engine.drain`` collects what is still queued). Stop rules are
+One loop, two queue depths: 0 (the synchronous loop, the default) collects each round in the
+step that queued it; 1 (``EngineConfig.pipeline=True``, the pipelined loop) queues round
+``n + 1`` before it collects round ``n`` and returns round ``n``'s result (one step late;
+``Engine.drain`` collects what is still queued). Stop rules are
 discovered one round late: a finished request's row in the extra round is discarded
 (``RoundResult.num_discarded``; ``RoundResult.physical`` keeps what the device computed for it),
-and its KV blocks and slot are freed once no queued round writes them. See
-:meth:`Engine._step_pipelined`.
+and its KV blocks and slot are freed once no queued round writes them. See :meth:`Engine.step`.
 
 Hybrid linear-attention targets (``ModelCapabilities.has_recurrent_state``: Qwen3.5 /
 Qwen3-Next, recognised by their config's ``layer_types``): the KV cache holds only their
@@ -361,8 +362,9 @@ class Engine:
             torch.zeros(1, device=self.device)
             lap("device_s")
         w = config.draft_width
-        # a pipelined request may run one round past its stop: w + 1 more positions / KV slots
-        self._lag_slots = w + 1 if config.pipeline else 0
+        # a request may run one round past its stop per queued round: w + 1 more positions / KV
+        # slots each
+        self._lag_slots = (w + 1) * self.queue_depth
         max_len = config.max_model_len or 4096
         _check_declared_context(config.model, config.max_model_len)  # before the rotary tables
         self.loaded: LoadedModel = self._load_model(dtype, max_len,
@@ -439,7 +441,6 @@ class Engine:
             dtype=torch_dtype,
             path=self.path,
             max_model_len=max_len,
-            pipeline=config.pipeline,
             state=state,
         )
         lap("setup_s")
@@ -471,7 +472,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._early_finished: list[int] = []
         self._round_index = 0
-        self._inflight: list[_Flight] = []  # pipelined: queued rounds, oldest first
+        self._inflight: list[_Flight] = []  # queued rounds not yet collected, oldest first
         self.prompt_source: PromptSource | None = None
         if self._has_state and self.device.type == "cuda":
             self.warm_prefill()
@@ -527,11 +528,7 @@ class Engine:
 
         def make_inputs(key):
             none = np.zeros(0, np.int64)
-            if self.config.pipeline:  # pipelined graphs derive their metadata in the graph
-                x = runner.prepare_pipelined([], key.bcap, key.k, none, key.g or key.bcap, None,
-                                             none)
-            else:
-                x = runner.prepare([], key.bcap, key.k, none, key.g or key.bcap)
+            x = runner.prepare([], key.bcap, key.k, none, key.g or key.bcap)
             x.update = key.update or x.update
             return x
 
@@ -938,101 +935,43 @@ class Engine:
             num_prefill_tokens=num_prefill, first_tokens=first,
         )
 
+    @property
+    def queue_depth(self) -> int:
+        """Rounds left queued, not collected, when :meth:`step` returns: 0 (the synchronous
+        loop: a round is collected before the next is prepared) or 1 (``EngineConfig.pipeline``:
+        round ``n + 1`` is queued before round ``n`` is collected; two staging slots)."""
+        return 1 if self.config.pipeline else 0
+
     def step(self, plan: RoundPlan | PlanFn) -> RoundResult:
-        """Admit and prefill waiting requests, then run one round over the running batch.
+        """Admit and prefill waiting requests, queue one round over the running batch, then
+        collect rounds until at most :attr:`queue_depth` stay queued; return the oldest
+        collected round's result (depth 0: this step's round).
 
         ``plan`` is a :class:`RoundPlan` or a callback ``plan(RoundState) -> RoundPlan`` called
         after admission (so a policy sees the round's batch size and mean KV length); it is not
         called when the batch is empty.
 
-        Pipelined engines (``EngineConfig.pipeline``): see :meth:`_step_pipelined`; the result
-        returned is the *previous* step's round.
-        """
-        if self.config.pipeline:
-            return self._step_pipelined(plan)
-        first: dict[int, int] = {}
-        num_prefill, finished = self._admit(first)
-        finished = self._early_finished + finished
-        self._early_finished = []
-        batch = list(self._running)
-        n = len(batch)
-        plan, k, nv = self._resolve(plan, batch)
-        if n == 0:
-            return self._empty_result(k, first, finished, num_prefill)
-        bcap, g, budget_rows = self._shape(plan, n, k, nv)
-        x = self.runner.prepare(batch, bcap, k, nv, g, budget_rows)
-        out = self.runner.execute(x)
-        accepted, nv, out_tokens, scores = self.runner.collect(out, x)
-        emitted = []
-        num_emitted = 0
-        for b, req in enumerate(batch):
-            a = int(accepted[b])
-            req.num_computed += a + 1
-            req.num_extend = a + 1
-            kept = req.append([int(t) for t in out_tokens[b, : a + 1]])
-            num_emitted += len(kept)
-            emitted.append(([first[req.rid]] if req.rid in first else []) + kept)
-            if req.is_finished:
-                finished.append(req.rid)
-        kv_lens = np.array([r.num_computed for r in batch], dtype=np.int64)
-        for req in batch:
-            if req.is_finished:
-                self._finish(req)
-        if k > 0:
-            self.stats.add(nv, accepted, num_emitted)
-        round_index = self._round_index
-        self._round_index += 1
-        return RoundResult(
-            num_requests=n,
-            bcap=bcap,
-            g=g,
-            k=k,
-            request_ids=[r.rid for r in batch],
-            accepted=accepted,
-            num_verify=nv,
-            emitted=emitted,
-            finished=finished,
-            draft_scores=scores,
-            kv_lengths=kv_lens,
-            num_prefill_tokens=num_prefill,
-            first_tokens=first,
-            round_index=round_index,
-            state_bytes=self._state_bytes(bcap, k),
-        )
+        Order: admit + prefill waiting requests into free slots; plan the round over the
+        running batch (every request not yet *known* finished; at depth 1 stop rules are
+        discovered one round late, when its round is collected, except a request whose queued
+        rounds surely reach ``max_tokens``, one token each at least, which sits the round out)
+        and queue it (host facts staged into a staging slot, metadata derived on the device
+        from the per-slot state, results copied to pinned memory at its end); then collect
+        (wait for the oldest queued round's result copy, stop rules, bookkeeping).
 
-    # ------------------------------------------------------------------ the pipelined step
-
-    def _step_pipelined(self, plan: RoundPlan | PlanFn) -> RoundResult:
-        """Queue round ``n + 1``, then collect round ``n`` (two rounds in flight at most).
-
-        Order: admit + prefill waiting requests into free slots; plan round ``n + 1`` over the
-        running batch (every request not yet *known* finished: stop rules are discovered one
-        round late, when its round is collected; except a request whose queued rounds surely
-        reach ``max_tokens``, one token each at least, which sits the round out) and queue it (host facts staged into the
-        other staging slot, metadata derived on the device from the per-slot state round ``n``
-        leaves there, results copied to pinned memory at its end); only then collect round
-        ``n`` (wait for its result copy, stop rules, bookkeeping) while round ``n + 1`` runs.
-
-        Returns the :class:`RoundResult` of round ``n`` (queued by the previous call): results
-        are reported one step late. The first call after an idle pipeline returns an empty
-        result (``round_index == -1``, ``num_requests == 0``, prefill facts only when no round
-        was queued). A round's first tokens / prefill-finished ids are those of the requests
-        admitted just before it was queued (as the synchronous step reports them with the
-        round that follows the prefill). Rows of requests that finished in an earlier round
-        (the extra round a lagged stop costs, or a request released while queued) are dropped
-        from the result: arrays, ``request_ids`` and ``emitted`` hold the live rows only;
-        ``num_discarded`` counts the others; their tokens are never appended. A finished
-        request's KV blocks and slot are freed once no queued round writes them
-        (``Request.num_inflight == 0``), so a slot is reused only after that.
-
-        The plan callback sees ``RoundState.kv_length`` as of the collected rounds (lagged by
-        the round in flight). Adaptive policies observing the returned results get feedback
-        with the pipeline's lag: a plan for round ``n + 1`` is made having seen results up to
-        round ``n - 1``.
-
-        A prefill (admission) runs on the same stream behind the queued round and reads its
-        first token back, so it waits for that round: a prefill drains the device queue for
-        now (the host-side pipeline state is kept; no round is re-planned).
+        Depth 1: results are reported one step late. The first call after an idle pipeline
+        returns an empty result (``round_index == -1``, ``num_requests == 0``, prefill facts
+        only when no round was queued). A round's first tokens / prefill-finished ids are those
+        of the requests admitted just before it was queued. Rows of requests that finished in
+        an earlier round (the extra round a lagged stop costs, or a request released while
+        queued) are dropped from the result: arrays, ``request_ids`` and ``emitted`` hold the
+        live rows only; ``num_discarded`` counts the others; their tokens are never appended.
+        A finished request's KV blocks and slot are freed once no queued round writes them
+        (``Request.num_inflight == 0``), so a slot is reused only after that. The plan callback
+        sees ``RoundState.kv_length`` as of the collected rounds (lagged by the round in
+        flight); adaptive policies get feedback with the pipeline's lag. A prefill (admission)
+        runs on the same stream behind the queued round and reads its first token back, so it
+        waits for that round.
         """
         first: dict[int, int] = {}
         num_prefill, finished = self._admit(first)
@@ -1044,7 +983,6 @@ class Engine:
                  if len(r.output) + r.num_inflight < r.params.max_tokens]
         n = len(batch)
         plan, k, nv = self._resolve(plan, batch)
-        queued = None
         if n > 0:
             bcap, g, budget_rows = self._shape(plan, n, k, nv)
             bound = np.array(
@@ -1052,16 +990,17 @@ class Engine:
                  for r in batch],
                 dtype=np.int64,
             )
-            x = self.runner.prepare_pipelined(batch, bcap, k, nv, g, budget_rows, bound)
+            x = self.runner.prepare(batch, bcap, k, nv, g, budget_rows, bound)
             self.runner.execute(x)
             for r in batch:
                 r.num_inflight += 1
-            queued = _Flight(x, batch, first, finished, num_prefill, self._round_index, g)
+            self._inflight.append(
+                _Flight(x, batch, first, finished, num_prefill, self._round_index, g))
             self._round_index += 1
             first, finished, num_prefill = {}, [], 0
-        res = self._collect(self._inflight.pop(0)) if self._inflight else None
-        if queued is not None:
-            self._inflight.append(queued)
+        res = None
+        if len(self._inflight) > self.queue_depth or (n == 0 and self._inflight):
+            res = self._collect(self._inflight.pop(0))
         if res is None:
             return self._empty_result(k, first, finished, num_prefill)
         res.first_tokens.update(first)
@@ -1073,7 +1012,7 @@ class Engine:
         """Collect one queued round: lagged stop rules, bookkeeping, deferred frees."""
         x = f.x
         k = x.k
-        accepted, nv, out_tokens, scores = self.runner.collect(None, x)
+        accepted, nv, out_tokens, scores = self.runner.collect(x)
         keep: list[int] = []
         emitted = []
         finished = list(f.finished)
@@ -1131,8 +1070,8 @@ class Engine:
         )
 
     def drain(self) -> list[RoundResult]:
-        """Pipelined engines: collect every queued round (oldest first) and return their
-        results; the pipeline is then empty. Synchronous engines: ``[]``."""
+        """Collect every queued round (oldest first) and return their results; the queue is
+        then empty (depth 0: always ``[]``)."""
         out = []
         while self._inflight:
             out.append(self._collect(self._inflight.pop(0)))

@@ -19,9 +19,9 @@ budget (``RoundInputs.budget_rows = G - B``, adaptive target verify), :meth:`Rou
 writes them on the device between the draft and the target part
 (:meth:`RoundRunner.allocate_verify`, the rule of ``speccal.policy_rules.allocate_prefixes`` on this
 round's draft scores), eager and captured graphs alike. The in-graph update reads them on the
-device (token / metadata update kernels); the host update brings them back in the one sync it
-already makes for the drafted tokens and re-stages its packed verify rows
-(:meth:`RoundRunner.stage_verify`). The target always runs ``G`` rows; rows past the allocation
+device (token / metadata update kernels); the host update, after the one sync it makes for the
+drafted tokens, derives its packed verify rows from them on the device
+(:meth:`RoundRunner.derive_verify`). The target always runs ``G`` rows; rows past the allocation
 are padding (sentinel KV slot, trash grid row). ``collect`` returns the allocation with the
 round's other results.
 
@@ -30,12 +30,13 @@ Device state per slot (``num_slots = max bucket + 1``; the last is the trash slo
 :meth:`RoundRunner.execute` uses static shapes chosen on the host, masks and index tensors; no
 ``.item()``, ``.tolist()``, ``nonzero()`` or branch on tensor values.
 
-Pipelined rounds (``RoundRunner(pipeline=True)``, ``EngineConfig.pipeline``): the host stages
-only facts that do not depend on the rounds in flight (:meth:`RoundRunner.prepare_pipelined`:
-slot indices, a real-row mask, the block table with blocks allocated ahead for the worst-case
-growth of every queued round, the verify lengths) into the other of two pinned staging slots,
-in one merged copy. Per-slot device state ``slot_len`` (KV length ``L``) and ``slot_ext``
-(pending extend rows) is advanced on the device right after acceptance
+One loop, any queue depth (``Engine``: 0 collects a round before the next is prepared, the
+synchronous loop; 1 queues round ``n + 1`` before collecting round ``n``): the host stages only
+facts that do not depend on the rounds in flight (:meth:`RoundRunner.prepare`: slot indices, a
+real-row mask, the block table with blocks allocated ahead for the worst-case growth of every
+queued round, the verify lengths) into one of two pinned staging slots, in one merged copy.
+Per-slot device state ``slot_len`` (KV length ``L``) and ``slot_ext`` (pending extend rows) is
+advanced on the device right after acceptance
 (:meth:`RoundRunner.advance_slots`, the tail of the target graph) and the round's metadata is
 derived from it on the device (:meth:`RoundRunner.derive_inputs`, the head of the draft graph;
 :meth:`RoundRunner.derive_verify` for the host update's packed verify rows). The draft-extend
@@ -100,11 +101,8 @@ class RoundInputs:
     update: str = "host"  # target input update: "in_graph" (device kernels) | "host"
     sampling: str = "greedy"  # token selection: "greedy" (argmax only) | "sample" (host choice)
     budget_rows: int | None = None  # adaptive verify: draft rows inside G (``G - B``)
-    host_lens: np.ndarray | None = None  # [bcap] int64 KV length before the round (L)
-    host_bt: np.ndarray | None = None  # [bcap, width] int32 block table (host copy)
-    pipelined: bool = False  # metadata derived on the device from the slot state (derive_inputs)
-    stage: int = 0  # pipelined: host staging slot (inputs and results)
-    done: object = None  # pipelined: device event after the result copy (cuda), else None
+    stage: int = 0  # host staging slot (inputs and results) of this round
+    done: object = None  # device event after the result copy (cuda), else None
 
 
 @dataclass
@@ -146,10 +144,8 @@ class RoundRunner:
         dtype: torch.dtype,
         path: ExecutionPath,
         max_model_len: int = 4096,
-        pipeline: bool = False,
         state=None,
     ):
-        self.pipeline = pipeline
         # recurrent-state rows of a hybrid target (speccal.runner.hybrid_state.StateStrategy):
         # the verify forward reads / writes them, acceptance commits them; None: KV only
         self.state = state
@@ -211,34 +207,44 @@ class RoundRunner:
                 "nv32": (max_bucket, i32),
                 "ver_drafts": (max_bucket * draft_width, i64),
         }
-        written = {"num_verify", "nv32", "ver_drafts"}
-        if pipeline:
-            # host facts of a pipelined round first; everything derived on the device
-            # (:meth:`derive_inputs`) is device-written
-            staged = ("block_table", "slot_index", "num_verify", "nv32")  # adjacent: one copy
-            sizes = {"is_real": (max_bucket, i64), **{n: sizes[n] for n in staged}, **sizes}
-            written |= set(sizes) - {"is_real", "block_table", "slot_index"}
-        # declaration order = the order prepare() stages them (one merged copy per round);
-        # the three device-written names last
+        # the host facts of a round first (adjacent: one copy); everything else is derived on
+        # the device (:meth:`derive_inputs`) or written there (allocation, staged drafts)
+        staged = ("block_table", "slot_index", "num_verify", "nv32")
+        sizes = {"is_real": (max_bucket, i64), **{n: sizes[n] for n in staged}, **sizes}
+        written = set(sizes) - {"is_real", "block_table", "slot_index"}
         self.inputs = StaticInputs(
-            sizes, device, device_written=frozenset(written), num_host_slots=2 if pipeline else 1
+            sizes, device, device_written=frozenset(written), num_host_slots=2
         )
-        # per-slot device state of pipelined rounds: KV length L and pending extend rows
+        # per-slot device state: KV length L and pending extend rows
         # (``num_extend``) after the last round queued, advanced on the device from num_accepted
         self.slot_len = torch.zeros(self.num_slots, dtype=i64, device=device)
         self.slot_ext = torch.ones(self.num_slots, dtype=i64, device=device)
-        self._stage = 0  # pipelined: host staging slot of the next round
-        # pipelined: views of the device-derived inputs per (name, shape): the same every round
+        self._stage = 0  # host staging slot of the next round
+        # views of the device-derived inputs per (name, shape): the same every round
         # of a bucket (stable addresses), so built once
         self._derived_views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         pin = is_pinnable(device)
-        self._host_tokens = torch.zeros(max_bucket * (w1 + 2), dtype=i64, pin_memory=pin)
-        self._host_nv = torch.zeros(max_bucket, dtype=i64, pin_memory=pin)
-        self._host_scores = torch.zeros(
-            max_bucket * draft_width, dtype=torch.float32, pin_memory=pin
-        )
         self._host_drafts = torch.zeros(max_bucket * draft_width, dtype=i64, pin_memory=pin)
-        # pipelined: one pinned result buffer per staging slot, filled by a copy queued at the
+        # device scratch of the captured parts, sized at the largest bucket and viewed per
+        # round: nothing inside a captured region allocates (a test checks). Rows: the target's
+        # G (<= bcap * (k + 1)) and the draft extend's bcap * (w + 1), plus the trash grid row.
+        self._iota = torch.arange(rows + 1, dtype=i64, device=device)  # 0 .. rows
+        self._zero = torch.zeros(max(max_bucket, 1), dtype=i64, device=device)  # read only
+        self._scratch = {
+            name: torch.zeros(numel, dtype=dtype, device=device) for name, (numel, dtype) in {
+                "ver_ids": (rows, i64),  # in-graph update: verify input tokens [G]
+                "ver_pos": (rows, i64),  # ... their positions [G]
+                "ver_slot": (rows, i64),  # ... their KV slots [G]
+                "ver_seq": (max_bucket, i32),  # ... KV length after the round [bcap]
+                "ver_cu": (max_bucket + 1, i32),  # ... packed row offsets [bcap + 1]
+                "ver_keys": (rows, i64),  # ... the LM head's packed argmax keys [G]
+                "grid_src": (rows + 1, i64),  # grid row -> packed row [bcap * (k + 1) (+ 1)]
+                "packed_cu": (rows + 1, i64),  # _packed's cumulative counts [bcap + 1]
+                "num_splits": (max_bucket, i32),  # split-KV tiling of one attention call [bcap]
+                "split_len": (max_bucket, i32),
+            }.items()
+        }
+        # one pinned result buffer per staging slot, filled by a copy queued at the
         # end of execute (before the next round can overwrite the device outputs)
         self._out_tok = [
             torch.zeros(max_bucket * (w1 + 2), dtype=i64, pin_memory=pin) for _ in range(2)
@@ -348,112 +354,14 @@ class RoundRunner:
         num_verify: np.ndarray | None,
         g: int,
         budget_rows: int | None = None,
+        len_bound: np.ndarray | None = None,
     ) -> RoundInputs:
-        """Host phase: allocate KV, compute positions / slots / indices, stage them (async).
-
-        ``num_verify [B]``: drafts each request sends to the target (host-chosen). With
-        ``budget_rows`` (adaptive verify) ``num_verify`` must be None: :meth:`execute` allocates
-        it on the device from the round's own draft scores inside ``budget_rows = G - B`` draft
-        rows; the verify rows staged here are then placeholders (every request 0 drafts) that
-        the in-graph update ignores and the host update re-stages after its one sync.
-
-        The block table is trimmed to the blocks the batch uses this round (eager; the torch
-        attention gathers every column) or kept at ``max_blocks_per_seq`` columns (graphs: one
-        shape per bucket; the kernels read only ``seq_lens`` worth). Captured graphs also pad
-        the draft-extend rows to ``bcap * (w + 1)`` (``R = w + 1``).
-        """
-        bs = self.block_size
-        w1 = self.w + 1
-        n = len(batch)
-        lens = np.array([r.num_computed for r in batch] + [0] * (bcap - n), dtype=np.int64)  # L
-        num_ext = np.array([r.num_extend for r in batch] + [1] * (bcap - n), dtype=np.int64)
-        slots = np.array([r.slot for r in batch] + [self.trash_slot] * (bcap - n), dtype=np.int64)
-        if (num_verify is None) == (budget_rows is None):
-            raise ValueError("prepare: exactly one of num_verify / budget_rows")
-        nv = np.zeros(bcap, dtype=np.int64)
-        if num_verify is not None:
-            nv[:n] = num_verify
-        for r in batch:
-            self.kv.allocator.grow(r.blocks, r.num_computed + k + 1)
-        width = max(1, -(-int(lens.max() + k + 1) // bs))
-        if self.static:
-            width = self.max_blocks_per_seq
-        bt = np.zeros((bcap, width), dtype=np.int32)
-        for b, r in enumerate(batch):
-            bt[b, : len(r.blocks)] = r.blocks[:width]
-
-        def slot_of(b: np.ndarray, pos: np.ndarray, is_real: np.ndarray) -> np.ndarray:
-            s = bt[b, pos // bs].astype(np.int64) * bs + pos % bs
-            return np.where(is_real, s, SENTINEL_SLOT)
-
-        is_req = np.arange(bcap) < n
-        t = {"block_table": self.inputs.put("block_table", bt)}
-        t["slot_index"] = self.inputs.put("slot_index", slots)
-        t["pending_index"] = self.inputs.put("pending_index", slots * w1 + num_ext - 1)
-        r_ext = 1
-        t["ctx_lens"] = self.inputs.put("ctx_lens", lens.astype(np.int32))
-        if self.draft is not None and k > 0:
-            r_ext = w1 if self.static else int(num_ext.max())
-            b_idx = np.repeat(np.arange(bcap), num_ext)
-            cu = np.concatenate([[0], np.cumsum(num_ext)])
-            i_idx = np.arange(cu[-1]) - cu[b_idx]
-            pos = lens[b_idx] - num_ext[b_idx] + i_idx
-            real = is_req[b_idx]
-            ext_slot = slot_of(b_idx, np.maximum(pos, 0), real)
-            ext_row = b_idx * r_ext + (r_ext - num_ext[b_idx]) + i_idx
-            ext_index = slots[b_idx] * w1 + i_idx
-            pos = np.maximum(pos, 0)
-            if self.static:  # pad to bcap * (w + 1) rows: trash state, sentinel slot, trash row
-                pad = bcap * w1 - len(b_idx)
-                ext_index = np.concatenate([ext_index, np.full(pad, self.trash_slot * w1)])
-                pos = np.concatenate([pos, np.zeros(pad, np.int64)])
-                ext_slot = np.concatenate([ext_slot, np.full(pad, SENTINEL_SLOT, np.int64)])
-                ext_row = np.concatenate([ext_row, np.full(pad, bcap * r_ext, np.int64)])
-            t["ext_cu"] = self.inputs.put("ext_cu", cu.astype(np.int32))
-            t["ext_index"] = self.inputs.put("ext_index", ext_index)
-            t["ext_pos"] = self.inputs.put("ext_pos", pos)
-            t["ext_slot"] = self.inputs.put("ext_slot", ext_slot)
-            t["ext_row"] = self.inputs.put("ext_row", ext_row)
-            t["ext_seq"] = self.inputs.put(
-                "ext_seq", np.where(is_req, lens, r_ext).astype(np.int32)
-            )
-            t["ext_last"] = self.inputs.put("ext_last", cu[1:] - 1)
-            if k > 1:
-                j = np.arange(1, k)[:, None]  # draft step j + 1 writes position L + j - 1
-                spos = lens[None, :] + j - 1
-                bb = np.broadcast_to(np.arange(bcap), spos.shape)
-                real = np.broadcast_to(is_req, spos.shape)
-                t["step_pos"] = self.inputs.put("step_pos", np.where(real, spos, j - 1))
-                t["step_slot"] = self.inputs.put("step_slot", slot_of(bb, spos, real))
-                t["step_seq"] = self.inputs.put(
-                    "step_seq", np.where(real, spos + 1, j).astype(np.int32)
-                )
-        t["ver_seq"] = self.inputs.put(
-            "ver_seq", np.where(is_req, lens + k + 1, k + 1).astype(np.int32)
-        )
-        t["ver_drafts"] = self.inputs.dev["ver_drafts"][: bcap * k].view(bcap, k)
-        update = self.resolve_update(bcap, k, g)
-        kind = self.sampling_kind(batch, k)
-        host_nv = None if num_verify is None else nv[:n].copy()
-        x = RoundInputs(n, bcap, k, g, r_ext, host_nv, t, update, kind, budget_rows, lens, bt)
-        self.stage_verify(x, nv[:n])
-        return x
-
-    def prepare_pipelined(
-        self,
-        batch: list[Request],
-        bcap: int,
-        k: int,
-        num_verify: np.ndarray | None,
-        g: int,
-        budget_rows: int | None,
-        len_bound: np.ndarray,
-    ) -> RoundInputs:
-        """Host phase of a pipelined round: stage only facts that do not depend on the rounds
-        still in flight.
+        """Host phase of a round: stage only facts that do not depend on the rounds still in
+        flight (none at queue depth 0).
 
         ``len_bound [B]`` int64: an upper bound of each request's KV length ``L`` when this
-        round runs (its host-known length plus ``k + 1`` per queued round it is in). The host
+        round runs (its host-known length plus ``k + 1`` per queued round it is in; None: no
+        round in flight, the host-known lengths). The host
         stages the slot indices, the real-row mask ``is_real``, the block table (blocks
         allocated ahead for ``len_bound + k + 1`` positions: the worst case growth of every
         in-flight round) and the verify lengths (host-chosen, or zero placeholders the device
@@ -472,12 +380,12 @@ class RoundRunner:
         w1 = self.w + 1
         n = len(batch)
         if (num_verify is None) == (budget_rows is None):
-            raise ValueError("prepare_pipelined: exactly one of num_verify / budget_rows")
+            raise ValueError("prepare: exactly one of num_verify / budget_rows")
         self.inputs.use(self._stage)
         stage = self._stage
         self._stage = 1 - self._stage
         bound = np.zeros(bcap, dtype=np.int64)
-        bound[:n] = len_bound
+        bound[:n] = ([r.num_computed for r in batch] if len_bound is None else len_bound)
         slots = np.array([r.slot for r in batch] + [self.trash_slot] * (bcap - n), dtype=np.int64)
         nv = np.zeros(bcap, dtype=np.int64)
         if num_verify is not None:
@@ -522,17 +430,16 @@ class RoundRunner:
         host_nv = None if num_verify is None else nv[:n].copy()
         r_ext = w1 if self.draft is not None and k > 0 else 1
         return RoundInputs(n, bcap, k, g, r_ext, host_nv, t, update, kind, budget_rows,
-                           None, bt, pipelined=True, stage=stage)
+                           stage=stage)
 
     def _slot_of(self, bt, b, pos, real):  # [bcap, width], [N], [N], [N] bool -> [N] int64
         """KV slot of position ``pos`` of batch row ``b`` (sentinel where not ``real``)."""
         bs = self.block_size
         col = (pos // bs).clamp(0, bt.shape[1] - 1)
         s = bt[b, col].long() * bs + pos % bs
-        return torch.where(real, s, torch.full_like(s, SENTINEL_SLOT))
+        return torch.where(real, s, SENTINEL_SLOT)
 
-    @staticmethod
-    def _packed(counts: torch.Tensor, num_rows: int):  # [bcap] int64 -> ([N], [N], [N], [bcap+1])
+    def _packed(self, counts: torch.Tensor, num_rows: int):  # [bcap] int64 -> ([N], [N], [N], [bcap+1])
         """Packed row ``p < num_rows`` -> (request ``b``, index ``i`` inside it, valid), cu.
 
         ``counts[b]`` rows per request, concatenated; rows past the total are invalid (their
@@ -540,18 +447,19 @@ class RoundRunner:
         shapes, no host read.
         """
         bcap = counts.shape[0]
-        cu = torch.zeros(bcap + 1, dtype=torch.int64, device=counts.device)
-        cu[1:] = torch.cumsum(counts, 0)
-        p = torch.arange(num_rows, device=counts.device)
+        cu = self._scratch["packed_cu"][: bcap + 1]
+        cu[:1].zero_()
+        torch.cumsum(counts, 0, out=cu[1:])
+        p = self._iota[:num_rows]
         b = torch.searchsorted(cu[1:], p, right=True).clamp(max=bcap - 1)
         return b, p - cu[b], p < cu[-1], cu
 
     def derive_inputs(self, x: RoundInputs) -> None:
-        """Pipelined rounds, on the device: the round's metadata from the per-slot state.
+        """On the device: the round's metadata from the per-slot state.
 
-        Writes in place (stable addresses: captured graphs read them) exactly what
-        :meth:`prepare` computes on the host from ``num_computed`` (``L``) and ``num_extend``
-        (``E``), with ``L = slot_len[slot]`` and ``E = slot_ext[slot]`` for real rows and
+        Writes in place (stable addresses: captured graphs read them) what the host rule
+        computes from ``num_computed`` (``L``) and ``num_extend`` (``E``; the rule is kept as
+        the test reference, ``tests/runner/host_rule.py``), with ``L = slot_len[slot]`` and ``E = slot_ext[slot]`` for real rows and
         ``L = 0``, ``E = 1`` for padding rows (``is_real`` mask): ``ctx_lens``,
         ``pending_index``, the draft-extend rows (static layout ``R = w + 1``, packed rows past
         the total point at the trash state / sentinel slot / trash grid row), the draft-step
@@ -582,10 +490,10 @@ class RoundRunner:
             t["ext_seq"].copy_(torch.where(real, lens, r))
             t["ext_last"].copy_(cu[1:] - 1)
             if k > 1:
-                j = torch.arange(1, k, device=lens.device)[:, None]  # [k - 1, 1]
+                j = self._iota[1:k, None]  # [k - 1, 1]
                 spos = lens[None, :] + j - 1  # draft step j + 1 writes position L + j - 1
                 sreal = real[None, :].expand_as(spos)
-                bb = torch.arange(bcap, device=lens.device)[None, :].expand_as(spos)
+                bb = self._iota[None, :bcap].expand_as(spos)
                 t["step_pos"].copy_(torch.where(sreal, spos, j - 1))
                 t["step_slot"].copy_(
                     self._slot_of(bt, bb.reshape(-1), spos.reshape(-1), sreal.reshape(-1))
@@ -595,9 +503,9 @@ class RoundRunner:
         t["ver_seq"].copy_(torch.where(real, lens + k + 1, k + 1))
 
     def derive_verify(self, x: RoundInputs) -> None:
-        """Pipelined host-update rounds, on the device: packed verify rows from ``num_verify``.
+        """Host-update rounds, on the device: packed verify rows from ``num_verify``.
 
-        The layout of :meth:`stage_verify` (request ``b`` gets ``num_verify[b] + 1`` rows,
+        Request ``b`` gets ``num_verify[b] + 1`` rows,
         padding requests none, padded to ``G`` rows on the sentinel slot / trash grid row), from
         the device ``num_verify`` (host-staged or allocated under a budget) and ``ctx_lens``.
         """
@@ -614,7 +522,7 @@ class RoundRunner:
         t["ver_row"].copy_(torch.where(valid, grid, bcap * (k + 1)))
 
     def advance_slots(self, x: RoundInputs, num_accepted: torch.Tensor) -> None:
-        """Pipelined rounds, on the device, right after acceptance: ``L += a + 1``, ``E = a + 1``
+        """On the device, right after acceptance: ``L += a + 1``, ``E = a + 1``
         per slot (``num_accepted [bcap]``; padding rows write the trash slot, never read)."""
         slots = x.t["slot_index"]
         a1 = num_accepted.long() + 1
@@ -622,7 +530,7 @@ class RoundRunner:
         self.slot_ext.index_copy_(0, slots, a1)
 
     def stage_outputs(self, out: RoundOutputs, x: RoundInputs) -> None:
-        """Pipelined rounds: queue the copy of the round's results into its staging slot's
+        """Queue the copy of the round's results into its staging slot's
         pinned buffers now (the next round overwrites the device outputs) and record an event
         (cuda) that :meth:`collect` waits on."""
         bcap, k = x.bcap, x.k
@@ -635,39 +543,6 @@ class RoundRunner:
             ev = torch.cuda.Event()
             ev.record()
             x.done = ev
-
-    def stage_verify(self, x: RoundInputs, num_verify: np.ndarray) -> None:
-        """Stage the verify lengths and the host path's packed verify rows for ``num_verify [B]``.
-
-        Request ``b`` gets ``num_verify[b] + 1`` rows (padding requests: none), padded to ``G``
-        rows that write the sentinel slot and land in the trash grid row. The buffers keep their
-        addresses (a captured target graph reads them), so re-staging after the host path's
-        sync (adaptive verify) changes only their contents.
-        """
-        bs, bcap, k, g, n = self.block_size, x.bcap, x.k, x.g, x.num_requests
-        lens, bt, t = x.host_lens, x.host_bt, x.t
-        nv = np.zeros(bcap, dtype=np.int64)
-        nv[:n] = num_verify
-        is_req = np.arange(bcap) < n
-        nrows = np.where(is_req, nv + 1, 0)
-        b_idx = np.repeat(np.arange(bcap), nrows)
-        cu = np.concatenate([[0], np.cumsum(nrows)])
-        i_idx = np.arange(cu[-1]) - cu[b_idx]
-        pad = g - len(b_idx)
-        real = np.concatenate([is_req[b_idx], np.zeros(pad, bool)])
-        grid = np.concatenate([b_idx * (k + 1) + i_idx, np.zeros(pad, np.int64)])
-        pos = np.concatenate([lens[b_idx] + i_idx, np.zeros(pad, np.int64)])
-        bpad = np.concatenate([b_idx, np.zeros(pad, np.int64)])
-        slot = bt[bpad, pos // bs].astype(np.int64) * bs + pos % bs
-        t["ver_grid"] = self.inputs.put("ver_grid", grid)
-        t["ver_pos"] = self.inputs.put("ver_pos", pos)
-        t["ver_slot"] = self.inputs.put("ver_slot", np.where(real, slot, SENTINEL_SLOT))
-        t["ver_row"] = self.inputs.put(
-            "ver_row", np.where(np.arange(g) < len(b_idx), grid, bcap * (k + 1))
-        )
-        t["num_verify"] = self.inputs.put("num_verify", nv)
-        t["nv32"] = self.inputs.put("nv32", nv.astype(np.int32))
-        self.inputs.flush()
 
     def allocate_verify(self, x: RoundInputs, scores: torch.Tensor) -> None:
         """Adaptive verify, on the device: ``num_verify`` / ``nv32`` from ``scores [bcap, k]``.
@@ -719,8 +594,8 @@ class RoundRunner:
     def _tiling(self, seq: torch.Tensor, plan):  # [B] int32 -> (num_splits, split_len) | None
         if plan is None:
             return None
-        num_splits = torch.empty_like(seq)
-        split_len = torch.empty_like(seq)
+        num_splits = self._scratch["num_splits"][: seq.shape[0]]
+        split_len = self._scratch["split_len"][: seq.shape[0]]
         ops.attention_tiling_update(seq, num_splits, split_len, plan, tune=self.path.kernels)
         return num_splits, split_len
 
@@ -783,15 +658,12 @@ class RoundRunner:
         grid_tok = grid_logits = None
         if x.update == "in_graph":
             kx = self.path.kernels
-            dev = self.device
-            ids = torch.empty(g, dtype=torch.int64, device=dev)
-            pos = torch.empty(g, dtype=torch.int64, device=dev)
-            slot = torch.empty(g, dtype=torch.int64, device=dev)
-            seq = torch.empty(bcap, dtype=torch.int32, device=dev)
-            cu = torch.empty(bcap + 1, dtype=torch.int32, device=dev)
-            src = torch.empty(bcap * (k + 1), dtype=torch.int64, device=dev)  # grid -> packed row
+            sc = self._scratch
+            ids, pos, slot = sc["ver_ids"][:g], sc["ver_pos"][:g], sc["ver_slot"][:g]
+            seq, cu = sc["ver_seq"][:bcap], sc["ver_cu"][: bcap + 1]
+            src = sc["grid_src"][: bcap * (k + 1)]  # grid -> packed row
             # the LM head's packed argmax keys (ops.ArgmaxKeys), zeroed by the metadata update
-            keys = (torch.empty(g, dtype=torch.int64, device=dev)
+            keys = (sc["ver_keys"][:g]
                     if fast and g <= FUSED_HEAD_MAX_ROWS and kx.gemv.argmax_keys else None)
             nv32 = t["nv32"]
             # each request's pending token is gathered from the slot state inside the launch
@@ -838,26 +710,28 @@ class RoundRunner:
             )
             extra = () if self.state is None else self.state.verify_args(t, bcap, k)
             h = target(grid_tokens[t["ver_grid"]], t["ver_pos"], meta, self.target_kv, *extra)
+            # grid row -> packed row (the inverse of ver_row; padding rows land on the trash
+            # grid row past the end): the grid is gathered, as the in-graph path does; grid rows
+            # no packed row fills (past a request's num_verify, padding requests) point at row
+            # 0 and are never read
+            src = self._scratch["grid_src"][: bcap * (k + 1) + 1]
+            src.zero_()
+            src.index_copy_(0, t["ver_row"], self._iota[:g])
+            src = src[:-1]
             if fast:
                 # argmax only: under TP from the shards' (max, index) keys, no logits gathered
                 row_tok = (target.greedy_tokens(h) if getattr(target, "tp", None) is not None
                            else target.logits(h, upcast=False).argmax(dim=-1))  # [G]
-                gt = row_tok.new_zeros(bcap * (k + 1) + 1)
-                gt.index_copy_(0, t["ver_row"], row_tok)
-                grid_tok = gt[:-1].view(bcap, k + 1)
+                grid_tok = row_tok[src].view(bcap, k + 1)
             else:
                 logits = target.logits(h)  # [G, V] float32
-                gl = logits.new_zeros(bcap * (k + 1) + 1, logits.shape[-1])
-                gl.index_copy_(0, t["ver_row"], logits)
-                grid_logits = gl[:-1].view(bcap, k + 1, -1)
-            gh = h.new_zeros(bcap * (k + 1) + 1, hidden)
-            gh.index_copy_(0, t["ver_row"], h)
-            grid_h = gh[:-1].view(bcap, k + 1, hidden)
+                grid_logits = logits[src].view(bcap, k + 1, -1)
+            grid_h = h[src].view(bcap, k + 1, hidden)
         slot_index = t["slot_index"]
         if fast:
             if k == 0:
                 out = grid_tok.long()
-                num_accepted = torch.zeros(bcap, dtype=torch.int64, device=self.device)
+                num_accepted = self._zero[:bcap]
             else:
                 num_accepted, out = self._accept_tokens(draft_tokens, grid_tok, t["num_verify"])
         elif k == 0:
@@ -869,7 +743,7 @@ class RoundRunner:
                 self.slot_min_p[slot_index],
                 self.generator,
             )[:, None]
-            num_accepted = torch.zeros(bcap, dtype=torch.int64, device=self.device)
+            num_accepted = self._zero[:bcap]
         else:
             num_accepted, out = self._accept(draft_tokens, grid_logits, t["num_verify"], slot_index)
         if self.state is not None:  # the state after each request's accepted prefix
@@ -881,27 +755,17 @@ class RoundRunner:
     def _stage_drafts(self, x: RoundInputs, draft_tokens: torch.Tensor) -> None:
         """Fallback boundary: drafted tokens to the host (a sync), back into the target's input.
 
-        With a verify budget the device allocation comes back in the same sync and the packed
-        verify rows are re-staged from it (:meth:`stage_verify`).
+        With a verify budget the packed verify rows are derived on the device from the
+        allocation (:meth:`derive_verify`) after it.
         """
         n = x.bcap * x.k
         host = self._host_drafts[:n]
         host.copy_(draft_tokens.reshape(-1), non_blocking=True)
-        if x.pipelined:  # verify rows from the device allocation, on the device
-            synchronize(self.device)
-            self.inputs.put("ver_drafts", host.numpy().copy())
-            self.inputs.flush()
-            if x.budget_rows is not None:
-                self.derive_verify(x)
-            return
-        host_nv = self._host_nv[: x.bcap]
-        if x.budget_rows is not None:
-            host_nv.copy_(x.t["num_verify"], non_blocking=True)
         synchronize(self.device)
         self.inputs.put("ver_drafts", host.numpy().copy())
         self.inputs.flush()
         if x.budget_rows is not None:
-            self.stage_verify(x, host_nv.numpy()[: x.num_requests].copy())
+            self.derive_verify(x)
 
     def capture(self, keys: list[GraphKey], make_inputs) -> None:
         """Capture every key, largest first; ``make_inputs(key)`` stages warm-up inputs.
@@ -951,17 +815,15 @@ class RoundRunner:
         return lambda: self._target_graph(x, drafts)
 
     def _draft_graph(self, x: RoundInputs):  # -> (drafts [bcap, k], scores [bcap, k])
-        """What a draft graph runs: (pipelined) :meth:`derive_inputs`, then :meth:`draft_part`."""
-        if x.pipelined:
-            self.derive_inputs(x)
+        """What a draft graph runs: :meth:`derive_inputs`, then :meth:`draft_part`."""
+        self.derive_inputs(x)
         return self.draft_part(x)
 
     def _target_graph(self, x: RoundInputs, draft_tokens: torch.Tensor) -> RoundOutputs:
-        """What a target graph runs: :meth:`target_part`, then (pipelined) :meth:`advance_slots`
-        from its ``num_accepted``; ``draft_tokens [bcap, k]``."""
+        """What a target graph runs: :meth:`target_part`, then :meth:`advance_slots` from its
+        ``num_accepted``; ``draft_tokens [bcap, k]``."""
         out = self.target_part(x, draft_tokens)
-        if x.pipelined:
-            self.advance_slots(x, out.num_accepted)
+        self.advance_slots(x, out.num_accepted)
         return out
 
     @torch.inference_mode()
@@ -972,7 +834,7 @@ class RoundRunner:
         device allocation of :meth:`allocate_verify` on this round's scores, then (host update
         only) the fallback boundary's one sync, then the target part.
 
-        Pipelined rounds (``x.pipelined``): the draft graph starts with :meth:`derive_inputs`
+        The draft graph starts with :meth:`derive_inputs`
         (eager before the round when there is no draft part, ``k = 0``), the host update's
         verify rows are derived after the allocation (:meth:`derive_verify`), the target graph
         ends with :meth:`advance_slots`, and the result copy into the round's staging slot is
@@ -986,13 +848,12 @@ class RoundRunner:
         elif self.draft is not None and k > 0:
             drafts, scores = self._draft_graph(x)
         else:
-            if x.pipelined:
-                self.derive_inputs(x)
+            self.derive_inputs(x)
             drafts = self.ext_tokens.new_zeros(bcap, 0)
             scores = torch.zeros(bcap, 0, device=self.device)
         if x.budget_rows is not None:
             self.allocate_verify(x, scores)
-        if x.pipelined and x.update == "host" and x.budget_rows is None:
+        if x.update == "host" and x.budget_rows is None:
             self.derive_verify(x)  # (budget: after the allocation, in _stage_drafts)
         if x.update == "host" and k > 0:
             self._stage_drafts(x, drafts)
@@ -1005,39 +866,25 @@ class RoundRunner:
         else:
             out = self._target_graph(x, drafts)
         out = RoundOutputs(out.num_accepted, out.out_tokens, scores, out.num_verify)
-        if x.pipelined:
-            self.stage_outputs(out, x)
+        self.stage_outputs(out, x)
         return out
 
     # ------------------------------------------------------------------ collect
 
-    def collect(
-        self, out: RoundOutputs, x: RoundInputs
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def collect(self, x: RoundInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The one sync: accepted ``[B]``, verify lengths ``[B]`` (the device allocation under
         a budget), out tokens ``[B, k + 1]``, draft scores ``[B, k]``.
 
-        Pipelined rounds: waits for the copy :meth:`stage_outputs` queued at the end of the
-        round (its event on cuda, a device sync elsewhere) and reads the staging slot.
+        Waits for the copy :meth:`stage_outputs` queued at the end of the round (its event on
+        cuda, a device sync elsewhere) and reads the round's staging slot.
         """
         bcap, k = x.bcap, x.k
-        if x.pipelined:
-            if x.done is not None:
-                x.done.synchronize()
-            else:
-                synchronize(self.device)
-            tok = self._out_tok[x.stage][: bcap * (k + 3)].numpy().reshape(bcap, k + 3)
-            tok = tok[: x.num_requests].copy()
-            sc = self._out_sc[x.stage][: bcap * k].numpy().reshape(bcap, k)
-            sc = sc[: x.num_requests].copy()
-            return tok[:, 0], tok[:, 1], tok[:, 2:], sc
-        cols = [out.num_accepted[:, None], out.num_verify[:, None], out.out_tokens]
-        packed = torch.cat(cols, dim=1).view(-1)
-        host_tok = self._host_tokens[: packed.numel()]
-        host_tok.copy_(packed, non_blocking=True)
-        host_sc = self._host_scores[: bcap * k]
-        host_sc.copy_(out.draft_scores.reshape(-1).float(), non_blocking=True)
-        synchronize(self.device)
-        tok = host_tok.numpy().reshape(bcap, k + 3)[: x.num_requests].copy()
-        sc = host_sc.numpy().reshape(bcap, k)[: x.num_requests].copy()
+        if x.done is not None:
+            x.done.synchronize()
+        else:
+            synchronize(self.device)
+        tok = self._out_tok[x.stage][: bcap * (k + 3)].numpy().reshape(bcap, k + 3)
+        tok = tok[: x.num_requests].copy()
+        sc = self._out_sc[x.stage][: bcap * k].numpy().reshape(bcap, k)
+        sc = sc[: x.num_requests].copy()
         return tok[:, 0], tok[:, 1], tok[:, 2:], sc

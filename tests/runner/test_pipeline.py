@@ -20,6 +20,7 @@ from speccal.runner import round as round_mod
 from speccal.runner.buffers import StaticInputs
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.sampling import SamplingParams
+from tests.runner.host_rule import host_inputs
 
 W = 4
 MAX_TOKENS = (5, 17, 9, 12, 3, 20, 1, 8)  # 1: finishes at prefill; 3, 5: mid-round
@@ -286,9 +287,11 @@ def test_plain_decoding_and_sample_mode_greedy_rows():
 
 
 @pytest.mark.parametrize("k", range(1, W + 1))
-def test_device_derivation_equals_the_host_rule(k, monkeypatch):
-    """The static (graph) layout: every input derived on the device from the slot state equals
-    what the synchronous prepare computes on the host from num_computed / num_extend."""
+@pytest.mark.parametrize("static", [False, True])
+def test_device_derivation_equals_the_host_rule(k, static, monkeypatch):
+    """Every input derived on the device from the slot state (draft extend, draft steps, the
+    host update's packed verify rows) equals the host rule computed from num_computed /
+    num_extend (tests/runner/host_rule.py), eager (trimmed block table) and graph layouts."""
     eng = Engine(_cfg(pipeline=True))
     for p in _prompts(3, seed=5):
         eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True))
@@ -301,21 +304,21 @@ def test_device_derivation_equals_the_host_rule(k, monkeypatch):
     assert runner.slot_len[slots].tolist() == [r.num_computed for r in batch]
     assert runner.slot_ext[slots].tolist() == [r.num_extend for r in batch]
     assert max(r.num_extend for r in batch) > 1  # multi-row draft extends are derived
-    monkeypatch.setattr(runner, "static", True)
+    monkeypatch.setattr(runner, "static", static)
     bcap = 4
     nv = np.array([k, max(k - 1, 0), min(1, k)])
-    g = int((nv + 1).sum())
-    host = runner.prepare(batch, bcap, k, nv, g)
-    want = {n: v.clone() for n, v in host.t.items() if n != "ver_drafts"}
-    pipe = runner.prepare_pipelined(batch, bcap, k, nv, g, None,
-                                    np.array([r.num_computed for r in batch]))
-    runner.derive_inputs(pipe)
-    assert pipe.num_ext_rows == host.num_ext_rows and pipe.update == host.update == "host"
-    for name, v in want.items():
-        got = pipe.t[name]
-        assert got.shape == v.shape, name
-        assert torch.equal(got, v), name
+    g = int((nv + 1).sum()) + 2  # two padding rows past the packed ones
+    x = runner.prepare(batch, bcap, k, nv, g, None, np.array([r.num_computed for r in batch]))
+    runner.derive_inputs(x)
+    runner.derive_verify(x)
+    want = host_inputs(runner, batch, bcap, k, nv, g, x.t["block_table"].numpy())
+    assert x.num_ext_rows == W + 1 and x.update == "host"
     assert {"ext_index", "ext_row", "ver_slot", "ctx_lens"} <= want.keys()
+    assert ("step_slot" in want) == (k > 1)
+    for name, v in want.items():
+        got = x.t[name]
+        assert tuple(got.shape) == v.shape, name
+        np.testing.assert_array_equal(got.numpy(), v, err_msg=name)
 
 
 # ------------------------------------------------------------------------------- CUDA
@@ -384,7 +387,7 @@ def test_queueing_a_pipelined_round_never_syncs_cuda(graph_mode, monkeypatch):
 
         return call
 
-    monkeypatch.setattr(runner, "prepare_pipelined", guarded(runner.prepare_pipelined))
+    monkeypatch.setattr(runner, "prepare", guarded(runner.prepare))
     monkeypatch.setattr(runner, "execute", guarded(runner.execute))
     for i in range(6):
         eng.step(RoundPlan(1 + i % W))
