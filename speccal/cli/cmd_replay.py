@@ -41,7 +41,7 @@ from speccal.policy import (
 )
 from speccal.replay import ReplayConfig, check_replayable, replay
 from speccal.scenarios import generate, make_scenario, scenario_geometry, synthetic_table
-from speccal.trace import RoundTrace, RoundTraceBuilder, TokenTraceBuilder, load_trace, save_trace
+from speccal.trace import RoundTrace, load_trace, save_trace
 
 err_console = make_console()
 
@@ -391,18 +391,16 @@ def trace_cmd(
     if scenario is not None:
         tr = _scenario_trace(scenario, rounds, draft_width, num_requests, kv_length, seed)
     else:
-        tr, round_trace = _record(
-            kind,
-            model,
-            device,
-            dtype,
-            draft_width,
-            num_requests,
-            prompt_len,
-            max_tokens,
-            acceptance,
-            acceptance_profile,
-            seed,
+        # lazy: the runner imports torch; the CLI starts (and reports a missing torch) without it
+        from speccal.live.record import TraceRecording, record_trace
+
+        tr, round_trace = record_trace(
+            TraceRecording(
+                kind=kind, model=model, device=device, dtype=dtype, draft_width=draft_width,
+                num_requests=num_requests, prompt_len=prompt_len, max_tokens=max_tokens,
+                acceptance=acceptance, acceptance_profile=_profile(acceptance_profile),
+                seed=seed),
+            _progress,
         )
     path = save_trace(tr, out)
     if rounds_out is not None:
@@ -425,104 +423,14 @@ def trace_cmd(
         )
 
 
-def _record(
-    kind,
-    model,
-    device,
-    dtype,
-    w,
-    num_requests,
-    prompt_len,
-    max_tokens,
-    acceptance,
-    profile_text,
-    seed,
-):
-    """Drive the runner: full-width rounds; for ``tokens``, one extra round from every position."""
-    # lazy: the runner imports torch; the CLI starts (and reports a missing torch) without it
-    from speccal.runner.engine import Engine, EngineConfig, RoundPlan
-    from speccal.runner.sampling import SamplingParams
-
-    if kind == "tokens" and acceptance != "greedy":
-        raise InputError(
-            "--acceptance",
-            acceptance,
-            "greedy for --kind tokens (the matrix is only exact for greedy)",
-        )
-    profile = None
-    if profile_text is not None:
-        try:
-            profile = tuple(float(x) for x in profile_text.split(","))
-        except ValueError:
-            raise InputError(
-                "--acceptance-profile", profile_text, "comma-separated probabilities"
-            ) from None
-    buckets = tuple(sorted({1, 2, 4, 8, num_requests}))
-    cfg = EngineConfig(
-        model=model,
-        device=device,
-        dtype=dtype,
-        draft_width=w,
-        request_buckets=buckets,
-        acceptance=acceptance,
-        acceptance_profile=profile,
-        seed=seed,
-    )
-    eng = Engine(cfg)
-    rng = np.random.default_rng(seed)
-    vocab = eng.loaded.config.vocab_size
-    prompts = [rng.integers(0, vocab, size=prompt_len).tolist() for _ in range(num_requests)]
-    meta = {
-        "source": "runner",
-        "compatibility": eng.compatibility(),
-        "num_requests": num_requests,
-        "prompt_len": prompt_len,
-        "max_tokens": max_tokens,
-        "seed": seed,
-        "phases": ["run"],
-    }
-    rounds = RoundTraceBuilder(w)
-    outputs: dict[int, list[int]] = {}
-    rids = [
-        eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts
-    ]
-    with _progress("recording rounds", "rounds") as prog:
-        while eng.has_unfinished():
-            res = eng.step(RoundPlan(num_draft_steps=w))
-            for rid, toks in zip(res.request_ids, res.emitted, strict=True):
-                outputs.setdefault(rid, []).extend(toks)
-            for rid, tok in res.first_tokens.items():
-                if rid not in res.request_ids:
-                    outputs.setdefault(rid, []).append(tok)
-            rounds.add(res.k, res.accepted, res.draft_scores, res.kv_lengths)
-            prog.update(advance=1)
-    if kind == "rounds":
-        return rounds.build(meta), None
-    # Drafting from every position t: a request whose prompt is prompt + y[:t] prefills y[t] and
-    # runs one full-width round from there, whose accepted length is the match length at t.
-    # Positions 0 .. len(y) - 2 are the ones a round can start from (the last token ends the run).
-    tokens = TokenTraceBuilder(w)
-    jobs = [(i, t) for i, rid in enumerate(rids) for t in range(len(outputs[rid]) - 1)]
-    cap = max(buckets)
-    with _progress("drafting from every position", "positions", total=len(jobs)) as prog:
-        for j0 in range(0, len(jobs), cap):
-            batch = jobs[j0 : j0 + cap]
-            ids = {}
-            for i, t in batch:
-                y = outputs[rids[i]]
-                ids[
-                    eng.add_request(
-                        prompts[i] + y[:t], SamplingParams(max_tokens=w + 2, ignore_eos=True)
-                    )
-                ] = (i, t)
-            res = eng.step(RoundPlan(num_draft_steps=w))
-            for b, rid in enumerate(res.request_ids):
-                i, t = ids[rid]
-                tokens.add(i, t, prompt_len + t + 1, int(res.accepted[b]), res.draft_scores[b])
-            eng.reset()
-            prog.update(advance=len(batch))
-    meta["round_trace_rounds"] = len(rounds)
-    return tokens.build(meta), rounds.build({**meta, "round_trace_rounds": len(rounds)})
+def _profile(text: str | None) -> tuple[float, ...] | None:
+    """``--acceptance-profile``: comma-separated probabilities."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise InputError("--acceptance-profile", text, "comma-separated probabilities") from None
 
 
 def _progress(phase: str, unit: str, total: int | None = None) -> ProgressReporter:
