@@ -245,7 +245,7 @@ def check_table(
             grid,
             journal,
             device=f"{kind}:{running.device.name}",
-            vocab_size=int(engine.loaded.config.vocab_size),
+            vocab_size=int(engine.vocab_size),
             clock=clock,
         )
     # grid context i is the i-th distinct spot context (``_spot_config``)

@@ -289,7 +289,7 @@ def loop_of(engine: Any) -> str:
 def prompt_fill(engine: Any) -> str:
     """How ``drive`` puts the synthetic prompts into this engine's KV cache: ``kv_copy``
     (``Engine.set_prompt_source``) or ``prefill`` (one prefill per prompt)."""
-    return "kv_copy" if getattr(engine, "supports_prompt_source", False) else "prefill"
+    return "kv_copy" if engine.supports_prompt_source else "prefill"
 
 
 def _window_results(

@@ -57,6 +57,7 @@ from rich.markup import escape
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.progress import ProgressReporter
+from speccal.base.runner_face import BuildReport, Runner
 from speccal.base.vocab import LOOPS, STATE_STRATEGIES
 from speccal.calibrate import lock, machine, report
 from speccal.calibrate.config import (
@@ -315,14 +316,15 @@ def _calibrate(
         geometry = engine.geometry
         compat = engine.compatibility()
         compile_capture_s = time.perf_counter() - t0
-        description = getattr(engine, "description", opts.model)
+        description = engine.description
+        built = engine.build_report()
         console.print(
             f"compile/capture {compile_capture_s:.1f} s: runner {escape(str(description))} built and warmed "
             f"({compat.get('graph_mode')} graphs)",
             soft_wrap=True,
         )
-        compile_info = _compile_info(engine, meter)
-        build = getattr(engine, "build_timings", None)
+        compile_info = _compile_info(built, meter)
+        build = built.timings
         if build:
             console.print(_build_line(build, startup_s), soft_wrap=True)
         no_bytecode = machine.missing_bytecode()
@@ -390,7 +392,8 @@ def _calibrate(
             "threads": threads.threads,
             "timing": loop_timing(selection.rows, loop_of(engine)),
             "prompts": prompt_fill(engine),
-            "state_traffic": engine.state_traffic() if hasattr(engine, "state_traffic") else None,
+            "state_traffic": (None if built.state_traffic is None
+                              else [dict(r) for r in built.state_traffic]),
         },
         geometry=geometry,
         provenance=Provenance.now(
@@ -443,7 +446,7 @@ def _calibrate(
         "window_count": window_count(cfg, measured.early, selection),
         "timings": {**timings, "fit_s": fit_s, "total_s": total_s,
                     "phases": {name: phase_timings(st) for name, st in measured.phases.items()},
-                    "startup_s": startup_s, "build": dict(getattr(engine, "build_timings", None) or {}),
+                    "startup_s": startup_s, "build": dict(built.timings),
                     "no_bytecode": no_bytecode},
         "triton_compile": {**(compile_info or {}), "in_process_compiles": meter.count,
                            "in_process_compile_s": round(meter.seconds, 3)},
@@ -482,16 +485,14 @@ class _NoCompiles:
         return contextlib.nullcontext(self)
 
 
-def _compile_info(engine: Any, meter: Any) -> dict[str, Any] | None:
-    """What building ``engine`` compiled: its runner's precompile report (None off CUDA/Triton)
-    and the in-process compiles (cache loads included) counted so far."""
-    rep = getattr(getattr(engine, "runner", None), "precompile_report", None)
-    if rep is None:
+def _compile_info(built: BuildReport, meter: Any) -> dict[str, Any] | None:
+    """What building the runner compiled: its precompile report (None off CUDA/Triton) and the
+    in-process compiles (cache loads included) counted so far."""
+    if built.precompile is None:
         return None
-    graphs = engine.runner.graphs
-    return {"precompile": rep.to_dict(), "build_compiles": meter.count,
+    return {"precompile": dict(built.precompile), "build_compiles": meter.count,
             "build_compile_s": round(meter.seconds, 3),
-            "graphs": len(graphs.graphs), "capture_s": round(graphs.capture_s, 3)}
+            "graphs": built.graphs, "capture_s": round(built.capture_s, 3)}
 
 
 def _build_line(build: dict[str, float], startup_s: float | None) -> str:
@@ -724,10 +725,10 @@ def window_clock(clock: str, device_type: str | None) -> str:
     return clock
 
 
-def _device_type(engine: Any) -> str | None:
-    """The engine's torch device type (``cpu``, ``cuda``, ...); None for an engine without one
-    (the fakes of the tests, which keep the wall clock)."""
-    return getattr(getattr(engine, "device", None), "type", None)
+def _device_type(engine: Runner) -> str | None:
+    """The engine's torch device type (``cpu``, ``cuda``, ...); None for an engine without a
+    device (the fakes of the tests, which keep the wall clock)."""
+    return None if engine.device is None else str(engine.device.type)
 
 
 def with_quality(table: CostTable, quality: Mapping[str, Any]) -> CostTable:
@@ -755,5 +756,5 @@ def _all_windows(points, indices: range) -> set:
     return {(*p.key, i) for p in points for i in indices}
 
 
-def _vocab_size(engine: Any) -> int:
-    return int(engine.loaded.config.vocab_size)
+def _vocab_size(engine: Runner) -> int:
+    return int(engine.vocab_size)

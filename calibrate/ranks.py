@@ -323,7 +323,7 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
         report.print_effective_config(console, cfg, geometry, compat, threads, gate)
         report.print_grid(console, points, cfg, 0)
         device_label = f"{compat['device']['kind']}:{compat['device']['name']}"
-        vocab = int(engine.loaded.config.vocab_size)
+        vocab = int(engine.vocab_size)
         w = cfg.windows_per_point
         mine = _RankJournal()
         load_before = machine.load_sample(opts.device)

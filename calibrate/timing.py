@@ -101,8 +101,8 @@ class WindowTimer:
                  probe: SpeedProbe | None = None, probe_ref_ms: float | None = None):
         self._engine = engine
         self._clock = clock
-        device = getattr(engine, "device", None)
-        self._cuda = getattr(device, "type", None) == "cuda"
+        device = engine.device  # a torch.device, or None (a runner without one)
+        self._cuda = device is not None and device.type == "cuda"
         self._device = device
         self._t0: float | None = None
         self._ev0: Any = None

@@ -43,6 +43,7 @@ import torch
 from speccal import __version__
 from speccal.base.errors import CapacityError, InputError, SchemaError, UnsupportedError
 from speccal.base.geometry import Geometry, served_request_buckets
+from speccal.base.runner_face import BuildReport
 from speccal.base.vocab import ACCEPTANCE_MODES
 from speccal.kernels.precompile import CompilePool, triton_cache_is_empty
 from speccal.runner.checkpoint import read_config
@@ -543,6 +544,21 @@ class Engine:
     @property
     def description(self) -> str:
         return self.loaded.description
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.loaded.config.vocab_size)
+
+    def build_report(self) -> BuildReport:
+        """How this engine was built (``speccal.base.runner_face.BuildReport``)."""
+        rep, graphs = self.runner.precompile_report, self.runner.graphs
+        return BuildReport(
+            timings=dict(self.build_timings),
+            precompile=None if rep is None else rep.to_dict(),
+            graphs=0 if graphs is None else len(graphs.graphs),
+            capture_s=0.0 if graphs is None else float(graphs.capture_s),
+            state_traffic=self.state_traffic(),
+        )
 
     def state_traffic(self) -> list[dict] | None:
         """The recurrent-state bytes a round moves, per captured bucket and ``k`` in ``1..w``

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from speccal.base.geometry import Geometry
+from speccal.base.runner_face import BuildReport
 from speccal.calibrate.pipeline import calibrate
 from speccal.costmodel.compat import make_compatibility
 
@@ -78,6 +79,9 @@ class FakeEngine:
             draft_width=3, request_buckets=(1, 2), kv_capacity_tokens=4096, max_model_len=256
         )
         self.loaded = SimpleNamespace(config=SimpleNamespace(vocab_size=64))
+        self.vocab_size = 64
+        self.device = None  # no torch device: the wall clock times its windows
+        self.supports_prompt_source = False
         self.description = "fake engine"
         self.steps = 0
         self.windows = 0
@@ -101,6 +105,12 @@ class FakeEngine:
             device_name="fake-device",
             loop="synchronous",
         )
+
+    def build_report(self) -> BuildReport:
+        return BuildReport(timings={"total_s": self.build_s})
+
+    def set_prompt_source(self, tokens, lengths=None) -> None:
+        raise AssertionError("the fake engine fills prompts by prefill")
 
     def runtime_versions(self) -> dict:
         return {"speccal_version": "test", "torch_version": "test", "driver_version": None}

@@ -29,6 +29,8 @@ from speccal.runner.kv_cache import BlockAllocator
 
 
 class _Engine:
+    device = None
+
     def synchronize(self) -> None:
         pass
 
