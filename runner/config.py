@@ -27,6 +27,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from speccal.base.errors import InputError, UnsupportedError
+from speccal.runner.mla_config import (
+    MLA_KEYS,
+    MLAConfig,
+    is_mla_config,
+    mla_family,
+    mla_from_hf,
+    routed_layers,
+)
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -74,6 +82,10 @@ class ModelConfig:
         ``architectures[0]`` of the HF config (identity only, never branched on).
     num_mtp_depths : int
         MTP depths the config publishes (``num_nextn_predict_layers`` or similar), 0 when none.
+    mla : MLAConfig or None
+        Multi-head latent attention (``speccal.runner.mla``) in every layer, with its DSA
+        indexer when set; then ``head_dim`` is ``qk_rope_head_dim`` (the rotary table's width)
+        and the KV heads fields are unused.
     extra : mapping
         The raw HF config, for draft-family recognition.
     """
@@ -97,6 +109,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "DenseDecoder"
     num_mtp_depths: int = 0
+    mla: MLAConfig | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +142,14 @@ class ModelConfig:
         if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
             raise InputError("config.sliding_windows", len(self.sliding_windows),
                              f"{self.num_hidden_layers} entries (one per layer) or none")
+
+    def kv_cache_dims(self, num_kv_heads: int) -> tuple[int, int, int]:
+        """``(heads, k channels, v channels)`` of one layer's paged cache: GQA caches
+        ``num_kv_heads`` heads of K and V; MLA one head of ``[latent | k_rope]`` as K and the DSA
+        indexer's key as V (no channels without an indexer): ``speccal.runner.mla``."""
+        if self.mla is not None:
+            return 1, self.mla.latent_dim, self.mla.index_dim
+        return num_kv_heads, self.head_dim, self.head_dim
 
     def window(self, layer: int) -> int:
         """The attention window of ``layer`` (0: full attention)."""
@@ -301,9 +322,9 @@ def layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
     return (window,) * num_layers
 
 
-def _refuse_unimplemented(cfg: Mapping[str, Any]) -> None:
+def _refuse_unimplemented(cfg: Mapping[str, Any], implemented: tuple[str, ...] = ()) -> None:
     for key, (neutral, what) in UNIMPLEMENTED_KEYS.items():
-        if key in cfg and cfg[key] not in neutral:
+        if key in cfg and cfg[key] not in neutral and key not in implemented:
             raise UnsupportedError(
                 f"config.json:{key}={cfg[key]!r}: {what} is not implemented by the runner, "
                 f"expected {' or '.join(json_repr(v) for v in neutral)} (or no such key)")
@@ -408,21 +429,28 @@ def config_from_hf(
     if "text_config" in cfg and isinstance(cfg["text_config"], Mapping):
         cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
     structure = _structure(allow_hybrid)
+    family = mla_family(cfg) if is_mla_config(cfg) and not allow_hybrid else None
     for act_key in ("hidden_act", "hidden_activation"):
         act = cfg.get(act_key)
         if act is not None and act not in ("silu", "swish"):
             raise UnsupportedError(
                 f"config.json:{act_key}={act!r}: only SwiGLU (silu) MLPs are supported, "
                 "expected 'silu'")
+    # an MLA family's experts count is a routed MLP only in the layers its rule routes
+    routed = (routed_layers(cfg, family, _int(cfg, "num_hidden_layers", structure))
+              if family is not None else None)
     for moe_field in ("num_experts", "n_routed_experts", "num_local_experts"):
-        if cfg.get(moe_field) and not allow_hybrid:
+        if cfg.get(moe_field) and not allow_hybrid and (routed is None or routed):
+            where = f" (routed layers {routed})" if routed else ""
             raise UnsupportedError(
                 f"config.json:{moe_field}={cfg[moe_field]!r}: mixture-of-experts targets are not "
-                "supported by the dense decoder"
+                f"supported by the dense decoder{where}"
             )
-    _refuse_unimplemented(cfg)
+    _refuse_unimplemented(cfg, MLA_KEYS if family is not None else ())
     layer_types = cfg.get("layer_types") or ()
     known = ("full_attention", "sliding_attention") + (("linear_attention",) if allow_hybrid else ())
+    if family is not None and family.layer_type is not None:
+        known += (family.layer_type,)
     odd = sorted({str(t) for t in layer_types if t not in known})
     if odd:
         raise UnsupportedError(
@@ -454,6 +482,10 @@ def config_from_hf(
             break
     archs = cfg.get("architectures") or [cfg.get("model_type", "DenseDecoder")]
     tie = _bool(cfg, "tie_word_embeddings")
+    rope = _rope_from_hf(cfg)
+    mla = mla_from_hf(cfg, rope.rope_type, dict(rope.params)) if family is not None else None
+    head_dim = (mla.qk_rope_head_dim if mla is not None
+                else _int(cfg, "head_dim", structure, hidden // heads if heads else 0))
     return ModelConfig(
         vocab_size=_int(cfg, "vocab_size", structure),
         hidden_size=hidden,
@@ -461,9 +493,9 @@ def config_from_hf(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=_int(cfg, "num_key_value_heads", structure, heads),
-        head_dim=_int(cfg, "head_dim", structure, hidden // heads if heads else 0),
+        head_dim=head_dim,
         rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
-        rope=_rope_from_hf(cfg),
+        rope=rope,
         max_position_embeddings=_int(cfg, "max_position_embeddings", structure, 4096),
         tie_word_embeddings=bool(tie),
         **_bias_flags(cfg, names, layers),
@@ -472,5 +504,6 @@ def config_from_hf(
         eos_token_ids=eos_ids,
         architecture=str(archs[0]),
         num_mtp_depths=depths,
+        mla=mla,
         extra=dict(cfg),
     )

@@ -397,11 +397,11 @@ class Engine:
         )
         torch_dtype = next(self.loaded.target.parameters()).dtype
         num_layers = self.loaded.num_kv_layers + (1 if self.loaded.draft is not None else 0)
+        kv_heads, k_dim, v_dim = mcfg.kv_cache_dims(self._kv_heads())  # MLA: one latent head
         # refuse a cache that cannot fit before allocating it, naming what sized it
         check_memory(
             self.device,
-            KVCache.nbytes(num_layers, num_blocks, bs, self._kv_heads(), mcfg.head_dim,
-                           torch_dtype),
+            KVCache.nbytes(num_layers, num_blocks, bs, kv_heads, k_dim, torch_dtype, v_dim),
             field="kv_capacity_tokens" if config.kv_capacity_tokens else
             "max_model_len x max(request_buckets)",
             value=config.kv_capacity_tokens or f"{max_len} x {max_bucket}",
@@ -411,10 +411,11 @@ class Engine:
             num_layers,
             num_blocks,
             bs,
-            self._kv_heads(),
-            mcfg.head_dim,
+            kv_heads,
+            k_dim,
             torch_dtype,
             self.device,
+            v_dim,
         )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)

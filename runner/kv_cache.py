@@ -1,7 +1,9 @@
 """Paged KV cache: block allocator, per-layer cache tensors, capacity accounting.
 
 This module owns the KV memory of the target layers and the MTP head's layer. Layout per layer:
-``k_cache``, ``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``. Block 0 is
+``k_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``, ``v_cache`` the same with
+``v_head_dim`` channels (``head_dim`` unless given: MLA layers cache one head of
+``[latent | k_rope]`` as K and the DSA indexer's key, or nothing, as V; ``speccal.runner.mla``). Block 0 is
 reserved: its slot 0 is the sentinel every padded row writes, and unused block-table entries
 point at it. A request owns a list of blocks; token position ``p`` lives at slot
 ``blocks[p // block_size] * block_size + p % block_size`` in *every* layer (target and draft share
@@ -84,16 +86,20 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        v_head_dim: int | None = None,
     ):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        v_shape = (num_blocks, block_size, num_kv_heads, v_dim)
         # a backstop: the engine checks first, naming the options that sized the cache
-        need = self.nbytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        need = self.nbytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                           v_dim)
         check_memory(device, need, field="KV cache", value=f"{num_blocks} blocks of {block_size}",
                      what="K and V tensors")
         self.layers = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(v_shape, dtype=dtype, device=device),
             )
             for _ in range(num_layers)
         ]
@@ -107,7 +113,9 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        v_head_dim: int | None = None,
     ) -> int:
         """Bytes of the K and V tensors of a cache of this shape (what ``__init__`` allocates)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * elem
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        return num_layers * num_blocks * block_size * num_kv_heads * (head_dim + v_dim) * elem

@@ -200,13 +200,18 @@ class MLP(TPBound, PathBound, nn.Module):
 
 
 class DecoderLayer(PathBound, nn.Module):
-    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    ``attention_class`` builds ``self_attn`` (GQA here; ``speccal.runner.mla.MLADecoderLayer``
+    puts multi-head latent attention in its place, same call)."""
+
+    attention_class = Attention
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self._init_path()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = self.attention_class(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 

@@ -150,6 +150,12 @@ def draft_config(cfg: ModelConfig, family: DraftFamily, keys: set[str] | None) -
     if keys is None:
         return cfg
     layers = cfg.num_hidden_layers
+    router = family.key_for("mlp.gate.weight", layers)
+    if router in keys:
+        raise UnsupportedError(
+            f"checkpoint tensor {router}: the MTP head's layer has a routed-expert MLP "
+            "(mixture of experts), which the dense decoder does not implement; expected a dense "
+            "SwiGLU MLP (mlp.gate_proj / up_proj / down_proj)")
     return dataclasses.replace(
         cfg,
         **_head_flags(family, keys, layers),

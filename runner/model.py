@@ -24,7 +24,8 @@ from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
 from speccal.runner.distributed.tp import TPBound, vocab_argmax, vocab_embed, vocab_gather
-from speccal.runner.layers import DecoderLayer, RMSNorm
+from speccal.runner.layers import RMSNorm
+from speccal.runner.mla import decoder_layer
 from speccal.runner.path import ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
 
@@ -61,7 +62,7 @@ class _Body(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -27,7 +27,8 @@ from speccal.runner.distributed.tp import (
     vocab_token_probability,
 )
 from speccal.runner.draft_families import DraftFamily
-from speccal.runner.layers import DecoderLayer, RMSNorm
+from speccal.runner.layers import RMSNorm
+from speccal.runner.mla import decoder_layer
 from speccal.runner.model import TargetModel, fused_head
 from speccal.runner.path import PathBound
 
@@ -51,7 +52,7 @@ class MTPHead(TPBound, PathBound, nn.Module):
         self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.proj = nn.Linear(2 * h, h, bias=False)
-        self.layer = DecoderLayer(cfg)
+        self.layer = decoder_layer(cfg)
         self.final_norm = RMSNorm(h, cfg.rms_norm_eps) if family.final_norm else None
         self.head = nn.Linear(h, cfg.vocab_size, bias=False) if family.head else None
         self.embed = nn.Embedding(cfg.vocab_size, h) if family.embed else None

@@ -71,6 +71,11 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     InputError
         ``tp`` does not divide a sharded size (naming the config field, its value and ``tp``).
     """
+    if cfg.mla is not None and tp > 1:
+        raise UnsupportedError(
+            f"tp={tp}: multi-head latent attention (config.json:kv_lora_rank="
+            f"{cfg.mla.kv_lora_rank}) is not sharded by the runner's tensor parallelism; "
+            "expected tp=1")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(cfg, name)
         if value % tp:

@@ -1,0 +1,273 @@
+"""Multi-head latent attention (DeepSeek-V2 / V3) over a paged latent cache, and the DSA indexer
+(DeepSeek-V3.2's sparse attention), on the torch path.
+
+This module owns :class:`MLAttention`, :class:`Indexer` and :class:`MLADecoderLayer` (the dense
+decoder layer with MLA in place of GQA; :func:`decoder_layer` picks the class from the config).
+Parameter names are transformers' (``self_attn.q_a_proj``, ``kv_a_proj_with_mqa``,
+``kv_b_proj``, ``indexer.wq_b`` ...), so checkpoints load by prefix. Shapes and switches:
+``speccal.runner.mla_config.MLAConfig``.
+
+Paged latent cache (the engine's ``KVCache`` with per-layer shapes from
+``ModelConfig.kv_cache_dims``; same blocks, block tables and slots as every layer): per token
+one "head" of
+
+- K: ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]`` holding
+  ``[kv_a_layernorm(latent) | rotated k_rope]``, never the expanded per-head K / V;
+- V: ``[num_blocks, block_size, 1, index_head_dim]``, the DSA indexer's rotated, normed key
+  (0 channels for dense MLA: no V is cached).
+
+Attention runs in the *absorbed* form (MQA over the latent): each head's no-rope query is
+multiplied into the latent space by its block of ``kv_b_proj`` (``q_nope @ W_uk``), scored
+against ``[latent | k_rope]`` with ``[q_absorbed | q_rope]``, the softmax-weighted latents are
+mapped to values by the other block (``@ W_uv^T``). The same products as transformers' expanded
+form (``kv_b_proj`` applied to every cached latent), summed in another order: fp32 results agree
+to rounding. Decode, verify (several causal rows per request) and prefill rows take the same
+function (:func:`attend_latent`), so speculative rows see exactly what plain decoding sees.
+
+DSA: the indexer scores every visible key of a query (``sum_h w_h * relu(q_h . k * d^-0.5)``,
+``w = weights_proj(x) * H^-0.5``), keeps the ``index_topk`` best (all when fewer are visible)
+and the attention is masked to them. Exact keys tied at the ``topk`` boundary are chosen by
+``torch.topk`` over a differently padded row than transformers' (the engine's block-table width
+vs its cache length), so which of two exactly equal scores wins may differ; any other
+selection is transformers'.
+
+No Triton path: :meth:`MLADecoderLayer.can_fuse` is False, so an engine on the Triton backend
+runs these layers per op (its GEMVs and norms) with the torch attention here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from speccal.runner.attention import AttnMeta
+from speccal.runner.config import ModelConfig
+from speccal.runner.layers import DecoderLayer, RMSNorm, _linear
+from speccal.runner.mla_config import INDEXER_NORM_EPS, LATENT_NORM_EPS
+from speccal.runner.path import PathBound
+from speccal.runner.rope import RotaryTable
+
+
+def rotate(
+    x: torch.Tensor,  # [N, heads, rotary_dim]
+    cos: torch.Tensor,  # [N, 1, rotary_dim]: cat(freqs, freqs) cosines (RotaryTable rows)
+    sin: torch.Tensor,  # [N, 1, rotary_dim]
+    is_interleaved: bool,
+) -> torch.Tensor:  # [N, heads, rotary_dim], x's dtype
+    """Rotary over channel pairs ``(2i, 2i + 1)`` written out as ``[even' | odd']`` (DeepSeek's
+    interleaved layout, as transformers' ``apply_rotary_pos_emb_interleave``), or over the two
+    halves (``rotate_half``)."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    if is_interleaved:
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    else:
+        out = xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin
+    return out.to(x.dtype)
+
+
+class Indexer(nn.Module):
+    """DSA indexer projections: per-head scoring queries from the q LoRA latent, one key and
+    per-head weights from the layer input."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        mla = cfg.mla
+        ix = mla.indexer
+        self.num_heads, self.head_dim = ix.num_heads, ix.head_dim
+        self.rope_dim = mla.qk_rope_head_dim
+        self.is_rope_interleaved = ix.is_rope_interleaved
+        self.topk = ix.topk
+        self.wq_b = nn.Linear(mla.q_lora_rank, ix.num_heads * ix.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, ix.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(ix.head_dim, eps=INDEXER_NORM_EPS)
+        self.weights_proj = nn.Linear(cfg.hidden_size, ix.num_heads, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, hidden]
+        q_resid: torch.Tensor,  # [N, q_lora_rank]: q_a_layernorm(q_a_proj(x))
+        cos: torch.Tensor,  # [N, 1, rope_dim]
+        sin: torch.Tensor,  # [N, 1, rope_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [N, Hi, Di], k [N, Di], w [N, Hi]
+        n, r = x.shape[0], self.rope_dim
+        q = self.wq_b(q_resid).view(n, self.num_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))[:, None]  # [N, 1, Di]
+        q = torch.cat([rotate(q[..., :r], cos, sin, self.is_rope_interleaved), q[..., r:]], -1)
+        k = torch.cat([rotate(k[..., :r], cos, sin, self.is_rope_interleaved), k[..., r:]], -1)
+        w = self.weights_proj(x).float() * self.num_heads**-0.5
+        return q, k[:, 0], w
+
+
+class MLAttention(PathBound, nn.Module):
+    """MLA self-attention (optional q LoRA, decoupled rotary key, optional DSA indexer) over the
+    paged latent cache (module docstring)."""
+
+    qkv_weight = None  # no fused q/k/v matrix: DecoderLayer.can_fuse reads it
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+        self._init_path()
+        mla = cfg.mla
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.mla = mla
+        self.num_heads = heads
+        self.scale = mla.softmax_scale
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, heads * mla.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, mla.q_lora_rank, bias=mla.is_bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, mla.latent_dim, bias=mla.is_bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank,
+                                   heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, h, bias=mla.is_bias)
+        self.indexer = Indexer(cfg) if mla.indexer is not None else None
+
+    def _lin(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        return _linear(x, layer.weight, layer.bias, self.path)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, hidden]
+        positions: torch.Tensor,  # [N] int64
+        meta: AttnMeta,
+        kv: tuple[torch.Tensor, torch.Tensor],  # latent cache, indexer key cache of this layer
+        rotary: RotaryTable,
+    ) -> torch.Tensor:  # [N, hidden]
+        m, n, heads = self.mla, x.shape[0], self.num_heads
+        nope, lat = m.qk_nope_head_dim, m.kv_lora_rank
+        q_resid = None
+        if m.q_lora_rank is None:
+            q = self._lin(x, self.q_proj)
+        else:
+            q_resid = self.q_a_layernorm(self._lin(x, self.q_a_proj))
+            q = self._lin(q_resid, self.q_b_proj)
+        q = q.view(n, heads, m.qk_head_dim)
+        ckv = self._lin(x, self.kv_a_proj_with_mqa)  # [N, latent + rope]
+        latent = self.kv_a_layernorm(ckv[:, :lat].contiguous())
+        cos = rotary.cos.index_select(0, positions)[:, None, :]  # [N, 1, rope]
+        sin = rotary.sin.index_select(0, positions)[:, None, :]
+        q_rot = rotate(q[..., nope:], cos, sin, m.is_rope_interleaved)
+        k_rot = rotate(ckv[:, None, lat:], cos, sin, m.is_rope_interleaved)[:, 0]
+        k_cache, v_cache = kv
+        k_cache.view(-1, m.latent_dim).index_copy_(
+            0, meta.slot_mapping, torch.cat([latent, k_rot], dim=-1).to(k_cache.dtype))
+        index = None
+        if self.indexer is not None:
+            iq, ik, iw = self.indexer(x, q_resid, cos, sin)
+            v_cache.view(-1, m.index_dim).index_copy_(0, meta.slot_mapping,
+                                                      ik.to(v_cache.dtype))
+            index = (iq, iw, self.indexer.topk)
+        w_kv = self.kv_b_proj.weight.view(heads, nope + m.v_head_dim, lat)
+        # absorbed query: each head's no-rope part in the latent space, [N, H, latent + rope]
+        q_lat = torch.einsum("nhd,hdl->nhl", q[..., :nope], w_kv[:, :nope])
+        out = attend_latent(torch.cat([q_lat, q_rot], dim=-1), k_cache, v_cache, meta,
+                            self.scale, lat, index)  # [N, H, latent]
+        out = torch.einsum("nhl,hvl->nhv", out, w_kv[:, nope:])  # [N, H, v_head_dim]
+        return self._lin(out.reshape(n, heads * m.v_head_dim), self.o_proj)
+
+    def fuse_weights(self) -> None:
+        """Nothing to fuse: MLA layers run per op (no Triton MLA attention kernel)."""
+
+
+def _packed_grid_rows(meta: AttnMeta, num_rows: int) -> torch.Tensor:  # [N] int64
+    """Packed row ``p`` (rows of request ``b`` are ``cu_q_lens[b] .. cu_q_lens[b + 1]``, the
+    last ``q_len`` positions before ``seq_lens[b]``) -> its right-aligned ``[B, R]`` grid cell
+    ``b * R + R - q_len + i`` (the grid's row ``j`` is position ``seq_lens[b] - R + j``); rows
+    past ``cu_q_lens[B]`` -> the trash cell ``B * R``. Static shapes, no host read."""
+    cu = meta.cu_q_lens.long()
+    num_b, num_r = cu.shape[0] - 1, meta.num_q_rows
+    p = torch.arange(num_rows, device=cu.device)
+    b = torch.searchsorted(cu[1:], p, right=True).clamp(max=num_b - 1)
+    q_len = cu[b + 1] - cu[b]
+    return torch.where(p < cu[-1], b * num_r + num_r - q_len + p - cu[b], num_b * num_r)
+
+
+def _to_grid(x: torch.Tensor, row_index: torch.Tensor, num_b: int, num_r: int) -> torch.Tensor:
+    """``[N, ...]`` flat rows -> ``[B, R, ...]`` (cells no row fills are zeros)."""
+    grid = x.new_zeros(num_b * num_r + 1, *x.shape[1:])
+    grid.index_copy_(0, row_index, x)
+    return grid[: num_b * num_r].view(num_b, num_r, *x.shape[1:])
+
+
+def attend_latent(
+    q: torch.Tensor,  # [N, heads, latent + rope]: absorbed no-rope part | rotated rope part
+    k_cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, 1, index_dim]: the indexer's keys
+    meta: AttnMeta,
+    scale: float,
+    latent_dim: int,
+    index: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # q [N, Hi, Di], w [N, Hi], topk
+) -> torch.Tensor:  # [N, heads, latent]: softmax-weighted latents
+    """Causal attention of the rows over their requests' cached ``[latent | k_rope]`` (MQA: one
+    key head, the latent as value), masked to the indexer's top-k keys when ``index`` is given.
+
+    Three row layouts, one computation: a prefill chunk (``meta.key_slots``: one request's
+    keys by slot, its rows the last ``N`` positions), the ``[B, R]`` grid (``row_index``) and
+    the packed verify rows (``cu_q_lens``, mapped onto the grid). A row at position ``p`` sees
+    keys ``0 .. p``; rows of front padding (``p < 0``) see key 0 so their discarded output
+    stays finite.
+    """
+    n, heads, dim = q.shape
+    ikeys = None  # [B, T, index_dim]: the indexer's keys (DSA only)
+    if meta.key_slots is not None:
+        keys = k_cache.view(-1, dim).index_select(0, meta.key_slots)[None]  # [1, T, D]
+        if index is not None:
+            ikeys = v_cache.view(-1, v_cache.shape[-1]).index_select(0, meta.key_slots)[None]
+        num_b, num_r, t = 1, n, keys.shape[1]
+        q_pos = (t - n + torch.arange(n, device=q.device))[None]  # [1, N]
+        rows = None
+        grid = lambda x: x[None]  # noqa: E731
+    else:
+        rows = meta.row_index if meta.row_index is not None else _packed_grid_rows(meta, n)
+        num_b, num_r = meta.block_table.shape[0], meta.num_q_rows
+        blocks = meta.block_table.reshape(-1).long()
+        bs = k_cache.shape[1]
+        t = meta.block_table.shape[1] * bs
+        keys = k_cache.index_select(0, blocks).view(num_b, t, dim)
+        if index is not None:
+            ikeys = v_cache.index_select(0, blocks).view(num_b, t, v_cache.shape[-1])
+        q_pos = meta.seq_lens.long()[:, None] - num_r + torch.arange(num_r, device=q.device)
+        grid = lambda x: _to_grid(x, rows, num_b, num_r)  # noqa: E731
+    key_pos = torch.arange(t, device=q.device)
+    is_visible = key_pos[None, None, :] <= q_pos.clamp_min(0)[:, :, None]  # [B, R, T]
+    if index is not None:
+        iq, iw, topk = index
+        scores = torch.einsum("brhd,btd->brht", grid(iq).float(), ikeys.float())
+        scores = torch.relu(scores * iq.shape[-1] ** -0.5)
+        total = torch.einsum("brh,brht->brt", grid(iw), scores)
+        total = total.masked_fill(~is_visible, float("-inf"))
+        chosen = total.topk(min(topk, t), dim=-1).indices  # [B, R, k]
+        is_visible = is_visible & torch.zeros_like(is_visible).scatter_(-1, chosen, True)
+    keys = keys.to(q.dtype)
+    # heads folded into the query rows (row r * H + h): one key head, no expansion
+    qg = grid(q).reshape(num_b, 1, num_r * heads, dim)
+    mask = is_visible[:, :, None, :].expand(num_b, num_r, heads, t)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qg, keys[:, None], keys[:, None, :, :latent_dim],
+        attn_mask=mask.reshape(num_b, 1, num_r * heads, t), scale=scale,
+    ).view(num_b * num_r, heads, latent_dim)
+    if rows is None:
+        return out
+    return torch.cat([out, out.new_zeros(1, heads, latent_dim)]).index_select(0, rows)
+
+
+class MLADecoderLayer(DecoderLayer):
+    """The pre-norm decoder layer with :class:`MLAttention` (SwiGLU MLP, RMSNorms as
+    :class:`~speccal.runner.layers.DecoderLayer`)."""
+
+    attention_class = MLAttention
+
+    def can_fuse(self, x: torch.Tensor, rotary: RotaryTable) -> bool:
+        """Never: the fused layer is GQA's (no Triton MLA kernels); MLA layers run per op."""
+        return False
+
+
+def decoder_layer(cfg: ModelConfig, layer: int = 0) -> DecoderLayer:
+    """The decoder layer ``cfg`` describes: MLA (``cfg.mla``) or GQA."""
+    return (MLADecoderLayer if cfg.mla is not None else DecoderLayer)(cfg, layer)

@@ -1,0 +1,318 @@
+"""MLA (DeepSeek-V2 / V3) and DSA (DeepSeek-V3.2) targets and their MTP head on the Engine, CPU
+fp32, against transformers (issue 37).
+
+Random-weight checkpoints written by ``save_pretrained`` with every layer dense
+(``first_k_dense_replace`` past the last layer, the MTP layer included: routed experts are
+refused), scaled so the logits are decisive, plus an MTP head in DeepSeek-V3's layout
+(``model.layers.{num_hidden_layers}.``: ``enorm``, ``hnorm``, ``eh_proj``, ``embed_tokens``,
+``shared_head.norm``, ``shared_head.head`` and an MLA layer named like the target's; transformers
+saves no MTP layer). Tokens are compared exactly: plain greedy decoding and speculative greedy
+decoding (K = 1..3, an oracle draft forcing every accepted length; a mixed batch of three
+requests in the bucket of four with different prompt lengths, ``max_tokens`` and a stop token)
+must emit transformers' ``generate(do_sample=False)`` tokens. The DSA checkpoint's ``index_topk``
+is small enough that the selection changes transformers' own tokens (asserted), so a runner
+that ignored the indexer would fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from speccal.base.errors import InputError, UnsupportedError
+from speccal.runner.config import config_from_hf
+from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+from speccal.runner.mla_config import softmax_scale
+from speccal.runner.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV32ForCausalLM"):
+    pytest.skip("transformers without DeepSeek-V3.2 (needs >= 5)", allow_module_level=True)
+
+V = 96
+LAYERS = 2
+SHAPES = dict(vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=LAYERS,
+              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=20, qk_rope_head_dim=8,
+              qk_nope_head_dim=12, v_head_dim=10, max_position_embeddings=128,
+              # experts configured but no layer routed (the MTP layer LAYERS included)
+              first_k_dense_replace=LAYERS + 1, n_routed_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=16, n_group=1, topk_group=1,
+              eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.7}
+DSA = dict(index_topk=4, index_head_dim=16, index_n_heads=8)
+VARIANTS = {  # name -> (config class stem, extra config)
+    "v3": ("DeepseekV3", dict(q_lora_rank=24, rope_parameters=YARN)),
+    "v3-no-qlora-bias-halfsplit": ("DeepseekV3", dict(q_lora_rank=None, attention_bias=True,
+                                                      rope_interleave=False)),
+    "v2": ("DeepseekV2", dict(q_lora_rank=None, rope_parameters=YARN)),
+    "v32-dsa": ("DeepseekV32", dict(q_lora_rank=24, rope_parameters=YARN, **DSA)),
+}
+PROMPTS = ([5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14], [7, 1, 62, 30],
+           [44, 12, 90, 23, 8, 66, 19, 51, 3, 77, 28, 35, 10])
+MAX_TOKENS = (14, 9, 12)
+W = 3
+
+
+def _hf_model(variant: str, **override):
+    stem, extra = VARIANTS[variant]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, stem + "Config")(**{**SHAPES, **extra, **override})
+    model = getattr(transformers, stem + "ForCausalLM")(cfg).eval()
+    with torch.no_grad():  # decisive logits: fp32 op-order noise cannot flip an argmax
+        for name, p in model.named_parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(3))
+    return model
+
+
+def write_checkpoint(folder, variant: str, *, head_extra: dict | None = None):
+    """``save_pretrained`` plus an MTP head at ``model.layers.{LAYERS}.``; returns the model."""
+    hf = _hf_model(variant)
+    hf.save_pretrained(folder)
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    g = torch.Generator().manual_seed(2)
+    h = SHAPES["hidden_size"]
+    pre = f"model.layers.{LAYERS}."
+    head = {pre + "enorm.weight": (h,), pre + "hnorm.weight": (h,),
+            pre + "eh_proj.weight": (h, 2 * h), pre + "embed_tokens.weight": (V, h),
+            pre + "shared_head.norm.weight": (h,), pre + "shared_head.head.weight": (V, h),
+            **(head_extra or {})}
+    for key, t in tensors.items():
+        if key.startswith("model.layers.0."):
+            head[key.replace("model.layers.0.", pre)] = tuple(t.shape)
+    tensors.update({k: torch.randn(s, generator=g) * 0.5 for k, s in head.items()})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return hf
+
+
+def _hf_greedy(hf, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
+    refs = []
+    with torch.no_grad():
+        for p, n in zip(prompts, max_tokens, strict=True):
+            out = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+            refs.append(out[0, len(p):].tolist())
+    return refs
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    """``(variant, folder, refs)``: refs[i] = transformers' greedy tokens of PROMPTS[i]."""
+    folder = tmp_path_factory.mktemp("mla") / request.param
+    hf = write_checkpoint(folder, request.param)
+    return request.param, folder, _hf_greedy(hf)
+
+
+def _engine(folder, **kw) -> Engine:
+    cfg = dict(model=str(folder), draft_width=W, request_buckets=(1, 2, 4), max_model_len=64,
+               block_size=4, prefill_chunk=8, acceptance="greedy")
+    return Engine(EngineConfig.flat(**{**cfg, **kw}))
+
+
+def _stop_case(refs):
+    """Mixed batch params and expected tokens: request 0 stops at a stop token."""
+    stop = refs[0][6]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    params[0] = SamplingParams(max_tokens=MAX_TOKENS[0], ignore_eos=True, stop_token_ids=(stop,))
+    want = [list(r) for r in refs]
+    want[0] = want[0][: want[0].index(stop) + 1]
+    return params, want
+
+
+def _run(eng: Engine, prompts, params, k: int, plan: RoundPlan | None = None):
+    rids = [eng.add_request(p, prm) for p, prm in zip(prompts, params, strict=True)]
+    out = {r: [] for r in rids}
+    results = []
+    while eng.has_unfinished():
+        res = eng.step(plan or RoundPlan(k))
+        for rid, toks in zip(res.request_ids, res.emitted, strict=True):
+            out[rid] += toks
+        for rid, tok in res.first_tokens.items():  # prefill-finished requests
+            if rid not in res.request_ids:
+                out[rid].append(tok)
+        results.append(res)
+    return [out[r] for r in rids], results
+
+
+class OracleDraft:
+    """Replaces ``RoundRunner.draft_part``: drafts copy the reference for ``m`` positions, then
+    a wrong token; ``m`` cycles over ``0 .. k``. ``rounds[i]`` maps each request of round ``i``
+    to the length it must accept (None where the reference ends first)."""
+
+    def __init__(self, eng: Engine, refs: dict[tuple[int, ...], list[int]], k: int):
+        self.eng, self.refs = eng, refs
+        self.cycle = itertools.cycle(range(k + 1))
+        self.rounds: list[dict[int, int | None]] = []
+
+    def __call__(self, x):
+        bcap, k = x.bcap, x.k
+        by_slot = {r.slot: r for r in self.eng._running}
+        drafts = torch.zeros(bcap, k, dtype=torch.int64)
+        plan = {}
+        for b, slot in enumerate(x.t["slot_index"].tolist()[: x.num_requests]):
+            req = by_slot[slot]
+            ref, n = self.refs[tuple(req.prompt)], len(req.output)
+            m = next(self.cycle)
+            for j in range(k):
+                tok = ref[n + j] if n + j < len(ref) else 0
+                drafts[b, j] = tok if j < m else (tok + 1) % V
+            plan[req.rid] = m if n + m < len(ref) else None
+        self.rounds.append(plan)
+        return drafts, torch.full((bcap, k), 0.5)
+
+
+def test_plain_greedy_equals_transformers(checkpoint):
+    variant, folder, refs = checkpoint
+    eng = _engine(folder, speculative=False)
+    mla = eng.loaded.config.mla
+    k_cache, v_cache = eng.kv.layers[0]
+    # the paged latent cache: one head of [latent | k_rope]; V holds the indexer's key or nothing
+    assert k_cache.shape[2:] == (1, 20 + 8)
+    assert v_cache.shape[2:] == (1, DSA["index_head_dim"] if mla.indexer else 0)
+    assert len(eng.kv.layers) == LAYERS and eng.loaded.draft is None
+    params, want = _stop_case(refs)
+    got, _ = _run(eng, PROMPTS, params, 0)
+    assert got == want
+    assert len({t for r in refs for t in r}) > 8  # non-degenerate
+
+
+@pytest.mark.parametrize("checkpoint", ["v3", "v32-dsa"], indirect=True)
+def test_speculative_greedy_equals_transformers_every_accepted_length(checkpoint):
+    """K = 1..3: batch 1 with the head's own drafts, then the mixed batch under the oracle
+    draft; tokens equal transformers' and every accepted length 0..k occurs."""
+    variant, folder, refs = checkpoint
+    eng = _engine(folder)
+    assert eng.loaded.family.name == "deepseek_mtp" and len(eng.kv.layers) == LAYERS + 1
+    assert type(eng.loaded.draft.layer.self_attn).__name__ == "MLAttention"
+    params, want = _stop_case(refs)
+    for k in range(1, W + 1):
+        got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=MAX_TOKENS[0],
+                                                        ignore_eos=True)], k)
+        assert got == [refs[0]], (k, "batch 1")
+        oracle = OracleDraft(eng, {tuple(p): r for p, r in zip(PROMPTS, refs, strict=True)}, k)
+        eng.runner.draft_part = oracle
+        got, results = _run(eng, PROMPTS, params, k)
+        del eng.runner.draft_part
+        assert got == want, (k, "mixed batch")
+        rounds = [r for r in results if r.round_index >= 0]
+        assert len(rounds) == len(oracle.rounds)
+        ms = []
+        for res, plan in zip(rounds, oracle.rounds, strict=True):
+            assert res.bcap == 4 or len(res.request_ids) < 3
+            for rid, a in zip(res.request_ids, res.accepted.tolist(), strict=True):
+                if plan[rid] is not None:  # exactly the scheduled length was accepted
+                    assert a == plan[rid], (k, rid, plan[rid], a)
+                    ms.append(a)
+        assert set(ms) == set(range(k + 1)), (k, ms)
+
+
+@pytest.mark.parametrize("checkpoint", ["v32-dsa"], indirect=True)
+def test_packed_verify_rows_equal_transformers(checkpoint):
+    """The device-side verify input update (packed rows, ``cu_q_lens``; the reference kernels
+    on CPU): the MLA attention maps packed rows onto its grid; oracle drafts, k = 2."""
+    variant, folder, refs = checkpoint
+    eng = _engine(folder, input_update="in_graph")
+    assert eng.input_update == "in_graph"
+    params, want = _stop_case(refs)
+    oracle = OracleDraft(eng, {tuple(p): r for p, r in zip(PROMPTS, refs, strict=True)}, 2)
+    eng.runner.draft_part = oracle
+    got, results = _run(eng, PROMPTS, params, 2)
+    assert got == want
+    ms = [a for r in results for a in r.accepted.tolist()]
+    assert 0 in ms and 1 in ms and 2 in ms, ms
+
+
+def test_dsa_selection_changes_transformers_tokens():
+    """The DSA fixture is sensitive to the indexer: with every key selected (``index_topk``
+    past the longest sequence) transformers' own tokens differ from the sparse ones."""
+    sparse = _hf_greedy(_hf_model("v32-dsa"))
+    dense = _hf_greedy(_hf_model("v32-dsa", index_topk=64))
+    assert sparse != dense
+
+
+def test_softmax_scale_matches_transformers():
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    for rope in (YARN, {"rope_type": "default", "rope_theta": 1e4},
+                 {**YARN, "mscale_all_dim": 0}, {**YARN, "factor": 40.0, "mscale_all_dim": 1.0}):
+        want = yarn_apply_mscale(rope, 20**-0.5)
+        assert softmax_scale(20, rope["rope_type"], rope) == pytest.approx(want, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------- refusals
+
+
+def _hf_dict(variant: str, **override) -> dict:
+    stem, extra = VARIANTS[variant]
+    cfg = getattr(transformers, stem + "Config")(**{**SHAPES, **extra, **override}).to_dict()
+    cfg["architectures"] = [stem + "ForCausalLM"]
+    return cfg
+
+
+def test_routed_layers_are_refused_naming_the_key():
+    with pytest.raises(UnsupportedError, match=r"n_routed_experts=4.*routed layers \[1\]"):
+        config_from_hf(_hf_dict("v3", first_k_dense_replace=1))
+    with pytest.raises(UnsupportedError, match=r"n_routed_experts=4.*routed layers \[0, 1\]"):
+        config_from_hf(_hf_dict("v32-dsa", first_k_dense_replace=0))
+
+
+def test_mla_config_errors_name_the_field():
+    with pytest.raises(UnsupportedError, match=r"kv_lora_rank=20.*model_type is 'mystery'"):
+        config_from_hf({**_hf_dict("v3"), "model_type": "mystery"})
+    with pytest.raises(UnsupportedError, match=r"rope_interleave=False.*deepseek_v32"):
+        config_from_hf({**_hf_dict("v32-dsa"), "rope_interleave": False})
+    with pytest.raises(UnsupportedError, match=r"index_topk=4.*deepseek_v3.*no DSA indexer"):
+        config_from_hf({**_hf_dict("v3"), **DSA})
+    with pytest.raises(InputError, match=r"q_lora_rank.*DSA indexer"):
+        config_from_hf({**_hf_dict("v32-dsa"), "q_lora_rank": None})
+    with pytest.raises(InputError, match=r"qk_rope_head_dim.*even"):
+        config_from_hf({**_hf_dict("v3"), "qk_rope_head_dim": 7})
+    with pytest.raises(InputError, match=r"v_head_dim"):
+        config_from_hf({**_hf_dict("v3"), "v_head_dim": None})
+
+
+def test_routed_mtp_layer_is_refused(tmp_path):
+    h = SHAPES["hidden_size"]
+    write_checkpoint(tmp_path, "v3",
+                     head_extra={f"model.layers.{LAYERS}.mlp.gate.weight": (4, h)})
+    with pytest.raises(UnsupportedError, match=rf"model\.layers\.{LAYERS}\.mlp\.gate\.weight.*"
+                                               "routed-expert MLP"):
+        _engine(tmp_path)
+
+
+def test_mla_under_tensor_parallelism_is_refused():
+    from speccal.runner.distributed.load import local_config
+
+    cfg = config_from_hf(_hf_dict("v3"))
+    assert local_config(cfg, 1).mla == cfg.mla
+    with pytest.raises(UnsupportedError, match=r"tp=2.*kv_lora_rank=20"):
+        local_config(cfg, 2)
+
+
+# ---------------------------------------------------------------- CUDA (run on the GPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpoint", ["v3", "v32-dsa"], indirect=True)
+def test_triton_path_serves_mla_layers_per_op_on_cuda(checkpoint):
+    """On the Triton backend MLA layers do not fuse (no MLA kernel): they run per op with the
+    torch attention; plain and speculative tokens equal transformers' (fp32)."""
+    variant, folder, refs = checkpoint
+    params, want = _stop_case(refs)
+    kw = dict(device="cuda", dtype="float32", attention_backend="triton")
+    plain = _engine(folder, speculative=False, **kw)
+    assert not any(layer.can_fuse(torch.zeros(4, device="cuda", dtype=torch.long),
+                                  plain.loaded.target.rotary)
+                   for layer in plain.loaded.target.model.layers)
+    got, _ = _run(plain, PROMPTS, params, 0)
+    assert got == want
+    spec = _engine(folder, **kw)
+    for k in (1, 3):
+        got, _ = _run(spec, PROMPTS, params, k)
+        assert got == want, k
