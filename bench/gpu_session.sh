@@ -21,7 +21,8 @@
 #   cuda        the CUDA suite (pytest -m cuda tests/runner tests/kernels, 8 workers, verbose)
 #   hybridtest  the hybrid engine's CUDA tests and the index-kernel test only
 #   pathtest    the CUDA tests of the served path against transformers, attention, the
-#               pipelined loop and the hybrid engine (a subset of `cuda`, ~2 min)
+#               round loop at both queue depths, graphs, verify budgets, the hybrid and MLA
+#               engines (a subset of `cuda`, ~2-3 min)
 #   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
 #   hybridhf    bench/bench_hybrid.py decode vs transformers with torch.compile tried
 #               [hybrid_decode_speedup_vs_hf_b1 against the fastest configuration]
@@ -152,7 +153,9 @@ run() {
             pathtest)
                 timeout "$(left)" $PY -m pytest -m cuda tests/runner/test_hf_served_path.py \
                     tests/runner/test_attention.py tests/runner/test_pipeline.py \
-                    tests/runner/test_hybrid_engine.py -n 8 -v -rfE -p no:cacheprovider \
+                    tests/runner/test_hybrid_engine.py tests/runner/test_mla_engine.py \
+                    tests/runner/test_graphs.py tests/runner/test_verify_budget.py \
+                    tests/runner/test_greedy_lossless.py -n 8 -v -rfE -p no:cacheprovider \
                     > "$d/tests.log" 2>&1
                 echo "rc=$?"
                 grep -E "^(FAILED|ERROR)|passed|failed" "$d/tests.log" | tail -20 ;;
