@@ -33,20 +33,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from speccal import __version__
-from speccal.base.errors import CapacityError, InputError, SchemaError, UnsupportedError
-from speccal.base.geometry import Geometry, served_request_buckets
+from speccal.base.errors import CapacityError, InputError, UnsupportedError
+from speccal.base.geometry import Geometry
 from speccal.base.runner_face import BuildReport
-from speccal.base.vocab import ACCEPTANCE_MODES
 from speccal.kernels.precompile import CompilePool, triton_cache_is_empty
-from speccal.runner.checkpoint import read_config
 from speccal.runner.device import (
     check_memory,
     default_dtype,
@@ -56,267 +54,26 @@ from speccal.runner.device import (
     resolve_device,
     synchronize,
 )
+
+# re-exported: the engine's API in one import (``from speccal.runner.engine import ...``)
+from speccal.runner.engine_config import EngineConfig, check_declared_context
 from speccal.runner.graphs import GraphKey
 from speccal.runner.hybrid import HybridModel, HybridMTPHead
-from speccal.runner.hybrid_state import STATE_STRATEGIES, make_strategy
+from speccal.runner.hybrid_state import make_strategy
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.linear_attention import CHUNK_SIZE
 from speccal.runner.loader import LoadedModel, load_model
-from speccal.runner.path import ExecutionPath, bind_path
+from speccal.runner.path import bind_path
 from speccal.runner.prefill import prefill
-from speccal.runner.presets import HYBRID_PRESETS, PRESETS
+from speccal.runner.presets import PRESETS
 from speccal.runner.prompt_source import PromptSource
 from speccal.runner.request import Request
+from speccal.runner.results import PlanFn, RoundPlan, RoundResult, RoundState
 from speccal.runner.round import RoundRunner
 from speccal.runner.sampling import SamplingParams, check_supported
 from speccal.runner.stats import SpecStats
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything an :class:`Engine` is built from.
-
-    Attributes
-    ----------
-    model : a preset name (``tiny``, ``dense-0.5b``, ``dense-2b``, ``mimo-7b``) or an HF folder.
-    device : ``cpu``, ``cuda[:N]`` or ``npu[:N]``; validated, never a silent fallback.
-    dtype : ``float32`` / ``bfloat16`` / ``float16``; None = float32 on CPU, bfloat16 elsewhere.
-    draft_width : ``w``, the most draft tokens per round.
-    request_buckets : physical draft request buckets ``Bcap`` (ascending); None = the device
-        kind's served set (``speccal.base.geometry.SERVED_REQUEST_BUCKETS``: 1..64 on cuda /
-        npu, 1..8 on cpu), the same for calibrate, bench and generate.
-    target_rows : optional ``{Bcap: (G, ...)}``; default ``Bcap * j`` for ``j = 1 .. w + 1``.
-    acceptance : ``greedy`` | ``sample`` | ``synthetic`` | ``forced``.
-    acceptance_profile : ``synthetic`` only: conditional acceptance per draft position (``w``).
-    seed : seeds the sampling generator and preset weights.
-    max_model_len : prompt + generated tokens per request; None = min(model limit, 4096).
-    block_size : tokens per KV block.
-    kv_capacity_tokens : KV slots for requests; None = ``max bucket * (max_model_len + w + 1)``.
-    prefill_chunk : most prompt tokens per prefill forward (chunked prefill).
-    speculative : False runs plain decoding (``k = 0`` rounds, no draft head loaded).
-    path : the program measured (:class:`~speccal.runner.path.ExecutionPath`: graph mode,
-        attention backend, input update, kernel configuration); recorded in
-        :meth:`Engine.compatibility`. ``path.graph_mode="split"`` captures a draft graph per
-        (Bcap, k) and a target graph per (Bcap, k, G) at construction (cuda/npu only).
-    draft_family : presets only: key layout of the random MTP head.
-    state_strategy : how a hybrid target's recurrent state stays consistent under rejected
-        drafts (``speccal.runner.hybrid_state``): ``scratch_swap`` (verify writes a scratch
-        row; full acceptance swaps row indices, partial acceptance replays the accepted
-        prefix) or ``snapshots`` (a state per verified position, the accepted one selected).
-        Recorded in :meth:`Engine.compatibility` (``none`` for targets without such state).
-    pipeline : False (default) runs the synchronous loop (admit -> prepare -> execute ->
-        collect -> bookkeeping in series). True runs pipelined rounds (SPEC section 7):
-        ``Engine.step`` queues round ``n + 1`` before it collects round ``n`` and returns round
-        ``n``'s result (one step late; ``Engine.drain`` collects the rest). Round ``n + 1``'s
-        metadata is derived on the device from per-slot state round ``n`` advanced there;
-        stop rules are discovered one round late (the extra round's tokens are discarded).
-        Each request may then need ``w + 1`` more KV slots and positions, which the engine
-        reserves (``max_positions``, block table width, the default KV capacity).
-    """
-
-    model: str = "tiny"
-    device: str = "cpu"
-    dtype: str | None = None
-    draft_width: int = 3
-    request_buckets: tuple[int, ...] | None = None
-    target_rows: Mapping[int, Sequence[int]] | None = None
-    acceptance: str = "greedy"
-    acceptance_profile: tuple[float, ...] | None = None
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_capacity_tokens: int | None = None
-    prefill_chunk: int = 512
-    speculative: bool = True
-    path: ExecutionPath = field(default_factory=ExecutionPath)
-    draft_family: str | None = None
-    pipeline: bool = False
-    state_strategy: str = "scratch_swap"
-
-    @classmethod
-    def flat(cls, **kw: Any) -> EngineConfig:
-        """Build from one flat keyword set: ``graph_mode``, ``attention_backend``,
-        ``input_update`` and ``kernels`` go into ``path`` (the form benches and tests write)."""
-        fields_ = {"graph_mode", "attention_backend", "input_update", "kernels"}
-        path = kw.pop("path", None) or ExecutionPath()
-        changes = {k: kw.pop(k) for k in fields_ & kw.keys()}
-        return cls(path=path.with_(**changes), **kw)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.draft_width, int) or self.draft_width < 1:
-            raise InputError("draft_width", self.draft_width, "an integer >= 1")
-        if self.acceptance not in ACCEPTANCE_MODES:
-            raise InputError("acceptance", self.acceptance, f"one of {', '.join(ACCEPTANCE_MODES)}")
-        if not isinstance(self.path, ExecutionPath):
-            raise InputError("path", type(self.path).__name__, "an ExecutionPath")
-        if self.path.graph_mode == "split" and not self.device.startswith(("cuda", "npu")):
-            raise UnsupportedError(
-                f"graph_mode='split' captures CUDA/NPU graphs; device {self.device!r} runs 'eager'"
-            )
-        buckets = self.request_buckets
-        if buckets is None:  # the device kind's served set (speccal.base.geometry)
-            buckets = served_request_buckets(self.device)
-        object.__setattr__(self, "request_buckets", tuple(int(b) for b in buckets))
-        if self.acceptance == "synthetic":
-            prof = self.acceptance_profile
-            if prof is None or len(prof) != self.draft_width:
-                raise InputError(
-                    "acceptance_profile",
-                    prof,
-                    f"{self.draft_width} per-position acceptance probabilities (draft_width)",
-                )
-            for i, p in enumerate(prof):
-                if not 0.0 <= float(p) <= 1.0:
-                    raise InputError(f"acceptance_profile[{i}]", p, "a probability in [0, 1]")
-            object.__setattr__(self, "acceptance_profile", tuple(float(p) for p in prof))
-        elif self.acceptance_profile is not None:
-            raise InputError(
-                "acceptance_profile", self.acceptance_profile, "None unless acceptance='synthetic'"
-            )
-        if not isinstance(self.pipeline, bool):
-            raise InputError("pipeline", self.pipeline, "a bool")
-        if self.state_strategy not in STATE_STRATEGIES:
-            raise InputError("state_strategy", self.state_strategy,
-                             f"one of {', '.join(STATE_STRATEGIES)}")
-        for name in ("block_size", "prefill_chunk"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise InputError(name, v, "an integer >= 1")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 2
-        ):
-            raise InputError("max_model_len", self.max_model_len, "an integer >= 2")
-
-
-def _check_declared_context(model: str, max_model_len: int | None) -> None:
-    """Refuse ``max_model_len`` above the context the model declares before anything is
-    loaded: the loader allocates rotary tables of that many positions, so the check after
-    the load (``Engine._build``) would come after an allocation of any size. Reads a preset's
-    config or a folder's ``config.json``; says nothing when neither declares a limit (the
-    loader then reports the folder)."""
-    if max_model_len is None:
-        return
-    preset = PRESETS.get(model) or HYBRID_PRESETS.get(model)
-    if preset is not None:
-        cfg: Any = preset.config
-    else:
-        try:
-            cfg = read_config(model)
-        except (InputError, SchemaError, OSError):
-            return  # the loader names what is wrong with the folder
-    if not isinstance(cfg, dict):
-        return
-    text = cfg.get("text_config")
-    limit = cfg.get("max_position_embeddings",
-                    text.get("max_position_embeddings") if isinstance(text, dict) else None)
-    if isinstance(limit, int) and not isinstance(limit, bool) and max_model_len > limit:
-        raise InputError(
-            "max_model_len", max_model_len, f"<= the model's max_position_embeddings={limit}"
-        )
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """What the next round runs: ``k`` draft steps and optional per-request verify lengths.
-
-    ``verify_tokens [B]``: drafts each request sends to the target (host-chosen, prefix-closed);
-    None = all ``k``. The target runs ``geometry.g_for(bcap, sum(verify_tokens + 1))`` rows.
-
-    ``verify_budget`` (adaptive target verify, exclusive with ``verify_tokens``; needs
-    ``num_draft_steps == draft_width``): padded target rows ``G`` the round may use. The target
-    runs at ``G`` taken down to the largest target bucket of the batch's ``Bcap`` that fits (the
-    smallest bucket when none does; then no draft row is verified). The draft runs full width;
-    then, on the device and without a host wait, each request gets a prefix of its drafts by the
-    rule of ``speccal.policy_rules.allocate_prefixes`` applied to this round's draft scores (highest
-    prefix survival first, prefix-closed, at most ``min(G, verify_budget) - B`` draft rows);
-    rows past the allocation pad to the sentinel slot. ``RoundResult.num_verify`` reports the
-    allocation (collected with the round's results). There is no host fallback.
-    """
-
-    num_draft_steps: int
-    verify_tokens: Sequence[int] | None = None
-    verify_budget: int | None = None
-
-
-@dataclass(frozen=True)
-class RoundState:
-    """What a plan callback sees after admission, before the round is planned.
-
-    ``round_index`` counts rounds over a non-empty batch, consecutively from 0 (reset by
-    :meth:`Engine.reset`); ``kv_length`` is the batch's mean target KV length before the round.
-    """
-
-    round_index: int
-    num_requests: int
-    kv_length: float
-    request_ids: tuple[int, ...]
-
-
-PlanFn = Callable[[RoundState], RoundPlan]
-
-
-@dataclass(kw_only=True)
-class RoundResult:
-    """Host-side results of one :meth:`Engine.step`.
-
-    Arrays are aligned with ``request_ids`` (the running batch of the round, in slot order).
-    ``emitted[i]`` holds request ``i``'s new tokens of this step (the prefill's first token, if
-    any, then ``accepted[i] + 1`` round tokens, truncated by stop rules).
-    """
-
-    num_requests: int
-    bcap: int
-    g: int
-    k: int
-    request_ids: list[int]
-    accepted: np.ndarray  # [B] int64
-    num_verify: np.ndarray  # [B] int64
-    emitted: list[list[int]]
-    finished: list[int]
-    draft_scores: np.ndarray  # [B, k] float32
-    kv_lengths: np.ndarray  # [B] int64, after the round
-    num_prefill_tokens: int = 0
-    # recurrent-state bytes the round moved (hybrid targets: StateTraffic.total of the round's
-    # shape under the engine's state strategy; 0 without recurrent state)
-    state_bytes: int = 0
-    first_tokens: dict[int, int] = field(default_factory=dict)
-    round_index: int = -1  # -1: no round ran (empty batch)
-    num_discarded: int = 0  # pipelined: rows of already-finished requests the round also ran
-    # pipelined: what the device computed for those rows (never emitted): [D], [D], [D, k], [D]
-    discarded_accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    discarded_num_verify: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    discarded_draft_scores: np.ndarray | None = None
-    discarded_kv_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-
-    @property
-    def accept_matrix(self) -> np.ndarray:  # [B, k] bool: draft position j of request b accepted
-        return np.arange(self.k)[None, :] < np.asarray(self.accepted)[:, None]
-
-    def physical(self) -> RoundResult:
-        """The rows the device ran: the live rows, then (pipelined) the discarded ones.
-
-        Under a pipelined engine a round also computes the rows of requests whose stop was
-        discovered one round late; their outcomes (accepted lengths, draft scores, verify
-        lengths and the KV length the device reached) are real measurements of that round
-        and what its cost was paid for, so the live policy loop records and observes them
-        (the replay then sees the same batch as the decision). Returns ``self`` when none.
-        """
-        if not self.num_discarded:
-            return self
-        k = self.k
-        ds = self.discarded_draft_scores
-        if ds is None:
-            ds = np.zeros((self.num_discarded, k), np.float32)
-        acc = np.concatenate([self.accepted, self.discarded_accepted])
-        return replace(
-            self,
-            num_requests=self.num_requests + self.num_discarded,
-            accepted=acc,
-            num_verify=np.concatenate([self.num_verify, self.discarded_num_verify]),
-            draft_scores=np.concatenate([self.draft_scores, ds]),
-            kv_lengths=np.concatenate([self.kv_lengths, self.discarded_kv_lengths]),
-            num_discarded=0,
-        )
+__all__ = ["Engine", "EngineConfig", "PlanFn", "RoundPlan", "RoundResult", "RoundState"]
 
 
 class Engine:
@@ -367,7 +124,7 @@ class Engine:
         # slots each
         self._lag_slots = (w + 1) * self.queue_depth
         max_len = config.max_model_len or 4096
-        _check_declared_context(config.model, config.max_model_len)  # before the rotary tables
+        check_declared_context(config.model, config.max_model_len)  # before the rotary tables
         self.loaded: LoadedModel = self._load_model(dtype, max_len,
                                                     max_len + w + 2 + self._lag_slots)
         mcfg = self.loaded.config

@@ -1,0 +1,114 @@
+"""What a round is asked to run and what it returns: :class:`RoundPlan` (the policy's choice),
+:class:`RoundState` (what a plan callback sees) and :class:`RoundResult` (the host-side result
+of one ``Engine.step``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the next round runs: ``k`` draft steps and optional per-request verify lengths.
+
+    ``verify_tokens [B]``: drafts each request sends to the target (host-chosen, prefix-closed);
+    None = all ``k``. The target runs ``geometry.g_for(bcap, sum(verify_tokens + 1))`` rows.
+
+    ``verify_budget`` (adaptive target verify, exclusive with ``verify_tokens``; needs
+    ``num_draft_steps == draft_width``): padded target rows ``G`` the round may use. The target
+    runs at ``G`` taken down to the largest target bucket of the batch's ``Bcap`` that fits (the
+    smallest bucket when none does; then no draft row is verified). The draft runs full width;
+    then, on the device and without a host wait, each request gets a prefix of its drafts by the
+    rule of ``speccal.policy_rules.allocate_prefixes`` applied to this round's draft scores (highest
+    prefix survival first, prefix-closed, at most ``min(G, verify_budget) - B`` draft rows);
+    rows past the allocation pad to the sentinel slot. ``RoundResult.num_verify`` reports the
+    allocation (collected with the round's results). There is no host fallback.
+    """
+
+    num_draft_steps: int
+    verify_tokens: Sequence[int] | None = None
+    verify_budget: int | None = None
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """What a plan callback sees after admission, before the round is planned.
+
+    ``round_index`` counts rounds over a non-empty batch, consecutively from 0 (reset by
+    :meth:`Engine.reset`); ``kv_length`` is the batch's mean target KV length before the round.
+    """
+
+    round_index: int
+    num_requests: int
+    kv_length: float
+    request_ids: tuple[int, ...]
+
+
+PlanFn = Callable[[RoundState], RoundPlan]
+
+
+@dataclass(kw_only=True)
+class RoundResult:
+    """Host-side results of one :meth:`Engine.step`.
+
+    Arrays are aligned with ``request_ids`` (the running batch of the round, in slot order).
+    ``emitted[i]`` holds request ``i``'s new tokens of this step (the prefill's first token, if
+    any, then ``accepted[i] + 1`` round tokens, truncated by stop rules).
+    """
+
+    num_requests: int
+    bcap: int
+    g: int
+    k: int
+    request_ids: list[int]
+    accepted: np.ndarray  # [B] int64
+    num_verify: np.ndarray  # [B] int64
+    emitted: list[list[int]]
+    finished: list[int]
+    draft_scores: np.ndarray  # [B, k] float32
+    kv_lengths: np.ndarray  # [B] int64, after the round
+    num_prefill_tokens: int = 0
+    # recurrent-state bytes the round moved (hybrid targets: StateTraffic.total of the round's
+    # shape under the engine's state strategy; 0 without recurrent state)
+    state_bytes: int = 0
+    first_tokens: dict[int, int] = field(default_factory=dict)
+    round_index: int = -1  # -1: no round ran (empty batch)
+    num_discarded: int = 0  # pipelined: rows of already-finished requests the round also ran
+    # pipelined: what the device computed for those rows (never emitted): [D], [D], [D, k], [D]
+    discarded_accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    discarded_num_verify: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    discarded_draft_scores: np.ndarray | None = None
+    discarded_kv_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def accept_matrix(self) -> np.ndarray:  # [B, k] bool: draft position j of request b accepted
+        return np.arange(self.k)[None, :] < np.asarray(self.accepted)[:, None]
+
+    def physical(self) -> RoundResult:
+        """The rows the device ran: the live rows, then (pipelined) the discarded ones.
+
+        Under a pipelined engine a round also computes the rows of requests whose stop was
+        discovered one round late; their outcomes (accepted lengths, draft scores, verify
+        lengths and the KV length the device reached) are real measurements of that round
+        and what its cost was paid for, so the live policy loop records and observes them
+        (the replay then sees the same batch as the decision). Returns ``self`` when none.
+        """
+        if not self.num_discarded:
+            return self
+        k = self.k
+        ds = self.discarded_draft_scores
+        if ds is None:
+            ds = np.zeros((self.num_discarded, k), np.float32)
+        acc = np.concatenate([self.accepted, self.discarded_accepted])
+        return replace(
+            self,
+            num_requests=self.num_requests + self.num_discarded,
+            accepted=acc,
+            num_verify=np.concatenate([self.num_verify, self.discarded_num_verify]),
+            draft_scores=np.concatenate([self.draft_scores, ds]),
+            kv_lengths=np.concatenate([self.kv_lengths, self.discarded_kv_lengths]),
+            num_discarded=0,
+        )
