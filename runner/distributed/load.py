@@ -71,6 +71,10 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     InputError
         ``tp`` does not divide a sharded size (naming the config field, its value and ``tp``).
     """
+    if cfg.moe is not None and tp > 1:
+        raise UnsupportedError(
+            f"tp={tp} with routed experts (config.json num_experts / n_routed_experts "
+            f"{cfg.moe.num_experts}): sharding the experts is not implemented, expected tp=1")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(cfg, name)
         if value % tp:
