@@ -1,7 +1,8 @@
 """Routed mixture-of-experts targets (issue 37), CPU fp32, against transformers.
 
 Random-weight checkpoints written by ``save_pretrained`` (3 layers, hidden 40, odd widths):
-Qwen3-MoE (softmax top-k, renormalised, a dense first layer by ``mlp_only_layers``), GLM-4.5
+Qwen3-MoE (softmax top-k, renormalised, a dense first layer by ``mlp_only_layers``), Qwen2-MoE
+(q/k/v bias, not renormalised, a shared expert scaled by its sigmoid gate), GLM-4.5
 MoE (the DeepSeek-V3 router: sigmoid scores, a random ``e_score_correction_bias`` for the
 selection, 2 groups of which 1 is kept, ``routed_scaling_factor`` 2.5, a shared expert,
 ``first_k_dense_replace``; GQA with q/k norm (``use_qk_norm``), q/k/v bias, half rotary) and
@@ -49,6 +50,9 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
         head_dim=12, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
         mlp_only_layers=[0], decoder_sparse_step=1)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        num_experts=5, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0],
+        shared_expert_intermediate_size=28)),
     "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(
         head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1,
         n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
@@ -196,11 +200,11 @@ def test_plain_greedy_equals_transformers(family):
 
 def test_speculative_greedy_equals_transformers_every_accepted_length(family):
     """GLM-4.5 MoE with its DeepSeek-layout MTP layer (itself routed): K = 1..3, batch 1 with
-    the head's drafts, then the oracle's mixed batch. Qwen3-MoE publishes no head; MiMo-V2-
+    the head's drafts, then the oracle's mixed batch. MiMo-V2-
     Flash's (``model.mtp.layers.N``) is refused by name (sliding-window attention with sinks),
-    while its target still serves plain decoding."""
+    while its target still serves plain decoding. The Qwen MoE families publish no head."""
     name, folder, refs = family
-    if name == "qwen3_moe":
+    if name in ("qwen3_moe", "qwen2_moe"):
         with pytest.raises(UnsupportedError, match="no MTP head"):
             _engine(folder)
         return
