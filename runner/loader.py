@@ -198,6 +198,9 @@ def _fill(
     what: str,
 ) -> set[str]:  # the keys consumed
     params = dict(module.named_parameters())
+    # modules that keep float32 parameters whatever the model dtype (a sigmoid MoE router)
+    keep32 = {f"{prefix}.{name}" for prefix, m in module.named_modules()
+              if getattr(m, "is_float32", False) for name, _ in m.named_parameters()}
     for name, key in key_map.items():
         p = params[name]
         if key not in keys:
@@ -212,7 +215,7 @@ def _fill(
                 f"checkpoint tensor {key}", shape, f"shape {tuple(p.shape)} for the {what}"
             )
         with torch.no_grad():
-            p.data = source.get(key, shape, dtype, device)
+            p.data = source.get(key, shape, torch.float32 if name in keep32 else dtype, device)
     return set(key_map.values())
 
 

@@ -51,10 +51,14 @@ class SwiGLU(nn.Module):
 
 class Router(nn.Module):
     """The router's parameters: ``weight [E, hidden]`` and, for the sigmoid (noaux_tc) routers
-    that have one, the selection bias ``e_score_correction_bias [E]`` (float32)."""
+    that have one, the selection bias ``e_score_correction_bias [E]``. A sigmoid router keeps
+    both in float32 whatever the model's dtype (:attr:`is_float32`, read by the loader), as
+    transformers keeps them (``_keep_in_fp32_modules_strict``): a bf16 bias would move the
+    selection."""
 
     def __init__(self, hidden: int, moe: MoEConfig):
         super().__init__()
+        self.is_float32 = moe.scoring == "sigmoid"
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
         if moe.has_score_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts),

@@ -477,3 +477,18 @@ def test_tensor_parallel_routed_experts_are_refused():
     assert local_config(cfg, 1).moe == cfg.moe
     with pytest.raises(UnsupportedError, match="tp=2 with routed experts"):
         local_config(cfg, 2)
+
+
+def test_sigmoid_router_keeps_float32_weights_in_a_bf16_model(family):
+    """As transformers keeps them: a bf16 score bias would move the expert selection."""
+    name, folder, _ = family
+    eng = _engine(folder, speculative=False, dtype="bfloat16")
+    moe = _moe_layers(eng.loaded.target)
+    want = torch.float32 if moe[0].moe.scoring == "sigmoid" else torch.bfloat16
+    for m in moe:
+        assert m.gate.weight.dtype == want, name
+        assert m.experts[0].gate_proj.weight.dtype == torch.bfloat16
+        if m.gate.e_score_correction_bias is not None:
+            assert m.gate.e_score_correction_bias.dtype == torch.float32
+    got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=4, ignore_eos=True)], 0)
+    assert len(got[0]) == 4
