@@ -1,7 +1,9 @@
 """The dense decoder's configuration, read from a Hugging Face ``config.json`` dictionary.
 
 This module owns :class:`ModelConfig` (a frozen dataclass the model modules are built from) and
-its parsing from HF configs of the Llama / Mistral / Qwen2 / Qwen3 / MiMo family. Structural flags
+its parsing from HF configs of the Llama / Mistral / Qwen2 / Qwen3 / MiMo family and of their
+routed-expert relatives (Qwen2-MoE, Qwen3-MoE, GLM-4.5 MoE, the DeepSeek-V3 router; the
+routing is :class:`~speccal.runner.moe_config.MoEConfig`, parsed there). Structural flags
 that HF encodes in the model *class* (q/k/v bias in Qwen2, per-head q/k norm in Qwen3, which
 projections ``attention_bias`` puts a bias on) are read from the checkpoint's tensor names when a
 ``key_names`` set is given, so no code tests a model name; an explicit ``attention_bias`` /
@@ -11,8 +13,11 @@ Strictness (SPEC section 7): every config feature that changes the computation i
 refused naming its key. Sliding-window attention is implemented (:func:`layer_windows`: the
 ``layer_types`` / ``use_sliding_window`` + ``max_window_layers`` / Mistral-style rules of
 transformers); the keys of :data:`UNIMPLEMENTED_KEYS` (soft-capping, MLA, multipliers ...) are
-refused when set to anything but their neutral value; integer fields of a wrong JSON type are
-refused naming key, value and the type expected.
+refused when set to anything but their neutral value, and tensors of unimplemented features
+(:data:`UNIMPLEMENTED_STEMS`: attention sinks) by their name; integer fields of a wrong JSON type
+are refused naming key, value and the type expected. Per-layer-type ``rope_parameters``
+(MiMo-V2-Flash) are one RoPE when the layer types in use share one entry, and
+``attention_value_scale`` scales the attention values (:attr:`ModelConfig.value_scale`).
 
 RoPE: ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5) are both read
 into one :class:`RopeConfig`; supported types are ``default``, ``linear``, ``dynamic`` (NTK),
@@ -33,8 +38,8 @@ from speccal.runner.mla_config import (
     is_mla_config,
     mla_family,
     mla_from_hf,
-    routed_layers,
 )
+from speccal.runner.moe_config import MoEConfig, expert_count, moe_config_from_hf
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -86,6 +91,12 @@ class ModelConfig:
         Multi-head latent attention (``speccal.runner.mla``) in every layer, with its DSA
         indexer when set; then ``head_dim`` is ``qk_rope_head_dim`` (the rotary table's width)
         and the KV heads fields are unused.
+    moe : MoEConfig or None
+        The routed-expert MLP and the layers that have it (``speccal.runner.moe_config``);
+        the other layers have the dense SwiGLU of ``intermediate_size``.
+    value_scale : float
+        Multiplies the attention values before they are cached (MiMo-V2-Flash's
+        ``attention_value_scale``); 1: none.
     extra : mapping
         The raw HF config, for draft-family recognition.
     """
@@ -110,6 +121,8 @@ class ModelConfig:
     architecture: str = "DenseDecoder"
     num_mtp_depths: int = 0
     mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    value_scale: float = 1.0
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +155,18 @@ class ModelConfig:
         if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
             raise InputError("config.sliding_windows", len(self.sliding_windows),
                              f"{self.num_hidden_layers} entries (one per layer) or none")
+        dense = self.dense_mlp_layers()
+        if dense and self.intermediate_size < 1 and self.moe is not None:
+            raise InputError("config.json:intermediate_size", None,
+                             f"a value: layers {dense} have a dense SwiGLU MLP")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the routed-expert one."""
+        return self.moe is not None and self.moe.is_sparse(layer)
+
+    def dense_mlp_layers(self) -> list[int]:
+        """Indices of the layers whose MLP is the dense SwiGLU (not routed experts)."""
+        return [i for i in range(self.num_hidden_layers) if not self.is_sparse(i)]
 
     def kv_cache_dims(self, num_kv_heads: int) -> tuple[int, int, int]:
         """``(heads, k channels, v channels)`` of one layer's paged cache: GQA caches
@@ -186,18 +211,35 @@ UNIMPLEMENTED_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "kv_lora_rank": ((None,), "multi-head latent attention (MLA)"),
     "q_lora_rank": ((None,), "multi-head latent attention (MLA)"),
     "attention_chunk_size": ((None,), "chunked local attention"),
-    "use_qk_norm": ((None, False), "L2 q/k norm"),
+    # true with q_norm / k_norm weights (GLM-4.5): the per-head RMSNorm, read from the tensors
+    "use_qk_norm": ((None, False), "L2 q/k norm without weights (Llama 4)"),
     "clip_qkv": ((None,), "q/k/v clipping"),
     "rope_interleave": ((None, False), "interleaved (GPT-J) rotary"),
     "use_bidirectional_attention": ((None, False), "bidirectional attention"),
     "dual_chunk_attention_config": ((None,), "dual chunk attention"),
+    # MiMo-V2-Flash's hub form: sliding-window layers with their own head shapes and sinks
+    "add_swa_attention_sink_bias": ((None, False), "attention sinks"),
+    "add_full_attention_sink_bias": ((None, False), "attention sinks"),
+    "swa_num_key_value_heads": ((None,), "sliding-window layers with their own KV head count"),
+    "hybrid_layer_pattern": ((None,), "a hybrid attention pattern (expected layer_types)"),
+}
+
+#: per-layer tensor stems (any target layer) of features the runner does not implement, refused
+#: before the shapes are checked (MiMo-V2-Flash's windowed layers also have twice the KV heads,
+#: so the sinks, not a shape, are the reason); any other unknown tensor is refused by the strict
+#: loader as unconsumed
+UNIMPLEMENTED_STEMS: dict[str, str] = {
+    "self_attn.attention_sink_bias": "attention sinks (a learned per-head logit in the "
+                                     "softmax; MiMo-V2-Flash's sliding-window layers)",
 }
 
 _MISSING = object()
 
 
-def _structure(allow_hybrid: bool) -> str:
-    return "a hybrid linear-attention target" if allow_hybrid else "a dense attention decoder"
+def _structure(allow_hybrid: bool, is_moe: bool = False) -> str:
+    if allow_hybrid:
+        return "a hybrid linear-attention target"
+    return "a routed-expert attention decoder" if is_moe else "a dense attention decoder"
 
 
 def _require(cfg: Mapping[str, Any], name: str, structure: str) -> Any:
@@ -246,6 +288,12 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
     if not isinstance(raw, Mapping):
         raise InputError("config.json:rope_parameters", raw, "a mapping of RoPE parameters")
     nested = sorted(k for k, v in raw.items() if isinstance(v, Mapping))
+    used = set(cfg.get("layer_types") or ())
+    if nested and len(nested) == len(raw) and used and used <= set(nested):
+        # per-layer-type entries (MiMo-V2-Flash): one RoPE when the used types agree
+        entries = {json_repr(sorted(dict(raw[t]).items())) for t in used}
+        if len(entries) == 1:
+            raw, nested = raw[next(iter(used))], []
     if nested:
         raise UnsupportedError(
             f"config.json:rope_parameters has per-layer-type entries {nested}: one RoPE for "
@@ -322,12 +370,26 @@ def layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
     return (window,) * num_layers
 
 
-def _refuse_unimplemented(cfg: Mapping[str, Any], implemented: tuple[str, ...] = ()) -> None:
+def _refuse_unimplemented(cfg: Mapping[str, Any], stems: set[str] | None,
+                          implemented: tuple[str, ...] = ()) -> None:
     for key, (neutral, what) in UNIMPLEMENTED_KEYS.items():
+        if key == "use_qk_norm" and stems is not None and "self_attn.q_norm.weight" in stems:
+            continue  # weighted per-head RMSNorm, read from the tensors (is_qk_norm)
         if key in cfg and cfg[key] not in neutral and key not in implemented:
             raise UnsupportedError(
                 f"config.json:{key}={cfg[key]!r}: {what} is not implemented by the runner, "
                 f"expected {' or '.join(json_repr(v) for v in neutral)} (or no such key)")
+    for stem, what in UNIMPLEMENTED_STEMS.items():
+        if stems is not None and stem in stems:
+            raise UnsupportedError(
+                f"checkpoint tensors model.layers.N.{stem}: {what} are not implemented by the "
+                "runner, expected no such tensor")
+    v_dim, head_dim = cfg.get("v_head_dim"), cfg.get("head_dim")
+    if v_dim is not None and v_dim != head_dim and "v_head_dim" not in implemented:
+        raise UnsupportedError(
+            f"config.json:v_head_dim={v_dim!r}: value heads narrower or wider than the query / "
+            f"key heads are not implemented (the paged KV cache has one head_dim), expected "
+            f"head_dim={head_dim!r}")
     no_rope = cfg.get("no_rope_layers")
     if no_rope and not all(no_rope):
         raise UnsupportedError(
@@ -414,21 +476,22 @@ def config_from_hf(
         reads the rest, ``hybrid_config_from_hf``) instead of refusing it. The dense decoder
         keeps the default (refuse); the loader sends configs whose ``layer_types`` name
         ``linear_attention`` to the hybrid parser (``speccal.runner.hybrid.is_hybrid_config``).
-        A routed-expert hybrid config needs no ``intermediate_size`` (0: no dense MLP).
+            A config whose every MLP is routed needs no ``intermediate_size`` (0: no dense MLP).
 
     Raises
     ------
     InputError
         A missing or invalid field (a wrong JSON type included), naming it.
     UnsupportedError
-        A structure or feature the runner does not implement (non-SiLU MLP, MoE on the dense
-        decoder, linear attention, a :data:`UNIMPLEMENTED_KEYS` key), naming the key.
+        A structure or feature the runner does not implement (non-SiLU MLP, a routing feature
+        of ``speccal.runner.moe_config``, linear attention, a :data:`UNIMPLEMENTED_KEYS` key or
+        :data:`UNIMPLEMENTED_STEMS` tensor), naming the key.
     """
     if not isinstance(cfg, Mapping):
         raise InputError("config.json", type(cfg).__name__, "a JSON object")
     if "text_config" in cfg and isinstance(cfg["text_config"], Mapping):
         cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
-    structure = _structure(allow_hybrid)
+    structure = _structure(allow_hybrid, expert_count(cfg) is not None)
     family = mla_family(cfg) if is_mla_config(cfg) and not allow_hybrid else None
     for act_key in ("hidden_act", "hidden_activation"):
         act = cfg.get(act_key)
@@ -436,17 +499,10 @@ def config_from_hf(
             raise UnsupportedError(
                 f"config.json:{act_key}={act!r}: only SwiGLU (silu) MLPs are supported, "
                 "expected 'silu'")
-    # an MLA family's experts count is a routed MLP only in the layers its rule routes
-    routed = (routed_layers(cfg, family, _int(cfg, "num_hidden_layers", structure))
-              if family is not None else None)
-    for moe_field in ("num_experts", "n_routed_experts", "num_local_experts"):
-        if cfg.get(moe_field) and not allow_hybrid and (routed is None or routed):
-            where = f" (routed layers {routed})" if routed else ""
-            raise UnsupportedError(
-                f"config.json:{moe_field}={cfg[moe_field]!r}: mixture-of-experts targets are not "
-                f"supported by the dense decoder{where}"
-            )
-    _refuse_unimplemented(cfg, MLA_KEYS if family is not None else ())
+    names = set(key_names) if key_names is not None else None
+    layers = _int(cfg, "num_hidden_layers", structure)
+    stems = _target_stems(names, layers) if names is not None else None
+    _refuse_unimplemented(cfg, stems, (*MLA_KEYS, "v_head_dim") if family is not None else ())
     layer_types = cfg.get("layer_types") or ()
     known = ("full_attention", "sliding_attention") + (("linear_attention",) if allow_hybrid else ())
     if family is not None and family.layer_type is not None:
@@ -458,13 +514,13 @@ def config_from_hf(
             "and sliding-window layers only (hybrid linear-attention targets parse with "
             "speccal.runner.hybrid.hybrid_config_from_hf)"
         )
-    names = set(key_names) if key_names is not None else None
     hidden = _int(cfg, "hidden_size", structure)
     heads = _int(cfg, "num_attention_heads", structure)
-    layers = _int(cfg, "num_hidden_layers", structure)
-    is_moe = allow_hybrid and bool(cfg.get("num_experts"))
-    inter = _int(cfg, "intermediate_size", structure, 0 if is_moe else _MISSING)
-    if inter < 1 and not is_moe:
+    # the hybrid families' routers always renormalise and write no norm_topk_prob
+    moe = moe_config_from_hf(cfg, names, layers, default_norm=True if allow_hybrid else None)
+    # without it every layer must be routed (ModelConfig names the dense ones otherwise)
+    inter = _int(cfg, "intermediate_size", structure, 0 if moe is not None else _MISSING)
+    if inter < 1 and moe is None:
         raise InputError("config.json:intermediate_size", inter, "an integer >= 1")
     if names is not None:
         is_qk_norm = "self_attn.q_norm.weight" in _target_stems(names, layers)
@@ -505,5 +561,7 @@ def config_from_hf(
         architecture=str(archs[0]),
         num_mtp_depths=depths,
         mla=mla,
+        moe=moe,
+        value_scale=_float(cfg, "attention_value_scale", 1.0),
         extra=dict(cfg),
     )

@@ -133,6 +133,16 @@ REGISTRY: dict[str, DraftFamily] = {
         embed="embed_tokens",
         is_feedback_normed=False,
     ),
+    "mimo_v2_mtp": DraftFamily(  # MiMo-V2-Flash (vLLM mimo_v2_flash_mtp.py reads this layout)
+        name="mimo_v2_mtp",
+        key_regex=r"^model\.mtp\.layers\.(?P<index>\d+)\.",
+        prefix="model.mtp.layers.{depth}.",
+        final_norm="final_layernorm",
+        refusal="its layer is a sliding-window attention layer with attention sinks "
+                "(self_attn.attention_sink_bias) and its own head shapes (swa_num_key_value_heads"
+                ", swa_head_dim), which the runner's attention does not implement; the target "
+                "serves plain decoding (its full-attention form)",
+    ),
     "qwen3_5_mtp": DraftFamily(
         name="qwen3_5_mtp",
         key_regex=r"^mtp\.(?:layers\.(?P<index>\d+)\.)?",
@@ -173,11 +183,15 @@ def recognise(
     keys: Iterable[str],
     num_target_layers: int,
     target_structure: str = "dense",
+    *,
+    need_head: bool = True,
 ) -> tuple[DraftFamily, int] | None:
     """Find the draft family of a checkpoint from its tensor names and config.
 
     ``target_structure``: the loaded target's (a :data:`TARGET_STRUCTURES` key); a family
-    built for the other structure is refused.
+    built for the other structure is refused. ``need_head`` False (plain decoding, no head
+    built): a family refused as a whole (:attr:`DraftFamily.refusal`) is returned, not
+    raised, so its tensors are dropped and the target still serves.
 
     Returns
     -------
@@ -215,6 +229,8 @@ def recognise(
             "the tensors of exactly one draft family",
         )
     fam, depths = found[0]
+    if fam.refusal and not need_head:
+        return fam, len(depths)
     if fam.refusal:
         raise UnsupportedError(
             f"draft family {fam.name!r} is recognised but refused: {fam.refusal}"

@@ -63,6 +63,7 @@ from speccal.runner.hybrid_state import make_strategy
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.linear_attention import CHUNK_SIZE
 from speccal.runner.loader import LoadedModel, load_model
+from speccal.runner.moe import activated_counts
 from speccal.runner.path import bind_path
 from speccal.runner.prefill import prefill
 from speccal.runner.presets import PRESETS
@@ -388,6 +389,16 @@ class Engine:
     def kv_lengths(self) -> np.ndarray:
         """KV length (tokens in the target cache) of each running request, in :meth:`running_ids` order."""
         return np.array([r.num_computed for r in self._running], dtype=np.int64)
+
+    def take_activated_experts(self) -> dict[str, list[int]]:
+        """Distinct routed experts each MoE layer activated since the last call, per module
+        (``{"target": [per routed layer], "draft": [...]}``, empty lists for dense models), and
+        reset. Called after each :meth:`step` of the synchronous loop it is that round's (its
+        prefill included); on the pipelined loop a step's forwards overlap the next round's.
+        One host read per layer (the rounds keep ``[E]`` device masks, no sync of their own)."""
+        return {name: activated_counts(module) if module is not None else []
+                for name, module in (("target", self.loaded.target),
+                                     ("draft", self.loaded.draft))}
 
     @property
     def num_free_kv_tokens(self) -> int:

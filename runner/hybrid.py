@@ -48,7 +48,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from speccal.base.errors import InputError, UnsupportedError
@@ -62,6 +61,8 @@ from speccal.runner.linear_attention import (
     StateMeta,
 )
 from speccal.runner.model import ModelCapabilities
+from speccal.runner.moe import RoutedMoE, SwiGLU
+from speccal.runner.moe_config import MoEConfig
 from speccal.runner.path import PathBound
 from speccal.runner.rope import RotaryTable
 
@@ -69,22 +70,6 @@ TOKEN_MIXERS = {  # layer_types entry -> (module attribute, holds recurrent stat
     "linear_attention": ("linear_attn", True),
     "full_attention": ("self_attn", False),
 }
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Routed experts with a sigmoid-gated shared expert (Qwen3-Next's sparse MLP)."""
-
-    num_experts: int
-    top_k: int
-    expert_intermediate_size: int
-    shared_intermediate_size: int
-    is_topk_normalised: bool
-    sparse_step: int = 1
-    dense_layers: tuple[int, ...] = ()
-
-    def is_sparse(self, layer: int) -> bool:
-        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
 
 @dataclass(frozen=True)
@@ -185,18 +170,7 @@ def hybrid_config_from_hf(cfg: Mapping[str, Any],
         conv_kernel=need("linear_conv_kernel_dim"),
         is_grouped_projection=grouped,
     )
-    moe = None
-    if raw.get("num_experts"):
-        moe = MoEConfig(
-            num_experts=need("num_experts"),
-            top_k=need("num_experts_per_tok"),
-            expert_intermediate_size=need("moe_intermediate_size"),
-            shared_intermediate_size=need("shared_expert_intermediate_size"),
-            is_topk_normalised=bool(raw.get("norm_topk_prob", True)),
-            sparse_step=need("decoder_sparse_step") if "decoder_sparse_step" in raw else 1,
-            dense_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
-        )
-    return HybridConfig(base=base, layer_types=tuple(layer_types), linear=linear, moe=moe,
+    return HybridConfig(base=base, layer_types=tuple(layer_types), linear=linear, moe=base.moe,
                         is_attn_output_gated=bool(raw.get("attn_output_gate", True)))
 
 
@@ -273,51 +247,6 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class SparseMoE(nn.Module):
-    """Top-k routed SwiGLU experts (softmax router, optional renormalised top-k weights) plus
-    a shared expert scaled by ``sigmoid(shared_expert_gate(x))``. Eager reference: every expert
-    runs on the rows routed to it (dense gather; no grouped GEMM)."""
-
-    def __init__(self, hidden: int, moe: MoEConfig):
-        super().__init__()
-        self.moe = moe
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(hidden, moe.expert_intermediate_size)
-                                     for _ in range(moe.num_experts))
-        self.shared_expert = SwiGLU(hidden, moe.shared_intermediate_size)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise UnsupportedError(
-                "the routed-expert MLP gathers each expert's rows (data-dependent shapes): "
-                "it runs eager (graph_mode='eager'), not inside a captured CUDA graph")
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
-        weights, experts = probs.topk(self.moe.top_k, dim=-1)  # [N, top_k]
-        if self.moe.is_topk_normalised:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows, slot = torch.where(experts == e)
-            if rows.numel():
-                out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-
-
 def freeze_constants(module: nn.Module) -> None:
     """Freeze every submodule's weight-derived constants (``OffsetRMSNorm.freeze``,
     ``GatedDeltaNet.freeze``): the values each forward computed from the weights, computed once
@@ -343,7 +272,7 @@ class HybridLayer(nn.Module):
         self.input_layernorm = OffsetRMSNorm(b.hidden_size, b.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(b.hidden_size, b.rms_norm_eps)
         if cfg.moe is not None and cfg.moe.is_sparse(index):
-            self.mlp = SparseMoE(b.hidden_size, cfg.moe)
+            self.mlp = RoutedMoE(b.hidden_size, cfg.moe)
         else:
             self.mlp = SwiGLU(b.hidden_size, b.intermediate_size)
 
@@ -464,9 +393,8 @@ class HybridMTPHead(PathBound, nn.Module):
         self.embed_norm = OffsetRMSNorm(h, b.rms_norm_eps)
         self.hidden_norm = OffsetRMSNorm(h, b.rms_norm_eps)
         self.proj = nn.Linear(2 * h, h, bias=False)
-        one = dataclasses.replace(b, num_hidden_layers=1)
-        moe = None if cfg.moe is None else dataclasses.replace(cfg.moe, sparse_step=1,
-                                                                 dense_layers=())
+        moe = None if cfg.moe is None else dataclasses.replace(cfg.moe, sparse_layers=(0,))
+        one = dataclasses.replace(b, num_hidden_layers=1, moe=moe)
         self.layer = HybridLayer(dataclasses.replace(cfg, base=one, layer_types=(
             "full_attention",), moe=moe), 0)
         self.final_norm = OffsetRMSNorm(h, b.rms_norm_eps)

@@ -1,5 +1,5 @@
 """Decoder building blocks of the Llama / Mistral / Qwen2 / Qwen3 / MiMo family: RMSNorm, GQA
-attention, SwiGLU.
+attention, SwiGLU (or, where the config routes a layer's MLP, ``speccal.runner.moe.RoutedMoE``).
 
 This module owns one decoder layer (:class:`DecoderLayer`) shared by the target and the MTP draft
 head. Parameter names match Hugging Face checkpoints (``self_attn.q_proj``, ``mlp.gate_proj``,
@@ -28,6 +28,7 @@ from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig
 from speccal.runner.distributed.tp import TPBound, reduce_partial
+from speccal.runner.moe import RoutedMoE
 from speccal.runner.path import ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
 
@@ -77,6 +78,7 @@ class Attention(TPBound, PathBound, nn.Module):
         self.head_dim = d
         self.scale = d**-0.5
         self.window = cfg.window(layer)
+        self.value_scale = cfg.value_scale  # MiMo-V2-Flash's attention_value_scale (1: none)
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.is_qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.is_qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.is_qkv_bias)
@@ -108,6 +110,8 @@ class Attention(TPBound, PathBound, nn.Module):
             q = _linear(x, self.q_proj.weight, self.q_proj.bias, path).view(n, hq, d)
             k = _linear(x, self.k_proj.weight, self.k_proj.bias, path).view(n, hk, d)
             v = _linear(x, self.v_proj.weight, self.v_proj.bias, path).view(n, hk, d)
+        if self.value_scale != 1.0:  # before the cache, as transformers scales them
+            v = v * self.value_scale
         if self.q_norm is not None:
             q = self.q_norm(q.contiguous())
             k = self.k_norm(k.contiguous())
@@ -200,7 +204,9 @@ class MLP(TPBound, PathBound, nn.Module):
 
 
 class DecoderLayer(PathBound, nn.Module):
-    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; the MLP is the
+    routed-expert one (``speccal.runner.moe.RoutedMoE``) where ``cfg`` says ``layer`` is sparse,
+    else the dense SwiGLU.
 
     ``attention_class`` builds ``self_attn`` (GQA here; ``speccal.runner.mla.MLADecoderLayer``
     puts multi-head latent attention in its place, same call)."""
@@ -213,7 +219,8 @@ class DecoderLayer(PathBound, nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.attention_class(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.is_sparse = cfg.is_sparse(layer)
+        self.mlp = RoutedMoE(cfg.hidden_size, cfg.moe) if self.is_sparse else MLP(cfg)
 
     def forward(
         self,
@@ -231,11 +238,14 @@ class DecoderLayer(PathBound, nn.Module):
     def can_fuse(self, x: torch.Tensor, rotary: RotaryTable) -> bool:
         """Whether :meth:`forward_fused` serves ``x``: Triton ops on, fused weights, skinny rows,
         full rotary (the fused rotary kernel's table), no o or MLP bias (the fused layer's
-        epilogues have none; such a layer runs the per-op path, which adds them). Only ``x``'s
-        device and row count are read, so the rows' token ids ``[N]`` answer as their hidden
-        states would."""
+        epilogues have none; such a layer runs the per-op path, which adds them), a dense MLP
+        (a routed-expert layer runs the per-op path: Triton norms and attention, torch
+        experts) and no value scale. Only ``x``'s device and row count are read, so the rows'
+        token ids ``[N]`` answer as their hidden states would."""
         return (
-            self.path.fused(x)
+            not self.is_sparse
+            and self.self_attn.value_scale == 1.0
+            and self.path.fused(x)
             and self.self_attn.o_proj.bias is None
             and self.mlp.down_proj.bias is None
             and self.self_attn.tp is None  # the fused layer has no TP reduction

@@ -35,6 +35,7 @@ from speccal.runner.checkpoint import SafetensorsFolder, TensorSource
 from speccal.runner.config import ModelConfig, config_from_hf
 from speccal.runner.device import on_meta
 from speccal.runner.draft_families import REGISTRY, DraftFamily, is_any_draft_key, recognise
+from speccal.runner.expert_source import per_expert
 from speccal.runner.hybrid import (
     HybridConfig,
     HybridModel,
@@ -145,17 +146,31 @@ def _head_flags(family: DraftFamily, keys: set[str], layers: int) -> dict[str, b
 
 def draft_config(cfg: ModelConfig, family: DraftFamily, keys: set[str] | None) -> ModelConfig:
     """The draft layer's config: the target's shapes, biases / q-k norm read from the draft
-    keys, full attention (the head's layer has no window: its family's layer attends fully)."""
+    keys, full attention (the head's layer has no window: its family's layer attends fully),
+    and the routed-expert MLP where the head's keys name a router (``<prefix>mlp.gate.weight``;
+    its score bias and shared-expert gate read from the head's keys too), else the dense one.
+
+    The head builds its one layer as layer 0; a routed head marks every layer index sparse, so
+    layer 0 is and no dense width is asked for."""
     cfg = dataclasses.replace(cfg, sliding_windows=())
+    layers = cfg.num_hidden_layers
+    moe = cfg.moe
+    if moe is not None and keys is not None:
+        def has(stem: str) -> bool:
+            return family.key_for(stem, layers) in keys
+
+        moe = None if not has("mlp.gate.weight") else dataclasses.replace(
+            moe, has_score_bias=has("mlp.gate.e_score_correction_bias"),
+            is_shared_gated=has("mlp.shared_expert_gate.weight"))
+    if moe is not None:
+        moe = dataclasses.replace(moe, sparse_layers=tuple(range(layers)))
+    elif cfg.moe is not None and cfg.intermediate_size < 1:
+        raise InputError("config.json:intermediate_size", None,
+                         f"a value: the MTP head's layer has a dense SwiGLU MLP (no "
+                         f"{family.key_for('mlp.gate.weight', layers)} router tensor)")
+    cfg = dataclasses.replace(cfg, moe=moe)
     if keys is None:
         return cfg
-    layers = cfg.num_hidden_layers
-    router = family.key_for("mlp.gate.weight", layers)
-    if router in keys:
-        raise UnsupportedError(
-            f"checkpoint tensor {router}: the MTP head's layer has a routed-expert MLP "
-            "(mixture of experts), which the dense decoder does not implement; expected a dense "
-            "SwiGLU MLP (mlp.gate_proj / up_proj / down_proj)")
     return dataclasses.replace(
         cfg,
         **_head_flags(family, keys, layers),
@@ -183,6 +198,9 @@ def _fill(
     what: str,
 ) -> set[str]:  # the keys consumed
     params = dict(module.named_parameters())
+    # modules that keep float32 parameters whatever the model dtype (a sigmoid MoE router)
+    keep32 = {f"{prefix}.{name}" for prefix, m in module.named_modules()
+              if getattr(m, "is_float32", False) for name, _ in m.named_parameters()}
     for name, key in key_map.items():
         p = params[name]
         if key not in keys:
@@ -197,7 +215,7 @@ def _fill(
                 f"checkpoint tensor {key}", shape, f"shape {tuple(p.shape)} for the {what}"
             )
         with torch.no_grad():
-            p.data = source.get(key, shape, dtype, device)
+            p.data = source.get(key, shape, torch.float32 if name in keep32 else dtype, device)
     return set(key_map.values())
 
 
@@ -230,7 +248,7 @@ def build(
     keys = set(source.keys())
     cfg = cfg.for_context(max_model_len)
     layers = cfg.num_hidden_layers
-    found = recognise(cfg.extra, keys, layers)
+    found = recognise(cfg.extra, keys, layers, need_head=need_draft)
     target = _empty(device, TargetModel, cfg, 1, 1)
     target_keys = {k for k in keys if not is_any_draft_key(k, layers)}
     key_map = {name: name for name, _ in target.named_parameters()}
@@ -339,7 +357,8 @@ def load_model(
             "folder",
         )
     folder = SafetensorsFolder(model)
-    keys = folder.keys()
+    source = per_expert(folder)  # stacked experts read as per-expert tensors
+    keys = source.keys()
     if is_hybrid_config(folder.config):
         return _load_hybrid_folder(folder, device=device, dtype=dtype,
                                    max_model_len=max_model_len, max_positions=max_positions,
@@ -352,7 +371,7 @@ def load_model(
         )
     target, draft, fam = build(
         cfg,
-        folder,
+        source,
         device=device,
         dtype=torch_dtype,
         max_model_len=max_model_len,
@@ -490,7 +509,8 @@ def _hybrid_loaded(cfg: HybridConfig, source: TensorSource, *, device, dtype: st
 
 def _load_hybrid_folder(folder: SafetensorsFolder, *, device, dtype: str, max_model_len: int,
                         max_positions: int, need_draft: bool) -> LoadedModel:
-    keys = folder.keys()
+    source = per_expert(folder)
+    keys = source.keys()
     cfg = hybrid_config_from_hf(folder.config, keys)
     if need_draft and recognise(cfg.base.extra, keys, cfg.base.num_hidden_layers,
                                 target_structure="hybrid") is None:
@@ -500,7 +520,7 @@ def _load_hybrid_folder(folder: SafetensorsFolder, *, device, dtype: str, max_mo
             "--plain)"
         )
     tok = folder.path if folder.has_tokenizer() else None
-    return _hybrid_loaded(cfg, folder, device=device, dtype=dtype, max_model_len=max_model_len,
+    return _hybrid_loaded(cfg, source, device=device, dtype=dtype, max_model_len=max_model_len,
                           max_positions=max_positions, need_draft=need_draft,
                           fingerprint=folder.fingerprint(), is_random=False,
                           description=f"checkpoint {folder.path} ({cfg.base.architecture})",
@@ -582,7 +602,7 @@ def load_hybrid(
     InputError
         Not a folder, missing or misshapen tensor, bad dtype, a config without linear layers.
     """
-    folder = SafetensorsFolder(model)
+    folder = per_expert(SafetensorsFolder(model))
     cfg = hybrid_config_from_hf(folder.config, folder.keys())
     target = _build_hybrid(cfg, folder, device, _dtype(dtype), max_model_len, max_positions)
     return target, cfg

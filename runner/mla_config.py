@@ -139,10 +139,6 @@ class MLAFamily:
         (the key, if present, is refused when it disagrees: transformers would ignore it).
     is_rope_interleaved : bool
         The layout when the key is absent (or fixed).
-    mlp_rule : str
-        How transformers picks a layer's MLP: ``first_k_dense_replace`` (dense below it,
-        routed from it on, when ``n_routed_experts`` is set) or ``mlp_layer_types``
-        (``dense`` / ``sparse`` per layer, defaulting to the same rule).
     indexer_rope_interleaved : bool or None
         The family's attention carries a DSA indexer with this rotary layout; None: no indexer.
     layer_type : str or None
@@ -152,16 +148,15 @@ class MLAFamily:
     model_type: str
     rope_interleave_key: str | None
     is_rope_interleaved: bool
-    mlp_rule: str
     indexer_rope_interleaved: bool | None = None
     layer_type: str | None = None
 
 
 MLA_FAMILIES: dict[str, MLAFamily] = {
-    "deepseek_v2": MLAFamily("deepseek_v2", None, True, "first_k_dense_replace"),
-    "deepseek_v3": MLAFamily("deepseek_v3", "rope_interleave", True, "first_k_dense_replace"),
-    "deepseek_v32": MLAFamily("deepseek_v32", None, True, "mlp_layer_types",
-                              indexer_rope_interleaved=False, layer_type="indexed_attention"),
+    "deepseek_v2": MLAFamily("deepseek_v2", None, True),
+    "deepseek_v3": MLAFamily("deepseek_v3", "rope_interleave", True),
+    "deepseek_v32": MLAFamily("deepseek_v32", None, True, indexer_rope_interleaved=False,
+                              layer_type="indexed_attention"),
 }
 
 #: config keys an MLA family implements (no longer refused by ``config.UNIMPLEMENTED_KEYS``)
@@ -219,24 +214,6 @@ def softmax_scale(qk_head_dim: int, rope_type: str, rope_params: Mapping[str, An
         m = yarn_mscale(float(rope_params["factor"]), float(mscale_all_dim))
         scale = scale * m * m
     return scale
-
-
-def routed_layers(cfg: Mapping[str, Any], family: MLAFamily, num_layers: int) -> list[int]:
-    """The layers ``0 .. num_layers - 1`` whose MLP transformers builds as routed experts."""
-    if family.mlp_rule == "mlp_layer_types" and cfg.get("mlp_layer_types") is not None:
-        types = cfg["mlp_layer_types"]
-        if not isinstance(types, list) or len(types) < num_layers:
-            raise InputError("config.json:mlp_layer_types", types,
-                             f"a list of {num_layers} entries ('dense' or 'sparse')")
-        odd = sorted({str(t) for t in types if t not in ("dense", "sparse")})
-        if odd:
-            raise InputError("config.json:mlp_layer_types", odd, "'dense' or 'sparse' entries")
-        return [i for i in range(num_layers) if types[i] == "sparse"]
-    if not cfg.get("n_routed_experts"):
-        return []
-    first = cfg.get("first_k_dense_replace")
-    first = 0 if first is None else _int(cfg, "first_k_dense_replace")
-    return [i for i in range(num_layers) if i >= first]
 
 
 def mla_from_hf(cfg: Mapping[str, Any], rope_type: str,

@@ -76,6 +76,10 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
             f"tp={tp}: multi-head latent attention (config.json:kv_lora_rank="
             f"{cfg.mla.kv_lora_rank}) is not sharded by the runner's tensor parallelism; "
             "expected tp=1")
+    if cfg.moe is not None and tp > 1:
+        raise UnsupportedError(
+            f"tp={tp} with routed experts (config.json num_experts / n_routed_experts "
+            f"{cfg.moe.num_experts}): sharding the experts is not implemented, expected tp=1")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(cfg, name)
         if value % tp:

@@ -1,9 +1,10 @@
 """MLA (DeepSeek-V2 / V3) and DSA (DeepSeek-V3.2) targets and their MTP head on the Engine, CPU
 fp32, against transformers (issue 37).
 
-Random-weight checkpoints written by ``save_pretrained`` with every layer dense
-(``first_k_dense_replace`` past the last layer, the MTP layer included: routed experts are
-refused), scaled so the logits are decisive, plus an MTP head in DeepSeek-V3's layout
+Random-weight checkpoints written by ``save_pretrained``, with every layer dense
+(``first_k_dense_replace`` past the last layer) or with routed experts (``v3-moe``: layer 1 and
+the MTP layer; ``v32-dsa-moe``: every layer), scaled so the logits are decisive, plus an MTP
+head in DeepSeek-V3's layout
 (``model.layers.{num_hidden_layers}.``: ``enorm``, ``hnorm``, ``eh_proj``, ``embed_tokens``,
 ``shared_head.norm``, ``shared_head.head`` and an MLA layer named like the target's; transformers
 saves no MTP layer). Tokens are compared exactly: plain greedy decoding and speculative greedy
@@ -50,7 +51,18 @@ VARIANTS = {  # name -> (config class stem, extra config)
                                                       rope_interleave=False)),
     "v2": ("DeepseekV2", dict(q_lora_rank=None, rope_parameters=YARN)),
     "v32-dsa": ("DeepseekV32", dict(q_lora_rank=24, rope_parameters=YARN, **DSA)),
+    # routed experts (speccal.runner.moe: sigmoid scores, score bias, group-limited routing,
+    # routed scaling, a shared expert): layer 1 and the MTP layer, or every layer
+    "v3-moe": ("DeepseekV3", dict(q_lora_rank=24, rope_parameters=YARN, first_k_dense_replace=1,
+                                  n_group=2, topk_group=1, n_shared_experts=1,
+                                  routed_scaling_factor=2.5)),
+    "v32-dsa-moe": ("DeepseekV32", dict(q_lora_rank=24, rope_parameters=YARN, **DSA,
+                                        first_k_dense_replace=0)),
 }
+
+
+def _is_routed(variant: str) -> bool:
+    return VARIANTS[variant][1].get("first_k_dense_replace", LAYERS + 1) < LAYERS
 PROMPTS = ([5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14], [7, 1, 62, 30],
            [44, 12, 90, 23, 8, 66, 19, 51, 3, 77, 28, 35, 10])
 MAX_TOKENS = (14, 9, 12)
@@ -65,7 +77,7 @@ def _hf_model(variant: str, **override):
     with torch.no_grad():  # decisive logits: fp32 op-order noise cannot flip an argmax
         for name, p in model.named_parameters():
             p.mul_(4.0 if p.dim() > 1 else 1.0)
-            if name.endswith("bias"):
+            if name.endswith("bias") or name.endswith("e_score_correction_bias"):
                 p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(3))
     return model
 
@@ -83,9 +95,11 @@ def write_checkpoint(folder, variant: str, *, head_extra: dict | None = None):
             pre + "eh_proj.weight": (h, 2 * h), pre + "embed_tokens.weight": (V, h),
             pre + "shared_head.norm.weight": (h,), pre + "shared_head.head.weight": (V, h),
             **(head_extra or {})}
+    # the head's layer is named like a target layer: the last (routed) one of a routed model
+    src = f"model.layers.{LAYERS - 1 if _is_routed(variant) else 0}."
     for key, t in tensors.items():
-        if key.startswith("model.layers.0."):
-            head[key.replace("model.layers.0.", pre)] = tuple(t.shape)
+        if key.startswith(src):
+            head[key.replace(src, pre)] = tuple(t.shape)
     tensors.update({k: torch.randn(s, generator=g) * 0.5 for k, s in head.items()})
     save_file(tensors, str(path), metadata={"format": "pt"})
     return hf
@@ -182,7 +196,7 @@ def test_plain_greedy_equals_transformers(checkpoint):
     assert len({t for r in refs for t in r}) > 8  # non-degenerate
 
 
-@pytest.mark.parametrize("checkpoint", ["v3", "v32-dsa"], indirect=True)
+@pytest.mark.parametrize("checkpoint", ["v3", "v32-dsa", "v3-moe"], indirect=True)
 def test_speculative_greedy_equals_transformers_every_accepted_length(checkpoint):
     """K = 1..3: batch 1 with the head's own drafts, then the mixed batch under the oracle
     draft; tokens equal transformers' and every accepted length 0..k occurs."""
@@ -190,6 +204,8 @@ def test_speculative_greedy_equals_transformers_every_accepted_length(checkpoint
     eng = _engine(folder)
     assert eng.loaded.family.name == "deepseek_mtp" and len(eng.kv.layers) == LAYERS + 1
     assert type(eng.loaded.draft.layer.self_attn).__name__ == "MLAttention"
+    assert type(eng.loaded.draft.layer.mlp).__name__ == ("RoutedMoE" if _is_routed(variant)
+                                                         else "MLP")
     params, want = _stop_case(refs)
     for k in range(1, W + 1):
         got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=MAX_TOKENS[0],
@@ -255,11 +271,13 @@ def _hf_dict(variant: str, **override) -> dict:
     return cfg
 
 
-def test_routed_layers_are_refused_naming_the_key():
-    with pytest.raises(UnsupportedError, match=r"n_routed_experts=4.*routed layers \[1\]"):
-        config_from_hf(_hf_dict("v3", first_k_dense_replace=1))
-    with pytest.raises(UnsupportedError, match=r"n_routed_experts=4.*routed layers \[0, 1\]"):
-        config_from_hf(_hf_dict("v32-dsa", first_k_dense_replace=0))
+def test_routed_layers_are_the_ones_transformers_routes():
+    for variant, routed in (("v3", ()), ("v3-moe", (1,)), ("v32-dsa-moe", (0, 1))):
+        cfg = config_from_hf(_hf_dict(variant))
+        assert tuple(i for i in range(LAYERS) if cfg.is_sparse(i)) == routed, variant
+        hf = _hf_model(variant)
+        assert tuple(i for i, layer in enumerate(hf.model.layers)
+                     if hasattr(layer.mlp, "gate")) == routed, variant
 
 
 def test_mla_config_errors_name_the_field():
@@ -275,15 +293,6 @@ def test_mla_config_errors_name_the_field():
         config_from_hf({**_hf_dict("v3"), "qk_rope_head_dim": 7})
     with pytest.raises(InputError, match=r"v_head_dim"):
         config_from_hf({**_hf_dict("v3"), "v_head_dim": None})
-
-
-def test_routed_mtp_layer_is_refused(tmp_path):
-    h = SHAPES["hidden_size"]
-    write_checkpoint(tmp_path, "v3",
-                     head_extra={f"model.layers.{LAYERS}.mlp.gate.weight": (4, h)})
-    with pytest.raises(UnsupportedError, match=rf"model\.layers\.{LAYERS}\.mlp\.gate\.weight.*"
-                                               "routed-expert MLP"):
-        _engine(tmp_path)
 
 
 def test_mla_under_tensor_parallelism_is_refused():
