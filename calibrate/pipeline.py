@@ -57,8 +57,8 @@ from rich.markup import escape
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.progress import ProgressReporter
+from speccal.base.run_spec import RunSpec
 from speccal.base.runner_face import BuildReport, Runner
-from speccal.base.vocab import LOOPS, STATE_STRATEGIES
 from speccal.calibrate import lock, machine, report
 from speccal.calibrate.config import (
     CalibrationConfig,
@@ -156,50 +156,37 @@ CALIBRATION_PREFILL_CHUNK = 4096
 
 
 
+def run_spec(opts: CalibrateOptions, *, device: str | None = None, tp: int = 1) -> RunSpec:
+    """The run spec of a calibration (forced full acceptance: shapes == grid; the calibration
+    prefill chunk; ``device`` a rank's own, ``cuda:LOCAL_RANK``; ``tp`` its TP size): the one
+    value :func:`make_engine` and the ranks' factory (``speccal.calibrate.ranks``) build from.
+    A deployment's served path unless the options name one (a table records ``graph_mode``,
+    so an eager table cannot serve graphs)."""
+    return RunSpec(
+        model=opts.model, device=device or opts.device, dtype=opts.dtype,
+        draft_width=opts.draft_width, request_buckets=opts.request_buckets,
+        max_model_len=opts.max_model_len, seed=opts.seed, acceptance="forced",
+        loop=opts.loop, state_strategy=opts.state_strategy, graph_mode=opts.graph_mode,
+        attention_backend=opts.attention_backend, kernels=opts.kernels,
+        prefill_chunk=CALIBRATION_PREFILL_CHUNK, tp=tp)
+
+
 def engine_config(opts: CalibrateOptions, *, device: str | None = None,
                   tp: int = 1) -> Any:
-    """The ``EngineConfig`` of a calibration (forced full acceptance: shapes == grid), the one
-    conversion of the options that :func:`make_engine` and the ranks' factory
-    (``speccal.calibrate.ranks``) both build from: ``device`` a rank's own (``cuda:LOCAL_RANK``),
-    ``tp`` > 1 defaults the path to eager graphs and the torch backend (the only TP path; an
-    explicit other one is refused by the engine).
+    """The ``EngineConfig`` of a calibration (:func:`run_spec` through
+    ``speccal.runner.engine_config.from_spec``).
 
     Raises ``UnsupportedError`` (exit 2, one line) when torch is not installed: the runner is
     imported here, not at module level, so that the rest of calibrate stays torch-free.
     """
+    spec = run_spec(opts, device=device, tp=tp)
     try:
-        from speccal.runner.engine import EngineConfig
-        from speccal.runner.path import KernelConfig, served_path
+        from speccal.runner.engine_config import from_spec
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "torch":
             raise
         raise UnsupportedError(machine.TORCH_MISSING) from None
-    device = device or opts.device
-    kwargs: dict[str, Any] = {
-        "model": opts.model,
-        "device": device,
-        "acceptance": "forced",
-        "seed": opts.seed,
-        "pipeline": opts.loop == "pipelined",
-        "prefill_chunk": CALIBRATION_PREFILL_CHUNK,
-        "state_strategy": opts.state_strategy,
-    }
-    for name in ("dtype", "draft_width", "max_model_len"):
-        if getattr(opts, name) is not None:
-            kwargs[name] = getattr(opts, name)
-    if opts.request_buckets is not None:
-        kwargs["request_buckets"] = tuple(opts.request_buckets)
-    # Calibrate the path a deployment serves with unless asked otherwise; a table records
-    # graph_mode, so an eager table cannot serve graphs.
-    kernels = KernelConfig() if opts.kernels is None else KernelConfig.from_dict(opts.kernels)
-    served = served_path(device, kernels)
-    if tp > 1:
-        served = served.with_(graph_mode="eager", attention_backend="torch")
-    kwargs["path"] = served.with_(
-        graph_mode=opts.graph_mode or served.graph_mode,
-        attention_backend=opts.attention_backend or served.attention_backend,
-    )
-    return EngineConfig(**kwargs)
+    return from_spec(spec)
 
 
 def make_engine(opts: CalibrateOptions) -> Any:
@@ -214,12 +201,9 @@ def check_run_values(opts: CalibrateOptions) -> None:
     """Refuse a named value of the run that is none of its choices (threads, loop, clock,
     state strategy, gate bounds): one rule for one rank and for several (``ranks``)."""
     machine.check_threads(opts.threads)
-    if opts.loop not in LOOPS:
-        raise InputError("--loop", opts.loop, " or ".join(LOOPS))
+    run_spec(opts)  # the loop, the state strategy, the graph mode and backend named
     if opts.clock not in ("auto", *CLOCKS):
         raise InputError("--clock", opts.clock, " or ".join(("auto", *CLOCKS)))
-    if opts.state_strategy not in STATE_STRATEGIES:
-        raise InputError("--state-strategy", opts.state_strategy, " or ".join(STATE_STRATEGIES))
     check_bounds(opts.max_spread_pct, opts.max_heldout_pct, opts.remeasure_rounds)
 
 

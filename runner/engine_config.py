@@ -12,6 +12,7 @@ from typing import Any
 
 from speccal.base.errors import InputError, SchemaError, UnsupportedError
 from speccal.base.geometry import served_request_buckets
+from speccal.base.run_spec import RunSpec
 from speccal.base.vocab import ACCEPTANCE_MODES, STATE_STRATEGIES
 from speccal.runner.checkpoint import read_config
 from speccal.runner.path import ExecutionPath
@@ -160,3 +161,38 @@ def check_declared_context(model: str, max_model_len: int | None) -> None:
         raise InputError(
             "max_model_len", max_model_len, f"<= the model's max_position_embeddings={limit}"
         )
+
+
+def from_spec(spec: RunSpec) -> EngineConfig:
+    """The one conversion of a run's options (``speccal.base.run_spec.RunSpec``) into an
+    :class:`EngineConfig`: the path served on the spec's device with its kernels (split graphs
+    and Triton on CUDA), its graph mode / attention backend where the spec names them, eager
+    graphs and the torch backend under tensor parallelism (the only TP path), the loop as the
+    queue depth; unset fields keep the engine's defaults."""
+    from speccal.runner.path import KernelConfig, served_path
+
+    kernels = KernelConfig() if spec.kernels is None else KernelConfig.from_dict(spec.kernels)
+    served = served_path(spec.device, kernels)
+    if spec.tp > 1:
+        served = served.with_(graph_mode="eager", attention_backend="torch")
+    kw: dict[str, Any] = {
+        "model": spec.model,
+        "device": spec.device,
+        "dtype": spec.dtype,
+        "acceptance": spec.acceptance,
+        "acceptance_profile": spec.acceptance_profile,
+        "seed": spec.seed,
+        "speculative": spec.speculative,
+        "pipeline": spec.pipelined,
+        "state_strategy": spec.state_strategy,
+        "request_buckets": spec.request_buckets,
+        "max_model_len": spec.max_model_len,
+        "path": served.with_(graph_mode=spec.graph_mode or served.graph_mode,
+                             attention_backend=spec.attention_backend
+                             or served.attention_backend),
+    }
+    if spec.draft_width is not None:
+        kw["draft_width"] = spec.draft_width
+    if spec.prefill_chunk is not None:
+        kw["prefill_chunk"] = spec.prefill_chunk
+    return EngineConfig(**{**kw, **dict(spec.extra)})

@@ -46,7 +46,7 @@ from speccal.base.errors import InputError
 from speccal.base.paths import check_outputs
 from speccal.base.progress import ProgressReporter
 from speccal.base.rich_tables import make_console, print_table
-from speccal.base.vocab import LOOPS
+from speccal.base.run_spec import RunSpec
 from speccal.cli.dist import is_distributed, run_ranks
 
 err_console = make_console()
@@ -163,34 +163,19 @@ def _engine_config(
     state_strategy="scratch_swap",
 ):
     """The ``EngineConfig`` of a command's options (defaults: the path served on ``device``, the
-    pipelined round loop, the scratch-swap state strategy)."""
-    if loop not in LOOPS:
-        raise InputError("--loop", loop, " or ".join(LOOPS))
+    pipelined round loop, the scratch-swap state strategy): their ``RunSpec`` through the one
+    conversion, ``speccal.runner.engine_config.from_spec``."""
+    spec = RunSpec(
+        model=model, device=device, dtype=dtype, draft_width=draft_width,
+        request_buckets=request_buckets, acceptance=acceptance,
+        acceptance_profile=_parse_floats(profile, "--acceptance-profile"), seed=seed,
+        max_model_len=max_model_len, speculative=speculative, loop=loop,
+        state_strategy=state_strategy, graph_mode=graph_mode,
+        attention_backend=attention_backend)
     # lazy: the runner imports torch; the CLI starts (and reports a missing torch) without it
-    from speccal.runner.engine import EngineConfig
-    from speccal.runner.hybrid_state import STATE_STRATEGIES
-    from speccal.runner.path import served_path
+    from speccal.runner.engine_config import from_spec
 
-    if state_strategy not in STATE_STRATEGIES:
-        raise InputError("--state-strategy", state_strategy, " or ".join(STATE_STRATEGIES))
-
-    served = served_path(device)
-    return EngineConfig(
-        path=served.with_(graph_mode=graph_mode or served.graph_mode,
-                          attention_backend=attention_backend or served.attention_backend),
-        model=model,
-        device=device,
-        dtype=dtype,
-        draft_width=draft_width,
-        request_buckets=None if request_buckets is None else tuple(request_buckets),
-        acceptance=acceptance,
-        acceptance_profile=_parse_floats(profile, "--acceptance-profile"),
-        seed=seed,
-        max_model_len=max_model_len,
-        speculative=speculative,
-        pipeline=loop == "pipelined",
-        state_strategy=state_strategy,
-    )
+    return from_spec(spec)
 
 
 def generate(

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from speccal.base.errors import InputError
+from speccal.base.run_spec import RunSpec
 from speccal.live.bench import workload_prompts
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan, RoundState
+from speccal.runner.engine_config import from_spec
 from speccal.runner.sampling import SamplingParams
 from speccal.trace import RoundTrace, RoundTraceBuilder, TokenTrace, TokenTraceBuilder
 
@@ -47,12 +49,11 @@ class TraceRecording:
         return tuple(sorted({1, 2, 4, 8, self.num_requests}))
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
+        return from_spec(RunSpec(
             model=self.model, device=self.device, dtype=self.dtype,
             draft_width=self.draft_width, request_buckets=self.request_buckets,
             acceptance=self.acceptance, acceptance_profile=self.acceptance_profile,
-            seed=self.seed,
-        )
+            seed=self.seed, loop="synchronous"))
 
 
 Progress = Callable[[str, str, int | None], Any]  # (phase, unit, total) -> a reporter context

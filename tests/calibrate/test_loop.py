@@ -243,7 +243,8 @@ def test_table_check_rebuilds_the_loop_the_table_was_measured_with(tmp_path):
 
 
 def test_state_strategy_option_reaches_the_engine_and_bad_values_are_refused():
-    from speccal.calibrate.pipeline import STATE_STRATEGIES, make_engine
+    from speccal.base.vocab import STATE_STRATEGIES
+    from speccal.calibrate.pipeline import make_engine
     from speccal.runner.hybrid_state import STATE_STRATEGIES as RUNNER_STRATEGIES
 
     assert STATE_STRATEGIES == RUNNER_STRATEGIES

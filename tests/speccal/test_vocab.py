@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import typing
 
+import pytest
+
 from speccal.base import vocab
+from speccal.base.errors import InputError
 from speccal.costmodel.compat import Compatibility as ExecutionBlockFields
 from speccal.costmodel.table_schema import CalibrationConfig, PolicyConfig
 from speccal.policy import AdaptiveStepConfig
@@ -28,12 +31,21 @@ def test_the_table_writes_the_run_vocabulary():
 
 
 def test_every_layer_takes_the_vocabulary():
-    from speccal.calibrate import config, pipeline
-    from speccal.cli import cmd_run
+    from speccal.base import run_spec
+    from speccal.calibrate import config
     from speccal.costmodel import measurements
 
-    assert pipeline.LOOPS is vocab.LOOPS and cmd_run.LOOPS is vocab.LOOPS
-    assert pipeline.STATE_STRATEGIES is vocab.STATE_STRATEGIES
+    # the run spec is where every command's loop / state strategy / acceptance is checked
+    assert run_spec.LOOPS is vocab.LOOPS
+    assert run_spec.STATE_STRATEGIES is vocab.STATE_STRATEGIES
+    assert run_spec.ACCEPTANCE_MODES is vocab.ACCEPTANCE_MODES
+    for field, flag, values in (("loop", "--loop", vocab.LOOPS),
+                                ("state_strategy", "--state-strategy", vocab.STATE_STRATEGIES),
+                                ("acceptance", "--acceptance", vocab.ACCEPTANCE_MODES)):
+        for v in values:
+            assert getattr(run_spec.RunSpec(model="tiny", **{field: v}), field) == v
+        with pytest.raises(InputError, match=flag):
+            run_spec.RunSpec(model="tiny", **{field: "bogus"})
     assert set(config.MODES) == set(measurements.MODES) == set(vocab.TABLE_MODES)
     defaults = vocab.POLICY_DEFAULTS
     assert AdaptiveStepConfig() == AdaptiveStepConfig(**defaults)
