@@ -17,17 +17,18 @@ that ignored the indexer would fail.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.config import config_from_hf
-from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+from speccal.runner.engine import Engine, EngineConfig
 from speccal.runner.mla_config import softmax_scale
 from speccal.runner.sampling import SamplingParams
+from tests.runner.engine_checks import OracleDraft as _Oracle
+from tests.runner.engine_checks import run_requests as _run
+from tests.runner.engine_checks import stop_case
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV32ForCausalLM"):
@@ -131,54 +132,11 @@ def _engine(folder, **kw) -> Engine:
 
 def _stop_case(refs):
     """Mixed batch params and expected tokens: request 0 stops at a stop token."""
-    stop = refs[0][6]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-    params[0] = SamplingParams(max_tokens=MAX_TOKENS[0], ignore_eos=True, stop_token_ids=(stop,))
-    want = [list(r) for r in refs]
-    want[0] = want[0][: want[0].index(stop) + 1]
-    return params, want
+    return stop_case(refs, MAX_TOKENS, 6)
 
 
-def _run(eng: Engine, prompts, params, k: int, plan: RoundPlan | None = None):
-    rids = [eng.add_request(p, prm) for p, prm in zip(prompts, params, strict=True)]
-    out = {r: [] for r in rids}
-    results = []
-    while eng.has_unfinished():
-        res = eng.step(plan or RoundPlan(k))
-        for rid, toks in zip(res.request_ids, res.emitted, strict=True):
-            out[rid] += toks
-        for rid, tok in res.first_tokens.items():  # prefill-finished requests
-            if rid not in res.request_ids:
-                out[rid].append(tok)
-        results.append(res)
-    return [out[r] for r in rids], results
-
-
-class OracleDraft:
-    """Replaces ``RoundRunner.draft_part``: drafts copy the reference for ``m`` positions, then
-    a wrong token; ``m`` cycles over ``0 .. k``. ``rounds[i]`` maps each request of round ``i``
-    to the length it must accept (None where the reference ends first)."""
-
-    def __init__(self, eng: Engine, refs: dict[tuple[int, ...], list[int]], k: int):
-        self.eng, self.refs = eng, refs
-        self.cycle = itertools.cycle(range(k + 1))
-        self.rounds: list[dict[int, int | None]] = []
-
-    def __call__(self, x):
-        bcap, k = x.bcap, x.k
-        by_slot = {r.slot: r for r in self.eng._running}
-        drafts = torch.zeros(bcap, k, dtype=torch.int64)
-        plan = {}
-        for b, slot in enumerate(x.t["slot_index"].tolist()[: x.num_requests]):
-            req = by_slot[slot]
-            ref, n = self.refs[tuple(req.prompt)], len(req.output)
-            m = next(self.cycle)
-            for j in range(k):
-                tok = ref[n + j] if n + j < len(ref) else 0
-                drafts[b, j] = tok if j < m else (tok + 1) % V
-            plan[req.rid] = m if n + m < len(ref) else None
-        self.rounds.append(plan)
-        return drafts, torch.full((bcap, k), 0.5)
+def OracleDraft(eng: Engine, refs, k: int) -> _Oracle:  # noqa: N802 (the class's name)
+    return _Oracle(eng, refs, k, V)
 
 
 def test_plain_greedy_equals_transformers(checkpoint):

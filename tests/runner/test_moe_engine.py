@@ -36,11 +36,10 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Glm4MoeForCausalLM"):
     pytest.skip("transformers without GLM-4.5 MoE (needs >= 5)", allow_module_level=True)
 
-from tests.runner.test_hybrid_engine import (  # noqa: E402
-    OracleDraft,
-    _run,
-    torch_linear_attention,
-)
+from tests.runner.engine_checks import OracleDraft as _Oracle  # noqa: E402
+from tests.runner.engine_checks import run_requests as _run  # noqa: E402
+from tests.runner.engine_checks import stop_case  # noqa: E402
+from tests.runner.test_hybrid_engine import torch_linear_attention  # noqa: E402
 
 V = 96  # the oracle draft's wrong tokens are (t + 1) % 96
 BASE = dict(vocab_size=V, hidden_size=40, intermediate_size=44, num_hidden_layers=3,
@@ -150,12 +149,11 @@ def _engine(folder, **kw) -> Engine:
 
 
 def _stop_case(refs):
-    stop = refs[0][5]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-    params[0] = SamplingParams(max_tokens=MAX_TOKENS[0], ignore_eos=True, stop_token_ids=(stop,))
-    want = [list(r) for r in refs]
-    want[0] = want[0][: want[0].index(stop) + 1]
-    return params, want
+    return stop_case(refs, MAX_TOKENS, 5)
+
+
+def OracleDraft(eng: Engine, refs, k: int) -> _Oracle:  # noqa: N802 (the class's name)
+    return _Oracle(eng, refs, k, V)
 
 
 def _moe_layers(module) -> list[RoutedMoE]:

@@ -1,0 +1,77 @@
+"""Checks shared by the engine tests against transformers (dense, hybrid, MoE, MLA families).
+
+- :func:`run_requests`: run prompts to completion on an engine, collecting each request's
+  tokens (first tokens of prefill-finished requests included) and every round's result;
+- :func:`stop_case`: the mixed batch's sampling params and expected tokens, request 0 stopping
+  at a stop token taken from its reference;
+- :class:`OracleDraft`: a draft part whose drafts copy the reference for a scheduled number of
+  positions and then go wrong, so greedy verification accepts exactly that many and every
+  accepted length ``0 .. k`` happens while the tokens must stay the reference's.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from speccal.runner.engine import Engine, RoundPlan
+from speccal.runner.sampling import SamplingParams
+
+
+def run_requests(eng: Engine, prompts, params, k: int,
+                 plan: RoundPlan | None = None) -> tuple[list[list[int]], list]:
+    """``(tokens per request in order, every RoundResult)`` of running ``prompts`` to
+    completion at ``k`` draft steps (or ``plan``)."""
+    rids = [eng.add_request(p, prm) for p, prm in zip(prompts, params, strict=True)]
+    out = {r: [] for r in rids}
+    results = []
+    while eng.has_unfinished():
+        res = eng.step(plan or RoundPlan(k))
+        for rid, toks in zip(res.request_ids, res.emitted, strict=True):
+            out[rid] += toks
+        for rid, tok in res.first_tokens.items():  # prefill-finished requests
+            if rid not in res.request_ids:
+                out[rid].append(tok)
+        results.append(res)
+    return [out[r] for r in rids], results
+
+
+def stop_case(refs: list[list[int]], max_tokens, at: int):
+    """Mixed batch params and expected tokens: request 0 stops at ``refs[0][at]``."""
+    stop = refs[0][at]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    params[0] = SamplingParams(max_tokens=max_tokens[0], ignore_eos=True, stop_token_ids=(stop,))
+    want = [list(r) for r in refs]
+    want[0] = want[0][: want[0].index(stop) + 1]
+    return params, want
+
+
+class OracleDraft:
+    """Replaces ``RoundRunner.draft_part``: drafts copy the reference for ``m`` positions,
+    then a wrong token (``(t + 1) % vocab``); ``m`` cycles over ``0 .. k`` per request-round
+    (eager CPU rounds: the host reads the batch). ``rounds[i]`` maps each request id of round
+    ``i`` to the length it must accept (None past the reference's end, where the request stops
+    first)."""
+
+    def __init__(self, eng: Engine, refs: dict[tuple[int, ...], list[int]], k: int,
+                 vocab: int):
+        self.eng, self.refs, self.vocab = eng, refs, vocab
+        self.cycle = itertools.cycle(range(k + 1))
+        self.rounds: list[dict[int, int | None]] = []
+
+    def __call__(self, x):
+        bcap, k = x.bcap, x.k
+        by_slot = {r.slot: r for r in self.eng._running}
+        drafts = torch.zeros(bcap, k, dtype=torch.int64)
+        plan = {}
+        for b, slot in enumerate(x.t["slot_index"].tolist()[: x.num_requests]):
+            req = by_slot[slot]
+            ref, n = self.refs[tuple(req.prompt)], len(req.output)
+            m = next(self.cycle)
+            for j in range(k):
+                tok = ref[n + j] if n + j < len(ref) else 0
+                drafts[b, j] = tok if j < m else (tok + 1) % self.vocab
+            plan[req.rid] = m if n + m < len(ref) else None
+        self.rounds.append(plan)
+        return drafts, torch.full((bcap, k), 0.5)
