@@ -13,8 +13,9 @@ argmax). Configurations, cheapest first:
    and a cloned output per step; the child records each batch as soon as it is measured.
 
 Each B's peer figure is the fastest configuration that worked there (recorded). Ours:
-``Engine.step`` end to end (host prepare + graph replay + collect) with ``graph_mode="split"``,
-triton backend, speculative=False, greedy requests (the greedy fast path). Both at KV ~256,
+``Engine.step`` end to end on the served loop (``speccal run``'s defaults: the pipelined loop,
+queue depth 1; host prepare + graph replay + collect) with ``graph_mode="split"``, triton
+backend, speculative=False, greedy requests (the greedy fast path). Both at KV ~256,
 B = 1 / 8 / 32 [decode_speedup_vs_hf_b1, _b8, _b32].
 
 The deadline counts from process start; ``DIR/hf.json`` is rewritten after every measurement, so
@@ -41,21 +42,19 @@ T0 = time.time()
 
 
 def ours(batches: tuple[int, ...]) -> dict[int, float]:
+    """The served loop (``speccal run``'s defaults: the pipelined loop, split graphs, Triton),
+    built from a RunSpec as the CLI builds it; kernels from the environment."""
+    from speccal.base.run_spec import RunSpec
     from speccal.kernels.config import KernelConfig
-    from speccal.runner.engine import Engine, EngineConfig
+    from speccal.runner.engine import Engine
+    from speccal.runner.engine_config import from_spec
 
-    eng = Engine(
-        EngineConfig.flat(kernels=KernelConfig.from_env(),
-            model="dense-2b",
-            device="cuda",
-            dtype="bfloat16",
-            attention_backend="triton",
-            graph_mode="split",
-            speculative=False,
-            request_buckets=batches,
-            max_model_len=PROMPT + WARMUP + STEPS + 8,
-        )
-    )
+    eng = Engine(from_spec(RunSpec(
+        model="dense-2b", device="cuda", dtype="bfloat16", speculative=False,
+        request_buckets=batches, max_model_len=PROMPT + WARMUP + STEPS + 8,
+        loop="pipelined", graph_mode="split", attention_backend="triton",
+        kernels=KernelConfig.from_env().to_dict())))
+    assert eng.queue_depth == 1
     out = {b: engine_tok_s(eng, b) for b in batches}
     del eng
     torch.cuda.empty_cache()

@@ -35,6 +35,10 @@
 #   imports     a short dense-2b calibration in one process (after `cold`: warm Triton cache),
 #               then which heavy modules it imported (torch._dynamo, sympy, torch._inductor:
 #               seconds each on an image without bytecode) and the stack of each first import
+#   decode      bench/bench_decode.py (5 repeats, B = 1 and 8) [decode_step_floor_ratio,
+#               verify_full_width_ratio]
+#   hf          bench/bench_hf.py: plain decode on the served (pipelined) loop vs transformers
+#               [decode_speedup_vs_hf_b1, _b8, _b32]
 #   phases      bench/bench_round_phases.py at B = 1 and 8, both loops [round_wall_over_device_b1,
 #               _b8, pipelined_speedup_b1, _b8]
 #   live        bench/bench_live_policy.py, one process: the first live stage of a call
@@ -96,6 +100,7 @@ run() {
         case $stage in
             dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
+            decode) min=120 ;; hf) min=120 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
         if (( $(left) < min )); then
@@ -241,6 +246,16 @@ PYEOF
                 timeout "$(left)" $PY "$d/imports.py" "$d/cfg.json" "$d/t.json" > "$d/cal.json" 2> "$d/log.txt"
                 echo "rc=$?"
                 grep -A80 "^heavy modules" "$d/log.txt" | grep -v "^    " | tail -40 ;;
+            decode)
+                timeout "$(left)" $PY bench/bench_decode.py --out "$d" --repeats 5 \
+                    --batches 1,8 > "$d/log.txt" 2>&1
+                echo "rc=$?"
+                tail -30 "$d/log.txt" ;;
+            hf)
+                timeout "$(left)" $PY bench/bench_hf.py --out "$d" --deadline-s 150 \
+                    > "$d/log.txt" 2>&1
+                echo "rc=$?"
+                tail -20 "$d/log.txt" ;;
             phases)
                 # round wall / device time, pipelined vs synchronous, B = 1 and 8 (one process
                 # each) [round_wall_over_device_b1, _b8, pipelined_speedup_b1, _b8]
