@@ -636,7 +636,7 @@ def config_from_hf(
         swa = sliding_from_hf(cfg, swa_family, layer_types, kv_heads)
         srope = sliding_rope or rope
         check_hub_keys(cfg, hub_key_expectations(
-            cfg, swa, num_layers=layers, num_heads=heads, head_dim=head_dim,
+            swa, num_layers=layers, num_heads=heads, head_dim=head_dim,
             v_head_dim=v_head_dim or head_dim, rms_norm_eps=eps,
             full_rope=(rope.theta, rope.partial_rotary_factor),
             sliding_rope=(srope.theta, srope.partial_rotary_factor)), swa_family.model_type)

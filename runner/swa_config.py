@@ -123,7 +123,7 @@ def sliding_from_hf(cfg: Mapping[str, Any], family: SlidingFamily, layer_types: 
     )
 
 
-def hub_key_expectations(cfg: Mapping[str, Any], swa: SlidingAttention, *, num_layers: int,
+def hub_key_expectations(swa: SlidingAttention, *, num_layers: int,
                          num_heads: int, head_dim: int, v_head_dim: int, rms_norm_eps: float,
                          full_rope: tuple[float, float], sliding_rope: tuple[float, float]
                          ) -> dict[str, Any]:
