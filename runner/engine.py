@@ -56,7 +56,11 @@ from speccal.runner.device import (
 )
 
 # re-exported: the engine's API in one import (``from speccal.runner.engine import ...``)
-from speccal.runner.engine_config import EngineConfig, check_declared_context
+from speccal.runner.engine_config import (  # noqa: F401 (ACCEPTANCE_MODES: re-exported)
+    ACCEPTANCE_MODES,
+    EngineConfig,
+    check_declared_context,
+)
 from speccal.runner.graphs import GraphKey
 from speccal.runner.hybrid import HybridModel, HybridMTPHead
 from speccal.runner.hybrid_state import make_strategy
