@@ -19,6 +19,15 @@ Data layout (shared with ``speccal.kernels``, see docs/ARCHITECTURE.md):
 Sliding window (``window`` W > 0, transformers' ``sliding_window``): a query at position ``p``
 attends to keys ``p - W + 1 .. p`` only; every path here masks it (the Triton kernel refuses
 it: ``speccal.kernels.ops.paged_attention``).
+
+Attention sinks (``sinks`` ``[num_heads]``, MiMo-V2-Flash's sliding layers): head ``h``'s
+logit ``s_h`` joins every row's softmax denominator and no value, so a row's output is
+``sum_j exp(a_j) v_j / (sum_j exp(a_j) + exp(s_h))``. The torch paths compute it as one more
+key column of zero key and zero value whose additive mask is ``s_h`` (:func:`sdpa`). The
+Triton kernel has none: ``speccal.runner.layers.Attention.fuse_weights`` refuses such layers.
+
+Value heads may be narrower or wider than query / key heads (``v_cache`` has its own channel
+count, MiMo-V2-Flash's ``v_head_dim``): outputs have the value's channels.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speccal.base.errors import UnsupportedError
 from speccal.kernels import ops
 from speccal.runner.path import ExecutionPath
 
@@ -69,6 +79,35 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def sdpa(
+    q: torch.Tensor,  # [..., H, L, D]
+    keys: torch.Tensor,  # [..., H, S, D]
+    values: torch.Tensor,  # [..., H, S, Dv]
+    mask: torch.Tensor | None,  # [..., 1 | H, L, S] bool (True: attend); None: causal
+    scale: float,
+    sink: torch.Tensor | None = None,  # [1 | ..., H, L, 1]: each row's sink logit; None: none
+) -> torch.Tensor:  # [..., H, L, Dv]
+    """``scaled_dot_product_attention`` with an optional sink logit per row: one more key of
+    zeros (its score 0) carrying the sink as its additive mask, and a value of zeros, so the
+    sink only grows the softmax denominator (see the module docstring)."""
+    fn = torch.nn.functional.scaled_dot_product_attention
+    if sink is None:
+        if mask is None:
+            return fn(q, keys, values, is_causal=True, scale=scale)
+        return fn(q, keys, values, attn_mask=mask, scale=scale)
+    if mask is None:
+        n, t = q.shape[-2], keys.shape[-2]
+        mask = torch.ones(n, t, dtype=torch.bool, device=q.device).tril(diagonal=t - n)
+    shape = (*torch.broadcast_shapes(q.shape[:-2], mask.shape[:-2]), q.shape[-2])
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+        ~mask, float("-inf")).expand(*shape, keys.shape[-2])
+    bias = torch.cat([bias, sink.to(q.dtype).expand(*shape, 1)], dim=-1)
+    pad_k = keys.new_zeros(*keys.shape[:-2], 1, keys.shape[-1])
+    pad_v = values.new_zeros(*values.shape[:-2], 1, values.shape[-1])
+    return fn(q, torch.cat([keys, pad_k], dim=-2), torch.cat([values, pad_v], dim=-2),
+              attn_mask=bias, scale=scale)
+
+
 def paged_attention_torch(
     q: torch.Tensor,  # [B, R, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -78,20 +117,22 @@ def paged_attention_torch(
     num_q_rows: int,
     scale: float,
     window: int = 0,
-) -> torch.Tensor:  # [B, R, num_heads, head_dim]
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits
+) -> torch.Tensor:  # [B, R, num_heads, v_head_dim]
     """Reference paged attention: gather each request's KV by block table, causal softmax.
 
     Keys past ``seq_lens[b]`` and past the query's position are masked, and with ``window``
     those ``window`` or more positions before it; rows whose position is negative (front
-    padding) may attend to key 0 so that their (discarded) output stays finite.
+    padding) may attend to key 0 so that their (discarded) output stays finite. ``sinks``
+    join each head's softmax denominator (:func:`sdpa`).
     """
     num_b, num_r, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads, v_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     group = num_heads // num_kv_heads
     max_keys = block_table.shape[1] * block_size
     blocks = block_table.reshape(-1).long()  # index_select: the same copy as [] indexing, faster
     keys = k_cache.index_select(0, blocks).view(num_b, max_keys, num_kv_heads, head_dim)
-    values = v_cache.index_select(0, blocks).view(num_b, max_keys, num_kv_heads, head_dim)
+    values = v_cache.index_select(0, blocks).view(num_b, max_keys, num_kv_heads, v_dim)
     q_pos = seq_lens.long()[:, None] - num_q_rows + torch.arange(num_r, device=q.device)  # [B, R]
     key_pos = torch.arange(max_keys, device=q.device)
     is_visible = key_pos[None, None, :] <= q_pos.clamp_min(0)[:, :, None]  # [B, R, T]
@@ -102,15 +143,14 @@ def paged_attention_torch(
     qg = qg.reshape(num_b, num_kv_heads, group * num_r, head_dim)
     mask = is_visible[:, None, None].expand(num_b, 1, group, num_r, max_keys)
     mask = mask.reshape(num_b, 1, group * num_r, max_keys)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qg,
-        keys.transpose(1, 2).to(q.dtype),
-        values.transpose(1, 2).to(q.dtype),
-        attn_mask=mask,
-        scale=scale,
-    )  # [B, Hkv, group * R, D]
-    out = out.view(num_b, num_kv_heads, group, num_r, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_b, num_r, num_heads, head_dim)
+    sink = None
+    if sinks is not None:  # query head kv * group + g sits on rows g * R .. of KV group kv
+        sink = sinks.view(1, num_kv_heads, group, 1, 1).expand(1, num_kv_heads, group, num_r, 1)
+        sink = sink.reshape(1, num_kv_heads, group * num_r, 1)
+    out = sdpa(qg, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+               mask, scale, sink)  # [B, Hkv, group * R, Dv]
+    out = out.view(num_b, num_kv_heads, group, num_r, v_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_b, num_r, num_heads, v_dim)
 
 
 def attend_rows(
@@ -122,14 +162,19 @@ def attend_rows(
     path: ExecutionPath,
     *,
     window: int = 0,  # sliding window (0: full attention)
-) -> torch.Tensor:  # [N, num_heads, head_dim]
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits (torch backend only)
+) -> torch.Tensor:  # [N, num_heads, v_head_dim]
     """Scatter flat query rows into the ``[B, R]`` grid, attend with ``path``'s backend, gather
     them back. Packed metadata (``meta.cu_q_lens``) skips the scatter: the kernel reads the rows
     in place.
     """
     if meta.key_slots is not None:
-        return attend_own_keys(q, k_cache, v_cache, meta.key_slots, scale, window)
+        return attend_own_keys(q, k_cache, v_cache, meta.key_slots, scale, window, sinks)
     extra = {"sliding_window": window} if window else {}
+    if sinks is not None and (meta.cu_q_lens is not None or path.attention_backend == "triton"):
+        # Attention.fuse_weights refuses such layers first, naming the tensor
+        raise UnsupportedError("attention sinks (self_attn.attention_sink_bias): the Triton "
+                               "attention kernels have none; expected attention_backend='torch'")
     if meta.cu_q_lens is not None:
         return ops.paged_attention(
             q.contiguous(),
@@ -150,8 +195,7 @@ def attend_rows(
     grid = q.new_zeros(num_b * num_r + 1, *q.shape[1:])
     grid.index_copy_(0, meta.row_index, q)
     fn = paged_attention_torch
-    if window:
-        extra = {"window": window}
+    extra = {"window": window, "sinks": sinks} if window or sinks is not None else {}
     # prefill chunks stay on torch: the kernel is built for decode/verify rows
     if path.attention_backend == "triton" and num_r <= MAX_KERNEL_Q_ROWS:
         fn = ops.paged_attention
@@ -168,7 +212,8 @@ def attend_rows(
         scale,
         **extra,
     )
-    flat = torch.cat([out.reshape(num_b * num_r, *q.shape[1:]), grid[-1:]], dim=0)
+    flat = out.reshape(num_b * num_r, *out.shape[2:])
+    flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])], dim=0)  # the trash row
     return flat.index_select(0, meta.row_index)
 
 
@@ -179,7 +224,8 @@ def attend_own_keys(
     key_slots: torch.Tensor,  # [T] int64: the slots of the request's positions 0 .. T - 1
     scale: float,
     window: int = 0,  # sliding window (0: full attention)
-) -> torch.Tensor:  # [N, num_heads, head_dim]
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits
+) -> torch.Tensor:  # [N, num_heads, v_head_dim]
     """Causal attention of one request's rows over its own keys, read by slot (a prefill chunk).
 
     The keys are gathered by ``key_slots`` (no block-table gather, no padding to the table's
@@ -203,13 +249,12 @@ def attend_own_keys(
         values = values.repeat_interleave(group, dim=0)
     t = keys.shape[1]
     qh = q.transpose(0, 1)[None]  # [1, H, N, D]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if n == t and not (window and window < t):
-        out = sdpa(qh, keys[None], values[None], is_causal=True, scale=scale)
-    else:
+    sink = None if sinks is None else sinks.view(1, num_heads, 1, 1)
+    mask = None  # the flash kernel's own causal mask
+    if not (n == t and not (window and window < t)):
         # row i is position t - n + i: it sees keys 0 .. t - n + i (window: from t - n + i - W + 1)
         mask = torch.ones(n, t, dtype=torch.bool, device=q.device).tril(diagonal=t - n)
         if window:
             mask = mask.triu(diagonal=t - n - window + 1)
-        out = sdpa(qh, keys[None], values[None], attn_mask=mask, scale=scale)
+    out = sdpa(qh, keys[None], values[None], mask, scale, sink)
     return out[0].transpose(0, 1)

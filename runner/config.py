@@ -40,6 +40,15 @@ from speccal.runner.mla_config import (
     mla_from_hf,
 )
 from speccal.runner.moe_config import MoEConfig, expert_count, moe_config_from_hf
+from speccal.runner.swa_config import (
+    HUB_KEYS,
+    SINK_STEM,
+    SlidingAttention,
+    check_hub_keys,
+    hub_key_expectations,
+    sliding_family,
+    sliding_from_hf,
+)
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -97,6 +106,14 @@ class ModelConfig:
     value_scale : float
         Multiplies the attention values before they are cached (MiMo-V2-Flash's
         ``attention_value_scale``); 1: none.
+    v_head_dim : int
+        Channels of a value head (MiMo-V2-Flash's ``v_head_dim``); 0: ``head_dim``.
+    swa : SlidingAttention or None
+        The sliding layers' own KV head count and sink logits
+        (``speccal.runner.swa_config``); None: shaped as the full-attention layers.
+    sliding_rope : RopeConfig or None
+        The ``sliding_attention`` entry of a per-layer-type ``rope_parameters`` where it differs
+        from ``rope`` (the ``full_attention`` entry); None: one RoPE.
     extra : mapping
         The raw HF config, for draft-family recognition.
     """
@@ -123,6 +140,9 @@ class ModelConfig:
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     value_scale: float = 1.0
+    v_head_dim: int = 0
+    swa: SlidingAttention | None = None
+    sliding_rope: RopeConfig | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -147,14 +167,25 @@ class ModelConfig:
                 self.num_key_value_heads,
                 f"a divisor of num_attention_heads={self.num_attention_heads}",
             )
-        if self.rope.rope_type not in ROPE_TYPES:
-            raise UnsupportedError(
-                f"rope_scaling type {self.rope.rope_type!r} is not supported "
-                f"(supported: {', '.join(ROPE_TYPES)})"
-            )
+        for rope in (self.rope, self.sliding_rope):
+            if rope is not None and rope.rope_type not in ROPE_TYPES:
+                raise UnsupportedError(
+                    f"rope_scaling type {rope.rope_type!r} is not supported "
+                    f"(supported: {', '.join(ROPE_TYPES)})"
+                )
         if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
             raise InputError("config.sliding_windows", len(self.sliding_windows),
                              f"{self.num_hidden_layers} entries (one per layer) or none")
+        if isinstance(self.v_head_dim, bool) or not isinstance(self.v_head_dim, int) \
+                or self.v_head_dim < 0:
+            raise InputError("config.v_head_dim", self.v_head_dim, "an integer >= 1 (0: head_dim)")
+        if self.swa is not None:
+            if self.num_attention_heads % self.swa.num_kv_heads:
+                raise InputError("config.swa_num_key_value_heads", self.swa.num_kv_heads,
+                                 f"a divisor of num_attention_heads={self.num_attention_heads}")
+            if any(not 0 <= i < self.num_hidden_layers for i in self.swa.layers):
+                raise InputError("config.swa.layers", self.swa.layers,
+                                 f"layer indices below num_hidden_layers={self.num_hidden_layers}")
         dense = self.dense_mlp_layers()
         if dense and self.intermediate_size < 1 and self.moe is not None:
             raise InputError("config.json:intermediate_size", None,
@@ -168,13 +199,37 @@ class ModelConfig:
         """Indices of the layers whose MLP is the dense SwiGLU (not routed experts)."""
         return [i for i in range(self.num_hidden_layers) if not self.is_sparse(i)]
 
-    def kv_cache_dims(self, num_kv_heads: int) -> tuple[int, int, int]:
+    @property
+    def value_dim(self) -> int:
+        """Channels of a value head (``v_head_dim``, else ``head_dim``)."""
+        return self.v_head_dim or self.head_dim
+
+    def is_swa(self, layer: int) -> bool:
+        """Whether ``layer`` is a sliding layer with its own shape (:attr:`swa`)."""
+        return self.swa is not None and layer in self.swa.layers
+
+    def kv_heads(self, layer: int) -> int:
+        """KV heads of ``layer``'s attention."""
+        return self.swa.num_kv_heads if self.is_swa(layer) else self.num_key_value_heads
+
+    def has_sinks(self, layer: int) -> bool:
+        """Whether ``layer``'s softmax has a learned per-head sink logit."""
+        return self.is_swa(layer) and self.swa.has_sinks
+
+    def rope_for(self, layer: int) -> RopeConfig:
+        """The RoPE of ``layer`` (:attr:`sliding_rope` for a sliding layer that has one)."""
+        return self.sliding_rope if self.is_swa(layer) and self.sliding_rope else self.rope
+
+    def kv_cache_dims(self, num_kv_heads: int, layer: int | None = None) -> tuple[int, int, int]:
         """``(heads, k channels, v channels)`` of one layer's paged cache: GQA caches
-        ``num_kv_heads`` heads of K and V; MLA one head of ``[latent | k_rope]`` as K and the DSA
-        indexer's key as V (no channels without an indexer): ``speccal.runner.mla``."""
+        ``num_kv_heads`` heads of K and ``value_dim`` channels of V (a sliding layer of
+        :attr:`swa`, when ``layer`` names one, its own head count); MLA one head of
+        ``[latent | k_rope]`` as K and the DSA indexer's key as V (no channels without an
+        indexer): ``speccal.runner.mla``."""
         if self.mla is not None:
             return 1, self.mla.latent_dim, self.mla.index_dim
-        return num_kv_heads, self.head_dim, self.head_dim
+        heads = self.swa.num_kv_heads if layer is not None and self.is_swa(layer) else num_kv_heads
+        return heads, self.head_dim, self.value_dim
 
     def window(self, layer: int) -> int:
         """The attention window of ``layer`` (0: full attention)."""
@@ -183,11 +238,17 @@ class ModelConfig:
     def for_context(self, max_model_len: int) -> ModelConfig:
         """This config for an engine of ``max_model_len`` positions: a window that holds every
         position (``W >= max_model_len``) attends as full attention, so it is dropped (the
-        served paths that cannot mask a window then accept the config)."""
+        served paths that cannot mask a window then accept the config; :attr:`swa` keeps its
+        layers' shape and sinks, its ``window`` 0)."""
         windows = tuple(0 if w >= max_model_len else w for w in self.sliding_windows)
         if not any(windows):
             windows = ()
-        return self if windows == self.sliding_windows else replace(self, sliding_windows=windows)
+        swa = self.swa
+        if swa is not None and swa.window >= max_model_len:
+            swa = replace(swa, window=0)
+        if windows == self.sliding_windows and swa == self.swa:
+            return self
+        return replace(self, sliding_windows=windows, swa=swa)
 
 
 # MTP depth fields published by the families speccal knows (data, read by draft_families too).
@@ -217,7 +278,8 @@ UNIMPLEMENTED_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "rope_interleave": ((None, False), "interleaved (GPT-J) rotary"),
     "use_bidirectional_attention": ((None, False), "bidirectional attention"),
     "dual_chunk_attention_config": ((None,), "dual chunk attention"),
-    # MiMo-V2-Flash's hub form: sliding-window layers with their own head shapes and sinks
+    # MiMo-V2-Flash's hub form: read for model_types of swa_config.SLIDING_FAMILIES (checked
+    # against what transformers' class builds), refused elsewhere
     "add_swa_attention_sink_bias": ((None, False), "attention sinks"),
     "add_full_attention_sink_bias": ((None, False), "attention sinks"),
     "swa_num_key_value_heads": ((None,), "sliding-window layers with their own KV head count"),
@@ -225,12 +287,13 @@ UNIMPLEMENTED_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 #: per-layer tensor stems (any target layer) of features the runner does not implement, refused
-#: before the shapes are checked (MiMo-V2-Flash's windowed layers also have twice the KV heads,
-#: so the sinks, not a shape, are the reason); any other unknown tensor is refused by the strict
-#: loader as unconsumed
+#: before the shapes are checked; any other unknown tensor is refused by the strict loader as
+#: unconsumed. Sinks are implemented for the model_types of swa_config.SLIDING_FAMILIES (whose
+#: class places them: MiMo-V2-Flash's sliding layers), refused in any other
 UNIMPLEMENTED_STEMS: dict[str, str] = {
-    "self_attn.attention_sink_bias": "attention sinks (a learned per-head logit in the "
-                                     "softmax; MiMo-V2-Flash's sliding-window layers)",
+    SINK_STEM: "attention sinks (a learned per-head logit in the softmax) outside a "
+               "model_type whose sliding layers have them (speccal.runner.swa_config."
+               "SLIDING_FAMILIES)",
 }
 
 _MISSING = object()
@@ -283,31 +346,45 @@ def _bool(cfg: Mapping[str, Any], name: str) -> bool | None:
     return value
 
 
-def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
+def _ropes_from_hf(cfg: Mapping[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
+    """The RoPE of the full-attention layers and, where a per-layer-type ``rope_parameters``
+    (MiMo-V2-Flash) gives the ``sliding_attention`` layers another, theirs (else None)."""
     raw = cfg.get("rope_parameters") or {}
     if not isinstance(raw, Mapping):
         raise InputError("config.json:rope_parameters", raw, "a mapping of RoPE parameters")
     nested = sorted(k for k, v in raw.items() if isinstance(v, Mapping))
     used = set(cfg.get("layer_types") or ())
-    if nested and len(nested) == len(raw) and used and used <= set(nested):
-        # per-layer-type entries (MiMo-V2-Flash): one RoPE when the used types agree
-        entries = {json_repr(sorted(dict(raw[t]).items())) for t in used}
-        if len(entries) == 1:
-            raw, nested = raw[next(iter(used))], []
-    if nested:
+    if not nested:
+        return _rope_from_hf(cfg, raw, is_per_type=False), None
+    known = {"full_attention", "sliding_attention"}
+    if len(nested) != len(raw) or not used or not used <= set(nested) or not set(nested) <= known:
         raise UnsupportedError(
-            f"config.json:rope_parameters has per-layer-type entries {nested}: one RoPE for "
-            "every layer is supported, expected a flat mapping")
+            f"config.json:rope_parameters has per-layer-type entries {nested}: one flat mapping, "
+            "or one entry per layer type of layer_types (full_attention / sliding_attention) "
+            "is supported")
+    ropes = {t: _rope_from_hf(cfg, raw[t], is_per_type=True) for t in nested}
+    full = ropes.get("full_attention", ropes.get("sliding_attention"))
+    sliding = ropes.get("sliding_attention")
+    return full, (sliding if sliding != full else None)
+
+
+def _rope_from_hf(cfg: Mapping[str, Any], raw: Mapping[str, Any], *,
+                  is_per_type: bool) -> RopeConfig:
+    """One RoPE from a flat parameter mapping (``rope_scaling`` and the top-level
+    ``rope_theta`` / ``partial_rotary_factor`` too, unless it is a per-layer-type entry, which
+    alone describes its layers as transformers reads it)."""
     params = dict(raw)
-    scaling = cfg.get("rope_scaling") or {}
+    scaling = {} if is_per_type else cfg.get("rope_scaling") or {}
     if not isinstance(scaling, Mapping):
         raise InputError("config.json:rope_scaling", scaling, "a mapping or null")
     if scaling:
         params.update(scaling)
-    theta = float(params.pop("rope_theta", _float(cfg, "rope_theta", 10000.0)))
+    top = {} if is_per_type else cfg
+    theta = float(params.pop("rope_theta", _float(top, "rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    partial = float(cfg.get("partial_rotary_factor", params.pop("partial_rotary_factor", 1.0)))
+    partial = float(top.get("partial_rotary_factor", params.pop("partial_rotary_factor", 1.0)))
+    params.pop("partial_rotary_factor", None)
     if rope_type in ("linear", "dynamic", "llama3", "yarn") and "factor" not in params:
         raise InputError(f"rope_scaling.factor ({rope_type})", None, "a scaling factor > 0")
     return RopeConfig(
@@ -324,7 +401,8 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
     )
 
 
-def layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+def layer_windows(cfg: Mapping[str, Any], num_layers: int, *,
+                  is_layer_typed: bool = False) -> tuple[int, ...]:
     """Each layer's attention window (0: full), by transformers' three forms of the keys.
 
     - ``use_sliding_window`` present (Qwen2 / Qwen3): the window only when it is true.
@@ -335,7 +413,9 @@ def layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
 
     A config with ``layer_types`` but no sliding layer, a ``sliding_window`` and no
     ``use_sliding_window`` reads one way in Mistral's code (every layer windowed) and the other
-    in the layer-typed families' (none): refused rather than guessed.
+    in the layer-typed families' (none): refused rather than guessed, unless ``is_layer_typed``
+    (a ``model_type`` whose class applies the window to ``sliding_attention`` layers only:
+    ``speccal.runner.swa_config.SLIDING_FAMILIES``).
     """
     window = cfg.get("sliding_window")
     switch = _bool(cfg, "use_sliding_window")
@@ -355,7 +435,7 @@ def layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
                              "a window (layer_types names sliding_attention layers"
                              + (", and use_sliding_window is false" if switch is False else "")
                              + ")")
-        if not any(sliding) and window is not None and switch is None:
+        if not any(sliding) and window is not None and switch is None and not is_layer_typed:
             raise UnsupportedError(
                 f"config.json:sliding_window={window}: with layer_types naming no "
                 "sliding_attention layer and no use_sliding_window key, transformers' families "
@@ -380,7 +460,7 @@ def _refuse_unimplemented(cfg: Mapping[str, Any], stems: set[str] | None,
                 f"config.json:{key}={cfg[key]!r}: {what} is not implemented by the runner, "
                 f"expected {' or '.join(json_repr(v) for v in neutral)} (or no such key)")
     for stem, what in UNIMPLEMENTED_STEMS.items():
-        if stems is not None and stem in stems:
+        if stems is not None and stem in stems and stem not in implemented:
             raise UnsupportedError(
                 f"checkpoint tensors model.layers.N.{stem}: {what} are not implemented by the "
                 "runner, expected no such tensor")
@@ -502,7 +582,13 @@ def config_from_hf(
     names = set(key_names) if key_names is not None else None
     layers = _int(cfg, "num_hidden_layers", structure)
     stems = _target_stems(names, layers) if names is not None else None
-    _refuse_unimplemented(cfg, stems, (*MLA_KEYS, "v_head_dim") if family is not None else ())
+    swa_family = sliding_family(cfg) if family is None and not allow_hybrid else None
+    implemented: tuple[str, ...] = ()
+    if family is not None:
+        implemented = (*MLA_KEYS, "v_head_dim")
+    elif swa_family is not None:
+        implemented = (*HUB_KEYS, "v_head_dim", SINK_STEM)
+    _refuse_unimplemented(cfg, stems, implemented)
     layer_types = cfg.get("layer_types") or ()
     known = ("full_attention", "sliding_attention") + (("linear_attention",) if allow_hybrid else ())
     if family is not None and family.layer_type is not None:
@@ -538,30 +624,45 @@ def config_from_hf(
             break
     archs = cfg.get("architectures") or [cfg.get("model_type", "DenseDecoder")]
     tie = _bool(cfg, "tie_word_embeddings")
-    rope = _rope_from_hf(cfg)
+    rope, sliding_rope = _ropes_from_hf(cfg)
     mla = mla_from_hf(cfg, rope.rope_type, dict(rope.params)) if family is not None else None
     head_dim = (mla.qk_rope_head_dim if mla is not None
                 else _int(cfg, "head_dim", structure, hidden // heads if heads else 0))
+    kv_heads = _int(cfg, "num_key_value_heads", structure, heads)
+    eps = _float(cfg, "rms_norm_eps", 1e-6)
+    v_head_dim = 0 if mla is not None else _int(cfg, "v_head_dim", structure, 0)
+    swa = None
+    if swa_family is not None:
+        swa = sliding_from_hf(cfg, swa_family, layer_types, kv_heads)
+        srope = sliding_rope or rope
+        check_hub_keys(cfg, hub_key_expectations(
+            swa, num_layers=layers, num_heads=heads, head_dim=head_dim,
+            v_head_dim=v_head_dim or head_dim, rms_norm_eps=eps,
+            full_rope=(rope.theta, rope.partial_rotary_factor),
+            sliding_rope=(srope.theta, srope.partial_rotary_factor)), swa_family.model_type)
     return ModelConfig(
         vocab_size=_int(cfg, "vocab_size", structure),
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=_int(cfg, "num_key_value_heads", structure, heads),
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
+        rms_norm_eps=eps,
         rope=rope,
         max_position_embeddings=_int(cfg, "max_position_embeddings", structure, 4096),
         tie_word_embeddings=bool(tie),
         **_bias_flags(cfg, names, layers),
         is_qk_norm=is_qk_norm,
-        sliding_windows=layer_windows(cfg, layers),
+        sliding_windows=layer_windows(cfg, layers, is_layer_typed=swa is not None),
         eos_token_ids=eos_ids,
         architecture=str(archs[0]),
         num_mtp_depths=depths,
         mla=mla,
         moe=moe,
         value_scale=_float(cfg, "attention_value_scale", 1.0),
+        v_head_dim=v_head_dim,
+        swa=swa,
+        sliding_rope=sliding_rope,
         extra=dict(cfg),
     )

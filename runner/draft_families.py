@@ -50,6 +50,13 @@ class DraftFamily:
         ``dense`` (``speccal.runner.mtp.MTPHead``: RMSNorm, the dense decoder layer) or
         ``hybrid`` (``speccal.runner.hybrid.HybridMTPHead``: zero-centred norms, gated
         attention). A head on a target of the other structure is refused.
+    layer_type : the target's ``layer_types`` kind the head's layer is built as:
+        ``full_attention``, or ``sliding_attention`` (the target's window, and where the
+        target's sliding layers have them their KV head count, sink logits and RoPE:
+        ``speccal.runner.swa_config``).
+    layer_renames : ``(module stem prefix, checkpoint stem prefix)`` pairs of the head's layer
+        whose checkpoint name differs from the target layers' (MiMo-V2-Flash:
+        ``pre_mlp_layernorm.`` for ``post_attention_layernorm.``).
     refusal : if set, the family is recognised but refused at construction with this reason.
     """
 
@@ -68,6 +75,8 @@ class DraftFamily:
     is_feedback_normed: bool = False
     max_composed_depths: int = 1
     target_structure: str = "dense"
+    layer_type: str = "full_attention"
+    layer_renames: tuple[tuple[str, str], ...] = ()
     refusal: str | None = None
 
     def _match(self, key: str, num_target_layers: int) -> int | None:
@@ -99,6 +108,13 @@ class DraftFamily:
         if self.head_prefix is not None and self.is_head_stem(stem):
             pre = self.head_prefix
         return pre.format(depth=depth, layer=num_target_layers + depth) + stem
+
+    def layer_stem(self, stem: str) -> str:
+        """The checkpoint stem (under the prefix) of the head layer's module stem ``stem``."""
+        for module, key in self.layer_renames:
+            if stem.startswith(module):
+                return key + stem[len(module):]
+        return stem
 
     def is_head_stem(self, stem: str) -> bool:
         """Whether ``stem`` names a head-level part (fusion, final norm, head, embedding)."""
@@ -133,15 +149,22 @@ REGISTRY: dict[str, DraftFamily] = {
         embed="embed_tokens",
         is_feedback_normed=False,
     ),
-    "mimo_v2_mtp": DraftFamily(  # MiMo-V2-Flash (vLLM mimo_v2_flash_mtp.py reads this layout)
+    # MiMo-V2-Flash (vLLM mimo_v2_flash_mtp.py reads this layout): enorm / hnorm / eh_proj /
+    # final_layernorm around one sliding-window layer with sinks whose post-attention norm is
+    # named pre_mlp_layernorm; the target's embedding and LM head; vLLM feeds the head's
+    # final-normed output to its next step
+    "mimo_v2_mtp": DraftFamily(
         name="mimo_v2_mtp",
         key_regex=r"^model\.mtp\.layers\.(?P<index>\d+)\.",
         prefix="model.mtp.layers.{depth}.",
+        embed_norm="enorm",
+        hidden_norm="hnorm",
+        proj="eh_proj",
+        concat_order=("embed", "hidden"),
         final_norm="final_layernorm",
-        refusal="its layer is a sliding-window attention layer with attention sinks "
-                "(self_attn.attention_sink_bias) and its own head shapes (swa_num_key_value_heads"
-                ", swa_head_dim), which the runner's attention does not implement; the target "
-                "serves plain decoding (its full-attention form)",
+        is_feedback_normed=True,
+        layer_type="sliding_attention",
+        layer_renames=(("post_attention_layernorm.", "pre_mlp_layernorm."),),
     ),
     "qwen3_5_mtp": DraftFamily(
         name="qwen3_5_mtp",

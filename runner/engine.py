@@ -56,7 +56,11 @@ from speccal.runner.device import (
 )
 
 # re-exported: the engine's API in one import (``from speccal.runner.engine import ...``)
-from speccal.runner.engine_config import EngineConfig, check_declared_context
+from speccal.runner.engine_config import (  # noqa: F401 (ACCEPTANCE_MODES: re-exported)
+    ACCEPTANCE_MODES,
+    EngineConfig,
+    check_declared_context,
+)
 from speccal.runner.graphs import GraphKey
 from speccal.runner.hybrid import HybridModel, HybridMTPHead
 from speccal.runner.hybrid_state import make_strategy
@@ -155,11 +159,13 @@ class Engine:
         )
         torch_dtype = next(self.loaded.target.parameters()).dtype
         num_layers = self.loaded.num_kv_layers + (1 if self.loaded.draft is not None else 0)
-        kv_heads, k_dim, v_dim = mcfg.kv_cache_dims(self._kv_heads())  # MLA: one latent head
+        layer_dims = self._kv_layer_dims()  # MLA: one latent head; MiMo: per-layer heads
+        kv_heads, k_dim, v_dim = layer_dims[0]
         # refuse a cache that cannot fit before allocating it, naming what sized it
         check_memory(
             self.device,
-            KVCache.nbytes(num_layers, num_blocks, bs, kv_heads, k_dim, torch_dtype, v_dim),
+            KVCache.nbytes(num_layers, num_blocks, bs, kv_heads, k_dim, torch_dtype, v_dim,
+                           layer_dims=layer_dims),
             field="kv_capacity_tokens" if config.kv_capacity_tokens else
             "max_model_len x max(request_buckets)",
             value=config.kv_capacity_tokens or f"{max_len} x {max_bucket}",
@@ -174,6 +180,7 @@ class Engine:
             torch_dtype,
             self.device,
             v_dim,
+            layer_dims=layer_dims,
         )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
@@ -272,6 +279,16 @@ class Engine:
     def _kv_heads(self) -> int:
         """KV heads this engine's cache holds per layer (a tensor-parallel rank: its own)."""
         return self.loaded.config.num_key_value_heads
+
+    def _kv_layer_dims(self) -> list[tuple[int, int, int]]:
+        """``(heads, k channels, v channels)`` of each cached layer: the target's KV layers,
+        then the MTP head's (its own config: a sliding layer for ``mimo_v2_mtp``)."""
+        cfg, heads = self.loaded.config, self._kv_heads()
+        dims = [cfg.kv_cache_dims(heads, i) for i in range(self.loaded.num_kv_layers)]
+        if self.loaded.draft is not None:
+            head_cfg = getattr(self.loaded.draft, "config", None) or cfg
+            dims.append(head_cfg.kv_cache_dims(heads, 0))
+        return dims
 
     def _capture_graphs(self) -> None:
         """Capture every (Bcap, k[, G]) graph the geometry allows, largest first (one pool)."""

@@ -3,7 +3,10 @@
 This module owns the KV memory of the target layers and the MTP head's layer. Layout per layer:
 ``k_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``, ``v_cache`` the same with
 ``v_head_dim`` channels (``head_dim`` unless given: MLA layers cache one head of
-``[latent | k_rope]`` as K and the DSA indexer's key, or nothing, as V; ``speccal.runner.mla``). Block 0 is
+``[latent | k_rope]`` as K and the DSA indexer's key, or nothing, as V; ``speccal.runner.mla``;
+MiMo-V2-Flash values of ``v_head_dim``). ``layer_dims`` gives each layer its own
+``(num_kv_heads, head_dim, v_head_dim)`` (``ModelConfig.kv_cache_dims``: MiMo-V2-Flash's sliding
+layers have twice the KV heads of its full ones). Block 0 is
 reserved: its slot 0 is the sentinel every padded row writes, and unused block-table entries
 point at it. A request owns a list of blocks; token position ``p`` lives at slot
 ``blocks[p // block_size] * block_size + p % block_size`` in *every* layer (target and draft share
@@ -12,9 +15,11 @@ block ids and positions).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from speccal.base.errors import CapacityError
+from speccal.base.errors import CapacityError, InputError
 from speccal.runner.device import check_memory
 
 SENTINEL_SLOT = 0
@@ -87,23 +92,36 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         v_head_dim: int | None = None,
+        *,
+        layer_dims: Sequence[tuple[int, int, int]] | None = None,
     ):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        v_dim = head_dim if v_head_dim is None else v_head_dim
-        v_shape = (num_blocks, block_size, num_kv_heads, v_dim)
+        dims = self.dims(num_layers, num_kv_heads, head_dim, v_head_dim, layer_dims)
         # a backstop: the engine checks first, naming the options that sized the cache
         need = self.nbytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                           v_dim)
+                           v_head_dim, layer_dims=dims)
         check_memory(device, need, field="KV cache", value=f"{num_blocks} blocks of {block_size}",
                      what="K and V tensors")
         self.layers = [
             (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(v_shape, dtype=dtype, device=device),
+                torch.zeros((num_blocks, block_size, heads, k_dim), dtype=dtype, device=device),
+                torch.zeros((num_blocks, block_size, heads, v_dim), dtype=dtype, device=device),
             )
-            for _ in range(num_layers)
+            for heads, k_dim, v_dim in dims
         ]
         self.allocator = BlockAllocator(num_blocks, block_size)
+
+    @staticmethod
+    def dims(num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None,
+             layer_dims: Sequence[tuple[int, int, int]] | None) -> list[tuple[int, int, int]]:
+        """Each layer's ``(num_kv_heads, head_dim, v_head_dim)``: ``layer_dims`` (one entry per
+        layer) or the one shape of every layer."""
+        if layer_dims is None:
+            v_dim = head_dim if v_head_dim is None else v_head_dim
+            return [(num_kv_heads, head_dim, v_dim)] * num_layers
+        if len(layer_dims) != num_layers:
+            raise InputError("KVCache layer_dims", len(layer_dims),
+                             f"{num_layers} entries (one per cached layer)")
+        return [tuple(d) for d in layer_dims]
 
     @staticmethod
     def nbytes(
@@ -114,8 +132,10 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         v_head_dim: int | None = None,
+        *,
+        layer_dims: Sequence[tuple[int, int, int]] | None = None,
     ) -> int:
         """Bytes of the K and V tensors of a cache of this shape (what ``__init__`` allocates)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        v_dim = head_dim if v_head_dim is None else v_head_dim
-        return num_layers * num_blocks * block_size * num_kv_heads * (head_dim + v_dim) * elem
+        dims = KVCache.dims(num_layers, num_kv_heads, head_dim, v_head_dim, layer_dims)
+        return sum(num_blocks * block_size * h * (k + v) * elem for h, k, v in dims)

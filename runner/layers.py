@@ -66,23 +66,32 @@ class RMSNorm(PathBound, nn.Module):
 
 
 class Attention(TPBound, PathBound, nn.Module):
-    """GQA self-attention with optional q/k/v and o biases, per-head q/k RMSNorm (before RoPE)
-    and an optional sliding window (``window`` keys, 0: full)."""
+    """GQA self-attention with optional q/k/v and o biases, per-head q/k RMSNorm (before RoPE),
+    an optional sliding window (``window`` keys, 0: full) and, where the config gives ``layer``
+    them (``ModelConfig.swa``: MiMo-V2-Flash's sliding layers), its own KV head count, per-head
+    sink logits (``attention_sink_bias``, ``[num_heads]``) and RoPE; value heads of
+    ``ModelConfig.value_dim`` channels."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self._init_path()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_kv_heads = cfg.kv_heads(layer)
         self.head_dim = d
+        self.v_head_dim = cfg.value_dim
         self.scale = d**-0.5
         self.window = cfg.window(layer)
+        self.is_sliding_rope = cfg.is_swa(layer)  # RotaryTable.for_layer picks its table
         self.value_scale = cfg.value_scale  # MiMo-V2-Flash's attention_value_scale (1: none)
+        dv = self.v_head_dim
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.is_qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.is_qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.is_qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.is_o_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * dv, bias=cfg.is_qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * dv, h, bias=cfg.is_o_bias)
+        # the checkpoint's name (transformers' module calls it ``sinks``)
+        self.attention_sink_bias = (nn.Parameter(torch.zeros(self.num_heads))
+                                    if cfg.has_sinks(layer) else None)
         if cfg.is_qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -100,16 +109,17 @@ class Attention(TPBound, PathBound, nn.Module):
         rotary: RotaryTable,
     ) -> torch.Tensor:  # [N, hidden]
         n = x.shape[0]
-        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        hq, hk, d, dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
         path = self.path
+        rotary = rotary.for_layer(self.is_sliding_rope)
         if self.qkv_weight is not None and path.fused(x):
-            qkv = _linear(x, self.qkv_weight, self.qkv_bias, path)  # [N, (hq + 2 hk) d]
-            q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-            q, k, v = q.reshape(n, hq, d), k.reshape(n, hk, d), v.reshape(n, hk, d)
+            qkv = _linear(x, self.qkv_weight, self.qkv_bias, path)  # [N, (hq + hk) d + hk dv]
+            q, k, v = qkv.split([hq * d, hk * d, hk * dv], dim=-1)
+            q, k, v = q.reshape(n, hq, d), k.reshape(n, hk, d), v.reshape(n, hk, dv)
         else:
             q = _linear(x, self.q_proj.weight, self.q_proj.bias, path).view(n, hq, d)
             k = _linear(x, self.k_proj.weight, self.k_proj.bias, path).view(n, hk, d)
-            v = _linear(x, self.v_proj.weight, self.v_proj.bias, path).view(n, hk, d)
+            v = _linear(x, self.v_proj.weight, self.v_proj.bias, path).view(n, hk, dv)
         if self.value_scale != 1.0:  # before the cache, as transformers scales them
             v = v * self.value_scale
         if self.q_norm is not None:
@@ -122,10 +132,10 @@ class Attention(TPBound, PathBound, nn.Module):
         else:
             q, k = rotary(q, k, positions)
             write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        out = attend_rows(q, kv[0], kv[1], meta, self.scale, path,
-                          window=self.window)  # [N, heads, head_dim]
+        out = attend_rows(q, kv[0], kv[1], meta, self.scale, path, window=self.window,
+                          sinks=self.attention_sink_bias)  # [N, heads, v_head_dim]
         # row-parallel o: each TP rank's heads give a partial sum; the bias is added once
-        y = reduce_partial(_linear(out.reshape(n, hq * d), self.o_proj.weight, None, path),
+        y = reduce_partial(_linear(out.reshape(n, hq * dv), self.o_proj.weight, None, path),
                            self.tp)
         return y if self.o_proj.bias is None else y + self.o_proj.bias
 
@@ -133,14 +143,26 @@ class Attention(TPBound, PathBound, nn.Module):
         """Make q/k/v weights views of one ``[(hq + 2 hk) d, hidden]`` matrix (one GEMV launch).
 
         Called when an engine serves this layer on the Triton path, whose attention kernel has
-        no sliding window: a windowed layer is refused here.
+        no sliding window, no sink logits and one head width for keys and values: such a layer
+        is refused here.
 
         Raises
         ------
         UnsupportedError
-            This layer has a sliding window (``config.json:sliding_window``) smaller than the
-            engine's ``max_model_len`` (``ModelConfig.for_context`` drops the others).
+            This layer has sink logits (``self_attn.attention_sink_bias``), value heads of
+            another width (``config.json:v_head_dim``), or a sliding window
+            (``config.json:sliding_window``) smaller than the engine's ``max_model_len``
+            (``ModelConfig.for_context`` drops the others).
         """
+        if self.attention_sink_bias is not None:
+            raise UnsupportedError(
+                "checkpoint tensor self_attn.attention_sink_bias: attention sinks are not in "
+                "the Triton attention kernels; serve this model with attention_backend='torch'")
+        if self.v_head_dim != self.head_dim:
+            raise UnsupportedError(
+                f"config.json:v_head_dim={self.v_head_dim}: the Triton attention kernels read "
+                f"values of head_dim={self.head_dim} channels; serve this model with "
+                "attention_backend='torch'")
         if self.window:
             raise UnsupportedError(
                 f"config.json:sliding_window={self.window}: the Triton attention kernels have "
@@ -240,11 +262,17 @@ class DecoderLayer(PathBound, nn.Module):
         full rotary (the fused rotary kernel's table), no o or MLP bias (the fused layer's
         epilogues have none; such a layer runs the per-op path, which adds them), a dense MLP
         (a routed-expert layer runs the per-op path: Triton norms and attention, torch
-        experts) and no value scale. Only ``x``'s device and row count are read, so the rows'
-        token ids ``[N]`` answer as their hidden states would."""
+        experts), no value scale, and the attention of a plain layer (no sink logits, values as
+        wide as keys, the model's one RoPE table: :meth:`Attention.fuse_weights` refuses the
+        others). Only ``x``'s device and row count are read, so the rows' token ids ``[N]``
+        answer as their hidden states would."""
+        attn = self.self_attn
         return (
             not self.is_sparse
-            and self.self_attn.value_scale == 1.0
+            and attn.value_scale == 1.0
+            and attn.attention_sink_bias is None
+            and attn.v_head_dim == attn.head_dim
+            and rotary.for_layer(attn.is_sliding_rope) is rotary
             and self.path.fused(x)
             and self.self_attn.o_proj.bias is None
             and self.mlp.down_proj.bias is None

@@ -144,15 +144,40 @@ def _head_flags(family: DraftFamily, keys: set[str], layers: int) -> dict[str, b
                 is_mlp_bias=has("mlp.gate_proj.bias"))
 
 
+def _head_attention(cfg: ModelConfig, family: DraftFamily) -> ModelConfig:
+    """``cfg`` with every layer of the head family's :attr:`DraftFamily.layer_type`: full
+    attention (no window), or a sliding layer of the target's (:attr:`ModelConfig.swa`: its
+    window, KV heads, sink logits and RoPE).
+
+    Raises
+    ------
+    UnsupportedError
+        A sliding head on a target without :attr:`ModelConfig.swa` (a ``model_type`` outside
+        ``speccal.runner.swa_config.SLIDING_FAMILIES``).
+    """
+    if family.layer_type == "full_attention":
+        return dataclasses.replace(cfg, sliding_windows=(), swa=None, sliding_rope=None)
+    if cfg.swa is None:
+        raise UnsupportedError(
+            f"draft family {family.name!r}: its layer is a {family.layer_type} layer shaped as "
+            f"the target's, and model_type {cfg.extra.get('model_type')!r} has no such layer "
+            "the runner knows (speccal.runner.swa_config.SLIDING_FAMILIES)")
+    every = tuple(range(cfg.num_hidden_layers))
+    window = cfg.swa.window  # 0 where the engine's context fits in it (for_context)
+    return dataclasses.replace(cfg, sliding_windows=(window,) * len(every) if window else (),
+                               swa=dataclasses.replace(cfg.swa, layers=every))
+
+
 def draft_config(cfg: ModelConfig, family: DraftFamily, keys: set[str] | None) -> ModelConfig:
     """The draft layer's config: the target's shapes, biases / q-k norm read from the draft
-    keys, full attention (the head's layer has no window: its family's layer attends fully),
-    and the routed-expert MLP where the head's keys name a router (``<prefix>mlp.gate.weight``;
-    its score bias and shared-expert gate read from the head's keys too), else the dense one.
+    keys, the attention of its family's layer type (:func:`_head_attention`: full, or the
+    target's sliding layers'), and the routed-expert MLP where the head's keys name a router
+    (``<prefix>mlp.gate.weight``; its score bias and shared-expert gate read from the head's
+    keys too), else the dense one.
 
     The head builds its one layer as layer 0; a routed head marks every layer index sparse, so
     layer 0 is and no dense width is asked for."""
-    cfg = dataclasses.replace(cfg, sliding_windows=())
+    cfg = _head_attention(cfg, family)
     layers = cfg.num_hidden_layers
     moe = cfg.moe
     if moe is not None and keys is not None:

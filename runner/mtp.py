@@ -48,6 +48,7 @@ class MTPHead(TPBound, PathBound, nn.Module):
         super().__init__()
         self._init_path()
         h = cfg.hidden_size
+        self.config = cfg  # the head layer's (its KV cache shape: ModelConfig.kv_cache_dims)
         self.family = family
         self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -111,6 +112,6 @@ class MTPHead(TPBound, PathBound, nn.Module):
                 "head": fam.head,
                 "embed": fam.embed,
             }.get(first)
-            key_stem = rest if first == "layer" else f"{stem}.{rest}"
+            key_stem = fam.layer_stem(rest) if first == "layer" else f"{stem}.{rest}"
             out[name] = fam.key_for(key_stem, num_target_layers)
         return out

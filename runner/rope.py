@@ -21,16 +21,18 @@ import math
 
 import torch
 
-from speccal.runner.config import ModelConfig
+from speccal.runner.config import ModelConfig, RopeConfig
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").double() / dim))
 
 
-def inv_freq_and_scale(cfg: ModelConfig, max_model_len: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``[rotary_dim // 2]`` (float64) and the attention scaling factor."""
-    rope = cfg.rope
+def inv_freq_and_scale(cfg: ModelConfig, max_model_len: int,
+                       rope: RopeConfig | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[rotary_dim // 2]`` (float64) and the attention scaling factor of
+    ``rope`` (default ``cfg.rope``)."""
+    rope = rope or cfg.rope
     dim = int(cfg.head_dim * rope.partial_rotary_factor)
     base = rope.theta
     kind = rope.rope_type
@@ -58,12 +60,12 @@ def inv_freq_and_scale(cfg: ModelConfig, max_model_len: int) -> tuple[torch.Tens
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
     if kind == "yarn":
-        return _yarn(cfg, dim, base, factor)
+        return _yarn(cfg, rope, dim, base, factor)
     raise AssertionError(kind)  # ModelConfig validated the type
 
 
-def _yarn(cfg: ModelConfig, dim: int, base: float, factor: float) -> tuple[torch.Tensor, float]:
-    rope = cfg.rope
+def _yarn(cfg: ModelConfig, rope: RopeConfig, dim: int, base: float,
+          factor: float) -> tuple[torch.Tensor, float]:
     original = int(rope.get("original_max_position_embeddings") or cfg.max_position_embeddings)
     attention_factor = rope.get("attention_factor")
     mscale = rope.get("mscale")
@@ -105,11 +107,17 @@ class RotaryTable(torch.nn.Module):
     Computed on the CPU in float64 whatever the default device (the loader moves the table to
     the model's device): under a meta default device the arithmetic would run through
     ``torch._refs``, which imports ``torch._dynamo`` (``speccal.runner.device.on_meta``).
+
+    ``sliding``: the table of ``cfg.sliding_rope`` (the sliding layers' own RoPE,
+    MiMo-V2-Flash), None when the config has one RoPE; :meth:`for_layer` picks a layer's.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, max_model_len: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, max_model_len: int,
+                 rope: RopeConfig | None = None):
         super().__init__()
-        inv_freq, scale = inv_freq_and_scale(cfg, max_model_len)
+        inv_freq, scale = inv_freq_and_scale(cfg, max_model_len, rope)
+        self.sliding = (RotaryTable(cfg, max_positions, max_model_len, cfg.sliding_rope)
+                        if rope is None and cfg.sliding_rope is not None else None)
         pos = torch.arange(max_positions, dtype=torch.float64, device="cpu")
         freqs = torch.outer(pos, inv_freq)  # [P, rotary_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, rotary_dim]
@@ -122,6 +130,10 @@ class RotaryTable(torch.nn.Module):
         # rotary only; partial rotary keeps the torch path).
         cos_sin = torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=-1) if full else None
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+
+    def for_layer(self, is_sliding_rope: bool) -> RotaryTable:
+        """The table of a layer: :attr:`sliding` for a sliding layer where there is one."""
+        return self.sliding if is_sliding_rope and self.sliding is not None else self
 
     def forward(
         self,

@@ -80,6 +80,12 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
         raise UnsupportedError(
             f"tp={tp} with routed experts (config.json num_experts / n_routed_experts "
             f"{cfg.moe.num_experts}): sharding the experts is not implemented, expected tp=1")
+    if cfg.swa is not None and tp > 1:
+        raise UnsupportedError(
+            f"tp={tp}: sliding layers with their own KV heads and sink logits "
+            f"(config.json:model_type={cfg.extra.get('model_type')!r}, "
+            f"swa_config.SLIDING_FAMILIES) are not sharded by the runner's tensor "
+            "parallelism; expected tp=1")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(cfg, name)
         if value % tp:

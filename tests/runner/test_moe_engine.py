@@ -6,9 +6,10 @@ Qwen3-MoE (softmax top-k, renormalised, a dense first layer by ``mlp_only_layers
 MoE (the DeepSeek-V3 router: sigmoid scores, a random ``e_score_correction_bias`` for the
 selection, 2 groups of which 1 is kept, ``routed_scaling_factor`` 2.5, a shared expert,
 ``first_k_dense_replace``; GQA with q/k norm (``use_qk_norm``), q/k/v bias, half rotary) and
-MiMo-V2-Flash in its full-attention form (ungrouped sigmoid routing, no shared expert,
-``mlp_layer_types``, ``attention_value_scale``, per-layer-type RoPE, a third of the head
-rotated). GLM-4.5 gets an MTP layer in the DeepSeek-V3 layout (``model.layers.3.{enorm, hnorm,
+MiMo-V2-Flash in its full-attention form, as transformers writes it (its unused
+``sliding_window`` included; ungrouped sigmoid routing, no shared expert, ``mlp_layer_types``,
+``attention_value_scale``, per-layer-type RoPE, a third of the head rotated; the sliding layers
+and the MTP head: test_mimo_v2_engine). GLM-4.5 gets an MTP layer in the DeepSeek-V3 layout (``model.layers.3.{enorm, hnorm,
 eh_proj, shared_head.*, embed_tokens}`` plus a routed decoder layer named like layer 2's);
 Qwen3.5-MoE (hybrid engine) an ``mtp.*`` head whose layer is routed like layer 3. Every token
 comparison is exact: plain and speculative greedy emit transformers' greedy tokens; the mixed
@@ -125,13 +126,6 @@ def write_family(folder, name: str):
     hf.save_pretrained(folder)
     if name == "glm4_moe":
         _add_deepseek_mtp(folder, BASE["num_hidden_layers"])
-    if name == "mimo_v2_flash":
-        # transformers' MiMoV2FlashConfig always writes sliding_window (an int), which its
-        # class applies to sliding_attention layers only; with none, the key is ambiguous to
-        # the runner (config.layer_windows: Mistral applies it everywhere), so it is nulled
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg["sliding_window"] = None
-        (folder / "config.json").write_text(json.dumps(cfg))
     return hf
 
 
@@ -198,26 +192,13 @@ def test_plain_greedy_equals_transformers(family):
 
 def test_speculative_greedy_equals_transformers_every_accepted_length(family):
     """GLM-4.5 MoE with its DeepSeek-layout MTP layer (itself routed): K = 1..3, batch 1 with
-    the head's drafts, then the oracle's mixed batch. MiMo-V2-
-    Flash's (``model.mtp.layers.N``) is refused by name (sliding-window attention with sinks),
-    while its target still serves plain decoding. The Qwen MoE families publish no head."""
+    the head's drafts, then the oracle's mixed batch. The Qwen MoE families and this
+    MiMo-V2-Flash checkpoint publish no head (MiMo-V2-Flash's sliding layers and its
+    ``model.mtp.layers.N`` head: test_mimo_v2_engine)."""
     name, folder, refs = family
-    if name in ("qwen3_moe", "qwen2_moe"):
+    if name in ("qwen3_moe", "qwen2_moe", "mimo_v2_flash"):
         with pytest.raises(UnsupportedError, match="no MTP head"):
             _engine(folder)
-        return
-    if name == "mimo_v2_flash":
-        tmp = folder.parent / "mimo_mtp"
-        tmp.mkdir(exist_ok=True)
-        tensors = load_file(str(folder / "model.safetensors"))
-        tensors["model.mtp.layers.0.enorm.weight"] = torch.ones(BASE["hidden_size"])
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text((folder / "config.json").read_text())
-        with pytest.raises(UnsupportedError, match="mimo_v2_mtp.*attention sinks"):
-            _engine(tmp)
-        got, _ = _run(_engine(tmp, speculative=False), PROMPTS[:1],
-                      [SamplingParams(max_tokens=MAX_TOKENS[0], ignore_eos=True)], 0)
-        assert got == [refs[0]]
         return
     eng = _engine(folder)
     assert eng.loaded.family.name == "deepseek_mtp"
@@ -457,15 +438,22 @@ def test_routing_keys_read_into_the_config():
     assert qwen.is_shared_gated and qwen.shared_form == "shared_expert"
 
 
-def test_attention_sinks_are_refused_by_tensor_name(tmp_path):
-    """MiMo-V2-Flash's default layout (sliding-window layers with attention sinks and twice the
-    KV heads): refused naming the sink tensor, not a shape mismatch."""
-    cls, cfg_cls, extra = FAMILIES["mimo_v2_flash"]
-    extra = {k: v for k, v in extra.items() if k != "layer_types"}
-    hf = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**BASE, **extra))
-    hf.save_pretrained(tmp_path)
+def test_attention_sinks_outside_a_sliding_family_are_refused_by_tensor_name(family):
+    """Sink logits are served where the model_type's class places them (MiMo-V2-Flash's sliding
+    layers: test_mimo_v2_engine); in another model_type's checkpoint they are refused naming
+    the tensor, not computed without."""
+    name, folder, _ = family
+    if name == "mimo_v2_flash":
+        return
+    tmp = folder.parent / f"{name}_sinks"
+    tmp.mkdir(exist_ok=True)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.1.self_attn.attention_sink_bias"] = torch.zeros(
+        BASE["num_attention_heads"])
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(UnsupportedError, match=r"self_attn\.attention_sink_bias: attention sinks"):
-        _engine(tmp_path, speculative=False)
+        _engine(tmp, speculative=False)
 
 
 def test_tensor_parallel_routed_experts_are_refused():
