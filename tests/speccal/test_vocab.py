@@ -43,8 +43,8 @@ def test_every_layer_takes_the_vocabulary():
 
 
 def test_the_runner_takes_the_vocabulary():
-    from speccal.runner import engine, hybrid_state, path
+    from speccal.runner import engine_config, hybrid_state, path
 
     assert hybrid_state.STATE_STRATEGIES is vocab.STATE_STRATEGIES
     assert path.GRAPH_MODES is vocab.GRAPH_MODES
-    assert engine.ACCEPTANCE_MODES is vocab.ACCEPTANCE_MODES
+    assert engine_config.ACCEPTANCE_MODES is vocab.ACCEPTANCE_MODES
