@@ -57,7 +57,7 @@ from rich.markup import escape
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.progress import ProgressReporter
-from speccal.base.runner_face import BuildReport, Runner
+from speccal.base.runner_face import BuildReport, Routing, Runner
 from speccal.base.vocab import LOOPS, STATE_STRATEGIES
 from speccal.calibrate import lock, machine, report
 from speccal.calibrate.config import (
@@ -394,6 +394,7 @@ def _calibrate(
             "prompts": prompt_fill(engine),
             "state_traffic": (None if built.state_traffic is None
                               else [dict(r) for r in built.state_traffic]),
+            "routing": routing_block(engine.routing),
         },
         geometry=geometry,
         provenance=Provenance.now(
@@ -461,6 +462,15 @@ def _calibrate(
     save_table(table, opts.out)  # --out was checked writable before the runner was built
     console.print(f"wrote {escape(str(opts.out))} ({stats.points_done}/{stats.points_total} points)")
     return summary
+
+
+def routing_block(routing: Routing | None) -> dict[str, Any] | None:
+    """The table's ``calibration.routing`` of a runner's routed-expert layers (None: dense).
+    The driver's prompts are random token ids (``driver.synthetic_base``): ``random_tokens``."""
+    if routing is None:
+        return None
+    return {"source": "random_tokens", "experts": routing.experts, "top_k": routing.top_k,
+            "layers": routing.layers}
 
 
 def _compile_meter() -> Any:
