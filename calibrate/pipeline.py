@@ -84,6 +84,7 @@ from speccal.calibrate.grid import GridPoint, build_grid
 from speccal.calibrate.journal import Journal, check_discard, open_journal
 from speccal.calibrate.timing import CLOCKS, SpeedProbe, at_run_speed, loop_timing
 from speccal.costmodel.coverage import warn_coverage
+from speccal.costmodel.report import routing_summary
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import build_table
 from speccal.costmodel.table_schema import CostTable, Provenance
@@ -422,6 +423,7 @@ def _calibrate(
     fit_s = time.perf_counter() - t_fit
     total_s = time.perf_counter() - t_start
     report.print_fit_report(console, table)
+    report.print_routing(console, table)
     report.print_kv_model(console, table)
     report.print_timing(console, table.calibration.timing)
     report.print_gate(console, quality, selection, held)
@@ -441,6 +443,7 @@ def _calibrate(
         "effective_config": report.effective_config_dict(cfg, geometry, compat, threads, gate),
         "fit": report.fit_summary(table),
         "kv_model": report.kv_model_errors(table),
+        "routing": routing_summary(table),
         "quality": quality,
         "timing": table.calibration.timing.model_dump(mode="json"),
         "window_spread_pct_max_last_round": selection.last_round_spread_max_pct,
