@@ -51,6 +51,14 @@ KV). ``prompt_lengths`` says how (midpoint quantiles of ``[min_kv_length, prefil
 each request led by the tokens its slower growth would not reach); every window records the
 batch's mean KV length over its rounds (``mean_kv_length``).
 
+Routed-expert targets (``Engine.routing`` not None): every round reports, per routed layer, the
+distinct experts its forwards activated (counted on the device and read with the round's
+results at collect, so exact per round on the pipelined loop too:
+``RoundResult.experts_activated``); a window's row carries their mean over the routed layers
+and the window's rounds (``experts_activated``, :func:`mean_experts_activated`). The synthetic
+prompts are random tokens, so the router's rows spread over the experts much as a balanced
+model's do (the table says so: ``calibration.routing.source`` ``random_tokens``).
+
 Each finished window becomes one measurement row (columns of ``docs/ARCHITECTURE.md``) appended
 to the journal (fsync) before the next window starts; windows already in the journal are skipped.
 Re-measurement rounds of noisy points (``speccal.calibrate.gate``) call ``drive`` again with
@@ -68,6 +76,7 @@ from typing import Any
 import numpy as np
 
 from speccal.base.errors import SpeccalError
+from speccal.base.runner_face import Routing
 from speccal.calibrate.config import CalibrationConfig
 from speccal.calibrate.feasibility import reserve_tokens
 from speccal.calibrate.grid import GridPoint
@@ -241,12 +250,15 @@ def measurement_row(
     device_ms: float | None = None,
     loop: str | None = None,
     span: WindowTime | None = None,
+    experts_activated: float | None = None,
 ) -> dict[str, Any]:
     """One journal / measurement row (required + optional columns of ARCHITECTURE.md).
 
     ``device_ms`` (the window's device span, CUDA events) adds ``device_ms`` and
     ``wall_over_device`` (wall total over device span); ``loop`` adds the round loop; a
-    probe-clock ``span`` adds ``clock``, ``wall_s``, ``probe_ms`` and ``probe_ref_ms``.
+    probe-clock ``span`` adds ``clock``, ``wall_s``, ``probe_ms`` and ``probe_ref_ms``;
+    ``experts_activated`` (a routed-expert target) the window's mean distinct experts per
+    routed layer and round.
     """
     ctx = cfg.contexts[point.context_index]
     row = {
@@ -273,11 +285,33 @@ def measurement_row(
     if device_ms is not None and device_ms > 0:
         row["device_ms"] = device_ms
         row["wall_over_device"] = 1000.0 * elapsed_s / device_ms
+    if experts_activated is not None:
+        row["experts_activated"] = experts_activated
     if span is not None and span.probe_ref_ms is not None:
         # the probe clock (speccal.calibrate.timing): elapsed_s is the normalised CPU total
         row.update(clock="cpu_probe", wall_s=span.wall_s, probe_ms=span.probe_ms,
                    probe_ref_ms=span.probe_ref_ms)
     return row
+
+
+def mean_experts_activated(results: Sequence[Any], routing: Routing | None) -> float | None:
+    """The mean over the routed layers and ``results``' rounds of the distinct experts each
+    round activated (``RoundResult.experts_activated``), or None for a dense target.
+
+    Raises
+    ------
+    ShapeMismatchError
+        A round that reports another number of routed layers than ``routing.layers``.
+    """
+    if routing is None:
+        return None
+    counts = [tuple(r.experts_activated) for r in results]
+    bad = [c for c in counts if len(c) != routing.layers]
+    if bad or not counts:
+        raise ShapeMismatchError(
+            f"a round reported experts activated for {len(bad[0]) if bad else 0} routed layers, "
+            f"the runner has {routing.layers}")
+    return float(np.mean(counts))
 
 
 def loop_of(engine: Any) -> str:
@@ -365,6 +399,7 @@ def drive(
     done = journal.done
     timer = WindowTimer(engine, clock, probe=probe)
     loop = loop_of(engine)
+    routing = engine.routing
     w = cfg.windows_per_point
     indices = tuple(range(w) if window_indices is None else window_indices)
     max_tokens = reserve_tokens(cfg.warmup_steps, cfg.window_steps, 1, cfg.draft_width)
@@ -427,7 +462,8 @@ def drive(
             )
             journal.append(
                 measurement_row(cfg, point, window_index, span.elapsed_s, mean_kv, device,
-                                device_ms=span.device_ms, loop=loop, span=span)
+                                device_ms=span.device_ms, loop=loop, span=span,
+                                experts_activated=mean_experts_activated(results, routing))
             )
             measured += 1
             left[point.key] -= 1

@@ -58,7 +58,7 @@ from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.progress import ProgressReporter
 from speccal.base.run_spec import RunSpec
-from speccal.base.runner_face import BuildReport, Runner
+from speccal.base.runner_face import BuildReport, Routing, Runner
 from speccal.calibrate import lock, machine, report
 from speccal.calibrate.config import (
     CalibrationConfig,
@@ -84,6 +84,7 @@ from speccal.calibrate.grid import GridPoint, build_grid
 from speccal.calibrate.journal import Journal, check_discard, open_journal
 from speccal.calibrate.timing import CLOCKS, SpeedProbe, at_run_speed, loop_timing
 from speccal.costmodel.coverage import warn_coverage
+from speccal.costmodel.report import routing_summary
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import build_table
 from speccal.costmodel.table_schema import CostTable, Provenance
@@ -378,6 +379,7 @@ def _calibrate(
             "prompts": prompt_fill(engine),
             "state_traffic": (None if built.state_traffic is None
                               else [dict(r) for r in built.state_traffic]),
+            "routing": routing_block(engine.routing),
         },
         geometry=geometry,
         provenance=Provenance.now(
@@ -405,6 +407,7 @@ def _calibrate(
     fit_s = time.perf_counter() - t_fit
     total_s = time.perf_counter() - t_start
     report.print_fit_report(console, table)
+    report.print_routing(console, table)
     report.print_kv_model(console, table)
     report.print_timing(console, table.calibration.timing)
     report.print_gate(console, quality, selection, held)
@@ -424,6 +427,7 @@ def _calibrate(
         "effective_config": report.effective_config_dict(cfg, geometry, compat, threads, gate),
         "fit": report.fit_summary(table),
         "kv_model": report.kv_model_errors(table),
+        "routing": routing_summary(table),
         "quality": quality,
         "timing": table.calibration.timing.model_dump(mode="json"),
         "window_spread_pct_max_last_round": selection.last_round_spread_max_pct,
@@ -445,6 +449,15 @@ def _calibrate(
     save_table(table, opts.out)  # --out was checked writable before the runner was built
     console.print(f"wrote {escape(str(opts.out))} ({stats.points_done}/{stats.points_total} points)")
     return summary
+
+
+def routing_block(routing: Routing | None) -> dict[str, Any] | None:
+    """The table's ``calibration.routing`` of a runner's routed-expert layers (None: dense).
+    The driver's prompts are random token ids (``driver.synthetic_base``): ``random_tokens``."""
+    if routing is None:
+        return None
+    return {"source": "random_tokens", "experts": routing.experts, "top_k": routing.top_k,
+            "layers": routing.layers}
 
 
 def _compile_meter() -> Any:

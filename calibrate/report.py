@@ -24,6 +24,7 @@ from speccal.calibrate.driver import calibrated_kv_length
 from speccal.calibrate.gate import EarlyStop, GateConfig, HeldOut, Selection, describe_point
 from speccal.calibrate.grid import GridPoint
 from speccal.calibrate.machine import ThreadPin
+from speccal.costmodel.report import routing_line
 
 
 def _value(cfg: CalibrationConfig, key: str) -> str:
@@ -188,6 +189,7 @@ def print_fit_report(console: Console, table: Any) -> None:
     """Per-point residuals and held-out errors of every fitted context of a ``CostTable``
     (draft_step: each point's ``k`` and requests ``B``, and the draft-forward term chosen)."""
     by_k = table.mode == "draft_step"
+    routed = table.calibration.routing is not None
     for fit in table.fits:
         d = fit.diagnostics
         t = Table(
@@ -207,6 +209,7 @@ def print_fit_report(console: Console, table: Any) -> None:
             "resid %",
             "LOPO ms",
             "LOGO ms",
+            *(("experts",) if routed else ()),
         ):
             t.add_column(col, justify="right")
         for p in d.points:
@@ -222,6 +225,7 @@ def print_fit_report(console: Console, table: Any) -> None:
                 _fmt(p.residual_pct, ".1f"),
                 _fmt(p.lopo_ms),
                 _fmt(p.logo_ms),
+                *((_fmt(p.experts_activated, ".2f"),) if routed else ()),
             )
         print_table(console, t)
         for name, e in (
@@ -244,6 +248,13 @@ def print_fit_report(console: Console, table: Any) -> None:
                 f"filled points held out: {errs})", soft_wrap=True)
         elif fit.sps is not None and fit.sps.k is not None:
             console.print("  sps: one curve per k (draft forwards)")
+
+
+def print_routing(console: Console, table: Any) -> None:
+    """One line on a routed-expert target's routing during calibration (nothing when dense)."""
+    line = routing_line(table)
+    if line is not None:
+        console.print(line, soft_wrap=True, markup=False)
 
 
 def kv_model_errors(table: Any) -> dict | None:

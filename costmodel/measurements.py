@@ -62,6 +62,8 @@ OPTIONAL_COLUMNS: dict[str, str] = {
     "loop": "str",  # the engine's round loop (pipelined | synchronous)
     "device_ms": "float",  # device span of the window (CUDA events between its edges)
     "wall_over_device": "float",  # elapsed_s over that span
+    # routed-expert targets: distinct experts per routed layer and round, the window's mean
+    "experts_activated": "float",
 }
 
 MODES = ("draft_step", "target_verify")

@@ -66,7 +66,40 @@ def summary(table: CostTable) -> dict[str, Any]:
     }
     if table.kv_model is not None:  # absent (not null) for tables without one
         out["kv_model"] = table.kv_model.model_dump(mode="json", exclude={"points"})
+    routing = routing_summary(table)
+    if routing is not None:  # absent (not null) for a dense target's table
+        out["routing"] = routing
     return out
+
+
+def routing_summary(table: CostTable) -> dict[str, Any] | None:
+    """A routed-expert target's ``calibration.routing`` with, per measured point, the mean
+    distinct experts a round activated per routed layer (``points``: ``[{context_index, bcap,
+    g, k, experts_activated}]``); None for a dense target's table."""
+    routing = table.calibration.routing
+    if routing is None:
+        return None
+    return {
+        **routing.model_dump(mode="json"),
+        "points": [
+            {"context_index": f.context_index, "bcap": p.bcap, "g": p.g, "k": p.k,
+             "experts_activated": p.experts_activated}
+            for f in table.fits for p in f.diagnostics.points
+        ],
+    }
+
+
+def routing_line(table: CostTable) -> str | None:
+    """One sentence on how a routed-expert target routed while calibrated (None: dense)."""
+    r = routing_summary(table)
+    if r is None:
+        return None
+    vals = [p["experts_activated"] for p in r["points"]]
+    source = {"random_tokens": "random tokens (uniform-like routing, as a load-balanced "
+                               "model's)"}[r["source"]]
+    return (f"routing: {r['layers']} routed layers, top {r['top_k']} of {r['experts']} experts, "
+            f"calibrated on {source}; distinct experts per layer and round "
+            f"{min(vals):.2f}-{max(vals):.2f} over {len(vals)} points")
 
 
 def execution_path(table: CostTable) -> dict[str, Any]:

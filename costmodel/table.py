@@ -309,6 +309,7 @@ def _check_consistent(t: CostTable, source: str) -> None:
         _check_k_term(t, f, where)
     _check_geometry(t, source)
     _check_windows(t, source)
+    _check_routing(t, source)
     _check_predictions(t, source)
     if t.kv_model is not None:
         _check_kv_model(t, source)
@@ -437,6 +438,39 @@ def _check_windows(t: CostTable, source: str) -> None:
                 exc.expected,
                 hint=exc.hint,
             ) from None
+
+
+def _check_routing(t: CostTable, source: str) -> None:
+    """Windows and points count routed experts exactly when ``calibration.routing`` says what
+    they count: every window within ``[top_k, experts]``, every point the mean of its windows."""
+    routing = t.calibration.routing
+    for i, f in enumerate(t.fits):
+        per_point: dict[tuple[int, int, int], list[float]] = {}
+        for j, win in enumerate(f.windows):
+            where, v = f"{source}: fits.{i}.windows.{j}.experts_activated", win.experts_activated
+            if routing is None:
+                if v is not None:
+                    raise SchemaError(where, v, "absent: the table has no calibration.routing "
+                                      "(a dense target's table counts no experts)")
+                continue
+            if v is None or not routing.top_k <= v <= routing.experts:
+                raise SchemaError(
+                    where, "missing" if v is None else v,
+                    f"a mean in [top_k, experts] = [{routing.top_k}, {routing.experts}] "
+                    "(calibration.routing)")
+            per_point.setdefault((win.bcap, win.g, win.k), []).append(v)
+        for j, p in enumerate(f.diagnostics.points):
+            where, v = f"{source}: fits.{i}.diagnostics.points.{j}.experts_activated", \
+                p.experts_activated
+            if routing is None:
+                if v is not None:
+                    raise SchemaError(where, v, "absent: the table has no calibration.routing")
+                continue
+            vals = per_point.get((p.bcap, p.g, p.k))
+            want = None if not vals else float(np.mean(vals))
+            if v is None or want is None or not _close(v, want):
+                raise SchemaError(where, "missing" if v is None else v,
+                                  f"the mean of the point's windows ({want!r})")
 
 
 def _close(a: float, b: float) -> bool:

@@ -127,6 +127,7 @@ def build_table(
             "calibration.mode", cal.mode, f"the rows' mode {str(df['mode'].iloc[0])!r}"
         )
     check_shapes(df, cal.mode, w)
+    check_routing_rows(df, cal)
     geom = _geometry(df, geometry, w)
     if provenance is None:
         prov = Provenance.now()
@@ -190,7 +191,7 @@ def build_table(
                 model=model,
                 combine=combine,
                 windows=[Window(**_window_row(r)) for r in windows.to_dict("records")],
-                diagnostics=_diagnostics_block(diag),
+                diagnostics=_diagnostics_block(diag, _point_experts(windows)),
                 **params,
             )
         )
@@ -329,14 +330,62 @@ def refit_table(
     )
 
 
-_WINDOW_KEYS = tuple(Window.model_fields)
+_WINDOW_KEYS = tuple(k for k in Window.model_fields if k != "experts_activated")
 
 
 def _window_row(r: Mapping[str, Any]) -> dict[str, Any]:
-    return {
+    out = {
         k: (int(r[k]) if Window.model_fields[k].annotation is int else float(r[k]))
         for k in _WINDOW_KEYS
     }
+    if "experts_activated" in r:  # routed-expert targets only (check_routing_rows)
+        out["experts_activated"] = float(r["experts_activated"])
+    return out
+
+
+def check_routing_rows(df: pd.DataFrame, cal: CalibrationConfig) -> None:
+    """Rows count routed experts (``experts_activated``) exactly when ``calibration.routing``
+    says what they count, each within ``[top_k, experts]`` (a round routes every row to
+    ``top_k`` distinct experts of ``experts``).
+
+    Raises
+    ------
+    InputError
+        Counts without a routing block, a routing block without counts, a count out of range
+        (naming the row).
+    """
+    has = "experts_activated" in df.columns
+    routing = cal.routing
+    if has and routing is None:
+        raise InputError(
+            "calibration.routing", None,
+            "the routing the rows' experts_activated counts were measured under ({source, "
+            "experts, top_k, layers}): pass the table's calibration block (speccal fit "
+            "--calibration) or drop the column")
+    if routing is None:
+        return
+    if not has:
+        raise InputError(
+            "measurements.experts_activated", "missing",
+            f"a count in every row: calibration.routing says the target routes ({routing.layers} "
+            f"layers, top {routing.top_k} of {routing.experts} experts)")
+    vals = df["experts_activated"].to_numpy(dtype=float)
+    bad = (vals < routing.top_k) | (vals > routing.experts)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise InputError(
+            f"measurements.experts_activated[row {i}]", float(vals[i]),
+            f"a mean in [top_k, experts] = [{routing.top_k}, {routing.experts}] "
+            "(calibration.routing)")
+
+
+def _point_experts(windows: pd.DataFrame) -> dict[tuple[int, int, int], float]:
+    """Per point ``(bcap, g, k)``, the mean ``experts_activated`` of its windows ({} for rows
+    without the column)."""
+    if "experts_activated" not in windows.columns:
+        return {}
+    means = windows.groupby(["bcap", "g", "k"])["experts_activated"].mean()
+    return {(int(b), int(g), int(k)): float(v) for (b, g, k), v in means.items()}
 
 
 def _finite(x: Any) -> float | None:
@@ -344,7 +393,7 @@ def _finite(x: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _diagnostics_block(diag) -> DiagnosticsBlock:
+def _diagnostics_block(diag, experts: Mapping[tuple[int, int, int], float]) -> DiagnosticsBlock:
     pts = []
     for r in diag.points.to_dict("records"):
         pts.append(
@@ -356,6 +405,7 @@ def _diagnostics_block(diag) -> DiagnosticsBlock:
                 n_windows=int(r["n_windows"]),
                 step_ms=float(r["step_ms"]),
                 spread_ms=float(r["spread_ms"]),
+                experts_activated=experts.get((int(r["bcap"]), int(r["g"]), int(r["k"]))),
                 **{
                     k: _finite(r[k])
                     for k in ("predicted_ms", "residual_ms", "residual_pct", "lopo_ms", "logo_ms")

@@ -13,7 +13,8 @@ older versions) is ``speccal.costmodel.table``. The document (JSON Schema commit
                      quality: {gate bounds, held-out error seen, flagged and re-measured
                                points, machine load, override used} | null,
                      timing: {loop, windows, device_windows, wall_over_device median/max,
-                              device_step_ms_median} | null},
+                              device_step_ms_median} | null,
+                     routing: {source, experts, top_k, layers} | absent (dense targets)},
      "compatibility": {...see speccal.costmodel.compat: identity, topology and the measured
                        program: graph_mode, attention_backend, input_update, kernels, loop},
      "geometry": {...speccal.base.geometry.Geometry.to_dict()},
@@ -21,7 +22,8 @@ older versions) is ``speccal.costmodel.table``. The document (JSON Schema commit
                "additive": {bias_ms, bcap_levels, alpha_ms, g_levels, theta_ms, reference,
                             k_term, delta_ms, k_selection}
                  or "sps": {g_levels, cost_ms, bcap_levels, k},
-               "windows": [raw measured windows, so the table can be refitted],
+               "windows": [raw measured windows, so the table can be refitted; a routed
+                           target's carry experts_activated, as do its points],
                "diagnostics": {residuals, leave_one_point_out, leave_one_g_out, points}}],
      "kv_model": {kv_term, k_term, delta_ms, min/max_kv_length, bias_ms, bcap_levels, alpha_ms, g_levels,
                   theta_ms, beta_ms, selected_by, residuals, leave_one_point_out,
@@ -181,6 +183,26 @@ class StateTrafficBlock(_Strict):
         return self.read + self.written + self.index_bytes + self.saved_inputs
 
 
+class RoutingBlock(_Strict):
+    """How a routed-expert (MoE) target routed while it was calibrated.
+
+    ``source`` says what drove the routers: ``random_tokens``, the synthetic prompts'
+    uniformly random token ids (and the tokens the target emits from them), which spread the
+    router's rows over the experts much as a load-balanced model's do; a workload whose tokens
+    concentrate on fewer experts runs fewer of them per round than the table measured.
+    ``experts`` routed experts per layer, ``top_k`` chosen per row, ``layers`` routed layers of
+    the target (the MTP head's routed layer, where it has one, is not counted). The counts
+    themselves are per window (``fits[i].windows[j].experts_activated``) and per point
+    (``fits[i].diagnostics.points[j].experts_activated``): the distinct experts a round
+    activated per routed layer, the mean over the layers and rounds, in ``[top_k, experts]``.
+    """
+
+    source: Literal["random_tokens"] = "random_tokens"
+    experts: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    layers: int = Field(ge=1)
+
+
 class CalibrationConfig(_Strict):
     """The effective calibration config a table was measured with (defaults filled in).
 
@@ -196,7 +218,9 @@ class CalibrationConfig(_Strict):
     was recorded. ``state_traffic``: a hybrid target's
     recurrent-state bytes per round for every captured bucket and ``k`` (computed from the
     model's state shapes and the strategy; their time is inside the measured costs), None for a
-    target without recurrent state or a table from before it was recorded.
+    target without recurrent state or a table from before it was recorded. ``routing``: a
+    routed-expert target's routing during the calibration (:class:`RoutingBlock`), None for a
+    dense target (absent from the file, as ``state_traffic``).
     """
 
     model: Literal["additive", "sps"] = "additive"
@@ -216,6 +240,7 @@ class CalibrationConfig(_Strict):
     timing: LoopTimingBlock | None = None
     prompts: Literal["kv_copy", "prefill"] | None = None
     state_traffic: list[StateTrafficBlock] | None = None
+    routing: RoutingBlock | None = None
 
 
 class GeometryBlock(_Strict):
@@ -297,6 +322,9 @@ class Window(_Strict):
     elapsed_s: float = Field(gt=0)
     step_ms: float = Field(gt=0)
     mean_kv_length: float = Field(ge=0)
+    # routed-expert targets only (absent otherwise): the window's mean distinct experts per
+    # routed layer and round (CalibrationConfig.routing)
+    experts_activated: float | None = Field(default=None, gt=0)
 
 
 class PointBlock(_Strict):
@@ -312,6 +340,8 @@ class PointBlock(_Strict):
     residual_pct: float | None
     lopo_ms: float | None
     logo_ms: float | None
+    # routed-expert targets only (absent otherwise): the mean of its windows' experts_activated
+    experts_activated: float | None = Field(default=None, gt=0)
 
 
 class DiagnosticsBlock(_Strict):
@@ -604,7 +634,7 @@ class CostTable(_Strict):
                         "prefill_tokens": f.prefill_tokens,
                         "min_kv_length": f.min_kv_length,
                         "max_kv_length": f.max_kv_length,
-                        **w.model_dump(),
+                        **w.model_dump(exclude_none=True),  # experts_activated: routed only
                         "warmup_steps": self.calibration.warmup_steps,
                         "mode": self.calibration.mode,
                     }
@@ -619,6 +649,12 @@ class CostTable(_Strict):
             doc.pop("kv_model", None)
         if doc["calibration"].get("state_traffic") is None:  # likewise: only hybrid targets
             doc["calibration"].pop("state_traffic", None)
+        if doc["calibration"].get("routing") is None:  # likewise: only routed-expert targets
+            doc["calibration"].pop("routing", None)
+        for fit in doc["fits"]:
+            for item in (*fit["windows"], *fit["diagnostics"]["points"]):
+                if item.get("experts_activated") is None:
+                    item.pop("experts_activated", None)
         return doc
 
     def to_json(self) -> str:

@@ -43,7 +43,7 @@ import torch
 from speccal import __version__
 from speccal.base.errors import CapacityError, InputError, UnsupportedError
 from speccal.base.geometry import Geometry
-from speccal.base.runner_face import BuildReport
+from speccal.base.runner_face import BuildReport, Routing
 from speccal.kernels.precompile import CompilePool, triton_cache_is_empty
 from speccal.runner.device import (
     check_memory,
@@ -67,7 +67,7 @@ from speccal.runner.hybrid_state import make_strategy
 from speccal.runner.kv_cache import KVCache
 from speccal.runner.linear_attention import CHUNK_SIZE
 from speccal.runner.loader import LoadedModel, load_model
-from speccal.runner.moe import activated_counts
+from speccal.runner.moe import RoutedMoE, activated_counts, round_counts, routed_modules
 from speccal.runner.path import bind_path
 from speccal.runner.prefill import prefill
 from speccal.runner.presets import PRESETS
@@ -241,6 +241,10 @@ class Engine:
         self._round_index = 0
         self._inflight: list[_Flight] = []  # queued rounds not yet collected, oldest first
         self.prompt_source: PromptSource | None = None
+        # routed-expert layers: the target's are counted per round, the head's only reset
+        self._routed: list[RoutedMoE] = routed_modules(self.loaded.target)
+        self._routed_all = self._routed + (routed_modules(self.loaded.draft)
+                                           if self.loaded.draft is not None else [])
         if self._has_state and self.device.type == "cuda":
             self.warm_prefill()
             lap("prefill_warmup_s")
@@ -324,6 +328,15 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return int(self.loaded.config.vocab_size)
+
+    @property
+    def routing(self) -> Routing | None:
+        """The target's routed-expert layers (experts, top-k, how many), None for a dense
+        target. Every routed layer of one target routes alike (one ``MoEConfig``)."""
+        if not self._routed:
+            return None
+        moe = self._routed[0].moe
+        return Routing(experts=moe.num_experts, top_k=moe.top_k, layers=len(self._routed))
 
     def build_report(self) -> BuildReport:
         """How this engine was built (``speccal.base.runner_face.BuildReport``)."""
@@ -412,7 +425,8 @@ class Engine:
         (``{"target": [per routed layer], "draft": [...]}``, empty lists for dense models), and
         reset. Called after each :meth:`step` of the synchronous loop it is that round's (its
         prefill included); on the pipelined loop a step's forwards overlap the next round's.
-        One host read per layer (the rounds keep ``[E]`` device masks, no sync of their own)."""
+        One host read per layer (the rounds keep ``[E]`` device masks, no sync of their own).
+        Per round on either loop, prefill excluded: ``RoundResult.experts_activated``."""
         return {name: activated_counts(module) if module is not None else []
                 for name, module in (("target", self.loaded.target),
                                      ("draft", self.loaded.draft))}
@@ -793,11 +807,14 @@ class Engine:
                 dtype=np.int64,
             )
             x = self.runner.prepare(batch, bcap, k, nv, g, budget_rows, bound)
+            for m in self._routed_all:  # the round's own experts, not the prefill's
+                m.begin_round()
             self.runner.execute(x)
+            experts = round_counts(self._routed) if self._routed else None
             for r in batch:
                 r.num_inflight += 1
             self._inflight.append(
-                _Flight(x, batch, first, finished, num_prefill, self._round_index, g))
+                _Flight(x, batch, first, finished, num_prefill, self._round_index, g, experts))
             self._round_index += 1
             first, finished, num_prefill = {}, [], 0
         res = None
@@ -869,6 +886,8 @@ class Engine:
             discarded_num_verify=d_nv,
             discarded_draft_scores=d_sc,
             discarded_kv_lengths=d_kv,
+            # the round is complete (collected above): a read of L integers
+            experts_activated=() if f.experts is None else tuple(f.experts.tolist()),
         )
 
     def drain(self) -> list[RoundResult]:
@@ -896,6 +915,7 @@ class _Flight:
     num_prefill: int
     round_index: int
     g: int
+    experts: Any = None  # [L] int64 device tensor: distinct experts per routed target layer
     rids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:

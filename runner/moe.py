@@ -20,7 +20,10 @@ module sees rows of hidden states only.
 
 Each module also records which experts its forwards activated since the last
 :meth:`RoutedMoE.take_activated` (a ``[E]`` bool tensor on the rows' device, no extra host
-read), which the engine reads per round (``Engine.take_activated_experts``).
+read), which ``Engine.take_activated_experts`` reads, and, in a second mask, since the last
+:meth:`RoutedMoE.begin_round`: the engine starts one before each round's forwards and counts it
+on the device after them (:func:`round_counts`), read with the round's results at collect, so
+the count is per round on both round loops (``RoundResult.experts_activated``).
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ class RoutedMoE(nn.Module):
         self.shared_expert_gate = (nn.Linear(hidden, 1, bias=False) if moe.is_shared_gated
                                    else None)
         self.activated: torch.Tensor | None = None  # [E] bool, since the last take_activated
+        self.round_activated: torch.Tensor | None = None  # [E] bool, since begin_round
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -142,6 +146,7 @@ class RoutedMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.moe.num_experts)  # [E]
         hit = counts > 0
         self.activated = hit if self.activated is None else self.activated | hit
+        self.round_activated = hit if self.round_activated is None else self.round_activated | hit
         out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts.tolist()):  # the one host read
@@ -163,6 +168,10 @@ class RoutedMoE(nn.Module):
         out, self.activated = self.activated, None
         return out
 
+    def begin_round(self) -> None:
+        """Start the per-round mask (the engine calls it before a round's forwards)."""
+        self.round_activated = None
+
     def fuse_weights(self) -> None:
         """Nothing to fuse: the experts run torch products (no fused-MoE kernel)."""
 
@@ -176,3 +185,20 @@ def activated_counts(module: nn.Module) -> list[int]:
             hit = m.take_activated()
             out.append(0 if hit is None else int(hit.sum()))
     return out
+
+
+def routed_modules(module: nn.Module) -> list[RoutedMoE]:
+    """The :class:`RoutedMoE` modules under ``module`` (module order)."""
+    return [m for m in module.modules() if isinstance(m, RoutedMoE)]
+
+
+def round_counts(modules: list[RoutedMoE]) -> torch.Tensor:  # [L] int64, on the modules' device
+    """Distinct experts each module activated since its :meth:`RoutedMoE.begin_round`, counted on
+    the device (no host read: the caller reads it with the round's results). A module that ran
+    no forward counts 0."""
+    counts = []
+    for m in modules:
+        hit = m.round_activated
+        counts.append(hit.sum() if hit is not None
+                      else torch.zeros((), dtype=torch.int64, device=m.gate.weight.device))
+    return torch.stack(counts)

@@ -128,6 +128,88 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# Routed mixture-of-experts shapes (speccal.runner.moe) with multi-head latent attention
+# (speccal.runner.mla): DeepSeek-V2-Lite's published config.json (Moonlight-16B-A3B has the same
+# layout with a 163840-token vocabulary and sigmoid routing), plus one MTP layer in the
+# DeepSeek-V3 key layout (``deepseek_mtp``: ``model.layers.27.{enorm, hnorm, eh_proj,
+# shared_head.*, embed_tokens}`` and a routed decoder layer). Softmax top-6 of 64 routed experts
+# (``topk_method`` greedy, not renormalised), 2 shared experts, layer 0 dense.
+_MOE_16B_A3B = {
+    "model_type": "deepseek_v2",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,  # layer 0's dense MLP
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1408,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "scoring_func": "softmax",
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "max_position_embeddings": 163840,
+    "tie_word_embeddings": False,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "num_nextn_predict_layers": 1,
+}
+
+#: The fields ``moe-tiny`` shrinks (every other key, the routing and attention layout, is
+#: ``moe-16b-a3b``'s): 3 layers (layer 0 dense), hidden 64, 16 experts of width 32, top 4.
+MOE_TINY_SIZES = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+PRESETS["moe-16b-a3b"] = Preset(
+    name="moe-16b-a3b",
+    description="DeepSeek-V2-Lite shapes (27 layers, hidden 2048, MLA: kv_lora_rank 512, "
+    "rope 64 + nope 128, v 128, no q LoRA; 64 routed experts top-6 of width 1408 + 2 shared, "
+    "layer 0 dense; vocab 102400; ~16B, ~2.7B active) + 1 DeepSeek MTP layer (routed)",
+    config=_MOE_16B_A3B,
+    family="deepseek_mtp",
+    default_dtype="bfloat16",
+)
+PRESETS["moe-tiny"] = Preset(
+    name="moe-tiny",
+    description="moe-16b-a3b shrunk for CPU tests (3 layers, hidden 64, MLA, 16 routed "
+    "experts top-4 + 2 shared, layer 0 dense, vocab 512, 1 routed DeepSeek MTP layer)",
+    config={**_MOE_16B_A3B, **MOE_TINY_SIZES},
+    family="deepseek_mtp",
+)
+
+
 # Hybrid linear-attention shapes (speccal.runner.hybrid), served by the Engine through
 # loader.load_model (a separate registry: they build a HybridModel, not a TargetModel). Text stacks of the public Qwen3.5 checkpoints (the vision
 # tower is not modelled), from transformers' Qwen3_5TextConfig fields and the models' configs;

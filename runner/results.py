@@ -82,6 +82,10 @@ class RoundResult:
     discarded_num_verify: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     discarded_draft_scores: np.ndarray | None = None
     discarded_kv_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # per routed-expert layer of the target (``Engine.routing``), the distinct experts this
+    # round's forwards activated (counted on the device, read at collect; every row the round
+    # ran, padding and discarded rows included); () for a dense target or no round
+    experts_activated: tuple[int, ...] = ()
 
     @property
     def accept_matrix(self) -> np.ndarray:  # [B, k] bool: draft position j of request b accepted

@@ -29,6 +29,17 @@ class BuildReport:
     state_traffic: Sequence[Mapping[str, Any]] | None = None
 
 
+@dataclass(frozen=True)
+class Routing:
+    """The routed-expert (MoE) layers of a runner's target: ``layers`` routed layers, each
+    choosing ``top_k`` of ``experts`` per row. Each of its rounds reports, per routed layer, the
+    distinct experts the round activated (``RoundResult.experts_activated``)."""
+
+    experts: int
+    top_k: int
+    layers: int
+
+
 @runtime_checkable
 class Runner(Protocol):
     """A runner calibration drives (``speccal.calibrate``) and live runs plan rounds on."""
@@ -39,6 +50,7 @@ class Runner(Protocol):
     vocab_size: int  # token ids of synthetic prompts are drawn below it
     round_index: int  # rounds queued so far
     supports_prompt_source: bool  # set_prompt_source fills prompts by KV copy
+    routing: Routing | None  # the target's routed-expert layers; None: a dense target
 
     def compatibility(self) -> dict[str, Any]: ...
 

@@ -36,7 +36,7 @@ from speccal.base.rich_tables import make_console, print_table
 from speccal.cli.cmd_check import check
 from speccal.cli.help import HelpGroup, SpeccalTyper
 from speccal.costmodel.measurements import write_measurements
-from speccal.costmodel.report import cost_grid, diff_tables, summary, to_markdown
+from speccal.costmodel.report import cost_grid, diff_tables, routing_line, summary, to_markdown
 from speccal.costmodel.table import load_table
 
 err_console = make_console()
@@ -93,6 +93,10 @@ def fit_report(table, console: Console = err_console, *, nonpositive: bool = Tru
                 _fmt(e["max_abs_pct"], ".2f"),
             )
     print_table(console, t)
+    routing = routing_line(table)
+    if routing is not None:
+        console.print(routing, soft_wrap=True, markup=False)
+        _routing_table(s["routing"], console)
     kv = s.get("kv_model")
     if kv is not None:
         loco, lopo = kv["leave_one_context_out"], kv["leave_one_point_out"]
@@ -115,6 +119,18 @@ def fit_report(table, console: Console = err_console, *, nonpositive: bool = Tru
                 f"[bold yellow]warning:[/] context {f['context_index']}: fitted cost not positive "
                 f"at {shown}{more}; these cells are uncalibrated (policies fall back to full width)"
             )
+
+
+def _routing_table(routing: dict[str, Any], console: Console) -> None:
+    """Per measured point, the mean distinct experts a round activated per routed layer."""
+    t = Table(title=f"routed experts per layer and round (of {routing['experts']}, "
+              f"top {routing['top_k']})", title_justify="left")
+    for col in ("context", "Bcap", "G", "k", "experts"):
+        t.add_column(col, justify="right")
+    for p in routing["points"]:
+        t.add_row(str(p["context_index"]), str(p["bcap"]), str(p["g"]), _fmt(p["k"], "d"),
+                  _fmt(p["experts_activated"], ".2f"))
+    print_table(console, t)
 
 
 def _params_tables(table, console: Console) -> None:

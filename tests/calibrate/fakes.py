@@ -6,6 +6,10 @@ compatibility, reset, add_request, step, synchronize) and prices every round exa
 in, so a window's step time is known to the last digit and one point can be made noisy on
 purpose. The n-th window measured of a point (counted from its transition) gets
 ``factors[(bcap, g)][n]`` (1.0 past the end of the list).
+
+With ``routing`` (a ``Routing``) the fake is a routed-expert target: round ``n`` of a window at
+G rows reports, per routed layer ``l``, ``fake_experts(routing, g, l, n)`` distinct experts (a
+known truth, different per layer and round, so a mean over either is visible).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from speccal.base.geometry import Geometry
-from speccal.base.runner_face import BuildReport
+from speccal.base.runner_face import BuildReport, Routing
 from speccal.calibrate.pipeline import calibrate
 from speccal.costmodel.compat import make_compatibility
 
@@ -53,6 +57,13 @@ class FakeClock:
         return self.now
 
 
+def fake_experts(routing: Routing, g: int, layer: int, round_index: int) -> int:
+    """Distinct experts a fake round at ``g`` rows activates in routed layer ``layer``: top_k
+    per row up to every expert, less one on odd (layer + round)."""
+    full = min(routing.experts, routing.top_k * g)
+    return max(routing.top_k, full - (layer + round_index) % 2)
+
+
 @dataclass
 class FakeResult:
     num_requests: int
@@ -61,6 +72,7 @@ class FakeResult:
     k: int
     kv_lengths: list[int]
     round_index: int
+    experts_activated: tuple[int, ...] = ()
 
 
 @dataclass
@@ -71,6 +83,7 @@ class FakeEngine:
     device_kind: str = "cpu"
     stop_after_windows: int | None = None  # raise KeyboardInterrupt at that window's transition
     build_s: float = 0.0  # real seconds the "compile/capture" takes
+    routing: Routing | None = None  # a routed-expert target (module docstring)
 
     def __post_init__(self) -> None:
         if self.build_s:
@@ -151,8 +164,10 @@ class FakeEngine:
         self.clock.now += self.cost_ms(bcap, g) * self._factor / 1000.0
         self._kv = [kv + v + 1 for kv, v in zip(self._kv, verify, strict=True)]
         self.round_index += 1
-        return FakeResult(bcap, bcap, g, plan.num_draft_steps, list(self._kv),
-                          self.round_index - 1)
+        n = self.round_index - 1
+        experts = () if self.routing is None else tuple(
+            fake_experts(self.routing, g, layer, n) for layer in range(self.routing.layers))
+        return FakeResult(bcap, bcap, g, plan.num_draft_steps, list(self._kv), n, experts)
 
 
 def fake(**kw):
