@@ -75,3 +75,43 @@ class OracleDraft:
             plan[req.rid] = m if n + m < len(ref) else None
         self.rounds.append(plan)
         return drafts, torch.full((bcap, k), 0.5)
+
+
+def oracle_run(eng: Engine, prompts, refs: list[list[int]], params, k: int, vocab: int):
+    """The mixed batch under an :class:`OracleDraft` at ``k``: ``(tokens per request, results,
+    oracle)``; the engine's own draft part is restored afterwards."""
+    oracle = OracleDraft(eng, {tuple(p): r for p, r in zip(prompts, refs, strict=True)}, k,
+                         vocab)
+    eng.runner.draft_part = oracle
+    try:
+        got, results = run_requests(eng, prompts, params, k)
+    finally:
+        del eng.runner.draft_part
+    return got, results, oracle
+
+
+def scheduled_accepts(results, oracle: OracleDraft, k: int) -> list[int]:
+    """The accepted lengths of the request-rounds the oracle scheduled (one round per oracle
+    call), each asserted equal to its schedule: exactly the scheduled length was accepted."""
+    rounds = [r for r in results if r.round_index >= 0]
+    assert len(rounds) == len(oracle.rounds)
+    ms = []
+    for res, plan in zip(rounds, oracle.rounds, strict=True):
+        for rid, a in zip(res.request_ids, res.accepted.tolist(), strict=True):
+            if plan[rid] is not None:
+                assert a == plan[rid], (k, rid, plan[rid], a)
+                ms.append(a)
+    return ms
+
+
+def greedy_refs(hf, prompts, max_tokens) -> list[list[int]]:
+    """transformers' greedy tokens (``generate``, ``do_sample=False``, exactly ``max_tokens``
+    each, batch 1) of every prompt."""
+    refs = []
+    with torch.no_grad():
+        for p, n in zip(prompts, max_tokens, strict=True):
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            refs.append(out[0, len(p):].tolist())
+    return refs

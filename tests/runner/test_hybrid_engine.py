@@ -37,8 +37,8 @@ from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.hybrid_state import STATE_STRATEGIES
 from speccal.runner.sampling import SamplingParams
 from tests.runner.engine_checks import OracleDraft as _Oracle
+from tests.runner.engine_checks import oracle_run, scheduled_accepts, stop_case
 from tests.runner.engine_checks import run_requests as _run
-from tests.runner.engine_checks import stop_case
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForCausalLM"):
@@ -170,19 +170,9 @@ def test_speculative_greedy_equals_transformers_every_accepted_length(family, st
         got, results = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=MAX_TOKENS[0],
                                                              ignore_eos=True)], k)
         assert got == [refs[0]], (k, "batch 1")
-        oracle = OracleDraft(eng, {tuple(p): r for p, r in zip(PROMPTS, refs, strict=True)}, k)
-        eng.runner.draft_part = oracle
-        got, results = _run(eng, PROMPTS, params, k)
-        del eng.runner.draft_part
+        got, results, oracle = oracle_run(eng, PROMPTS, refs, params, k, V)
         assert got == want, (k, "mixed batch")
-        rounds = [r for r in results if r.round_index >= 0]
-        assert len(rounds) == len(oracle.rounds)
-        ms = []
-        for res, plan in zip(rounds, oracle.rounds, strict=True):
-            for rid, a in zip(res.request_ids, res.accepted.tolist(), strict=True):
-                if plan[rid] is not None:  # exactly the scheduled length was accepted
-                    assert a == plan[rid], (k, rid, plan[rid], a)
-                    ms.append(a)
+        ms = scheduled_accepts(results, oracle, k)
         assert set(ms) == set(range(k + 1)), (k, ms)
         counts["partial"] += sum(0 < m < k for m in ms)
         counts["full"] += sum(m == k for m in ms)

@@ -33,7 +33,8 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "MiMoV2FlashForCausalLM"):
     pytest.skip("transformers without MiMo-V2-Flash (needs >= 5)", allow_module_level=True)
 
-from tests.runner.test_hybrid_engine import OracleDraft, _run  # noqa: E402
+from tests.runner.engine_checks import greedy_refs, oracle_run, scheduled_accepts  # noqa: E402
+from tests.runner.engine_checks import run_requests as _run  # noqa: E402
 from tests.runner.test_moe_engine import _randomise  # noqa: E402
 
 V = 96  # the oracle draft's wrong tokens are (t + 1) % 96
@@ -81,13 +82,7 @@ def _add_mtp(folder, donor_folder) -> None:
 
 
 def _hf_refs(hf) -> list[list[int]]:
-    refs = []
-    with torch.no_grad():
-        for p, n in zip(PROMPTS, MAX_TOKENS, strict=True):
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            refs.append(out[0, len(p):].tolist())
+    refs = greedy_refs(hf, PROMPTS, MAX_TOKENS)
     assert len({t for r in refs for t in r}) > 6  # not degenerate
     return refs
 
@@ -226,20 +221,9 @@ def test_speculative_greedy_equals_transformers_every_accepted_length(mimo, spec
         got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=MAX_TOKENS[0],
                                                         ignore_eos=True)], k)
         assert got == [refs[0]], (k, "batch 1")
-        oracle = OracleDraft(eng, {tuple(p): r for p, r in zip(PROMPTS, refs, strict=True)}, k)
-        eng.runner.draft_part = oracle
-        try:
-            got, results = _run(eng, PROMPTS, params, k)
-        finally:
-            del eng.runner.draft_part
+        got, results, oracle = oracle_run(eng, PROMPTS, refs, params, k, V)
         assert got == want, (k, "mixed batch")
-        accepted = []
-        for res, plan in zip([r for r in results if r.round_index >= 0], oracle.rounds,
-                             strict=True):
-            for rid, a in zip(res.request_ids, res.accepted.tolist(), strict=True):
-                if plan[rid] is not None:
-                    assert a == plan[rid], (k, rid, plan[rid], a)
-                    accepted.append(a)
+        accepted = scheduled_accepts(results, oracle, k)
         assert set(accepted) == set(range(k + 1)), (k, accepted)
 
 

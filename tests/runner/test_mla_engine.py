@@ -27,8 +27,8 @@ from speccal.runner.engine import Engine, EngineConfig
 from speccal.runner.mla_config import softmax_scale
 from speccal.runner.sampling import SamplingParams
 from tests.runner.engine_checks import OracleDraft as _Oracle
+from tests.runner.engine_checks import oracle_run, scheduled_accepts, stop_case
 from tests.runner.engine_checks import run_requests as _run
-from tests.runner.engine_checks import stop_case
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV32ForCausalLM"):
@@ -169,20 +169,10 @@ def test_speculative_greedy_equals_transformers_every_accepted_length(checkpoint
         got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=MAX_TOKENS[0],
                                                         ignore_eos=True)], k)
         assert got == [refs[0]], (k, "batch 1")
-        oracle = OracleDraft(eng, {tuple(p): r for p, r in zip(PROMPTS, refs, strict=True)}, k)
-        eng.runner.draft_part = oracle
-        got, results = _run(eng, PROMPTS, params, k)
-        del eng.runner.draft_part
+        got, results, oracle = oracle_run(eng, PROMPTS, refs, params, k, V)
         assert got == want, (k, "mixed batch")
-        rounds = [r for r in results if r.round_index >= 0]
-        assert len(rounds) == len(oracle.rounds)
-        ms = []
-        for res, plan in zip(rounds, oracle.rounds, strict=True):
-            assert res.bcap == 4 or len(res.request_ids) < 3
-            for rid, a in zip(res.request_ids, res.accepted.tolist(), strict=True):
-                if plan[rid] is not None:  # exactly the scheduled length was accepted
-                    assert a == plan[rid], (k, rid, plan[rid], a)
-                    ms.append(a)
+        assert all(r.bcap == 4 or len(r.request_ids) < 3 for r in results if r.round_index >= 0)
+        ms = scheduled_accepts(results, oracle, k)
         assert set(ms) == set(range(k + 1)), (k, ms)
 
 

@@ -37,9 +37,8 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Glm4MoeForCausalLM"):
     pytest.skip("transformers without GLM-4.5 MoE (needs >= 5)", allow_module_level=True)
 
-from tests.runner.engine_checks import OracleDraft as _Oracle  # noqa: E402
+from tests.runner.engine_checks import greedy_refs, oracle_run, scheduled_accepts, stop_case  # noqa: E402
 from tests.runner.engine_checks import run_requests as _run  # noqa: E402
-from tests.runner.engine_checks import stop_case  # noqa: E402
 from tests.runner.test_hybrid_engine import torch_linear_attention  # noqa: E402
 
 V = 96  # the oracle draft's wrong tokens are (t + 1) % 96
@@ -107,13 +106,7 @@ def _add_deepseek_mtp(folder, num_layers: int) -> None:
 
 
 def _hf_refs(hf) -> list[list[int]]:
-    refs = []
-    with torch.no_grad():
-        for p, n in zip(PROMPTS, MAX_TOKENS, strict=True):
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            refs.append(out[0, len(p):].tolist())
+    refs = greedy_refs(hf, PROMPTS, MAX_TOKENS)
     assert len({t for r in refs for t in r}) > 6  # not degenerate
     return refs
 
@@ -146,27 +139,15 @@ def _stop_case(refs):
     return stop_case(refs, MAX_TOKENS, 5)
 
 
-def OracleDraft(eng: Engine, refs, k: int) -> _Oracle:  # noqa: N802 (the class's name)
-    return _Oracle(eng, refs, k, V)
-
 
 def _moe_layers(module) -> list[RoutedMoE]:
     return [m for m in module.modules() if isinstance(m, RoutedMoE)]
 
 
 def _check_oracle_rounds(eng, refs, params, want, k):
-    oracle = OracleDraft(eng, {tuple(p): r for p, r in zip(PROMPTS, refs, strict=True)}, k)
-    eng.runner.draft_part = oracle
-    got, results = _run(eng, PROMPTS, params, k)
-    del eng.runner.draft_part
+    got, results, oracle = oracle_run(eng, PROMPTS, refs, params, k, V)
     assert got == want, (k, "mixed batch")
-    rounds = [r for r in results if r.round_index >= 0]
-    ms = []
-    for res, plan in zip(rounds, oracle.rounds, strict=True):
-        for rid, a in zip(res.request_ids, res.accepted.tolist(), strict=True):
-            if plan[rid] is not None:
-                assert a == plan[rid], (k, rid, plan[rid], a)
-                ms.append(a)
+    ms = scheduled_accepts(results, oracle, k)
     assert set(ms) == set(range(k + 1)), (k, ms)
 
 
