@@ -1,6 +1,9 @@
 """Static input buffers of a round: allocated once at the largest bucket, sliced per bucket.
 
-This module owns :class:`StaticInputs`: for each named input a device buffer and a host staging
+This module owns the named groups a round reads (:class:`HostFacts`, :class:`RequestRows`,
+:class:`ExtendRows`, :class:`StepRows`, :class:`VerifyRows`: frozen, keyword-only, a shape next to
+every field), their arena layout (:func:`round_layout`, :func:`derived_shapes`) and
+:class:`StaticInputs`: for each named input a device buffer and a host staging
 buffer (pinned on CUDA / NPU) of the largest size any bucket needs. All names live in one device
 arena and one host arena (byte offsets in declaration order), so a round's inputs reach the
 device in one or a few copies instead of one per name: ``put`` writes a numpy array into the
@@ -20,6 +23,8 @@ collected (the engine collects round ``n - 1`` before it prepares round ``n + 1`
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -140,3 +145,115 @@ class StaticInputs:
             self._dev_arena[start:end].copy_(self._host_arena[start:end], non_blocking=True)
             self.copies += 1
         self._dirty.clear()
+
+
+# ------------------------------------------------------------------------- named round buffers
+#
+# A round's static inputs, grouped by what they describe. Each group is a frozen set of views
+# into the one device arena of :class:`StaticInputs` (stable addresses: captured graphs read
+# them), allocated at the largest bucket by :func:`round_layout` and viewed per bucket (shapes in
+# the comments: ``bcap`` request rows, ``w`` the draft width, ``k`` draft steps, ``g`` target
+# rows, ``width`` block-table columns). Arena names are ``<group>.<field>``.
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostFacts:
+    """What the host stages each round (adjacent in the arena: one merged copy)."""
+
+    is_real: torch.Tensor  # [bcap] int64: 1 on the B real rows, 0 on padding rows
+    block_table: torch.Tensor  # [bcap, width] int32: KV blocks, allocated ahead
+    slot_index: torch.Tensor  # [bcap] int64: request slot (the trash slot on padding rows)
+    num_verify: torch.Tensor  # [bcap] int64: drafts sent to the target (device-written
+    #                           under a verify budget)
+    nv32: torch.Tensor  # [bcap] int32: twin of num_verify for the kernels
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestRows:
+    """Per-request facts derived on the device from the slot state."""
+
+    ctx_lens: torch.Tensor  # [bcap] int32: KV length L before the round (0 on padding)
+    pending_index: torch.Tensor  # [bcap] int64: flat extend-state row of the pending token
+    ver_seq: torch.Tensor  # [bcap] int32: KV length after verification, L + k + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtendRows:
+    """The draft-extend forward: ``R = w + 1`` grid rows per request, packed."""
+
+    index: torch.Tensor  # [bcap * (w + 1)] int64: flat extend-state row of each packed row
+    pos: torch.Tensor  # [bcap * (w + 1)] int64: its position
+    slot: torch.Tensor  # [bcap * (w + 1)] int64: its draft KV slot (sentinel past the total)
+    row: torch.Tensor  # [bcap * (w + 1)] int64: its cell of the [bcap, R] grid (+ trash row)
+    cu: torch.Tensor  # [bcap + 1] int32: packed row offsets per request
+    seq: torch.Tensor  # [bcap] int32: draft KV length after the extend
+    last: torch.Tensor  # [bcap] int64: each request's last packed row
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRows:
+    """Draft steps 2..k: one row per request and step."""
+
+    pos: torch.Tensor  # [k - 1, bcap] int64: position written by step j + 1
+    slot: torch.Tensor  # [k - 1, bcap] int64: its draft KV slot
+    seq: torch.Tensor  # [k - 1, bcap] int32: draft KV length after the step
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyRows:
+    """The host update's packed verify rows (the in-graph update writes its own, in scratch)."""
+
+    grid: torch.Tensor  # [g] int64: cell of the [bcap, k + 1] grid each packed row reads
+    pos: torch.Tensor  # [g] int64: its position
+    slot: torch.Tensor  # [g] int64: its KV slot (sentinel on padding rows)
+    row: torch.Tensor  # [g] int64: its grid cell, padding on the trash cell bcap * (k + 1)
+    drafts: torch.Tensor  # [bcap, k] int64: drafted tokens staged back from the host
+
+
+#: the groups of the arena, in arena order after the host facts
+ROUND_GROUPS = {"host": HostFacts, "req": RequestRows, "ext": ExtendRows, "step": StepRows,
+                "ver": VerifyRows}
+
+
+def round_layout(max_bucket: int, draft_width: int,
+                 max_blocks_per_seq: int) -> dict[str, tuple[int, torch.dtype]]:
+    """Arena name -> (elements, dtype) of every round buffer at the largest bucket.
+
+    The host facts come first (adjacent: one merged copy per round); every field of every group
+    in :data:`ROUND_GROUPS` has exactly one entry (a test checks).
+    """
+    b, rows = max_bucket, max_bucket * (draft_width + 1)
+    i64, i32 = torch.int64, torch.int32
+    return {
+        "host.is_real": (b, i64), "host.block_table": (b * max_blocks_per_seq, i32),
+        "host.slot_index": (b, i64), "host.num_verify": (b, i64), "host.nv32": (b, i32),
+        "req.ctx_lens": (b, i32), "req.pending_index": (b, i64), "req.ver_seq": (b, i32),
+        "ext.index": (rows, i64), "ext.pos": (rows, i64), "ext.slot": (rows, i64),
+        "ext.row": (rows, i64), "ext.cu": (b + 1, i32), "ext.seq": (b, i32),
+        "ext.last": (b, i64),
+        # k - 1 <= w steps of b rows each
+        "step.pos": (rows, i64), "step.slot": (rows, i64), "step.seq": (rows, i32),
+        "ver.grid": (rows, i64), "ver.pos": (rows, i64), "ver.slot": (rows, i64),
+        "ver.row": (rows, i64), "ver.drafts": (b * draft_width, i64),
+    }
+
+
+def derived_shapes(bcap: int, draft_width: int, k: int,
+                   g: int) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Group -> field -> shape of the device-derived buffers of one bucket (the views of
+    :func:`round_layout`'s capacity a round of ``bcap`` rows, ``k`` steps, ``g`` target rows
+    reads)."""
+    rows = bcap * (draft_width + 1)
+    steps = (max(k - 1, 0), bcap)
+    return {
+        "req": {"ctx_lens": (bcap,), "pending_index": (bcap,), "ver_seq": (bcap,)},
+        "ext": {"index": (rows,), "pos": (rows,), "slot": (rows,), "row": (rows,),
+                "cu": (bcap + 1,), "seq": (bcap,), "last": (bcap,)},
+        "step": {"pos": steps, "slot": steps, "seq": steps},
+        "ver": {"grid": (g,), "pos": (g,), "slot": (g,), "row": (g,), "drafts": (bcap, k)},
+    }
+
+
+#: names only the host writes; every other name is also written by device code (the verify
+#: lengths under a budget, everything derived from the slot state)
+HOST_ONLY = frozenset({"host.is_real", "host.block_table", "host.slot_index"})

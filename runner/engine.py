@@ -74,7 +74,7 @@ from speccal.runner.presets import PRESETS
 from speccal.runner.prompt_source import PromptSource
 from speccal.runner.request import Request
 from speccal.runner.results import PlanFn, RoundPlan, RoundResult, RoundState
-from speccal.runner.round import RoundRunner
+from speccal.runner.round import RoundInputs, RoundRunner
 from speccal.runner.sampling import SamplingParams, check_supported
 from speccal.runner.stats import SpecStats
 
@@ -715,7 +715,8 @@ class Engine:
                 plan = RoundPlan(self.config.draft_width if self.config.speculative else 0)
             else:
                 kv = float(np.mean([r.num_computed for r in batch]))
-                state = RoundState(self._round_index, n, kv, tuple(r.rid for r in batch))
+                state = RoundState(round_index=self._round_index, num_requests=n,
+                                   kv_length=kv, request_ids=tuple(r.rid for r in batch))
                 plan = plan(state)
                 if not isinstance(plan, RoundPlan):
                     raise InputError("plan callback result", plan, "a RoundPlan")
@@ -814,7 +815,8 @@ class Engine:
             for r in batch:
                 r.num_inflight += 1
             self._inflight.append(
-                _Flight(x, batch, first, finished, num_prefill, self._round_index, g, experts))
+                _Flight(x=x, batch=batch, first=first, finished=finished, num_prefill=num_prefill,
+                        round_index=self._round_index, g=g, experts=experts))
             self._round_index += 1
             first, finished, num_prefill = {}, [], 0
         res = None
@@ -904,11 +906,11 @@ class Engine:
         return len(self._inflight)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Flight:
     """One queued (pipelined) round: its inputs, batch and the prefill facts reported with it."""
 
-    x: Any  # RoundInputs
+    x: RoundInputs
     batch: list[Request]
     first: dict[int, int]
     finished: list[int]

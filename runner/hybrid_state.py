@@ -113,6 +113,10 @@ class StateStrategy(ABC):
         # committed state row of each slot (device table: rounds read it without the host);
         # slot s owns rows s * per .. s * per + per - 1
         self.row_of = torch.arange(num_slots, dtype=torch.int64, device=device) * per
+        # packed row numbers 0 .. G - 1 of the largest round (read only: a captured verify
+        # forward views it, nothing allocates there)
+        self._iota = torch.arange(max_bucket * (draft_width + 1), dtype=torch.int64,
+                                  device=device)
         self.num_rounds = 0
         self.traffic = StateTraffic()  # accumulated over rounds (host, from the shapes)
 
@@ -195,43 +199,46 @@ class StateStrategy(ABC):
 
     # ------------------------------------------------------------------ the round (device)
 
-    def verify_args(self, t: dict, bcap: int, k: int,
-                    packed: torch.Tensor | None = None) -> tuple[StateMeta, LinearState]:
+    def verify_args(self, x, packed: torch.Tensor | None = None) -> tuple[StateMeta, LinearState]:
         """The ``(state_meta, state)`` pair of the verify forward over the packed rows.
 
-        ``t``: the round's staged tensors (``slot_index [bcap]``, ``num_verify [bcap]``, and
-        for the host update ``ver_row [G]`` into the ``[bcap, k + 1]`` grid). ``packed``: the
+        ``x``: the round's inputs (``speccal.runner.round.RoundInputs``: ``host.slot_index
+        [bcap]``, ``host.num_verify [bcap]``, and for the host update ``ver.row [G]`` into the
+        ``[bcap, k + 1]`` grid). ``packed``: the
         in-graph update's ``cu_q_lens [bcap + 1]`` (int32, written on the device); the grid
         row of each packed row is then derived from it here, on the device.
         """
-        slots = t["slot_index"]
+        bcap, k, slots = x.bcap, x.k, x.host.slot_index
         rows = self.row_of[slots]
-        if k == 0 and t["ver_row"].shape[0] == bcap:
+        ver_row = x.ver.row
+        if k == 0 and ver_row.shape[0] == bcap:
             # plain decode: one row per request (padding requests' included, into the trash
             # slot), so the packed rows already are the [bcap, 1] grid, in order, and every
             # row is real: no grid scatter and gather, no masks, in every linear layer
             return StateMeta(rows, rows, 1), self.state
-        num_valid = t["num_verify"] + 1  # [bcap]: pending token + verified drafts
-        grid = t["ver_row"] if packed is None else _grid_rows(packed, k + 1,
-                                                              t["ver_row"].shape[0])
+        num_valid = x.host.num_verify + 1  # [bcap]: pending token + verified drafts
+        grid = (ver_row if packed is None
+                else _grid_rows(packed, k + 1, self._iota[: ver_row.shape[0]]))
         if k == 0:
             return StateMeta(rows, rows, 1, num_valid, row_index=grid), self.state
-        return self._verify_meta(t, bcap, k, rows, num_valid, grid), self.state
+        return self._verify_meta(slots, bcap, k, rows, num_valid, grid), self.state
 
     @abstractmethod
-    def _verify_meta(self, t, bcap, k, rows, num_valid, grid) -> StateMeta:
-        """The verify forward's rows: read ``rows [bcap]``, ``num_valid [bcap]`` real rows,
-        ``grid [G]``: each packed row's cell of the ``[bcap, k + 1]`` grid."""
+    def _verify_meta(self, slots, bcap, k, rows, num_valid, grid) -> StateMeta:
+        """The verify forward's rows of request slots ``slots [bcap]``: read ``rows [bcap]``,
+        ``num_valid [bcap]`` real rows, ``grid [G]``: each packed row's cell of the
+        ``[bcap, k + 1]`` grid."""
 
-    def commit(self, t: dict, bcap: int, k: int, num_accepted: torch.Tensor) -> None:
+    def commit(self, x, num_accepted: torch.Tensor) -> None:
         """After acceptance: make each slot's committed row the state after its accepted
         prefix (``num_accepted [bcap]``: drafts accepted, the pending token comes first)."""
-        if k > 0:
-            self._commit(t, bcap, k, num_accepted.long())
+        if x.k > 0:
+            self._commit(x.host.slot_index, x.host.num_verify, x.bcap, x.k,
+                         num_accepted.long())
 
     @abstractmethod
-    def _commit(self, t, bcap, k, num_accepted) -> None:
-        """The committed rows after acceptance (``num_accepted [bcap]`` int64), on device."""
+    def _commit(self, slots, num_verify, bcap, k, num_accepted) -> None:
+        """The committed rows of ``slots [bcap]`` after acceptance (``num_accepted [bcap]`` int64), on device."""
 
 
 class ScratchSwapStrategy(StateStrategy):
@@ -261,16 +268,15 @@ class ScratchSwapStrategy(StateStrategy):
         return StateTraffic(read=2 * s, written=2 * s, index_bytes=2 * 8 * bcap,
                             saved_inputs=2 * saved)
 
-    def _verify_meta(self, t, bcap, k, rows, num_valid, grid):
-        scratch = self.scratch_of[t["slot_index"]]
+    def _verify_meta(self, slots, bcap, k, rows, num_valid, grid):
+        scratch = self.scratch_of[slots]
         saves = [(pre[:bcap, :, : k + 1], post[:bcap, : k + 1], g[:bcap, : k + 1],
                   beta[:bcap, : k + 1]) for pre, post, g, beta in self.saves]
         return StateMeta(rows, scratch, k + 1, num_valid, row_index=grid, replay_saves=saves)
 
-    def _commit(self, t, bcap, k, num_accepted):
-        slots = t["slot_index"]
+    def _commit(self, slots, num_verify, bcap, k, num_accepted):
         row, scratch = self.row_of[slots], self.scratch_of[slots]
-        is_full = num_accepted == t["num_verify"]  # [bcap]
+        is_full = num_accepted == num_verify  # [bcap]
         committed = torch.where(is_full, scratch, row)
         self.row_of.index_copy_(0, slots, committed)
         self.scratch_of.index_copy_(0, slots, torch.where(is_full, row, scratch))
@@ -310,12 +316,11 @@ class SnapshotStrategy(StateStrategy):
         pos = (self.ring_pos[slots][:, None] + self.offsets[None, : k + 1]) % ring
         return self.base[slots][:, None] + pos
 
-    def _verify_meta(self, t, bcap, k, rows, num_valid, grid):
-        snap = self._snapshot_rows(t["slot_index"], k)
+    def _verify_meta(self, slots, bcap, k, rows, num_valid, grid):
+        snap = self._snapshot_rows(slots, k)
         return StateMeta(rows, None, k + 1, num_valid, row_index=grid, snapshot_rows=snap)
 
-    def _commit(self, t, bcap, k, num_accepted):
-        slots = t["slot_index"]
+    def _commit(self, slots, num_verify, bcap, k, num_accepted):
         pos = (self.ring_pos[slots] + 1 + num_accepted) % self._rows_per_slot()
         self.ring_pos.index_copy_(0, slots, pos)
         self.row_of.index_copy_(0, slots, self.base[slots] + pos)
@@ -331,12 +336,11 @@ def make_strategy(name: str, target: HybridModel, **kw) -> StateStrategy:
     return _CLASSES[name](target, **kw)
 
 
-def _grid_rows(cu_q_lens: torch.Tensor, num_r: int, num_rows: int) -> torch.Tensor:
-    """Packed row ``p`` -> its ``[B, R]`` grid cell ``b * R + i`` (rows of request ``b`` are
-    ``cu[b] .. cu[b + 1]``); rows past ``cu[B]`` -> the trash cell ``B * R``. [G] int64, by
-    ``searchsorted``: static shapes, no host read."""
+def _grid_rows(cu_q_lens: torch.Tensor, num_r: int, p: torch.Tensor) -> torch.Tensor:
+    """Packed row ``p [G]`` (int64, ``0 .. G - 1``) -> its ``[B, R]`` grid cell ``b * R + i``
+    (rows of request ``b`` are ``cu[b] .. cu[b + 1]``); rows past ``cu[B]`` -> the trash cell
+    ``B * R``. [G] int64, by ``searchsorted``: static shapes, no host read."""
     cu = cu_q_lens.long()
     num_b = cu.shape[0] - 1
-    p = torch.arange(num_rows, device=cu.device)
     b = torch.searchsorted(cu[1:], p, right=True).clamp(max=num_b - 1)
     return torch.where(p < cu[-1], b * num_r + p - cu[b], num_b * num_r)

@@ -33,7 +33,7 @@ class RoundPlan:
     verify_budget: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoundState:
     """What a plan callback sees after admission, before the round is planned.
 

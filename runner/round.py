@@ -76,7 +76,18 @@ from speccal.kernels._backend import interpreting, triton_available
 from speccal.kernels.precompile import CompilePool, PrecompileReport, precompile
 from speccal.runner import sampling
 from speccal.runner.attention import AttnMeta
-from speccal.runner.buffers import StaticInputs
+from speccal.runner.buffers import (
+    HOST_ONLY,
+    ROUND_GROUPS,
+    ExtendRows,
+    HostFacts,
+    RequestRows,
+    StaticInputs,
+    StepRows,
+    VerifyRows,
+    derived_shapes,
+    round_layout,
+)
 from speccal.runner.device import is_pinnable, synchronize
 from speccal.runner.graphs import GraphKey, GraphSet
 from speccal.runner.kv_cache import SENTINEL_SLOT, KVCache
@@ -87,9 +98,9 @@ from speccal.runner.request import Request
 from speccal.runner.verify_alloc import allocate_prefixes_device
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RoundInputs:
-    """Host-chosen shapes and staged device tensors of one round."""
+    """Host-chosen shapes and the named static buffers of one round (views per bucket)."""
 
     num_requests: int  # B
     bcap: int
@@ -97,7 +108,11 @@ class RoundInputs:
     g: int  # target rows
     num_ext_rows: int  # R of the draft-extend grid
     num_verify: np.ndarray | None  # [B] int64 host copy; None = allocated on device (budget)
-    t: dict  # name -> device tensor
+    host: HostFacts  # staged by the host
+    req: RequestRows  # derived on the device (derive_inputs)
+    ext: ExtendRows  # ...
+    step: StepRows  # ...
+    ver: VerifyRows  # host update: derive_verify, staged drafts
     update: str = "host"  # target input update: "in_graph" (device kernels) | "host"
     sampling: str = "greedy"  # token selection: "greedy" (argmax only) | "sample" (host choice)
     budget_rows: int | None = None  # adaptive verify: draft rows inside G (``G - B``)
@@ -105,7 +120,7 @@ class RoundInputs:
     done: object = None  # device event after the result copy (cuda), else None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RoundOutputs:
     """Device results of :meth:`RoundRunner.execute`."""
 
@@ -183,46 +198,17 @@ class RoundRunner:
         self._plans: dict[tuple[int, int], object] = {}  # (bcap, rows) -> SplitPlan
         rows = max_bucket * w1
         i64, i32 = torch.int64, torch.int32
-        sizes = {
-                "block_table": (max_bucket * max_blocks_per_seq, i32),
-                "slot_index": (max_bucket, i64),
-                "pending_index": (max_bucket, i64),
-                "ctx_lens": (max_bucket, i32),
-                "ext_cu": (max_bucket + 1, i32),
-                "ext_index": (rows, i64),
-                "ext_pos": (rows, i64),
-                "ext_slot": (rows, i64),
-                "ext_row": (rows, i64),
-                "ext_seq": (max_bucket, i32),
-                "ext_last": (max_bucket, i64),
-                "step_pos": (rows, i64),
-                "step_slot": (rows, i64),
-                "step_seq": (rows, i32),
-                "ver_seq": (max_bucket, i32),
-                "ver_grid": (rows, i64),
-                "ver_pos": (rows, i64),
-                "ver_slot": (rows, i64),
-                "ver_row": (rows, i64),
-                "num_verify": (max_bucket, i64),
-                "nv32": (max_bucket, i32),
-                "ver_drafts": (max_bucket * draft_width, i64),
-        }
-        # the host facts of a round first (adjacent: one copy); everything else is derived on
-        # the device (:meth:`derive_inputs`) or written there (allocation, staged drafts)
-        staged = ("block_table", "slot_index", "num_verify", "nv32")
-        sizes = {"is_real": (max_bucket, i64), **{n: sizes[n] for n in staged}, **sizes}
-        written = set(sizes) - {"is_real", "block_table", "slot_index"}
-        self.inputs = StaticInputs(
-            sizes, device, device_written=frozenset(written), num_host_slots=2
-        )
+        layout = round_layout(max_bucket, draft_width, max_blocks_per_seq)
+        self.inputs = StaticInputs(layout, device, device_written=frozenset(layout) - HOST_ONLY,
+                                   num_host_slots=2)
         # per-slot device state: KV length L and pending extend rows
         # (``num_extend``) after the last round queued, advanced on the device from num_accepted
         self.slot_len = torch.zeros(self.num_slots, dtype=i64, device=device)
         self.slot_ext = torch.ones(self.num_slots, dtype=i64, device=device)
         self._stage = 0  # host staging slot of the next round
-        # views of the device-derived inputs per (name, shape): the same every round
-        # of a bucket (stable addresses), so built once
-        self._derived_views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        # the device-derived groups per (bcap, k, g): the same views every round of a bucket
+        # (stable addresses), so built once
+        self._derived_views: dict[tuple[int, int, int], tuple] = {}
         pin = is_pinnable(device)
         self._host_drafts = torch.zeros(max_bucket * draft_width, dtype=i64, pin_memory=pin)
         # device scratch of the captured parts, sized at the largest bucket and viewed per
@@ -398,39 +384,39 @@ class RoundRunner:
         bt = np.zeros((bcap, width), dtype=np.int32)
         for b, r in enumerate(batch):
             bt[b, : len(r.blocks)] = r.blocks[:width]
-        rows = bcap * w1
-        put, dev, views = self.inputs.put, self.inputs.dev, self._derived_views
-
-        def view(name: str, *shape: int) -> torch.Tensor:  # built once per (name, shape)
-            v = views.get((name, shape))
-            if v is None:
-                v = views[(name, shape)] = dev[name][: math.prod(shape)].view(shape)
-            return v
-
-        t = {"is_real": put("is_real", (np.arange(bcap) < n).astype(np.int64))}
-        t["block_table"] = put("block_table", bt)
-        t["slot_index"] = put("slot_index", slots)
-        t["num_verify"] = put("num_verify", nv)
-        t["nv32"] = put("nv32", nv.astype(np.int32))
+        put = self.inputs.put
+        host = HostFacts(
+            is_real=put("host.is_real", (np.arange(bcap) < n).astype(np.int64)),
+            block_table=put("host.block_table", bt),
+            slot_index=put("host.slot_index", slots),
+            num_verify=put("host.num_verify", nv),
+            nv32=put("host.nv32", nv.astype(np.int32)),
+        )
         self.inputs.flush()
-        for name in ("pending_index", "ext_last"):
-            t[name] = view(name, bcap)
-        for name in ("ctx_lens", "ext_seq", "ver_seq"):
-            t[name] = view(name, bcap)
-        t["ext_cu"] = view("ext_cu", bcap + 1)
-        for name in ("ext_index", "ext_pos", "ext_slot", "ext_row"):
-            t[name] = view(name, rows)
-        for name in ("step_pos", "step_slot", "step_seq"):
-            t[name] = view(name, max(k - 1, 0), bcap)
-        for name in ("ver_grid", "ver_pos", "ver_slot", "ver_row"):
-            t[name] = view(name, g)
-        t["ver_drafts"] = view("ver_drafts", bcap, k)
+        req, ext, step, ver = self._derived(bcap, k, g)
         update = self.resolve_update(bcap, k, g)
         kind = self.sampling_kind(batch, k)
         host_nv = None if num_verify is None else nv[:n].copy()
         r_ext = w1 if self.draft is not None and k > 0 else 1
-        return RoundInputs(n, bcap, k, g, r_ext, host_nv, t, update, kind, budget_rows,
-                           stage=stage)
+        return RoundInputs(num_requests=n, bcap=bcap, k=k, g=g, num_ext_rows=r_ext,
+                           num_verify=host_nv, host=host, req=req, ext=ext, step=step, ver=ver,
+                           update=update, sampling=kind, budget_rows=budget_rows, stage=stage)
+
+    def _derived(self, bcap: int, k: int, g: int) -> tuple:  # (req, ext, step, ver)
+        """The device-derived groups of a bucket: views of the arena (stable addresses),
+        built once per shape."""
+        key = (bcap, k, g)
+        got = self._derived_views.get(key)
+        if got is None:
+            dev = self.inputs.dev
+            got = self._derived_views[key] = tuple(
+                ROUND_GROUPS[group](**{
+                    name: dev[f"{group}.{name}"][: math.prod(shape)].view(shape)
+                    for name, shape in shapes.items()
+                })
+                for group, shapes in derived_shapes(bcap, self.w, k, g).items()
+            )
+        return got
 
     def _slot_of(self, bt, b, pos, real):  # [bcap, width], [N], [N], [N] bool -> [N] int64
         """KV slot of position ``pos`` of batch row ``b`` (sentinel where not ``real``)."""
@@ -468,39 +454,40 @@ class RoundRunner:
         torch ops; no ``.item()``, no branch on tensor values: ``graph_mode="split"`` captures
         them at the head of the draft graph (:meth:`capture`), eager rounds run them first.
         """
-        t, bcap, k = x.t, x.bcap, x.k
+        h, req, e, st = x.host, x.req, x.ext, x.step
+        bcap, k = x.bcap, x.k
         w1 = self.w + 1
-        real = t["is_real"].bool()  # [bcap]
-        slots = t["slot_index"]  # [bcap]
-        bt = t["block_table"]
+        real = h.is_real.bool()  # [bcap]
+        slots = h.slot_index  # [bcap]
+        bt = h.block_table
         lens = torch.where(real, self.slot_len[slots], 0)  # [bcap] L
         ext = torch.where(real, self.slot_ext[slots], 1)  # [bcap] E
-        t["ctx_lens"].copy_(lens)
-        t["pending_index"].copy_(slots * w1 + ext - 1)
+        req.ctx_lens.copy_(lens)
+        req.pending_index.copy_(slots * w1 + ext - 1)
         if self.draft is not None and k > 0:
             r = w1
             b, i, valid, cu = self._packed(ext, bcap * w1)
             pos = lens[b] - ext[b] + i
             row_real = valid & real[b]
-            t["ext_slot"].copy_(self._slot_of(bt, b, pos.clamp_min(0), row_real))
-            t["ext_row"].copy_(torch.where(valid, b * r + (r - ext[b]) + i, bcap * r))
-            t["ext_index"].copy_(torch.where(valid, slots[b] * w1 + i, self.trash_slot * w1))
-            t["ext_pos"].copy_(torch.where(valid, pos.clamp_min(0), 0))
-            t["ext_cu"].copy_(cu)
-            t["ext_seq"].copy_(torch.where(real, lens, r))
-            t["ext_last"].copy_(cu[1:] - 1)
+            e.slot.copy_(self._slot_of(bt, b, pos.clamp_min(0), row_real))
+            e.row.copy_(torch.where(valid, b * r + (r - ext[b]) + i, bcap * r))
+            e.index.copy_(torch.where(valid, slots[b] * w1 + i, self.trash_slot * w1))
+            e.pos.copy_(torch.where(valid, pos.clamp_min(0), 0))
+            e.cu.copy_(cu)
+            e.seq.copy_(torch.where(real, lens, r))
+            e.last.copy_(cu[1:] - 1)
             if k > 1:
                 j = self._iota[1:k, None]  # [k - 1, 1]
                 spos = lens[None, :] + j - 1  # draft step j + 1 writes position L + j - 1
                 sreal = real[None, :].expand_as(spos)
                 bb = self._iota[None, :bcap].expand_as(spos)
-                t["step_pos"].copy_(torch.where(sreal, spos, j - 1))
-                t["step_slot"].copy_(
+                st.pos.copy_(torch.where(sreal, spos, j - 1))
+                st.slot.copy_(
                     self._slot_of(bt, bb.reshape(-1), spos.reshape(-1), sreal.reshape(-1))
                     .view(k - 1, bcap)
                 )
-                t["step_seq"].copy_(torch.where(sreal, spos + 1, j))
-        t["ver_seq"].copy_(torch.where(real, lens + k + 1, k + 1))
+                st.seq.copy_(torch.where(sreal, spos + 1, j))
+        req.ver_seq.copy_(torch.where(real, lens + k + 1, k + 1))
 
     def derive_verify(self, x: RoundInputs) -> None:
         """Host-update rounds, on the device: packed verify rows from ``num_verify``.
@@ -509,24 +496,24 @@ class RoundRunner:
         padding requests none, padded to ``G`` rows on the sentinel slot / trash grid row), from
         the device ``num_verify`` (host-staged or allocated under a budget) and ``ctx_lens``.
         """
-        t, bcap, k, g = x.t, x.bcap, x.k, x.g
-        real = t["is_real"].bool()
-        lens = t["ctx_lens"].long()
-        nrows = torch.where(real, t["num_verify"] + 1, 0)
+        h, v, bcap, k, g = x.host, x.ver, x.bcap, x.k, x.g
+        real = h.is_real.bool()
+        lens = x.req.ctx_lens.long()
+        nrows = torch.where(real, h.num_verify + 1, 0)
         b, i, valid, _ = self._packed(nrows, g)
         grid = torch.where(valid, b * (k + 1) + i, 0)
         pos = torch.where(valid, lens[b] + i, 0)
-        t["ver_grid"].copy_(grid)
-        t["ver_pos"].copy_(pos)
-        t["ver_slot"].copy_(self._slot_of(t["block_table"], b, pos, valid))
-        t["ver_row"].copy_(torch.where(valid, grid, bcap * (k + 1)))
+        v.grid.copy_(grid)
+        v.pos.copy_(pos)
+        v.slot.copy_(self._slot_of(h.block_table, b, pos, valid))
+        v.row.copy_(torch.where(valid, grid, bcap * (k + 1)))
 
     def advance_slots(self, x: RoundInputs, num_accepted: torch.Tensor) -> None:
         """On the device, right after acceptance: ``L += a + 1``, ``E = a + 1``
         per slot (``num_accepted [bcap]``; padding rows write the trash slot, never read)."""
-        slots = x.t["slot_index"]
+        slots = x.host.slot_index
         a1 = num_accepted.long() + 1
-        self.slot_len.index_copy_(0, slots, x.t["ctx_lens"].long() + a1)
+        self.slot_len.index_copy_(0, slots, x.req.ctx_lens.long() + a1)
         self.slot_ext.index_copy_(0, slots, a1)
 
     def stage_outputs(self, out: RoundOutputs, x: RoundInputs) -> None:
@@ -551,9 +538,9 @@ class RoundRunner:
         (:func:`~speccal.runner.verify_alloc.allocate_prefixes_device`), written in place into
         the static inputs the target part reads. No host sync, no branch on tensor values.
         """
-        nv = x.t["num_verify"]
+        nv = x.host.num_verify
         allocate_prefixes_device(scores, x.num_requests, x.budget_rows, out=nv)
-        x.t["nv32"].copy_(nv)
+        x.host.nv32.copy_(nv)
 
     # ------------------------------------------------------------------ execute
 
@@ -606,32 +593,22 @@ class RoundRunner:
 
     def draft_part(self, x: RoundInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft extend + ``k - 1`` steps: drafted tokens ``[bcap, k]`` and scores ``[bcap, k]``."""
-        t, bcap, k = x.t, x.bcap, x.k
+        e, st, bcap, k = x.ext, x.step, x.bcap, x.k
         target, draft = self.target, self.draft
         hidden = self.ext_hidden.shape[-1]
-        bt = t["block_table"]
+        bt = x.host.block_table
         plan = self.plan(bcap)
-        tok = self.ext_tokens.view(-1)[t["ext_index"]]
-        hid = self.ext_hidden.view(-1, hidden)[t["ext_index"]]
-        meta = self._draft_meta(
-            t["ext_slot"], t["ext_row"], bt, t["ext_seq"], x.num_ext_rows, t["ext_cu"], plan
-        )
-        fb, normed = draft(target, hid, tok, t["ext_pos"], meta, self.draft_kv)
-        fb, normed = fb[t["ext_last"]], normed[t["ext_last"]]
+        tok = self.ext_tokens.view(-1)[e.index]
+        hid = self.ext_hidden.view(-1, hidden)[e.index]
+        meta = self._draft_meta(e.slot, e.row, bt, e.seq, x.num_ext_rows, e.cu, plan)
+        fb, normed = draft(target, hid, tok, e.pos, meta, self.draft_kv)
+        fb, normed = fb[e.last], normed[e.last]
         drafts, scores = [], []
         for j in range(k):
             if j > 0:
-                seq = t["step_seq"][j - 1]
-                meta = self._draft_meta(
-                    t["step_slot"][j - 1],
-                    self.step_rows[:bcap],
-                    bt,
-                    seq,
-                    1,
-                    self.step_cu[: bcap + 1],
-                    plan,
-                )
-                fb, normed = draft(target, fb, tok, t["step_pos"][j - 1], meta, self.draft_kv)
+                meta = self._draft_meta(st.slot[j - 1], self.step_rows[:bcap], bt, st.seq[j - 1],
+                                        1, self.step_cu[: bcap + 1], plan)
+                fb, normed = draft(target, fb, tok, st.pos[j - 1], meta, self.draft_kv)
             if getattr(draft, "tp", None) is not None:
                 # TP: token and score from [bcap] reductions over the vocabulary shards
                 tok, score = draft.greedy_draft(target, normed)
@@ -647,12 +624,12 @@ class RoundRunner:
         """Verify input update, target forward, acceptance, slot-state update (no host sync).
 
         ``draft_tokens [bcap, k]``: the draft's output buffer (``in_graph``) or the host-staged
-        copy ``t["ver_drafts"]`` (``host``).
+        copy ``x.ver.drafts`` (``host``).
         """
-        t, bcap, k, g = x.t, x.bcap, x.k, x.g
+        facts, req, v, bcap, k, g = x.host, x.req, x.ver, x.bcap, x.k, x.g
         target = self.target
         hidden = self.ext_hidden.shape[-1]
-        bt = t["block_table"]
+        bt = facts.block_table
         # Greedy fast path (host flag): argmax of the packed rows, tokens gathered, no logits grid.
         fast = self.argmax_only(k, x.sampling)
         grid_tok = grid_logits = None
@@ -665,18 +642,18 @@ class RoundRunner:
             # the LM head's packed argmax keys (ops.ArgmaxKeys), zeroed by the metadata update
             keys = (sc["ver_keys"][:g]
                     if fast and g <= FUSED_HEAD_MAX_ROWS and kx.gemv.argmax_keys else None)
-            nv32 = t["nv32"]
+            nv32 = facts.nv32
             # each request's pending token is gathered from the slot state inside the launch
             ops.verify_token_update(self.ext_tokens, draft_tokens, nv32, ids, pad_id=0,
-                                    base_index=t["pending_index"], tune=kx)
+                                    base_index=req.pending_index, tune=kx)
             # max_cu=g: padding requests past G get no rows
             ops.verify_metadata_update(
-                nv32, t["ctx_lens"], bt, self.block_size, pos, slot, seq, cu, k, grid_rows=src,
+                nv32, req.ctx_lens, bt, self.block_size, pos, slot, seq, cu, k, grid_rows=src,
                 max_cu=g, argmax_keys=keys, tune=kx,
             )
             plan = self.plan(bcap, k + 1)
             meta = AttnMeta(slot, None, bt, seq, k + 1, cu, self._tiling(seq, plan), plan)
-            extra = () if self.state is None else self.state.verify_args(t, bcap, k, packed=cu)
+            extra = () if self.state is None else self.state.verify_args(x, packed=cu)
             h = target(ids, pos, meta, self.target_kv, *extra)  # [G, hidden]
             if fast:
                 # acceptance (greedy / forced / none at k = 0), emitted tokens and the slot state
@@ -685,38 +662,39 @@ class RoundRunner:
                 # accepted lengths first (the same draws as verify_synthetic_tokens) and emits
                 # them as forced lengths
                 row_argmax = target.argmax_partials(h, keys)  # tokens, partials or keys
-                nv = t["num_verify"]
+                nv = facts.num_verify
                 if k > 0 and self.acceptance == "synthetic":
                     nv = sampling.synthetic_accepted_length(
                         self.profile, self.generator, nv, bcap, k, self.device)
                 greedy = k > 0 and self.acceptance not in ("forced", "synthetic")
                 num_accepted, out = ops.verify_accept(
-                    row_argmax, src, draft_tokens, nv, t["slot_index"], h,
+                    row_argmax, src, draft_tokens, nv, facts.slot_index, h,
                     self.ext_tokens, self.ext_hidden, greedy=greedy, tune=kx,
                 )
                 if self.state is not None:  # the state after each request's accepted prefix
-                    self.state.commit(t, bcap, k, num_accepted)
-                return RoundOutputs(num_accepted, out, None, t["num_verify"])
+                    self.state.commit(x, num_accepted)
+                return RoundOutputs(num_accepted=num_accepted, out_tokens=out, draft_scores=None,
+                            num_verify=facts.num_verify)
             logits = target.logits(h)  # [G, V] float32
             grid_logits = logits[src].view(bcap, k + 1, -1)  # rows past num_verify: ignored
             grid_h = h[src].view(bcap, k + 1, hidden)
         else:
-            pending = self.ext_tokens.view(-1)[t["pending_index"]]  # [bcap]
+            pending = self.ext_tokens.view(-1)[req.pending_index]  # [bcap]
             grid_tokens = torch.cat([pending[:, None], draft_tokens], dim=1).view(-1)
             plan = self.plan(bcap, k + 1)
-            seq = t["ver_seq"]
+            seq = req.ver_seq
             meta = AttnMeta(
-                t["ver_slot"], t["ver_row"], bt, seq, k + 1, None, self._tiling(seq, plan), plan
+                v.slot, v.row, bt, seq, k + 1, None, self._tiling(seq, plan), plan
             )
-            extra = () if self.state is None else self.state.verify_args(t, bcap, k)
-            h = target(grid_tokens[t["ver_grid"]], t["ver_pos"], meta, self.target_kv, *extra)
+            extra = () if self.state is None else self.state.verify_args(x)
+            h = target(grid_tokens[v.grid], v.pos, meta, self.target_kv, *extra)
             # grid row -> packed row (the inverse of ver_row; padding rows land on the trash
             # grid row past the end): the grid is gathered, as the in-graph path does; grid rows
             # no packed row fills (past a request's num_verify, padding requests) point at row
             # 0 and are never read
             src = self._scratch["grid_src"][: bcap * (k + 1) + 1]
             src.zero_()
-            src.index_copy_(0, t["ver_row"], self._iota[:g])
+            src.index_copy_(0, v.row, self._iota[:g])
             src = src[:-1]
             if fast:
                 # argmax only: under TP from the shards' (max, index) keys, no logits gathered
@@ -727,13 +705,13 @@ class RoundRunner:
                 logits = target.logits(h)  # [G, V] float32
                 grid_logits = logits[src].view(bcap, k + 1, -1)
             grid_h = h[src].view(bcap, k + 1, hidden)
-        slot_index = t["slot_index"]
+        slot_index = facts.slot_index
         if fast:
             if k == 0:
                 out = grid_tok.long()
                 num_accepted = self._zero[:bcap]
             else:
-                num_accepted, out = self._accept_tokens(draft_tokens, grid_tok, t["num_verify"])
+                num_accepted, out = self._accept_tokens(draft_tokens, grid_tok, facts.num_verify)
         elif k == 0:
             out = sampling.sample_plain(
                 grid_logits[:, 0],
@@ -745,12 +723,13 @@ class RoundRunner:
             )[:, None]
             num_accepted = self._zero[:bcap]
         else:
-            num_accepted, out = self._accept(draft_tokens, grid_logits, t["num_verify"], slot_index)
+            num_accepted, out = self._accept(draft_tokens, grid_logits, facts.num_verify, slot_index)
         if self.state is not None:  # the state after each request's accepted prefix
-            self.state.commit(t, bcap, k, num_accepted)
+            self.state.commit(x, num_accepted)
         self.ext_tokens[slot_index, : k + 1] = out
         self.ext_hidden[slot_index, : k + 1] = grid_h
-        return RoundOutputs(num_accepted, out, None, t["num_verify"])
+        return RoundOutputs(num_accepted=num_accepted, out_tokens=out, draft_scores=None,
+                            num_verify=facts.num_verify)
 
     def _stage_drafts(self, x: RoundInputs, draft_tokens: torch.Tensor) -> None:
         """Fallback boundary: drafted tokens to the host (a sync), back into the target's input.
@@ -762,7 +741,7 @@ class RoundRunner:
         host = self._host_drafts[:n]
         host.copy_(draft_tokens.reshape(-1), non_blocking=True)
         synchronize(self.device)
-        self.inputs.put("ver_drafts", host.numpy().copy())
+        self.inputs.put("ver.drafts", host.numpy().copy())
         self.inputs.flush()
         if x.budget_rows is not None:
             self.derive_verify(x)
@@ -809,7 +788,7 @@ class RoundRunner:
         if key.part == "draft":
             return lambda: self._draft_graph(x)
         x.sampling = key.sampling
-        drafts = x.t["ver_drafts"]
+        drafts = x.ver.drafts
         if captured and key.update == "in_graph" and key.k > 0:
             drafts = self.graphs.outputs[GraphKey("draft", key.bcap, key.k)][0]
         return lambda: self._target_graph(x, drafts)
@@ -857,7 +836,7 @@ class RoundRunner:
             self.derive_verify(x)  # (budget: after the allocation, in _stage_drafts)
         if x.update == "host" and k > 0:
             self._stage_drafts(x, drafts)
-            drafts = x.t["ver_drafts"]
+            drafts = x.ver.drafts
         if self.graphs is not None:
             key = GraphKey("target", bcap, k, x.g, x.update, x.sampling)
             if key not in self.graphs:
@@ -865,7 +844,7 @@ class RoundRunner:
             out = self.graphs.replay(key)
         else:
             out = self._target_graph(x, drafts)
-        out = RoundOutputs(out.num_accepted, out.out_tokens, scores, out.num_verify)
+        out = replace(out, draft_scores=scores)
         self.stage_outputs(out, x)
         return out
 

@@ -65,7 +65,7 @@ class OracleDraft:
         by_slot = {r.slot: r for r in self.eng._running}
         drafts = torch.zeros(bcap, k, dtype=torch.int64)
         plan = {}
-        for b, slot in enumerate(x.t["slot_index"].tolist()[: x.num_requests]):
+        for b, slot in enumerate(x.host.slot_index.tolist()[: x.num_requests]):
             req = by_slot[slot]
             ref, n = self.refs[tuple(req.prompt)], len(req.output)
             m = next(self.cycle)

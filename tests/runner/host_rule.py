@@ -16,8 +16,9 @@ from speccal.runner.kv_cache import SENTINEL_SLOT
 
 def host_inputs(runner, batch, bcap: int, k: int, num_verify: np.ndarray, g: int,
                 block_table: np.ndarray) -> dict[str, np.ndarray]:
-    """Every device-derived input of one round, by name (``block_table [bcap, width]``: the
-    table the round staged). Shapes as the runner's views: ``step_*`` ``[k - 1, bcap]``."""
+    """Every device-derived input of one round, by ``group.field`` name (``block_table
+    [bcap, width]``: the table the round staged). Shapes as the runner's views: ``step.*``
+    ``[k - 1, bcap]``."""
     bs, w1, trash = runner.block_size, runner.w + 1, runner.trash_slot
     n = len(batch)
     lens = np.array([r.num_computed for r in batch] + [0] * (bcap - n), dtype=np.int64)
@@ -30,31 +31,31 @@ def host_inputs(runner, batch, bcap: int, k: int, num_verify: np.ndarray, g: int
         s = bt[b, pos // bs].astype(np.int64) * bs + pos % bs
         return np.where(real, s, SENTINEL_SLOT)
 
-    out = {"ctx_lens": lens.astype(np.int32), "pending_index": slots * w1 + ext - 1}
+    out = {"req.ctx_lens": lens.astype(np.int32), "req.pending_index": slots * w1 + ext - 1}
     if runner.draft is not None and k > 0:
         b = np.repeat(np.arange(bcap), ext)
         cu = np.concatenate([[0], np.cumsum(ext)])
         i = np.arange(cu[-1]) - cu[b]
         pos = lens[b] - ext[b] + i
         pad = bcap * w1 - len(b)  # trash state, sentinel slot, trash grid row
-        out["ext_cu"] = cu.astype(np.int32)
-        out["ext_index"] = np.concatenate([slots[b] * w1 + i, np.full(pad, trash * w1)])
-        out["ext_pos"] = np.concatenate([np.maximum(pos, 0), np.zeros(pad, np.int64)])
-        out["ext_slot"] = np.concatenate(
+        out["ext.cu"] = cu.astype(np.int32)
+        out["ext.index"] = np.concatenate([slots[b] * w1 + i, np.full(pad, trash * w1)])
+        out["ext.pos"] = np.concatenate([np.maximum(pos, 0), np.zeros(pad, np.int64)])
+        out["ext.slot"] = np.concatenate(
             [slot_of(b, np.maximum(pos, 0), is_req[b]), np.full(pad, SENTINEL_SLOT)])
-        out["ext_row"] = np.concatenate(
+        out["ext.row"] = np.concatenate(
             [b * w1 + (w1 - ext[b]) + i, np.full(pad, bcap * w1)])
-        out["ext_seq"] = np.where(is_req, lens, w1).astype(np.int32)
-        out["ext_last"] = cu[1:] - 1
+        out["ext.seq"] = np.where(is_req, lens, w1).astype(np.int32)
+        out["ext.last"] = cu[1:] - 1
         if k > 1:
             j = np.arange(1, k)[:, None]  # draft step j + 1 writes position L + j - 1
             spos = lens[None, :] + j - 1
             bb = np.broadcast_to(np.arange(bcap), spos.shape)
             real = np.broadcast_to(is_req, spos.shape)
-            out["step_pos"] = np.where(real, spos, j - 1)
-            out["step_slot"] = slot_of(bb, spos, real)
-            out["step_seq"] = np.where(real, spos + 1, j).astype(np.int32)
-    out["ver_seq"] = np.where(is_req, lens + k + 1, k + 1).astype(np.int32)
+            out["step.pos"] = np.where(real, spos, j - 1)
+            out["step.slot"] = slot_of(bb, spos, real)
+            out["step.seq"] = np.where(real, spos + 1, j).astype(np.int32)
+    out["req.ver_seq"] = np.where(is_req, lens + k + 1, k + 1).astype(np.int32)
     # packed verify rows of the host update: request b gets num_verify[b] + 1 rows, padding
     # requests none, padded to G rows on the sentinel slot / trash grid row
     nv = np.zeros(bcap, dtype=np.int64)
@@ -67,8 +68,8 @@ def host_inputs(runner, batch, bcap: int, k: int, num_verify: np.ndarray, g: int
     grid = np.concatenate([b * (k + 1) + i, np.zeros(pad, np.int64)])
     pos = np.concatenate([lens[b] + i, np.zeros(pad, np.int64)])
     real = np.concatenate([is_req[b], np.zeros(pad, bool)])
-    out["ver_grid"] = grid
-    out["ver_pos"] = pos
-    out["ver_slot"] = slot_of(np.concatenate([b, np.zeros(pad, np.int64)]), pos, real)
-    out["ver_row"] = np.where(np.arange(g) < len(b), grid, bcap * (k + 1))
+    out["ver.grid"] = grid
+    out["ver.pos"] = pos
+    out["ver.slot"] = slot_of(np.concatenate([b, np.zeros(pad, np.int64)]), pos, real)
+    out["ver.row"] = np.where(np.arange(g) < len(b), grid, bcap * (k + 1))
     return out

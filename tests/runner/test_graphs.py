@@ -80,7 +80,7 @@ def test_eager_block_table_trimmed_to_batch_blocks():
     batch = list(eng._running)
     x = eng.runner.prepare(batch, 1, 3, np.array([3]), 4)
     # 19 cached tokens + 3 drafts + 1: 23 tokens -> 3 blocks of 8, not max_model_len's 17
-    assert tuple(x.t["block_table"].shape) == (1, 3)
+    assert tuple(x.host.block_table.shape) == (1, 3)
     assert eng.runner.max_blocks_per_seq > 3
 
 

@@ -311,12 +311,13 @@ def test_device_derivation_equals_the_host_rule(k, static, monkeypatch):
     x = runner.prepare(batch, bcap, k, nv, g, None, np.array([r.num_computed for r in batch]))
     runner.derive_inputs(x)
     runner.derive_verify(x)
-    want = host_inputs(runner, batch, bcap, k, nv, g, x.t["block_table"].numpy())
+    want = host_inputs(runner, batch, bcap, k, nv, g, x.host.block_table.numpy())
     assert x.num_ext_rows == W + 1 and x.update == "host"
-    assert {"ext_index", "ext_row", "ver_slot", "ctx_lens"} <= want.keys()
-    assert ("step_slot" in want) == (k > 1)
+    assert {"ext.index", "ext.row", "ver.slot", "req.ctx_lens"} <= want.keys()
+    assert ("step.slot" in want) == (k > 1)
     for name, v in want.items():
-        got = x.t[name]
+        group, field = name.split(".")
+        got = getattr(getattr(x, group), field)
         assert tuple(got.shape) == v.shape, name
         np.testing.assert_array_equal(got.numpy(), v, err_msg=name)
 
