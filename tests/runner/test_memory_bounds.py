@@ -11,7 +11,7 @@ from speccal.base.errors import InputError
 from speccal.base.memory import check_fits, format_bytes, host_memory_available
 from speccal.calibrate.config import parse_config_obj
 from speccal.runner import device as device_mod
-from speccal.runner import engine as engine_mod
+from speccal.runner import engine_build as engine_mod
 from speccal.runner.buffers import StaticInputs
 from speccal.runner.engine import Engine, EngineConfig
 from speccal.runner.kv_cache import KVCache
