@@ -12,11 +12,11 @@ target verify) the device allocation of the verify lengths runs eagerly between 
 (a few small kernels on the same stream, no host sync), writing the ``num_verify`` / ``nv32``
 static inputs the target graph reads; the captured graphs do not change.
 
-``sampling`` is the host's per-round choice of token selection (``RoundRunner.sampling_kind``):
+``sampling`` is the host's per-round choice of token selection (``speccal.runner.sampling.selection_kind``):
 ``greedy`` when every request of the batch is greedy (argmax only: no filters, no sort over the
 vocabulary), ``sample`` otherwise (the normal sampler / rejection sampler). Both variants of a
 target key are captured at warmup where the choice changes the graph (plain decoding, and
-``acceptance="sample"``); elsewhere only ``greedy`` (``RoundRunner.sampling_kinds``).
+``acceptance="sample"``); elsewhere only ``greedy`` (``speccal.runner.sampling.selection_kinds``).
 
 NPU: ``torch_npu.npu.NPUGraph`` / ``torch_npu.npu.graph`` are used the same way when the device
 is ``npu``. That path is thin and **untested** here (no NPU on the CI or bench machines).

@@ -30,36 +30,21 @@ Device state per slot (``num_slots = max bucket + 1``; the last is the trash slo
 :meth:`RoundRunner.execute` uses static shapes chosen on the host, masks and index tensors; no
 ``.item()``, ``.tolist()``, ``nonzero()`` or branch on tensor values.
 
-One loop, any queue depth (``Engine``: 0 collects a round before the next is prepared, the
-synchronous loop; 1 queues round ``n + 1`` before collecting round ``n``): the host stages only
-facts that do not depend on the rounds in flight (:meth:`RoundRunner.prepare`: slot indices, a
-real-row mask, the block table with blocks allocated ahead for the worst-case growth of every
-queued round, the verify lengths) into one of two pinned staging slots, in one merged copy.
-Per-slot device state ``slot_len`` (KV length ``L``) and ``slot_ext`` (pending extend rows) is
-advanced on the device right after acceptance
-(:meth:`RoundRunner.advance_slots`, the tail of the target graph) and the round's metadata is
-derived from it on the device (:meth:`RoundRunner.derive_inputs`, the head of the draft graph;
-:meth:`RoundRunner.derive_verify` for the host update's packed verify rows). The draft-extend
-grid then always has the static layout ``R = w + 1``. The round's results are copied into its
-staging slot's pinned buffers as soon as it is queued (:meth:`RoundRunner.stage_outputs`), and
-:meth:`RoundRunner.collect` waits only for that copy (an event on cuda).
+One loop, any queue depth (docs/ARCHITECTURE.md draws it): :meth:`RoundRunner.prepare` stages
+only facts that do not depend on the rounds in flight (``HostFacts``: slot indices, a real-row
+mask, the block table grown for every queued round's worst case, the verify lengths) into one
+of two pinned staging slots, in one merged copy; the rest is derived on the device from the
+per-slot state ``slot_len`` (KV length ``L``) / ``slot_ext`` (pending extend rows), which
+:meth:`RoundRunner.advance_slots` advances at the tail of the target graph
+(:meth:`RoundRunner.derive_inputs` at the head of the draft graph, :meth:`RoundRunner.derive_verify`
+for the host update's packed verify rows; the draft-extend grid always has ``R = w + 1`` rows).
+Results are copied into the staging slot's pinned buffers as soon as the round is queued
+(:meth:`RoundRunner.stage_outputs`); :meth:`RoundRunner.collect` waits only for that copy.
 
-Greedy fast path: :meth:`RoundRunner.sampling_kind` decides on the host at prepare time
-(``RoundInputs.sampling``) whether every request of the batch is greedy (temperature below
-``sampling.GREEDY_TEMPERATURE``). Then plain decoding and ``sample`` verification take the
-argmax of the packed target rows and gather only tokens (no temperature / filters / sort, no
-``[bcap, k + 1, V]`` logits grid); the tokens equal the general path's (a greedy row's filtered
-distribution is a point mass on the argmax). ``greedy`` / ``forced`` / ``synthetic``
-verification emit argmax tokens whatever the batch, so they always take the token path. With
-the in-graph update the round ends in ``ops.verify_accept``, which on the fused kernels takes the
-LM head's per-tile argmax partials (``TargetModel.argmax_partials``: no logits, no argmax launch)
-and reduces them itself. The choice is a host flag that selects a different captured graph
-(the ``sampling`` field of the target :class:`GraphKey`), never a device read. One difference: the fast path draws no random
-numbers, so a later mixed batch sees another generator state than after general-path rounds.
-Under tensor parallelism the argmax-only selections reduce across the vocabulary shards instead
-of gathering ``[N, V]`` logits: the draft's token and score (``MTPHead.greedy_draft``) every
-step, the host update's target tokens (``TargetModel.greedy_tokens``) and the in-graph one's
-(``argmax_partials``); only sampling (and rejection sampling) gathers the shards.
+Token selection is a host flag per round (``RoundInputs.sampling``, the greedy fast path of
+``speccal.runner.sampling``): argmax-only rounds gather tokens, never a ``[bcap, k + 1, V]``
+logits grid, and with the in-graph update end in ``ops.verify_accept`` over the LM head's
+argmax partials; the flag selects a different captured graph, never a device read.
 """
 
 from __future__ import annotations
@@ -282,37 +267,10 @@ class RoundRunner:
                                                rows=rows, tune=self.path.kernels)
         return self._plans[key]
 
-    # ------------------------------------------------------------------ sampling kind
-
-    def _kind_matters(self, k: int) -> bool:
-        """Whether token selection differs between an all-greedy and a mixed batch at ``k``."""
-        return k == 0 or self.acceptance == "sample"
-
-    def argmax_only(self, k: int, kind: str) -> bool:
-        """Whether a round selects tokens from the target's argmax alone (the fast path).
-
-        Plain decoding and ``sample`` verification when the batch is all greedy; ``greedy``,
-        ``forced`` and ``synthetic`` verification always (they emit argmax tokens anyway).
-        """
-        return kind == "greedy" or not self._kind_matters(k)
-
-    def sampling_kinds(self, k: int) -> tuple[str, ...]:
-        """The target graph variants captured for ``k`` draft steps.
-
-        ``("greedy", "sample")`` where the choice changes the graph and a non-greedy request can
-        be admitted; ``("greedy",)`` where every round is argmax-only anyway (``greedy`` /
-        ``forced`` / ``synthetic`` verification) or where the engine refuses non-greedy requests
-        (``acceptance="greedy"``).
-        """
-        if self._kind_matters(k) and self.acceptance != "greedy":
-            return ("greedy", "sample")
-        return ("greedy",)
-
     def sampling_kind(self, batch: list[Request], k: int) -> str:
-        """Host choice for one round: ``greedy`` (argmax only) if every request is greedy."""
-        if not self._kind_matters(k):
-            return "greedy"
-        return "greedy" if sampling.batch_is_greedy([r.params for r in batch]) else "sample"
+        """Host choice for one round (``sampling.selection_kind``): ``greedy`` (argmax only)
+        or ``sample``."""
+        return sampling.selection_kind(self.acceptance, [r.params for r in batch], k)
 
     # ------------------------------------------------------------------ slot state
 
@@ -544,39 +502,10 @@ class RoundRunner:
 
     # ------------------------------------------------------------------ execute
 
-    def _accept(
-        self, draft_tokens, logits, nv, slot_index
-    ):  # [bcap,k], [bcap,k+1,V], [bcap], [bcap]
-        mode = self.acceptance
-        if mode == "greedy":
-            return sampling.verify_greedy(draft_tokens, logits, num_verify=nv)
-        if mode == "forced":
-            return sampling.verify_forced(draft_tokens, logits, num_verify=nv)
-        if mode == "synthetic":
-            return sampling.verify_synthetic(
-                draft_tokens, logits, self.profile, self.generator, num_verify=nv
-            )
-        return sampling.verify_rejection(
-            draft_tokens,
-            logits,
-            self.slot_temperature[slot_index],
-            self.slot_top_k[slot_index],
-            self.slot_top_p[slot_index],
-            self.slot_min_p[slot_index],
-            self.generator,
-            num_verify=nv,
-        )
-
-    def _accept_tokens(self, draft_tokens, grid_tok, nv):  # [bcap,k], [bcap,k+1], [bcap]
-        """Acceptance from the target's argmax tokens (the argmax-only modes)."""
-        if self.acceptance == "forced":
-            return sampling.verify_forced_tokens(draft_tokens, grid_tok, num_verify=nv)
-        if self.acceptance == "synthetic":
-            return sampling.verify_synthetic_tokens(
-                draft_tokens, grid_tok, self.profile, self.generator, num_verify=nv
-            )
-        # greedy, or sample over an all-greedy batch: point masses on the argmax
-        return sampling.verify_greedy_tokens(draft_tokens, grid_tok, num_verify=nv)
+    def _row_params(self, slot_index: torch.Tensor) -> tuple:  # [bcap] -> 4 x [bcap]
+        """Each row's ``(temperature, top_k, top_p, min_p)`` from its slot."""
+        return (self.slot_temperature[slot_index], self.slot_top_k[slot_index],
+                self.slot_top_p[slot_index], self.slot_min_p[slot_index])
 
     def _tiling(self, seq: torch.Tensor, plan):  # [B] int32 -> (num_splits, split_len) | None
         if plan is None:
@@ -631,7 +560,7 @@ class RoundRunner:
         hidden = self.ext_hidden.shape[-1]
         bt = facts.block_table
         # Greedy fast path (host flag): argmax of the packed rows, tokens gathered, no logits grid.
-        fast = self.argmax_only(k, x.sampling)
+        fast = sampling.argmax_only(self.acceptance, k, x.sampling)
         grid_tok = grid_logits = None
         if x.update == "in_graph":
             kx = self.path.kernels
@@ -711,19 +640,17 @@ class RoundRunner:
                 out = grid_tok.long()
                 num_accepted = self._zero[:bcap]
             else:
-                num_accepted, out = self._accept_tokens(draft_tokens, grid_tok, facts.num_verify)
+                num_accepted, out = sampling.accept_tokens(
+                    self.acceptance, draft_tokens, grid_tok, facts.num_verify, self.profile,
+                    self.generator)
         elif k == 0:
-            out = sampling.sample_plain(
-                grid_logits[:, 0],
-                self.slot_temperature[slot_index],
-                self.slot_top_k[slot_index],
-                self.slot_top_p[slot_index],
-                self.slot_min_p[slot_index],
-                self.generator,
-            )[:, None]
+            out = sampling.sample_plain(grid_logits[:, 0], *self._row_params(slot_index),
+                                        self.generator)[:, None]
             num_accepted = self._zero[:bcap]
         else:
-            num_accepted, out = self._accept(draft_tokens, grid_logits, facts.num_verify, slot_index)
+            num_accepted, out = sampling.accept(
+                self.acceptance, draft_tokens, grid_logits, facts.num_verify,
+                self._row_params(slot_index), self.profile, self.generator)
         if self.state is not None:  # the state after each request's accepted prefix
             self.state.commit(x, num_accepted)
         self.ext_tokens[slot_index, : k + 1] = out
@@ -750,12 +677,13 @@ class RoundRunner:
         """Capture every key, largest first; ``make_inputs(key)`` stages warm-up inputs.
 
         A target key whose ``sampling`` is ``""`` stands for every variant of
-        :meth:`sampling_kinds` (each captured, with ``RoundInputs.sampling`` set to it).
+        ``sampling.selection_kinds`` (each captured, with ``RoundInputs.sampling`` set to it).
         """
         expanded = []
         for key in keys:
             if key.part == "target" and not key.sampling:
-                expanded += [replace(key, sampling=s) for s in self.sampling_kinds(key.k)]
+                expanded += [replace(key, sampling=s)
+                             for s in sampling.selection_kinds(self.acceptance, key.k)]
             else:
                 expanded.append(key)
         with torch.inference_mode():

@@ -31,6 +31,19 @@ smallest most-likely-first set whose mass reaches ``top_p``). The argmax always 
 Temperatures below :data:`GREEDY_TEMPERATURE` mean greedy, as in vLLM: such a row's distribution
 is a point mass on the argmax of its raw logits, so greedy and random requests mix in one batch.
 
+The greedy fast path of a round (:func:`selection_kind`, decided on the host at prepare time):
+when every request of the batch is greedy, plain decoding and ``sample`` verification take the
+argmax of the packed target rows and gather only tokens (no temperature / filters / sort, no
+``[bcap, k + 1, V]`` logits grid); the tokens equal the general path's (a greedy row's filtered
+distribution is a point mass on the argmax). ``greedy`` / ``forced`` / ``synthetic``
+verification emit argmax tokens whatever the batch, so they always take the token path. The
+choice selects a different captured graph (the ``sampling`` field of the target ``GraphKey``).
+One difference: the fast path draws no random numbers, so a later mixed batch sees another
+generator state than after general-path rounds. Under tensor parallelism the argmax-only
+selections reduce across the vocabulary shards instead of gathering ``[N, V]`` logits (the
+draft's ``MTPHead.greedy_draft``, the target's ``greedy_tokens`` / ``argmax_partials``); only
+sampling gathers the shards.
+
 Everything is vectorised on the logits' device with no host synchronisation (no ``.item()``,
 ``.tolist()``, ``nonzero()`` or Python branch on tensor values), so a round can be captured in a
 CUDA graph. Randomness comes only from the ``generator`` argument (``torch.rand`` and exponential
@@ -660,3 +673,64 @@ def draft_token_probability(
     x = draft_logits.float()
     selected = x.gather(1, token.long()[:, None]).squeeze(1)
     return torch.exp(selected - torch.logsumexp(x, dim=-1))
+
+
+# ------------------------------------------------------------------ a round's token selection
+
+
+def selection_matters(acceptance: str, k: int) -> bool:
+    """Whether token selection differs between an all-greedy and a mixed batch at ``k`` draft
+    steps (plain decoding, ``sample`` verification)."""
+    return k == 0 or acceptance == "sample"
+
+
+def argmax_only(acceptance: str, k: int, kind: str) -> bool:
+    """Whether a round selects tokens from the target's argmax alone (the greedy fast path).
+
+    Plain decoding and ``sample`` verification when the batch is all greedy (``kind``);
+    ``greedy``, ``forced`` and ``synthetic`` verification always (they emit argmax tokens).
+    """
+    return kind == "greedy" or not selection_matters(acceptance, k)
+
+
+def selection_kinds(acceptance: str, k: int) -> tuple[str, ...]:
+    """The target graph variants captured for ``k`` draft steps: ``("greedy", "sample")`` where
+    the choice changes the graph and a non-greedy request can be admitted; ``("greedy",)`` where
+    every round is argmax-only anyway or the engine refuses non-greedy requests
+    (``acceptance="greedy"``)."""
+    if selection_matters(acceptance, k) and acceptance != "greedy":
+        return ("greedy", "sample")
+    return ("greedy",)
+
+
+def selection_kind(acceptance: str, params: Sequence[SamplingParams], k: int) -> str:
+    """The host's choice for one round: ``greedy`` (argmax only) if every request is greedy or
+    the choice does not matter, else ``sample``."""
+    if not selection_matters(acceptance, k) or batch_is_greedy(params):
+        return "greedy"
+    return "sample"
+
+
+def accept(acceptance: str, draft_tokens, logits, num_verify, row_params, profile,
+           generator):  # [bcap, k], [bcap, k + 1, V], [bcap], 4 x [bcap] -> (accepted, tokens)
+    """A round's acceptance from the target's logits. ``row_params``: each row's
+    ``(temperature, top_k, top_p, min_p)`` (``sample`` verification)."""
+    if acceptance == "greedy":
+        return verify_greedy(draft_tokens, logits, num_verify=num_verify)
+    if acceptance == "forced":
+        return verify_forced(draft_tokens, logits, num_verify=num_verify)
+    if acceptance == "synthetic":
+        return verify_synthetic(draft_tokens, logits, profile, generator, num_verify=num_verify)
+    return verify_rejection(draft_tokens, logits, *row_params, generator, num_verify=num_verify)
+
+
+def accept_tokens(acceptance: str, draft_tokens, grid_tokens, num_verify, profile,
+                  generator):  # [bcap, k], [bcap, k + 1], [bcap] -> (accepted, tokens)
+    """A round's acceptance from the target's argmax tokens (the argmax-only modes; ``greedy``
+    or ``sample`` over an all-greedy batch: point masses on the argmax)."""
+    if acceptance == "forced":
+        return verify_forced_tokens(draft_tokens, grid_tokens, num_verify=num_verify)
+    if acceptance == "synthetic":
+        return verify_synthetic_tokens(draft_tokens, grid_tokens, profile, generator,
+                                       num_verify=num_verify)
+    return verify_greedy_tokens(draft_tokens, grid_tokens, num_verify=num_verify)

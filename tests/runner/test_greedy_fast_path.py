@@ -154,10 +154,10 @@ def test_sampling_kind_is_a_host_choice():
 def test_sampling_kinds_per_acceptance_mode(acceptance, k, kinds):
     prof = (0.5, 0.5, 0.5) if acceptance == "synthetic" else None
     eng = Engine(_cfg(acceptance=acceptance, acceptance_profile=prof))
-    assert eng.runner.sampling_kinds(k) == kinds
+    assert sampling.selection_kinds(eng.runner.acceptance, k) == kinds
     # forced / synthetic / greedy verification never needs the sampler at k > 0
-    assert eng.runner.argmax_only(k, "sample") == (k > 0 and acceptance != "sample")
-    assert eng.runner.argmax_only(k, "greedy")
+    assert sampling.argmax_only(acceptance, k, "sample") == (k > 0 and acceptance != "sample")
+    assert sampling.argmax_only(acceptance, k, "greedy")
 
 
 class _RecordingGraphs:
