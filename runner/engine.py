@@ -245,6 +245,8 @@ class Engine:
         self._routed: list[RoutedMoE] = routed_modules(self.loaded.target)
         self._routed_all = self._routed + (routed_modules(self.loaded.draft)
                                            if self.loaded.draft is not None else [])
+        for m in self._routed_all:  # the captures' warm-up forwards activated no request's
+            m.take_activated()
         if self._has_state and self.device.type == "cuda":
             self.warm_prefill()
             lap("prefill_warmup_s")
