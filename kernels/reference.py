@@ -543,7 +543,7 @@ def moe_align_ref(
     block_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # sorted_pairs [P], block_expert [P/bm], counts [E]
     """The block-aligned layout of the (row, expert) pairs (module docstring), and the pairs per
-    expert. A static-shape counting sort: no host read, so it can sit in a captured graph."""
+    expert. A static-shape stable sort: no host read, so it can sit in a captured graph."""
     flat = ids.reshape(-1).long()
     num_pairs, dev = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
