@@ -128,11 +128,13 @@ def fused_moe_triton(
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, _BLOCK_N))](
         x, gate_up, sorted_pairs, block_expert, act, n * k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        H=hidden, INTER=inter, TOP_K=k, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, PREC=prec, PDL=pdl,
+        H=hidden, INTER=inter, TOP_K=k, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        PREC=prec, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     _down_kernel[(num_blocks, triton.cdiv(hidden, _BLOCK_N))](
         act, down, sorted_pairs, block_expert, rw, out, n * k,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, PREC=prec, PDL=pdl,
+        H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        PREC=prec, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out

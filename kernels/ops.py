@@ -20,6 +20,7 @@ Typical verify round, all inside the captured target graph::
     h, normed = embed_rms_norm(input_ids, embed_weight, layer0_norm_weight, eps)
     ... per layer: linear, paged_attention(..., cu_q_lens=cu, tiling=(num_splits, split_len),
         plan=plan, rope=...), linear(residual=h), rms_norm, linear, linear(norm=next) ...
+        (a routed layer's MLP: fused_moe(normed, weights, ids, gate_up, down), no host read)
     partials = linear_argmax(normed, lm_head_weight)       # (tile_max [G, T], tile_idx [G, T])
     verify_accept(partials, grid_rows, drafts, num_verify, slots, hidden, ext_tokens, ext_hidden)
 """
@@ -1115,7 +1116,8 @@ def fused_moe(
         prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
         pair_out = fused_moe_triton(x, weights.contiguous(), gate_up, down, pairs, blocks, prec,
                                     pdl=pdl_level(x, tune) > 0)
-        if not dry_pass_active():
-            return ref.moe_sum_slots_ref(pair_out, ids), counts
-    pair_out = ref.fused_moe_ref(x, weights, gate_up, down, pairs, blocks)
+        if dry_pass_active():  # skipped launches: a finite stand-in, not the reference
+            pair_out.zero_()
+    else:
+        pair_out = ref.fused_moe_ref(x, weights, gate_up, down, pairs, blocks)
     return ref.moe_sum_slots_ref(pair_out, ids), counts
