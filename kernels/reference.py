@@ -28,8 +28,8 @@ Data layout (shared with ``speccal.runner``, see docs/ARCHITECTURE.md):
   padded to a multiple of ``block_m`` (vLLM's ``moe_align_block_size``): ``sorted_pairs [P]``
   holds a pair or the sentinel ``N * top_k`` (padding), ``block_expert [P / block_m]`` each
   block's expert or -1 (a block past the last expert's run). ``P`` is the static worst case,
-  ``N * top_k + E * (block_m - 1)`` rounded up to ``block_m``, so the layout never has a
-  data-dependent shape. Expert weights stacked: ``gate_up [E, 2 I, hidden]`` (gate rows
+  ``N * top_k + min(E, N * top_k) * (block_m - 1)`` rounded up to ``block_m`` (at most that
+  many experts have a run to pad), so the layout never has a data-dependent shape. Expert weights stacked: ``gate_up [E, 2 I, hidden]`` (gate rows
   first), ``down [E, hidden, I]``.
 """
 
@@ -555,7 +555,7 @@ def moe_align_ref(
     by_expert = flat[order]
     dest = ends[by_expert] - padded[by_expert] + torch.arange(num_pairs, device=dev) \
         - first[by_expert]
-    num_blocks = -(-(num_pairs + num_experts * (block_m - 1)) // block_m)
+    num_blocks = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m)
     sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.long, device=dev)
     sorted_pairs.scatter_(0, dest, order)
     starts = torch.arange(num_blocks, device=dev) * block_m
@@ -574,7 +574,9 @@ def fused_moe_ref(
     """Every pair's ``weight * down(silu(gate(x)) * up(x))`` of its expert, block by block: each
     block gathers its expert's stacked weights and runs batched products (static shapes; a
     block of no expert computes on expert 0's weights and its rows are dropped). The products
-    round to ``x``'s dtype as ``nn.Linear`` does, the weight multiplies in the promoted dtype."""
+    round to ``x``'s dtype as ``nn.Linear`` does, the weight multiplies in the promoted dtype.
+    The gather holds one expert's weights per block: the CPU path of small models and the
+    semantics of the Triton kernels, not a fast path for large ones."""
     n, k = weights.shape
     num_blocks, hidden = block_expert.shape[0], x.shape[1]
     inter = down.shape[2]

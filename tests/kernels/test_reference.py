@@ -319,16 +319,18 @@ def test_reduce_argmax_partials_rules():
 
 
 @pytest.mark.parametrize("rows,experts,top_k,block_m", [(1, 4, 2, 16), (7, 6, 3, 16),
-                                                        (40, 5, 2, 4), (9, 16, 4, 1)])
+                                                        (40, 5, 2, 4), (9, 16, 4, 1),
+                                                        (2, 40, 4, 8), (1, 64, 6, 16)])
 def test_moe_align_ref_lays_every_pair_once_in_its_experts_blocks(rows, experts, top_k, block_m):
-    """Static size ``N k + E (block_m - 1)`` rounded up to blocks; each pair once, in a block
+    """Static size ``N k + min(E, N k) (block_m - 1)`` rounded up to blocks; each pair once, in a block
     of its own expert, ascending within the expert's run; padding and expert-less blocks hold
     the sentinel; ``counts`` are the pairs per expert."""
     x, w, ids, gu, dn = moe_case(3, rows, 8, 4, experts, top_k, torch.float32, "cpu",
                                  idle=(1,))
     pairs, blocks, counts = ref.moe_align_ref(ids, experts, block_m)
     num_pairs = rows * top_k
-    assert pairs.shape[0] == -(-(num_pairs + experts * (block_m - 1)) // block_m) * block_m
+    padding = min(experts, num_pairs) * (block_m - 1)
+    assert pairs.shape[0] == -(-(num_pairs + padding) // block_m) * block_m
     assert blocks.shape[0] * block_m == pairs.shape[0]
     assert counts.tolist() == torch.bincount(ids.reshape(-1), minlength=experts).tolist()
     real = pairs < num_pairs
