@@ -20,6 +20,7 @@ Typical verify round, all inside the captured target graph::
     h, normed = embed_rms_norm(input_ids, embed_weight, layer0_norm_weight, eps)
     ... per layer: linear, paged_attention(..., cu_q_lens=cu, tiling=(num_splits, split_len),
         plan=plan, rope=...), linear(residual=h), rms_norm, linear, linear(norm=next) ...
+        (a routed layer's MLP: fused_moe(normed, weights, ids, gate_up, down), no host read)
     partials = linear_argmax(normed, lm_head_weight)       # (tile_max [G, T], tile_idx [G, T])
     verify_accept(partials, grid_rows, drafts, num_verify, slots, hidden, ext_tokens, ext_hidden)
 """
@@ -52,6 +53,7 @@ __all__ = [
     "attention_tiling_update",
     "embed_rms_norm",
     "fold_wanted",
+    "fused_moe",
     "spread_wanted",
     "linear",
     "linear_argmax",
@@ -67,6 +69,8 @@ __all__ = [
 ]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+#: pairs per block of the routed-expert layout (``fused_moe``): tl.dot's smallest M tile
+MOE_BLOCK_M = 16
 _INTS = (torch.int32, torch.int64)
 
 
@@ -1062,3 +1066,58 @@ def rotary_kv_write(
             return res
     return ref.rotary_kv_write_ref(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
                                    v_cache, q_out, qk_norm)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [N, hidden]
+    weights: torch.Tensor,  # [N, top_k]: routing weights (float32 or x's dtype)
+    ids: torch.Tensor,  # [N, top_k] int: each row's experts, distinct within a row
+    gate_up: torch.Tensor,  # [E, 2 I, hidden]: gate rows, then up rows
+    down: torch.Tensor,  # [E, hidden, I]
+    *,
+    block_m: int = MOE_BLOCK_M,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [N, hidden] x's dtype, counts [E] int64
+    """Routed SwiGLU experts: ``out[n] = sum_j weights[n, j] * down_e(silu(gate_e(x[n])) *
+    up_e(x[n]))`` over row ``n``'s experts ``e = ids[n, j]``, added in ascending expert order;
+    ``counts``: the pairs each expert got (``> 0``: the experts this call activated).
+
+    Capture-safe: the (row, expert) pairs are sorted by expert into a block-aligned layout of
+    static worst-case size (``reference.moe_align_ref``, no host read), the experts run over
+    its blocks (Triton: ``fused_moe.py``, gate/up in one pass, blocks of no expert exit before
+    reading weights; reference: ``reference.fused_moe_ref``, batched products over each
+    block's gathered expert weights), and each row's pair outputs are summed
+    (``reference.moe_sum_slots_ref``). Expert ids are device values, not checked here.
+    """
+    _need(x.dim() == 2 and x.stride(1) == 1 and x.dtype in _FLOATS, "x", (_shape(x), x.dtype),
+          "[N, hidden] float, hidden contiguous")
+    n, hidden = x.shape
+    _need(ids.dim() == 2 and ids.shape[0] == n and ids.dtype in _INTS, "ids",
+          (_shape(ids), ids.dtype), f"[{n}, top_k] int")
+    _need(_shape(weights) == _shape(ids) and weights.dtype in _FLOATS, "weights",
+          (_shape(weights), weights.dtype), f"{_shape(ids)} float")
+    _need(gate_up.dim() == 3 and gate_up.shape[2] == hidden and gate_up.shape[1] % 2 == 0,
+          "gate_up.shape", _shape(gate_up), f"[E, 2 I, {hidden}]")
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    _need(_shape(down) == (num_experts, hidden, inter), "down.shape", _shape(down),
+          f"[{num_experts}, {hidden}, {inter}]")
+    _need(gate_up.dtype == down.dtype == x.dtype, "gate_up/down dtype", (gate_up.dtype,
+          down.dtype), f"x's {x.dtype}")
+    _need(gate_up.stride(2) == 1 and down.stride(2) == 1, "gate_up/down", "strided",
+          "the last dimension contiguous")
+    _need(block_m >= 1, "block_m", block_m, "an int >= 1")
+    pairs, blocks, counts = ref.moe_align_ref(ids, num_experts, block_m)
+    if use_triton(x, backend or tune.backend):
+        from speccal.kernels.fused_moe import fused_moe_triton
+
+        _need(block_m >= 16 and not block_m & (block_m - 1), "block_m", block_m,
+              "a power of two >= 16 (tl.dot's M tile)")
+        prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
+        pair_out = fused_moe_triton(x, weights.contiguous(), gate_up, down, pairs, blocks, prec,
+                                    pdl=pdl_level(x, tune) > 0)
+        if dry_pass_active():  # skipped launches: a finite stand-in, not the reference
+            pair_out.zero_()
+    else:
+        pair_out = ref.fused_moe_ref(x, weights, gate_up, down, pairs, blocks)
+    return ref.moe_sum_slots_ref(pair_out, ids), counts

@@ -22,6 +22,15 @@ Data layout (shared with ``speccal.runner``, see docs/ARCHITECTURE.md):
   padded to the bucket's ``G`` rows with ``pad_id`` tokens, position 0 and slot 0.
 - Split-KV tiling: ``num_splits [B] int32``, ``split_len [B] int32``; split ``s`` of request ``b``
   covers KV ``[s * split_len[b], min((s + 1) * split_len[b], seq_lens[b]))``.
+- Routed experts (``moe_align_ref``, ``fused_moe_ref``): ``N`` rows choose ``top_k`` experts
+  each, ``ids [N, top_k]``; pair ``p = row * top_k + slot``. The pairs sorted by expert (rows
+  ascending within one) are laid out in blocks of ``block_m`` positions, each expert's run
+  padded to a multiple of ``block_m`` (vLLM's ``moe_align_block_size``): ``sorted_pairs [P]``
+  holds a pair or the sentinel ``N * top_k`` (padding), ``block_expert [P / block_m]`` each
+  block's expert or -1 (a block past the last expert's run). ``P`` is the static worst case,
+  ``N * top_k + min(E, N * top_k) * (block_m - 1)`` rounded up to ``block_m`` (at most that
+  many experts have a run to pad), so the layout never has a data-dependent shape. Expert weights stacked: ``gate_up [E, 2 I, hidden]`` (gate rows
+  first), ``down [E, hidden, I]``.
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ __all__ = [
     "embed_rms_norm_ref",
     "linear_argmax_ref",
     "linear_ref",
+    "moe_align_ref",
+    "fused_moe_ref",
+    "moe_sum_slots_ref",
     "paged_attention_ref",
     "packed_rows_ref",
     "reduce_argmax_partials_ref",
@@ -519,3 +531,76 @@ def verify_accept_ref(
     ext_tokens[slots, : k + 1] = out
     ext_hidden[slots, : k + 1] = hidden[cells]
     return na, out
+
+
+# ---------------------------------------------------------------------------------------------
+# routed experts
+
+
+def moe_align_ref(
+    ids: torch.Tensor,  # [N, top_k] int: each row's experts
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # sorted_pairs [P], block_expert [P/bm], counts [E]
+    """The block-aligned layout of the (row, expert) pairs (module docstring), and the pairs per
+    expert. A static-shape stable sort: no host read, so it can sit in a captured graph."""
+    flat = ids.reshape(-1).long()
+    num_pairs, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)  # [E]: each expert's run ends here in the layout
+    first = torch.cumsum(counts, 0) - counts  # [E]: its first pair in expert order
+    order = torch.argsort(flat, stable=True)  # [N k]: by expert, pairs ascending within one
+    by_expert = flat[order]
+    dest = ends[by_expert] - padded[by_expert] + torch.arange(num_pairs, device=dev) \
+        - first[by_expert]
+    num_blocks = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m)
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.long, device=dev)
+    sorted_pairs.scatter_(0, dest, order)
+    starts = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    return sorted_pairs, torch.where(block_expert < num_experts, block_expert, -1), counts
+
+
+def fused_moe_ref(
+    x: torch.Tensor,  # [N, hidden]
+    weights: torch.Tensor,  # [N, top_k]: routing weights (float32 or x's dtype)
+    gate_up: torch.Tensor,  # [E, 2 I, hidden]
+    down: torch.Tensor,  # [E, hidden, I]
+    sorted_pairs: torch.Tensor,  # [P] int64 (moe_align_ref)
+    block_expert: torch.Tensor,  # [P / block_m] int64
+) -> torch.Tensor:  # [N * top_k, hidden] x's dtype: pair p's expert output times its weight
+    """Every pair's ``weight * down(silu(gate(x)) * up(x))`` of its expert, block by block: each
+    block gathers its expert's stacked weights and runs batched products (static shapes; a
+    block of no expert computes on expert 0's weights and its rows are dropped). The products
+    round to ``x``'s dtype as ``nn.Linear`` does, the weight multiplies in the promoted dtype.
+    The gather holds one expert's weights per block: the CPU path of small models and the
+    semantics of the Triton kernels, not a fast path for large ones."""
+    n, k = weights.shape
+    num_blocks, hidden = block_expert.shape[0], x.shape[1]
+    inter = down.shape[2]
+    rows = torch.cat([x, x.new_zeros(1, hidden)]).index_select(0, sorted_pairs // k)
+    expert = block_expert.clamp(min=0)
+    h = torch.bmm(rows.view(num_blocks, -1, hidden), gate_up.index_select(0, expert).transpose(1, 2))
+    act = torch.nn.functional.silu(h[..., :inter]) * h[..., inter:]
+    y = torch.bmm(act, down.index_select(0, expert).transpose(1, 2)).view(-1, hidden)
+    w = torch.cat([weights.reshape(-1), weights.new_zeros(1)]).index_select(0, sorted_pairs)
+    out = x.new_zeros(n * k + 1, hidden)  # the last row takes the padding
+    return out.index_copy_(0, sorted_pairs, (y * w[:, None]).to(x.dtype))[: n * k]
+
+
+def moe_sum_slots_ref(
+    pair_out: torch.Tensor,  # [N * top_k, hidden]
+    ids: torch.Tensor,  # [N, top_k]
+) -> torch.Tensor:  # [N, hidden]
+    """Each row's pair outputs summed in ascending expert order, one addition after the other
+    (what adding every expert's rows into a zero result expert by expert gives, transformers'
+    order)."""
+    n, k = ids.shape
+    order = torch.argsort(ids, dim=1)  # [N, k]
+    y = pair_out.view(n, k, -1).gather(1, order[..., None].expand(n, k, pair_out.shape[1]))
+    out = y[:, 0]
+    for j in range(1, k):
+        out = out + y[:, j]
+    return out

@@ -82,6 +82,8 @@ class Engine(EngineBuild):
         self._routed: list[RoutedMoE] = routed_modules(self.loaded.target)
         self._routed_all = self._routed + (routed_modules(self.loaded.draft)
                                            if self.loaded.draft is not None else [])
+        for m in self._routed_all:  # the captures' warm-up forwards activated no request's
+            m.take_activated()
 
     def running_ids(self) -> list[int]:
         return [r.rid for r in self._running]

@@ -16,13 +16,19 @@ one "head" of
 - V: ``[num_blocks, block_size, 1, index_head_dim]``, the DSA indexer's rotated, normed key
   (0 channels for dense MLA: no V is cached).
 
-Attention runs in the *absorbed* form (MQA over the latent): each head's no-rope query is
-multiplied into the latent space by its block of ``kv_b_proj`` (``q_nope @ W_uk``), scored
-against ``[latent | k_rope]`` with ``[q_absorbed | q_rope]``, the softmax-weighted latents are
-mapped to values by the other block (``@ W_uv^T``). The same products as transformers' expanded
-form (``kv_b_proj`` applied to every cached latent), summed in another order: fp32 results agree
-to rounding. Decode, verify (several causal rows per request) and prefill rows take the same
-function (:func:`attend_latent`), so speculative rows see exactly what plain decoding sees.
+Two attention forms over one key read and one mask (:func:`latent_keys`: each request's cached
+``[latent | k_rope]`` and which keys each row sees). Decode and verify rows (the captured
+round's rows) attend in the *absorbed* form (:func:`attend_latent`, MQA over the latent, as
+DeepSeek's and vLLM's MLA decode): each head's no-rope query is multiplied into the latent
+space by its block of ``kv_b_proj`` (``q_nope @ W_uk``), scored against ``[latent | k_rope]``
+with ``[q_absorbed | q_rope]``, and the softmax-weighted latents are mapped to values by the
+other block (``@ W_uv^T``): the cache is never expanded. Prefill chunks, many rows over the
+same keys, attend in the *expanded* form (:func:`attend_expanded`, transformers'): each cached
+latent through ``kv_b_proj`` into per-head keys and values, then multi-head attention. The
+two are the same products summed in another order: fp32 results agree to rounding
+(``tests/runner/test_mla_forms.py``). All three row layouts (prefill chunk, ``[B, R]`` grid,
+packed verify rows) read keys and mask alike and make no host read, so the decode and verify
+rows run inside captured graphs.
 
 DSA: the indexer scores every visible key of a query (``sum_h w_h * relu(q_h . k * d^-0.5)``,
 ``w = weights_proj(x) * H^-0.5``), keeps the ``index_topk`` best (all when fewer are visible)
@@ -36,6 +42,9 @@ runs these layers per op (its GEMVs and norms) with the torch attention here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -164,11 +173,16 @@ class MLAttention(PathBound, nn.Module):
                                                       ik.to(v_cache.dtype))
             index = (iq, iw, self.indexer.topk)
         w_kv = self.kv_b_proj.weight.view(heads, nope + m.v_head_dim, lat)
-        # absorbed query: each head's no-rope part in the latent space, [N, H, latent + rope]
-        q_lat = torch.einsum("nhd,hdl->nhl", q[..., :nope], w_kv[:, :nope])
-        out = attend_latent(torch.cat([q_lat, q_rot], dim=-1), k_cache, v_cache, meta,
-                            self.scale, lat, index)  # [N, H, latent]
-        out = torch.einsum("nhl,hvl->nhv", out, w_kv[:, nope:])  # [N, H, v_head_dim]
+        lk = latent_keys(n, k_cache, v_cache, meta, index)
+        if meta.key_slots is not None:  # a prefill chunk: many rows, expanding pays
+            out = attend_expanded(torch.cat([q[..., :nope], q_rot], dim=-1), lk, w_kv,
+                                  self.scale)  # [N, H, v_head_dim]
+        else:
+            # absorbed query: each head's no-rope part in the latent space, [N, H, latent + rope]
+            q_lat = torch.einsum("nhd,hdl->nhl", q[..., :nope], w_kv[:, :nope])
+            out = attend_latent(torch.cat([q_lat, q_rot], dim=-1), lk, self.scale,
+                                lat)  # [N, H, latent]
+            out = torch.einsum("nhl,hvl->nhv", out, w_kv[:, nope:])  # [N, H, v_head_dim]
         return self._lin(out.reshape(n, heads * m.v_head_dim), self.o_proj)
 
     def fuse_weights(self) -> None:
@@ -195,46 +209,54 @@ def _to_grid(x: torch.Tensor, row_index: torch.Tensor, num_b: int, num_r: int) -
     return grid[: num_b * num_r].view(num_b, num_r, *x.shape[1:])
 
 
-def attend_latent(
-    q: torch.Tensor,  # [N, heads, latent + rope]: absorbed no-rope part | rotated rope part
+@dataclass
+class LatentKeys:
+    """What both attention forms read for one forward: each request's cached ``[latent |
+    k_rope]`` keys and which of them each query row sees, on the ``[B, R]`` query grid."""
+
+    keys: torch.Tensor  # [B, T, latent + rope], the cache's dtype
+    is_visible: torch.Tensor  # [B, R, T] bool: causal, and the DSA indexer's top-k when on
+    grid: Callable[[torch.Tensor], torch.Tensor]  # [N, ...] flat rows -> [B, R, ...]
+    rows: torch.Tensor | None  # [N] int64 grid cell of each flat row; None: grid == rows
+
+    def flat(self, out: torch.Tensor) -> torch.Tensor:  # [B * R, ...] -> [N, ...]
+        """Grid cells back to the flat rows (rows of no cell give zeros)."""
+        if self.rows is None:
+            return out
+        return torch.cat([out, out.new_zeros(1, *out.shape[1:])]).index_select(0, self.rows)
+
+
+def latent_keys(
+    num_rows: int,  # N
     k_cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
     v_cache: torch.Tensor,  # [num_blocks, block_size, 1, index_dim]: the indexer's keys
     meta: AttnMeta,
-    scale: float,
-    latent_dim: int,
     index: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # q [N, Hi, Di], w [N, Hi], topk
-) -> torch.Tensor:  # [N, heads, latent]: softmax-weighted latents
-    """Causal attention of the rows over their requests' cached ``[latent | k_rope]`` (MQA: one
-    key head, the latent as value), masked to the indexer's top-k keys when ``index`` is given.
-
-    Three row layouts, one computation: a prefill chunk (``meta.key_slots``: one request's
-    keys by slot, its rows the last ``N`` positions), the ``[B, R]`` grid (``row_index``) and
-    the packed verify rows (``cu_q_lens``, mapped onto the grid). A row at position ``p`` sees
-    keys ``0 .. p``; rows of front padding (``p < 0``) see key 0 so their discarded output
-    stays finite.
-    """
-    n, heads, dim = q.shape
+) -> LatentKeys:
+    """The rows' keys and visibility (see :func:`attend_latent` for the layouts); with
+    ``index``, each row's keys are masked to the indexer's top-k."""
+    n, dim = num_rows, k_cache.shape[-1]
+    dev = k_cache.device
     ikeys = None  # [B, T, index_dim]: the indexer's keys (DSA only)
     if meta.key_slots is not None:
         keys = k_cache.view(-1, dim).index_select(0, meta.key_slots)[None]  # [1, T, D]
         if index is not None:
             ikeys = v_cache.view(-1, v_cache.shape[-1]).index_select(0, meta.key_slots)[None]
         num_b, num_r, t = 1, n, keys.shape[1]
-        q_pos = (t - n + torch.arange(n, device=q.device))[None]  # [1, N]
+        q_pos = (t - n + torch.arange(n, device=dev))[None]  # [1, N]
         rows = None
         grid = lambda x: x[None]  # noqa: E731
     else:
         rows = meta.row_index if meta.row_index is not None else _packed_grid_rows(meta, n)
         num_b, num_r = meta.block_table.shape[0], meta.num_q_rows
         blocks = meta.block_table.reshape(-1).long()
-        bs = k_cache.shape[1]
-        t = meta.block_table.shape[1] * bs
+        t = meta.block_table.shape[1] * k_cache.shape[1]
         keys = k_cache.index_select(0, blocks).view(num_b, t, dim)
         if index is not None:
             ikeys = v_cache.index_select(0, blocks).view(num_b, t, v_cache.shape[-1])
-        q_pos = meta.seq_lens.long()[:, None] - num_r + torch.arange(num_r, device=q.device)
+        q_pos = meta.seq_lens.long()[:, None] - num_r + torch.arange(num_r, device=dev)
         grid = lambda x: _to_grid(x, rows, num_b, num_r)  # noqa: E731
-    key_pos = torch.arange(t, device=q.device)
+    key_pos = torch.arange(t, device=dev)
     is_visible = key_pos[None, None, :] <= q_pos.clamp_min(0)[:, :, None]  # [B, R, T]
     if index is not None:
         iq, iw, topk = index
@@ -244,17 +266,61 @@ def attend_latent(
         total = total.masked_fill(~is_visible, float("-inf"))
         chosen = total.topk(min(topk, t), dim=-1).indices  # [B, R, k]
         is_visible = is_visible & torch.zeros_like(is_visible).scatter_(-1, chosen, True)
-    keys = keys.to(q.dtype)
+    return LatentKeys(keys, is_visible, grid, rows)
+
+
+def attend_latent(
+    q: torch.Tensor,  # [N, heads, latent + rope]: absorbed no-rope part | rotated rope part
+    lk: LatentKeys,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:  # [N, heads, latent]: softmax-weighted latents
+    """The absorbed form: causal attention of the rows over their requests' cached ``[latent |
+    k_rope]`` (MQA: one key head, the latent as value), masked as ``lk`` says.
+
+    Three row layouts, one computation (:func:`latent_keys`): a prefill chunk
+    (``meta.key_slots``: one request's keys by slot, its rows the last ``N`` positions), the
+    ``[B, R]`` grid (``row_index``) and the packed verify rows (``cu_q_lens``, mapped onto the
+    grid). A row at position ``p`` sees keys ``0 .. p``; rows of front padding (``p < 0``) see
+    key 0 so their discarded output stays finite.
+    """
+    _, heads, dim = q.shape
+    num_b, num_r, t = lk.is_visible.shape
+    keys = lk.keys.to(q.dtype)
     # heads folded into the query rows (row r * H + h): one key head, no expansion
-    qg = grid(q).reshape(num_b, 1, num_r * heads, dim)
-    mask = is_visible[:, :, None, :].expand(num_b, num_r, heads, t)
+    qg = lk.grid(q).reshape(num_b, 1, num_r * heads, dim)
+    mask = lk.is_visible[:, :, None, :].expand(num_b, num_r, heads, t)
     out = torch.nn.functional.scaled_dot_product_attention(
         qg, keys[:, None], keys[:, None, :, :latent_dim],
         attn_mask=mask.reshape(num_b, 1, num_r * heads, t), scale=scale,
     ).view(num_b * num_r, heads, latent_dim)
-    if rows is None:
-        return out
-    return torch.cat([out, out.new_zeros(1, heads, latent_dim)]).index_select(0, rows)
+    return lk.flat(out)
+
+
+def attend_expanded(
+    q: torch.Tensor,  # [N, heads, nope + rope]: no-rope part | rotated rope part
+    lk: LatentKeys,
+    w_kv: torch.Tensor,  # [heads, nope + v_head_dim, latent]: kv_b_proj's weight by head
+    scale: float,
+) -> torch.Tensor:  # [N, heads, v_head_dim]
+    """The expanded (decompressed) form, transformers': every cached latent through
+    ``kv_b_proj`` into per-head no-rope keys and values, the shared rotary key appended to
+    each head's key, then multi-head attention masked as ``lk`` says. The same function as
+    :func:`attend_latent` followed by ``W_uv``, summed in another order; it costs ``T x H x
+    (nope + v) x latent`` products per request to expand the keys, which the absorbed form
+    never pays: worth it only where the query rows are many (prefill chunks)."""
+    _, heads, qk_dim = q.shape
+    num_b, num_r, t = lk.is_visible.shape
+    nope, lat = qk_dim - (lk.keys.shape[-1] - w_kv.shape[2]), w_kv.shape[2]
+    keys = lk.keys.to(q.dtype)
+    kv = torch.einsum("btl,hcl->bhtc", keys[..., :lat], w_kv)  # [B, H, T, nope + v]
+    k_rope = keys[:, None, :, lat:].expand(num_b, heads, t, qk_dim - nope)
+    k = torch.cat([kv[..., :nope], k_rope], dim=-1)  # [B, H, T, qk]
+    qg = lk.grid(q).transpose(1, 2)  # [B, H, R, qk]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qg, k, kv[..., nope:], attn_mask=lk.is_visible[:, None], scale=scale,
+    )  # [B, H, R, v]
+    return lk.flat(out.transpose(1, 2).reshape(num_b * num_r, heads, -1))
 
 
 class MLADecoderLayer(DecoderLayer):

@@ -11,19 +11,27 @@ and their keys). Parameter names are the checkpoints' (``gate.weight``,
 ``speccal.runner.expert_source``.
 
 Forward on ``N`` flat rows ``[N, hidden]``: the router scores every row (float32), picks
-``top_k`` experts per row (:func:`route`), and each expert runs on the rows routed to it
-(gathered: one host read of the per-expert row counts, so the MLP runs eager, never inside a
-captured CUDA graph, and with torch products; the fused Triton layer serves only dense MLPs,
-``DecoderLayer.can_fuse``). Each expert's output, times its weight, is added into the result
-in ascending expert order, as transformers does. Nothing here assumes an attention kind: the
-module sees rows of hidden states only.
+``top_k`` experts per row (:func:`route`), and ``speccal.kernels.ops.fused_moe`` runs the
+experts over the (row, expert) pairs sorted by expert into a block-aligned layout of static
+worst-case size: no host read and no value-dependent shape, so the layer runs inside the
+captured round graphs like any other. On CUDA the op takes the fused-MoE Triton kernels
+(``kernels/fused_moe.py``: gate/up in one pass over the stacked ``[E, 2 I, hidden]`` weight,
+blocks of no expert exit before reading weights) whatever the attention backend
+(``KernelConfig.backend='reference'`` forces the reference); on CPU the pure-torch reference
+(batched products over each block's gathered expert weights). Each row's weighted expert
+outputs are added in ascending expert order, as transformers does. The experts' weights are
+stacked once (:meth:`RoutedMoE.stack_experts`, at the first forward or ``fuse_weights``); the
+per-expert parameters stay, as views of the stacks, so checkpoints load by name. The fused
+dense layer still serves only dense MLPs (``DecoderLayer.can_fuse``): a routed layer runs
+per op. Nothing here assumes an attention kind: the module sees rows of hidden states only.
 
-Each module also records which experts its forwards activated since the last
-:meth:`RoutedMoE.take_activated` (a ``[E]`` bool tensor on the rows' device, no extra host
-read), which ``Engine.take_activated_experts`` reads, and, in a second mask, since the last
-:meth:`RoutedMoE.begin_round`: the engine starts one before each round's forwards and counts it
-on the device after them (:func:`round_counts`), read with the round's results at collect, so
-the count is per round on both round loops (``RoundResult.experts_activated``).
+Each module also records, on the device, which experts its forwards activated: a ``[2, E]``
+bool tensor (allocated at the first forward, updated in place, so a captured forward updates
+it too), row 0 since the last :meth:`RoutedMoE.take_activated` (which ``Engine.take_activated_experts``
+reads), row 1 since the last :meth:`RoutedMoE.begin_round`: the engine starts one before each
+round's forwards and counts it on the device after them (:func:`round_counts`), read with the
+round's results at collect, so the count is per round on both round loops
+(``RoundResult.experts_activated``).
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from speccal.base.errors import UnsupportedError
+from speccal.kernels import ops
 from speccal.runner.moe_config import MoEConfig
+from speccal.runner.path import PathBound
 
 #: added to the chosen sigmoid weights' sum before renormalising (transformers' DeepSeek-V3)
 SIGMOID_NORM_EPS = 1e-20
@@ -111,7 +121,7 @@ def route(
     return weights * moe.routed_scaling_factor, ids
 
 
-class RoutedMoE(nn.Module):
+class RoutedMoE(PathBound, nn.Module):
     """Top-k routed SwiGLU experts plus an optional shared expert (see the module docstring).
 
     Parameters
@@ -122,6 +132,7 @@ class RoutedMoE(nn.Module):
 
     def __init__(self, hidden: int, moe: MoEConfig):
         super().__init__()
+        self._init_path()
         self.moe = moe
         self.gate = Router(hidden, moe)
         self.experts = nn.ModuleList(SwiGLU(hidden, moe.expert_intermediate_size)
@@ -131,31 +142,20 @@ class RoutedMoE(nn.Module):
             setattr(self, self.shared_form, SwiGLU(hidden, moe.shared_intermediate_size))
         self.shared_expert_gate = (nn.Linear(hidden, 1, bias=False) if moe.is_shared_gated
                                    else None)
-        self.activated: torch.Tensor | None = None  # [E] bool, since the last take_activated
-        self.round_activated: torch.Tensor | None = None  # [E] bool, since begin_round
+        self.gate_up_weight: torch.Tensor | None = None  # [E, 2 I, hidden], stack_experts
+        self.down_weight: torch.Tensor | None = None  # [E, hidden, I]
+        self._stack_key: tuple[int, int] | None = None  # the parameters they were stacked from
+        # [2, E] bool: row 0 since the last take_activated, row 1 since begin_round
+        self.masks: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise UnsupportedError(
-                "the routed-expert MLP gathers each expert's rows (data-dependent shapes): "
-                "it runs eager (graph_mode='eager'), not inside a captured CUDA graph")
         weights, ids = route(x, self.gate, self.moe)  # [N, k]
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # [N k]: by expert, rows ascending within
-        counts = torch.bincount(flat, minlength=self.moe.num_experts)  # [E]
-        hit = counts > 0
-        self.activated = hit if self.activated is None else self.activated | hit
-        self.round_activated = hit if self.round_activated is None else self.round_activated | hit
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts.tolist()):  # the one host read
-            if n:
-                pick = order[start:start + n]
-                rows = pick // k
-                y = self.experts[e](x[rows]) * weights.reshape(-1)[pick, None]
-                out.index_add_(0, rows, y.to(out.dtype))
-                start += n
+        out, counts = ops.fused_moe(x, weights, ids, *self._stacked(), tune=self.kx)
+        if self.masks is None or self.masks.device != x.device:
+            with torch.inference_mode(False):  # reset in place later, outside inference mode
+                self.masks = torch.zeros(2, self.moe.num_experts, dtype=torch.bool,
+                                         device=x.device)
+        self.masks |= (counts > 0)[None]
         if self.shared_form is not None:
             shared = getattr(self, self.shared_form)(x)
             if self.shared_expert_gate is not None:
@@ -163,17 +163,52 @@ class RoutedMoE(nn.Module):
             out = out + shared
         return out
 
-    def take_activated(self) -> torch.Tensor | None:  # [E] bool, or None: no forward since
-        """The experts activated since the last call (None when none ran), and reset."""
-        out, self.activated = self.activated, None
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked expert weights, (re)built when the experts' parameters are no longer
+        views of them (a load or a ``.to()`` replaced them; a host-side pointer check)."""
+        if self._stack_key != self._param_key():
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise UnsupportedError("the routed experts' weights changed since the last "
+                                       "eager forward: stack them (stack_experts) before capture")
+            self.stack_experts()
+        return self.gate_up_weight, self.down_weight
+
+    def _param_key(self) -> tuple[int, int]:
+        return (self.experts[0].gate_proj.weight.data_ptr(),
+                self.experts[-1].down_proj.weight.data_ptr())
+
+    def stack_experts(self) -> None:
+        """Stack the experts' weights into ``gate_up_weight [E, 2 I, hidden]`` (gate rows, then
+        up rows) and ``down_weight [E, hidden, I]``, the fused-MoE op's layout; each expert's
+        parameters become views of them (no second copy; in-place writes keep both in step)."""
+        with torch.inference_mode(False), torch.no_grad():  # parameters stay writable
+            gu = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
+                              for e in self.experts])
+            down = torch.stack([e.down_proj.weight for e in self.experts])
+        inter = self.moe.expert_intermediate_size
+        for i, e in enumerate(self.experts):
+            e.gate_proj.weight.data = gu[i, :inter]
+            e.up_proj.weight.data = gu[i, inter:]
+            e.down_proj.weight.data = down[i]
+        self.gate_up_weight, self.down_weight = gu, down
+        self._stack_key = self._param_key()
+
+    def take_activated(self) -> torch.Tensor | None:  # [E] bool, or None: no forward yet
+        """The experts activated since the last call (all False when none ran), and reset."""
+        if self.masks is None:
+            return None
+        out = self.masks[0].clone()
+        self.masks[0].zero_()
         return out
 
     def begin_round(self) -> None:
         """Start the per-round mask (the engine calls it before a round's forwards)."""
-        self.round_activated = None
+        if self.masks is not None:
+            self.masks[1].zero_()
 
     def fuse_weights(self) -> None:
-        """Nothing to fuse: the experts run torch products (no fused-MoE kernel)."""
+        """Stack the experts' weights (:meth:`stack_experts`) for the fused-MoE op."""
+        self.stack_experts()
 
 
 def activated_counts(module: nn.Module) -> list[int]:
@@ -198,7 +233,6 @@ def round_counts(modules: list[RoutedMoE]) -> torch.Tensor:  # [L] int64, on the
     no forward counts 0."""
     counts = []
     for m in modules:
-        hit = m.round_activated
-        counts.append(hit.sum() if hit is not None
+        counts.append(m.masks[1].sum() if m.masks is not None
                       else torch.zeros((), dtype=torch.int64, device=m.gate.weight.device))
     return torch.stack(counts)

@@ -192,3 +192,34 @@ def logits_for_tokens(row_tokens, vocab, gen):
             logits[r, tok] = 9.0
             logits[r, later] = 9.0
     return logits
+
+
+def moe_case(seed, rows, hidden, inter, experts, top_k, dtype, device, idle=()):
+    """Routed-expert inputs: x, routing weights (float32), distinct experts per row (none of
+    ``idle``), stacked ``gate_up [E, 2I, H]`` / ``down [E, H, I]``; the idle experts' weights
+    are NaN, so a read of them shows."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([e for e in range(experts) if e not in idle])
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:top_k]]
+                       for _ in range(rows)])
+    x = torch.randn(rows, hidden, generator=gen)
+    w = torch.rand(rows, top_k, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5
+    for e in idle:
+        gate_up[e] = down[e] = float("nan")
+    return (x.to(dtype=dtype, device=device), w.to(device), ids.to(device),
+            gate_up.to(dtype=dtype, device=device), down.to(dtype=dtype, device=device))
+
+
+def moe_oracle(x, weights, ids, gate_up, down):
+    """Each expert on the rows that chose it (float64), weighted, summed per row."""
+    x, gate_up, down = x.double(), gate_up.double(), down.double()
+    inter = down.shape[2]
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        for j, e in enumerate(ids[n].tolist()):
+            h = gate_up[e] @ x[n]
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[n] += float(weights[n, j]) * (down[e] @ act)
+    return out

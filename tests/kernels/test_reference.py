@@ -9,11 +9,14 @@ import torch
 from kernel_builders import (
     attention_oracle,
     block_table_for,
+    moe_case,
+    moe_oracle,
     paged_kv,
     rel_err,
     verify_oracle,
 )
 
+from speccal.kernels import ops
 from speccal.kernels import reference as ref
 
 
@@ -309,3 +312,60 @@ def test_reduce_argmax_partials_rules():
                             dtype=torch.int32)
     tokens = ref.reduce_argmax_partials_ref(tile_max, tile_idx)
     assert tokens.tolist() == [17, 20, 0, 49]
+
+
+# ---------------------------------------------------------------------------------------------
+# routed experts
+
+
+@pytest.mark.parametrize("rows,experts,top_k,block_m", [(1, 4, 2, 16), (7, 6, 3, 16),
+                                                        (40, 5, 2, 4), (9, 16, 4, 1),
+                                                        (2, 40, 4, 8), (1, 64, 6, 16)])
+def test_moe_align_ref_lays_every_pair_once_in_its_experts_blocks(rows, experts, top_k, block_m):
+    """Static size ``N k + min(E, N k) (block_m - 1)`` rounded up to blocks; each pair once, in a block
+    of its own expert, ascending within the expert's run; padding and expert-less blocks hold
+    the sentinel; ``counts`` are the pairs per expert."""
+    x, w, ids, gu, dn = moe_case(3, rows, 8, 4, experts, top_k, torch.float32, "cpu",
+                                 idle=(1,))
+    pairs, blocks, counts = ref.moe_align_ref(ids, experts, block_m)
+    num_pairs = rows * top_k
+    padding = min(experts, num_pairs) * (block_m - 1)
+    assert pairs.shape[0] == -(-(num_pairs + padding) // block_m) * block_m
+    assert blocks.shape[0] * block_m == pairs.shape[0]
+    assert counts.tolist() == torch.bincount(ids.reshape(-1), minlength=experts).tolist()
+    real = pairs < num_pairs
+    assert sorted(pairs[real].tolist()) == list(range(num_pairs))
+    pos_expert = blocks.repeat_interleave(block_m)
+    assert torch.equal(ids.reshape(-1)[pairs[real]], pos_expert[real])
+    assert (pairs[pos_expert < 0] == num_pairs).all()
+    for e in range(experts):
+        run = pairs[real & (pos_expert == e)]
+        assert torch.equal(run, run.sort().values) and run.numel() == counts[e]
+    assert not (blocks == 1).any()  # an idle expert gets no block
+
+
+@pytest.mark.parametrize("rows,hidden,inter,experts,top_k", [(1, 16, 8, 4, 2), (7, 40, 24, 6, 3),
+                                                             (33, 24, 20, 8, 1)])
+def test_fused_moe_ref_matches_oracle(rows, hidden, inter, experts, top_k):
+    """The reference op against a per-row loop over each row's experts (float64); idle
+    experts' NaN weights never reach the output."""
+    x, w, ids, gu, dn = moe_case(5, rows, hidden, inter, experts, top_k, torch.float32, "cpu",
+                                 idle=(0, experts - 1))
+    out, counts = ops.fused_moe(x, w, ids, gu, dn, backend="reference")
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, moe_oracle(x, w, ids, gu, dn)) < 1e-6
+    assert counts[0] == counts[-1] == 0
+
+
+def test_fused_moe_ref_sums_each_rows_experts_in_ascending_order():
+    """Per row the weighted expert outputs are added one after the other in ascending expert
+    order, starting from zero (a per-expert loop adding into a zero result, transformers'
+    order): bitwise equal to that sum of the pair outputs."""
+    x, w, ids, gu, dn = moe_case(7, 11, 24, 12, 6, 4, torch.float32, "cpu")
+    pairs, blocks, _ = ref.moe_align_ref(ids, 6, 16)
+    pair_out = ref.fused_moe_ref(x, w, gu, dn, pairs, blocks).view(11, 4, 24)
+    want = torch.zeros_like(x)
+    for e in range(6):
+        for n, j in zip(*(ids == e).nonzero(as_tuple=True), strict=True):
+            want[n] += pair_out[n, j]
+    assert torch.equal(ref.moe_sum_slots_ref(pair_out.view(44, 24), ids), want)

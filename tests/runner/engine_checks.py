@@ -6,7 +6,11 @@
   at a stop token taken from its reference;
 - :class:`OracleDraft`: a draft part whose drafts copy the reference for a scheduled number of
   positions and then go wrong, so greedy verification accepts exactly that many and every
-  accepted length ``0 .. k`` happens while the tokens must stay the reference's.
+  accepted length ``0 .. k`` happens while the tokens must stay the reference's;
+- :func:`assert_no_host_read`: a call made under torch's fake-tensor mode, where a host read
+  or an op whose output shape depends on tensor values raises (what breaks graph capture);
+  :func:`target_rows_without_host_read`: a target's forward on packed decode / verify rows
+  checked so.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from speccal.runner.engine import Engine, RoundPlan
 from speccal.runner.sampling import SamplingParams
@@ -115,3 +120,33 @@ def greedy_refs(hf, prompts, max_tokens) -> list[list[int]]:
                               eos_token_id=None, pad_token_id=0)
             refs.append(out[0, len(p):].tolist())
     return refs
+
+
+def assert_no_host_read(fn, *args):
+    """Call ``fn(*args)`` once for real (the warm-up a capture makes: lazy state is built), then
+    under ``FakeTensorMode`` (real inputs and parameters converted on use), where
+    ``.item()`` / ``.tolist()`` / a Python branch on a tensor (``aten._local_scalar_dense``)
+    and ops whose output shape depends on values (``nonzero``, ``bincount``, boolean masks)
+    raise: the forward could sit in a captured CUDA graph. Returns the real output."""
+    out = fn(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = fn(*args)
+    assert fake.shape == out.shape
+    return out
+
+
+def target_rows_without_host_read(model, cfg) -> None:
+    """The target ``model``'s forward (``cfg``: its ``ModelConfig``) on two requests' packed
+    verify rows (3 + 1 and a padding row) over fresh paged caches of every layer's own shape
+    (``ModelConfig.kv_cache_dims``), checked by :func:`assert_no_host_read`."""
+    from tests.runner.test_fused_layer import _packed_meta
+
+    meta, pos, nb = _packed_meta(ctx=[5, 11], rows=[3, 1])
+    gen = torch.Generator().manual_seed(0)
+    kv = []
+    for i in range(cfg.num_hidden_layers):
+        heads, kd, vd = cfg.kv_cache_dims(cfg.num_key_value_heads, i)
+        kv.append(tuple(torch.randn(nb, 4, heads, d, generator=gen) for d in (kd, vd)))
+    ids = torch.randint(0, cfg.vocab_size, pos.shape, generator=gen)
+    with torch.no_grad():
+        assert_no_host_read(model, ids, pos, meta, kv)

@@ -27,7 +27,12 @@ from speccal.runner.engine import Engine, EngineConfig
 from speccal.runner.mla_config import softmax_scale
 from speccal.runner.sampling import SamplingParams
 from tests.runner.engine_checks import OracleDraft as _Oracle
-from tests.runner.engine_checks import oracle_run, scheduled_accepts, stop_case
+from tests.runner.engine_checks import (
+    oracle_run,
+    scheduled_accepts,
+    stop_case,
+    target_rows_without_host_read,
+)
 from tests.runner.engine_checks import run_requests as _run
 
 transformers = pytest.importorskip("transformers")
@@ -190,6 +195,15 @@ def test_packed_verify_rows_equal_transformers(checkpoint):
     assert got == want
     ms = [a for r in results for a in r.accepted.tolist()]
     assert 0 in ms and 1 in ms and 2 in ms, ms
+
+
+def test_target_forward_makes_no_host_read(checkpoint):
+    """MLA attention over the latent cache (the DSA indexer's top-k selection included) and the
+    routed layers, on packed verify rows, make no host read (``engine_checks``): the
+    forward could be captured."""
+    _, folder, _ = checkpoint
+    eng = _engine(folder, speculative=False)
+    target_rows_without_host_read(eng.loaded.target, eng.loaded.config)
 
 
 def test_dsa_selection_changes_transformers_tokens():

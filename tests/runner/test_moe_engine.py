@@ -37,7 +37,14 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Glm4MoeForCausalLM"):
     pytest.skip("transformers without GLM-4.5 MoE (needs >= 5)", allow_module_level=True)
 
-from tests.runner.engine_checks import greedy_refs, oracle_run, scheduled_accepts, stop_case  # noqa: E402
+from tests.runner.engine_checks import (  # noqa: E402
+    assert_no_host_read,
+    greedy_refs,
+    oracle_run,
+    scheduled_accepts,
+    stop_case,
+    target_rows_without_host_read,
+)
 from tests.runner.engine_checks import run_requests as _run  # noqa: E402
 from tests.runner.test_hybrid_engine import torch_linear_attention  # noqa: E402
 
@@ -335,6 +342,39 @@ def test_router_selects_and_weights_as_transformers():
     assert (ids == 5).any(dim=-1).all()
     scores = torch.sigmoid(x @ router.weight.T)
     torch.testing.assert_close(w, scores.gather(1, ids))
+
+
+def test_routed_forward_makes_no_host_read():
+    """The routed layer (router, expert layout, experts, slot sum, activated-expert masks) under
+    the fake-tensor mode (``engine_checks.assert_no_host_read``): no host read and no
+    value-dependent shape, so it can be captured; the per-expert loop it replaced (a
+    ``bincount`` and one read of its counts) raised there. Its output is the experts' sum."""
+    moe = MoEConfig(num_experts=8, top_k=3, expert_intermediate_size=12, scoring="sigmoid",
+                    has_score_bias=True, num_groups=2, topk_groups=1, is_topk_normalised=True,
+                    routed_scaling_factor=2.5, shared_intermediate_size=8,
+                    shared_form="shared_experts")
+    torch.manual_seed(3)
+    layer = RoutedMoE(20, moe)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.3)
+        x = torch.randn(5, 20)
+        got = assert_no_host_read(layer, x)
+        weights, ids = route(x, layer.gate, moe)
+        want = layer.shared_experts(x) + sum(
+            weights[:, j, None] * torch.stack([layer.experts[int(e)](x[n:n + 1])[0]
+                                               for n, e in enumerate(ids[:, j])])
+            for j in range(3))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert layer.take_activated().sum() == len(set(ids.reshape(-1).tolist()))
+
+
+def test_target_forward_makes_no_host_read(family):
+    """Each family's whole target forward on packed verify rows (GQA, the MiMo sliding layers
+    with sinks, routed layers) makes no host read (``engine_checks``)."""
+    _, folder, _ = family
+    eng = _engine(folder, speculative=False)
+    target_rows_without_host_read(eng.loaded.target, eng.loaded.config)
 
 
 def test_routed_layers_run_the_per_op_path_when_the_fused_path_is_on(fused_on_cpu):
