@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.kernels import reference as ref
@@ -1088,7 +1089,9 @@ def fused_moe(
     its blocks (Triton: ``fused_moe.py``, gate/up in one pass, blocks of no expert exit before
     reading weights; reference: ``reference.fused_moe_ref``, batched products over each
     block's gathered expert weights), and each row's pair outputs are summed
-    (``reference.moe_sum_slots_ref``). Expert ids are device values, not checked here.
+    (``reference.moe_sum_slots_ref``). Expert ids are device values, not checked here. On a
+    CPU, ``backend="auto"`` runs :func:`_moe_by_expert` (one host read; CPU rounds are never
+    captured); ``reference`` forces the static layout there.
     """
     _need(x.dim() == 2 and x.stride(1) == 1 and x.dtype in _FLOATS, "x", (_shape(x), x.dtype),
           "[N, hidden] float, hidden contiguous")
@@ -1107,8 +1110,11 @@ def fused_moe(
     _need(gate_up.stride(2) == 1 and down.stride(2) == 1, "gate_up/down", "strided",
           "the last dimension contiguous")
     _need(block_m >= 1, "block_m", block_m, "an int >= 1")
+    chosen = backend or tune.backend
+    if chosen == "auto" and not use_triton(x, chosen) and x.device.type == "cpu":
+        return _moe_by_expert(x, weights, ids, gate_up, down)
     pairs, blocks, counts = ref.moe_align_ref(ids, num_experts, block_m)
-    if use_triton(x, backend or tune.backend):
+    if use_triton(x, chosen):
         from speccal.kernels.fused_moe import fused_moe_triton
 
         _need(block_m >= 16 and not block_m & (block_m - 1), "block_m", block_m,
@@ -1121,3 +1127,28 @@ def fused_moe(
     else:
         pair_out = ref.fused_moe_ref(x, weights, gate_up, down, pairs, blocks)
     return ref.moe_sum_slots_ref(pair_out, ids), counts
+
+
+def _moe_by_expert(x, weights, ids, gate_up, down):  # shapes as fused_moe -> (out, counts)
+    """:func:`fused_moe` on a CPU with ``backend="auto"``: each active expert's rows gathered
+    after one host read of the per-expert counts (a CPU round is never captured), its products
+    on exactly those rows, the results added into the output in ascending expert order. The
+    same roundings and order as the reference (the tests compare them); what a CPU round runs
+    instead of the reference's per-block weight gathers (which copy an expert's weights per
+    block: many times slower at real widths)."""
+    k, inter = ids.shape[1], down.shape[2]
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])  # [E] int64
+    order = torch.argsort(flat, stable=True)  # [N k]: by expert, rows ascending within
+    w = weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, c in enumerate(counts.tolist()):  # the one host read
+        if c:
+            pick = order[start:start + c]
+            rows = pick // k
+            h = x[rows] @ gate_up[e].t()  # [c, 2 I] in x's dtype
+            y = (F.silu(h[:, :inter]) * h[:, inter:]) @ down[e].t()
+            out.index_add_(0, rows, (y * w[pick, None]).to(x.dtype))
+            start += c
+    return out, counts

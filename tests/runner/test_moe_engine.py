@@ -27,10 +27,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from speccal.base.errors import InputError, UnsupportedError
+from speccal.kernels import ops
+from speccal.kernels.config import KernelConfig
 from speccal.runner.config import ModelConfig, config_from_hf
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.moe import RoutedMoE, route
 from speccal.runner.moe_config import MoEConfig
+from speccal.runner.path import bind_path
 from speccal.runner.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -355,6 +358,8 @@ def test_routed_forward_makes_no_host_read():
                     shared_form="shared_experts")
     torch.manual_seed(3)
     layer = RoutedMoE(20, moe)
+    # the capture-safe ops (on a CPU, backend "auto" reads the expert counts on the host)
+    bind_path(layer, layer.path.with_(kernels=KernelConfig(backend="reference")))
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.3)
@@ -367,6 +372,24 @@ def test_routed_forward_makes_no_host_read():
             for j in range(3))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert layer.take_activated().sum() == len(set(ids.reshape(-1).tolist()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_expert_loop_equals_the_capture_safe_reference(dtype):
+    """On a CPU, ``backend="auto"`` gathers each active expert's rows after one host read; its
+    output and counts equal the static-layout reference's (same roundings, same order)."""
+    g = torch.Generator().manual_seed(5)
+    n, hidden, inter, experts, k = 13, 24, 10, 9, 3
+    x = torch.randn(n, hidden, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, generator=g)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.3).to(dtype)
+    got, counts = ops.fused_moe(x, weights, ids, gate_up, down)
+    want, want_counts = ops.fused_moe(x, weights, ids, gate_up, down, backend="reference")
+    assert torch.equal(counts, want_counts)
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
 
 
 def test_target_forward_makes_no_host_read(family):
