@@ -23,6 +23,8 @@
 #   pathtest    the CUDA tests of the served path against transformers, attention, the
 #               round loop at both queue depths, graphs, verify budgets, the hybrid and MLA
 #               engines (a subset of `cuda`, ~2-3 min)
+#   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE Triton kernels against the
+#               reference, routed layers captured in graphs equal to eager, the MLA engine
 #   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
 #   hybridhf    bench/bench_hybrid.py decode vs transformers with torch.compile tried
 #               [hybrid_decode_speedup_vs_hf_b1 against the fastest configuration]
@@ -98,7 +100,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
+            dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
             decode) min=120 ;; hf) min=120 ;;
             *) echo "unknown stage $stage"; continue ;;
@@ -162,6 +164,13 @@ run() {
                     tests/runner/test_graphs.py tests/runner/test_verify_budget.py \
                     -n 8 -v -rfE -p no:cacheprovider \
                     > "$d/tests.log" 2>&1
+                echo "rc=$?"
+                grep -E "^(FAILED|ERROR)|passed|failed" "$d/tests.log" | tail -20 ;;
+            moetest)
+                SPECCAL_KERNEL_TEST_DEVICE=cuda timeout "$(left)" $PY -m pytest -m cuda \
+                    tests/kernels/test_fused_moe.py tests/runner/test_graphs.py \
+                    tests/runner/test_mla_engine.py tests/runner/test_moe_engine.py \
+                    -n 8 -v -rfE -p no:cacheprovider > "$d/tests.log" 2>&1
                 echo "rc=$?"
                 grep -E "^(FAILED|ERROR)|passed|failed" "$d/tests.log" | tail -20 ;;
             hybrid)
