@@ -1,0 +1,113 @@
+"""How the replay-side commands print (``replay``, ``trace``, ``plot``, ``export``, ``import``):
+Rich on stderr; ``--json`` documents go to stdout from the commands themselves.
+
+Each ``print_*`` takes the library's document (``speccal.replay_run.replay_doc``,
+``speccal.interop.export.run_export``'s report, ...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from speccal.base.rich_tables import make_console, print_table
+
+err_console = make_console()
+
+
+def _fmt(v: float | None, spec: str, none: str = "-") -> str:
+    """``v`` formatted with ``spec``; ``none`` when the document has no value (None)."""
+    return none if v is None else format(v, spec)
+
+
+def print_export(report: dict, out: Path, sidecar: Path) -> None:
+    """``export``: per bucket the predicted tokens/s of every ``k``, the best and the exported
+    ``k``, the workload's gain, the engine rules and caveats applied, and the files written."""
+    w = report["table"]["draft_width"]
+    buckets = report["buckets"]
+    if buckets:
+        t = Table(
+            title=f"{report['engine']['name']} {report['engine']['format']}: predicted tokens/s "
+            f"per bucket (table {report['table']['mode']}, w={w})",
+            title_justify="left",
+        )
+        for col in ("Bcap", *(f"k={k}" for k in range(w + 1)), "best", "exported", "margin %"):
+            t.add_column(col, justify="right")
+        for b in buckets:
+            tps = b["tokens_per_s"]
+            decisive = {True: "", False: " (within error)", None: ""}[b["decisive"]]
+            t.add_row(
+                str(b["bcap"]),
+                *(_fmt(tps.get(str(k)), ",.0f") for k in range(w + 1)),
+                "uncalibrated" if b["uncalibrated"] else str(b["best_k"]),
+                str(b["exported_k"]),
+                _fmt(b["margin_pct"], ".2f") + decisive,
+            )
+        print_table(err_console, t)
+    held = report["table"]["heldout"]
+    if held["metric"]:
+        err_console.print(
+            f"table held-out error: {held['pct']:.2f} % ({held['metric']})", markup=False
+        )
+    wl = report["workload"]
+    if wl and "schedule_tokens_per_s" in wl:
+        where = f"{wl['rounds']:,} rounds" if "rounds" in wl else "equal time per bucket"
+        err_console.print(
+            f"workload ({where}): exported schedule "
+            f"{wl['schedule_tokens_per_s']:,.1f} tokens/s, "
+            f"{wl['gain_vs_best_fixed_pct']:+.2f} % over the best single fixed k "
+            f"(k={wl['best_fixed_k']})",
+            markup=False,
+        )
+    elif wl and wl.get("adaptive_gain_vs_best_fixed_pct") is not None:
+        err_console.print(
+            f"workload ({wl['rounds']:,} rounds): {wl['adaptive_policy']} (the planner's "
+            f"analogue) {wl['adaptive_gain_vs_best_fixed_pct']:+.2f} % over {wl['best_fixed']}",
+            markup=False,
+        )
+    for a in report["adjustments"]:
+        err_console.print(
+            f"engine rule: Bcap {a['bcap']} exported k={a['exported_k']} (best {a['best_k']}, "
+            f"{_fmt(a['tokens_per_s_lost_pct'], '.2f')} % tokens/s lost): {a['why']}",
+            markup=False,
+        )
+    pb = report.get("per_bucket")
+    if pb and pb["gain_pct"] is not None:
+        err_console.print(
+            f"per batch size vs per bucket: {pb['tokens_per_s']:,.1f} vs "
+            f"{pb['per_bucket_tokens_per_s']:,.1f} tokens/s ({pb['gain_pct']:+.2f} %, at most "
+            f"{pb['max_gain_pct']:+.2f} % at one batch size; {len(report['ranges'])} ranges; "
+            f"batch sizes whose k differs: {pb['batch_sizes_differing'] or 'none'})",
+            markup=False,
+        )
+    for c in report.get("caveats", []):
+        if c["applies"]:
+            err_console.print(
+                f"warning: {report['engine']['name']} {c['id']}: {c['changes']} "
+                f"({', '.join(c['sources'])})",
+                markup=False,
+                soft_wrap=True,
+            )
+    fid = report["fidelity"]
+    if fid:
+        err_console.print(
+            f"engine reading vs table: max {_fmt(fid['max_abs_diff_pct'], '.2f')} % over "
+            f"{fid['points']} priced (num_reqs, M) points",
+            markup=False,
+        )
+    err_console.print(f"wrote {out} and {sidecar}", markup=False)
+
+
+def print_import(summary: dict) -> None:
+    """``import``: the trace written, its rounds and per-position acceptance, on one line."""
+    p = ", ".join(f"{v:.3f}" for v in summary["prefix_acceptance"])
+    err_console.print(
+        f"wrote {summary['path']}: {summary['steps']:,} steps of {summary['format']} as "
+        f"{summary['rounds']:,} rounds, w={summary['draft_width']}, per-position acceptance [{p}]"
+        + ("" if summary["exact"] else " (scaled to --max-rows)")
+        + (f"; shape {summary['shape']}" if "shape" in summary else "")
+        + ("; estimated per position over several draft lengths" if "estimator" in summary else ""),
+        markup=False,
+        soft_wrap=True,  # one line, whatever the path's length
+    )
