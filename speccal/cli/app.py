@@ -36,6 +36,7 @@ from speccal.cli import (
     cmd_plot,
     cmd_replay,
     cmd_table,
+    cmd_trace,
 )
 from speccal.cli.dist import note_for_launcher
 from speccal.cli.help import HelpGroup, SpeccalTyper
@@ -225,8 +226,8 @@ def _root(
     """speccal: cost tables for speculative decoding."""
 
 
-for _module in (cmd_fit, cmd_table, cmd_generate, cmd_bench, cmd_calibrate, cmd_replay, cmd_plot,
-                cmd_export):
+for _module in (cmd_fit, cmd_table, cmd_generate, cmd_bench, cmd_calibrate, cmd_replay, cmd_trace,
+                cmd_plot, cmd_export):
     _module.register(app)
 
 

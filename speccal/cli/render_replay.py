@@ -8,10 +8,12 @@ Each ``print_*`` takes the library's document (``speccal.replay_run.replay_doc``
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
 from speccal.base.rich_tables import make_console, print_table
+from speccal.replay_run import state_traffic_line
 
 err_console = make_console()
 
@@ -111,3 +113,64 @@ def print_import(summary: dict) -> None:
         markup=False,
         soft_wrap=True,  # one line, whatever the path's length
     )
+
+
+def print_replay(d: dict[str, Any]) -> None:
+    """``replay``: the adaptive-step settings, a row per policy, the table's state handling, the
+    per-phase oracle and each adaptive policy's gain over the best fixed ``k``."""
+    verify = d["mode"] == "target_verify"
+    c = d["config"]
+    if any(p.startswith("adaptive-step") for p in c["policies"]):
+        err_console.print(
+            f"adaptive step: window {c['window_size']}, update interval {c['update_interval']}, "
+            f"switch min gain {c['switch_min_gain']:g} ({c.get('step_source', 'default')})",
+            markup=False)
+    t = Table(
+        title=f"replay: {d['rounds']:,} rounds, mode {d['mode']}, w={d['draft_width']}, best fixed {d['best_fixed']}",
+        title_justify="left",
+    )
+    for col in (
+        "policy",
+        "tokens/s",
+        "TPOT ms",
+        "accept rate",
+        "mean accepted",
+        "mean G" if verify else "mean k",
+        "switches",
+        "gain vs best fixed %",
+    ):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for p in d["policies"]:
+        if not p["priced"]:
+            unpriced = p["rounds"] - p["rounds_priced"]
+            t.add_row(p["name"], f"uncalibrated ({unpriced}/{p['rounds']} rounds)", "-", "-", "-",
+                      "-", "-", "-")
+            continue
+        # Any metric may be None (no finite value, e.g. no priced baseline to compare with).
+        t.add_row(
+            p["name"],
+            _fmt(p.get("tokens_per_s"), ",.1f", "n/a"),
+            _fmt(p.get("tpot_ms"), ".3f", "n/a"),
+            _fmt(p.get("acceptance_rate"), ".3f", "n/a"),
+            _fmt(p.get("mean_accepted_length"), ".3f", "n/a"),
+            _fmt(p.get("mean_g" if verify else "mean_k"), ".2f", "n/a"),
+            str(p["switches"]),
+            _fmt(p.get("gain_vs_best_fixed_pct"), "+.2f", "n/a"),
+        )
+    print_table(err_console, t)
+    strategy = d.get("table", {}).get("state_strategy", "none")
+    if strategy != "none":
+        err_console.print(f"recurrent-state strategy: {strategy} (its cost is inside every "
+                          "round cost the table measured)", markup=False)
+    traffic = d.get("table", {}).get("state_traffic")
+    if traffic:
+        err_console.print(state_traffic_line(traffic), soft_wrap=True)
+    err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}", markup=False)
+    for p in d["policies"]:
+        gain = p.get("gain_vs_best_fixed_pct")
+        if p["name"].startswith("adaptive") and gain is not None:
+            err_console.print(
+                f"{p['name']}: {gain:+.2f} % tokens/s over the best fixed k ({d['best_fixed']}), "
+                f"{p['switches']} switch(es)",
+                markup=False,
+            )
