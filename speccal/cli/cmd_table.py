@@ -30,12 +30,6 @@ from speccal.costmodel.report import cost_grid, diff_tables, summary, to_markdow
 from speccal.costmodel.table import load_table
 
 
-def _read_compat(path: Path | None) -> dict | None:
-    if path is None:
-        return None
-    return read_json(path, "--expect")  # missing, unreadable, binary or not JSON: InputError
-
-
 def show(
     table_path: Annotated[
         Path, typer.Argument(metavar="TABLE", help="Cost table JSON file.", show_default=False)
@@ -72,32 +66,21 @@ def validate(
 
     With --json the verdict is on stdout either way: ``valid`` true with the warnings, or
     false with the ``error`` (the one line stderr also shows)."""
-    expected = _read_compat(expect)  # a bad --expect is bad input, not a verdict on the table
+    # a bad --expect is bad input, not a verdict on the table
+    expected = None if expect is None else read_json(expect, "--expect")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             table = load_table(table_path, expect=expected)
         except SpeccalError as exc:
             if as_json:
-                echo_json(
-                    {
-                        "path": str(table_path),
-                        "valid": False,
-                        "error": str(exc),
-                        "warnings": [str(w.message) for w in caught],
-                    }
-                )
+                echo_json({"path": str(table_path), "valid": False, "error": str(exc),
+                           "warnings": [str(w.message) for w in caught]})
             raise
     notes = [str(w.message) for w in caught]
     if as_json:
-        echo_json(
-            {
-                "path": str(table_path),
-                "valid": True,
-                "schema_version": table.schema_version,
-                "warnings": notes,
-            }
-        )
+        echo_json({"path": str(table_path), "valid": True,
+                   "schema_version": table.schema_version, "warnings": notes})
         return
     for n in notes:
         err_console.print(f"[yellow]warning:[/] {escape(n)}", soft_wrap=True)
