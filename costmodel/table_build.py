@@ -95,25 +95,13 @@ class TableFit:
         return self.calibration.model
 
 
-def build_table(
-    measurements: pd.DataFrame,
-    *,
-    model: str | None = None,
-    compatibility: Compatibility | Mapping[str, Any],
-    calibration: CalibrationConfig | Mapping[str, Any] | None = None,
-    geometry: Geometry | Mapping[str, Any] | None = None,
-    provenance: Provenance | Mapping[str, Any] | None = None,
-    combine: str = "median",
-    sources: Mapping[str, str] | None = None,
-) -> CostTable:
+def build_table(measurements: pd.DataFrame, **options: Any) -> CostTable:
     """Fit one model per context interval and assemble a validated :class:`CostTable`:
-    :func:`assemble_table` of :func:`fit_table` (their parameters, warnings and errors).
+    :func:`assemble_table` of :func:`fit_table` (``options``: its keyword arguments ``model``,
+    ``compatibility``, ``calibration``, ``geometry``, ``provenance``, ``combine``, ``sources``;
+    its errors and warnings, and :func:`assemble_table`'s).
     """
-    parts = fit_table(
-        measurements, model=model, compatibility=compatibility, calibration=calibration,
-        geometry=geometry, provenance=provenance, combine=combine, sources=sources, stacklevel=3,
-    )
-    return assemble_table(parts, stacklevel=3)
+    return assemble_table(fit_table(measurements, stacklevel=3, **options), stacklevel=3)
 
 
 def fit_table(

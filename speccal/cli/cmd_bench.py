@@ -33,39 +33,25 @@ from rich.console import Console
 from speccal.base.atomic import check_writable, nan_to_none
 from speccal.base.errors import InputError
 from speccal.base.paths import check_outputs
+from speccal.cli import options as o
 from speccal.cli import parse
 from speccal.cli.dist import is_distributed, run_ranks
-from speccal.cli.options import (
-    AttentionOpt,
-    DeviceOpt,
-    DpOpt,
-    DraftWidthOpt,
-    DtypeOpt,
-    GraphModeOpt,
-    JsonOpt,
-    KOpt,
-    LoopOpt,
-    ModelOpt,
-    ProfileOpt,
-    StateStrategyOpt,
-    TpOpt,
-    engine_config,
-)
+from speccal.cli.options import check_replica_k, engine_config
 from speccal.cli.render_run import err_console, print_bench, print_policy_bench, status_bar
 
 
 def bench(
-    model: ModelOpt = "tiny",
-    device: DeviceOpt = "cpu",
-    graph_mode: GraphModeOpt = None,
-    attention_backend: AttentionOpt = None,
-    loop: LoopOpt = "pipelined",
-    state_strategy: StateStrategyOpt = "scratch_swap",
-    tp: TpOpt = 1,
-    dp: DpOpt = 1,
-    dtype: DtypeOpt = None,
-    draft_width: DraftWidthOpt = 3,
-    k: KOpt = None,
+    model: o.Model = "tiny",
+    device: o.Device = "cpu",
+    graph_mode: o.GraphMode = None,
+    attention_backend: o.Attention = None,
+    loop: o.Loop = "pipelined",
+    state_strategy: o.StateStrategy = "scratch_swap",
+    tp: o.Tp = 1,
+    dp: o.Dp = 1,
+    dtype: o.Dtype = None,
+    draft_width: o.DraftWidth = 3,
+    k: o.K = None,
     acceptance: Annotated[
         str,
         typer.Option(
@@ -74,7 +60,7 @@ def bench(
             "--acceptance-profile) or forced (every draft accepted).",
         ),
     ] = "greedy",
-    profile: ProfileOpt = None,
+    profile: o.Profile = None,
     num_requests: Annotated[
         int, typer.Option("--num-requests", help="Requests decoded together, 1..256.")
     ] = 4,
@@ -136,7 +122,7 @@ def bench(
             show_default=False,
         ),
     ] = None,
-    as_json: JsonOpt = False,
+    as_json: o.Json = False,
 ) -> None:
     """Speculative vs plain decoding in one process: tokens/s, TPOT, acceptance, speed-up.
 
@@ -178,8 +164,7 @@ def bench(
         if policy:
             raise InputError("--policy", ",".join(policy),
                              "unset with --tp/--dp (live policy benches run on one rank)")
-        if dp > 1 and k is not None:
-            raise InputError("--k", k, "unset with --dp > 1 (the replicas agree on k every round)")
+        check_replica_k(k, dp)
 
     def body(comm, console: Console | None = None) -> dict:
         with status_bar(console) as report:

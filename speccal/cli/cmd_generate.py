@@ -21,24 +21,10 @@ import typer
 
 from speccal.base.atomic import nan_to_none
 from speccal.base.errors import InputError
+from speccal.cli import options as o
 from speccal.cli import parse
 from speccal.cli.dist import is_distributed, run_ranks
-from speccal.cli.options import (
-    AttentionOpt,
-    DeviceOpt,
-    DpOpt,
-    DraftWidthOpt,
-    DtypeOpt,
-    GraphModeOpt,
-    JsonOpt,
-    KOpt,
-    LoopOpt,
-    ModelOpt,
-    ProfileOpt,
-    StateStrategyOpt,
-    TpOpt,
-    engine_config,
-)
+from speccal.cli.options import check_replica_k, engine_config
 from speccal.cli.render_run import err_console, print_generate
 
 
@@ -59,17 +45,17 @@ def generate(
             show_default=False,
         ),
     ] = None,
-    model: ModelOpt = "tiny",
-    device: DeviceOpt = "cpu",
-    graph_mode: GraphModeOpt = None,
-    attention_backend: AttentionOpt = None,
-    loop: LoopOpt = "pipelined",
-    state_strategy: StateStrategyOpt = "scratch_swap",
-    tp: TpOpt = 1,
-    dp: DpOpt = 1,
-    dtype: DtypeOpt = None,
-    draft_width: DraftWidthOpt = 3,
-    k: KOpt = None,
+    model: o.Model = "tiny",
+    device: o.Device = "cpu",
+    graph_mode: o.GraphMode = None,
+    attention_backend: o.Attention = None,
+    loop: o.Loop = "pipelined",
+    state_strategy: o.StateStrategy = "scratch_swap",
+    tp: o.Tp = 1,
+    dp: o.Dp = 1,
+    dtype: o.Dtype = None,
+    draft_width: o.DraftWidth = 3,
+    k: o.K = None,
     acceptance: Annotated[
         str,
         typer.Option(
@@ -78,7 +64,7 @@ def generate(
             "drawn from --acceptance-profile) or forced (every draft accepted).",
         ),
     ] = "greedy",
-    profile: ProfileOpt = None,
+    profile: o.Profile = None,
     plain: Annotated[bool, typer.Option("--plain", help="Plain decoding (no draft head).")] = False,
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", help="Tokens to generate per prompt.")
@@ -100,7 +86,7 @@ def generate(
             "--max-model-len", help="Context limit. Default: min(model, 4096).", show_default=False
         ),
     ] = None,
-    as_json: JsonOpt = False,
+    as_json: o.Json = False,
 ) -> None:
     """Generate tokens with the embedded speculative runner (token ids in and out)."""
     # lazy: these import torch; the CLI starts (and reports a missing torch) without it
@@ -126,8 +112,8 @@ def generate(
         state_strategy=state_strategy,
     )
     distributed = is_distributed(tp, dp)
-    if distributed and dp > 1 and k is not None:
-        raise InputError("--k", k, "unset with --dp > 1 (the replicas agree on k every round)")
+    if distributed:
+        check_replica_k(k, dp)
     job = GenerateJob(
         engine=cfg,
         prompt_ids=tuple(tuple(parse.ids(p, "--prompt-ids")) for p in prompt_ids or ()),

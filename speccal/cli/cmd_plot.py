@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
 from speccal.base.paths import check_outputs
-from speccal.base.rich_tables import make_console
+from speccal.cli.render_replay import print_plot
 from speccal.costmodel.table import load_table
 from speccal.plots_replay import THROUGHPUT_PNG, TIMELINE_PNG, write_plots
 from speccal.plots_table import (
@@ -29,8 +29,6 @@ from speccal.plots_table import (
     write_table_plots,
 )
 from speccal.replay_run import plot_summary, replay_table_policy
-
-err_console = make_console()
 
 #: The files ``plot`` writes into ``--out``: the table's, and the replay's with --trace/--scenario.
 TABLE_PNGS = (FIT_PNG, RESIDUALS_PNG, COMPONENTS_PNG)
@@ -77,33 +75,6 @@ def plot_cmd(
     ] = False,
 ) -> None:
     """Plot a cost table: measured vs fitted cost by G, residual map, additive components."""
-    summary = _plot(table_path, out, trace, scenario, rounds, num_requests, kv_length, seed)
-    if as_json:
-        typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))
-    else:
-        for p in summary["plots"]:
-            err_console.print(f"wrote {p}", markup=False)
-        if "replay" in summary:
-            r = summary["replay"]
-            gains = ", ".join(
-                f"{k} " + ("n/a (not priced on every round)" if v is None else f"{v:+.2f}%")
-                for k, v in r["gain_vs_best_fixed_pct"].items()
-            )
-            err_console.print(
-                f"replay: best fixed {r['best_fixed']}; gain vs best fixed: {gains}", markup=False
-            )
-
-
-def _plot(
-    table_path: Path,
-    out: Path,
-    trace: Path | None,
-    scenario: str | None,
-    rounds: int,
-    num_requests: int,
-    kv_length: float | None,
-    seed: int,
-) -> dict[str, Any]:
     if trace is not None and scenario is not None:
         raise InputError("--trace/--scenario", f"{trace} and {scenario}", "at most one of them")
     replays = trace is not None or scenario is not None
@@ -117,7 +88,11 @@ def _plot(
     paths = write_table_plots(table, out)
     if report is not None:
         paths += write_plots(report, out, title=table_title(table))
-    return plot_summary(table_path, out, paths, report)
+    summary = plot_summary(table_path, out, paths, report)
+    if as_json:
+        typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))
+    else:
+        print_plot(summary)
 
 
 def register(app: typer.Typer) -> None:

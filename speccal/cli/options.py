@@ -1,9 +1,9 @@
 """Options shared by the runner's commands (``generate``, ``bench``) and the one conversion of
 their values into an engine configuration.
 
-Each ``*Opt`` is an ``Annotated`` type a command's parameter takes (its flag and help);
-:func:`engine_config` turns the parsed values into the ``RunSpec`` of the run
-(``speccal.base.run_spec``) and the runner's ``EngineConfig`` of it.
+Each capitalised name is an ``Annotated`` type a command's parameter takes (its flag and help:
+``model: o.Model``); :func:`engine_config` turns the parsed values into the ``RunSpec`` of the
+run (``speccal.base.run_spec``) and the runner's ``EngineConfig`` of it.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from typing import Annotated
 
 import typer
 
+from speccal.base.errors import InputError
 from speccal.base.run_spec import RunSpec
 from speccal.cli import parse
 
-ModelOpt = Annotated[
+Model = Annotated[
     str, typer.Option("--model", help="Preset (tiny, dense-0.5b, dense-2b, mimo-7b) or HF folder.")
 ]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")]
-DtypeOpt = Annotated[
+Device = Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")]
+Dtype = Annotated[
     str | None,
     typer.Option(
         "--dtype",
@@ -27,12 +28,12 @@ DtypeOpt = Annotated[
         show_default=False,
     ),
 ]
-DraftWidthOpt = Annotated[int, typer.Option("--draft-width", help="Draft width w.")]
-KOpt = Annotated[
+DraftWidth = Annotated[int, typer.Option("--draft-width", help="Draft width w.")]
+K = Annotated[
     int | None,
     typer.Option("--k", help="Draft steps per round (1..w). Default: w.", show_default=False),
 ]
-ProfileOpt = Annotated[
+Profile = Annotated[
     str | None,
     typer.Option(
         "--acceptance-profile",
@@ -41,7 +42,7 @@ ProfileOpt = Annotated[
         show_default=False,
     ),
 ]
-GraphModeOpt = Annotated[
+GraphMode = Annotated[
     str | None,
     typer.Option(
         "--graph-mode",
@@ -50,7 +51,7 @@ GraphModeOpt = Annotated[
         show_default=False,
     ),
 ]
-AttentionOpt = Annotated[
+Attention = Annotated[
     str | None,
     typer.Option(
         "--attention-backend",
@@ -58,7 +59,7 @@ AttentionOpt = Annotated[
         show_default=False,
     ),
 ]
-LoopOpt = Annotated[
+Loop = Annotated[
     str,
     typer.Option(
         "--loop",
@@ -67,17 +68,17 @@ LoopOpt = Annotated[
         "synchronous (every round's host work in series with its device work).",
     ),
 ]
-TpOpt = Annotated[
+Tp = Annotated[
     int,
     typer.Option("--tp", help="Tensor-parallel ranks per model replica (launch with torchrun "
                  "--nproc-per-node TP*DP -m speccal generate|bench ...)."),
 ]
-DpOpt = Annotated[
+Dp = Annotated[
     int,
     typer.Option("--dp", help="Data-parallel replicas; replica d decodes prompts d, d + DP, ... "
                  "(in step: one agreed round shape per step)."),
 ]
-StateStrategyOpt = Annotated[
+StateStrategy = Annotated[
     str,
     typer.Option(
         "--state-strategy",
@@ -86,7 +87,7 @@ StateStrategyOpt = Annotated[
         "one); ignored by full-attention targets.",
     ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print results as JSON on stdout.")]
+Json = Annotated[bool, typer.Option("--json", help="Print results as JSON on stdout.")]
 
 
 def engine_config(
@@ -119,3 +120,9 @@ def engine_config(
     from speccal.runner.engine_config import from_spec
 
     return from_spec(spec)
+
+
+def check_replica_k(k: int | None, dp: int) -> None:
+    """Refuse ``--k`` with ``--dp > 1``: the data-parallel replicas agree on ``k`` every round."""
+    if dp > 1 and k is not None:
+        raise InputError("--k", k, "unset with --dp > 1 (the replicas agree on k every round)")

@@ -174,3 +174,18 @@ def print_replay(d: dict[str, Any]) -> None:
                 f"{p['switches']} switch(es)",
                 markup=False,
             )
+
+
+def print_plot(summary: dict[str, Any]) -> None:
+    """``plot``: the files written and, with a replay, each adaptive policy's gain."""
+    for p in summary["plots"]:
+        err_console.print(f"wrote {p}", markup=False)
+    if "replay" in summary:
+        r = summary["replay"]
+        gains = ", ".join(
+            f"{k} " + ("n/a (not priced on every round)" if v is None else f"{v:+.2f}%")
+            for k, v in r["gain_vs_best_fixed_pct"].items()
+        )
+        err_console.print(
+            f"replay: best fixed {r['best_fixed']}; gain vs best fixed: {gains}", markup=False
+        )
