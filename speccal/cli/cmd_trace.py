@@ -22,7 +22,7 @@ from speccal.base.progress import ProgressReporter
 from speccal.cli import parse
 from speccal.cli.render_replay import err_console
 from speccal.replay_run import scenario_trace
-from speccal.trace import save_trace
+from speccal.trace import save_trace, trace_summary
 
 
 def trace_cmd(
@@ -108,28 +108,20 @@ def trace_cmd(
             TraceRecording(
                 kind=kind, model=model, device=device, dtype=dtype, draft_width=draft_width,
                 num_requests=num_requests, prompt_len=prompt_len, max_tokens=max_tokens,
-                acceptance=acceptance, acceptance_profile=parse.floats(acceptance_profile, "--acceptance-profile",
-                                                  spaces=False),
-                seed=seed),
+                acceptance=acceptance, seed=seed, acceptance_profile=parse.floats(
+                    acceptance_profile, "--acceptance-profile", spaces=False)),
             _progress,
         )
     path = save_trace(tr, out)
     if rounds_out is not None:
         save_trace(round_trace, rounds_out)
-    summary = {
-        "path": str(path),
-        "kind": "rounds" if hasattr(tr, "num_rounds") else "tokens",
-        "draft_width": tr.draft_width,
-        "records": int(tr.num_rounds if hasattr(tr, "num_rounds") else tr.request.size),
-        "elapsed_s": round(time.perf_counter() - t0, 3),
-        "meta": tr.meta,
-    }
+    summary = trace_summary(tr, path, time.perf_counter() - t0)
     if json_out:
         typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))
     else:
         err_console.print(
             f"wrote {summary['kind']} trace {path}: {summary['records']:,} records, "
-            f"w={tr.draft_width} ({summary['elapsed_s']} s)",
+            f"w={summary['draft_width']} ({summary['elapsed_s']} s)",
             markup=False,
         )
 
