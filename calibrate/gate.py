@@ -456,7 +456,8 @@ class HeldOut:
 
 
 def held_out(table: Any) -> HeldOut:
-    """:class:`HeldOut` of a ``CostTable`` (its fits' ``diagnostics.leave_one_point_out``)."""
+    """:class:`HeldOut` of a ``CostTable`` or the ``TableFit`` it is assembled from (their
+    fits' ``diagnostics.leave_one_point_out``)."""
     worst: tuple[float, int] | None = None
     n = 0
     for fit in table.fits:

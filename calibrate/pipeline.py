@@ -28,7 +28,7 @@ Order (nothing is sampled before every check has passed):
    (``transition_s`` + ``warmup_s``) and measuring (``sampling_s``) times and the load after
    (``--json``: each pass's seconds under ``timings.phases``);
 6. fit every complete round of each point, pooled (``speccal.calibrate.gate``;
-   ``speccal.costmodel.table_build.build_table``), record the
+   ``speccal.costmodel.table_build.fit_table``), record the
    gate in ``calibration.quality``, the window timing (loop, wall over device span) in
    ``calibration.timing`` and the timings in ``provenance.timings``, print the fit report
    and the gate's verdict; refuse (``QualityGateError``, exit 1, the journal kept) a table whose
@@ -42,7 +42,6 @@ Returns a JSON-able summary (``--json``).
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -85,9 +84,9 @@ from speccal.calibrate.journal import Journal, check_discard, open_journal
 from speccal.calibrate.timing import CLOCKS, SpeedProbe, at_run_speed, loop_timing
 from speccal.costmodel.coverage import warn_coverage
 from speccal.costmodel.report import routing_summary
-from speccal.costmodel.table import load_table, parse_table, save_table
-from speccal.costmodel.table_build import build_table
-from speccal.costmodel.table_schema import CostTable, Provenance
+from speccal.costmodel.table import load_table, save_table
+from speccal.costmodel.table_build import assemble_table, fit_table
+from speccal.costmodel.table_schema import Provenance
 
 
 def _invocation() -> str | None:
@@ -367,7 +366,7 @@ def _calibrate(
         "warmup_s": stats.warmup_s,
         "sampling_s": stats.sampling_s,
     }
-    table = build_table(
+    parts = fit_table(
         pd.DataFrame(selection.rows),
         model=cfg.model,
         compatibility=compat,
@@ -389,11 +388,11 @@ def _calibrate(
             driver_version=versions["driver_version"],
         ),
     )
-    held = held_out(table)
+    held = held_out(parts)
     passed = held.passes(gate)
     quality = {
         **report.gate_dict(gate),
-        "model": table.model,
+        "model": parts.model,
         "heldout_pct": held.pct,
         "window_spread_pct_max": selection.spread_max_pct,
         "passed": passed,
@@ -403,7 +402,7 @@ def _calibrate(
         "load": machine.load_record(opts.device, measured.load_before, measured.load_after),
         "sources": dict(gate.sources),
     }
-    table = with_quality(table, quality)
+    table = assemble_table(parts, quality=quality)  # the table, built once with its quality
     fit_s = time.perf_counter() - t_fit
     total_s = time.perf_counter() - t_start
     report.print_fit_report(console, table)
@@ -726,13 +725,6 @@ def _device_type(engine: Runner) -> str | None:
     """The engine's torch device type (``cpu``, ``cuda``, ...); None for an engine without a
     device (the fakes of the tests, which keep the wall clock)."""
     return None if engine.device is None else str(engine.device.type)
-
-
-def with_quality(table: CostTable, quality: Mapping[str, Any]) -> CostTable:
-    """``table`` with ``calibration.quality`` set, validated like a table read from disk."""
-    doc = table.to_json_dict()
-    doc["calibration"]["quality"] = json.loads(json.dumps(dict(quality), allow_nan=False))
-    return parse_table(json.dumps(doc, allow_nan=False), source="calibration quality")
 
 
 def _refusal(

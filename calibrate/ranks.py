@@ -70,12 +70,11 @@ from speccal.calibrate.pipeline import (
     CalibrateOptions,
     check_run_values,
     engine_config,
-    with_quality,
 )
 from speccal.calibrate.timing import loop_timing
 from speccal.costmodel.compat import check_compatibility
 from speccal.costmodel.table import load_table, parse_table, save_table
-from speccal.costmodel.table_build import build_table
+from speccal.costmodel.table_build import assemble_table, fit_table
 from speccal.costmodel.table_schema import Provenance
 
 #: Default bound on the per-rank skew of a point's median window time, in percent.
@@ -379,7 +378,7 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
                "warmup_s": stats.warmup_s, "sampling_s": stats.sampling_s}
 
     def fit() -> tuple[str, dict[str, Any]]:
-        table = build_table(
+        parts = fit_table(
             pd.DataFrame(selection.rows), model=cfg.model, compatibility=compat,
             calibration={**cfg.to_dict(), "sources": {**cfg.sources, "threads": threads.source},
                          "threads": threads.threads,
@@ -389,10 +388,10 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
             provenance=Provenance.now(command=_command(comm.world_size), timings=timings,
                                       torch_version=versions["torch_version"],
                                       driver_version=versions["driver_version"]))
-        held = held_out(table)
+        held = held_out(parts)
         passed = held.passes(gate)
         quality = {
-            **report.gate_dict(gate), "model": table.model, "heldout_pct": held.pct,
+            **report.gate_dict(gate), "model": parts.model, "heldout_pct": held.pct,
             "window_spread_pct_max": selection.spread_max_pct, "passed": passed,
             "override_used": not passed and gate.accept_noisy,
             "flagged_points": [q.to_dict() for q in selection.flagged],
@@ -400,7 +399,7 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
             "load": machine.load_record(opts.device, load_before, load_after),
             "sources": dict(gate.sources),
         }
-        table = with_quality(table, quality)
+        table = assemble_table(parts, quality=quality)  # built once, with its quality
         report.print_fit_report(console, table)
         report.print_gate(console, quality, selection, held)
         return json.dumps(table.to_json_dict(), sort_keys=True, allow_nan=False), quality

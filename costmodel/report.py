@@ -7,7 +7,8 @@
   table can be exported to CSV/markdown or plotted;
 - :func:`diff_tables`: what differs between two tables (metadata fields by dotted name, kernel
   configuration fields included, and costs at common grid cells);
-- :func:`to_markdown`: a DataFrame as a GitHub markdown table.
+- :func:`to_markdown`: a DataFrame as a GitHub markdown table;
+- :func:`sources_line`: where a fitted table's mode and draft width came from, in words.
 """
 
 from __future__ import annotations
@@ -100,6 +101,31 @@ def routing_line(table: CostTable) -> str | None:
     return (f"routing: {r['layers']} routed layers, top {r['top_k']} of {r['experts']} experts, "
             f"calibrated on {source}; distinct experts per layer and round "
             f"{min(vals):.2f}-{max(vals):.2f} over {len(vals)} points")
+
+
+#: How a table says where a value came from (``calibration.sources``).
+SOURCE_TEXT = {
+    "flag": "from the command line",
+    "compatibility": "from --compat",
+    "calibration": "from --calibration",
+    "measurements": "read from the rows",
+    "default": "default",
+}
+
+
+def sources_line(table: CostTable) -> str:
+    """``mode M (where from); draft width W (where from)`` of a table (what ``speccal fit``
+    says), from its ``calibration.sources``."""
+    src = table.calibration.sources
+    mode_src = src.get("mode", "default")
+    mode_text = (
+        "default: the rows have no mode column; calibrate's default"
+        if mode_src == "default"
+        else SOURCE_TEXT.get(mode_src, mode_src)
+    )
+    width_src = src.get("draft_width", "default")
+    return (f"mode {table.mode} ({mode_text}); draft width {table.draft_width} "
+            f"({SOURCE_TEXT.get(width_src, width_src)})")
 
 
 def execution_path(table: CostTable) -> dict[str, Any]:

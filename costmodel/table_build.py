@@ -4,7 +4,11 @@
 (read back from the rows when not given), fits the ``additive`` or ``sps`` estimator per context
 interval with its diagnostics, fits the KV-aware model over all contexts when there are three or
 more (``speccal.costmodel.kv``; absent otherwise), and warns about fitted costs that are not positive.
-``refit_table`` rebuilds a table from the raw windows it stores. The document itself is
+``build_table`` is two steps a caller may also take itself: ``fit_table`` (the validated parts:
+config, geometry, fits, KV model; a :class:`TableFit`) and ``assemble_table`` (the one
+``CostTable`` of them, with an optional ``calibration.quality`` computed from the fits: what
+``speccal.calibrate`` records). ``refit_table`` rebuilds a table from the raw windows it stores.
+The document itself is
 ``speccal.costmodel.table_schema``; saving and loading it is ``speccal.costmodel.table``.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,6 +54,7 @@ from speccal.costmodel.table_schema import (
     KVPoint,
     PointBlock,
     Provenance,
+    QualityBlock,
     SPSParams,
     Window,
     validate_block,
@@ -67,7 +73,38 @@ class NonPositiveCostWarning(SpeccalWarning):
     """
 
 
-def build_table(
+@dataclass(frozen=True)
+class TableFit:
+    """The validated parts of a table before the document is assembled (:func:`fit_table`).
+
+    A caller that records something computed from the fits (``speccal.calibrate``'s quality
+    gate reads their held-out errors) reads it here, then builds the table once with it
+    (:func:`assemble_table`).
+    """
+
+    calibration: CalibrationConfig
+    compatibility: Compatibility
+    geometry: GeometryBlock
+    fits: tuple[ContextFit, ...]
+    kv_model: KVModelBlock | None
+    provenance: Provenance
+
+    @property
+    def model(self) -> str:
+        """``additive`` or ``sps``: the fitted model (``calibration.model``)."""
+        return self.calibration.model
+
+
+def build_table(measurements: pd.DataFrame, **options: Any) -> CostTable:
+    """Fit one model per context interval and assemble a validated :class:`CostTable`:
+    :func:`assemble_table` of :func:`fit_table` (``options``: its keyword arguments ``model``,
+    ``compatibility``, ``calibration``, ``geometry``, ``provenance``, ``combine``, ``sources``;
+    its errors and warnings, and :func:`assemble_table`'s).
+    """
+    return assemble_table(fit_table(measurements, stacklevel=3, **options), stacklevel=3)
+
+
+def fit_table(
     measurements: pd.DataFrame,
     *,
     model: str | None = None,
@@ -77,8 +114,9 @@ def build_table(
     provenance: Provenance | Mapping[str, Any] | None = None,
     combine: str = "median",
     sources: Mapping[str, str] | None = None,
-) -> CostTable:
-    """Fit one model per context interval and assemble a validated :class:`CostTable`.
+    stacklevel: int = 2,
+) -> TableFit:
+    """Fit one model per context interval: the validated parts of a table (:class:`TableFit`).
 
     Parameters
     ----------
@@ -94,6 +132,7 @@ def build_table(
     combine : how repeated windows are combined (``median``, ``mean``).
     sources : where the caller's values came from (e.g. ``{"draft_width": "flag"}``), merged
         over the sources of a calibration config read back from the rows.
+    stacklevel : the frame a warning names (2: the caller).
 
     Raises
     ------
@@ -107,9 +146,8 @@ def build_table(
     Warns
     -----
     NonPositiveCostWarning
-        A fit predicts a zero or negative step cost at calibrated cells (listed; see
-        :meth:`CostTable.nonpositive_cells`). The table is still built; those cells look up
-        as uncalibrated.
+        The KV model prices a calibrated cell at <= 0 ms (the parts keep only the per-interval
+        fits); :func:`assemble_table` warns about the per-interval fits' cells.
     """
     df = validate_measurements(measurements)
     compat = as_compatibility(compatibility)
@@ -208,20 +246,40 @@ def build_table(
                     f"at <= 0 ms (first: Bcap {b}, G {g}, KV {x}: {cost:.3f} ms); the table "
                     "keeps only the per-interval fits (no kv_model block)"
                 ),
-                stacklevel=2,
+                stacklevel=stacklevel,
             )
             kv_model = None
+    return TableFit(calibration=cal, compatibility=compat, geometry=geom, fits=tuple(fits),
+                    kv_model=kv_model, provenance=prov)
+
+
+def assemble_table(
+    parts: TableFit, *, quality: Mapping[str, Any] | None = None, stacklevel: int = 2
+) -> CostTable:
+    """The one validated :class:`CostTable` of ``parts``, with ``calibration.quality`` set to
+    ``quality`` (a :class:`~speccal.costmodel.table_schema.QualityBlock` document, validated
+    here) when given.
+
+    Warns :class:`NonPositiveCostWarning` when a fit predicts a zero or negative step cost at
+    calibrated cells (listed; see :meth:`CostTable.nonpositive_cells`). The table is still
+    built; those cells look up as uncalibrated. ``stacklevel``: the frame the warning names.
+    """
+    cal = parts.calibration
+    if quality is not None:
+        block = validate_block(QualityBlock, dict(quality), "calibration.quality", InputError)
+        cal = cal.model_copy(update={"quality": block})
     table = CostTable(
         calibration=cal,
-        compatibility=compat,
-        geometry_block=geom,
-        fits=fits,
-        kv_model=kv_model,
-        provenance=prov,
+        compatibility=parts.compatibility,
+        geometry_block=parts.geometry,
+        fits=list(parts.fits),
+        kv_model=parts.kv_model,
+        provenance=parts.provenance,
     )
     cells = table.nonpositive_cells()
     if cells:
-        warnings.warn(NonPositiveCostWarning(nonpositive_message(cells, model)), stacklevel=2)
+        warnings.warn(NonPositiveCostWarning(nonpositive_message(cells, parts.model)),
+                      stacklevel=stacklevel)
     return table
 
 

@@ -315,6 +315,20 @@ def header(trace: Trace) -> dict[str, Any]:
     }
 
 
+def trace_summary(trace: Trace, path: Path, elapsed_s: float) -> dict[str, Any]:
+    """What ``speccal trace`` reports of a trace it wrote at ``path``: its kind (``rounds`` or
+    ``tokens``), draft width, records (rounds, or token rows), seconds taken and ``meta``."""
+    rounds = isinstance(trace, RoundTrace)
+    return {
+        "path": str(path),
+        "kind": "rounds" if rounds else "tokens",
+        "draft_width": trace.draft_width,
+        "records": int(trace.num_rounds if rounds else trace.request.size),
+        "elapsed_s": round(elapsed_s, 3),
+        "meta": trace.meta,
+    }
+
+
 def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
     """Write a trace atomically; the format follows the suffix (``.parquet`` or ``.jsonl``)."""
     path = Path(path)

@@ -124,6 +124,17 @@ def dumps_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, allow_nan=False, indent=2, ensure_ascii=False) + "\n"
 
 
+def nan_to_none(obj: Any) -> Any:
+    """``obj`` with every NaN float replaced by None, through dicts and lists (JSON has no NaN)."""
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [nan_to_none(v) for v in obj]
+    return obj
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any, *, field: str = "output") -> Path:
     """Serialise ``obj`` with :func:`dumps_json` and write it atomically.
 

@@ -27,7 +27,17 @@ from rich.markup import escape
 from speccal import __version__
 from speccal.base.errors import SpeccalError, show
 from speccal.base.rich_tables import make_console
-from speccal.cli import cmd_calibrate, cmd_export, cmd_fit, cmd_plot, cmd_replay, cmd_run, cmd_table
+from speccal.cli import (
+    cmd_bench,
+    cmd_calibrate,
+    cmd_export,
+    cmd_fit,
+    cmd_generate,
+    cmd_plot,
+    cmd_replay,
+    cmd_table,
+    cmd_trace,
+)
 from speccal.cli.dist import note_for_launcher
 from speccal.cli.help import HelpGroup, SpeccalTyper
 from speccal.costmodel.compat import SpeccalWarning
@@ -216,7 +226,8 @@ def _root(
     """speccal: cost tables for speculative decoding."""
 
 
-for _module in (cmd_fit, cmd_table, cmd_run, cmd_calibrate, cmd_replay, cmd_plot, cmd_export):
+for _module in (cmd_fit, cmd_table, cmd_generate, cmd_bench, cmd_calibrate, cmd_replay, cmd_trace,
+                cmd_plot, cmd_export):
     _module.register(app)
 
 

@@ -2,8 +2,9 @@
 
 Parses options and calls ``speccal.calibrate.check.check_table`` (imported inside the command:
 measuring needs the runner, hence torch); prints one row per spot point and the verdict on
-stderr, ``--json`` prints the report on stdout. Exit 0 when the median drift is within the
-bound, 1 when it is not (a CI gate for a shipped table), 2 for bad input.
+stderr (``speccal.cli.render_table.print_check``), ``--json`` prints the report on stdout.
+Exit 0 when the median drift is within the bound, 1 when it is not (a CI gate for a shipped
+table), 2 for bad input.
 """
 
 from __future__ import annotations
@@ -12,28 +13,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
-from rich.table import Table
 
 from speccal.base.atomic import dumps_json
-from speccal.base.errors import InputError
-from speccal.base.rich_tables import make_console, print_table
-
-err_console = make_console()
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:+.1f}"
-
-
-def parse_context(text: str) -> tuple[int, int, int]:
-    """``P:LO:HI`` -> ``(prefill_tokens, min_kv_length, max_kv_length)``."""
-    parts = text.split(":")
-    try:
-        p, lo, hi = (int(x) for x in parts)
-    except ValueError:
-        raise InputError("--context", text, "PREFILL:MIN_KV:MAX_KV, three integers") from None
-    return p, lo, hi
+from speccal.cli import parse
+from speccal.cli.render_table import err_console, print_check
 
 
 def check(
@@ -94,39 +77,9 @@ def check(
         device=device,
         windows=windows,
         max_drift_pct=max_drift_pct,
-        contexts=[parse_context(c) for c in context] if context else None,
+        contexts=[parse.context(c) for c in context] if context else None,
     )
-    grid = Table(title=f"spot points of {table}")
-    for col in ("ctx", "Bcap", "G", "k", "KV", "measured ms", "table ms", "drift %", ""):
-        grid.add_column(col, justify="right")
-    for r in report["points"]:
-        grid.add_row(
-            "new" if r["context_index"] is None else str(r["context_index"]),
-            str(r["bcap"]),
-            str(r["g"]),
-            str(r["k"]),
-            f"{r['kv_length']:.0f}",
-            f"{r['measured_ms']:.3f}",
-            "-" if r["predicted_ms"] is None else f"{r['predicted_ms']:.3f}",
-            _pct(r["drift_pct"]),
-            "DRIFT" if r["beyond"] else "",
-        )
-    print_table(err_console, grid)
-    for line in report["compatibility"]:
-        err_console.print(
-            f"note: measured runner differs from the table: {line}", soft_wrap=True, markup=False
-        )
-    held = report["heldout_pct"]
-    verdict = "passed" if report["passed"] else "[bold red]FAILED[/]"
-    med = report["median_abs_drift_pct"]
-    err_console.print(
-        f"{verdict}: median |drift| {'-' if med is None else f'{med:.1f}'} % over "
-        f"{len(report['points'])} points, bound {report['bound_pct']:.1f} % "
-        f"({escape(str(report['bound_source']))}; table held-out "
-        f"{'unknown' if held is None else f'{held:.1f} %'}); "
-        f"{len(report['drifting'])} point(s) beyond it",
-        soft_wrap=True,
-    )
+    print_check(report, table)
     if json_out:
         typer.echo(dumps_json(report), nl=False)
     if not report["passed"]:

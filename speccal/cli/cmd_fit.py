@@ -1,9 +1,9 @@
 """CLI command ``speccal fit``: measurement rows -> cost table file, printing the fit report.
 
-The mode is the rows' ``mode`` column, else ``--mode``, else ``target_verify`` (calibrate's
-default); the draft width is ``--draft-width``, else ``--compat``'s, else read from the rows
-(``speccal.costmodel.measurements.draft_width_of``); each source is recorded in
-``calibration.sources`` and printed. Rows no round of that mode and width can produce are
+``speccal.costmodel.fit_rows.fit_rows`` fits: the mode is the rows' ``mode`` column, else
+``--mode``, else ``target_verify`` (calibrate's default); the draft width is ``--draft-width``,
+else ``--compat``'s, else read from the rows (``speccal.costmodel.measurements.draft_width_of``);
+each source is recorded in ``calibration.sources`` and printed. Rows no round of that mode and width can produce are
 refused (``measurements.check_shapes``); a window repeated in the rows counts once.
 A bare fit (no ``--compat``) records the model identity, the topology, the graph mode, the
 device and the execution path as ``unknown`` (``costmodel.compat.UNKNOWN_RUN``), so loading it
@@ -21,13 +21,11 @@ import typer
 from speccal.base.atomic import check_writable, read_json
 from speccal.base.errors import InputError
 from speccal.base.paths import check_outputs
-from speccal.cli.cmd_table import _echo_json, err_console, fit_report
-from speccal.costmodel.compat import UNKNOWN_RUN, make_compatibility
-from speccal.costmodel.measurements import DEFAULT_MODE, MODES, draft_width_of, read_measurements
+from speccal.cli.render_table import echo_json, err_console, fit_report, print_sources
+from speccal.costmodel.fit_rows import fit_rows
+from speccal.costmodel.measurements import MODES, read_measurements
 from speccal.costmodel.report import summary
 from speccal.costmodel.table import save_table
-from speccal.costmodel.table_build import build_table
-from speccal.costmodel.table_schema import Provenance
 
 
 def _read_json(path: Path, option: str) -> dict:
@@ -119,75 +117,16 @@ def fit(
 
     command = f"speccal fit {measurements} --model {model} --out {out}"
     with err_console.status("fitting"):
-        df = read_measurements(measurements)
-        sources: dict[str, str] = {}
-        if "mode" in df.columns:
-            if mode is not None and mode != df["mode"].iloc[0]:
-                raise InputError("--mode", mode, f"the rows' mode {df['mode'].iloc[0]!r}")
-        elif mode is not None:
-            df = df.assign(mode=mode)
-            sources["mode"] = "flag"
-        if comp is not None:
-            sources["draft_width"] = "compatibility"
-        elif draft_width is not None:
-            comp = make_compatibility(draft_width=draft_width, **UNKNOWN_RUN)
-            sources["draft_width"] = "flag"
-        else:
-            rows_mode = df["mode"].iloc[0] if "mode" in df.columns else None
-            width = (cal or {}).get("draft_width") or draft_width_of(
-                df, rows_mode or (cal or {}).get("mode") or DEFAULT_MODE
-            )
-            comp = make_compatibility(draft_width=width, **UNKNOWN_RUN)
-            sources["draft_width"] = "calibration" if cal else "measurements"
-        table = build_table(
-            df,
-            model=model,
-            compatibility=comp,
-            calibration=cal,
-            provenance=Provenance.now(command=command),
-            combine=combine,
-            sources=sources,
-        )
+        table = fit_rows(read_measurements(measurements), model=model, mode=mode,
+                         draft_width=draft_width, compatibility=comp, calibration=cal,
+                         combine=combine, command=command)
     save_table(table, out)
     if as_json:
-        _echo_json({"out": str(out), **summary(table)})
+        echo_json({"out": str(out), **summary(table)})
         return
-    _print_sources(table, bare=compat is None)
+    print_sources(table, bare=compat is None)
     fit_report(table, nonpositive=False)  # the root shows the fit's warning once
     err_console.print(f"wrote {out}", markup=False)
-
-
-#: How ``fit`` says where a value came from (``calibration.sources``).
-_SOURCE_TEXT = {
-    "flag": "from the command line",
-    "compatibility": "from --compat",
-    "calibration": "from --calibration",
-    "measurements": "read from the rows",
-    "default": "default",
-}
-
-
-def _print_sources(table, *, bare: bool) -> None:
-    """Say where the mode and the draft width came from, and what a bare fit records."""
-    src = table.calibration.sources
-    mode_src = src.get("mode", "default")
-    mode_text = (
-        "default: the rows have no mode column; calibrate's default"
-        if mode_src == "default"
-        else _SOURCE_TEXT.get(mode_src, mode_src)
-    )
-    width_src = src.get("draft_width", "default")
-    err_console.print(
-        f"mode {table.mode} ({mode_text}); draft width {table.draft_width} "
-        f"({_SOURCE_TEXT.get(width_src, width_src)})",
-        markup=False,
-    )
-    if bare:
-        err_console.print(
-            "no --compat: model, topology, graph mode, device and execution path recorded as "
-            "unknown, so a real engine refuses this table; refit with --compat FILE (speccal "
-            "table compat writes it)"
-        )
 
 
 def register(app: typer.Typer) -> None:

@@ -2,8 +2,8 @@
 
 Calls ``speccal.plots_table.write_table_plots`` (measured vs fitted cost by G, residual map,
 additive components). With ``--trace`` or ``--scenario`` it also replays the table's adaptive
-policy and the fixed-k baselines (``speccal.replay.replay``, the library call behind
-``speccal replay``) and draws the decision timeline and throughput per policy through
+policy and the fixed-k baselines (``speccal.replay_run.replay_table_policy``: the library's
+``speccal.replay.replay``, as ``speccal replay``) and draws the decision timeline and throughput per policy through
 ``speccal.plots_replay.write_plots``. Human output on stderr, ``--json`` summary on stdout.
 """
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
 from speccal.base.paths import check_outputs
-from speccal.base.rich_tables import make_console
+from speccal.cli.render_replay import print_plot
 from speccal.costmodel.table import load_table
 from speccal.plots_replay import THROUGHPUT_PNG, TIMELINE_PNG, write_plots
 from speccal.plots_table import (
@@ -28,47 +28,11 @@ from speccal.plots_table import (
     table_title,
     write_table_plots,
 )
-from speccal.policy import CostModel
-from speccal.replay import ReplayConfig, replay
-from speccal.scenarios import generate, make_scenario
-from speccal.trace import load_trace
-
-err_console = make_console()
+from speccal.replay_run import plot_summary, replay_table_policy
 
 #: The files ``plot`` writes into ``--out``: the table's, and the replay's with --trace/--scenario.
 TABLE_PNGS = (FIT_PNG, RESIDUALS_PNG, COMPONENTS_PNG)
 REPLAY_PNGS = (TIMELINE_PNG, THROUGHPUT_PNG)
-
-
-def _replay_report(
-    table,
-    trace: Path | None,
-    scenario: str | None,
-    rounds: int,
-    num_requests: int,
-    kv_length: float | None,
-    seed: int,
-):
-    """Replay the table's adaptive policy (by mode) and the fixed-k baselines on a trace."""
-    if trace is not None:
-        tr = load_trace(trace)
-    else:
-        if kv_length is None:  # a KV length the table is calibrated at
-            f = table.fits[0]
-            kv_length = (f.min_kv_length + f.max_kv_length) / 2.0
-        tr = generate(
-            make_scenario(
-                scenario,
-                rounds=rounds,
-                draft_width=table.draft_width,
-                num_requests=num_requests,
-                kv_length=kv_length,
-                seed=seed,
-            )
-        )
-    cost = CostModel.from_table(table)
-    policy = "adaptive-step" if cost.mode == "draft_step" else "adaptive-verify"
-    return replay(tr, cost, ReplayConfig(policies=(policy,)))
 
 
 def plot_cmd(
@@ -111,33 +75,6 @@ def plot_cmd(
     ] = False,
 ) -> None:
     """Plot a cost table: measured vs fitted cost by G, residual map, additive components."""
-    summary = _plot(table_path, out, trace, scenario, rounds, num_requests, kv_length, seed)
-    if as_json:
-        typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))
-    else:
-        for p in summary["plots"]:
-            err_console.print(f"wrote {p}", markup=False)
-        if "replay" in summary:
-            r = summary["replay"]
-            gains = ", ".join(
-                f"{k} " + ("n/a (not priced on every round)" if v is None else f"{v:+.2f}%")
-                for k, v in r["gain_vs_best_fixed_pct"].items()
-            )
-            err_console.print(
-                f"replay: best fixed {r['best_fixed']}; gain vs best fixed: {gains}", markup=False
-            )
-
-
-def _plot(
-    table_path: Path,
-    out: Path,
-    trace: Path | None,
-    scenario: str | None,
-    rounds: int,
-    num_requests: int,
-    kv_length: float | None,
-    seed: int,
-) -> dict[str, Any]:
     if trace is not None and scenario is not None:
         raise InputError("--trace/--scenario", f"{trace} and {scenario}", "at most one of them")
     replays = trace is not None or scenario is not None
@@ -147,24 +84,15 @@ def _plot(
     table = load_table(table_path)
     report = None
     if replays:
-        report = _replay_report(table, trace, scenario, rounds, num_requests, kv_length, seed)
+        report = replay_table_policy(table, trace, scenario, rounds, num_requests, kv_length, seed)
     paths = write_table_plots(table, out)
-    summary: dict[str, Any] = {"table": str(table_path), "out": str(out)}
     if report is not None:
         paths += write_plots(report, out, title=table_title(table))
-        d = report.to_dict()
-        summary["replay"] = {
-            "best_fixed": d["best_fixed"],
-            "rounds": d["rounds"],
-            # None: the policy hit a point the table cannot price (no tokens/s to compare).
-            "gain_vs_best_fixed_pct": {
-                p["name"]: p["gain_vs_best_fixed_pct"]
-                for p in d["policies"]
-                if p["kind"] != "fixed"
-            },
-        }
-    summary["plots"] = [str(p) for p in paths]
-    return summary
+    summary = plot_summary(table_path, out, paths, report)
+    if as_json:
+        typer.echo(json.dumps(summary, sort_keys=True, allow_nan=False))
+    else:
+        print_plot(summary)
 
 
 def register(app: typer.Typer) -> None:

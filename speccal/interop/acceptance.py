@@ -129,6 +129,24 @@ class Acceptance:
             },
         )
 
+    def import_summary(self, trace: RoundTrace, path: Any) -> dict[str, Any]:
+        """What ``speccal import`` reports of the ``trace`` it wrote at ``path`` from this
+        acceptance (``shape``, ``estimator``: which vllm-requests shape was read, how it was
+        estimated, when the source says)."""
+        out = {
+            "path": str(path),
+            "format": trace.meta["format"],
+            "draft_width": trace.draft_width,
+            "rounds": trace.num_rounds,
+            "steps": self.num_steps,
+            "exact": self.exact,
+            "prefix_acceptance": trace.meta["prefix_acceptance"],
+        }
+        for key in ("shape", "estimator"):
+            if key in self.source:
+                out[key] = self.source[key]
+        return out
+
 
 def survival_counts(hist: np.ndarray) -> np.ndarray:
     """``[w]`` steps with at least ``i + 1`` accepted drafts, from a ``[w + 1]`` histogram."""

@@ -18,6 +18,7 @@ Steps (docs/INTEROP.md):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,13 @@ ENGINE_MODE = {
     "sglang": "target_verify",
     "sglang-adaptive": "draft_step",
 }
+#: The kinds of an inline ``--profile KIND:r1,r2,...``.
+INLINE_KINDS = ("marginal", "conditional")
+#: What ``--profile`` takes (its help and its refusal).
+PROFILE_FORMS = (
+    "an engine file (vLLM /metrics scrape, vLLM per-request stats, speculation_profile.json, "
+    "CSV of accepted lengths), marginal:p1,p2,... or conditional:q1,q2,..."
+)
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,32 @@ class ExportResult:
     sidecar: Path
     rendered: Rendered
     report: dict[str, Any]
+
+
+def check_profile(text: str | None) -> None:
+    """Refuse a ``--profile`` that is neither a file nor an inline profile, naming the forms
+    and a hint (an inline profile's rates are checked when it is read)."""
+    if text is None or os.path.exists(text):
+        return
+    head, sep, rest = text.partition(":")
+    if head in INLINE_KINDS and rest.strip():
+        return
+    if sep and head in INLINE_KINDS:
+        hint = f"{head}: needs its rates, one per position"
+    elif sep and head.isidentifier():
+        hint = f"no profile kind {head!r}; the kinds are {' and '.join(INLINE_KINDS)}"
+    elif _numbers(text):
+        hint = f"name the rates' kind: marginal:{text} (prefix acceptance) or conditional:{text}"
+    else:
+        hint = "no such file"
+    raise InputError("--profile", text, PROFILE_FORMS, hint=hint)
+
+
+def _numbers(text: str) -> bool:
+    try:
+        return all(float(x) >= 0 for x in text.split(","))
+    except ValueError:
+        return False
 
 
 def _inline_profile(text: str, kind: str) -> np.ndarray:

@@ -27,7 +27,6 @@ from speccal.costmodel.coverage import warn_coverage
 from speccal.costmodel.table import load_table
 from speccal.live.policies import (
     Phase,
-    TimedRun,
     interleaved_order,
     live_cost_model,
     median_summary,
@@ -460,15 +459,33 @@ class PolicyBenchConfig:
         object.__setattr__(self, "phases", phases)
 
 
-def _trace_path(run: TimedRun, config: PolicyBenchConfig) -> tuple[str, Path]:
+def _trace_path(policy: str, cycle: int, config: PolicyBenchConfig) -> tuple[str, Path]:
     """``(run key, path)`` of a run's trace: key ``policy`` (``policy#cycle`` with repeats); the
     path adds ``.<policy>`` with several policies and ``.r<cycle>`` with repeats."""
-    tag = run.policy.replace(":", "") if len(config.policies) > 1 else ""
+    tag = policy.replace(":", "") if len(config.policies) > 1 else ""
     if config.repeats > 1:
-        tag = f"{tag}.r{run.cycle + 1}" if tag else f"r{run.cycle + 1}"
-    key = run.policy if config.repeats == 1 else f"{run.policy}#{run.cycle + 1}"
+        tag = f"{tag}.r{cycle + 1}" if tag else f"r{cycle + 1}"
+    key = policy if config.repeats == 1 else f"{policy}#{cycle + 1}"
     base = Path(config.trace_out)
     return key, base.with_name(f"{base.stem}.{tag}{base.suffix}") if tag else base
+
+
+def trace_outputs(config: PolicyBenchConfig) -> list[Path]:
+    """``trace_out`` and the path of every run's trace, each once (one policy run once writes
+    ``trace_out`` itself); none without ``trace_out``. What a caller checks before the runs."""
+    if config.trace_out is None:
+        return []
+    paths = [config.trace_out, *(_trace_path(p, c, config)[1]
+                                 for p in config.policies for c in range(config.repeats))]
+    return list(dict.fromkeys(Path(x) for x in paths))
+
+
+def coverage(summary: dict[str, Any]) -> str:
+    """``priced/rounds`` of a policy's live run (a median over repeats); ``-`` without one."""
+    priced, rounds = summary.get("rounds_priced"), summary.get("rounds")
+    if priced is None or not rounds:
+        return "-"
+    return f"{priced:.0f}/{rounds:.0f}"
 
 
 def _unpriced(bcap: np.ndarray, g: np.ndarray, kv: np.ndarray) -> np.ndarray:
@@ -522,7 +539,7 @@ def run_policy_bench(
     written = {}
     if config.trace_out is not None:
         for tr in res["runs"]:
-            key, path = _trace_path(tr, config)
+            key, path = _trace_path(tr.policy, tr.cycle, config)
             written[key] = str(save_trace(tr.run.trace, path))
     return {
         **res,

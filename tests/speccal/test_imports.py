@@ -1,7 +1,7 @@
 """The layering: dependencies point one way, read from the source with ``ast``.
 
 Floors (lowest first): ``speccal.base`` imports nothing of ours; ``costmodel`` and ``kernels``
-sit on it; the torch-free policy floor (``speccal.policy*``, ``replay``, ``trace``,
+sit on it; the torch-free policy floor (``speccal.policy*``, ``replay``, ``replay_run``, ``trace``,
 ``scenarios``, ``plots_*``) on ``costmodel``; ``speccal.interop`` (engine interop) on the
 policy floor; ``runner`` on ``kernels``; ``calibrate`` on ``runner`` and ``costmodel``;
 ``speccal.live`` on ``runner`` and the policy floor; ``speccal.cli`` on everything, and nothing
@@ -27,7 +27,10 @@ SOURCES = {
     "kernels": "speccal.kernels",
 }
 BARE = ("runner", "kernels", "calibrate", "costmodel")
-POLICY_FLOOR = ("policy", "policy_rules", "replay", "trace", "scenarios", "plots_replay", "plots_table")
+POLICY_FLOOR = (
+    "policy", "policy_rules", "replay", "replay_run", "trace", "scenarios", "plots_replay",
+    "plots_table",
+)
 
 #: What each unit may import of ours (``speccal`` itself, the version, is open to everyone).
 ALLOWED = {
@@ -189,7 +192,7 @@ def test_imported_modules_no_bare_folder_and_no_torch_in_the_torch_free_floors()
     code = (
         "import sys, speccal.costmodel, speccal.base, speccal.policy, speccal.policy_rules, "
         "speccal.replay, speccal.trace, speccal.scenarios, speccal.plots_replay, "
-        "speccal.plots_table, speccal.interop.export, speccal.cli\n"
+        "speccal.plots_table, speccal.replay_run, speccal.interop.export, speccal.cli\n"
         "print('torch' in sys.modules)\n"
         "import speccal.runner.engine, speccal.kernels.ops, speccal.calibrate.pipeline, "
         "speccal.live.bench\n"
