@@ -3,9 +3,12 @@
 This module owns the recurrent token mixer of hybrid targets: the causal depthwise conv1d over
 the fused ``q, k, v`` channels and the gated delta rule (Yang et al., "Gated Delta Networks"),
 in pure torch, following transformers' torch fallbacks (``modeling_qwen3_5.py``), which are the
-ground truth of the tests. On CUDA the field's kernels (``flash-linear-attention``,
-``causal-conv1d``; the ``hybrid`` extra) are the intended path: :func:`cuda_kernels` imports them
-lazily and refuses clearly when absent; the CPU path never imports them.
+ground truth of the tests; the decode / verify math (conv1d, its per-row windows, the
+recurrence, the gated norm) lives in ``speccal.kernels.reference``, as the references of the
+fused kernels, and is imported here. The chunked delta rule of prefill stays here. On CUDA
+the field's kernels (``flash-linear-attention``, ``causal-conv1d``; the ``hybrid`` extra) are
+the intended path: :func:`cuda_kernels` imports them lazily and refuses clearly when absent;
+the CPU path never imports them.
 
 State layout (one row per request slot, the InfiniLM seed's "state rows"), per linear layer:
 
@@ -23,15 +26,22 @@ place into state rows, ``StateMeta.snapshot_rows``). Those are the primitives th
 strategies (``speccal.runner.hybrid_state``) build on; the strategies themselves live there.
 Decode / verify forwards are static-shape torch code (masks, gathers, ``index_copy_``) and
 ``fla`` calls, captured in CUDA graphs (split graph mode; the H200 tests compare them with the
-eager rounds token for token).
+eager rounds token for token). Under ``KernelConfig.linear_attention.impl == "fused"``
+(issue 38; ``fla`` is the default until validated on the H200) they are three
+``speccal.kernels.ops`` launches per layer instead, for both state strategies: ``conv_update``
+(conv1d + SiLU, the new window into the write slot, every row's window into the snapshots),
+``delta_rule_verify`` (q/k l2norm in the kernel, the state read once and written once, every
+row's state into the snapshots in the same launch) and ``rmsnorm_gated``; the scratch
+strategy's :meth:`GatedDeltaNet.replay` takes the first two. Prefill stays chunked.
 
 Written by hand rather than taken from ``fla``: the causal conv1d (``F.conv1d`` over the
 concatenated ``[state | rows]``, any device: at decode / verify it is a few small ops, and its
 state layout, the last ``K - 1`` inputs, is transformers'; ``fla``'s conv keeps ``K`` columns
 of state and was not validated here), the per-position stores of the ``snapshots`` strategy
-(``fla``'s fused recurrent kernel returns only the final state, so on CUDA it runs once per
-row: :func:`_fla_delta_rule_per_row`), and the CPU reference of both delta-rule forms (the
-ground truth of the tests).
+(``fla``'s fused recurrent kernel returns only the final state, so on the ``fla`` path it runs
+once per row: :func:`_fla_delta_rule_per_row`; the fused path's ``delta_rule_verify`` stores
+every row's state in one launch), and the CPU reference of both delta-rule forms (the ground
+truth of the tests).
 """
 
 from __future__ import annotations
