@@ -68,6 +68,23 @@ def _slots(num_b: int, num_r: int, num_valid, snap: str | None, write: bool = Tr
 
 # ------------------------------------------------------------------------------ the kernels
 
+
+def _state_grid(cases):
+    """A stateful kernel's test grid on the kernel device (``cuda`` marker): shapes x valid
+    rows x snapshot mode (none, per-row buffers, pool rows) x dtype."""
+    marks = [pytest.mark.parametrize("case", cases, ids=str),
+             pytest.mark.parametrize("num_valid", NUM_VALID, ids=["all", "padded", "one"]),
+             pytest.mark.parametrize("snap", [None, "buffer", "rows"]),
+             pytest.mark.parametrize("dtype", DTYPES, ids=str), pytest.mark.cuda]
+
+    def wrap(fn):
+        for mark in marks:
+            fn = mark(fn)
+        return fn
+
+    return wrap
+
+
 CONV_CASES = [  # (B, R, C, K)
     (1, 1, 20, 4),  # plain decode
     (3, 4, 20, 4),  # full-width verify, w = 3
@@ -76,11 +93,7 @@ CONV_CASES = [  # (B, R, C, K)
 ]
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("snap", [None, "buffer", "rows"])
-@pytest.mark.parametrize("num_valid", NUM_VALID, ids=["all", "padded", "one"])
-@pytest.mark.parametrize("case", CONV_CASES, ids=str)
+@_state_grid(CONV_CASES)
 def test_conv_update_equals_its_reference(case, num_valid, snap, dtype):
     """Output rows, the whole pool (write slot, snapshot rows, every other row untouched) and
     the snapshot buffer equal ``conv_update_ref``'s."""
@@ -110,11 +123,7 @@ DELTA_CASES = [  # (B, R, Hk, Hv, Dk, Dv)
 ]
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("snap", [None, "buffer", "rows"])
-@pytest.mark.parametrize("num_valid", NUM_VALID, ids=["all", "padded", "one"])
-@pytest.mark.parametrize("case", DELTA_CASES, ids=str)
+@_state_grid(DELTA_CASES)
 def test_delta_rule_verify_equals_its_reference(case, num_valid, snap, dtype):
     """Output rows, the whole float32 pool and every row's snapshot equal
     ``delta_rule_verify_ref``'s (q / k / v strided views of one row buffer, as the layer
