@@ -35,6 +35,16 @@ and Triton attention on CUDA; eager fp32 and torch attention on CPU):
   at that position (fp32 product of the final hidden and the LM head) against one step of the
   run's dtype at the top-1 logit (``explained``: margin below that step).
 
+- ``--linear-attention fla,fused`` (issue 38; not run by default): per
+  ``KernelConfig.linear_attention.impl``, on one plain and one speculative engine (the base
+  config from ``SPECCAL_*``, ``--la-strategy``), the B = 1 decode step (captured graph) vs
+  the floor above [hybrid_decode_step_floor_ratio], its kernel launches per step
+  [hybrid_decode_kernels_per_step_b1] and where its time goes, and the full-width verify
+  (``w`` drafts, ``w + 1`` rows) over that decode step [hybrid_verify_full_width_ratio]; the
+  two impls' greedy tokens on one prompt (plain and K = 1), recorded side by side in
+  ``linear_attention`` (``fused`` stays off by default until this and
+  ``tests/runner/test_hybrid_engine.py -k fused_linear_attention`` pass on the H200).
+
 Prints a progress line per stage and a summary; writes ``DIR/hybrid.json`` (sorted keys, no
 NaN) after every stage, so a run cut short keeps what it measured. ``--deadline-s`` counts from
 process start: a stage that would start past it is skipped and recorded as skipped. ``--record``
@@ -44,6 +54,7 @@ appends the three headline figures to ``bench/results.jsonl``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -326,12 +337,21 @@ def parse_args(argv=None):
     ap.add_argument("--record", action="store_true", help="append the headline figures to "
                     "bench/results.jsonl")
     ap.add_argument("--compile-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--linear-attention", default="", help="comma list of "
+                    "kernels.linear_attention impls to time against each other (fla,fused); "
+                    "empty: the stage is skipped")
+    ap.add_argument("--la-strategy", default="snapshots", choices=STATE_STRATEGIES,
+                    help="state strategy of the --linear-attention verify engines")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.graph_mode = args.graph_mode or ("split" if cuda else "eager")
     args.attention_backend = args.attention_backend or ("triton" if cuda else "torch")
     args.skip = {s for s in args.skip.split(",") if s}
+    args.linear_attention = [s for s in args.linear_attention.split(",") if s]
+    bad = sorted(set(args.linear_attention) - {"fla", "fused"})
+    if bad:
+        ap.error(f"--linear-attention {bad}: expected impls among fla, fused")
     odd = args.skip - {"hf", "compile", "strategies", "greedy"}
     if odd:
         ap.error(f"--skip {sorted(odd)}: expected stages among hf, compile, strategies, greedy")
@@ -492,6 +512,12 @@ def main(argv=None) -> dict:
     del plain
     free(device)
 
+    # ---- the linear layers' decode / verify implementations against each other (issue 38)
+    if args.linear_attention and not skip("linear_attention"):
+        res["linear_attention"] = linear_attention_stage(args, engine, res,
+                                                         loaded.config.vocab_size)
+        save()
+
     # ---- transformers compiled (child process, killed at the deadline)
     left = deadline - time.time()
     if device.type != "cuda":
@@ -511,6 +537,57 @@ def main(argv=None) -> dict:
     return res
 
 
+def linear_attention_stage(args, engine, res: dict, vocab: int) -> dict[str, dict]:
+    """Per ``kernels.linear_attention.impl`` of ``args.linear_attention``: B = 1 decode step
+    (ms, floor ratio, launches per step and the kernels' breakdown on CUDA), full-width verify
+    step and its ratio to that decode step, greedy tokens of one prompt (plain, K = 1)."""
+    w, out = args.draft_width, {}
+    base = KernelConfig.from_env()
+    prompt = np.random.default_rng(0).integers(0, vocab, args.check_prompt_len).tolist()
+    params = SamplingParams(max_tokens=args.check_tokens, ignore_eos=True)
+    for impl in args.linear_attention:
+        kernels = base.replace(linear_attention=dataclasses.replace(base.linear_attention,
+                                                                    impl=impl))
+        row: dict[str, object] = {}
+        plain = engine(speculative=False, request_buckets=(1,), kernels=kernels)
+        row["decode_step_ms_b1"] = decode_step_ms(plain, args.kv, args.repeats)
+        row["hybrid_decode_step_floor_ratio"] = row["decode_step_ms_b1"] / res["decode_floor_ms"]
+        if plain.runner.graphs is not None:
+            key = GraphKey("target", 1, 0, 1, plain.runner.resolve_update(1, 0, 1), "greedy")
+            row["breakdown_b1"] = breakdown(plain, key, top=40)
+            row["hybrid_decode_kernels_per_step_b1"] = next(
+                n for name, _, n in row["breakdown_b1"] if name == "(all kernels)")
+        plain.reset()
+        row["tokens_plain"] = generate(plain, [prompt], params, 0)[0]
+        del plain
+        free(resolve_device(args.device))
+        spec = engine(acceptance="forced", request_buckets=(1,), kernels=kernels,
+                      state_strategy=args.la_strategy)
+        fill(spec, 1, w, args.kv)
+        if spec.runner.graphs is not None:
+            update = spec.runner.resolve_update(1, w, w + 1)
+            row["verify_ms_b1"] = target_ms(spec, 1, w, w + 1, update, args.repeats)
+            row["hybrid_verify_full_width_ratio"] = (row["verify_ms_b1"]
+                                                     / row["decode_step_ms_b1"])
+        del spec
+        free(resolve_device(args.device))
+        greedy = engine(acceptance="greedy", request_buckets=(1,), kernels=kernels,
+                        state_strategy=args.la_strategy)
+        row["tokens_k1"] = generate(greedy, [prompt], params, 1)[0]
+        del greedy
+        free(resolve_device(args.device))
+        row["state_bytes_per_round"] = res.get("hybrid_state_bytes_per_round")
+        out[impl] = row
+        log(f"linear_attention {impl}: decode {row['decode_step_ms_b1']:.3f} ms "
+            f"({row['hybrid_decode_step_floor_ratio']:.2f}x floor), "
+            f"{row.get('hybrid_decode_kernels_per_step_b1')} kernels, verify ratio "
+            f"{row.get('hybrid_verify_full_width_ratio')}")
+    if {"fla", "fused"} <= set(out):
+        out["tokens_equal"] = all(out["fla"][t] == out["fused"][t]
+                                  for t in ("tokens_plain", "tokens_k1"))
+    return out
+
+
 def record(res: dict, args) -> None:
     commit, date = git_commit(), time.strftime("%Y-%m-%d")
     command = "python3 bench/bench_hybrid.py " + " ".join(sys.argv[1:])
@@ -518,6 +595,12 @@ def record(res: dict, args) -> None:
             ("hybrid_decode_speedup_vs_hf_b1", res.get("hybrid_decode_speedup_vs_hf_b1"), "x")]
     for s, per_k in res.get("hybrid_state_strategy_round_ms", {}).items():
         rows += [(f"hybrid_state_strategy_round_ms.{s}.{k}", v, "ms") for k, v in per_k.items()]
+    for impl, row in res.get("linear_attention", {}).items():
+        if isinstance(row, dict):
+            rows += [(f"{m}.{impl}", row.get(m), u) for m, u in (
+                ("hybrid_decode_step_floor_ratio", "x"),
+                ("hybrid_decode_kernels_per_step_b1", "launches"),
+                ("hybrid_verify_full_width_ratio", "x"))]
     append_results({"metric": m, "value": v, "unit": u, "device": res["versions"]["device_name"],
                     "commit": commit, "date": date, "command": command, "model": args.model,
                     "dtype": args.dtype} for m, v, u in rows if v is not None)
@@ -547,6 +630,14 @@ def show(res: dict) -> None:
                 print(f"greedy {s} {kk} prompt {d['prompt']}: diverges at {d['position']}, "
                       f"margin {d['margin']:.5f} vs one step {d['dtype_step']:.5f} "
                       f"({'explained' if d['explained'] else 'NOT explained'})")
+    for impl, row in res.get("linear_attention", {}).items():
+        if isinstance(row, dict):
+            print(f"linear_attention {impl:6s} decode {row['decode_step_ms_b1']:.3f} ms "
+                  f"{row['hybrid_decode_step_floor_ratio']:.2f}x floor, "
+                  f"{row.get('hybrid_decode_kernels_per_step_b1')} kernels/step, "
+                  f"verify ratio {row.get('hybrid_verify_full_width_ratio')}")
+    if "tokens_equal" in res.get("linear_attention", {}):
+        print("linear_attention fla == fused tokens:", res["linear_attention"]["tokens_equal"])
     if res["skipped"]:
         print("skipped:", res["skipped"])
 

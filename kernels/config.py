@@ -2,7 +2,7 @@
 
 This module owns :class:`KernelConfig` and its small typed groups (:class:`PdlConfig`,
 :class:`GemvTuning` with its typed :class:`GemvOverride` list, :class:`AttentionTuning`,
-:class:`NormFusion`, :class:`Precision`). Library code receives a ``KernelConfig`` from its caller
+:class:`NormFusion`, :class:`Precision`, :class:`LinearAttentionTuning`). Library code receives a ``KernelConfig`` from its caller
 (``speccal.runner`` threads the engine's ``ExecutionPath.kernels`` to every op) and never reads
 the process environment. :meth:`KernelConfig.from_env` builds one from ``SPECCAL_*`` variables
 for benchmarks only (``bench/``): it is the one place in the package that reads ``os.environ``.
@@ -31,6 +31,7 @@ __all__ = [
     "GemvOverride",
     "GemvTuning",
     "KernelConfig",
+    "LinearAttentionTuning",
     "NormFusion",
     "PdlConfig",
     "Precision",
@@ -287,8 +288,40 @@ class Precision:
         return self.fp32_dot if dtype_name == "float32" else "tf32"
 
 
+@dataclass(frozen=True)
+class LinearAttentionTuning:
+    """Which kernels run a hybrid target's gated delta-net decode / verify (prefill always takes
+    the chunked path: ``fla``'s chunked kernel on CUDA, the torch chunked form on CPU).
+
+    ``impl``: ``fla`` (default: today's path, torch ops around ``fla``'s fused recurrent kernel;
+    the snapshot strategy calls it once per verified row) or ``fused`` (three launches per layer,
+    ``speccal.kernels.gated_delta``: conv1d state update + SiLU, the delta rule over every row
+    with in-kernel q/k l2norm, its state read once and written once, every row's snapshot in
+    the same launch, then the gated RMSNorm; on CUDA tensors, or any under Triton's
+    interpreter). ``fla`` stays the default until the fused path is validated end to end on the
+    H200 (fp32 greedy equal to transformers under both state strategies, then timed against
+    ``fla``: ``bench/bench_hybrid.py --linear-attention fla,fused``). ``block_v``: the delta
+    rule's value-dim tile per program (None: 8, fla's), ``warps``: its warps (None: 1, fla's).
+    """
+
+    impl: str = "fla"
+    block_v: int | None = None
+    warps: int | None = None
+
+    def __post_init__(self) -> None:
+        g = "linear_attention"
+        _check_choice(g, "impl", self.impl, ("fla", "fused"))
+        _check_int(g, "block_v", self.block_v, 1, optional=True, pow2=True, maximum=256)
+        if self.warps is not None:
+            _check_choice(g, "warps", self.warps, (1, 2, 4, 8))
+
+    @property
+    def is_fused(self) -> bool:
+        return self.impl == "fused"
+
+
 _GROUPS = {"pdl": PdlConfig, "gemv": GemvTuning, "attention": AttentionTuning,
-           "norm": NormFusion, "precision": Precision}
+           "norm": NormFusion, "precision": Precision, "linear_attention": LinearAttentionTuning}
 
 
 @dataclass(frozen=True)
@@ -308,6 +341,7 @@ class KernelConfig:
     attention: AttentionTuning = field(default_factory=AttentionTuning)
     norm: NormFusion = field(default_factory=NormFusion)
     precision: Precision = field(default_factory=Precision)
+    linear_attention: LinearAttentionTuning = field(default_factory=LinearAttentionTuning)
 
     def __post_init__(self) -> None:
         _check_choice("", "backend", self.backend, ("auto", "triton", "reference"))
@@ -456,6 +490,10 @@ ENV_VARS: dict[str, tuple[str | None, str, Any]] = {
     "SPECCAL_INPUT_DEFER_MAX": ("norm", "input_defer_max", int),
     "SPECCAL_FP32_DOT": ("precision", "fp32_dot", _choice({"ieee": "ieee", "tf32": "tf32",
                                                            "tf32x3": "tf32x3"})),
+    "SPECCAL_LINEAR_ATTENTION": ("linear_attention", "impl", _choice({"fla": "fla",
+                                                                      "fused": "fused"})),
+    "SPECCAL_DELTA_BLOCK_V": ("linear_attention", "block_v", int),
+    "SPECCAL_DELTA_WARPS": ("linear_attention", "warps", int),
 }
 
 _ENV_EXPECT = {
@@ -469,6 +507,7 @@ _ENV_EXPECT = {
     "SPECCAL_ATTN_PREWAIT": "rows, 0 or 1",
     "SPECCAL_NORM_DEFER": "rows, o, all or 0",
     "SPECCAL_FP32_DOT": "ieee, tf32 or tf32x3",
+    "SPECCAL_LINEAR_ATTENTION": "fla or fused",
     "SPECCAL_GEMV_OVERRIDE": GemvOverride.SYNTAX,
 }
 for _var, (_g, _n, _p) in ENV_VARS.items():

@@ -31,14 +31,29 @@ Data layout (shared with ``speccal.runner``, see docs/ARCHITECTURE.md):
   ``N * top_k + min(E, N * top_k) * (block_m - 1)`` rounded up to ``block_m`` (at most that
   many experts have a run to pad), so the layout never has a data-dependent shape. Expert weights stacked: ``gate_up [E, 2 I, hidden]`` (gate rows
   first), ``down [E, hidden, I]``.
+- Gated delta-net decode / verify (``speccal.runner.linear_attention``, whose CPU path is these
+  functions): ``B`` requests of ``R`` rows, ``[B, R, ...]`` request-major; state pools
+  ``conv_state [S, C, K - 1]`` (the last ``K - 1`` conv inputs) and ``ssm_state [S, Hv, Dk, Dv]``
+  float32, addressed by ``read_slots [B]`` / ``write_slots [B]`` int64; ``num_valid [B]`` real
+  rows (the rest is padding: no state change); snapshots, the state after each row, into a
+  ``[B, R, ...]`` buffer or in place into pool rows ``snapshot_rows [B, R]`` int64.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "argmax_keys_ref",
+    "causal_conv1d",
+    "conv_update_ref",
+    "conv_windows",
+    "delta_rule_inputs",
+    "delta_rule_verify_ref",
+    "l2norm",
+    "recurrent_gated_delta_rule",
+    "rmsnorm_gated_ref",
     "argmax_partials_ref",
     "attention_tiling_update_ref",
     "embed_rms_norm_ref",
@@ -53,6 +68,7 @@ __all__ = [
     "rope_paged_attention_ref",
     "rms_norm_ref",
     "rotary_kv_write_ref",
+    "store_snapshot",
     "unpack_argmax_keys_ref",
     "verify_accept_ref",
     "verify_metadata_update_ref",
@@ -604,3 +620,163 @@ def moe_sum_slots_ref(
     for j in range(1, k):
         out = out + y[:, j]
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# gated delta-net decode / verify (transformers' torch fallbacks, modeling_qwen3_5.py)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:  # [..., dim]
+    """``x / sqrt(sum(x^2) + eps)`` along the last axis (fla's and transformers' form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv1d(
+    x: torch.Tensor,  # [B, C, R]: this step's conv inputs
+    conv_state: torch.Tensor,  # [B, C, K - 1]: the previous K - 1 inputs (zeros at start)
+    weight: torch.Tensor,  # [C, K] depthwise kernel
+    num_valid: torch.Tensor | None = None,  # [B] int64 real rows (the rest is padding)
+) -> tuple[torch.Tensor, torch.Tensor]:  # silu(conv) [B, C, R], new state [B, C, K - 1]
+    """Depthwise causal conv1d with SiLU, continuing from ``conv_state``.
+
+    The new state is the ``K - 1`` inputs ending at each request's last real row.
+    """
+    num_b, chans, num_r = x.shape
+    km1 = conv_state.shape[-1]
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)  # [B, C, K - 1 + R]
+    out = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=chans)  # [B, C, R]
+    if num_valid is None:
+        new_state = full[:, :, num_r:]
+    else:
+        idx = num_valid[:, None] + torch.arange(km1, device=x.device)  # [B, K - 1]
+        new_state = full.gather(2, idx[:, None, :].expand(num_b, chans, km1))
+    return F.silu(out).to(x.dtype), new_state
+
+
+def conv_windows(
+    x: torch.Tensor,  # [B, C, R]
+    conv_state: torch.Tensor,  # [B, C, K - 1]
+) -> torch.Tensor:  # [B, R, C, K - 1]: the conv state after each row
+    """Per-row conv states (the snapshot strategy stores one per verified position)."""
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)
+    km1 = conv_state.shape[-1]
+    return full.unfold(2, km1, 1)[:, :, 1:].permute(0, 2, 1, 3)
+
+
+def conv_update_ref(
+    x: torch.Tensor,  # [B, R, C] conv inputs (the qkv projection's rows)
+    conv_state: torch.Tensor,  # [S, C, K - 1] pool, read and written
+    weight: torch.Tensor,  # [C, K]
+    read_slots: torch.Tensor,  # [B] int64
+    write_slots: torch.Tensor | None,  # [B] int64; None: no final state written
+    num_valid: torch.Tensor | None = None,  # [B] int64 real rows (None: all R)
+    snapshots: torch.Tensor | None = None,  # [B, R, C, K - 1] out: the state after each row
+    snapshot_rows: torch.Tensor | None = None,  # [B, R] int64 pool rows, same, in place
+) -> torch.Tensor:  # [B, R, C] silu(conv), x's dtype
+    """The conv step of a decode / verify: ``causal_conv1d`` over ``[conv_state[read] | x]``;
+    the window ending at each request's last real row into ``conv_state[write]``, the window
+    after every row (padding rows included) into the snapshots."""
+    xt = x.transpose(1, 2)
+    conv_in = conv_state[read_slots]
+    mixed, new_conv = causal_conv1d(xt, conv_in, weight, num_valid)
+    if snapshots is not None:
+        snapshots.copy_(conv_windows(xt, conv_in))
+    if snapshot_rows is not None:
+        windows = conv_windows(xt, conv_in).reshape(-1, *conv_state.shape[1:])
+        conv_state.index_copy_(0, snapshot_rows.reshape(-1), windows.to(conv_state.dtype))
+    if write_slots is not None:
+        conv_state.index_copy_(0, write_slots, new_conv.to(conv_state.dtype))
+    return mixed.transpose(1, 2)
+
+
+def delta_rule_inputs(q, k, v, g, beta):
+    """Heads first, float32, l2-normed q/k, q scaled by ``head_k_dim ** -0.5``; grouped value
+    heads: one q/k head serves ``Hv // Hk`` consecutive v heads (repeated here)."""
+    hk, hv = k.shape[2], v.shape[2]
+    if hk != hv:
+        q = q.repeat_interleave(hv // hk, dim=2)
+        k = k.repeat_interleave(hv // hk, dim=2)
+    q, k, v, g, beta = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, g, beta))
+    q = l2norm(q)
+    k = l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,  # [B, R, Hk, Dk]
+    k: torch.Tensor,  # [B, R, Hk, Dk]
+    v: torch.Tensor,  # [B, R, Hv, Dv]
+    g: torch.Tensor,  # [B, R, Hv] log decay (<= 0; 0 on padding rows)
+    beta: torch.Tensor,  # [B, R, Hv] write strength (0 on padding rows)
+    state: torch.Tensor,  # [B, Hv, Dk, Dv] float32 initial state
+    snapshots: torch.Tensor | None = None,  # [B, R, Hv, Dk, Dv] out: state after each row
+    snapshot_rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # (pool [S, Hv, Dk, Dv],
+    # rows [B, R] int64): the state after row i goes to pool row rows[:, i] (in place)
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, R, Hv, Dv] (q's dtype), final state
+    """Token-by-token gated delta rule: ``S = exp(g) S;  S += k (beta (v - S^T k))^T;
+    o = S^T q`` (the decode / verify step; ``R`` is at most ``w + 1``)."""
+    dtype = q.dtype
+    q, k, v, g, beta = delta_rule_inputs(q, k, v, g, beta)
+    s = state.float()
+    out = torch.empty_like(v)  # [B, Hv, R, Dv]
+    for i in range(q.shape[2]):
+        s = s * g[:, :, i].exp()[..., None, None]
+        kv_mem = (s * k[:, :, i, :, None]).sum(dim=-2)  # [B, Hv, Dv]
+        delta = (v[:, :, i] - kv_mem) * beta[:, :, i, None]
+        s = s + k[:, :, i, :, None] * delta[:, :, None, :]
+        out[:, :, i] = (s * q[:, :, i, :, None]).sum(dim=-2)
+        store_snapshot(i, s, snapshots, snapshot_rows)
+    return out.transpose(1, 2).to(dtype), s
+
+
+def store_snapshot(i: int, s: torch.Tensor, snapshots: torch.Tensor | None,
+                   snapshot_rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """The state after row ``i`` (``s [B, Hv, Dk, Dv]``) into the per-row buffer and / or the
+    pool rows of :func:`recurrent_gated_delta_rule`'s ``snapshots`` / ``snapshot_rows``."""
+    if snapshots is not None:
+        snapshots[:, i] = s
+    if snapshot_rows is not None:
+        pool, rows = snapshot_rows
+        pool.index_copy_(0, rows[:, i], s.to(pool.dtype))
+
+
+def delta_rule_verify_ref(
+    q: torch.Tensor,  # [B, R, Hk, Dk] (raw: l2-normed and scaled here)
+    k: torch.Tensor,  # [B, R, Hk, Dk]
+    v: torch.Tensor,  # [B, R, Hv, Dv]
+    g: torch.Tensor,  # [B, R, Hv] log decay
+    beta: torch.Tensor,  # [B, R, Hv] write strength
+    ssm_state: torch.Tensor,  # [S, Hv, Dk, Dv] float32 pool, read and written
+    read_slots: torch.Tensor,  # [B] int64
+    write_slots: torch.Tensor | None,  # [B] int64; None: no final state written
+    num_valid: torch.Tensor | None = None,  # [B] int64 real rows: g, beta masked past them
+    snapshots: torch.Tensor | None = None,  # [B, R, Hv, Dk, Dv] out: the state after each row
+    snapshot_rows: torch.Tensor | None = None,  # [B, R] int64 pool rows, same, in place
+) -> torch.Tensor:  # [B, R, Hv, Dv] q's dtype
+    """The gated delta rule over ``R`` rows per request from ``ssm_state[read_slots]``
+    (``recurrent_gated_delta_rule``), rows past ``num_valid`` inert (zero decay, zero write),
+    the final state into ``ssm_state[write_slots]``."""
+    if num_valid is not None:
+        is_real = (torch.arange(q.shape[1], device=q.device)[None, :] < num_valid[:, None])
+        g = g * is_real[..., None]
+        beta = beta * is_real[..., None]
+    pool = (ssm_state, snapshot_rows) if snapshot_rows is not None else None
+    out, s = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state[read_slots], snapshots,
+                                        pool)
+    if write_slots is not None:
+        ssm_state.index_copy_(0, write_slots, s.to(ssm_state.dtype))
+    return out
+
+
+def rmsnorm_gated_ref(
+    x: torch.Tensor,  # [M, D]
+    z: torch.Tensor,  # [M, D] gate
+    weight: torch.Tensor,  # [D]
+    eps: float,
+) -> torch.Tensor:  # [M, D] x's dtype
+    """``weight * rmsnorm(x) * silu(z)`` (normalise first, then gate): the norm in float32,
+    rounded to x's dtype before the weight (transformers' ``Qwen3_5RMSNormGated``)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return ((weight * xf.to(dtype)) * F.silu(z.float())).to(dtype)

@@ -28,9 +28,12 @@ state. The strategies (:data:`STATE_STRATEGIES`, ``EngineConfig.state_strategy``
     final state is written); acceptance selects the row of the accepted length by moving the
     committed index ``accepted + 1`` rows on: O(1), no state copy. Memory: ``w + 2`` rows per
     slot instead of 2; traffic: ``k + 1`` state writes per request-round where scratch-swap
-    writes one and replays (one more read and write, plus the saved inputs), and the
-    recurrence of the verify runs row by row (``fla``'s fused kernel returns only the final
-    state) where scratch-swap's may take the fused kernel.
+    writes one and replays (one more read and write, plus the saved inputs). On the ``fla``
+    path the recurrence of the verify runs row by row (``fla``'s fused kernel returns only the
+    final state) where scratch-swap's may take the fused kernel; on the fused path
+    (``KernelConfig.linear_attention.impl == "fused"``) one launch stores every row's state
+    under both strategies, and the bytes recorded per round (:class:`StateTraffic`) are the
+    same.
 
 Plain decoding (``k = 0``) reads and writes the committed row in place under both.
 

@@ -3,9 +3,12 @@
 This module owns the recurrent token mixer of hybrid targets: the causal depthwise conv1d over
 the fused ``q, k, v`` channels and the gated delta rule (Yang et al., "Gated Delta Networks"),
 in pure torch, following transformers' torch fallbacks (``modeling_qwen3_5.py``), which are the
-ground truth of the tests. On CUDA the field's kernels (``flash-linear-attention``,
-``causal-conv1d``; the ``hybrid`` extra) are the intended path: :func:`cuda_kernels` imports them
-lazily and refuses clearly when absent; the CPU path never imports them.
+ground truth of the tests; the decode / verify math (conv1d, its per-row windows, the
+recurrence, the gated norm) lives in ``speccal.kernels.reference``, as the references of the
+fused kernels, and is imported here. The chunked delta rule of prefill stays here. On CUDA
+the field's kernels (``flash-linear-attention``, ``causal-conv1d``; the ``hybrid`` extra) are
+the intended path: :func:`cuda_kernels` imports them lazily and refuses clearly when absent;
+the CPU path never imports them.
 
 State layout (one row per request slot, the InfiniLM seed's "state rows"), per linear layer:
 
@@ -23,15 +26,22 @@ place into state rows, ``StateMeta.snapshot_rows``). Those are the primitives th
 strategies (``speccal.runner.hybrid_state``) build on; the strategies themselves live there.
 Decode / verify forwards are static-shape torch code (masks, gathers, ``index_copy_``) and
 ``fla`` calls, captured in CUDA graphs (split graph mode; the H200 tests compare them with the
-eager rounds token for token).
+eager rounds token for token). Under ``KernelConfig.linear_attention.impl == "fused"``
+(issue 38; ``fla`` is the default until validated on the H200) they are three
+``speccal.kernels.ops`` launches per layer instead, for both state strategies: ``conv_update``
+(conv1d + SiLU, the new window into the write slot, every row's window into the snapshots),
+``delta_rule_verify`` (q/k l2norm in the kernel, the state read once and written once, every
+row's state into the snapshots in the same launch) and ``rmsnorm_gated``; the scratch
+strategy's :meth:`GatedDeltaNet.replay` takes the first two. Prefill stays chunked.
 
 Written by hand rather than taken from ``fla``: the causal conv1d (``F.conv1d`` over the
 concatenated ``[state | rows]``, any device: at decode / verify it is a few small ops, and its
 state layout, the last ``K - 1`` inputs, is transformers'; ``fla``'s conv keeps ``K`` columns
 of state and was not validated here), the per-position stores of the ``snapshots`` strategy
-(``fla``'s fused recurrent kernel returns only the final state, so on CUDA it runs once per
-row: :func:`_fla_delta_rule_per_row`), and the CPU reference of both delta-rule forms (the
-ground truth of the tests).
+(``fla``'s fused recurrent kernel returns only the final state, so on the ``fla`` path it runs
+once per row: :func:`_fla_delta_rule_per_row`; the fused path's ``delta_rule_verify`` stores
+every row's state in one launch), and the CPU reference of both delta-rule forms (the ground
+truth of the tests).
 """
 
 from __future__ import annotations
@@ -43,6 +53,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from speccal.base.errors import UnsupportedError
+from speccal.kernels import ops
+from speccal.kernels.reference import (
+    causal_conv1d,
+    conv_windows,
+    delta_rule_inputs,
+    recurrent_gated_delta_rule,
+    rmsnorm_gated_ref,
+    store_snapshot,
+)
+from speccal.runner.path import PathBound
 
 CHUNK_SIZE = 64  # the chunked delta rule's block length (transformers' and fla's default)
 
@@ -72,93 +92,6 @@ def cuda_kernels():
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:  # [..., dim]
-    """``x / sqrt(sum(x^2) + eps)`` along the last axis (fla's and transformers' form)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def causal_conv1d(
-    x: torch.Tensor,  # [B, C, R]: this step's conv inputs
-    conv_state: torch.Tensor,  # [B, C, K - 1]: the previous K - 1 inputs (zeros at start)
-    weight: torch.Tensor,  # [C, K] depthwise kernel
-    num_valid: torch.Tensor | None = None,  # [B] int64 real rows (the rest is padding)
-) -> tuple[torch.Tensor, torch.Tensor]:  # silu(conv) [B, C, R], new state [B, C, K - 1]
-    """Depthwise causal conv1d with SiLU, continuing from ``conv_state``.
-
-    The new state is the ``K - 1`` inputs ending at each request's last real row.
-    """
-    num_b, chans, num_r = x.shape
-    km1 = conv_state.shape[-1]
-    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)  # [B, C, K - 1 + R]
-    out = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=chans)  # [B, C, R]
-    if num_valid is None:
-        new_state = full[:, :, num_r:]
-    else:
-        idx = num_valid[:, None] + torch.arange(km1, device=x.device)  # [B, K - 1]
-        new_state = full.gather(2, idx[:, None, :].expand(num_b, chans, km1))
-    return F.silu(out).to(x.dtype), new_state
-
-
-def conv_windows(
-    x: torch.Tensor,  # [B, C, R]
-    conv_state: torch.Tensor,  # [B, C, K - 1]
-) -> torch.Tensor:  # [B, R, C, K - 1]: the conv state after each row
-    """Per-row conv states (the snapshot strategy stores one per verified position)."""
-    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)
-    km1 = conv_state.shape[-1]
-    return full.unfold(2, km1, 1)[:, :, 1:].permute(0, 2, 1, 3)
-
-
-def _prepare(q, k, v, g, beta):
-    """Heads first, float32, l2-normed q/k, q scaled by ``head_k_dim ** -0.5``; GVA repeat."""
-    hk, hv = k.shape[2], v.shape[2]
-    if hk != hv:  # grouped value attention: one q/k head serves hv // hk consecutive v heads
-        q = q.repeat_interleave(hv // hk, dim=2)
-        k = k.repeat_interleave(hv // hk, dim=2)
-    q, k, v, g, beta = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, g, beta))
-    q = l2norm(q)
-    k = l2norm(k)
-    return q * q.shape[-1] ** -0.5, k, v, g, beta
-
-
-def recurrent_gated_delta_rule(
-    q: torch.Tensor,  # [B, R, Hk, Dk]
-    k: torch.Tensor,  # [B, R, Hk, Dk]
-    v: torch.Tensor,  # [B, R, Hv, Dv]
-    g: torch.Tensor,  # [B, R, Hv] log decay (<= 0; 0 on padding rows)
-    beta: torch.Tensor,  # [B, R, Hv] write strength (0 on padding rows)
-    state: torch.Tensor,  # [B, Hv, Dk, Dv] float32 initial state
-    snapshots: torch.Tensor | None = None,  # [B, R, Hv, Dk, Dv] out: state after each row
-    snapshot_rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # (pool [S, Hv, Dk, Dv],
-    # rows [B, R] int64): the state after row i goes to pool row rows[:, i] (in place)
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, R, Hv, Dv] (q's dtype), final state
-    """Token-by-token gated delta rule: ``S = exp(g) S;  S += k (beta (v - S^T k))^T;
-    o = S^T q`` (the decode / verify step; ``R`` is at most ``w + 1``)."""
-    dtype = q.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    s = state.float()
-    out = torch.empty_like(v)  # [B, Hv, R, Dv]
-    for i in range(q.shape[2]):
-        s = s * g[:, :, i].exp()[..., None, None]
-        kv_mem = (s * k[:, :, i, :, None]).sum(dim=-2)  # [B, Hv, Dv]
-        delta = (v[:, :, i] - kv_mem) * beta[:, :, i, None]
-        s = s + k[:, :, i, :, None] * delta[:, :, None, :]
-        out[:, :, i] = (s * q[:, :, i, :, None]).sum(dim=-2)
-        _store_snapshot(i, s, snapshots, snapshot_rows)
-    return out.transpose(1, 2).to(dtype), s
-
-
-def _store_snapshot(i: int, s: torch.Tensor, snapshots: torch.Tensor | None,
-                    snapshot_rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """The state after row ``i`` (``s [B, Hv, Dk, Dv]``) into the per-row buffer and / or the
-    pool rows of :func:`recurrent_gated_delta_rule`'s ``snapshots`` / ``snapshot_rows``."""
-    if snapshots is not None:
-        snapshots[:, i] = s
-    if snapshot_rows is not None:
-        pool, rows = snapshot_rows
-        pool.index_copy_(0, rows[:, i], s.to(pool.dtype))
-
-
 def chunk_gated_delta_rule(
     q: torch.Tensor,  # [B, R, Hk, Dk]
     k: torch.Tensor,  # [B, R, Hk, Dk]
@@ -172,7 +105,7 @@ def chunk_gated_delta_rule(
     updates are condensed by a unit-lower-triangular solve (the WY / UT transform), across blocks
     the state is carried sequentially. Same result as :func:`recurrent_gated_delta_rule`."""
     dtype = q.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    q, k, v, g, beta = delta_rule_inputs(q, k, v, g, beta)
     num_b, hv, length, dk = k.shape
     dv = v.shape[-1]
     pad = (chunk_size - length % chunk_size) % chunk_size
@@ -207,7 +140,8 @@ def chunk_gated_delta_rule(
 
 
 class RMSNormGated(nn.Module):
-    """``weight * rmsnorm(x) * silu(z)`` per value head (normalise first, then gate)."""
+    """``weight * rmsnorm(x) * silu(z)`` per value head (normalise first, then gate;
+    ``speccal.kernels.reference.rmsnorm_gated_ref``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -215,11 +149,7 @@ class RMSNormGated(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # [..., dim] each
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (self.weight * xf.to(dtype)) * F.silu(z.float())
-        return out.to(dtype)
+        return rmsnorm_gated_ref(x, z, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -277,11 +207,17 @@ class StateMeta:
     row_index: torch.Tensor | None = None
 
 
-class GatedDeltaNet(nn.Module):
-    """One linear-attention token mixer with HF parameter names (``linear_attn.*``)."""
+class GatedDeltaNet(PathBound, nn.Module):
+    """One linear-attention token mixer with HF parameter names (``linear_attn.*``).
+
+    Decode / verify (not chunked) under ``path.kernels.linear_attention.impl == "fused"`` run
+    :meth:`_forward_fused`: three ``speccal.kernels.ops`` launches around the projections (the
+    Triton kernels on CUDA or under Triton's interpreter, their torch references elsewhere);
+    otherwise the torch ops and ``fla`` calls below (the default)."""
 
     def __init__(self, hidden_size: int, cfg: LinearAttentionConfig, eps: float):
         super().__init__()
+        self._init_path()
         self.cfg = cfg
         c = cfg
         self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.conv_kernel, groups=c.conv_dim,
@@ -342,6 +278,12 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         decay = self.decay if self.decay is not None else -self.A_log.float().exp()
         g = decay * F.softplus(a.float() + self.dt_bias)  # [N, Hv]
+        if self.kx.linear_attention.is_fused and not meta.is_chunked:
+            out = self._forward_fused(qkv.view(num_b, num_r, c.conv_dim), g, beta, meta, state,
+                                      snapshot, save)
+            out = ops.rmsnorm_gated(out.view(-1, c.head_v_dim), z.reshape(-1, c.head_v_dim),
+                                    self.norm.weight, self.norm.eps, tune=self.kx)
+            return self.out_proj(out.view(x.shape[0], c.value_dim))
         if meta.num_valid is not None:  # padding rows: no decay, no write
             is_real = (torch.arange(num_r, device=x.device)[None, :]
                        < meta.num_valid[:, None]).reshape(-1, 1)
@@ -387,6 +329,48 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.view(x.shape[0], c.value_dim))
 
 
+    def _forward_fused(
+        self,
+        qkv: torch.Tensor,  # [B, R, conv_dim]
+        g: torch.Tensor,  # [N, Hv] float32, not masked (the kernels mask past num_valid)
+        beta: torch.Tensor,  # [N, Hv]
+        meta: StateMeta,
+        state: tuple[torch.Tensor, torch.Tensor],
+        snapshot: tuple[torch.Tensor, torch.Tensor] | None,
+        save: tuple[torch.Tensor, ...] | None,
+    ) -> torch.Tensor:  # [B, R, Hv, Dv] the delta rule's output, before the gated norm
+        """The conv step and the delta rule in one ``ops`` launch each, for either state
+        strategy: the final state into ``meta.write_slots``, every row's state into the
+        snapshot buffers / ``meta.snapshot_rows`` in the same launches. The replay saves hold
+        ``g`` and ``beta`` unmasked (the replay masks past its own, shorter prefix)."""
+        num_b, num_r, _ = qkv.shape
+        conv_state, ssm_state = state
+        snap_conv, snap_ssm = snapshot if snapshot is not None else (None, None)
+        mixed = ops.conv_update(qkv, conv_state, self.conv1d.weight.squeeze(1), meta.read_slots,
+                                meta.write_slots, num_valid=meta.num_valid, snapshots=snap_conv,
+                                snapshot_rows=meta.snapshot_rows, tune=self.kx)
+        g = g.view(num_b, num_r, -1)
+        beta = beta.view(num_b, num_r, -1)
+        if save is not None:
+            for buf, src in zip(save, (qkv.transpose(1, 2), mixed, g, beta), strict=True):
+                buf.copy_(src)
+        return self._delta_rule_fused(mixed, g, beta, ssm_state, meta.read_slots,
+                                      meta.write_slots, meta.num_valid, snap_ssm,
+                                      meta.snapshot_rows)
+
+    def _delta_rule_fused(self, mixed, g, beta, ssm_state, read_slots, write_slots, num_valid,
+                          snapshots=None, snapshot_rows=None):  # mixed [B, R, conv_dim]
+        """``ops.delta_rule_verify`` on q / k / v read in place from the conv output."""
+        c = self.cfg
+        num_b, num_r, _ = mixed.shape
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        return ops.delta_rule_verify(
+            q.unflatten(-1, (c.num_k_heads, c.head_k_dim)),
+            k.unflatten(-1, (c.num_k_heads, c.head_k_dim)),
+            v.unflatten(-1, (c.num_v_heads, c.head_v_dim)), g, beta, ssm_state, read_slots,
+            write_slots, num_valid=num_valid, snapshots=snapshots, snapshot_rows=snapshot_rows,
+            tune=self.kx)
+
     def replay(
         self,
         state: tuple[torch.Tensor, torch.Tensor],  # conv [S, C, K-1], ssm [S, Hv, Dk, Dv]
@@ -404,6 +388,12 @@ class GatedDeltaNet(nn.Module):
         """
         c = self.cfg
         qkv, mixed, g, beta = save
+        if self.kx.linear_attention.is_fused:  # one conv launch, one delta-rule launch
+            conv_state, ssm_state = state
+            ops.conv_update(qkv.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), rows,
+                            rows, num_valid=num_valid, tune=self.kx)
+            self._delta_rule_fused(mixed, g, beta, ssm_state, rows, rows, num_valid)
+            return
         num_b, _, num_r = qkv.shape
         is_real = (torch.arange(num_r, device=qkv.device)[None, :] < num_valid[:, None])
         conv_state, ssm_state = state
@@ -462,7 +452,7 @@ def _fla_delta_rule_per_row(q, k, v, g, beta, state, snapshots, snapshot_rows):
         o, s = _fla_delta_rule(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1],
                                beta[:, i:i + 1], s, False)
         outs.append(o)
-        _store_snapshot(i, s, snapshots, snapshot_rows)
+        store_snapshot(i, s, snapshots, snapshot_rows)
     return torch.cat(outs, dim=1), s
 
 

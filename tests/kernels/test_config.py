@@ -26,13 +26,14 @@ from speccal.kernels.config import (
     GemvOverride,
     GemvTuning,
     KernelConfig,
+    LinearAttentionTuning,
     NormFusion,
     PdlConfig,
     Precision,
 )
 
 GROUPS = {"pdl": PdlConfig, "gemv": GemvTuning, "attention": AttentionTuning,
-          "norm": NormFusion, "precision": Precision}
+          "norm": NormFusion, "precision": Precision, "linear_attention": LinearAttentionTuning}
 OVERRIDE = GemvOverride(4096, 2048, 8, 64, 128, 1, 4, 4)
 PANEL_OVERRIDE = GemvOverride(2048, 2048, 16, 16, 128, 1, 8, 1, panel=True, prefetch=4)
 
@@ -111,6 +112,10 @@ REFUSED = [
     (NormFusion, dict(defer="0"), "kernels.norm.defer"),
     (NormFusion, dict(input_defer_max=0), "kernels.norm.input_defer_max"),
     (Precision, dict(fp32_dot="fp16"), "kernels.precision.fp32_dot"),
+    (LinearAttentionTuning, dict(impl="triton"), "kernels.linear_attention.impl"),
+    (LinearAttentionTuning, dict(block_v=12), "kernels.linear_attention.block_v"),
+    (LinearAttentionTuning, dict(block_v=0), "kernels.linear_attention.block_v"),
+    (LinearAttentionTuning, dict(warps=3), "kernels.linear_attention.warps"),
     (GemvOverride, dict(n=0), "kernels.gemv.overrides.n"),
     (GemvOverride, dict(k=None), "kernels.gemv.overrides.k"),
     (GemvOverride, dict(max_m=0), "kernels.gemv.overrides.max_m"),
@@ -217,6 +222,9 @@ CHANGES = {
     "norm.defer": "o",
     "norm.input_defer_max": 8,
     "precision.fp32_dot": "tf32",
+    "linear_attention.impl": "fused",
+    "linear_attention.block_v": 32,
+    "linear_attention.warps": 4,
 }
 
 
@@ -379,6 +387,11 @@ ENV_CASES = {
     "SPECCAL_INPUT_DEFER_MAX": ("norm.input_defer_max", [("8", 8)], ["0", "x", "-3"]),
     "SPECCAL_FP32_DOT": ("precision.fp32_dot", [("ieee", "ieee"), ("tf32", "tf32"),
                                                 ("tf32x3", "tf32x3")], ["fp32"]),
+    "SPECCAL_LINEAR_ATTENTION": ("linear_attention.impl", [("fla", "fla"), ("fused", "fused")],
+                                 ["triton", "1"]),
+    "SPECCAL_DELTA_BLOCK_V": ("linear_attention.block_v", [("16", 16), ("128", 128)],
+                              ["12", "0", "x"]),
+    "SPECCAL_DELTA_WARPS": ("linear_attention.warps", [("1", 1), ("4", 4)], ["3", "x"]),
 }
 
 

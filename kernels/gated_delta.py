@@ -1,0 +1,288 @@
+"""Triton kernels of a gated delta-net layer's decode / verify (Qwen3.5 / Qwen3-Next).
+
+Owns the three launches that replace the torch ops of ``speccal.runner.linear_attention``'s
+decode / verify forward when ``KernelConfig.linear_attention.impl`` is ``fused``:
+
+- ``conv_update_triton``: depthwise causal conv1d over ``[conv_state[read] | rows]`` + SiLU,
+  one program per (request, channel block); the window ending at the request's last real row
+  into ``conv_state[write]``, optionally the window after every row into snapshot buffers or
+  pool rows (the ``snapshots`` strategy). Reference: ``reference.conv_update_ref``.
+- ``delta_rule_verify_triton``: the gated delta rule over the ``R`` rows of a request with q/k
+  l2-normed in the kernel (fla's ``use_qk_l2norm_in_kernel``: ``x / sqrt(sum(x^2) + 1e-6)``,
+  q scaled by ``Dk ** -0.5``), rows past ``num_valid`` inert. Grid ``(B * Hv, cdiv(Dv,
+  BLOCK_V))``: each program holds its float32 state tile ``[Dk, BLOCK_V]`` in registers across
+  the rows, read once from ``ssm_state[read]`` and written once to ``ssm_state[write]``, and
+  stores the tile after every row into the snapshots in the same launch (fla's fused recurrent
+  kernel returns only the final state, so the ``fla`` path calls it once per row). Grouped
+  value heads: v head ``h`` reads q/k head ``h // (Hv // Hk)``. Reference:
+  ``reference.delta_rule_verify_ref``.
+- ``rmsnorm_gated_triton``: ``weight * rmsnorm(x) * silu(z)``, fp32 math with the reference's
+  roundings (the normed row to x's dtype before the weight, the weighted row to x's dtype
+  when the weight is). Reference: ``reference.rmsnorm_gated_ref``.
+
+Layouts: rows ``[B, R, ...]`` request-major with any batch / row / head strides (the last
+axis contiguous); pools ``conv_state [S, C, K - 1]``, ``ssm_state [S, Hv, Dk, Dv]`` float32;
+slots ``[B]`` int64. Arguments are validated by ``speccal.kernels.ops``.
+
+In-place pools: a program reads its own tile before writing it (a barrier between), so the
+write slot may be the read slot (plain decode). Two requests of one launch naming the same
+slot (the padding requests' trash slot) race, as they may: only padding reads that slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["conv_update_triton", "delta_rule_verify_triton", "rmsnorm_gated_triton"]
+
+L2NORM_EPS = 1e-6  # fla's and transformers' l2norm epsilon (kernels.reference.l2norm)
+CONV_BLOCK_C = 128  # channels per conv program
+DELTA_BLOCK_V = 8  # fla's value tile of its fused recurrent kernel (one warp)
+NORM_BLOCK_M = 4  # rows per gated-norm program
+
+
+@triton.jit
+def _conv_cols(state_row, x_req, offs_c, c_ok, cols, cols_ok, stride_sc, stride_st,
+               stride_xr, stride_xc, KM1: tl.constexpr):
+    """Columns ``cols [J]`` of the virtual ``[state (K - 1) | rows (R)]`` sequence for the
+    channels ``offs_c``: ``[BLOCK_C, J]`` in the rows' dtype (the state converted as torch's
+    ``conv_state.to(x.dtype)``)."""
+    is_state = cols < KM1
+    mask = c_ok[:, None] & cols_ok[None, :]
+    s = tl.load(state_row + offs_c[:, None] * stride_sc + cols[None, :] * stride_st,
+                mask=mask & is_state[None, :], other=0.0)
+    x = tl.load(x_req + (cols - KM1)[None, :] * stride_xr + offs_c[:, None] * stride_xc,
+                mask=mask & ~is_state[None, :], other=0.0)
+    return tl.where(is_state[None, :], s.to(x.dtype), x)
+
+
+@triton.jit
+def _conv_update_kernel(
+    x_ptr, state_ptr, w_ptr, out_ptr, read_ptr, write_ptr, nv_ptr, snap_ptr, rows_ptr,
+    C, stride_xb, stride_xr, stride_xc, stride_ss, stride_sc, stride_st, stride_wc, stride_wk,
+    stride_ob, stride_or, stride_oc, stride_pb, stride_pr, stride_pc, stride_pt,
+    stride_rb, stride_rr,
+    R: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_WRITE: tl.constexpr, HAS_NV: tl.constexpr, HAS_SNAP: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    taps = tl.arange(0, BLOCK_K)
+    KM1: tl.constexpr = K - 1
+    w = tl.load(w_ptr + offs_c[:, None] * stride_wc + taps[None, :] * stride_wk,
+                mask=c_ok[:, None] & (taps < K)[None, :], other=0.0).to(tl.float32)
+    state_row = state_ptr + tl.load(read_ptr + b).to(tl.int64) * stride_ss
+    x_req = x_ptr + b.to(tl.int64) * stride_xb
+    win_ok = taps < KM1
+    win_offs = offs_c[:, None] * stride_sc + taps[None, :] * stride_st
+    win_mask = c_ok[:, None] & win_ok[None, :]
+    for i in tl.static_range(R):
+        full = _conv_cols(state_row, x_req, offs_c, c_ok, i + taps, taps < K, stride_sc,
+                          stride_st, stride_xr, stride_xc, KM1)
+        acc = tl.sum(full.to(tl.float32) * w, axis=1)
+        y = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + i * stride_or + offs_c * stride_oc,
+                 y.to(out_ptr.dtype.element_ty), mask=c_ok)
+        if HAS_SNAP or HAS_ROWS:  # the window after row i: columns i + 1 .. i + K - 1
+            win = _conv_cols(state_row, x_req, offs_c, c_ok, i + 1 + taps, win_ok, stride_sc,
+                             stride_st, stride_xr, stride_xc, KM1)
+            if HAS_SNAP:
+                tl.store(snap_ptr + b.to(tl.int64) * stride_pb + i * stride_pr
+                         + offs_c[:, None] * stride_pc + taps[None, :] * stride_pt,
+                         win.to(snap_ptr.dtype.element_ty), mask=win_mask)
+            if HAS_ROWS:
+                row = tl.load(rows_ptr + b * stride_rb + i * stride_rr).to(tl.int64)
+                tl.store(state_ptr + row * stride_ss + win_offs,
+                         win.to(state_ptr.dtype.element_ty), mask=win_mask)
+    if HAS_WRITE:  # the window ending at the last real row
+        if HAS_NV:
+            nv = tl.load(nv_ptr + b).to(tl.int32)
+        else:
+            nv = R
+        win = _conv_cols(state_row, x_req, offs_c, c_ok, nv + taps, win_ok, stride_sc,
+                         stride_st, stride_xr, stride_xc, KM1)
+        tl.debug_barrier()  # every read of the read slot before the (maybe same) write slot
+        dst = state_ptr + tl.load(write_ptr + b).to(tl.int64) * stride_ss
+        tl.store(dst + win_offs, win.to(state_ptr.dtype.element_ty), mask=win_mask)
+
+
+def conv_update_triton(
+    x: torch.Tensor,  # [B, R, C]
+    conv_state: torch.Tensor,  # [S, C, K - 1]
+    weight: torch.Tensor,  # [C, K]
+    read_slots: torch.Tensor,  # [B] int64
+    write_slots: torch.Tensor | None,  # [B] int64
+    num_valid: torch.Tensor | None,  # [B] int
+    snapshots: torch.Tensor | None,  # [B, R, C, K - 1]
+    snapshot_rows: torch.Tensor | None,  # [B, R] int64
+    out: torch.Tensor,  # [B, R, C]
+) -> torch.Tensor:  # out
+    """One launch; arguments validated by ``ops.conv_update``."""
+    num_b, num_r, chans = x.shape
+    kernel = weight.shape[1]
+    snap = snapshots if snapshots is not None else out.new_empty(1, 1, 1, 1)
+    rows = snapshot_rows if snapshot_rows is not None else read_slots.view(1, -1)
+    grid = (num_b, triton.cdiv(chans, CONV_BLOCK_C))
+    _conv_update_kernel[grid](
+        x, conv_state, weight, out, read_slots,
+        write_slots if write_slots is not None else read_slots,
+        num_valid if num_valid is not None else read_slots, snap, rows,
+        chans, *x.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
+        *snap.stride(), *rows.stride(),
+        R=num_r, K=kernel, BLOCK_C=CONV_BLOCK_C, BLOCK_K=triton.next_power_of_2(kernel),
+        HAS_WRITE=write_slots is not None, HAS_NV=num_valid is not None,
+        HAS_SNAP=snapshots is not None, HAS_ROWS=snapshot_rows is not None, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _l2normed(ptr, offs, ok, eps):
+    x = tl.load(ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    return x * tl.math.rsqrt(tl.sum(x * x, 0) + eps)
+
+
+@triton.jit
+def _delta_rule_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, read_ptr, write_ptr, nv_ptr,
+    snap_ptr, rows_ptr,
+    stride_qb, stride_qr, stride_qh, stride_kb, stride_kr, stride_kh,
+    stride_vb, stride_vr, stride_vh, stride_gb, stride_gr, stride_gh,
+    stride_bb, stride_br, stride_bh, stride_ss, stride_sh, stride_sk, stride_sv,
+    stride_ob, stride_or, stride_oh, stride_pb, stride_pr, stride_ph, stride_pk, stride_pv,
+    stride_rb, stride_rr,
+    scale, eps, HV, GROUP, DK, DV,
+    R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_WRITE: tl.constexpr, HAS_NV: tl.constexpr, HAS_SNAP: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // HV).to(tl.int64)
+    h = pid % HV
+    hk = h // GROUP
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    tile = offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
+    tile_ok = k_ok[:, None] & v_ok[None, :]
+    src = state_ptr + tl.load(read_ptr + b).to(tl.int64) * stride_ss + h * stride_sh
+    s = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
+    if HAS_NV:
+        nv = tl.load(nv_ptr + b).to(tl.int32)
+    for i in tl.static_range(R):
+        q = _l2normed(q_ptr + b * stride_qb + i * stride_qr + hk * stride_qh, offs_k, k_ok,
+                      eps) * scale
+        k = _l2normed(k_ptr + b * stride_kb + i * stride_kr + hk * stride_kh, offs_k, k_ok, eps)
+        v = tl.load(v_ptr + b * stride_vb + i * stride_vr + h * stride_vh + offs_v, mask=v_ok,
+                    other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + b * stride_gb + i * stride_gr + h * stride_gh).to(tl.float32)
+        beta = tl.load(beta_ptr + b * stride_bb + i * stride_br + h * stride_bh).to(tl.float32)
+        if HAS_NV:  # padding rows: zero decay, zero write
+            g = tl.where(i < nv, g, 0.0)
+            beta = tl.where(i < nv, beta, 0.0)
+        s = s * tl.exp(g)
+        delta = (v - tl.sum(s * k[:, None], 0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], 0)
+        tl.store(out_ptr + b * stride_ob + i * stride_or + h * stride_oh + offs_v,
+                 o.to(out_ptr.dtype.element_ty), mask=v_ok)
+        if HAS_SNAP:
+            tl.store(snap_ptr + b * stride_pb + i * stride_pr + h * stride_ph
+                     + offs_k[:, None] * stride_pk + offs_v[None, :] * stride_pv,
+                     s.to(snap_ptr.dtype.element_ty), mask=tile_ok)
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + b * stride_rb + i * stride_rr).to(tl.int64)
+            tl.store(state_ptr + row * stride_ss + h * stride_sh + tile,
+                     s.to(state_ptr.dtype.element_ty), mask=tile_ok)
+    if HAS_WRITE:
+        tl.debug_barrier()  # the tile was read before; the write slot may be the read slot
+        dst = state_ptr + tl.load(write_ptr + b).to(tl.int64) * stride_ss + h * stride_sh
+        tl.store(dst + tile, s.to(state_ptr.dtype.element_ty), mask=tile_ok)
+
+
+def delta_rule_verify_triton(
+    q: torch.Tensor,  # [B, R, Hk, Dk]
+    k: torch.Tensor,  # [B, R, Hk, Dk]
+    v: torch.Tensor,  # [B, R, Hv, Dv]
+    g: torch.Tensor,  # [B, R, Hv]
+    beta: torch.Tensor,  # [B, R, Hv]
+    ssm_state: torch.Tensor,  # [S, Hv, Dk, Dv] float32
+    read_slots: torch.Tensor,  # [B] int64
+    write_slots: torch.Tensor | None,  # [B] int64
+    num_valid: torch.Tensor | None,  # [B] int
+    snapshots: torch.Tensor | None,  # [B, R, Hv, Dk, Dv]
+    snapshot_rows: torch.Tensor | None,  # [B, R] int64
+    out: torch.Tensor,  # [B, R, Hv, Dv]
+    block_v: int | None = None,
+    warps: int | None = None,
+) -> torch.Tensor:  # out
+    """One launch; arguments validated by ``ops.delta_rule_verify``."""
+    num_b, num_r, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    block_v = min(block_v or DELTA_BLOCK_V, triton.next_power_of_2(dv))
+    snap = snapshots if snapshots is not None else out.new_empty(1, 1, 1, 1, 1)
+    rows = snapshot_rows if snapshot_rows is not None else read_slots.view(1, -1)
+    grid = (num_b * hv, triton.cdiv(dv, block_v))
+    _delta_rule_kernel[grid](
+        q, k, v, g, beta, ssm_state, out, read_slots,
+        write_slots if write_slots is not None else read_slots,
+        num_valid if num_valid is not None else read_slots, snap, rows,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
+        *ssm_state.stride(), *out.stride()[:3], *snap.stride(), *rows.stride(),
+        dk**-0.5, L2NORM_EPS, hv, hv // hk, dk, dv,
+        R=num_r, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        HAS_WRITE=write_slots is not None, HAS_NV=num_valid is not None,
+        HAS_SNAP=snapshots is not None, HAS_ROWS=snapshot_rows is not None,
+        num_warps=warps or 1,
+    )
+    return out
+
+
+@triton.jit
+def _rmsnorm_gated_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr, M, D, stride_x, stride_z, stride_o, eps,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_NORM: tl.constexpr,
+    ROUND_WEIGHTED: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows < M)[:, None] & (cols < D)[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    n = xf * tl.math.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
+    if ROUND_NORM:  # torch: xf.to(dtype)
+        n = n.to(x.dtype).to(tl.float32)
+    wn = w[None, :] * n
+    if ROUND_WEIGHTED:  # torch: weight * normed in x's dtype
+        wn = wn.to(x.dtype).to(tl.float32)
+    y = wn * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def rmsnorm_gated_triton(
+    x: torch.Tensor,  # [M, D]
+    z: torch.Tensor,  # [M, D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    out: torch.Tensor,  # [M, D]
+) -> torch.Tensor:  # out
+    """One launch; arguments validated by ``ops.rmsnorm_gated``."""
+    m, d = x.shape
+    is_low = x.dtype != torch.float32
+    weighted = torch.promote_types(weight.dtype, x.dtype)
+    _rmsnorm_gated_kernel[(triton.cdiv(m, NORM_BLOCK_M),)](
+        x, z, weight, out, m, d, x.stride(0), z.stride(0), out.stride(0), eps,
+        BLOCK_M=NORM_BLOCK_M, BLOCK_D=triton.next_power_of_2(d), ROUND_NORM=is_low,
+        ROUND_WEIGHTED=weighted != torch.float32, num_warps=4,
+    )
+    return out
