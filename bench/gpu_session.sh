@@ -25,6 +25,9 @@
 #               engines (a subset of `cuda`, ~2-3 min)
 #   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE Triton kernels against the
 #               reference, routed layers captured in graphs equal to eager, the MLA engine
+#   fusedla     the fused gated delta-net kernels (KernelConfig.linear_attention.impl=fused):
+#               their CUDA tests, the engine against transformers on them (the gate for making
+#               them the default), then bench/bench_hybrid.py --linear-attention fla,fused
 #   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
 #   hybridhf    bench/bench_hybrid.py decode vs transformers with torch.compile tried
 #               [hybrid_decode_speedup_vs_hf_b1 against the fastest configuration]
@@ -100,7 +103,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
+            dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
             decode) min=120 ;; hf) min=120 ;;
             *) echo "unknown stage $stage"; continue ;;
@@ -173,6 +176,16 @@ run() {
                     -n 8 -v -rfE -p no:cacheprovider > "$d/tests.log" 2>&1
                 echo "rc=$?"
                 grep -E "^(FAILED|ERROR)|passed|failed" "$d/tests.log" | tail -20 ;;
+            fusedla)
+                timeout "$(( $(left) / 2 ))" $PY -m pytest tests/kernels/test_gated_delta.py \
+                    tests/runner/test_hybrid_engine.py -k "gated_delta or fused_linear_attention" \
+                    -n 8 -v -rfE -p no:cacheprovider > "$d/tests.log" 2>&1
+                echo "rc=$?"
+                grep -E "^(FAILED|ERROR)|passed|failed" "$d/tests.log" | tail -20
+                timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" --skip compile,hf \
+                    --linear-attention fla,fused --record --deadline-s "$(( $(left) - 15 ))" \
+                    > "$d/log.txt" 2>&1
+                echo "rc=$?"; tail -20 "$d/log.txt" ;;
             hybrid)
                 timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" --skip compile \
                     --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1
