@@ -3,13 +3,14 @@
 Owns the public API the runner calls. Each op checks shapes and dtypes on the host (static
 facts only: no device value is read, so every op is CUDA-graph capturable), then runs the Triton
 kernel when ``_backend.use_triton`` says so (CUDA tensor and triton importable) and the pure-torch
-reference in ``reference`` otherwise. Every op takes the caller's ``tune`` (a
-:class:`~speccal.kernels.config.KernelConfig`: backend, PDL, tiles, fusion, fp32 dot precision);
-``backend="reference"``/``"triton"`` overrides its backend. The Triton kernel modules are
-imported inside the ops that launch them, so this module (and the CPU paths) import without
-triton. Layouts
-are those of ``reference`` (KV cache ``[num_blocks, block_size, KVH, D]``, block table
-``[B, max_blocks] int32``, ``seq_lens [B] int32``, packed verify rows padded to ``G``).
+reference in ``reference`` otherwise. The routed experts' op lives in ``ops_moe``, the gated
+delta-net ops in ``ops_linear``, their shared checks in ``op_checks``; all are re-exported here.
+Every op takes the caller's ``tune`` (a :class:`~speccal.kernels.config.KernelConfig`: backend,
+PDL, tiles, fusion, fp32 dot precision); ``backend="reference"``/``"triton"`` overrides its
+backend. The Triton kernel modules are imported inside the ops that launch them, so this module
+(and the CPU paths) import without triton. Layouts are those of ``reference`` (KV cache
+``[num_blocks, block_size, KVH, D]``, block table ``[B, max_blocks] int32``, ``seq_lens [B]
+int32``, packed verify rows padded to ``G``).
 
 Typical verify round, all inside the captured target graph::
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.kernels import reference as ref
@@ -42,6 +42,13 @@ from speccal.kernels.gemv_config import (
     deferred_norm_tiles,
     launch_config,
 )
+from speccal.kernels.op_checks import FLOATS as _FLOATS
+from speccal.kernels.op_checks import INTS as _INTS
+from speccal.kernels.op_checks import check_int as _check_int
+from speccal.kernels.op_checks import need as _need
+from speccal.kernels.op_checks import shape_of as _shape
+from speccal.kernels.ops_linear import conv_update, delta_rule_verify, rmsnorm_gated
+from speccal.kernels.ops_moe import MOE_BLOCK_M, fused_moe  # noqa: F401 (MOE_BLOCK_M: re-exported)
 from speccal.kernels.precompile import dry_pass_active
 
 __all__ = [
@@ -72,10 +79,6 @@ __all__ = [
     "verify_token_update",
 ]
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-#: pairs per block of the routed-expert layout (``fused_moe``): tl.dot's smallest M tile
-MOE_BLOCK_M = 16
-_INTS = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -214,15 +217,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _need(cond: bool, field: str, value, expected: str) -> None:
-    if not cond:
-        raise InputError(field, value, expected)
-
-
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
 def _check_matmul(x: torch.Tensor, weight: torch.Tensor) -> None:
     """``x [M, K]`` and ``weight [N, K]`` of one float dtype, K contiguous (the skinny GEMM ops)."""
     _need(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x/weight shapes",
@@ -230,12 +224,6 @@ def _check_matmul(x: torch.Tensor, weight: torch.Tensor) -> None:
     _need(x.dtype in _FLOATS and weight.dtype == x.dtype, "x/weight dtype", (x.dtype, weight.dtype),
           "the same float dtype")
     _need(x.stride(1) == 1 and weight.stride(1) == 1, "x/weight", "strided", "K contiguous")
-
-
-def _check_int(t: torch.Tensor, field: str, shape: tuple[int, ...], dtypes=_INTS) -> None:
-    _need(isinstance(t, torch.Tensor), field, type(t).__name__, "a torch.Tensor")
-    _need(t.dtype in dtypes, f"{field}.dtype", t.dtype, " or ".join(map(str, dtypes)))
-    _need(_shape(t) == shape, f"{field}.shape", _shape(t), str(list(shape)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1070,248 +1058,3 @@ def rotary_kv_write(
             return res
     return ref.rotary_kv_write_ref(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache,
                                    v_cache, q_out, qk_norm)
-
-
-def fused_moe(
-    x: torch.Tensor,  # [N, hidden]
-    weights: torch.Tensor,  # [N, top_k]: routing weights (float32 or x's dtype)
-    ids: torch.Tensor,  # [N, top_k] int: each row's experts, distinct within a row
-    gate_up: torch.Tensor,  # [E, 2 I, hidden]: gate rows, then up rows
-    down: torch.Tensor,  # [E, hidden, I]
-    *,
-    block_m: int = MOE_BLOCK_M,
-    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
-    tune: KernelConfig = DEFAULT_KERNELS,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [N, hidden] x's dtype, counts [E] int64
-    """Routed SwiGLU experts: ``out[n] = sum_j weights[n, j] * down_e(silu(gate_e(x[n])) *
-    up_e(x[n]))`` over row ``n``'s experts ``e = ids[n, j]``, added in ascending expert order;
-    ``counts``: the pairs each expert got (``> 0``: the experts this call activated).
-
-    Capture-safe: the (row, expert) pairs are sorted by expert into a block-aligned layout of
-    static worst-case size (``reference.moe_align_ref``, no host read), the experts run over
-    its blocks (Triton: ``fused_moe.py``, gate/up in one pass, blocks of no expert exit before
-    reading weights; reference: ``reference.fused_moe_ref``, batched products over each
-    block's gathered expert weights), and each row's pair outputs are summed
-    (``reference.moe_sum_slots_ref``). Expert ids are device values, not checked here. On a
-    CPU, ``backend="auto"`` runs :func:`_moe_by_expert` (one host read; CPU rounds are never
-    captured); ``reference`` forces the static layout there.
-    """
-    _need(x.dim() == 2 and x.stride(1) == 1 and x.dtype in _FLOATS, "x", (_shape(x), x.dtype),
-          "[N, hidden] float, hidden contiguous")
-    n, hidden = x.shape
-    _need(ids.dim() == 2 and ids.shape[0] == n and ids.dtype in _INTS, "ids",
-          (_shape(ids), ids.dtype), f"[{n}, top_k] int")
-    _need(_shape(weights) == _shape(ids) and weights.dtype in _FLOATS, "weights",
-          (_shape(weights), weights.dtype), f"{_shape(ids)} float")
-    _need(gate_up.dim() == 3 and gate_up.shape[2] == hidden and gate_up.shape[1] % 2 == 0,
-          "gate_up.shape", _shape(gate_up), f"[E, 2 I, {hidden}]")
-    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    _need(_shape(down) == (num_experts, hidden, inter), "down.shape", _shape(down),
-          f"[{num_experts}, {hidden}, {inter}]")
-    _need(gate_up.dtype == down.dtype == x.dtype, "gate_up/down dtype", (gate_up.dtype,
-          down.dtype), f"x's {x.dtype}")
-    _need(gate_up.stride(2) == 1 and down.stride(2) == 1, "gate_up/down", "strided",
-          "the last dimension contiguous")
-    _need(block_m >= 1, "block_m", block_m, "an int >= 1")
-    chosen = backend or tune.backend
-    if chosen == "auto" and not use_triton(x, chosen) and x.device.type == "cpu":
-        return _moe_by_expert(x, weights, ids, gate_up, down)
-    pairs, blocks, counts = ref.moe_align_ref(ids, num_experts, block_m)
-    if use_triton(x, chosen):
-        from speccal.kernels.fused_moe import fused_moe_triton
-
-        _need(block_m >= 16 and not block_m & (block_m - 1), "block_m", block_m,
-              "a power of two >= 16 (tl.dot's M tile)")
-        prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
-        pair_out = fused_moe_triton(x, weights.contiguous(), gate_up, down, pairs, blocks, prec,
-                                    pdl=pdl_level(x, tune) > 0)
-        if dry_pass_active():  # skipped launches: a finite stand-in, not the reference
-            pair_out.zero_()
-    else:
-        pair_out = ref.fused_moe_ref(x, weights, gate_up, down, pairs, blocks)
-    return ref.moe_sum_slots_ref(pair_out, ids), counts
-
-
-def _moe_by_expert(x, weights, ids, gate_up, down):  # shapes as fused_moe -> (out, counts)
-    """:func:`fused_moe` on a CPU with ``backend="auto"``: each active expert's rows gathered
-    after one host read of the per-expert counts (a CPU round is never captured), its products
-    on exactly those rows, the results added into the output in ascending expert order. The
-    same roundings and order as the reference (the tests compare them); what a CPU round runs
-    instead of the reference's per-block weight gathers (which copy an expert's weights per
-    block: many times slower at real widths)."""
-    k, inter = ids.shape[1], down.shape[2]
-    flat = ids.reshape(-1)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0])  # [E] int64
-    order = torch.argsort(flat, stable=True)  # [N k]: by expert, rows ascending within
-    w = weights.reshape(-1)
-    out = torch.zeros_like(x)
-    start = 0
-    for e, c in enumerate(counts.tolist()):  # the one host read
-        if c:
-            pick = order[start:start + c]
-            rows = pick // k
-            h = x[rows] @ gate_up[e].t()  # [c, 2 I] in x's dtype
-            y = (F.silu(h[:, :inter]) * h[:, inter:]) @ down[e].t()
-            out.index_add_(0, rows, (y * w[pick, None]).to(x.dtype))
-            start += c
-    return out, counts
-
-
-# ---------------------------------------------------------------------------------------------
-# gated delta-net decode / verify (KernelConfig.linear_attention.impl == "fused")
-
-
-def _check_rows(name: str, t: torch.Tensor, lead: tuple[int, ...], dims: int,
-                contiguous: bool = True) -> None:
-    """A float ``[*lead, ...]`` tensor of ``dims`` axes, its last axis contiguous (or any
-    strides: ``contiguous`` False)."""
-    _need(isinstance(t, torch.Tensor) and t.dim() == dims and _shape(t)[:len(lead)] == lead
-          and t.dtype in _FLOATS and (t.stride(-1) == 1 or not contiguous), name,
-          (_shape(t), t.dtype) if isinstance(t, torch.Tensor) else t,
-          f"a float tensor of {dims} axes [{', '.join(map(str, lead))}, ...]"
-          + (", last contiguous" if contiguous else ""))
-
-
-def _check_slots(read_slots, write_slots, num_valid, snapshot_rows, num_b: int,
-                 num_r: int) -> None:
-    _check_int(read_slots, "read_slots", (num_b,), (torch.int64,))
-    if write_slots is not None:
-        _check_int(write_slots, "write_slots", (num_b,), (torch.int64,))
-    if num_valid is not None:
-        _check_int(num_valid, "num_valid", (num_b,))
-    if snapshot_rows is not None:
-        _check_int(snapshot_rows, "snapshot_rows", (num_b, num_r), (torch.int64,))
-
-
-def _check_out(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype) -> None:
-    if t is not None:
-        _need(_shape(t) == shape and t.dtype == dtype and t.is_contiguous(), name,
-              (_shape(t), t.dtype), f"{list(shape)} {dtype}, contiguous")
-
-
-def conv_update(
-    x: torch.Tensor,  # [B, R, C] conv inputs (any strides)
-    conv_state: torch.Tensor,  # [S, C, K - 1] pool, read and written in place
-    weight: torch.Tensor,  # [C, K] depthwise kernel
-    read_slots: torch.Tensor,  # [B] int64
-    write_slots: torch.Tensor | None,  # [B] int64; None: no final window written
-    *,
-    num_valid: torch.Tensor | None = None,  # [B] int real rows (None: all R)
-    snapshots: torch.Tensor | None = None,  # [B, R, C, K - 1] written: window after each row
-    snapshot_rows: torch.Tensor | None = None,  # [B, R] int64 pool rows, same, in place
-    out: torch.Tensor | None = None,  # [B, R, C] x.dtype
-    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
-    tune: KernelConfig = DEFAULT_KERNELS,
-) -> torch.Tensor:  # [B, R, C] silu(conv)
-    """A gated delta-net layer's conv step of a decode / verify (``reference.conv_update_ref``):
-    depthwise causal conv1d + SiLU over ``[conv_state[read_slots] | x]`` for every row, the
-    ``K - 1`` inputs ending at each request's last real row into ``conv_state[write_slots]``,
-    the window after every row into ``snapshots`` / pool rows ``snapshot_rows`` (the snapshot
-    strategy). One launch on Triton. Padding rows are convolved too (their output is unused)."""
-    _check_rows("x", x, _shape(x)[:1], 3, contiguous=False)
-    num_b, num_r, chans = x.shape
-    _need(weight.dim() == 2 and weight.shape[0] == chans and weight.shape[1] >= 2, "weight.shape",
-          _shape(weight), f"[{chans}, K >= 2]")
-    km1 = weight.shape[1] - 1
-    _need(conv_state.dim() == 3 and conv_state.shape[1:] == (chans, km1)
-          and conv_state.dtype in _FLOATS, "conv_state", (_shape(conv_state), conv_state.dtype),
-          f"[S, {chans}, {km1}] float")
-    _check_slots(read_slots, write_slots, num_valid, snapshot_rows, num_b, num_r)
-    _check_out("snapshots", snapshots, (num_b, num_r, chans, km1), conv_state.dtype)
-    _check_out("out", out, (num_b, num_r, chans), x.dtype)
-    if out is None:
-        out = torch.empty(num_b, num_r, chans, dtype=x.dtype, device=x.device)
-    if use_triton(x, backend or tune.backend):
-        from speccal.kernels.gated_delta import conv_update_triton
-
-        conv_update_triton(x, conv_state, weight, read_slots, write_slots, num_valid, snapshots,
-                           snapshot_rows, out)
-        return out.zero_() if dry_pass_active() else out
-    return out.copy_(ref.conv_update_ref(x, conv_state, weight, read_slots, write_slots,
-                                         num_valid, snapshots, snapshot_rows))
-
-
-def delta_rule_verify(
-    q: torch.Tensor,  # [B, R, Hk, Dk] raw (l2-normed and scaled in the op)
-    k: torch.Tensor,  # [B, R, Hk, Dk]
-    v: torch.Tensor,  # [B, R, Hv, Dv]
-    g: torch.Tensor,  # [B, R, Hv] log decay (float32)
-    beta: torch.Tensor,  # [B, R, Hv] write strength
-    ssm_state: torch.Tensor,  # [S, Hv, Dk, Dv] float32 pool, read and written in place
-    read_slots: torch.Tensor,  # [B] int64
-    write_slots: torch.Tensor | None,  # [B] int64; None: no final state written
-    *,
-    num_valid: torch.Tensor | None = None,  # [B] int real rows: g, beta masked past them
-    snapshots: torch.Tensor | None = None,  # [B, R, Hv, Dk, Dv] written: state after each row
-    snapshot_rows: torch.Tensor | None = None,  # [B, R] int64 pool rows, same, in place
-    out: torch.Tensor | None = None,  # [B, R, Hv, Dv] q.dtype
-    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
-    tune: KernelConfig = DEFAULT_KERNELS,
-) -> torch.Tensor:  # [B, R, Hv, Dv]
-    """The gated delta rule of a decode / verify over ``R`` rows per request
-    (``reference.delta_rule_verify_ref``): q/k l2-normed (eps 1e-6), q scaled by
-    ``Dk ** -0.5``, ``S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q`` from
-    ``ssm_state[read_slots]``; rows past ``num_valid`` inert; the final state into
-    ``ssm_state[write_slots]``, the state after every row into ``snapshots`` / pool rows
-    ``snapshot_rows``. One launch on Triton, the state read once and written once
-    (``tune.linear_attention``: value tile and warps)."""
-    num_b, num_r = _shape(q)[:2]
-    _check_rows("q", q, (num_b, num_r), 4)
-    hk, dk = q.shape[2:]
-    _check_rows("k", k, (num_b, num_r, hk, dk), 4)
-    _check_rows("v", v, (num_b, num_r), 4)
-    hv, dv = v.shape[2:]
-    _need(hv % hk == 0, "v heads", (hk, hv), "a multiple of the q/k heads")
-    _need(q.dtype == k.dtype == v.dtype, "q/k/v dtype", (q.dtype, k.dtype, v.dtype), "alike")
-    for name, t in (("g", g), ("beta", beta)):
-        _need(isinstance(t, torch.Tensor) and _shape(t) == (num_b, num_r, hv)
-              and t.dtype in _FLOATS, name, (_shape(t), t.dtype),
-              f"[{num_b}, {num_r}, {hv}] float")
-    _need(ssm_state.dim() == 4 and ssm_state.shape[1:] == (hv, dk, dv)
-          and ssm_state.dtype == torch.float32, "ssm_state", (_shape(ssm_state), ssm_state.dtype),
-          f"[S, {hv}, {dk}, {dv}] float32")
-    _check_slots(read_slots, write_slots, num_valid, snapshot_rows, num_b, num_r)
-    _check_out("snapshots", snapshots, (num_b, num_r, hv, dk, dv), torch.float32)
-    _check_out("out", out, (num_b, num_r, hv, dv), q.dtype)
-    if out is None:
-        out = torch.empty(num_b, num_r, hv, dv, dtype=q.dtype, device=q.device)
-    if use_triton(q, backend or tune.backend):
-        from speccal.kernels.gated_delta import delta_rule_verify_triton
-
-        la = tune.linear_attention
-        delta_rule_verify_triton(q, k, v, g, beta, ssm_state, read_slots, write_slots, num_valid,
-                                 snapshots, snapshot_rows, out, la.block_v, la.warps)
-        return out.zero_() if dry_pass_active() else out
-    return out.copy_(ref.delta_rule_verify_ref(q, k, v, g, beta, ssm_state, read_slots,
-                                               write_slots, num_valid, snapshots,
-                                               snapshot_rows))
-
-
-def rmsnorm_gated(
-    x: torch.Tensor,  # [M, D]
-    z: torch.Tensor,  # [M, D] gate
-    weight: torch.Tensor,  # [D]
-    eps: float,
-    *,
-    out: torch.Tensor | None = None,  # [M, D] x.dtype
-    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
-    tune: KernelConfig = DEFAULT_KERNELS,
-) -> torch.Tensor:  # [M, D]
-    """``weight * rmsnorm(x) * silu(z)`` (``reference.rmsnorm_gated_ref``: fp32 math, the
-    normed row rounded to x's dtype before the weight), the gated delta-net's output norm."""
-    _need(x.dim() == 2 and x.stride(1) == 1 and x.dtype in _FLOATS, "x", (_shape(x), x.dtype),
-          "[M, D] float, D contiguous")
-    _need(_shape(z) == _shape(x) and z.stride(1) == 1, "z", _shape(z),
-          f"{list(_shape(x))}, D contiguous")
-    _need(_shape(weight) == (x.shape[1],) and weight.dtype in _FLOATS, "weight",
-          (_shape(weight), weight.dtype), f"[{x.shape[1]}] float")
-    _need(eps > 0, "eps", eps, "> 0")
-    _check_out("out", out, _shape(x), x.dtype)
-    if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if use_triton(x, backend or tune.backend):
-        from speccal.kernels.gated_delta import rmsnorm_gated_triton
-
-        rmsnorm_gated_triton(x, z, weight, eps, out)
-        return out.zero_() if dry_pass_active() else out
-    return out.copy_(ref.rmsnorm_gated_ref(x, z, weight, eps))

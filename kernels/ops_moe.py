@@ -1,0 +1,108 @@
+"""The routed experts' op: :func:`fused_moe` (re-exported by ``speccal.kernels.ops``).
+
+Capture-safe on the GPU (a static-size layout of the (row, expert) pairs sorted by expert,
+``reference.moe_align_ref``; the Triton kernels of ``fused_moe.py`` or the reference over it);
+on a CPU, ``backend="auto"`` gathers each active expert's rows after one host read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from speccal.kernels import reference as ref
+from speccal.kernels._backend import pdl_level, use_triton
+from speccal.kernels.config import DEFAULT_KERNELS, KernelConfig
+from speccal.kernels.op_checks import FLOATS as _FLOATS
+from speccal.kernels.op_checks import INTS as _INTS
+from speccal.kernels.op_checks import need as _need
+from speccal.kernels.op_checks import shape_of as _shape
+from speccal.kernels.precompile import dry_pass_active
+
+#: pairs per block of the routed-expert layout (``fused_moe``): tl.dot's smallest M tile
+MOE_BLOCK_M = 16
+
+
+def fused_moe(
+    x: torch.Tensor,  # [N, hidden]
+    weights: torch.Tensor,  # [N, top_k]: routing weights (float32 or x's dtype)
+    ids: torch.Tensor,  # [N, top_k] int: each row's experts, distinct within a row
+    gate_up: torch.Tensor,  # [E, 2 I, hidden]: gate rows, then up rows
+    down: torch.Tensor,  # [E, hidden, I]
+    *,
+    block_m: int = MOE_BLOCK_M,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [N, hidden] x's dtype, counts [E] int64
+    """Routed SwiGLU experts: ``out[n] = sum_j weights[n, j] * down_e(silu(gate_e(x[n])) *
+    up_e(x[n]))`` over row ``n``'s experts ``e = ids[n, j]``, added in ascending expert order;
+    ``counts``: the pairs each expert got (``> 0``: the experts this call activated).
+
+    Capture-safe: the (row, expert) pairs are sorted by expert into a block-aligned layout of
+    static worst-case size (``reference.moe_align_ref``, no host read), the experts run over
+    its blocks (Triton: ``fused_moe.py``, gate/up in one pass, blocks of no expert exit before
+    reading weights; reference: ``reference.fused_moe_ref``, batched products over each
+    block's gathered expert weights), and each row's pair outputs are summed
+    (``reference.moe_sum_slots_ref``). Expert ids are device values, not checked here. On a
+    CPU, ``backend="auto"`` runs :func:`_moe_by_expert` (one host read; CPU rounds are never
+    captured); ``reference`` forces the static layout there.
+    """
+    _need(x.dim() == 2 and x.stride(1) == 1 and x.dtype in _FLOATS, "x", (_shape(x), x.dtype),
+          "[N, hidden] float, hidden contiguous")
+    n, hidden = x.shape
+    _need(ids.dim() == 2 and ids.shape[0] == n and ids.dtype in _INTS, "ids",
+          (_shape(ids), ids.dtype), f"[{n}, top_k] int")
+    _need(_shape(weights) == _shape(ids) and weights.dtype in _FLOATS, "weights",
+          (_shape(weights), weights.dtype), f"{_shape(ids)} float")
+    _need(gate_up.dim() == 3 and gate_up.shape[2] == hidden and gate_up.shape[1] % 2 == 0,
+          "gate_up.shape", _shape(gate_up), f"[E, 2 I, {hidden}]")
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    _need(_shape(down) == (num_experts, hidden, inter), "down.shape", _shape(down),
+          f"[{num_experts}, {hidden}, {inter}]")
+    _need(gate_up.dtype == down.dtype == x.dtype, "gate_up/down dtype", (gate_up.dtype,
+          down.dtype), f"x's {x.dtype}")
+    _need(gate_up.stride(2) == 1 and down.stride(2) == 1, "gate_up/down", "strided",
+          "the last dimension contiguous")
+    _need(block_m >= 1, "block_m", block_m, "an int >= 1")
+    chosen = backend or tune.backend
+    if chosen == "auto" and not use_triton(x, chosen) and x.device.type == "cpu":
+        return _moe_by_expert(x, weights, ids, gate_up, down)
+    pairs, blocks, counts = ref.moe_align_ref(ids, num_experts, block_m)
+    if use_triton(x, chosen):
+        from speccal.kernels.fused_moe import fused_moe_triton
+
+        _need(block_m >= 16 and not block_m & (block_m - 1), "block_m", block_m,
+              "a power of two >= 16 (tl.dot's M tile)")
+        prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
+        pair_out = fused_moe_triton(x, weights.contiguous(), gate_up, down, pairs, blocks, prec,
+                                    pdl=pdl_level(x, tune) > 0)
+        if dry_pass_active():  # skipped launches: a finite stand-in, not the reference
+            pair_out.zero_()
+    else:
+        pair_out = ref.fused_moe_ref(x, weights, gate_up, down, pairs, blocks)
+    return ref.moe_sum_slots_ref(pair_out, ids), counts
+
+
+def _moe_by_expert(x, weights, ids, gate_up, down):  # shapes as fused_moe -> (out, counts)
+    """:func:`fused_moe` on a CPU with ``backend="auto"``: each active expert's rows gathered
+    after one host read of the per-expert counts (a CPU round is never captured), its products
+    on exactly those rows, the results added into the output in ascending expert order. The
+    same roundings and order as the reference (the tests compare them); what a CPU round runs
+    instead of the reference's per-block weight gathers (which copy an expert's weights per
+    block: many times slower at real widths)."""
+    k, inter = ids.shape[1], down.shape[2]
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])  # [E] int64
+    order = torch.argsort(flat, stable=True)  # [N k]: by expert, rows ascending within
+    w = weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, c in enumerate(counts.tolist()):  # the one host read
+        if c:
+            pick = order[start:start + c]
+            rows = pick // k
+            h = x[rows] @ gate_up[e].t()  # [c, 2 I] in x's dtype
+            y = (F.silu(h[:, :inter]) * h[:, inter:]) @ down[e].t()
+            out.index_add_(0, rows, (y * w[pick, None]).to(x.dtype))
+            start += c
+    return out, counts
