@@ -322,6 +322,9 @@ class LinearAttentionTuning:
 
 _GROUPS = {"pdl": PdlConfig, "gemv": GemvTuning, "attention": AttentionTuning,
            "norm": NormFusion, "precision": Precision, "linear_attention": LinearAttentionTuning}
+#: groups omitted from :meth:`KernelConfig.to_dict` at their defaults (added after tables were
+#: recorded with the others: a dense engine's default digest stays the shipped tables')
+_LATE_GROUPS = {"linear_attention": LinearAttentionTuning}
 
 
 @dataclass(frozen=True)
@@ -353,9 +356,16 @@ class KernelConfig:
     # ------------------------------------------------------------------ records
 
     def to_dict(self) -> dict[str, Any]:
-        """The nested JSON object a table records (overrides as their string form)."""
+        """The nested JSON object a table records (overrides as their string form).
+
+        Groups added after tables were first recorded (:data:`_LATE_GROUPS`) are written only
+        when they differ from their defaults, so a default configuration keeps the digest the
+        recorded tables carry; :meth:`from_dict` reads a missing group as its defaults."""
         out = asdict(self)
         out["gemv"]["overrides"] = [_override_text(o) for o in self.gemv.overrides]
+        for name, group in _LATE_GROUPS.items():
+            if getattr(self, name) == group():
+                del out[name]
         return out
 
     @classmethod
