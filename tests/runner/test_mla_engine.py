@@ -197,6 +197,23 @@ def test_packed_verify_rows_equal_transformers(checkpoint):
     assert 0 in ms and 1 in ms and 2 in ms, ms
 
 
+@pytest.mark.parametrize("checkpoint", ["v3-moe", "v32-dsa"], indirect=True)
+def test_served_round_shape_equals_transformers(checkpoint):
+    """The served path's round shape on the CPU: the pipelined loop with the device-side verify
+    input update, MLA (DSA) attention and routed layers: the head's drafts at batch 1 and on
+    the mixed batch with a stop, k = 3, tokens equal transformers' (the oracle draft reads the
+    host's view, one round behind on this loop)."""
+    variant, folder, refs = checkpoint
+    eng = _engine(folder, input_update="in_graph", pipeline=True)
+    assert eng.input_update == "in_graph" and eng.queue_depth == 1
+    params, want = _stop_case(refs)
+    got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=MAX_TOKENS[0],
+                                                    ignore_eos=True)], W)
+    assert got == [refs[0]]
+    got, _ = _run(eng, PROMPTS, params, W)
+    assert got == want
+
+
 def test_target_forward_makes_no_host_read(checkpoint):
     """MLA attention over the latent cache (the DSA indexer's top-k selection included) and the
     routed layers, on packed verify rows, make no host read (``engine_checks``): the

@@ -203,6 +203,24 @@ def test_speculative_greedy_equals_transformers_every_accepted_length(family):
         _check_oracle_rounds(eng, refs, params, want, k)
 
 
+@pytest.mark.parametrize("family", ["glm4_moe"], indirect=True)  # the family with a head
+def test_served_round_shape_equals_transformers(family):
+    """The served path's round shape on the CPU: the pipelined loop (queue depth 1) with the
+    device-side verify input update (packed rows, the reference kernels) and routed layers in
+    the target and the head: the head's own drafts at batch 1 and on the mixed batch with a
+    stop, tokens equal transformers'. (The oracle draft reads the host's view of each request,
+    which lags one round on this loop: its schedule checks run on the synchronous loop.)"""
+    _, folder, refs = family
+    eng = _engine(folder, input_update="in_graph", pipeline=True)
+    assert eng.input_update == "in_graph" and eng.queue_depth == 1
+    params, want = _stop_case(refs)
+    got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=MAX_TOKENS[0],
+                                                    ignore_eos=True)], W)
+    assert got == [refs[0]]
+    got, _ = _run(eng, PROMPTS, params, W)
+    assert got == want
+
+
 def test_stacked_expert_layout_loads_the_same_model(family, tmp_path):
     """The same weights with each layer's experts stacked as transformers holds them
     (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) decode the same
