@@ -44,6 +44,21 @@ def run_requests(eng: Engine, prompts, params, k: int,
     return [out[r] for r in rids], results
 
 
+def served_shape_run(eng: Engine, prompts, refs: list[list[int]], max_tokens, params,
+                     want, k: int) -> None:
+    """The served path's round shape (``eng``: pipelined, device-side verify input update):
+    the head's own drafts at batch 1, then on the mixed batch ``params`` (``want``: its
+    expected tokens, a stop included), tokens equal to the references. The oracle draft reads
+    the host's view of each request, one round behind on this loop: its schedule checks run on
+    the synchronous loop."""
+    assert eng.input_update == "in_graph" and eng.queue_depth == 1
+    one = SamplingParams(max_tokens=max_tokens[0], ignore_eos=True)
+    got, _ = run_requests(eng, prompts[:1], [one], k)
+    assert got == [refs[0]], "batch 1"
+    got, _ = run_requests(eng, prompts, params, k)
+    assert got == want, "mixed batch"
+
+
 def stop_case(refs: list[list[int]], max_tokens, at: int):
     """Mixed batch params and expected tokens: request 0 stops at ``refs[0][at]``."""
     stop = refs[0][at]

@@ -30,6 +30,7 @@ from tests.runner.engine_checks import OracleDraft as _Oracle
 from tests.runner.engine_checks import (
     oracle_run,
     scheduled_accepts,
+    served_shape_run,
     stop_case,
     target_rows_without_host_read,
 )
@@ -201,17 +202,10 @@ def test_packed_verify_rows_equal_transformers(checkpoint):
 def test_served_round_shape_equals_transformers(checkpoint):
     """The served path's round shape on the CPU: the pipelined loop with the device-side verify
     input update, MLA (DSA) attention and routed layers: the head's drafts at batch 1 and on
-    the mixed batch with a stop, k = 3, tokens equal transformers' (the oracle draft reads the
-    host's view, one round behind on this loop)."""
-    variant, folder, refs = checkpoint
+    the mixed batch with a stop, k = 3, tokens equal transformers' (``served_shape_run``)."""
+    _, folder, refs = checkpoint
     eng = _engine(folder, input_update="in_graph", pipeline=True)
-    assert eng.input_update == "in_graph" and eng.queue_depth == 1
-    params, want = _stop_case(refs)
-    got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=MAX_TOKENS[0],
-                                                    ignore_eos=True)], W)
-    assert got == [refs[0]]
-    got, _ = _run(eng, PROMPTS, params, W)
-    assert got == want
+    served_shape_run(eng, PROMPTS, refs, MAX_TOKENS, *_stop_case(refs), W)
 
 
 def test_target_forward_makes_no_host_read(checkpoint):

@@ -45,6 +45,7 @@ from tests.runner.engine_checks import (  # noqa: E402
     greedy_refs,
     oracle_run,
     scheduled_accepts,
+    served_shape_run,
     stop_case,
     target_rows_without_host_read,
 )
@@ -208,17 +209,10 @@ def test_served_round_shape_equals_transformers(family):
     """The served path's round shape on the CPU: the pipelined loop (queue depth 1) with the
     device-side verify input update (packed rows, the reference kernels) and routed layers in
     the target and the head: the head's own drafts at batch 1 and on the mixed batch with a
-    stop, tokens equal transformers'. (The oracle draft reads the host's view of each request,
-    which lags one round on this loop: its schedule checks run on the synchronous loop.)"""
+    stop, tokens equal transformers' (``engine_checks.served_shape_run``)."""
     _, folder, refs = family
     eng = _engine(folder, input_update="in_graph", pipeline=True)
-    assert eng.input_update == "in_graph" and eng.queue_depth == 1
-    params, want = _stop_case(refs)
-    got, _ = _run(eng, PROMPTS[:1], [SamplingParams(max_tokens=MAX_TOKENS[0],
-                                                    ignore_eos=True)], W)
-    assert got == [refs[0]]
-    got, _ = _run(eng, PROMPTS, params, W)
-    assert got == want
+    served_shape_run(eng, PROMPTS, refs, MAX_TOKENS, *_stop_case(refs), W)
 
 
 def test_stacked_expert_layout_loads_the_same_model(family, tmp_path):
