@@ -1,6 +1,6 @@
 """Triton kernels of a gated delta-net layer's decode / verify (Qwen3.5 / Qwen3-Next).
 
-Owns the three launches that replace the torch ops of ``speccal.runner.linear_attention``'s
+Owns the four launches that replace the torch ops of ``speccal.runner.linear_attention``'s
 decode / verify forward when ``KernelConfig.linear_attention.impl`` is ``fused``:
 
 - ``conv_update_triton``: depthwise causal conv1d over ``[conv_state[read] | rows]`` + SiLU,
@@ -16,6 +16,10 @@ decode / verify forward when ``KernelConfig.linear_attention.impl`` is ``fused``
   kernel returns only the final state, so the ``fla`` path calls it once per row). Grouped
   value heads: v head ``h`` reads q/k head ``h // (Hv // Hk)``. Reference:
   ``reference.delta_rule_verify_ref``.
+- ``gated_decay_triton``: the per-row gates ``g = decay * softplus(a + dt_bias)`` (float32;
+  ``log1p`` by Kahan's form, the threshold 20 of torch's softplus) and ``beta = sigmoid(b)``
+  (rounded to b's dtype) in one launch instead of five torch ops. Reference:
+  ``reference.gated_decay_ref``.
 - ``rmsnorm_gated_triton``: ``weight * rmsnorm(x) * silu(z)``, fp32 math with the reference's
   roundings (the normed row to x's dtype before the weight, the weighted row to x's dtype
   when the weight is). Reference: ``reference.rmsnorm_gated_ref``.
@@ -35,12 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["conv_update_triton", "delta_rule_verify_triton", "rmsnorm_gated_triton"]
+__all__ = ["conv_update_triton", "delta_rule_verify_triton", "gated_decay_triton",
+           "rmsnorm_gated_triton"]
 
 L2NORM_EPS = 1e-6  # fla's and transformers' l2norm epsilon (kernels.reference.l2norm)
 CONV_BLOCK_C = 128  # channels per conv program
 DELTA_BLOCK_V = 8  # fla's value tile of its fused recurrent kernel (one warp)
 NORM_BLOCK_M = 4  # rows per gated-norm program
+GATE_BLOCK = 256  # (row, head) gates per gating program
+SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returned as is
 
 
 @triton.jit
@@ -286,3 +293,40 @@ def rmsnorm_gated_triton(
         ROUND_WEIGHTED=weighted != torch.float32, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _gated_decay_kernel(a_ptr, b_ptr, dt_ptr, decay_ptr, g_ptr, beta_ptr, total, HV,
+                        stride_an, stride_bn, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    row = (offs // HV).to(tl.int64)
+    h = offs % HV
+    x = (tl.load(a_ptr + row * stride_an + h, mask=ok, other=0.0).to(tl.float32)
+         + tl.load(dt_ptr + h, mask=ok, other=0.0).to(tl.float32))
+    e = tl.exp(x)
+    u = 1.0 + e
+    # log1p(e) accurate to the last bit where 1 + e rounds (Kahan): log(u) * e / (u - 1)
+    soft = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    soft = tl.where(x > 20.0, x, soft)
+    g = tl.load(decay_ptr + h, mask=ok, other=0.0) * soft
+    bb = tl.load(b_ptr + row * stride_bn + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(g_ptr + offs, g, mask=ok)
+    tl.store(beta_ptr + offs, tl.sigmoid(bb).to(beta_ptr.dtype.element_ty), mask=ok)
+
+
+def gated_decay_triton(
+    a: torch.Tensor,  # [N, Hv]
+    b: torch.Tensor,  # [N, Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    decay: torch.Tensor,  # [Hv] float32
+    g: torch.Tensor,  # [N, Hv] float32, contiguous
+    beta: torch.Tensor,  # [N, Hv] b's dtype, contiguous
+) -> None:
+    """One launch; arguments validated by ``ops.gated_decay``."""
+    n, hv = a.shape
+    total = n * hv
+    _gated_decay_kernel[(triton.cdiv(total, GATE_BLOCK),)](
+        a, b, dt_bias, decay, g, beta, total, hv, a.stride(0), b.stride(0), BLOCK=GATE_BLOCK,
+        num_warps=4,
+    )

@@ -64,7 +64,12 @@ from speccal.kernels.ops_attention import (  # noqa: F401 (re-exported)
     residual_panel,
     spread_wanted,
 )
-from speccal.kernels.ops_linear import conv_update, delta_rule_verify, rmsnorm_gated
+from speccal.kernels.ops_linear import (
+    conv_update,
+    delta_rule_verify,
+    gated_decay,
+    rmsnorm_gated,
+)
 from speccal.kernels.ops_moe import MOE_BLOCK_M, fused_moe  # noqa: F401 (MOE_BLOCK_M: re-exported)
 from speccal.kernels.precompile import dry_pass_active
 
@@ -81,6 +86,7 @@ __all__ = [
     "embed_rms_norm",
     "fold_wanted",
     "fused_moe",
+    "gated_decay",
     "spread_wanted",
     "linear",
     "linear_argmax",

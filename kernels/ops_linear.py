@@ -1,5 +1,6 @@
 """The gated delta-net decode / verify ops (``KernelConfig.linear_attention.impl ==
-"fused"``): :func:`conv_update`, :func:`delta_rule_verify`, :func:`rmsnorm_gated`
+"fused"``): :func:`gated_decay`, :func:`conv_update`, :func:`delta_rule_verify`,
+:func:`rmsnorm_gated`
 (re-exported by ``speccal.kernels.ops``; Triton in ``gated_delta.py``, references in
 ``reference``)."""
 
@@ -171,3 +172,36 @@ def rmsnorm_gated(
         rmsnorm_gated_triton(x, z, weight, eps, out)
         return out.zero_() if dry_pass_active() else out
     return out.copy_(ref.rmsnorm_gated_ref(x, z, weight, eps))
+
+
+def gated_decay(
+    a: torch.Tensor,  # [N, Hv] decay input (the model's dtype)
+    b: torch.Tensor,  # [N, Hv] write-strength input
+    dt_bias: torch.Tensor,  # [Hv]
+    decay: torch.Tensor,  # [Hv] float32: -exp(A_log)
+    *,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
+) -> tuple[torch.Tensor, torch.Tensor]:  # g [N, Hv] float32, beta [N, Hv] b's dtype
+    """The gated delta rule's per-row gates, ``g = decay * softplus(a + dt_bias)`` and
+    ``beta = sigmoid(b)`` (``reference.gated_decay_ref``): one launch on Triton (the torch form
+    is five)."""
+    _need(a.dim() == 2 and a.dtype in _FLOATS and a.stride(1) == 1, "a", (_shape(a), a.dtype),
+          "[N, Hv] float, Hv contiguous")
+    n, hv = a.shape
+    _need(_shape(b) == (n, hv) and b.dtype in _FLOATS and b.stride(1) == 1, "b",
+          (_shape(b), b.dtype), f"[{n}, {hv}] float, Hv contiguous")
+    _need(_shape(dt_bias) == (hv,) and dt_bias.dtype in _FLOATS, "dt_bias",
+          (_shape(dt_bias), dt_bias.dtype), f"[{hv}] float")
+    _need(_shape(decay) == (hv,) and decay.dtype == torch.float32, "decay",
+          (_shape(decay), decay.dtype), f"[{hv}] float32")
+    if use_triton(a, backend or tune.backend):
+        from speccal.kernels.gated_delta import gated_decay_triton
+
+        g = torch.empty(n, hv, dtype=torch.float32, device=a.device)
+        beta = torch.empty(n, hv, dtype=b.dtype, device=a.device)
+        gated_decay_triton(a, b, dt_bias, decay, g, beta)
+        if dry_pass_active():
+            g.zero_(), beta.zero_()
+        return g, beta
+    return ref.gated_decay_ref(a, b, dt_bias, decay)

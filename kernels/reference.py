@@ -780,3 +780,14 @@ def rmsnorm_gated_ref(
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return ((weight * xf.to(dtype)) * F.silu(z.float())).to(dtype)
+
+
+def gated_decay_ref(
+    a: torch.Tensor,  # [N, Hv] decay input (the model's dtype)
+    b: torch.Tensor,  # [N, Hv] write-strength input
+    dt_bias: torch.Tensor,  # [Hv]
+    decay: torch.Tensor,  # [Hv] float32: -exp(A_log)
+) -> tuple[torch.Tensor, torch.Tensor]:  # g [N, Hv] float32, beta [N, Hv] b's dtype
+    """A gated delta-net layer's per-row gates: ``g = decay * softplus(a + dt_bias)`` in
+    float32 and ``beta = sigmoid(b)`` in b's dtype (transformers' ``Qwen3_5GatedDeltaNet``)."""
+    return decay * F.softplus(a.float() + dt_bias), b.sigmoid()

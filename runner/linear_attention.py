@@ -211,8 +211,9 @@ class GatedDeltaNet(PathBound, nn.Module):
     """One linear-attention token mixer with HF parameter names (``linear_attn.*``).
 
     Decode / verify (not chunked) under ``path.kernels.linear_attention.impl == "fused"`` run
-    :meth:`_forward_fused`: three ``speccal.kernels.ops`` launches around the projections (the
-    Triton kernels on CUDA or under Triton's interpreter, their torch references elsewhere);
+    :meth:`_forward_fused`: four ``speccal.kernels.ops`` launches around the projections (the
+    gates, the conv step, the delta rule, the gated norm; the Triton kernels on CUDA or under
+    Triton's interpreter, their torch references elsewhere);
     otherwise the torch ops and ``fla`` calls below (the default)."""
 
     def __init__(self, hidden_size: int, cfg: LinearAttentionConfig, eps: float):
@@ -275,15 +276,16 @@ class GatedDeltaNet(PathBound, nn.Module):
         num_b = x.shape[0] // num_r
         conv_state, ssm_state = state
         qkv, z, b, a = self._project(x)
-        beta = b.sigmoid()
         decay = self.decay if self.decay is not None else -self.A_log.float().exp()
-        g = decay * F.softplus(a.float() + self.dt_bias)  # [N, Hv]
         if self.kx.linear_attention.is_fused and not meta.is_chunked:
+            g, beta = ops.gated_decay(a, b, self.dt_bias, decay, tune=self.kx)  # one launch
             out = self._forward_fused(qkv.view(num_b, num_r, c.conv_dim), g, beta, meta, state,
                                       snapshot, save)
             out = ops.rmsnorm_gated(out.view(-1, c.head_v_dim), z.reshape(-1, c.head_v_dim),
                                     self.norm.weight, self.norm.eps, tune=self.kx)
             return self.out_proj(out.view(x.shape[0], c.value_dim))
+        beta = b.sigmoid()
+        g = decay * F.softplus(a.float() + self.dt_bias)  # [N, Hv]
         if meta.num_valid is not None:  # padding rows: no decay, no write
             is_real = (torch.arange(num_r, device=x.device)[None, :]
                        < meta.num_valid[:, None]).reshape(-1, 1)

@@ -198,6 +198,43 @@ def test_rmsnorm_gated_equals_its_reference(shape, dtype):
         _close(got, ref.rmsnorm_gated_ref(x, z, w, 1e-6), dtype)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 13, 300])
+def test_gated_decay_equals_its_reference(rows, dtype):
+    """``gated_decay`` against ``gated_decay_ref``: g float32 (softplus across its threshold 20
+    and deep into its small-exp tail, where log(1 + e) alone would lose every digit), beta in
+    the rows' dtype; a float32 bias on bf16 rows as models keep it."""
+    gen = torch.Generator().manual_seed(rows)
+    hv = 6
+    a = (torch.randn(rows, hv, generator=gen) * 12).to(dtype=dtype, device=DEV)
+    a[0, :3] = torch.tensor([25.0, -40.0, 19.5])  # above the threshold, e ~ 4e-18, below it
+    b = (torch.randn(rows, hv, generator=gen) * 3).to(dtype=dtype, device=DEV)
+    decay = -torch.rand(hv, generator=gen).add(0.1).to(DEV)
+    for bias_dtype in {dtype, torch.float32}:
+        dt_bias = torch.randn(hv, generator=gen).to(dtype=bias_dtype, device=DEV)
+        g, beta = ops.gated_decay(a, b, dt_bias, decay, tune=KernelConfig(backend="triton"))
+        want_g, want_beta = ref.gated_decay_ref(a, b, dt_bias, decay)
+        assert g.dtype == torch.float32 and beta.dtype == dtype
+        torch.testing.assert_close(g, want_g, rtol=2e-6, atol=1e-30)
+        if dtype == torch.float32:
+            torch.testing.assert_close(beta, want_beta, rtol=2e-6, atol=1e-7)
+        else:
+            assert (beta.float() - want_beta.float()).abs().max().item() <= 2 ** -8
+
+
+def test_gated_decay_refuses_bad_input():
+    a = torch.zeros(3, 4)
+    for kwargs, field in ((dict(a=torch.zeros(3, 4, dtype=torch.int64)), "a"),
+                          (dict(b=torch.zeros(3, 5)), "b"), (dict(dt_bias=torch.zeros(5)),
+                                                             "dt_bias"),
+                          (dict(decay=torch.zeros(4, dtype=torch.bfloat16)), "decay")):
+        args = dict(a=a, b=torch.zeros(3, 4), dt_bias=torch.zeros(4), decay=torch.zeros(4))
+        args.update(kwargs)
+        with pytest.raises(Exception, match=field):
+            ops.gated_decay(args["a"], args["b"], args["dt_bias"], args["decay"])
+
+
 # ------------------------------------------------------------------------------ the layer
 
 CFG = LinearAttentionConfig(num_k_heads=2, num_v_heads=4, head_k_dim=12, head_v_dim=10,
