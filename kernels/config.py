@@ -294,10 +294,10 @@ class LinearAttentionTuning:
     the chunked path: ``fla``'s chunked kernel on CUDA, the torch chunked form on CPU).
 
     ``impl``: ``fla`` (default: today's path, torch ops around ``fla``'s fused recurrent kernel;
-    the snapshot strategy calls it once per verified row) or ``fused`` (four launches per
-    layer, ``speccal.kernels.gated_delta``: the gates, conv1d state update + SiLU, the delta
-    rule over every row with in-kernel q/k l2norm, its state read once and written once, every row's snapshot in
-    the same launch, then the gated RMSNorm; on CUDA tensors, or any under Triton's
+    the snapshot strategy calls it once per verified row) or ``fused`` (four launches per layer,
+    ``speccal.kernels.gated_delta``: the gates, conv1d state update + SiLU, the delta rule over
+    every row with in-kernel q/k l2norm, its state read once and written once, every row's
+    snapshot in the same launch, then the gated RMSNorm; on CUDA tensors, or any under Triton's
     interpreter). ``fla`` stays the default until the fused path is validated end to end on the
     H200 (fp32 greedy equal to transformers under both state strategies, then timed against
     ``fla``: ``bench/bench_hybrid.py --linear-attention fla,fused``). ``block_v``: the delta
