@@ -12,8 +12,9 @@ multiple of ``BLOCK_M``; layout and stacked weights in ``reference``'s module do
    x's dtype, times the pair's routing weight, written to the pair's row of ``out [N top_k,
    hidden]``.
 
-The model's widths (``H``, ``INTER``) and ``top_k`` are compile-time constants: one
-specialization per model, whatever the row count. A block whose expert is -1 (past the last expert's run) returns before it reads anything, so
+The model's widths (``H``, ``INTER``) and ``top_k`` are compile-time constants and the pair
+count is not specialised (``do_not_specialize``): one specialization per model and dtype,
+whatever the row count (every bucket's graph shares it). A block whose expert is -1 (past the last expert's run) returns before it reads anything, so
 only active experts' weights are read, each once per block of its rows (once per round for
 decode and verify rows, where an expert rarely gets more than ``BLOCK_M`` pairs). Padding
 positions (the sentinel pair) load zero rows and store nothing. ``ops.fused_moe`` sums each
@@ -35,7 +36,7 @@ _BLOCK_N = 64
 _BLOCK_K = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_pairs",))  # one compile per model, any row count
 def _gate_up_kernel(
     x_ptr, w_ptr, pairs_ptr, experts_ptr, act_ptr, num_pairs,
     stride_x, stride_we, stride_wn, stride_a,
@@ -73,7 +74,7 @@ def _gate_up_kernel(
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=is_pair[:, None] & is_col[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_pairs",))
 def _down_kernel(
     act_ptr, w_ptr, pairs_ptr, experts_ptr, rw_ptr, out_ptr, num_pairs,
     stride_a, stride_we, stride_wn, stride_o,

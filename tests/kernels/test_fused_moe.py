@@ -46,6 +46,24 @@ def test_fused_moe_matches_reference(dtype, case):
     assert torch.equal(counts, want_counts)
 
 
+@pytest.mark.skipif(DEV == "cpu", reason="the interpreter keeps no compiled specializations")
+def test_the_kernels_compile_once_for_every_row_count():
+    """Cold start: one specialization of each kernel serves every bucket's row count (the pair
+    count is not specialised), not one per divisibility class of ``N * top_k``."""
+    from speccal.kernels.fused_moe import _down_kernel, _gate_up_kernel
+
+    def specializations(kernel):
+        return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+    before = (specializations(_gate_up_kernel), specializations(_down_kernel))
+    for rows in (1, 2, 3, 4, 5, 8, 16, 17, 32):
+        x, w, ids, gu, dn = moe_case(rows, rows, 40, 24, 6, 2, torch.bfloat16, DEV)
+        ops.fused_moe(x, w, ids, gu, dn, backend="triton")
+    after = (specializations(_gate_up_kernel), specializations(_down_kernel))
+    # at most one new specialization each (none if an earlier test compiled this shape)
+    assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1, (before, after)
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="CUDA graphs need a GPU")
 def test_routed_moe_forward_captures_in_a_cuda_graph():
     """The routed layer's whole forward (router, layout, kernels, slot sum, activated-expert
