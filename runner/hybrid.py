@@ -34,7 +34,7 @@ reads and writes, and how a rejected draft's state is undone, is the state strat
 fusion block of the draft-family descriptor around one gated full-attention layer of this
 module, with zero-centred norms. On CUDA the delta rule runs ``fla``'s kernels
 (``speccal.runner.linear_attention``; or, under ``KernelConfig.linear_attention.impl ==
-"fused"``, three Triton launches per linear layer, ``speccal.kernels.gated_delta``) and the
+"fused"``, four Triton launches per linear layer, ``speccal.kernels.gated_delta``) and the
 step is captured in CUDA graphs like a dense target's; the layers here are torch ops, not the dense path's fused Triton norms and gemv, so a
 B = 1 decode step is launch-bound: 1,757 kernels, 4.2 ms on the H200 for the qwen3.5-2b preset
 before :func:`freeze_constants` (4.7x its HBM floor; transformers under ``torch.compile``
