@@ -251,11 +251,14 @@ class GatedAttention(nn.Module):
 def freeze_constants(module: nn.Module) -> None:
     """Freeze every submodule's weight-derived constants (``OffsetRMSNorm.freeze``,
     ``GatedDeltaNet.freeze``): the values each forward computed from the weights, computed once
-    where the weights now live. Call after the weights are loaded and moved; they must not
-    change afterwards."""
+    where the weights now live; routed layers stack their experts (``RoutedMoE.stack_experts``:
+    at the build, not in the first captured graph's warm-up). Call after the weights are loaded
+    and moved; they must not change afterwards."""
     for m in module.modules():
         if isinstance(m, (OffsetRMSNorm, GatedDeltaNet)):
             m.freeze()
+        elif isinstance(m, RoutedMoE):
+            m.stack_experts()
 
 
 class HybridLayer(nn.Module):
