@@ -35,10 +35,12 @@ fusion block of the draft-family descriptor around one gated full-attention laye
 module, with zero-centred norms. On CUDA the delta rule runs ``fla``'s kernels
 (``speccal.runner.linear_attention``; or, under ``KernelConfig.linear_attention.impl ==
 "fused"``, four Triton launches per linear layer, ``speccal.kernels.gated_delta``) and the
-step is captured in CUDA graphs like a dense target's; the layers here are torch ops, not the dense path's fused Triton norms and gemv, so a
-B = 1 decode step is launch-bound: 1,757 kernels, 4.2 ms on the H200 for the qwen3.5-2b preset
-before :func:`freeze_constants` (4.7x its HBM floor; transformers under ``torch.compile``
-decoded 1.29x faster, bench/RESULTS.md, 2026-12-02 02:45).
+step is captured in CUDA graphs like a dense target's. On the fused path every zero-centred norm
+is one ``ops.rms_norm`` launch with the residual add folded in (:class:`OffsetRMSNorm`); the
+projections, the gated attention and the MLPs are torch ops, not the dense path's fused GEMVs,
+so a B = 1 decode step is launch-bound: 1,757 kernels, 4.2 ms on the H200 for the qwen3.5-2b
+preset before :func:`freeze_constants` and the fused norms (4.7x its HBM floor; transformers
+under ``torch.compile`` decoded 1.29x faster, bench/RESULTS.md, 2026-12-02 02:45).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import torch
 from torch import nn
 
 from speccal.base.errors import InputError, UnsupportedError
+from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig, config_from_hf
 from speccal.runner.draft_families import DraftFamily
@@ -175,16 +178,23 @@ def hybrid_config_from_hf(cfg: Mapping[str, Any],
                         is_attn_output_gated=bool(raw.get("attn_output_gate", True)))
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(PathBound, nn.Module):
     """Zero-centred RMSNorm: ``x / rms(x) * (1 + weight)`` in float32 (weights init to 0).
 
     :meth:`freeze` keeps ``1 + weight`` in float32 (``scale``) for serving: the same values,
     two launches fewer per call (the cast and the add). The weights must not change after it
     (the engine freezes once its weights are loaded and on their device). A second freeze
-    keeps the first tensor: graphs captured by an engine sharing these weights read it."""
+    keeps the first tensor: graphs captured by an engine sharing these weights read it.
+
+    Frozen, on the fused path (``ExecutionPath.fused``: Triton ops on CUDA), it is one
+    ``ops.rms_norm`` launch with ``scale`` as its float32 weight (the same formula: the fp32 row
+    times rsqrt(mean + eps) times the weight, then the cast) instead of six torch ops, and
+    :meth:`add_norm` adds the residual in the same launch (the sum's norm taken in fp32 before
+    the sum is rounded to the stream's dtype: equal in fp32, within a rounding in bf16)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
+        self._init_path()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
         self.scale: torch.Tensor | None = None
@@ -194,11 +204,26 @@ class OffsetRMSNorm(nn.Module):
         if self.scale is None:
             self.scale = 1.0 + self.weight.float()
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        return self.scale is not None and self.path.fused(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if self._fused(x):
+            shape = x.shape
+            return ops.rms_norm(x.reshape(-1, shape[-1]), self.scale, self.eps,
+                                tune=self.kx).view(shape)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
         return (xf * scale).type_as(x)
+
+    def add_norm(self, delta: torch.Tensor,  # [N, dim]
+                 residual: torch.Tensor) -> torch.Tensor:  # [N, dim], updated in place
+        """``residual += delta`` in place, then the norm of the sum (one launch when fused)."""
+        if self._fused(residual) and residual.is_contiguous() and delta.stride(-1) == 1:
+            return ops.rms_norm(delta, self.scale, self.eps, residual=residual, tune=self.kx)
+        residual.add_(delta)
+        return self(residual)
 
 
 class GatedAttention(nn.Module):
@@ -340,8 +365,10 @@ class HybridModel(PathBound, nn.Module):
         save_iter = iter(saves) if saves is not None else None
         rows = state_meta.row_index
         num_grid = state_meta.read_slots.shape[0] * state_meta.num_q_rows
+        pending = None  # the last MLP's output: the next norm adds it into h (one launch fused)
         for layer in self.model.layers:
-            x = layer.input_layernorm(h)
+            norm = layer.input_layernorm
+            x = norm(h) if pending is None else norm.add_norm(pending, h)
             mixer = getattr(layer, layer.mixer)
             if layer.has_state:
                 snap = next(snap_iter) if snap_iter is not None else None
@@ -355,9 +382,8 @@ class HybridModel(PathBound, nn.Module):
                     x = torch.cat([out, grid[num_grid:]], dim=0).index_select(0, rows)
             else:
                 x = mixer(x, positions, attn_meta, next(kv_iter), self.rotary, self.path)
-            h = h + x
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+            pending = layer.mlp(layer.post_attention_layernorm.add_norm(x, h))
+        return self.model.norm(h) if pending is None else self.model.norm.add_norm(pending, h)
 
     def fuse_weights(self) -> None:
         """Serving constants computed once (:func:`freeze_constants`): same values, fewer
@@ -416,10 +442,10 @@ class HybridMTPHead(PathBound, nn.Module):
         parts = {"embed": e, "hidden": self.hidden_norm(hidden)}
         x = self.proj(torch.cat([parts[name] for name in self.family.concat_order], dim=-1))
         layer = self.layer
-        x = x + layer.self_attn(layer.input_layernorm(x), positions, meta, kv, target.rotary,
-                                self.path)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        normed = self.final_norm(x)
+        a = layer.self_attn(layer.input_layernorm(x), positions, meta, kv, target.rotary,
+                            self.path)
+        m = layer.mlp(layer.post_attention_layernorm.add_norm(a, x))  # x += a
+        normed = self.final_norm.add_norm(m, x)  # x += m
         return (normed if self.family.is_feedback_normed else x), normed
 
     def fuse_weights(self) -> None:

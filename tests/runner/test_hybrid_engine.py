@@ -511,3 +511,34 @@ def test_vision_language_checkpoint_layout_serves_its_text_stack(family, tmp_pat
     params, want = _stop_case(refs)
     got, _ = _run(eng, PROMPTS, params, 3)
     assert got == want
+
+
+@pytest.mark.parametrize("strategy", STATE_STRATEGIES)
+def test_fused_norms_equal_transformers(family, strategy, fused_on_cpu, monkeypatch):
+    """The zero-centred norms on the fused path (simulated on CPU: every op its reference):
+    each norm one ``ops.rms_norm`` launch with the frozen ``1 + weight`` as its fp32 weight,
+    the residual adds inside the next norm's launch (layers, final norm, the head): the tokens
+    stay transformers', plain and speculative on the mixed batch with a stop."""
+    from speccal.runner.path import bind_path
+
+    folder, refs = family
+    calls = {"plain": 0, "residual": 0}
+    real = ops.rms_norm
+
+    def counted(x, weight, eps, **kw):
+        calls["residual" if kw.get("residual") is not None else "plain"] += 1
+        return real(x, weight, eps, **kw)
+
+    monkeypatch.setattr(ops, "rms_norm", counted)
+    params, want = _stop_case(refs)
+    for k in (0, 3):
+        eng = _engine(folder, strategy, speculative=k > 0)
+        path = fused_on_cpu()
+        for module in (eng.loaded.target, eng.loaded.draft):
+            if module is not None:
+                bind_path(module, path)
+        got, _ = _run(eng, PROMPTS, params, k)
+        assert got == want, k
+    layers = SHAPES["num_hidden_layers"]
+    # every layer's post-attention norm and every later layer's input norm add a residual
+    assert calls["residual"] >= 2 * layers and calls["plain"] > 0, calls
