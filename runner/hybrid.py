@@ -36,9 +36,10 @@ module, with zero-centred norms. On CUDA the delta rule runs ``fla``'s kernels
 (``speccal.runner.linear_attention``; or, under ``KernelConfig.linear_attention.impl ==
 "fused"``, four Triton launches per linear layer, ``speccal.kernels.gated_delta``) and the
 step is captured in CUDA graphs like a dense target's. On the fused path every zero-centred norm
-is one ``ops.rms_norm`` launch with the residual add folded in (:class:`OffsetRMSNorm`); the
-projections, the gated attention and the MLPs are torch ops, not the dense path's fused GEMVs,
-so a B = 1 decode step is launch-bound: 1,757 kernels, 4.2 ms on the H200 for the qwen3.5-2b
+is one ``ops.rms_norm`` launch with the residual add folded in (:class:`OffsetRMSNorm`) and a
+dense MLP is two GEMVs, the second writing the next norm (:meth:`HybridLayer.mlp_to_next`); the
+mixers' projections and the gated attention are torch ops, so a B = 1 decode step was
+launch-bound: 1,757 kernels, 4.2 ms on the H200 for the qwen3.5-2b
 preset before :func:`freeze_constants` and the fused norms (4.7x its HBM floor; transformers
 under ``torch.compile`` decoded 1.29x faster, bench/RESULTS.md, 2026-12-02 02:45).
 """
@@ -58,6 +59,7 @@ from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig, config_from_hf
 from speccal.runner.draft_families import DraftFamily
+from speccal.runner.layers import SKINNY_ROWS
 from speccal.runner.linear_attention import (
     GatedDeltaNet,
     LinearAttentionConfig,
@@ -277,13 +279,17 @@ def freeze_constants(module: nn.Module) -> None:
     """Freeze every submodule's weight-derived constants (``OffsetRMSNorm.freeze``,
     ``GatedDeltaNet.freeze``): the values each forward computed from the weights, computed once
     where the weights now live; routed layers stack their experts (``RoutedMoE.stack_experts``:
-    at the build, not in the first captured graph's warm-up). Call after the weights are loaded
+    at the build, not in the first captured graph's warm-up); on CUDA the dense MLPs interleave
+    gate / up (``SwiGLU.interleave``, :meth:`HybridLayer.mlp_to_next`). Call after the weights are loaded
     and moved; they must not change afterwards."""
     for m in module.modules():
         if isinstance(m, (OffsetRMSNorm, GatedDeltaNet)):
             m.freeze()
         elif isinstance(m, RoutedMoE):
             m.stack_experts()
+        elif (isinstance(m, HybridLayer) and isinstance(m.mlp, SwiGLU)
+              and m.mlp.gate_proj.weight.is_cuda):
+            m.mlp.interleave()  # the fused path's gate/up GEMV (CUDA: a CPU runs torch)
 
 
 class HybridLayer(nn.Module):
@@ -304,6 +310,26 @@ class HybridLayer(nn.Module):
             self.mlp = RoutedMoE(b.hidden_size, cfg.moe)
         else:
             self.mlp = SwiGLU(b.hidden_size, b.intermediate_size)
+
+    def mlp_to_next(self, xn: torch.Tensor,  # [N, hidden]: the post-attention normed rows
+                    h: torch.Tensor,  # [N, hidden]: the residual stream, updated in place
+                    next_norm: OffsetRMSNorm,
+                    path) -> torch.Tensor | None:  # [N, hidden]: the next norm's output
+        """The dense MLP on the fused path in two GEMV launches: gate/up with the SwiGLU
+        epilogue, then down adding into ``h`` with ``next_norm`` (the next layer's input norm,
+        or the final norm) in the same launch. None where the per-op path serves: a routed
+        MLP, weights not interleaved (``freeze_constants``), the norm not frozen, rows past the
+        GEMV's range (prefill chunks), not the fused path."""
+        mlp = self.mlp
+        if (not isinstance(mlp, SwiGLU) or mlp.gate_up_weight is None or next_norm.scale is None
+                or not path.fused(xn) or xn.shape[0] > SKINNY_ROWS or not h.is_contiguous()):
+            return None
+        act = ops.linear(xn.contiguous(), mlp.gate_up_weight, epilogue="silu_mul",
+                         tune=path.kernels)
+        out = torch.empty_like(h)
+        ops.linear(act, mlp.down_proj.weight, residual=h,
+                   norm=(next_norm.scale, next_norm.eps, out), tune=path.kernels)
+        return out
 
 
 class _Body(nn.Module):
@@ -365,10 +391,13 @@ class HybridModel(PathBound, nn.Module):
         save_iter = iter(saves) if saves is not None else None
         rows = state_meta.row_index
         num_grid = state_meta.read_slots.shape[0] * state_meta.num_q_rows
+        layers = self.model.layers
         pending = None  # the last MLP's output: the next norm adds it into h (one launch fused)
-        for layer in self.model.layers:
+        ready = None  # or the next norm's output, written by the fused MLP's down projection
+        for i, layer in enumerate(layers):
             norm = layer.input_layernorm
-            x = norm(h) if pending is None else norm.add_norm(pending, h)
+            x = (ready if ready is not None else norm(h) if pending is None
+                 else norm.add_norm(pending, h))
             mixer = getattr(layer, layer.mixer)
             if layer.has_state:
                 snap = next(snap_iter) if snap_iter is not None else None
@@ -382,7 +411,12 @@ class HybridModel(PathBound, nn.Module):
                     x = torch.cat([out, grid[num_grid:]], dim=0).index_select(0, rows)
             else:
                 x = mixer(x, positions, attn_meta, next(kv_iter), self.rotary, self.path)
-            pending = layer.mlp(layer.post_attention_layernorm.add_norm(x, h))
+            xn = layer.post_attention_layernorm.add_norm(x, h)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            ready = layer.mlp_to_next(xn, h, nxt, self.path)
+            pending = layer.mlp(xn) if ready is None else None
+        if ready is not None:
+            return ready
         return self.model.norm(h) if pending is None else self.model.norm.add_norm(pending, h)
 
     def fuse_weights(self) -> None:
@@ -444,8 +478,10 @@ class HybridMTPHead(PathBound, nn.Module):
         layer = self.layer
         a = layer.self_attn(layer.input_layernorm(x), positions, meta, kv, target.rotary,
                             self.path)
-        m = layer.mlp(layer.post_attention_layernorm.add_norm(a, x))  # x += a
-        normed = self.final_norm.add_norm(m, x)  # x += m
+        xn = layer.post_attention_layernorm.add_norm(a, x)  # x += a
+        normed = layer.mlp_to_next(xn, x, self.final_norm, self.path)  # x += mlp, fused
+        if normed is None:
+            normed = self.final_norm.add_norm(layer.mlp(xn), x)  # x += m
         return (normed if self.family.is_feedback_normed else x), normed
 
     def fuse_weights(self) -> None:

@@ -50,13 +50,29 @@ SIGMOID_NORM_EPS = 1e-20
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``, torch products, no bias."""
+    """``down(silu(gate(x)) * up(x))``, torch products, no bias. :meth:`interleave` makes the
+    gate / up weights row views of one ``gate_up_weight [2 I, hidden]`` whose rows alternate
+    ``gate_i, up_i`` (the layout of the GEMV's SwiGLU epilogue, ``ops.linear(epilogue=
+    "silu_mul")``) for callers that run the fused path (the hybrid layers)."""
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by interleave
+
+    @torch.no_grad()
+    def interleave(self) -> None:
+        """Stack gate / up into the interleaved ``gate_up_weight`` once (no second copy: the
+        parameters become its even / odd rows)."""
+        if self.gate_up_weight is not None:
+            return
+        with torch.inference_mode(False):
+            ws = [self.gate_proj.weight, self.up_proj.weight]
+            gu = torch.stack([w.data for w in ws], dim=1).reshape(-1, ws[0].shape[1])
+        ws[0].data, ws[1].data = gu[0::2], gu[1::2]
+        self.gate_up_weight = gu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

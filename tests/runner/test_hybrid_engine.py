@@ -38,6 +38,7 @@ from speccal.kernels import ops
 from speccal.kernels.config import KernelConfig, LinearAttentionTuning
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.hybrid_state import STATE_STRATEGIES
+from speccal.runner.moe import SwiGLU
 from speccal.runner.sampling import SamplingParams
 from tests.runner.engine_checks import OracleDraft as _Oracle
 from tests.runner.engine_checks import oracle_run, scheduled_accepts, stop_case
@@ -514,31 +515,46 @@ def test_vision_language_checkpoint_layout_serves_its_text_stack(family, tmp_pat
 
 
 @pytest.mark.parametrize("strategy", STATE_STRATEGIES)
-def test_fused_norms_equal_transformers(family, strategy, fused_on_cpu, monkeypatch):
-    """The zero-centred norms on the fused path (simulated on CPU: every op its reference):
-    each norm one ``ops.rms_norm`` launch with the frozen ``1 + weight`` as its fp32 weight,
-    the residual adds inside the next norm's launch (layers, final norm, the head): the tokens
-    stay transformers', plain and speculative on the mixed batch with a stop."""
+def test_fused_norms_and_mlps_equal_transformers(family, strategy, fused_on_cpu, monkeypatch):
+    """The hybrid layers' fused launch plan (simulated on CPU: every op its reference): each
+    zero-centred norm one ``ops.rms_norm`` launch with the frozen ``1 + weight`` as its fp32
+    weight, the residual adds inside the next norm's launch, and the dense MLPs as two GEMVs
+    (gate/up with the SwiGLU epilogue; down adding into the stream with the next layer's (or
+    the final) norm in its launch): the tokens stay transformers', plain and speculative on
+    the mixed batch with a stop, both families (Qwen3-Next's routed MLPs keep the per-op
+    path)."""
     from speccal.runner.path import bind_path
 
     folder, refs = family
-    calls = {"plain": 0, "residual": 0}
-    real = ops.rms_norm
+    calls = {"plain": 0, "residual": 0, "mlp_gemv": 0}
+    real, real_linear = ops.rms_norm, ops.linear
 
     def counted(x, weight, eps, **kw):
         calls["residual" if kw.get("residual") is not None else "plain"] += 1
         return real(x, weight, eps, **kw)
 
+    def counted_linear(x, weight, **kw):
+        calls["mlp_gemv"] += 1
+        return real_linear(x, weight, **kw)
+
     monkeypatch.setattr(ops, "rms_norm", counted)
+    monkeypatch.setattr(ops, "linear", counted_linear)
     params, want = _stop_case(refs)
+    dense = 0  # the target's dense MLPs (Qwen3-Next's layers here are all routed)
     for k in (0, 3):
         eng = _engine(folder, strategy, speculative=k > 0)
+        dense = sum(isinstance(layer.mlp, SwiGLU) for layer in eng.loaded.target.model.layers)
         path = fused_on_cpu()
         for module in (eng.loaded.target, eng.loaded.draft):
             if module is not None:
                 bind_path(module, path)
+                for m in module.modules():  # CUDA interleaves at the build (freeze_constants)
+                    if isinstance(getattr(m, "mlp", None), SwiGLU):
+                        m.mlp.interleave()
         got, _ = _run(eng, PROMPTS, params, k)
         assert got == want, k
     layers = SHAPES["num_hidden_layers"]
-    # every layer's post-attention norm and every later layer's input norm add a residual
-    assert calls["residual"] >= 2 * layers and calls["plain"] > 0, calls
+    # every layer's post-attention norm adds a residual; dense MLPs run two GEMVs, the second
+    # adding into the stream and writing the next norm's output
+    assert calls["residual"] >= layers and calls["plain"] > 0, calls
+    assert calls["mlp_gemv"] >= 2 * dense and (dense > 0) == (calls["mlp_gemv"] > 0), calls
