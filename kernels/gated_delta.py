@@ -252,17 +252,18 @@ def delta_rule_verify_triton(
 
 @triton.jit
 def _rmsnorm_gated_kernel(
-    x_ptr, z_ptr, w_ptr, out_ptr, M, D, stride_x, stride_z, stride_o, eps,
+    x_ptr, z_ptr, w_ptr, out_ptr, M, D, stride_x, stride_z, stride_zh, HZ, stride_o, eps,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_WEIGHTED: tl.constexpr,
 ):
+    # z row r: (r // HZ) * stride_z + (r % HZ) * stride_zh (a [N, HZ, D] view of any strides)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows < M)[:, None] & (cols < D)[None, :]
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
-    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=ok,
-                other=0.0).to(tl.float32)
+    z_row = (rows // HZ) * stride_z + (rows % HZ) * stride_zh
+    z = tl.load(z_ptr + z_row[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     xf = x.to(tl.float32)
     n = xf * tl.math.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
@@ -278,7 +279,7 @@ def _rmsnorm_gated_kernel(
 
 def rmsnorm_gated_triton(
     x: torch.Tensor,  # [M, D]
-    z: torch.Tensor,  # [M, D]
+    z: torch.Tensor,  # [M, D] or [M / H, H, D] (any strides, D contiguous)
     weight: torch.Tensor,  # [D]
     eps: float,
     out: torch.Tensor,  # [M, D]
@@ -288,7 +289,8 @@ def rmsnorm_gated_triton(
     is_low = x.dtype != torch.float32
     weighted = torch.promote_types(weight.dtype, x.dtype)
     _rmsnorm_gated_kernel[(triton.cdiv(m, NORM_BLOCK_M),)](
-        x, z, weight, out, m, d, x.stride(0), z.stride(0), out.stride(0), eps,
+        x, z, weight, out, m, d, x.stride(0), z.stride(0), z.stride(1) if z.dim() == 3 else 0,
+        z.shape[1] if z.dim() == 3 else 1, out.stride(0), eps,
         BLOCK_M=NORM_BLOCK_M, BLOCK_D=triton.next_power_of_2(d), ROUND_NORM=is_low,
         ROUND_WEIGHTED=weighted != torch.float32, num_warps=4,
     )

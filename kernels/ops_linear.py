@@ -146,7 +146,7 @@ def delta_rule_verify(
 
 def rmsnorm_gated(
     x: torch.Tensor,  # [M, D]
-    z: torch.Tensor,  # [M, D] gate
+    z: torch.Tensor,  # [M, D] gate, or [M / H, H, D] (a strided view: H rows of x per z row)
     weight: torch.Tensor,  # [D]
     eps: float,
     *,
@@ -158,8 +158,10 @@ def rmsnorm_gated(
     normed row rounded to x's dtype before the weight), the gated delta-net's output norm."""
     _need(x.dim() == 2 and x.stride(1) == 1 and x.dtype in _FLOATS, "x", (_shape(x), x.dtype),
           "[M, D] float, D contiguous")
-    _need(_shape(z) == _shape(x) and z.stride(1) == 1, "z", _shape(z),
-          f"{list(_shape(x))}, D contiguous")
+    m, d = x.shape
+    _need((_shape(z) == (m, d) or (z.dim() == 3 and z.shape[2] == d and z.shape[1] > 0
+                                    and z.shape[0] * z.shape[1] == m))
+          and z.stride(-1) == 1, "z", _shape(z), f"[{m}, {d}] or [{m} / H, H, {d}], D contiguous")
     _need(_shape(weight) == (x.shape[1],) and weight.dtype in _FLOATS, "weight",
           (_shape(weight), weight.dtype), f"[{x.shape[1]}] float")
     _need(eps > 0, "eps", eps, "> 0")
@@ -171,7 +173,7 @@ def rmsnorm_gated(
 
         rmsnorm_gated_triton(x, z, weight, eps, out)
         return out.zero_() if dry_pass_active() else out
-    return out.copy_(ref.rmsnorm_gated_ref(x, z, weight, eps))
+    return out.copy_(ref.rmsnorm_gated_ref(x, z.reshape(m, d), weight, eps))
 
 
 def gated_decay(

@@ -280,8 +280,9 @@ def freeze_constants(module: nn.Module) -> None:
     ``GatedDeltaNet.freeze``): the values each forward computed from the weights, computed once
     where the weights now live; routed layers stack their experts (``RoutedMoE.stack_experts``:
     at the build, not in the first captured graph's warm-up); on CUDA the dense MLPs interleave
-    gate / up (``SwiGLU.interleave``, :meth:`HybridLayer.mlp_to_next`). Call after the weights are loaded
-    and moved; they must not change afterwards."""
+    gate / up (``SwiGLU.interleave``, :meth:`HybridLayer.mlp_to_next`) and the linear layers
+    concatenate their projections (``GatedDeltaNet.concat_projections``). Call after the
+    weights are loaded and moved; they must not change afterwards."""
     for m in module.modules():
         if isinstance(m, (OffsetRMSNorm, GatedDeltaNet)):
             m.freeze()
@@ -290,6 +291,8 @@ def freeze_constants(module: nn.Module) -> None:
         elif (isinstance(m, HybridLayer) and isinstance(m.mlp, SwiGLU)
               and m.mlp.gate_proj.weight.is_cuda):
             m.mlp.interleave()  # the fused path's gate/up GEMV (CUDA: a CPU runs torch)
+        if isinstance(m, GatedDeltaNet) and m.A_log.is_cuda:
+            m.concat_projections()  # the fused path's one projection GEMV
 
 
 class HybridLayer(nn.Module):

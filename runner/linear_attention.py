@@ -62,6 +62,7 @@ from speccal.kernels.reference import (
     rmsnorm_gated_ref,
     store_snapshot,
 )
+from speccal.runner.layers import SKINNY_ROWS
 from speccal.runner.path import PathBound
 
 CHUNK_SIZE = 64  # the chunked delta rule's block length (transformers' and fla's default)
@@ -226,6 +227,7 @@ class GatedDeltaNet(PathBound, nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(c.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(c.num_v_heads))
         self.decay: torch.Tensor | None = None  # -exp(A_log) in float32 once frozen
+        self.proj_weight: torch.Tensor | None = None  # concat_projections (fused path)
         self.norm = RMSNormGated(c.head_v_dim, eps)
         self.out_proj = nn.Linear(c.value_dim, hidden_size, bias=False)
         if c.is_grouped_projection:
@@ -246,9 +248,38 @@ class GatedDeltaNet(PathBound, nn.Module):
         if self.decay is None:
             self.decay = -self.A_log.float().exp()
 
-    def _project(self, x: torch.Tensor):  # x [N, hidden]
-        """``(qkv [N, conv_dim], z [N, Hv, Dv], b [N, Hv], a [N, Hv])`` from either layout."""
+    @torch.no_grad()
+    def concat_projections(self) -> None:
+        """Qwen3.5's separate layout: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+        ``in_proj_a`` become row views of one ``proj_weight [conv_dim + value_dim + 2 Hv,
+        hidden]`` (no second copy), which the fused path's decode / verify rows project through
+        in one GEMV (:meth:`_project`). The grouped layout (Qwen3-Next) is left as it is (its
+        rows would need a permuted copy)."""
+        if self.cfg.is_grouped_projection or self.proj_weight is not None:
+            return
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        with torch.inference_mode(False):
+            w = torch.cat([p.weight.data for p in parts])
+        start = 0
+        for p in parts:
+            rows = p.weight.shape[0]
+            p.weight.data = w[start:start + rows]
+            start += rows
+        self.proj_weight = w
+
+    def _project(self, x: torch.Tensor, fused: bool = False):  # x [N, hidden]
+        """``(qkv [N, conv_dim], z [N, Hv, Dv], b [N, Hv], a [N, Hv])`` from either layout;
+        ``fused`` (the fused path's decode / verify rows): one GEMV through ``proj_weight``
+        where :meth:`concat_projections` built it, the four results strided views of its
+        output."""
         c = self.cfg
+        if fused and self.proj_weight is not None and x.shape[0] <= SKINNY_ROWS:
+            y = ops.linear(x.contiguous(), self.proj_weight, tune=self.kx)
+            n, o1 = x.shape[0], c.conv_dim
+            o2 = o1 + c.value_dim
+            o3 = o2 + c.num_v_heads
+            return (y[:, :o1], y[:, o1:o2].view(n, c.num_v_heads, c.head_v_dim), y[:, o2:o3],
+                    y[:, o3:])
         n = x.shape[0]
         if not c.is_grouped_projection:
             return (self.in_proj_qkv(x), self.in_proj_z(x).view(n, c.num_v_heads, c.head_v_dim),
@@ -275,14 +306,15 @@ class GatedDeltaNet(PathBound, nn.Module):
         num_r = meta.num_q_rows
         num_b = x.shape[0] // num_r
         conv_state, ssm_state = state
-        qkv, z, b, a = self._project(x)
+        fused = self.kx.linear_attention.is_fused and not meta.is_chunked
+        qkv, z, b, a = self._project(x, fused=fused and self.path.fused(x))
         decay = self.decay if self.decay is not None else -self.A_log.float().exp()
-        if self.kx.linear_attention.is_fused and not meta.is_chunked:
+        if fused:
             g, beta = ops.gated_decay(a, b, self.dt_bias, decay, tune=self.kx)  # one launch
             out = self._forward_fused(qkv.view(num_b, num_r, c.conv_dim), g, beta, meta, state,
                                       snapshot, save)
-            out = ops.rmsnorm_gated(out.view(-1, c.head_v_dim), z.reshape(-1, c.head_v_dim),
-                                    self.norm.weight, self.norm.eps, tune=self.kx)
+            out = ops.rmsnorm_gated(out.view(-1, c.head_v_dim), z, self.norm.weight,
+                                    self.norm.eps, tune=self.kx)
             return self.out_proj(out.view(x.shape[0], c.value_dim))
         beta = b.sigmoid()
         g = decay * F.softplus(a.float() + self.dt_bias)  # [N, Hv]

@@ -196,6 +196,15 @@ def test_rmsnorm_gated_equals_its_reference(shape, dtype):
         w = (1 + 0.3 * torch.randn(shape[1], generator=gen)).to(dtype=w_dtype, device=DEV)
         got = ops.rmsnorm_gated(x, z, w, 1e-6, tune=KernelConfig(backend="triton"))
         _close(got, ref.rmsnorm_gated_ref(x, z, w, 1e-6), dtype)
+    # z as a strided [M / H, H, D] view of a wider projection output (the concatenated
+    # projection's z columns): the same rows as its contiguous copy
+    heads = 7 if shape[0] % 7 == 0 else 1
+    wide = torch.randn(shape[0] // heads, heads * shape[1] + 9, generator=gen).to(
+        dtype=dtype, device=DEV)
+    zv = wide[:, 5:5 + heads * shape[1]].view(shape[0] // heads, heads, shape[1])
+    got = ops.rmsnorm_gated(x, zv, w, 1e-6, tune=KernelConfig(backend="triton"))
+    assert torch.equal(got, ops.rmsnorm_gated(x, zv.reshape(shape), w, 1e-6,
+                                              tune=KernelConfig(backend="triton")))
 
 
 @pytest.mark.cuda

@@ -514,15 +514,19 @@ def test_vision_language_checkpoint_layout_serves_its_text_stack(family, tmp_pat
     assert got == want
 
 
+@pytest.mark.parametrize("impl", ["fla", "fused"])
 @pytest.mark.parametrize("strategy", STATE_STRATEGIES)
-def test_fused_norms_and_mlps_equal_transformers(family, strategy, fused_on_cpu, monkeypatch):
+def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_on_cpu,
+                                                 monkeypatch):
     """The hybrid layers' fused launch plan (simulated on CPU: every op its reference): each
     zero-centred norm one ``ops.rms_norm`` launch with the frozen ``1 + weight`` as its fp32
     weight, the residual adds inside the next norm's launch, and the dense MLPs as two GEMVs
     (gate/up with the SwiGLU epilogue; down adding into the stream with the next layer's (or
     the final) norm in its launch): the tokens stay transformers', plain and speculative on
     the mixed batch with a stop, both families (Qwen3-Next's routed MLPs keep the per-op
-    path)."""
+    path). Under ``linear_attention.impl="fused"`` (its ops' references here) Qwen3.5's
+    linear layers also project q/k/v, z, b, a in one GEMV (``concat_projections``)."""
+    from speccal.runner.linear_attention import GatedDeltaNet
     from speccal.runner.path import bind_path
 
     folder, refs = family
@@ -543,18 +547,24 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, fused_on_cpu,
     dense = 0  # the target's dense MLPs (Qwen3-Next's layers here are all routed)
     for k in (0, 3):
         eng = _engine(folder, strategy, speculative=k > 0)
-        dense = sum(isinstance(layer.mlp, SwiGLU) for layer in eng.loaded.target.model.layers)
-        path = fused_on_cpu()
+        target_layers = eng.loaded.target.model.layers
+        dense = sum(isinstance(layer.mlp, SwiGLU) for layer in target_layers)
+        path = fused_on_cpu(KernelConfig(linear_attention=LinearAttentionTuning(impl=impl)))
         for module in (eng.loaded.target, eng.loaded.draft):
             if module is not None:
                 bind_path(module, path)
-                for m in module.modules():  # CUDA interleaves at the build (freeze_constants)
+                for m in module.modules():  # CUDA does these at the build (freeze_constants)
                     if isinstance(getattr(m, "mlp", None), SwiGLU):
                         m.mlp.interleave()
+                    if isinstance(m, GatedDeltaNet):
+                        m.concat_projections()
         got, _ = _run(eng, PROMPTS, params, k)
         assert got == want, k
     layers = SHAPES["num_hidden_layers"]
     # every layer's post-attention norm adds a residual; dense MLPs run two GEMVs, the second
     # adding into the stream and writing the next norm's output
     assert calls["residual"] >= layers and calls["plain"] > 0, calls
-    assert calls["mlp_gemv"] >= 2 * dense and (dense > 0) == (calls["mlp_gemv"] > 0), calls
+    grouped = eng.loaded.target.linear_mixers()[0].cfg.is_grouped_projection
+    concat = impl == "fused" and not grouped
+    gemvs = 2 * dense + (eng.loaded.target.num_state_layers if concat else 0)
+    assert calls["mlp_gemv"] >= gemvs and (gemvs > 0) == (calls["mlp_gemv"] > 0), calls
