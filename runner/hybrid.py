@@ -36,10 +36,11 @@ module, with zero-centred norms. On CUDA the delta rule runs ``fla``'s kernels
 (``speccal.runner.linear_attention``; or, under ``KernelConfig.linear_attention.impl ==
 "fused"``, four Triton launches per linear layer, ``speccal.kernels.gated_delta``) and the
 step is captured in CUDA graphs like a dense target's. On the fused path every zero-centred norm
-is one ``ops.rms_norm`` launch with the residual add folded in (:class:`OffsetRMSNorm`) and a
-dense MLP is two GEMVs, the second writing the next norm (:meth:`HybridLayer.mlp_to_next`); the
-mixers' projections and the gated attention are torch ops, so a B = 1 decode step was
-launch-bound: 1,757 kernels, 4.2 ms on the H200 for the qwen3.5-2b
+is one ``ops.rms_norm`` launch with the residual add folded in (:class:`OffsetRMSNorm`) or is
+folded into the GEMV before it: a mixer's output projection adds into the stream and writes the
+post-attention norm (:meth:`HybridLayer.out_to_norm`), a dense MLP is two GEMVs, the second
+writing the next norm (:meth:`HybridLayer.mlp_to_next`); the gated attention's q/k/v products,
+rotary and gate are torch ops. Before these, a B = 1 decode step was launch-bound: 1,757 kernels, 4.2 ms on the H200 for the qwen3.5-2b
 preset before :func:`freeze_constants` and the fused norms (4.7x its HBM floor; transformers
 under ``torch.compile`` decoded 1.29x faster, bench/RESULTS.md, 2026-12-02 02:45).
 """
@@ -255,6 +256,7 @@ class GatedAttention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],  # k_cache, v_cache of this layer
         rotary: RotaryTable,
         path,
+        project: bool = True,  # False: the rows before o_proj (the caller projects them)
     ) -> torch.Tensor:  # [N, hidden]
         n = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -272,7 +274,7 @@ class GatedAttention(nn.Module):
         out = attend_rows(q, kv[0], kv[1], meta, self.scale, path).reshape(n, hq * d)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.o_proj(out) if project else out
 
 
 def freeze_constants(module: nn.Module) -> None:
@@ -313,6 +315,29 @@ class HybridLayer(nn.Module):
             self.mlp = RoutedMoE(b.hidden_size, cfg.moe)
         else:
             self.mlp = SwiGLU(b.hidden_size, b.intermediate_size)
+
+    @property
+    def out_proj(self) -> nn.Linear:
+        """The mixer's output projection (``o_proj`` / ``out_proj``)."""
+        mixer = getattr(self, self.mixer)
+        return mixer.out_proj if self.has_state else mixer.o_proj
+
+    def fuses_out(self, h: torch.Tensor, path) -> bool:
+        """Whether the fused path projects the mixer's rows in one GEMV that adds into ``h``
+        and writes the post-attention norm (:meth:`out_to_norm`): frozen norm, no bias,
+        decode / verify rows."""
+        return (path.fused(h) and h.shape[0] <= SKINNY_ROWS and h.is_contiguous()
+                and self.post_attention_layernorm.scale is not None
+                and self.out_proj.bias is None)
+
+    def out_to_norm(self, o: torch.Tensor,  # [N, heads * head_dim]: the mixer's rows
+                    h: torch.Tensor, path) -> torch.Tensor:  # [N, hidden]: normed
+        """``h += out_proj(o)`` and the post-attention norm of the sum in one GEMV launch."""
+        norm = self.post_attention_layernorm
+        xn = torch.empty_like(h)
+        ops.linear(o.contiguous(), self.out_proj.weight, residual=h,
+                   norm=(norm.scale, norm.eps, xn), tune=path.kernels)
+        return xn
 
     def mlp_to_next(self, xn: torch.Tensor,  # [N, hidden]: the post-attention normed rows
                     h: torch.Tensor,  # [N, hidden]: the residual stream, updated in place
@@ -402,19 +427,25 @@ class HybridModel(PathBound, nn.Module):
             x = (ready if ready is not None else norm(h) if pending is None
                  else norm.add_norm(pending, h))
             mixer = getattr(layer, layer.mixer)
+            project = not layer.fuses_out(h, self.path)  # else out_to_norm projects
             if layer.has_state:
                 snap = next(snap_iter) if snap_iter is not None else None
                 save = next(save_iter) if save_iter is not None else None
                 if rows is None:
-                    x = mixer(x, state_meta, next(state_iter), snap, save)
+                    x = mixer(x, state_meta, next(state_iter), snap, save, project=project)
                 else:  # flat rows -> [B, R] grid (padding rows in the trash row) and back
                     grid = x.new_zeros(num_grid + 1, x.shape[-1])
                     grid.index_copy_(0, rows, x)
-                    out = mixer(grid[:num_grid], state_meta, next(state_iter), snap, save)
-                    x = torch.cat([out, grid[num_grid:]], dim=0).index_select(0, rows)
+                    out = mixer(grid[:num_grid], state_meta, next(state_iter), snap, save,
+                                project=project)
+                    pad = out.new_zeros(1, out.shape[-1])  # padding rows: zero (as before)
+                    x = torch.cat([out, pad if not project else grid[num_grid:]],
+                                  dim=0).index_select(0, rows)
             else:
-                x = mixer(x, positions, attn_meta, next(kv_iter), self.rotary, self.path)
-            xn = layer.post_attention_layernorm.add_norm(x, h)
+                x = mixer(x, positions, attn_meta, next(kv_iter), self.rotary, self.path,
+                          project=project)
+            xn = (layer.post_attention_layernorm.add_norm(x, h) if project
+                  else layer.out_to_norm(x, h, self.path))
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             ready = layer.mlp_to_next(xn, h, nxt, self.path)
             pending = layer.mlp(xn) if ready is None else None
@@ -479,9 +510,11 @@ class HybridMTPHead(PathBound, nn.Module):
         parts = {"embed": e, "hidden": self.hidden_norm(hidden)}
         x = self.proj(torch.cat([parts[name] for name in self.family.concat_order], dim=-1))
         layer = self.layer
+        project = not layer.fuses_out(x, self.path)
         a = layer.self_attn(layer.input_layernorm(x), positions, meta, kv, target.rotary,
-                            self.path)
-        xn = layer.post_attention_layernorm.add_norm(a, x)  # x += a
+                            self.path, project=project)
+        xn = (layer.post_attention_layernorm.add_norm(a, x) if project  # x += a
+              else layer.out_to_norm(a, x, self.path))
         normed = layer.mlp_to_next(xn, x, self.final_norm, self.path)  # x += mlp, fused
         if normed is None:
             normed = self.final_norm.add_norm(layer.mlp(xn), x)  # x += m

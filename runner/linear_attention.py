@@ -301,6 +301,8 @@ class GatedDeltaNet(PathBound, nn.Module):
         snapshot: tuple[torch.Tensor, torch.Tensor] | None = None,  # this layer's pair of
         # StateMeta.snapshots: (conv [B, R, C, K-1], ssm [B, R, Hv, Dk, Dv]), written
         save: tuple[torch.Tensor, ...] | None = None,  # this layer's StateMeta.replay_saves
+        project: bool = True,  # False: the rows before out_proj [N, value_dim] (the caller
+        # projects them: the hybrid layer's fused output GEMV)
     ) -> torch.Tensor:  # [N, hidden]
         c = self.cfg
         num_r = meta.num_q_rows
@@ -315,7 +317,8 @@ class GatedDeltaNet(PathBound, nn.Module):
                                       snapshot, save)
             out = ops.rmsnorm_gated(out.view(-1, c.head_v_dim), z, self.norm.weight,
                                     self.norm.eps, tune=self.kx)
-            return self.out_proj(out.view(x.shape[0], c.value_dim))
+            out = out.view(x.shape[0], c.value_dim)
+            return self.out_proj(out) if project else out
         beta = b.sigmoid()
         g = decay * F.softplus(a.float() + self.dt_bias)  # [N, Hv]
         if meta.num_valid is not None:  # padding rows: no decay, no write
@@ -360,7 +363,8 @@ class GatedDeltaNet(PathBound, nn.Module):
             conv_state.index_copy_(0, meta.write_slots, new_conv.to(conv_state.dtype))
             ssm_state.index_copy_(0, meta.write_slots, s.to(ssm_state.dtype))
         out = self.norm(out.reshape(-1, c.head_v_dim), z.reshape(-1, c.head_v_dim))
-        return self.out_proj(out.view(x.shape[0], c.value_dim))
+        out = out.view(x.shape[0], c.value_dim)
+        return self.out_proj(out) if project else out
 
 
     def _forward_fused(

@@ -520,9 +520,10 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
                                                  monkeypatch):
     """The hybrid layers' fused launch plan (simulated on CPU: every op its reference): each
     zero-centred norm one ``ops.rms_norm`` launch with the frozen ``1 + weight`` as its fp32
-    weight, the residual adds inside the next norm's launch, and the dense MLPs as two GEMVs
-    (gate/up with the SwiGLU epilogue; down adding into the stream with the next layer's (or
-    the final) norm in its launch): the tokens stay transformers', plain and speculative on
+    weight or folded into the GEMV before it: the mixer's output projection adds into the
+    stream and writes the post-attention norm, a dense MLP is two GEMVs (gate/up with the
+    SwiGLU epilogue; down adding into the stream with the next layer's or the final norm),
+    after a routed MLP the next norm adds its output: the tokens stay transformers', plain and speculative on
     the mixed batch with a stop, both families (Qwen3-Next's routed MLPs keep the per-op
     path). Under ``linear_attention.impl="fused"`` (its ops' references here) Qwen3.5's
     linear layers also project q/k/v, z, b, a in one GEMV (``concat_projections``)."""
@@ -530,7 +531,7 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
     from speccal.runner.path import bind_path
 
     folder, refs = family
-    calls = {"plain": 0, "residual": 0, "mlp_gemv": 0}
+    calls = {"plain": 0, "residual": 0, "mlp_gemv": 0, "gemv_norm": 0}
     real, real_linear = ops.rms_norm, ops.linear
 
     def counted(x, weight, eps, **kw):
@@ -539,6 +540,7 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
 
     def counted_linear(x, weight, **kw):
         calls["mlp_gemv"] += 1
+        calls["gemv_norm"] += kw.get("norm") is not None
         return real_linear(x, weight, **kw)
 
     monkeypatch.setattr(ops, "rms_norm", counted)
@@ -561,10 +563,13 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
         got, _ = _run(eng, PROMPTS, params, k)
         assert got == want, k
     layers = SHAPES["num_hidden_layers"]
-    # every layer's post-attention norm adds a residual; dense MLPs run two GEMVs, the second
-    # adding into the stream and writing the next norm's output
-    assert calls["residual"] >= layers and calls["plain"] > 0, calls
+    # every layer's output projection adds into the stream and writes the post-attention
+    # norm; a dense MLP's down projection writes the next norm; after a routed MLP the next
+    # norm adds its output in its own launch
+    routed = layers - dense
+    assert calls["gemv_norm"] >= layers + dense and calls["plain"] > 0, calls
+    assert calls["residual"] >= routed and (routed > 0) == (calls["residual"] > 0), calls
     grouped = eng.loaded.target.linear_mixers()[0].cfg.is_grouped_projection
     concat = impl == "fused" and not grouped
-    gemvs = 2 * dense + (eng.loaded.target.num_state_layers if concat else 0)
+    gemvs = layers + 2 * dense + (eng.loaded.target.num_state_layers if concat else 0)
     assert calls["mlp_gemv"] >= gemvs and (gemvs > 0) == (calls["mlp_gemv"] > 0), calls
