@@ -298,10 +298,14 @@ class LinearAttentionTuning:
     ``speccal.kernels.gated_delta``: the gates, conv1d state update + SiLU, the delta rule over
     every row with in-kernel q/k l2norm, its state read once and written once, every row's
     snapshot in the same launch, then the gated RMSNorm; on CUDA tensors, or any under Triton's
-    interpreter). ``fla`` stays the default until the fused path is validated end to end on the
-    H200 (fp32 greedy equal to transformers under both state strategies, then timed against
-    ``fla``: ``bench/bench_hybrid.py --linear-attention fla,fused``). ``block_v``: the delta
-    rule's value-dim tile per program (None: 8, fla's), ``warps``: its warps (None: 1, fla's).
+    interpreter), and the hybrid layers' fused launch plan on CUDA (zero-centred norms as one
+    ``ops.rms_norm`` or folded into the GEMV before them, dense MLPs and output projections as
+    GEMVs with the residual and the next norm in their launch, Qwen3.5's four projections as one
+    GEMV: ``speccal.runner.hybrid``). ``fla`` stays the default until the fused path is
+    validated end to end on the H200 (fp32 greedy equal to transformers under both state
+    strategies, then timed against ``fla``: ``bench/bench_hybrid.py --linear-attention
+    fla,fused``). ``block_v``: the delta rule's value-dim tile per program (None: 8, fla's),
+    ``warps``: its warps (None: 1, fla's).
     """
 
     impl: str = "fla"

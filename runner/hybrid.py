@@ -35,7 +35,8 @@ fusion block of the draft-family descriptor around one gated full-attention laye
 module, with zero-centred norms. On CUDA the delta rule runs ``fla``'s kernels
 (``speccal.runner.linear_attention``; or, under ``KernelConfig.linear_attention.impl ==
 "fused"``, four Triton launches per linear layer, ``speccal.kernels.gated_delta``) and the
-step is captured in CUDA graphs like a dense target's. On the fused path every zero-centred norm
+step is captured in CUDA graphs like a dense target's. On the fused plan (``linear_attention``
+``fused``, off by default) every zero-centred norm
 is one ``ops.rms_norm`` launch with the residual add folded in (:class:`OffsetRMSNorm`) or is
 folded into the GEMV before it: a mixer's output projection adds into the stream and writes the
 post-attention norm (:meth:`HybridLayer.out_to_norm`), a dense MLP is two GEMVs, the second
@@ -181,6 +182,14 @@ def hybrid_config_from_hf(cfg: Mapping[str, Any],
                         is_attn_output_gated=bool(raw.get("attn_output_gate", True)))
 
 
+def _fused_plan(path, x: torch.Tensor) -> bool:
+    """Whether the hybrid layers run their fused launch plan on ``x``: the fused path (Triton
+    ops on CUDA) with ``KernelConfig.linear_attention.impl == "fused"``, the switch that stays
+    off until the H200 confirms the plan end to end (``fla``, the default, keeps the torch
+    layers the H200 validated)."""
+    return path.kernels.linear_attention.is_fused and path.fused(x)
+
+
 class OffsetRMSNorm(PathBound, nn.Module):
     """Zero-centred RMSNorm: ``x / rms(x) * (1 + weight)`` in float32 (weights init to 0).
 
@@ -189,7 +198,8 @@ class OffsetRMSNorm(PathBound, nn.Module):
     (the engine freezes once its weights are loaded and on their device). A second freeze
     keeps the first tensor: graphs captured by an engine sharing these weights read it.
 
-    Frozen, on the fused path (``ExecutionPath.fused``: Triton ops on CUDA), it is one
+    Frozen, on the fused plan (:func:`_fused_plan`: Triton ops on CUDA, ``linear_attention``
+    ``fused``), it is one
     ``ops.rms_norm`` launch with ``scale`` as its float32 weight (the same formula: the fp32 row
     times rsqrt(mean + eps) times the weight, then the cast) instead of six torch ops, and
     :meth:`add_norm` adds the residual in the same launch (the sum's norm taken in fp32 before
@@ -208,7 +218,7 @@ class OffsetRMSNorm(PathBound, nn.Module):
             self.scale = 1.0 + self.weight.float()
 
     def _fused(self, x: torch.Tensor) -> bool:
-        return self.scale is not None and self.path.fused(x)
+        return self.scale is not None and _fused_plan(self.path, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if self._fused(x):
@@ -281,20 +291,21 @@ def freeze_constants(module: nn.Module) -> None:
     """Freeze every submodule's weight-derived constants (``OffsetRMSNorm.freeze``,
     ``GatedDeltaNet.freeze``): the values each forward computed from the weights, computed once
     where the weights now live; routed layers stack their experts (``RoutedMoE.stack_experts``:
-    at the build, not in the first captured graph's warm-up); on CUDA the dense MLPs interleave
-    gate / up (``SwiGLU.interleave``, :meth:`HybridLayer.mlp_to_next`) and the linear layers
-    concatenate their projections (``GatedDeltaNet.concat_projections``). Call after the
-    weights are loaded and moved; they must not change afterwards."""
+    at the build, not in the first captured graph's warm-up); under the fused plan (the path
+    bound before this call, :func:`_fused_plan`) the dense MLPs interleave gate / up
+    (``SwiGLU.interleave``, :meth:`HybridLayer.mlp_to_next`) and the linear layers concatenate
+    their projections (``GatedDeltaNet.concat_projections``). Call after the weights are loaded
+    and moved; they must not change afterwards."""
     for m in module.modules():
         if isinstance(m, (OffsetRMSNorm, GatedDeltaNet)):
             m.freeze()
         elif isinstance(m, RoutedMoE):
             m.stack_experts()
         elif (isinstance(m, HybridLayer) and isinstance(m.mlp, SwiGLU)
-              and m.mlp.gate_proj.weight.is_cuda):
-            m.mlp.interleave()  # the fused path's gate/up GEMV (CUDA: a CPU runs torch)
-        if isinstance(m, GatedDeltaNet) and m.A_log.is_cuda:
-            m.concat_projections()  # the fused path's one projection GEMV
+              and _fused_plan(m.input_layernorm.path, m.mlp.gate_proj.weight)):
+            m.mlp.interleave()  # the fused plan's gate/up GEMV (the bound path's)
+        if isinstance(m, GatedDeltaNet) and _fused_plan(m.path, m.A_log):
+            m.concat_projections()  # the fused plan's one projection GEMV
 
 
 class HybridLayer(nn.Module):
@@ -326,7 +337,7 @@ class HybridLayer(nn.Module):
         """Whether the fused path projects the mixer's rows in one GEMV that adds into ``h``
         and writes the post-attention norm (:meth:`out_to_norm`): frozen norm, no bias,
         decode / verify rows."""
-        return (path.fused(h) and h.shape[0] <= SKINNY_ROWS and h.is_contiguous()
+        return (_fused_plan(path, h) and h.shape[0] <= SKINNY_ROWS and h.is_contiguous()
                 and self.post_attention_layernorm.scale is not None
                 and self.out_proj.bias is None)
 
@@ -350,7 +361,8 @@ class HybridLayer(nn.Module):
         GEMV's range (prefill chunks), not the fused path."""
         mlp = self.mlp
         if (not isinstance(mlp, SwiGLU) or mlp.gate_up_weight is None or next_norm.scale is None
-                or not path.fused(xn) or xn.shape[0] > SKINNY_ROWS or not h.is_contiguous()):
+                or not _fused_plan(path, xn) or xn.shape[0] > SKINNY_ROWS
+                or not h.is_contiguous()):
             return None
         act = ops.linear(xn.contiguous(), mlp.gate_up_weight, epilogue="silu_mul",
                          tune=path.kernels)

@@ -525,8 +525,9 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
     SwiGLU epilogue; down adding into the stream with the next layer's or the final norm),
     after a routed MLP the next norm adds its output: the tokens stay transformers', plain and speculative on
     the mixed batch with a stop, both families (Qwen3-Next's routed MLPs keep the per-op
-    path). Under ``linear_attention.impl="fused"`` (its ops' references here) Qwen3.5's
-    linear layers also project q/k/v, z, b, a in one GEMV (``concat_projections``)."""
+    path). The plan is ``linear_attention.impl="fused"``'s (its ops' references here; Qwen3.5's
+    linear layers also project q/k/v, z, b, a in one GEMV, ``concat_projections``); under
+    ``fla`` no fused op runs."""
     from speccal.runner.linear_attention import GatedDeltaNet
     from speccal.runner.path import bind_path
 
@@ -563,6 +564,9 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
         got, _ = _run(eng, PROMPTS, params, k)
         assert got == want, k
     layers = SHAPES["num_hidden_layers"]
+    if impl == "fla":  # the plan is off: the torch layers the H200 validated, no fused op
+        assert calls == {"plain": 0, "residual": 0, "mlp_gemv": 0, "gemv_norm": 0}, calls
+        return
     # every layer's output projection adds into the stream and writes the post-attention
     # norm; a dense MLP's down projection writes the next norm; after a routed MLP the next
     # norm adds its output in its own launch
