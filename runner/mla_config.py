@@ -7,7 +7,8 @@ config: which key selects the rotary layout, how the dense / routed MLP of a lay
 whether the attention has a DSA indexer and its rotary layout). It imports nothing of the
 runner, so ``speccal.runner.config`` can hold an :class:`MLAConfig` in its ``ModelConfig``.
 
-Transformers' facts this follows (``models/deepseek_v2``, ``deepseek_v3``, ``deepseek_v32``):
+Transformers' facts this follows (``models/deepseek_v2``, ``deepseek_v3``, ``deepseek_v32``;
+``glm4_moe_lite`` builds DeepSeek-V3's attention class):
 
 - softmax scale ``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` when the
   RoPE type is not ``default`` and ``mscale_all_dim`` is set (``yarn_apply_mscale``);
@@ -155,6 +156,9 @@ class MLAFamily:
 MLA_FAMILIES: dict[str, MLAFamily] = {
     "deepseek_v2": MLAFamily("deepseek_v2", None, True),
     "deepseek_v3": MLAFamily("deepseek_v3", "rope_interleave", True),
+    # GLM-4.7-Flash: DeepSeek-V3's attention class (transformers' Glm4MoeLiteAttention) and
+    # GLM-4.5's routed MLP, dense / routed layers by ``mlp_layer_types``
+    "glm4_moe_lite": MLAFamily("glm4_moe_lite", "rope_interleave", True),
     "deepseek_v32": MLAFamily("deepseek_v32", None, True, indexer_rope_interleaved=False,
                               layer_type="indexed_attention"),
 }
