@@ -227,7 +227,7 @@ class ModelConfig:
         ``[latent | k_rope]`` as K and the DSA indexer's key as V (no channels without an
         indexer): ``speccal.runner.mla``."""
         if self.mla is not None:
-            return 1, self.mla.latent_dim, self.mla.index_dim
+            return 1, self.mla.latent_dim, self.mla.index_dim_of(layer)
         heads = self.swa.num_kv_heads if layer is not None and self.is_swa(layer) else num_kv_heads
         return heads, self.head_dim, self.value_dim
 

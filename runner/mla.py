@@ -35,7 +35,9 @@ DSA: the indexer scores every visible key of a query (``sum_h w_h * relu(q_h . k
 and the attention is masked to them. Exact keys tied at the ``topk`` boundary are chosen by
 ``torch.topk`` over a differently padded row than transformers' (the engine's block-table width
 vs its cache length), so which of two exactly equal scores wins may differ; any other
-selection is transformers'.
+selection is transformers'. GLM-5's sharing layers (``MLAConfig.index_shared``) have no indexer
+and attend with the visibility the last earlier indexer layer computed in the same forward
+(:func:`link_shared_index`, ``MLAttention.last_visible``).
 
 No Triton path: :meth:`MLADecoderLayer.can_fuse` is False, so an engine on the Triton backend
 runs these layers per op (its GEMVs and norms) with the torch attention here.
@@ -43,12 +45,13 @@ runs these layers per op (its GEMVs and norms) with the torch attention here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
 from speccal.runner.layers import DecoderLayer, RMSNorm, _linear
@@ -135,7 +138,13 @@ class MLAttention(PathBound, nn.Module):
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank,
                                    heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, h, bias=mla.is_bias)
-        self.indexer = Indexer(cfg) if mla.indexer is not None else None
+        self.shares_index = mla.indexer is not None and mla.is_index_shared(layer)
+        self.indexer = Indexer(cfg) if mla.indexer is not None and not self.shares_index else None
+        # a sharing layer reads the visibility its source (the last earlier layer with an
+        # indexer, :func:`link_shared_index`) computed in this forward; held in a tuple so the
+        # source is not registered as a submodule
+        self._index_source: tuple[MLAttention, ...] = ()
+        self.last_visible: torch.Tensor | None = None  # [B, R, T] bool, this forward's
 
     def _lin(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return _linear(x, layer.weight, layer.bias, self.path)
@@ -173,7 +182,14 @@ class MLAttention(PathBound, nn.Module):
                                                       ik.to(v_cache.dtype))
             index = (iq, iw, self.indexer.topk)
         w_kv = self.kv_b_proj.weight.view(heads, nope + m.v_head_dim, lat)
-        lk = latent_keys(n, k_cache, v_cache, meta, index)
+        shared = None
+        if self.shares_index:
+            if not self._index_source:
+                raise UnsupportedError("a DSA layer sharing an earlier layer's top-k runs only "
+                                       "inside its model (link_shared_index)")
+            shared = self._index_source[0].last_visible
+        lk = latent_keys(n, k_cache, v_cache, meta, index, visible=shared)
+        self.last_visible = lk.is_visible
         if meta.key_slots is not None:  # a prefill chunk: many rows, expanding pays
             out = attend_expanded(torch.cat([q[..., :nope], q_rot], dim=-1), lk, w_kv,
                                   self.scale)  # [N, H, v_head_dim]
@@ -232,9 +248,11 @@ def latent_keys(
     v_cache: torch.Tensor,  # [num_blocks, block_size, 1, index_dim]: the indexer's keys
     meta: AttnMeta,
     index: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # q [N, Hi, Di], w [N, Hi], topk
+    visible: torch.Tensor | None = None,  # [B, R, T] bool: an earlier layer's visibility
 ) -> LatentKeys:
     """The rows' keys and visibility (see :func:`attend_latent` for the layouts); with
-    ``index``, each row's keys are masked to the indexer's top-k."""
+    ``index``, each row's keys are masked to the indexer's top-k; ``visible`` (a layer sharing
+    an earlier layer's top-k, same rows and keys in this forward) is taken as it is."""
     n, dim = num_rows, k_cache.shape[-1]
     dev = k_cache.device
     ikeys = None  # [B, T, index_dim]: the indexer's keys (DSA only)
@@ -256,6 +274,8 @@ def latent_keys(
             ikeys = v_cache.index_select(0, blocks).view(num_b, t, v_cache.shape[-1])
         q_pos = meta.seq_lens.long()[:, None] - num_r + torch.arange(num_r, device=dev)
         grid = lambda x: _to_grid(x, rows, num_b, num_r)  # noqa: E731
+    if visible is not None:
+        return LatentKeys(keys, visible, grid, rows)
     key_pos = torch.arange(t, device=dev)
     is_visible = key_pos[None, None, :] <= q_pos.clamp_min(0)[:, :, None]  # [B, R, T]
     if index is not None:
@@ -332,6 +352,23 @@ class MLADecoderLayer(DecoderLayer):
     def can_fuse(self, x: torch.Tensor, rotary: RotaryTable) -> bool:
         """Never: the fused layer is GQA's (no Triton MLA kernels); MLA layers run per op."""
         return False
+
+
+def link_shared_index(layers: Iterable[nn.Module]) -> None:
+    """Point every layer that shares an earlier layer's DSA top-k (``MLAConfig.index_shared``)
+    at the last earlier layer that runs its indexer (GLM-5's ``indexer_types``)."""
+    source = None
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        if not isinstance(attn, MLAttention):
+            continue
+        if attn.indexer is not None:
+            source = attn
+        elif attn.shares_index:
+            if source is None:
+                raise InputError("config.json:indexer_types", "shared first",
+                                 "a 'full' layer before every 'shared' one")
+            attn._index_source = (source,)
 
 
 def decoder_layer(cfg: ModelConfig, layer: int = 0) -> DecoderLayer:

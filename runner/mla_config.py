@@ -8,7 +8,9 @@ whether the attention has a DSA indexer and its rotary layout). It imports nothi
 runner, so ``speccal.runner.config`` can hold an :class:`MLAConfig` in its ``ModelConfig``.
 
 Transformers' facts this follows (``models/deepseek_v2``, ``deepseek_v3``, ``deepseek_v32``;
-``glm4_moe_lite`` builds DeepSeek-V3's attention class):
+``glm4_moe_lite`` builds DeepSeek-V3's attention class; ``glm_moe_dsa``, GLM-5, V3.2's with
+the indexer's rotary interleaved and ``indexer_types``: a ``shared`` layer has no indexer and
+reuses the top-k of the last ``full`` layer before it, ``MLAConfig.index_shared``):
 
 - softmax scale ``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` when the
   RoPE type is not ``default`` and ``mscale_all_dim`` is set (``yarn_apply_mscale``);
@@ -80,6 +82,10 @@ class MLAConfig:
         ``kv_a_proj_with_mqa`` and ``o_proj``.
     indexer : IndexerConfig or None
         The DSA indexer (sparse attention), None: dense MLA.
+    index_shared : tuple of bool
+        Per target layer, whether it reuses the top-k of the last layer before it that ran its
+        indexer (GLM-5's cross-layer sharing, ``indexer_types`` ``shared``) instead of running
+        its own (no indexer weights, no indexer key cache); empty: every layer runs its own.
     """
 
     kv_lora_rank: int
@@ -91,6 +97,7 @@ class MLAConfig:
     softmax_scale: float
     is_bias: bool = False
     indexer: IndexerConfig | None = None
+    index_shared: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -122,6 +129,15 @@ class MLAConfig:
         """Channels cached per token: the latent and the rotated key, ``[latent | k_rope]``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def is_index_shared(self, layer: int) -> bool:
+        """Whether target layer ``layer`` reuses an earlier layer's top-k (:attr:`index_shared`;
+        layers past the list, an MTP layer, run their own)."""
+        return layer < len(self.index_shared) and self.index_shared[layer]
+
+    def index_dim_of(self, layer: int | None) -> int:
+        """Indexer-key channels ``layer`` caches (0 on a sharing layer)."""
+        return 0 if layer is not None and self.is_index_shared(layer) else self.index_dim
+
     @property
     def index_dim(self) -> int:
         """Channels of the indexer's key cached per token (0 without an indexer)."""
@@ -142,6 +158,8 @@ class MLAFamily:
         The layout when the key is absent (or fixed).
     indexer_rope_interleaved : bool or None
         The family's attention carries a DSA indexer with this rotary layout; None: no indexer.
+    shares_index : bool
+        The family's layers may reuse an earlier layer's top-k (``indexer_types``: GLM-5).
     layer_type : str or None
         The ``layer_types`` entry the family's config writes for its layers (accepted).
     """
@@ -151,6 +169,7 @@ class MLAFamily:
     is_rope_interleaved: bool
     indexer_rope_interleaved: bool | None = None
     layer_type: str | None = None
+    shares_index: bool = False
 
 
 MLA_FAMILIES: dict[str, MLAFamily] = {
@@ -161,10 +180,13 @@ MLA_FAMILIES: dict[str, MLAFamily] = {
     "glm4_moe_lite": MLAFamily("glm4_moe_lite", "rope_interleave", True),
     "deepseek_v32": MLAFamily("deepseek_v32", None, True, indexer_rope_interleaved=False,
                               layer_type="indexed_attention"),
+    # GLM-5: V3.2's DSA with the indexer's rotary interleaved and cross-layer top-k sharing
+    "glm_moe_dsa": MLAFamily("glm_moe_dsa", None, True, indexer_rope_interleaved=True,
+                             layer_type="indexed_attention", shares_index=True),
 }
 
 #: config keys an MLA family implements (no longer refused by ``config.UNIMPLEMENTED_KEYS``)
-MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "rope_interleave")
+MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "rope_interleave", "indexer_types")
 
 #: config keys of a DSA indexer in families without one (refused: no such model in transformers)
 INDEXER_KEYS = ("index_topk", "index_head_dim", "index_n_heads")
@@ -263,6 +285,20 @@ def mla_from_hf(cfg: Mapping[str, Any], rope_type: str,
                 f"config.json:{present[0]}={cfg[present[0]]!r}: model_type "
                 f"{family.model_type!r} has no DSA indexer in transformers; expected no "
                 f"{', '.join(INDEXER_KEYS)}")
+    shared: tuple[bool, ...] = ()
+    types = cfg.get("indexer_types")
+    if types is not None and not family.shares_index:
+        raise UnsupportedError(
+            f"config.json:indexer_types={types!r}: model_type {family.model_type!r} runs every "
+            "layer's indexer (transformers does not read the key); expected it absent")
+    if types is not None:
+        layers = _int(cfg, "num_hidden_layers")
+        if (not isinstance(types, list) or len(types) != layers
+                or any(t not in ("full", "shared") for t in types) or types[:1] != ["full"]):
+            raise InputError("config.json:indexer_types", types,
+                             f"{layers} entries of 'full' / 'shared', the first 'full' (a shared "
+                             "layer reuses the last full layer's top-k)")
+        shared = tuple(t == "shared" for t in types)
     nope, rope = _int(cfg, "qk_nope_head_dim"), _int(cfg, "qk_rope_head_dim")
     bias = cfg.get("attention_bias")
     if bias is not None and not isinstance(bias, bool):
@@ -277,4 +313,5 @@ def mla_from_hf(cfg: Mapping[str, Any], rope_type: str,
         softmax_scale=softmax_scale(nope + rope, rope_type, rope_params),
         is_bias=bool(bias),
         indexer=indexer,
+        index_shared=shared if any(shared) else (),
     )

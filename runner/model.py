@@ -25,7 +25,7 @@ from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
 from speccal.runner.distributed.tp import TPBound, vocab_argmax, vocab_embed, vocab_gather
 from speccal.runner.layers import RMSNorm
-from speccal.runner.mla import decoder_layer
+from speccal.runner.mla import decoder_layer, link_shared_index
 from speccal.runner.path import ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
 
@@ -63,6 +63,8 @@ class _Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        if cfg.mla is not None and cfg.mla.index_shared:
+            link_shared_index(self.layers)  # GLM-5: layers reusing an earlier layer's top-k
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -67,6 +67,11 @@ VARIANTS = {  # name -> (config class stem, extra config)
                                         first_k_dense_replace=0)),
     # GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's attention, GLM-4.5's routed MLP, dense /
     # routed layers by mlp_layer_types (its config class takes no first_k_dense_replace)
+    # GLM-5 (glm_moe_dsa): V3.2's DSA, the indexer's rotary interleaved, layer 1 reusing
+    # layer 0's top-k (indexer_types), routed from layer 1
+    "glm5-dsa": ("GlmMoeDsa", dict(q_lora_rank=24, rope_parameters=YARN, **DSA,
+                                   indexer_types=["full", "shared"], first_k_dense_replace=1,
+                                   n_group=2, topk_group=1, n_shared_experts=1)),
     "glm4-lite": ("Glm4MoeLite", dict(q_lora_rank=24, rope_parameters=YARN,
                                       mlp_layer_types=["dense", "sparse"], n_group=2,
                                       topk_group=1, n_shared_experts=1,
@@ -126,6 +131,8 @@ def write_checkpoint(folder, variant: str, *, head_extra: dict | None = None):
     for key, t in tensors.items():
         if key.startswith(src):
             head[key.replace(src, pre)] = tuple(t.shape)
+        if key.startswith("model.layers.0.self_attn.indexer."):  # the head runs its own
+            head[key.replace("model.layers.0.", pre)] = tuple(t.shape)
     tensors.update({k: torch.randn(s, generator=g) * 0.5 for k, s in head.items()})
     save_file(tensors, str(path), metadata={"format": "pt"})
     return hf
@@ -179,7 +186,8 @@ def test_plain_greedy_equals_transformers(checkpoint):
     assert len({t for r in refs for t in r}) > 8  # non-degenerate
 
 
-@pytest.mark.parametrize("checkpoint", ["v3", "v32-dsa", "v3-moe", "glm4-lite"], indirect=True)
+@pytest.mark.parametrize("checkpoint", ["v3", "v32-dsa", "v3-moe", "glm4-lite", "glm5-dsa"],
+                         indirect=True)
 def test_speculative_greedy_equals_transformers_every_accepted_length(checkpoint):
     """K = 1..3: batch 1 with the head's own drafts, then the mixed batch under the oracle
     draft; tokens equal transformers' and every accepted length 0..k occurs."""
@@ -201,7 +209,25 @@ def test_speculative_greedy_equals_transformers_every_accepted_length(checkpoint
         assert set(ms) == set(range(k + 1)), (k, ms)
 
 
-@pytest.mark.parametrize("checkpoint", ["v32-dsa"], indirect=True)
+@pytest.mark.parametrize("checkpoint", ["glm5-dsa"], indirect=True)
+def test_shared_top_k_layers_reuse_the_full_layers_selection(checkpoint):
+    """GLM-5's ``indexer_types``: layer 1 has no indexer and no indexer-key cache and attends
+    with the very visibility layer 0's indexer chose in the same forward (top-k 4 of up to 20
+    keys: the selection decides the tokens, which equal transformers')."""
+    _, folder, refs = checkpoint
+    eng = _engine(folder, speculative=False)
+    full, shared = (layer.self_attn for layer in eng.loaded.target.model.layers)
+    assert full.indexer is not None and shared.indexer is None and shared.shares_index
+    assert eng.kv.layers[0][1].shape[-1] == DSA["index_head_dim"] and eng.kv.layers[1][1].shape[-1] == 0
+    params, want = _stop_case(refs)
+    got, _ = _run(eng, PROMPTS, params, 0)
+    assert got == want
+    assert shared.last_visible is full.last_visible
+    vis = full.last_visible  # the last forward's: at most top-k keys per row
+    assert int(vis.sum(-1).max()) <= DSA["index_topk"]
+
+
+@pytest.mark.parametrize("checkpoint", ["v32-dsa", "glm5-dsa"], indirect=True)
 def test_packed_verify_rows_equal_transformers(checkpoint):
     """The device-side verify input update (packed rows, ``cu_q_lens``; the reference kernels
     on CPU): the MLA attention maps packed rows onto its grid; oracle drafts, k = 2."""
@@ -282,6 +308,12 @@ def test_mla_config_errors_name_the_field():
         config_from_hf({**_hf_dict("v3"), **DSA})
     with pytest.raises(InputError, match=r"q_lora_rank.*DSA indexer"):
         config_from_hf({**_hf_dict("v32-dsa"), "q_lora_rank": None})
+    with pytest.raises(InputError, match=r"indexer_types.*'full' / 'shared', the first"):
+        config_from_hf({**_hf_dict("glm5-dsa"), "indexer_types": ["shared", "full"]})
+    with pytest.raises(InputError, match=r"indexer_types"):
+        config_from_hf({**_hf_dict("glm5-dsa"), "indexer_types": ["full"]})
+    with pytest.raises(UnsupportedError, match=r"indexer_types.*deepseek_v32.*every"):
+        config_from_hf({**_hf_dict("v32-dsa"), "indexer_types": ["full", "shared"]})
     with pytest.raises(InputError, match=r"qk_rope_head_dim.*even"):
         config_from_hf({**_hf_dict("v3"), "qk_rope_head_dim": 7})
     with pytest.raises(InputError, match=r"v_head_dim"):
