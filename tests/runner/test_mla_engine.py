@@ -333,7 +333,7 @@ def test_mla_under_tensor_parallelism_is_refused():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("checkpoint", ["v3", "v32-dsa"], indirect=True)
+@pytest.mark.parametrize("checkpoint", ["v3", "v32-dsa", "glm5-dsa", "glm4-lite"], indirect=True)
 def test_triton_path_serves_mla_layers_per_op_on_cuda(checkpoint):
     """On the Triton backend MLA layers do not fuse (no MLA kernel): they run per op with the
     torch attention; plain and speculative tokens equal transformers' (fp32)."""
