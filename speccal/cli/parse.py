@@ -33,30 +33,34 @@ def floats(text: str | None, field: str, *, spaces: bool = True) -> tuple[float,
         raise InputError(field, text, "comma-separated probabilities") from None
 
 
-def bench_buckets(text: str | None) -> tuple[int, ...] | None:
-    """``bench --request-buckets``: integers (None or empty: the engine's default,
-    ``speccal.base.geometry.SERVED_REQUEST_BUCKETS`` of the device)."""
-    if not text:
+def buckets(text: str | None, *, required: bool) -> tuple[int, ...] | None:
+    """``--request-buckets``: integers separated by commas and / or spaces (``1,2,4``,
+    ``"1 2 4"``, ``"1, 2"``). None or empty: None (the engine's default buckets), refused where
+    ``required`` (``calibrate``: at least one bucket when the flag is given)."""
+    if text is None:
+        return None
+    parts = text.replace(",", " ").split()
+    if not parts:
+        if required:
+            raise InputError("--request-buckets", text, "at least one bucket")
         return None
     try:
-        return tuple(int(b) for b in text.replace(",", " ").split())
+        return tuple(int(b) for b in parts)
     except ValueError:
-        raise InputError("--request-buckets", text, "integers, e.g. 1,2,4,8") from None
+        raise InputError("--request-buckets", text,
+                         "integers separated by commas or spaces, e.g. 1,2,4,8") from None
+
+
+def bench_buckets(text: str | None) -> tuple[int, ...] | None:
+    """``bench --request-buckets`` (:func:`buckets`; empty: the engine's default,
+    ``speccal.base.geometry.SERVED_REQUEST_BUCKETS`` of the device)."""
+    return buckets(text, required=False)
 
 
 def calibrate_buckets(text: str | None) -> tuple[int, ...] | None:
-    """``calibrate --request-buckets``: comma-separated integers (spaces ignored), at least one."""
-    if text is None:
-        return None
-    try:
-        out = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError:
-        raise InputError(
-            "--request-buckets", text, "comma-separated integers, e.g. 1,2,4,8"
-        ) from None
-    if not out:
-        raise InputError("--request-buckets", text, "at least one bucket")
-    return out
+    """``calibrate --request-buckets`` (:func:`buckets`; given, at least one bucket). Spaces
+    separate buckets as commas do (``"1 2"`` once read as 12)."""
+    return buckets(text, required=True)
 
 
 def context(text: str) -> tuple[int, int, int]:

@@ -1,0 +1,34 @@
+"""The CLI's value parsers (speccal/cli/parse.py): one rule for ``--request-buckets`` in
+``bench`` and ``calibrate`` (commas and / or spaces separate buckets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from speccal.base.errors import InputError
+from speccal.cli import parse
+
+
+@pytest.mark.parametrize("text", ["1,2,4", "1 2 4", "1, 2, 4", " 1,2 4 "])
+def test_buckets_split_on_commas_and_spaces(text):
+    assert parse.calibrate_buckets(text) == (1, 2, 4)
+    assert parse.bench_buckets(text) == (1, 2, 4)
+
+
+def test_two_spaced_buckets_are_two_buckets_not_twelve():
+    assert parse.calibrate_buckets("1 2") == (1, 2)
+
+
+def test_empty_buckets():
+    assert parse.bench_buckets(None) is None and parse.bench_buckets("") is None
+    assert parse.calibrate_buckets(None) is None
+    for text in ("", ",", " , "):
+        with pytest.raises(InputError, match="at least one bucket"):
+            parse.calibrate_buckets(text)
+
+
+@pytest.mark.parametrize("text", ["a,b", "1,x", "1.5"])
+def test_bad_buckets_name_the_flag(text):
+    for fn in (parse.calibrate_buckets, parse.bench_buckets):
+        with pytest.raises(InputError, match=r"--request-buckets.*integers separated by commas"):
+            fn(text)
