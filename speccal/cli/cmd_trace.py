@@ -109,7 +109,7 @@ def trace_cmd(
                 kind=kind, model=model, device=device, dtype=dtype, draft_width=draft_width,
                 num_requests=num_requests, prompt_len=prompt_len, max_tokens=max_tokens,
                 acceptance=acceptance, seed=seed, acceptance_profile=parse.floats(
-                    acceptance_profile, "--acceptance-profile", spaces=False)),
+                    acceptance_profile, "--acceptance-profile")),
             _progress,
         )
     path = save_trace(tr, out)

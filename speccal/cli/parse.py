@@ -21,14 +21,13 @@ def ids(text: str, field: str) -> list[int]:
     return out
 
 
-def floats(text: str | None, field: str, *, spaces: bool = True) -> tuple[float, ...] | None:
-    """Probabilities (an acceptance profile); None stays None. ``spaces=False``: commas only
-    (``speccal trace --acceptance-profile``)."""
+def floats(text: str | None, field: str) -> tuple[float, ...] | None:
+    """Probabilities (an acceptance profile), separated by commas and / or spaces, in every
+    command that takes one; None stays None."""
     if text is None:
         return None
     try:
-        items = text.replace(",", " ").split() if spaces else text.split(",")
-        return tuple(float(t) for t in items)
+        return tuple(float(t) for t in text.replace(",", " ").split())
     except ValueError:
         raise InputError(field, text, "comma-separated probabilities") from None
 

@@ -1,5 +1,6 @@
 """The CLI's value parsers (speccal/cli/parse.py): one rule for ``--request-buckets`` in
-``bench`` and ``calibrate`` (commas and / or spaces separate buckets)."""
+``bench`` and ``calibrate``, one for acceptance profiles in ``trace``, ``generate`` and
+``bench`` (commas and / or spaces separate values)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ def test_bad_buckets_name_the_flag(text):
     for fn in (parse.calibrate_buckets, parse.bench_buckets):
         with pytest.raises(InputError, match=r"--request-buckets.*integers separated by commas"):
             fn(text)
+
+
+@pytest.mark.parametrize("text", ["0.5,0.25", "0.5 0.25", "0.5, 0.25"])
+def test_profiles_split_on_commas_and_spaces(text):
+    assert parse.floats(text, "--acceptance-profile") == (0.5, 0.25)
+
+
+def test_a_bad_profile_names_the_flag():
+    with pytest.raises(InputError, match=r"--acceptance-profile.*probabilities"):
+        parse.floats("0.5,x", "--acceptance-profile")
