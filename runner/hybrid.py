@@ -450,7 +450,7 @@ class HybridModel(PathBound, nn.Module):
                     grid.index_copy_(0, rows, x)
                     out = mixer(grid[:num_grid], state_meta, next(state_iter), snap, save,
                                 project=project)
-                    pad = out.new_zeros(1, out.shape[-1])  # padding rows: zero (as before)
+                    pad = out.new_zeros(1, out.shape[-1])  # padding rows (discarded): zero
                     x = torch.cat([out, pad if not project else grid[num_grid:]],
                                   dim=0).index_select(0, rows)
             else:

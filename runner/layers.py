@@ -28,7 +28,7 @@ from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig
 from speccal.runner.distributed.tp import TPBound, reduce_partial
-from speccal.runner.moe import RoutedMoE
+from speccal.runner.moe import RoutedMoE, interleave_rows
 from speccal.runner.path import ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
 
@@ -214,15 +214,9 @@ class MLP(TPBound, PathBound, nn.Module):
         """Make gate/up weights views of one ``[2 inter, hidden]`` matrix whose rows interleave
         ``gate_i, up_i`` (the GEMV's SwiGLU epilogue finds both halves of an output in one tile);
         the parameters become row-strided views of it."""
-        ws = [self.gate_proj.weight, self.up_proj.weight]
-        gu = torch.stack([w.data for w in ws], dim=1).reshape(-1, ws[0].shape[1])
-        ws[0].data, ws[1].data = gu[0::2], gu[1::2]
-        self.gate_up_weight = gu
+        self.gate_up_weight = interleave_rows(self.gate_proj.weight, self.up_proj.weight)
         if self.gate_proj.bias is not None:
-            bs = [self.gate_proj.bias, self.up_proj.bias]
-            gub = torch.stack([b.data for b in bs], dim=1).reshape(-1)
-            bs[0].data, bs[1].data = gub[0::2], gub[1::2]
-            self.gate_up_bias = gub
+            self.gate_up_bias = interleave_rows(self.gate_proj.bias, self.up_proj.bias)
 
 
 class DecoderLayer(PathBound, nn.Module):

@@ -49,6 +49,17 @@ from speccal.runner.path import PathBound
 SIGMOID_NORM_EPS = 1e-20
 
 
+@torch.no_grad()
+def interleave_rows(a: nn.Parameter, b: nn.Parameter) -> torch.Tensor:
+    """One tensor whose rows alternate ``a[i], b[i]`` (``[2 n, ...]`` from two ``[n, ...]``),
+    ``a`` and ``b`` becoming its even / odd row views (no second copy): the gate / up layout of
+    the GEMV's SwiGLU epilogue (``ops.linear(epilogue="silu_mul")``)."""
+    with torch.inference_mode(False):  # the parameters stay ordinary tensors
+        both = torch.stack([a.data, b.data], dim=1).reshape(-1, *a.shape[1:])
+    a.data, b.data = both[0::2], both[1::2]
+    return both
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``, torch products, no bias. :meth:`interleave` makes the
     gate / up weights row views of one ``gate_up_weight [2 I, hidden]`` whose rows alternate
@@ -66,13 +77,8 @@ class SwiGLU(nn.Module):
     def interleave(self) -> None:
         """Stack gate / up into the interleaved ``gate_up_weight`` once (no second copy: the
         parameters become its even / odd rows)."""
-        if self.gate_up_weight is not None:
-            return
-        with torch.inference_mode(False):
-            ws = [self.gate_proj.weight, self.up_proj.weight]
-            gu = torch.stack([w.data for w in ws], dim=1).reshape(-1, ws[0].shape[1])
-        ws[0].data, ws[1].data = gu[0::2], gu[1::2]
-        self.gate_up_weight = gu
+        if self.gate_up_weight is None:
+            self.gate_up_weight = interleave_rows(self.gate_proj.weight, self.up_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
