@@ -670,7 +670,7 @@ def rotary_kv_write(
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
     positions: torch.Tensor,  # [T] int64
-    cos_sin_cache: torch.Tensor,  # [max_pos, D]: cos | sin
+    cos_sin_cache: torch.Tensor,  # [max_pos, R]: cos | sin of the R <= D rotating channels
     slot_mapping: torch.Tensor,  # [T] int64
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -680,8 +680,10 @@ def rotary_kv_write(
     backend: str | None = None,  # overrides tune.backend (comparisons in tests)
     tune: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:  # q_out (q when None)
-    """Neox rotary on q and k; rotated q to ``q_out`` (q in place by default), rotated k and v
-    written to ``slot_mapping`` slots. ``qk_norm``: per-head RMSNorm of q and k first (fp32)."""
+    """Neox rotary on the first ``R`` channels of q and k (``R = cos_sin_cache.shape[1]``; the
+    other ``D - R`` pass through: partial rotary); rotated q to ``q_out`` (q in place by
+    default), rotated k and v written to ``slot_mapping`` slots. ``qk_norm``: per-head RMSNorm
+    of q and k (all ``D`` channels) first (fp32)."""
     _need(q.dim() == 3 and k.dim() == 3 and _shape(v) == _shape(k) and k.shape[0] == q.shape[0]
           and k.shape[2] == q.shape[2], "q/k/v shapes", (_shape(q), _shape(k), _shape(v)),
           "[T, H, D], [T, KVH, D], [T, KVH, D]")
@@ -692,9 +694,10 @@ def rotary_kv_write(
           f"[num_blocks, block_size, {k.shape[1]}, {d}]")
     check_slot_layout(k_cache, v_cache)
     _need(all(x.stride(-1) == 1 for x in (q, k, v)), "q/k/v", "strided", "head_dim contiguous")
-    _need(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d
-          and cos_sin_cache.stride(1) == 1, "cos_sin_cache.shape", _shape(cos_sin_cache),
-          f"[max_pos, {d}]")
+    _need(cos_sin_cache.dim() == 2 and 2 <= cos_sin_cache.shape[1] <= d
+          and cos_sin_cache.shape[1] % 2 == 0 and cos_sin_cache.stride(1) == 1,
+          "cos_sin_cache.shape", _shape(cos_sin_cache),
+          f"[max_pos, R] with R even, 2 <= R <= {d} (head_dim)")
     _check_int(positions, "positions", (t,), (torch.int64,))
     _check_int(slot_mapping, "slot_mapping", (t,), (torch.int64,))
     _need(q.dtype == k.dtype == v.dtype and k_cache.dtype == v_cache.dtype, "dtypes",

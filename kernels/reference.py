@@ -433,16 +433,17 @@ def rotary_kv_write_ref(
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
     positions: torch.Tensor,  # [T] int64
-    cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32: cos in [:D/2], sin in [D/2:]
+    cos_sin_cache: torch.Tensor,  # [max_pos, R] fp32 (R <= D): cos in [:R/2], sin in [R/2:]
     slot_mapping: torch.Tensor,  # [T] int64
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written
     v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written
     q_out: torch.Tensor | None = None,  # [T, H, D], written (None: q in place)
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q_w [D], k_w [D], eps)
 ) -> torch.Tensor:  # q_out (q when None)
-    """(Per-head q/k RMSNorm, fp32, then) neox rotary on q and k (fp32 math); rotated q to
-    ``q_out``, rotated k and v into their slots."""
-    half = q.shape[-1] // 2
+    """(Per-head q/k RMSNorm, fp32, then) neox rotary on the first ``R`` channels of q and k
+    (fp32 math; the rest unrotated: partial rotary); rotated q to ``q_out``, rotated k and v
+    into their slots."""
+    half = cos_sin_cache.shape[-1] // 2
     cs = cos_sin_cache[positions].float()  # [T, D]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
 
@@ -453,8 +454,8 @@ def rotary_kv_write_ref(
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + qk_norm[2]) * w.float()
 
     def rot(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
     qw, kw = (qk_norm[0], qk_norm[1]) if qk_norm is not None else (None, None)
     out = q if q_out is None else q_out

@@ -61,7 +61,7 @@ from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig, config_from_hf
 from speccal.runner.draft_families import DraftFamily
-from speccal.runner.layers import SKINNY_ROWS
+from speccal.runner.layers import SKINNY_ROWS, linear_rows
 from speccal.runner.linear_attention import (
     GatedDeltaNet,
     LinearAttentionConfig,
@@ -257,6 +257,48 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=b.is_o_bias)
         self.q_norm = OffsetRMSNorm(d, b.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(d, b.rms_norm_eps)
+        self.qkv_weight: torch.Tensor | None = None  # concat_qkv: the fused plan's one GEMV
+
+    def concat_qkv(self) -> None:
+        """``q_proj`` (with its per-head gate rows), ``k_proj``, ``v_proj`` become row views of
+        one ``qkv_weight [(hq * mult + 2 hk) d, hidden]`` (no second copy): the fused plan
+        projects decode / verify rows in one GEMV. Left as it is with q/k/v biases (the plan
+        would need one more launch to add them) or norms that differ in eps."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if (self.qkv_weight is not None or any(p.bias is not None for p in parts)
+                or self.q_norm.eps != self.k_norm.eps):
+            return
+        with torch.inference_mode(False):
+            w = torch.cat([p.weight.data for p in parts])
+        start = 0
+        for p in parts:
+            rows = p.weight.shape[0]
+            p.weight.data = w[start:start + rows]
+            start += rows
+        self.qkv_weight = w
+
+    def _fused_rows(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
+                    kv: tuple[torch.Tensor, torch.Tensor], rotary: RotaryTable, path,
+                    ) -> torch.Tensor:  # [N, hq * d]: attention rows times the gate
+        """The fused plan's attention rows in four to five launches: the q/k/v GEMV
+        (``qkv_weight``), one ``ops.rotary_kv_write`` (the per-head q/k norms with the frozen
+        ``1 + weight``, partial rotary, k and v into their slots, q to its own buffer), the
+        attention, and the gate (sigmoid, product)."""
+        n = x.shape[0]
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        mult = 2 if self.is_gated else 1
+        qkv = linear_rows(x, self.qkv_weight, None, path)  # [N, (hq * mult + 2 hk) d]
+        qg, k, v = qkv.split([hq * d * mult, hk * d, hk * d], dim=-1)
+        qg = qg.view(n, hq, mult * d)  # per head: [q (d) | gate (d)] when gated
+        q_out = torch.empty(n, hq, d, dtype=x.dtype, device=x.device)
+        ops.rotary_kv_write(qg[..., :d], k.view(n, hk, d), v.view(n, hk, d), positions,
+                            rotary.rope_cache, meta.slot_mapping, kv[0], kv[1], q_out=q_out,
+                            qk_norm=(self.q_norm.scale, self.k_norm.scale, self.q_norm.eps),
+                            tune=path.kernels)
+        out = attend_rows(q_out, kv[0], kv[1], meta, self.scale, path)  # [N, hq, d]
+        if self.is_gated:
+            out = out * torch.sigmoid(qg[..., d:])
+        return out.reshape(n, hq * d)
 
     def forward(
         self,
@@ -268,6 +310,10 @@ class GatedAttention(nn.Module):
         path,
         project: bool = True,  # False: the rows before o_proj (the caller projects them)
     ) -> torch.Tensor:  # [N, hidden]
+        if (self.qkv_weight is not None and self.q_norm.scale is not None
+                and _fused_plan(path, x)):
+            out = self._fused_rows(x, positions, meta, kv, rotary, path)
+            return self.o_proj(out) if project else out
         n = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qg = self.q_proj(x)
@@ -293,8 +339,9 @@ def freeze_constants(module: nn.Module) -> None:
     where the weights now live; routed layers stack their experts (``RoutedMoE.stack_experts``:
     at the build, not in the first captured graph's warm-up); under the fused plan (the path
     bound before this call, :func:`_fused_plan`) the dense MLPs interleave gate / up
-    (``SwiGLU.interleave``, :meth:`HybridLayer.mlp_to_next`) and the linear layers concatenate
-    their projections (``GatedDeltaNet.concat_projections``). Call after the weights are loaded
+    (``SwiGLU.interleave``, :meth:`HybridLayer.mlp_to_next`), the linear layers concatenate
+    their projections (``GatedDeltaNet.concat_projections``) and the attention layers their
+    q/k/v (``GatedAttention.concat_qkv``). Call after the weights are loaded
     and moved; they must not change afterwards."""
     for m in module.modules():
         if isinstance(m, (OffsetRMSNorm, GatedDeltaNet)):
@@ -306,6 +353,9 @@ def freeze_constants(module: nn.Module) -> None:
             m.mlp.interleave()  # the fused plan's gate/up GEMV (the bound path's)
         if isinstance(m, GatedDeltaNet) and _fused_plan(m.path, m.A_log):
             m.concat_projections()  # the fused plan's one projection GEMV
+        if (isinstance(m, HybridLayer) and not m.has_state
+                and _fused_plan(m.input_layernorm.path, m.self_attn.q_proj.weight)):
+            m.self_attn.concat_qkv()  # the fused plan's q/k/v GEMV
 
 
 class HybridLayer(nn.Module):

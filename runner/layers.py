@@ -35,7 +35,7 @@ from speccal.runner.rope import RotaryTable
 SKINNY_ROWS = 64  # the split-K GEMV's tuned range (decode / verify rows)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             path: ExecutionPath) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` through the split-K Triton GEMV when ``path`` fuses ``x``."""
     if not path.fused(x) or x.shape[0] > SKINNY_ROWS:  # prefill chunks: cuBLAS
@@ -113,13 +113,13 @@ class Attention(TPBound, PathBound, nn.Module):
         path = self.path
         rotary = rotary.for_layer(self.is_sliding_rope)
         if self.qkv_weight is not None and path.fused(x):
-            qkv = _linear(x, self.qkv_weight, self.qkv_bias, path)  # [N, (hq + hk) d + hk dv]
+            qkv = linear_rows(x, self.qkv_weight, self.qkv_bias, path)  # [N, (hq + hk) d + hk dv]
             q, k, v = qkv.split([hq * d, hk * d, hk * dv], dim=-1)
             q, k, v = q.reshape(n, hq, d), k.reshape(n, hk, d), v.reshape(n, hk, dv)
         else:
-            q = _linear(x, self.q_proj.weight, self.q_proj.bias, path).view(n, hq, d)
-            k = _linear(x, self.k_proj.weight, self.k_proj.bias, path).view(n, hk, d)
-            v = _linear(x, self.v_proj.weight, self.v_proj.bias, path).view(n, hk, dv)
+            q = linear_rows(x, self.q_proj.weight, self.q_proj.bias, path).view(n, hq, d)
+            k = linear_rows(x, self.k_proj.weight, self.k_proj.bias, path).view(n, hk, d)
+            v = linear_rows(x, self.v_proj.weight, self.v_proj.bias, path).view(n, hk, dv)
         if self.value_scale != 1.0:  # before the cache, as transformers scales them
             v = v * self.value_scale
         if self.q_norm is not None:
@@ -135,7 +135,7 @@ class Attention(TPBound, PathBound, nn.Module):
         out = attend_rows(q, kv[0], kv[1], meta, self.scale, path, window=self.window,
                           sinks=self.attention_sink_bias)  # [N, heads, v_head_dim]
         # row-parallel o: each TP rank's heads give a partial sum; the bias is added once
-        y = reduce_partial(_linear(out.reshape(n, hq * dv), self.o_proj.weight, None, path),
+        y = reduce_partial(linear_rows(out.reshape(n, hq * dv), self.o_proj.weight, None, path),
                            self.tp)
         return y if self.o_proj.bias is None else y + self.o_proj.bias
 
@@ -201,12 +201,12 @@ class MLP(TPBound, PathBound, nn.Module):
         path = self.path
         if self.gate_up_weight is not None and path.fused(x):
             # [N, 2 inter], (gate_i, up_i)
-            gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, path)
+            gate_up = linear_rows(x, self.gate_up_weight, self.gate_up_bias, path)
             gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
         else:
-            gate = _linear(x, self.gate_proj.weight, self.gate_proj.bias, path)
-            up = _linear(x, self.up_proj.weight, self.up_proj.bias, path)
-        out = _linear(nn.functional.silu(gate) * up, self.down_proj.weight, None, path)
+            gate = linear_rows(x, self.gate_proj.weight, self.gate_proj.bias, path)
+            up = linear_rows(x, self.up_proj.weight, self.up_proj.bias, path)
+        out = linear_rows(nn.functional.silu(gate) * up, self.down_proj.weight, None, path)
         out = reduce_partial(out, self.tp)  # row-parallel down: partial sums over TP ranks
         return out if self.down_proj.bias is None else out + self.down_proj.bias
 

@@ -54,7 +54,7 @@ from torch import nn
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
-from speccal.runner.layers import DecoderLayer, RMSNorm, _linear
+from speccal.runner.layers import DecoderLayer, RMSNorm, linear_rows
 from speccal.runner.mla_config import INDEXER_NORM_EPS, LATENT_NORM_EPS
 from speccal.runner.path import PathBound
 from speccal.runner.rope import RotaryTable
@@ -147,7 +147,7 @@ class MLAttention(PathBound, nn.Module):
         self.last_visible: torch.Tensor | None = None  # [B, R, T] bool, this forward's
 
     def _lin(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        return _linear(x, layer.weight, layer.bias, self.path)
+        return linear_rows(x, layer.weight, layer.bias, self.path)
 
     def forward(
         self,

@@ -126,10 +126,12 @@ class RotaryTable(torch.nn.Module):
         self.register_buffer("sin", (emb.sin() * scale).float(), persistent=False)
         half = self.rotary_dim // 2
         full = self.rotary_dim == cfg.head_dim
-        # ``[P, head_dim]`` cos | sin halves: the fused rotary + KV write kernel's table (full
-        # rotary only; partial rotary keeps the torch path).
-        cos_sin = torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=-1) if full else None
-        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+        # ``[P, rotary_dim]`` cos | sin halves: ``ops.rotary_kv_write``'s table (``rope_cache``,
+        # partial rotary too); ``cos_sin_cache`` is it where every channel rotates (the dense
+        # fused layer and the rotary inside its attention kernel: full rotary only).
+        rope_cache = torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=-1)
+        self.register_buffer("rope_cache", rope_cache, persistent=False)
+        self.register_buffer("cos_sin_cache", rope_cache if full else None, persistent=False)
 
     def for_layer(self, is_sliding_rope: bool) -> RotaryTable:
         """The table of a layer: :attr:`sliding` for a sliding layer where there is one."""

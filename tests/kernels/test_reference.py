@@ -226,6 +226,23 @@ def test_linear_rms_norm_rotary_refs():
     assert torch.equal(vc.view(-1, hk, d)[slots], v)
     assert torch.equal(kc.view(-1, hk, d)[0], torch.zeros(hk, d))  # untouched slot
 
+    # partial rotary (R = 4 of D = 8): the first R channels rotate as a head of width R, the
+    # rest pass through unchanged
+    r = 4
+    cs_r = torch.cat([theta[:, : r // 2].cos(), theta[:, : r // 2].sin()], -1)
+    q_p, kc, vc = q0.clone(), torch.zeros_like(kc), torch.zeros_like(vc)
+    ref.rotary_kv_write_ref(q_p, k, v, pos, cs_r, slots, kc, vc)
+
+    def crot_r(x):
+        z = torch.complex(x[..., : r // 2].double(), x[..., r // 2 : r].double())
+        z = z * torch.polar(torch.ones_like(theta[pos, : r // 2]).double(),
+                            theta[pos, : r // 2].double())[:, None]
+        return torch.cat([z.real, z.imag, x[..., r:].double()], -1)
+
+    assert torch.allclose(q_p.double(), crot_r(q0), atol=1e-5)
+    assert torch.equal(q_p[..., r:], q0[..., r:])
+    assert torch.allclose(kc.view(-1, hk, d)[slots].double(), crot_r(k), atol=1e-5)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 6, 48])

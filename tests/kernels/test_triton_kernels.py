@@ -605,6 +605,39 @@ def test_rotary_kv_write_qk_norm_and_q_out(dtype, t, heads, kvh, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, heads, kvh, d, r", [(1, 8, 2, 256, 64), (7, 6, 2, 64, 16),
+                                                 (3, 4, 1, 48, 12)])
+def test_rotary_kv_write_partial_rotary_gated_q(dtype, t, heads, kvh, d, r):
+    """Partial rotary (the first ``r`` of ``d`` channels rotate: Qwen3.5 / Qwen3-Next gated
+    attention), the per-head q/k norm with fp32 weights over all ``d`` channels, q read from
+    the gated projection's ``[q | gate]`` heads (head stride ``2 d``), written to ``q_out``."""
+    gen = torch.Generator().manual_seed(31 * t + r)
+    qg = torch.randn(t, heads, 2 * d, generator=gen).to(dtype=dtype, device=DEV)
+    kv = torch.randn(t, 2, kvh, d, generator=gen).to(dtype=dtype, device=DEV)
+    pos = torch.randint(0, 4096, (t,), generator=gen).to(DEV)
+    slots = (torch.randperm(64 * 16 - 16, generator=gen)[:t] + 16).to(DEV)
+    cs = cos_sin_table(r, DEV)
+    qw, kw = (1 + 0.2 * torch.randn(2, d, generator=gen)).to(DEV)  # fp32 (frozen 1 + w)
+    results = []
+    for backend in ("triton", "reference"):
+        buf = qg.clone()
+        q, k, v = buf[..., :d], kv[:, 0], kv[:, 1]
+        kc, vc = _nan_caches(kvh, d, dtype)
+        q_out = torch.full((t, heads, d), float("nan"), dtype=dtype, device=DEV)
+        ops.rotary_kv_write(q, k, v, pos, cs, slots, kc, vc, q_out=q_out,
+                            qk_norm=(qw, kw, 1e-6), backend=backend)
+        assert torch.equal(buf, qg)  # the gate half and q are left as they were
+        results.append((q_out.clone(), kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots],
+                        kc.isnan().sum()))
+    (q1, k1, v1, n1), (q2, k2, v2, n2) = results
+    assert not q1.isnan().any()
+    assert rel_err(q1, q2) < TOL[dtype] / 4 and rel_err(k1, k2) < TOL[dtype] / 4
+    # the channels past r only normed: the same on both sides
+    assert rel_err(q1[..., r:], q2[..., r:]) < TOL[dtype] / 4
+    assert torch.equal(v1, v2) and n1 == n2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("max_splits, settled", [(1, False), (8, False), (1, True), (8, True)])
 def test_rope_paged_attention_matches_reference(dtype, qk_norm, max_splits, settled):

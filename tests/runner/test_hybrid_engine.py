@@ -526,14 +526,15 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
     after a routed MLP the next norm adds its output: the tokens stay transformers', plain and speculative on
     the mixed batch with a stop, both families (Qwen3-Next's routed MLPs keep the per-op
     path). The plan is ``linear_attention.impl="fused"``'s (its ops' references here; Qwen3.5's
-    linear layers also project q/k/v, z, b, a in one GEMV, ``concat_projections``); under
-    ``fla`` no fused op runs."""
-    from speccal.runner.linear_attention import GatedDeltaNet
+    linear layers also project q/k/v, z, b, a in one GEMV, ``concat_projections``; the
+    attention layers q/k/v in one GEMV and their q/k norms, partial rotary and KV write in one
+    ``ops.rotary_kv_write``); under ``fla`` no fused op runs."""
+    from speccal.runner.hybrid import freeze_constants
     from speccal.runner.path import bind_path
 
     folder, refs = family
-    calls = {"plain": 0, "residual": 0, "mlp_gemv": 0, "gemv_norm": 0}
-    real, real_linear = ops.rms_norm, ops.linear
+    calls = {"plain": 0, "residual": 0, "mlp_gemv": 0, "gemv_norm": 0, "rotary": 0}
+    real, real_linear, real_rotary = ops.rms_norm, ops.linear, ops.rotary_kv_write
 
     def counted(x, weight, eps, **kw):
         calls["residual" if kw.get("residual") is not None else "plain"] += 1
@@ -544,8 +545,13 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
         calls["gemv_norm"] += kw.get("norm") is not None
         return real_linear(x, weight, **kw)
 
+    def counted_rotary(*a, **kw):
+        calls["rotary"] += 1
+        return real_rotary(*a, **kw)
+
     monkeypatch.setattr(ops, "rms_norm", counted)
     monkeypatch.setattr(ops, "linear", counted_linear)
+    monkeypatch.setattr(ops, "rotary_kv_write", counted_rotary)
     params, want = _stop_case(refs)
     dense = 0  # the target's dense MLPs (Qwen3-Next's layers here are all routed)
     for k in (0, 3):
@@ -556,17 +562,16 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
         for module in (eng.loaded.target, eng.loaded.draft):
             if module is not None:
                 bind_path(module, path)
-                for m in module.modules():  # CUDA does these at the build (freeze_constants)
-                    if isinstance(getattr(m, "mlp", None), SwiGLU):
-                        m.mlp.interleave()
-                    if isinstance(m, GatedDeltaNet):
-                        m.concat_projections()
+                freeze_constants(module)  # as the CUDA build does, under the fused plan
         got, _ = _run(eng, PROMPTS, params, k)
         assert got == want, k
     layers = SHAPES["num_hidden_layers"]
     if impl == "fla":  # the plan is off: the torch layers the H200 validated, no fused op
-        assert calls == {"plain": 0, "residual": 0, "mlp_gemv": 0, "gemv_norm": 0}, calls
+        assert calls == {"plain": 0, "residual": 0, "mlp_gemv": 0, "gemv_norm": 0,
+                         "rotary": 0}, calls
         return
+    attn_layers = layers - eng.loaded.target.num_state_layers
+    assert calls["rotary"] >= attn_layers > 0, calls  # decode rows of every attention layer
     # every layer's output projection adds into the stream and writes the post-attention
     # norm; a dense MLP's down projection writes the next norm; after a routed MLP the next
     # norm adds its output in its own launch

@@ -1,0 +1,186 @@
+"""Launches per hybrid decode step, counted on the CPU (no GPU needed): an estimate of
+``hybrid_decode_kernels_per_step_b1`` for a launch plan before it reaches the H200.
+
+A random-weight Qwen3.5 checkpoint (``save_pretrained``, tiny widths: the number of launches
+does not depend on them) is served with its modules bound to the fused path simulated on CPU
+(every Triton op runs its torch reference). One B = 1 plain decode forward of the target is
+counted: each call of a ``speccal.kernels.ops`` function counts as one launch (the Triton kernel
+it is on CUDA; ops that launch two, a split-K reduction or a split-KV combine, count one here),
+every other aten op that is not a view or an allocation counts as one (a torch kernel on
+CUDA); the attention rows count as one launch (``ops.paged_attention`` on CUDA; two where it
+splits the keys, ``attention.splits``). Two depths (4 and 8 layers, the 3 linear + 1 full pattern) give the launches per group
+of four layers and the fixed part; the estimate for the preset's depth is their line.
+
+    python bench/count_hybrid_launches.py [--impl fla,fused] [--layers 24] [--top 25]
+
+What it cannot see: launches that differ between the reference and the kernel (the counts of
+two-launch ops), and anything outside the target's forward (the round's sampling and input
+update: the dense path's figures cover those).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SHAPES = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
+              linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+              tie_word_embeddings=False)
+_ALLOC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_SYNC = {"_local_scalar_dense", "item"}
+
+
+class Counter(TorchDispatchMode):
+    """Counts aten ops that launch a kernel (views and allocations do not), and the ops
+    functions called (one launch each, their inner aten ops not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_name: collections.Counter[str] = collections.Counter()
+        self.syncs = 0
+        self.depth = 0  # > 0 inside an ops function
+        self.active = False  # inside ``with counter``
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.depth == 0:
+            if name in _SYNC:
+                self.syncs += 1
+            elif not func.is_view and name not in _ALLOC:
+                self.by_name[f"aten.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def op(self, name: str, fn):
+        @functools.wraps(fn)
+        def counted(*a, **kw):
+            if self.active and self.depth == 0:
+                self.by_name[f"ops.{name}"] += 1
+            self.depth += 1
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.depth -= 1
+        return counted
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_name.values())
+
+
+def write_checkpoint(folder: Path, layers: int) -> None:
+    import transformers
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForCausalLM(
+        transformers.Qwen3_5TextConfig(**SHAPES, num_hidden_layers=layers,
+                                       mtp_num_hidden_layers=0))
+    hf.save_pretrained(folder)
+
+
+def count(folder: Path, impl: str) -> Counter:
+    from speccal.kernels import ops
+    from speccal.kernels.config import KernelConfig, LinearAttentionTuning
+    from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+    from speccal.runner import hybrid
+    from speccal.runner.hybrid import HybridModel, freeze_constants
+    from speccal.runner.path import ExecutionPath, bind_path
+    from speccal.runner.sampling import SamplingParams
+
+    class FusedOnCpu(ExecutionPath):
+        def fused(self, x):
+            return True
+
+    eng = Engine(EngineConfig.flat(model=str(folder), speculative=False, request_buckets=(1,),
+                                   max_model_len=64, block_size=4, prefill_chunk=16,
+                                   acceptance="greedy"))
+    target = eng.loaded.target
+    bind_path(target, FusedOnCpu(kernels=KernelConfig(
+        linear_attention=LinearAttentionTuning(impl=impl))))
+    freeze_constants(target)  # as the CUDA build does, under the bound path's plan
+    counter = Counter()
+    names = [n for n in dir(ops) if not n.startswith("_") and callable(getattr(ops, n))
+             and not isinstance(getattr(ops, n), type)]
+    saved = {n: getattr(ops, n) for n in names}
+    real_forward = HybridModel.forward
+    seen: list[Counter] = []
+
+    def forward(self, input_ids, *a, **kw):
+        if input_ids.shape[0] != 1 or seen:  # the first B = 1 decode forward only
+            return real_forward(self, input_ids, *a, **kw)
+        seen.append(counter)
+        with counter:
+            return real_forward(self, input_ids, *a, **kw)
+
+    # the attention rows: the CPU's grid + sdpa, one ops.paged_attention on CUDA
+    real_attend = hybrid.attend_rows
+    try:
+        hybrid.attend_rows = counter.op("paged_attention (CPU: attend_rows)", real_attend)
+        for n in names:
+            setattr(ops, n, counter.op(n, saved[n]))
+        HybridModel.forward = forward
+        eng.add_request([5, 17, 3, 88, 41, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step(RoundPlan(0))
+    finally:
+        hybrid.attend_rows = real_attend
+        HybridModel.forward = real_forward
+        for n, fn in saved.items():
+            setattr(ops, n, fn)
+    if not seen:
+        raise SystemExit("no B = 1 decode forward ran")
+    return counter
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--impl", default="fla,fused", help="linear_attention impls, comma-separated")
+    ap.add_argument("--layers", type=int, default=24, help="the preset's depth (qwen3.5-2b: 24)")
+    ap.add_argument("--top", type=int, default=25, help="ops listed per impl (per 4 layers)")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    args = ap.parse_args(argv)
+    if args.layers % 4:
+        ap.error(f"--layers: got {args.layers}, expected a multiple of 4 (3 linear + 1 full)")
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {}
+        for depth in (4, 8):
+            folders[depth] = Path(tmp) / f"l{depth}"
+            write_checkpoint(folders[depth], depth)
+        for impl in args.impl.split(","):
+            c4, c8 = count(folders[4], impl), count(folders[8], impl)
+            per_group = c8.total - c4.total
+            fixed = c4.total - per_group
+            group = collections.Counter(c8.by_name)
+            group.subtract(c4.by_name)
+            out[impl] = {"per_4_layers": per_group, "fixed": fixed, "host_reads": c4.syncs,
+                         f"estimate_{args.layers}_layers": fixed + per_group * args.layers // 4,
+                         "per_4_layers_by_op": dict(group.most_common(args.top))}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    for impl, row in out.items():
+        print(f"{impl}: {row[f'estimate_{args.layers}_layers']} launches per B = 1 decode "
+              f"forward at {args.layers} layers ({row['per_4_layers']} per 4 layers + "
+              f"{row['fixed']} fixed; host reads {row['host_reads']})")
+        for name, n in row["per_4_layers_by_op"].items():
+            print(f"    {n:4d}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
