@@ -95,8 +95,8 @@ def write_checkpoint(folder: Path, layers: int) -> None:
 def count(folder: Path, impl: str) -> Counter:
     from speccal.kernels import ops
     from speccal.kernels.config import KernelConfig, LinearAttentionTuning
-    from speccal.runner.engine import Engine, EngineConfig, RoundPlan
     from speccal.runner import hybrid
+    from speccal.runner.engine import Engine, EngineConfig, RoundPlan
     from speccal.runner.hybrid import HybridModel, freeze_constants
     from speccal.runner.path import ExecutionPath, bind_path
     from speccal.runner.sampling import SamplingParams
