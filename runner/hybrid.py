@@ -480,7 +480,15 @@ class HybridModel(PathBound, nn.Module):
         saves = state_meta.replay_saves
         save_iter = iter(saves) if saves is not None else None
         rows = state_meta.row_index
-        num_grid = state_meta.read_slots.shape[0] * state_meta.num_q_rows
+        if rows is not None:  # flat rows <-> the [B, R] grid: one gather each way per layer
+            num_grid = state_meta.read_slots.shape[0] * state_meta.num_q_rows
+            to_grid = state_meta.grid_source
+            if to_grid is None:
+                to_grid = rows.new_zeros(num_grid + 1)
+                to_grid.index_copy_(0, rows, torch.arange(rows.shape[0], device=rows.device))
+                to_grid = to_grid[:num_grid]
+            # padding rows (the trash cell) read the last cell's row: finite, dropped later
+            to_flat = rows.clamp(max=num_grid - 1)
         layers = self.model.layers
         pending = None  # the last MLP's output: the next norm adds it into h (one launch fused)
         ready = None  # or the next norm's output, written by the fused MLP's down projection
@@ -495,14 +503,10 @@ class HybridModel(PathBound, nn.Module):
                 save = next(save_iter) if save_iter is not None else None
                 if rows is None:
                     x = mixer(x, state_meta, next(state_iter), snap, save, project=project)
-                else:  # flat rows -> [B, R] grid (padding rows in the trash row) and back
-                    grid = x.new_zeros(num_grid + 1, x.shape[-1])
-                    grid.index_copy_(0, rows, x)
-                    out = mixer(grid[:num_grid], state_meta, next(state_iter), snap, save,
-                                project=project)
-                    pad = out.new_zeros(1, out.shape[-1])  # padding rows (discarded): zero
-                    x = torch.cat([out, pad if not project else grid[num_grid:]],
-                                  dim=0).index_select(0, rows)
+                else:  # flat rows -> [B, R] grid and back
+                    out = mixer(x.index_select(0, to_grid), state_meta, next(state_iter), snap,
+                                save, project=project)
+                    x = out.index_select(0, to_flat)
             else:
                 x = mixer(x, positions, attn_meta, next(kv_iter), self.rotary, self.path,
                           project=project)

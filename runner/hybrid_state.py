@@ -120,6 +120,10 @@ class StateStrategy(ABC):
         # forward views it, nothing allocates there)
         self._iota = torch.arange(max_bucket * (draft_width + 1), dtype=torch.int64,
                                   device=device)
+        # the grid's source rows (StateMeta.grid_source), written per verify forward; the last
+        # cell is the trash cell padding rows scatter into
+        self._cells = torch.zeros(max_bucket * (draft_width + 1) + 1, dtype=torch.int64,
+                                  device=device)
         self.num_rounds = 0
         self.traffic = StateTraffic()  # accumulated over rounds (host, from the shapes)
 
@@ -220,11 +224,17 @@ class StateStrategy(ABC):
             # row is real: no grid scatter and gather, no masks, in every linear layer
             return StateMeta(rows, rows, 1), self.state
         num_valid = x.host.num_verify + 1  # [bcap]: pending token + verified drafts
-        grid = (ver_row if packed is None
-                else _grid_rows(packed, k + 1, self._iota[: ver_row.shape[0]]))
+        iota = self._iota[: ver_row.shape[0]]
+        grid = ver_row if packed is None else _grid_rows(packed, k + 1, iota)
+        cells = self._cells[: bcap * (k + 1) + 1]
+        cells.zero_()
+        cells.index_copy_(0, grid, iota)  # each cell's flat row (the trash cell: any of them)
         if k == 0:
-            return StateMeta(rows, rows, 1, num_valid, row_index=grid), self.state
-        return self._verify_meta(slots, bcap, k, rows, num_valid, grid), self.state
+            meta = StateMeta(rows, rows, 1, num_valid, row_index=grid)
+        else:
+            meta = self._verify_meta(slots, bcap, k, rows, num_valid, grid)
+        meta.grid_source = cells[: bcap * (k + 1)]
+        return meta, self.state
 
     @abstractmethod
     def _verify_meta(self, slots, bcap, k, rows, num_valid, grid) -> StateMeta:

@@ -206,6 +206,10 @@ class StateMeta:
     # flat rows -> the [B, R] grid: [N] int64 into B * R (+1 trash row for padding rows), the
     # layout of AttnMeta.row_index; None: the N rows already are the grid (N = B * R)
     row_index: torch.Tensor | None = None
+    # its inverse: [B * R] int64, the flat row of each grid cell (cells past a request's rows:
+    # row 0, any finite row: the kernels mask past num_valid and their outputs are dropped);
+    # None: derived by the forward from row_index
+    grid_source: torch.Tensor | None = None
 
 
 class GatedDeltaNet(PathBound, nn.Module):
