@@ -182,12 +182,13 @@ def gated_decay(
     dt_bias: torch.Tensor,  # [Hv]
     decay: torch.Tensor,  # [Hv] float32: -exp(A_log)
     *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (g, beta) written: [N, Hv] each
     backend: str | None = None,  # overrides tune.backend (comparisons in tests)
     tune: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # g [N, Hv] float32, beta [N, Hv] b's dtype
     """The gated delta rule's per-row gates, ``g = decay * softplus(a + dt_bias)`` and
     ``beta = sigmoid(b)`` (``reference.gated_decay_ref``): one launch on Triton (the torch form
-    is five)."""
+    is five). ``out``: contiguous buffers to write them into (a replay's saves)."""
     _need(a.dim() == 2 and a.dtype in _FLOATS and a.stride(1) == 1, "a", (_shape(a), a.dtype),
           "[N, Hv] float, Hv contiguous")
     n, hv = a.shape
@@ -197,14 +198,21 @@ def gated_decay(
           (_shape(dt_bias), dt_bias.dtype), f"[{hv}] float")
     _need(_shape(decay) == (hv,) and decay.dtype == torch.float32, "decay",
           (_shape(decay), decay.dtype), f"[{hv}] float32")
+    if out is not None:
+        _check_out("out[0] (g)", out[0], (n, hv), torch.float32)
+        _check_out("out[1] (beta)", out[1], (n, hv), b.dtype)
     if use_triton(a, backend or tune.backend):
         from speccal.kernels.gated_delta import gated_decay_triton
 
-        g = torch.empty(n, hv, dtype=torch.float32, device=a.device)
-        beta = torch.empty(n, hv, dtype=b.dtype, device=a.device)
+        g, beta = out if out is not None else (
+            torch.empty(n, hv, dtype=torch.float32, device=a.device),
+            torch.empty(n, hv, dtype=b.dtype, device=a.device))
         gated_decay_triton(a, b, dt_bias, decay, g, beta)
         if dry_pass_active():  # skipped launches: finite stand-ins
             g.zero_()
             beta.zero_()
         return g, beta
-    return ref.gated_decay_ref(a, b, dt_bias, decay)
+    g, beta = ref.gated_decay_ref(a, b, dt_bias, decay)
+    if out is None:
+        return g, beta
+    return out[0].copy_(g), out[1].copy_(beta)

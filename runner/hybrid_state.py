@@ -269,9 +269,7 @@ class ScratchSwapStrategy(StateStrategy):
         self.saves = self.state.replay_buffers(self.max_bucket, self.w + 1, dtype,
                                                target.config.linear)
         # saved inputs per request and verified position, over every linear layer
-        cells = self.max_bucket * (self.w + 1)
-        self.save_bytes_per_row = sum(t.numel() * t.element_size() for layer in self.saves
-                                      for t in layer) // cells
+        self.save_bytes_per_row = self.saves.bytes_per_cell()
 
     def _spec_traffic(self, bcap, k, s):
         # verify: read the committed row, write the scratch row and the saved inputs; swap:
@@ -283,9 +281,8 @@ class ScratchSwapStrategy(StateStrategy):
 
     def _verify_meta(self, slots, bcap, k, rows, num_valid, grid):
         scratch = self.scratch_of[slots]
-        saves = [(pre[:bcap, :, : k + 1], post[:bcap, : k + 1], g[:bcap, : k + 1],
-                  beta[:bcap, : k + 1]) for pre, post, g, beta in self.saves]
-        return StateMeta(rows, scratch, k + 1, num_valid, row_index=grid, replay_saves=saves)
+        return StateMeta(rows, scratch, k + 1, num_valid, row_index=grid,
+                         replay_saves=self.saves.views(bcap, k + 1))
 
     def _commit(self, slots, num_verify, bcap, k, num_accepted):
         row, scratch = self.row_of[slots], self.scratch_of[slots]
@@ -296,11 +293,9 @@ class ScratchSwapStrategy(StateStrategy):
         # partial acceptance: the pending token and the accepted drafts, replayed in place
         # from the committed row (zero rows where the swap already committed)
         num_valid = torch.where(is_full, 0, num_accepted + 1)
-        for mixer, layer, (pre, post, g, beta) in zip(self.target.linear_mixers(),
-                                                     self.state.layers, self.saves, strict=True):
-            mixer.replay(layer, committed, num_valid,
-                         (pre[:bcap, :, : k + 1], post[:bcap, : k + 1], g[:bcap, : k + 1],
-                          beta[:bcap, : k + 1]))
+        for mixer, layer, save in zip(self.target.linear_mixers(), self.state.layers,
+                                      self.saves.views(bcap, k + 1), strict=True):
+            mixer.replay(layer, committed, num_valid, save)
 
 
 class SnapshotStrategy(StateStrategy):

@@ -200,8 +200,8 @@ class StateMeta:
     # or, in place: [B, R] int64 state rows (every layer's) that take the state after each row
     snapshot_rows: torch.Tensor | None = None
     # the layers' inputs kept for a replay of a prefix (GatedDeltaNet.replay), one tuple per
-    # linear layer in layer order: (conv input [B, C, R], conv output [B, R, C],
-    # g [B, R, Hv] fp32, beta [B, R, Hv] fp32), written by the forward
+    # linear layer in layer order (ReplaySaves.views): (conv input [B, R, C], conv output
+    # [B, R, C], g [B, R, Hv] fp32, beta [B, R, Hv] the model's dtype), written by the forward
     replay_saves: list[tuple[torch.Tensor, ...]] | None = None
     # flat rows -> the [B, R] grid: [N] int64 into B * R (+1 trash row for padding rows), the
     # layout of AttnMeta.row_index; None: the N rows already are the grid (N = B * R)
@@ -315,8 +315,10 @@ class GatedDeltaNet(PathBound, nn.Module):
         fused = self.kx.linear_attention.is_fused and not meta.is_chunked
         qkv, z, b, a = self._project(x, fused=fused and self.path.fused(x))
         decay = self.decay if self.decay is not None else -self.A_log.float().exp()
-        if fused:
-            g, beta = ops.gated_decay(a, b, self.dt_bias, decay, tune=self.kx)  # one launch
+        if fused:  # the gates (one launch) into the replay's saves where there are
+            out = (save[2].view(-1, c.num_v_heads), save[3].view(-1, c.num_v_heads)) if (
+                save is not None) else None
+            g, beta = ops.gated_decay(a, b, self.dt_bias, decay, out=out, tune=self.kx)
             out = self._forward_fused(qkv.view(num_b, num_r, c.conv_dim), g, beta, meta, state,
                                       snapshot, save)
             out = ops.rmsnorm_gated(out.view(-1, c.head_v_dim), z, self.norm.weight,
@@ -341,8 +343,8 @@ class GatedDeltaNet(PathBound, nn.Module):
             windows = conv_windows(qkv, conv_in).reshape(-1, *conv_state.shape[1:])
             conv_state.index_copy_(0, rows.reshape(-1), windows.to(conv_state.dtype))
         mixed = mixed.transpose(1, 2)  # [B, R, C]
-        if save is not None:
-            for buf, src in zip(save, (qkv, mixed, g.view(num_b, num_r, -1),
+        if save is not None:  # qkv is [B, C, R] here
+            for buf, src in zip(save, (qkv.transpose(1, 2), mixed, g.view(num_b, num_r, -1),
                                        beta.view(num_b, num_r, -1)), strict=True):
                 buf.copy_(src)
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
@@ -390,12 +392,12 @@ class GatedDeltaNet(PathBound, nn.Module):
         snap_conv, snap_ssm = snapshot if snapshot is not None else (None, None)
         mixed = ops.conv_update(qkv, conv_state, self.conv1d.weight.squeeze(1), meta.read_slots,
                                 meta.write_slots, num_valid=meta.num_valid, snapshots=snap_conv,
-                                snapshot_rows=meta.snapshot_rows, tune=self.kx)
+                                snapshot_rows=meta.snapshot_rows,
+                                out=save[1] if save is not None else None, tune=self.kx)
         g = g.view(num_b, num_r, -1)
         beta = beta.view(num_b, num_r, -1)
-        if save is not None:
-            for buf, src in zip(save, (qkv.transpose(1, 2), mixed, g, beta), strict=True):
-                buf.copy_(src)
+        if save is not None:  # the gates and conv outputs are written there already
+            save[0].copy_(qkv)
         return self._delta_rule_fused(mixed, g, beta, ssm_state, meta.read_slots,
                                       meta.write_slots, meta.num_valid, snap_ssm,
                                       meta.snapshot_rows)
@@ -429,13 +431,14 @@ class GatedDeltaNet(PathBound, nn.Module):
         post-conv rows with the rows past the prefix masked (no decay, no write).
         """
         c = self.cfg
-        qkv, mixed, g, beta = save
+        qkv, mixed, g, beta = save  # qkv [B, R, C]
         if self.kx.linear_attention.is_fused:  # one conv launch, one delta-rule launch
             conv_state, ssm_state = state
-            ops.conv_update(qkv.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), rows,
-                            rows, num_valid=num_valid, tune=self.kx)
+            ops.conv_update(qkv, conv_state, self.conv1d.weight.squeeze(1), rows, rows,
+                            num_valid=num_valid, tune=self.kx)
             self._delta_rule_fused(mixed, g, beta, ssm_state, rows, rows, num_valid)
             return
+        qkv = qkv.transpose(1, 2)  # [B, C, R]
         num_b, _, num_r = qkv.shape
         is_real = (torch.arange(num_r, device=qkv.device)[None, :] < num_valid[:, None])
         conv_state, ssm_state = state
@@ -498,6 +501,35 @@ def _fla_delta_rule_per_row(q, k, v, g, beta, state, snapshots, snapshot_rows):
     return torch.cat(outs, dim=1), s
 
 
+class ReplaySaves:
+    """What a verify forward keeps for a replay of an accepted prefix
+    (:meth:`GatedDeltaNet.replay`), per linear layer: the conv inputs and outputs
+    ``[B, R, C]`` (the model's dtype), ``g [B, R, Hv]`` (float32) and ``beta [B, R, Hv]`` (the
+    model's dtype, as the forward used it). Flat storage for the largest round; :meth:`views`
+    gives a round's ``[bcap, r]`` views, contiguous (the fused gates, ``ops.gated_decay``, and
+    conv step, ``ops.conv_update``, write into them directly: no copies)."""
+
+    def __init__(self, num_layers: int, max_cells: int, cfg: LinearAttentionConfig,
+                 dtype: torch.dtype, device: torch.device):
+        c, hv = cfg.conv_dim, cfg.num_v_heads
+        self.widths = (c, c, hv, hv)
+        dtypes = (dtype, dtype, torch.float32, dtype)
+        self.flat = [tuple(torch.zeros(max_cells * w, dtype=dt, device=device)
+                           for w, dt in zip(self.widths, dtypes, strict=True))
+                     for _ in range(num_layers)]
+
+    def views(self, bcap: int, r: int) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer ``(conv_in, conv_out, g, beta)``, each ``[bcap, r, width]`` contiguous."""
+        n = bcap * r
+        return [tuple(t[: n * w].view(bcap, r, w) for t, w in zip(layer, self.widths, strict=True))
+                for layer in self.flat]
+
+    def bytes_per_cell(self) -> int:
+        """Bytes one request row of one round saves over every layer."""
+        return sum(t.element_size() * w for layer in self.flat
+                   for t, w in zip(layer, self.widths, strict=True))
+
+
 class LinearState:
     """State rows of every linear layer: ``conv [S, C, K-1]`` and ``ssm [S, Hv, Dk, Dv]``.
 
@@ -517,14 +549,10 @@ class LinearState:
         ]
 
     def replay_buffers(self, num_b: int, num_r: int, dtype: torch.dtype,
-                       cfg: LinearAttentionConfig) -> list[tuple[torch.Tensor, ...]]:
-        """Zeroed :attr:`StateMeta.replay_saves` buffers for ``B`` x ``R`` rows per layer."""
-        dev = self.layers[0][0].device
-        c, hv = cfg.conv_dim, cfg.num_v_heads
-        return [(torch.zeros(num_b, c, num_r, dtype=dtype, device=dev),
-                 torch.zeros(num_b, num_r, c, dtype=dtype, device=dev),
-                 torch.zeros(num_b, num_r, hv, device=dev),
-                 torch.zeros(num_b, num_r, hv, device=dev)) for _ in self.layers]
+                       cfg: LinearAttentionConfig) -> ReplaySaves:
+        """Zeroed :attr:`StateMeta.replay_saves` storage for up to ``B`` x ``R`` rows per
+        layer."""
+        return ReplaySaves(len(self.layers), num_b * num_r, cfg, dtype, self.layers[0][0].device)
 
     def snapshot_buffers(self, num_b: int, num_r: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed per-row snapshot buffers for :attr:`StateMeta.snapshots` (``B`` x ``R``)."""

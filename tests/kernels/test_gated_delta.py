@@ -270,7 +270,7 @@ def _scenario(name: str, num_r: int, device: str, state: LinearState):
     if name == "decode":  # plain decode: in place, one row, no mask
         return StateMeta(rd, rd, 1), None, None
     if name == "scratch_swap":  # scratch rows, padding, saved inputs, replay of a prefix
-        saves = state.replay_buffers(3, num_r, state.layers[0][0].dtype, CFG)[0]
+        saves = state.replay_buffers(3, num_r, state.layers[0][0].dtype, CFG).views(3, num_r)[0]
         meta = StateMeta(rd, torch.tensor(WRITE, device=device), num_r, nv, replay_saves=[saves])
         return meta, None, torch.tensor([num_r - 1, 0, 1], device=device)
     if name == "snapshots":  # every row's state into ring rows, no final state
