@@ -4,14 +4,15 @@
 A random-weight Qwen3.5 checkpoint (``save_pretrained``, tiny widths: the number of launches
 does not depend on them) is served with its modules bound to the fused path simulated on CPU
 (every Triton op runs its torch reference). One B = 1 plain decode forward of the target is
-counted: each call of a ``speccal.kernels.ops`` function counts as one launch (the Triton kernel
+counted (and, after a verify, the state commit: the scratch strategy's replay): each call of
+a ``speccal.kernels.ops`` function counts as one launch (the Triton kernel
 it is on CUDA; ops that launch two, a split-K reduction or a split-KV combine, count one here),
 every other aten op that is not a view or an allocation counts as one (a torch kernel on
 CUDA); the attention rows count as one launch (``ops.paged_attention`` on CUDA; two where it
 splits the keys, ``attention.splits``). Two depths (4 and 8 layers, the 3 linear + 1 full pattern) give the launches per group
 of four layers and the fixed part; the estimate for the preset's depth is their line.
 
-    python bench/count_hybrid_launches.py [--impl fla,fused] [--layers 24] [--top 25]
+    python bench/count_hybrid_launches.py [--impl fla,fused] [--layers 24] [--verify 3]
 
 What it cannot see: launches that differ between the reference and the kernel (the counts of
 two-launch ops), and anything outside the target's forward (the round's sampling and input
@@ -84,20 +85,37 @@ class Counter(TorchDispatchMode):
 
 
 def write_checkpoint(folder: Path, layers: int) -> None:
+    """A ``save_pretrained`` checkpoint plus random ``mtp.*`` tensors in the layout the
+    ``qwen3_5_mtp`` head reads (its layer named like the target's last full-attention one)."""
     import transformers
+    from safetensors.torch import load_file, save_file
     torch.manual_seed(0)
     hf = transformers.Qwen3_5ForCausalLM(
         transformers.Qwen3_5TextConfig(**SHAPES, num_hidden_layers=layers,
-                                       mtp_num_hidden_layers=0))
+                                       mtp_num_hidden_layers=1))
     hf.save_pretrained(folder)
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    h, last = SHAPES["hidden_size"], layers - 1
+    mtp = {"mtp.fc.weight": torch.randn(h, 2 * h) * 0.1, "mtp.norm.weight": torch.zeros(h),
+           "mtp.pre_fc_norm_embedding.weight": torch.zeros(h),
+           "mtp.pre_fc_norm_hidden.weight": torch.zeros(h)}
+    for key, t in tensors.items():
+        if key.startswith(f"model.layers.{last}."):
+            mtp[key.replace(f"model.layers.{last}.", "mtp.layers.0.")] = t.clone()
+    tensors.update(mtp)
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def count(folder: Path, impl: str) -> Counter:
+def count(folder: Path, impl: str, k: int = 0, strategy: str = "scratch_swap") -> Counter:
+    """Launches of the target's first B = 1 forward over ``k + 1`` rows: a plain decode
+    (``k = 0``) or a verify of ``k`` drafts (forced full acceptance)."""
     from speccal.kernels import ops
     from speccal.kernels.config import KernelConfig, LinearAttentionTuning
     from speccal.runner import hybrid
     from speccal.runner.engine import Engine, EngineConfig, RoundPlan
     from speccal.runner.hybrid import HybridModel, freeze_constants
+    from speccal.runner.hybrid_state import StateStrategy
     from speccal.runner.path import ExecutionPath, bind_path
     from speccal.runner.sampling import SamplingParams
 
@@ -105,9 +123,10 @@ def count(folder: Path, impl: str) -> Counter:
         def fused(self, x):
             return True
 
-    eng = Engine(EngineConfig.flat(model=str(folder), speculative=False, request_buckets=(1,),
+    eng = Engine(EngineConfig.flat(model=str(folder), speculative=k > 0, request_buckets=(1,),
                                    max_model_len=64, block_size=4, prefill_chunk=16,
-                                   acceptance="greedy"))
+                                   draft_width=max(k, 1), state_strategy=strategy,
+                                   acceptance="forced" if k else "greedy"))
     target = eng.loaded.target
     bind_path(target, FusedOnCpu(kernels=KernelConfig(
         linear_attention=LinearAttentionTuning(impl=impl))))
@@ -117,14 +136,22 @@ def count(folder: Path, impl: str) -> Counter:
              and not isinstance(getattr(ops, n), type)]
     saved = {n: getattr(ops, n) for n in names}
     real_forward = HybridModel.forward
-    seen: list[Counter] = []
+    real_commit = StateStrategy.commit
+    seen: list[str] = []
 
     def forward(self, input_ids, *a, **kw):
-        if input_ids.shape[0] != 1 or seen:  # the first B = 1 decode forward only
+        if input_ids.shape[0] != k + 1 or seen:  # the first B = 1 decode / verify only
             return real_forward(self, input_ids, *a, **kw)
-        seen.append(counter)
+        seen.append("forward")
         with counter:
             return real_forward(self, input_ids, *a, **kw)
+
+    def commit(self, *a, **kw):  # the state commit after that verify (a replay, a swap)
+        if seen != ["forward"]:
+            return real_commit(self, *a, **kw)
+        seen.append("commit")
+        with counter:
+            return real_commit(self, *a, **kw)
 
     # the attention rows: the CPU's grid + sdpa, one ops.paged_attention on CUDA
     real_attend = hybrid.attend_rows
@@ -133,12 +160,15 @@ def count(folder: Path, impl: str) -> Counter:
         for n in names:
             setattr(ops, n, counter.op(n, saved[n]))
         HybridModel.forward = forward
-        eng.add_request([5, 17, 3, 88, 41, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+        StateStrategy.commit = commit
+        eng.add_request([5, 17, 3, 88, 41, 9], SamplingParams(max_tokens=3 + 2 * k,
+                                                               ignore_eos=True))
         while eng.has_unfinished():
-            eng.step(RoundPlan(0))
+            eng.step(RoundPlan(k))
     finally:
         hybrid.attend_rows = real_attend
         HybridModel.forward = real_forward
+        StateStrategy.commit = real_commit
         for n, fn in saved.items():
             setattr(ops, n, fn)
     if not seen:
@@ -151,10 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impl", default="fla,fused", help="linear_attention impls, comma-separated")
     ap.add_argument("--layers", type=int, default=24, help="the preset's depth (qwen3.5-2b: 24)")
     ap.add_argument("--top", type=int, default=25, help="ops listed per impl (per 4 layers)")
+    ap.add_argument("--verify", type=int, default=3,
+                    help="k of the verify forwards counted (0: decode only)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = ap.parse_args(argv)
     if args.layers % 4:
         ap.error(f"--layers: got {args.layers}, expected a multiple of 4 (3 linear + 1 full)")
+    modes = [("decode", 0, "scratch_swap")]
+    if args.verify:
+        modes += [(f"verify k={args.verify} {st}", args.verify, st)
+                  for st in ("scratch_swap", "snapshots")]
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folders = {}
@@ -162,23 +198,26 @@ def main(argv: list[str] | None = None) -> int:
             folders[depth] = Path(tmp) / f"l{depth}"
             write_checkpoint(folders[depth], depth)
         for impl in args.impl.split(","):
-            c4, c8 = count(folders[4], impl), count(folders[8], impl)
-            per_group = c8.total - c4.total
-            fixed = c4.total - per_group
-            group = collections.Counter(c8.by_name)
-            group.subtract(c4.by_name)
-            out[impl] = {"per_4_layers": per_group, "fixed": fixed, "host_reads": c4.syncs,
-                         f"estimate_{args.layers}_layers": fixed + per_group * args.layers // 4,
-                         "per_4_layers_by_op": dict(group.most_common(args.top))}
+            for mode, k, strategy in modes:
+                c4, c8 = (count(folders[d], impl, k, strategy) for d in (4, 8))
+                per_group = c8.total - c4.total
+                fixed = c4.total - per_group
+                group = collections.Counter(c8.by_name)
+                group.subtract(c4.by_name)
+                out[f"{impl} {mode}"] = {
+                    "per_4_layers": per_group, "fixed": fixed, "host_reads": c4.syncs,
+                    f"estimate_{args.layers}_layers": fixed + per_group * args.layers // 4,
+                    "per_4_layers_by_op": dict(group.most_common(args.top))}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    for impl, row in out.items():
-        print(f"{impl}: {row[f'estimate_{args.layers}_layers']} launches per B = 1 decode "
-              f"forward at {args.layers} layers ({row['per_4_layers']} per 4 layers + "
-              f"{row['fixed']} fixed; host reads {row['host_reads']})")
-        for name, n in row["per_4_layers_by_op"].items():
-            print(f"    {n:4d}  {name}")
+    for name, row in out.items():
+        print(f"{name}: {row[f'estimate_{args.layers}_layers']} launches at B = 1, "
+              f"{args.layers} layers ({row['per_4_layers']} per 4 layers + {row['fixed']} "
+              f"fixed; host reads {row['host_reads']})")
+        for op, n in row["per_4_layers_by_op"].items():
+            if n:
+                print(f"    {n:4d}  {op}")
     return 0
 
 
