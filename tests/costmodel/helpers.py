@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 
@@ -108,3 +109,26 @@ def nonadditive_measurements():
     df["step_ms"] = np.where(df["context_index"] == 0, clean, cycle)
     df["elapsed_s"] = df["step_ms"] * df["window_steps"] / 1000.0
     return df
+
+
+def assert_same_fits(got, want, rel: float = 1e-9, abs_: float = 1e-12) -> None:
+    """Fits equal field by field, floats within ``rel`` (or ``abs_`` near zero): a least-squares
+    fit of the same points rounds its last bits by the host's BLAS kernels (an AVX-512 host
+    and an AVX2 one differ there); everything else exactly."""
+
+    def walk(a, b, where):
+        if isinstance(a, dict):
+            assert isinstance(b, dict) and a.keys() == b.keys(), where
+            for k in a:
+                walk(a[k], b[k], f"{where}.{k}")
+        elif isinstance(a, (list, tuple)):
+            assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+            for i, (u, v) in enumerate(zip(a, b, strict=True)):
+                walk(u, v, f"{where}[{i}]")
+        elif isinstance(a, float) and isinstance(b, float):
+            assert math.isclose(a, b, rel_tol=rel, abs_tol=abs_), (where, a, b)
+        else:
+            assert a == b, (where, a, b)
+
+    walk([f.model_dump() for f in got], [f.model_dump() for f in want], "fits")
+

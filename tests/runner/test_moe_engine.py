@@ -389,7 +389,9 @@ def test_routed_forward_makes_no_host_read():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_expert_loop_equals_the_capture_safe_reference(dtype):
     """On a CPU, ``backend="auto"`` gathers each active expert's rows after one host read; its
-    output and counts equal the static-layout reference's (same roundings, same order)."""
+    counts equal the static-layout reference's and its output too, within fp32 rounding (the
+    same sums in the same order, but matrix products of other shapes: the CPU's BLAS may pick
+    kernels that round the last bit differently, as it does on AVX-512 hosts)."""
     g = torch.Generator().manual_seed(5)
     n, hidden, inter, experts, k = 13, 24, 10, 9, 3
     x = torch.randn(n, hidden, generator=g).to(dtype)
@@ -400,7 +402,7 @@ def test_the_cpu_expert_loop_equals_the_capture_safe_reference(dtype):
     got, counts = ops.fused_moe(x, weights, ids, gate_up, down)
     want, want_counts = ops.fused_moe(x, weights, ids, gate_up, down, backend="reference")
     assert torch.equal(counts, want_counts)
-    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(got, want, **tol)
 
 
