@@ -69,7 +69,7 @@ from speccal.runner.linear_attention import (
     StateMeta,
 )
 from speccal.runner.model import ModelCapabilities
-from speccal.runner.moe import RoutedMoE, SwiGLU
+from speccal.runner.moe import RoutedMoE, SwiGLU, concat_rows
 from speccal.runner.moe_config import MoEConfig
 from speccal.runner.path import PathBound
 from speccal.runner.rope import RotaryTable
@@ -268,14 +268,7 @@ class GatedAttention(nn.Module):
         if (self.qkv_weight is not None or any(p.bias is not None for p in parts)
                 or self.q_norm.eps != self.k_norm.eps):
             return
-        with torch.inference_mode(False):
-            w = torch.cat([p.weight.data for p in parts])
-        start = 0
-        for p in parts:
-            rows = p.weight.shape[0]
-            p.weight.data = w[start:start + rows]
-            start += rows
-        self.qkv_weight = w
+        self.qkv_weight = concat_rows([p.weight for p in parts])
 
     def _fused_rows(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                     kv: tuple[torch.Tensor, torch.Tensor], rotary: RotaryTable, path,

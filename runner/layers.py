@@ -28,7 +28,7 @@ from speccal.kernels import ops
 from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig
 from speccal.runner.distributed.tp import TPBound, reduce_partial
-from speccal.runner.moe import RoutedMoE, interleave_rows
+from speccal.runner.moe import RoutedMoE, concat_rows, interleave_rows
 from speccal.runner.path import ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
 
@@ -168,20 +168,10 @@ class Attention(TPBound, PathBound, nn.Module):
                 f"config.json:sliding_window={self.window}: the Triton attention kernels have "
                 "no sliding window; serve this model with attention_backend='torch', or with "
                 f"max_model_len <= {self.window} (where the window holds every position)")
-        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-        qkv = torch.cat([w.data for w in ws], dim=0)
-        offs = 0
-        for w in ws:
-            w.data = qkv[offs : offs + w.shape[0]]
-            offs += w.shape[0]
-        self.qkv_weight = qkv
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = concat_rows([p.weight for p in parts])
         if self.q_proj.bias is not None:
-            bs = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
-            self.qkv_bias = torch.cat([b.data for b in bs])
-            offs = 0
-            for b in bs:
-                b.data = self.qkv_bias[offs : offs + b.shape[0]]
-                offs += b.shape[0]
+            self.qkv_bias = concat_rows([p.bias for p in parts])
 
 
 class MLP(TPBound, PathBound, nn.Module):

@@ -63,6 +63,7 @@ from speccal.kernels.reference import (
     store_snapshot,
 )
 from speccal.runner.layers import SKINNY_ROWS
+from speccal.runner.moe import concat_rows
 from speccal.runner.path import PathBound
 
 CHUNK_SIZE = 64  # the chunked delta rule's block length (transformers' and fla's default)
@@ -262,14 +263,7 @@ class GatedDeltaNet(PathBound, nn.Module):
         if self.cfg.is_grouped_projection or self.proj_weight is not None:
             return
         parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
-        with torch.inference_mode(False):
-            w = torch.cat([p.weight.data for p in parts])
-        start = 0
-        for p in parts:
-            rows = p.weight.shape[0]
-            p.weight.data = w[start:start + rows]
-            start += rows
-        self.proj_weight = w
+        self.proj_weight = concat_rows([p.weight for p in parts])
 
     def _project(self, x: torch.Tensor, fused: bool = False):  # x [N, hidden]
         """``(qkv [N, conv_dim], z [N, Hv, Dv], b [N, Hv], a [N, Hv])`` from either layout;

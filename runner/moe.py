@@ -60,6 +60,20 @@ def interleave_rows(a: nn.Parameter, b: nn.Parameter) -> torch.Tensor:
     return both
 
 
+@torch.no_grad()
+def concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor of ``parts`` (parameters of one width) stacked along their rows, each part
+    becoming its row view (no second copy): the fused q/k/v or projection GEMV's weight."""
+    with torch.inference_mode(False):  # the parameters stay ordinary tensors
+        whole = torch.cat([p.data for p in parts])
+    start = 0
+    for p in parts:
+        rows = p.shape[0]
+        p.data = whole[start:start + rows]
+        start += rows
+    return whole
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``, torch products, no bias. :meth:`interleave` makes the
     gate / up weights row views of one ``gate_up_weight [2 I, hidden]`` whose rows alternate
