@@ -28,8 +28,6 @@
 #   fusedla     the fused gated delta-net kernels (KernelConfig.linear_attention.impl=fused):
 #               their CUDA tests, the engine against transformers on them (the gate for making
 #               them the default), then bench/bench_hybrid.py --linear-attention fla,fused
-#   gate        pathtest, moetest and fusedla's tests in one pytest run (12 workers), and the
-#               rotary + KV write kernel's tests: the served path's correctness in one stage
 #   fusedbench  fusedla's bench alone: bench/bench_hybrid.py --linear-attention fla,fused
 #   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
 #   hybridhf    bench/bench_hybrid.py decode vs transformers with torch.compile tried
@@ -106,7 +104,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            gate) min=180 ;; fusedbench) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
+            fusedbench) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
             decode) min=120 ;; hf) min=120 ;;
             *) echo "unknown stage $stage"; continue ;;
@@ -172,19 +170,6 @@ run() {
                     > "$d/tests.log" 2>&1
                 echo "rc=$?"
                 grep -E "^(FAILED|ERROR)|passed|failed" "$d/tests.log" | tail -20 ;;
-            gate)
-                SPECCAL_KERNEL_TEST_DEVICE=cuda timeout "$(left)" $PY -m pytest -m cuda \
-                    tests/runner/test_hf_served_path.py tests/runner/test_attention.py \
-                    tests/runner/test_pipeline.py tests/runner/test_hybrid_engine.py \
-                    tests/runner/test_mla_engine.py tests/runner/test_graphs.py \
-                    tests/runner/test_verify_budget.py tests/kernels/test_fused_moe.py \
-                    tests/runner/test_moe_engine.py tests/kernels/test_gated_delta.py \
-                    "tests/kernels/test_triton_kernels.py::test_rotary_kv_write_matches_reference" \
-                    "tests/kernels/test_triton_kernels.py::test_rotary_kv_write_qk_norm_and_q_out" \
-                    "tests/kernels/test_triton_kernels.py::test_rotary_kv_write_partial_rotary_gated_q" \
-                    -n 12 -v -rfE -p no:cacheprovider --durations=10 > "$d/tests.log" 2>&1
-                echo "rc=$?"
-                grep -E "^(FAILED|ERROR)|passed|failed" "$d/tests.log" | tail -25 ;;
             fusedbench)
                 timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" \
                     --skip compile,hf,strategies,greedy --linear-attention fla,fused --record \

@@ -29,7 +29,10 @@ MOE_CASES = [
     (21, 72, 40, 5, 2),  # an expert past one block of 16 pairs
 ]
 if DEV != "cpu":
-    MOE_CASES += [(48, 2048, 1408, 64, 6), (6, 7168, 2048, 256, 8)]  # DeepSeek-V2-Lite, V3
+    # DeepSeek-V2-Lite's layer; DeepSeek-V3's widths and top-8 over 32 of its 256 experts (all
+    # 256 take 45 GB of fp32 weights on the host, twice with the reference's copies: on an
+    # H100 host the worker was killed)
+    MOE_CASES += [(48, 2048, 1408, 64, 6), (6, 7168, 2048, 32, 8)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

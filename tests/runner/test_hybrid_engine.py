@@ -381,19 +381,15 @@ def test_split_graphs_emit_the_eager_tokens_on_cuda(family, strategy):
     """Captured rounds (split graphs: the verify, the acceptance and the state commit inside
     the target graph) emit exactly the eager rounds' tokens on the same device and kernels,
     and both emit transformers' greedy tokens (fp32, fla's kernels on the GPU against
-    transformers' torch reference on the CPU); the mixed batch with the stop token, K = 1..3."""
+    transformers' torch reference on the CPU); the mixed batch with the stop token, K = 1..3.
+    Qwen3-Next's routed MLPs are captured too (they were refused by name until the fused-MoE
+    kernels made them capture-safe)."""
     folder, refs = family
     params, expected = _stop_case(refs)
     kw = dict(device="cuda", dtype="float32", request_buckets=(4,), draft_width=3)
     split_cfg = EngineConfig.flat(**{**dict(
         model=str(folder), max_model_len=64, block_size=4, prefill_chunk=8,
         acceptance="greedy", state_strategy=strategy), **kw}, graph_mode="split")
-    if folder.name == "qwen3_next":
-        # the routed-expert MLP's per-expert gathers have data-dependent shapes: refused by
-        # name, never captured (H200: the refusal, not a token mismatch)
-        with pytest.raises(UnsupportedError, match="routed-expert MLP"):
-            Engine(split_cfg)
-        return
     eager = _engine(folder, strategy, **kw)
     split = Engine(split_cfg)
     for k in (1, 2, 3):
@@ -445,11 +441,9 @@ def test_fused_linear_attention_split_graphs_emit_transformers_tokens_on_cuda(fa
                                                                              strategy):
     """The fused linear attention inside captured rounds (split graphs, Triton attention; the
     verify, the acceptance and the state commit in the target graph), fp32: the mixed batch at
-    K = 1..3 and plain decoding emit transformers' greedy tokens (Qwen3.5; Qwen3-Next's routed
-    MLP is refused by split graphs, see above)."""
+    K = 1..3 and plain decoding emit transformers' greedy tokens (both families: Qwen3-Next's
+    routed MLP captured on the fused-MoE kernels)."""
     folder, refs = family
-    if folder.name == "qwen3_next":
-        pytest.skip("split graphs refuse the routed-expert MLP (test above)")
     params, want = _stop_case(refs)
     kw = dict(device="cuda", dtype="float32", request_buckets=(4,), draft_width=3,
               kernels=FUSED_LA, graph_mode="split", attention_backend="triton")
