@@ -52,7 +52,8 @@ each request led by the tokens its slower growth would not reach); every window 
 batch's mean KV length over its rounds (``mean_kv_length``).
 
 Routed-expert targets (``Engine.routing`` not None): every round reports, per routed layer, the
-distinct experts its forwards activated (counted on the device and read with the round's
+distinct experts its forwards activated for its requests' rows (padding rows route to no
+expert: ``speccal.runner.moe.bind_real_rows``; counted on the device and read with the round's
 results at collect, so exact per round on the pipelined loop too:
 ``RoundResult.experts_activated``); a window's row carries their mean over the routed layers
 and the window's rounds (``experts_activated``, :func:`mean_experts_activated`). The synthetic

@@ -30,6 +30,7 @@ def fused_moe(
     gate_up: torch.Tensor,  # [E, 2 I, hidden]: gate rows, then up rows
     down: torch.Tensor,  # [E, hidden, I]
     *,
+    row_mask: torch.Tensor | None = None,  # [N] bool: rows that belong to requests (None: all)
     block_m: int = MOE_BLOCK_M,
     backend: str | None = None,  # overrides tune.backend (comparisons in tests)
     tune: KernelConfig = DEFAULT_KERNELS,
@@ -46,6 +47,11 @@ def fused_moe(
     (``reference.moe_sum_slots_ref``). Expert ids are device values, not checked here. On a
     CPU, ``backend="auto"`` runs :func:`_moe_by_expert` (one host read; CPU rounds are never
     captured); ``reference`` forces the static layout there.
+
+    ``row_mask``: rows outside it (a round's padding rows) choose no expert: their pairs go to a
+    sentinel expert past the last, whose blocks read no weights, their output rows are zero and
+    ``counts`` leaves them out, so what a round activates is its requests' experts, whatever
+    stale tokens its padding rows carry.
     """
     _need(x.dim() == 2 and x.stride(1) == 1 and x.dtype in _FLOATS, "x", (_shape(x), x.dtype),
           "[N, hidden] float, hidden contiguous")
@@ -64,10 +70,24 @@ def fused_moe(
     _need(gate_up.stride(2) == 1 and down.stride(2) == 1, "gate_up/down", "strided",
           "the last dimension contiguous")
     _need(block_m >= 1, "block_m", block_m, "an int >= 1")
+    if row_mask is not None:
+        _need(_shape(row_mask) == (n,) and row_mask.dtype == torch.bool, "row_mask",
+              (_shape(row_mask), row_mask.dtype), f"[{n}] bool")
+        ids = torch.where(row_mask[:, None], ids, num_experts)  # the sentinel expert
+    out, counts = _experts(x, weights, ids, gate_up, down, num_experts, block_m, backend, tune,
+                           sentinel=row_mask is not None)
+    if row_mask is not None:
+        out = torch.where(row_mask[:, None], out, 0)  # the sentinel pairs wrote nothing
+    return out, counts
+
+
+def _experts(x, weights, ids, gate_up, down, num_experts, block_m, backend, tune, *,
+             sentinel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_moe` after its checks; ``sentinel``: ``ids`` may hold ``num_experts``."""
     chosen = backend or tune.backend
     if chosen == "auto" and not use_triton(x, chosen) and x.device.type == "cpu":
         return _moe_by_expert(x, weights, ids, gate_up, down)
-    pairs, blocks, counts = ref.moe_align_ref(ids, num_experts, block_m)
+    pairs, blocks, counts = ref.moe_align_ref(ids, num_experts, block_m, sentinel=sentinel)
     if use_triton(x, chosen):
         from speccal.kernels.fused_moe import fused_moe_triton
 
@@ -90,14 +110,15 @@ def _moe_by_expert(x, weights, ids, gate_up, down):  # shapes as fused_moe -> (o
     same roundings and order as the reference (the tests compare them); what a CPU round runs
     instead of the reference's per-block weight gathers (which copy an expert's weights per
     block: many times slower at real widths)."""
-    k, inter = ids.shape[1], down.shape[2]
+    k, inter, num_experts = ids.shape[1], down.shape[2], gate_up.shape[0]
     flat = ids.reshape(-1)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0])  # [E] int64
+    # [E] int64 (a sentinel expert E, where fused_moe masked rows, is counted, then dropped)
+    counts = torch.bincount(flat, minlength=num_experts)
     order = torch.argsort(flat, stable=True)  # [N k]: by expert, rows ascending within
     w = weights.reshape(-1)
     out = torch.zeros_like(x)
     start = 0
-    for e, c in enumerate(counts.tolist()):  # the one host read
+    for e, c in enumerate(counts[:num_experts].tolist()):  # the one host read
         if c:
             pick = order[start:start + c]
             rows = pick // k
@@ -105,4 +126,4 @@ def _moe_by_expert(x, weights, ids, gate_up, down):  # shapes as fused_moe -> (o
             y = (F.silu(h[:, :inter]) * h[:, inter:]) @ down[e].t()
             out.index_add_(0, rows, (y * w[pick, None]).to(x.dtype))
             start += c
-    return out, counts
+    return out, counts[:num_experts]

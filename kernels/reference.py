@@ -558,9 +558,16 @@ def moe_align_ref(
     ids: torch.Tensor,  # [N, top_k] int: each row's experts
     num_experts: int,
     block_m: int,
+    *,
+    sentinel: bool = False,  # ids may hold num_experts: pairs of no expert (masked rows)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # sorted_pairs [P], block_expert [P/bm], counts [E]
     """The block-aligned layout of the (row, expert) pairs (module docstring), and the pairs per
-    expert. A static-shape stable sort: no host read, so it can sit in a captured graph."""
+    expert. A static-shape stable sort: no host read, so it can sit in a captured graph.
+    ``sentinel``: the pairs of expert ``num_experts`` are laid out last, in blocks of expert -1
+    (read by no kernel), and left out of ``counts``."""
+    if sentinel:
+        pairs, blocks, counts = moe_align_ref(ids, num_experts + 1, block_m)
+        return pairs, torch.where(blocks < num_experts, blocks, -1), counts[:num_experts]
     flat = ids.reshape(-1).long()
     num_pairs, dev = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.long, device=dev)

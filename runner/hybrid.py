@@ -69,7 +69,7 @@ from speccal.runner.linear_attention import (
     StateMeta,
 )
 from speccal.runner.model import ModelCapabilities
-from speccal.runner.moe import RoutedMoE, SwiGLU, concat_rows
+from speccal.runner.moe import RoutedMoE, SwiGLU, bind_real_rows, concat_rows
 from speccal.runner.moe_config import MoEConfig
 from speccal.runner.path import PathBound
 from speccal.runner.rope import RotaryTable
@@ -467,6 +467,8 @@ class HybridModel(PathBound, nn.Module):
         state_meta: StateMeta,
         state: LinearState,
     ) -> torch.Tensor:  # [N, hidden], after the final norm
+        if kv_caches:  # the rows of requests, for the routed layers (none without a KV layer)
+            bind_real_rows(self, attn_meta.slot_mapping, kv_caches[0][0].shape[1])
         h = self.model.embed_tokens(input_ids)
         kv_iter, state_iter = iter(kv_caches), iter(state.layers)
         snap_iter = iter(state_meta.snapshots) if state_meta.snapshots is not None else None
@@ -565,6 +567,7 @@ class HybridMTPHead(PathBound, nn.Module):
         meta: AttnMeta,
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # feedback [N, hidden], normed [N, hidden]
+        bind_real_rows(self, meta.slot_mapping, kv[0].shape[1])
         e = self.embed_norm(target.model.embed_tokens(input_ids))
         parts = {"embed": e, "hidden": self.hidden_norm(hidden)}
         x = self.proj(torch.cat([parts[name] for name in self.family.concat_order], dim=-1))

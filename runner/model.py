@@ -26,6 +26,7 @@ from speccal.runner.config import ModelConfig
 from speccal.runner.distributed.tp import TPBound, vocab_argmax, vocab_embed, vocab_gather
 from speccal.runner.layers import RMSNorm
 from speccal.runner.mla import decoder_layer, link_shared_index
+from speccal.runner.moe import bind_real_rows
 from speccal.runner.path import ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
 
@@ -91,6 +92,7 @@ class TargetModel(TPBound, PathBound, nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) per layer
     ) -> torch.Tensor:  # [N, hidden], after the final norm
         layers = self.model.layers
+        bind_real_rows(self, meta.slot_mapping, kv_caches[0][0].shape[1])
         # decode / verify rows on Triton (the ids have the rows' device and count)
         if all(layer.can_fuse(input_ids, self.rotary) for layer in layers):
             return self._forward_fused(input_ids, positions, meta, kv_caches)

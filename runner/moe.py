@@ -183,10 +183,18 @@ class RoutedMoE(PathBound, nn.Module):
         self._stack_key: tuple[int, int] | None = None  # the parameters they were stacked from
         # [2, E] bool: row 0 since the last take_activated, row 1 since begin_round
         self.masks: torch.Tensor | None = None
+        # [N] bool: the current forward's rows that belong to requests (bind_real_rows); None:
+        # every row does
+        self.real_rows: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
         weights, ids = route(x, self.gate, self.moe)  # [N, k]
-        out, counts = ops.fused_moe(x, weights, ids, *self._stacked(), tune=self.kx)
+        real = self.real_rows
+        if real is not None and real.shape[0] != x.shape[0]:
+            raise RuntimeError(f"RoutedMoE.real_rows: {real.shape[0]} rows bound, the forward "
+                               f"has {x.shape[0]} (bind_real_rows before each forward)")
+        out, counts = ops.fused_moe(x, weights, ids, *self._stacked(), row_mask=real,
+                                    tune=self.kx)
         if self.masks is None or self.masks.device != x.device:
             with torch.inference_mode(False):  # reset in place later, outside inference mode
                 self.masks = torch.zeros(2, self.moe.num_experts, dtype=torch.bool,
@@ -261,6 +269,27 @@ def activated_counts(module: nn.Module) -> list[int]:
 def routed_modules(module: nn.Module) -> list[RoutedMoE]:
     """The :class:`RoutedMoE` modules under ``module`` (module order)."""
     return [m for m in module.modules() if isinstance(m, RoutedMoE)]
+
+
+def bind_real_rows(model: nn.Module, slot_mapping: torch.Tensor,  # [N] int64
+                   block_size: int) -> None:
+    """Before a forward of ``model`` over rows writing KV slots ``slot_mapping``: its routed
+    layers route only the rows that belong to requests (:attr:`RoutedMoE.real_rows`). A
+    round's padding rows (padding requests of the bucket, rows past the verify rows) write the
+    reserved sentinel block 0 (``speccal.runner.kv_cache``), every request row an allocated
+    block, so the rows are those whose slot is past the first block: one comparison per
+    forward, on the device, captured with it. The padding rows' tokens are stale (what their
+    slot last held, which differs between eager and captured rounds and between the host and
+    in-graph input updates): routed, they activated experts the requests did not, and read
+    their weights."""
+    routed = model.__dict__.get("_routed_cache")
+    if routed is None:
+        routed = routed_modules(model)
+        model.__dict__["_routed_cache"] = routed
+    if routed:
+        real = slot_mapping >= block_size
+        for m in routed:
+            m.real_rows = real
 
 
 def round_counts(modules: list[RoutedMoE]) -> torch.Tensor:  # [L] int64, on the modules' device

@@ -30,6 +30,7 @@ from speccal.runner.draft_families import DraftFamily
 from speccal.runner.layers import RMSNorm
 from speccal.runner.mla import decoder_layer
 from speccal.runner.model import TargetModel, fused_head
+from speccal.runner.moe import bind_real_rows
 from speccal.runner.path import PathBound
 
 
@@ -67,6 +68,7 @@ class MTPHead(TPBound, PathBound, nn.Module):
         meta: AttnMeta,
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # feedback [N, hidden], normed [N, hidden]
+        bind_real_rows(self, meta.slot_mapping, kv[0].shape[1])
         embed = self.embed if self.embed is not None else target.model.embed_tokens
         e = self.embed_norm(vocab_embed(embed, input_ids, self.tp))
         h = self.hidden_norm(hidden)

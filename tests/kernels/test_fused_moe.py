@@ -49,6 +49,28 @@ def test_fused_moe_matches_reference(dtype, case):
     assert torch.equal(counts, want_counts)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_masked_rows_choose_no_expert(backend):
+    """``row_mask``: the masked rows' output is zero and their experts are left out of the
+    counts (an expert only they chose counts 0, and its NaN weights are never read); the
+    other rows equal an unmasked call's."""
+    dtype = DTYPES[0]
+    rows, hidden, inter, experts, top_k = 9, 40, 24, 6, 2
+    x, w, ids, gu, dn = moe_case(5, rows, hidden, inter, experts, top_k, dtype, DEV)
+    mask = torch.tensor([True, False, True, True, False, True, True, False, True], device=DEV)
+    lonely = experts - 1  # chosen by masked rows only, its weights poisoned
+    ids = torch.where(mask[:, None], ids % (experts - 1), ids)
+    ids[1, 0] = lonely
+    ids[1, 1] = ids[1, 1] % (experts - 1)
+    gu[lonely] = dn[lonely] = float("nan")
+    got, counts = ops.fused_moe(x, w, ids, gu, dn, row_mask=mask, backend=backend)
+    full, _ = ops.fused_moe(x[mask], w[mask], ids[mask], gu, dn, backend=backend)
+    assert torch.isfinite(got).all() and torch.equal(got[~mask], torch.zeros_like(got[~mask]))
+    assert rel_err(got[mask], full) < TOL[dtype] / 10
+    want = torch.bincount(ids[mask].reshape(-1).cpu(), minlength=experts)
+    assert torch.equal(counts.cpu(), want) and int(counts[lonely]) == 0
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="the interpreter keeps no compiled specializations")
 def test_the_kernels_compile_once_for_every_row_count():
     """Cold start: one specialization of each kernel serves every bucket's row count (the pair

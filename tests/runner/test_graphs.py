@@ -89,6 +89,26 @@ def test_eager_block_table_trimmed_to_batch_blocks():
     assert eng.runner.max_blocks_per_seq > 3
 
 
+@pytest.mark.parametrize("speculative", [True, False])
+def test_routed_rounds_count_the_same_experts_on_both_input_updates_cpu(speculative):
+    """``moe-tiny`` (routed layers and a routed MTP head) on the host and the in-graph input
+    update: the same tokens and, every round, the same activated experts. The padding rows
+    of the bucket (three requests in the bucket of four; verify rows past a request's)
+    carry whatever tokens their slot held last, which differs between the two updates (and
+    between eager and captured rounds); they route to no expert (``bind_real_rows``), so the
+    counts are the requests' own. Before, the plain rounds counted 13 experts against 10."""
+    k, verify = (3, [[3, 1, 2], [0, 3, 3]]) if speculative else (0, None)
+    runs = {}
+    for update in ("host", "in_graph"):
+        experts: list = []
+        eng = Engine(_cfg(model="moe-tiny", dtype="float32", speculative=speculative,
+                          input_update=update))
+        assert eng.runner.resolve_update(4, k, 4 * (k + 1)) == update
+        runs[update] = (_run(eng, 8, k, verify, experts), experts)
+    assert runs["host"] == runs["in_graph"]
+    assert all(all(n > 0 for n in e) for e in runs["host"][1])
+
+
 # ------------------------------------------------------------------------------- CUDA
 
 

@@ -406,6 +406,25 @@ def test_the_cpu_expert_loop_equals_the_capture_safe_reference(dtype):
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_masked_rows_route_to_no_expert_on_the_cpu(backend):
+    """``ops.fused_moe(row_mask=...)`` on the CPU paths (the expert loop and the static
+    layout): masked rows give zero rows and no counts, the others an unmasked call's values."""
+    g = torch.Generator().manual_seed(9)
+    n, hidden, inter, experts, k = 11, 24, 10, 7, 2
+    x = torch.randn(n, hidden, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3
+    down = torch.randn(experts, hidden, inter, generator=g) * 0.3
+    mask = torch.rand(n, generator=g) > 0.4
+    got, counts = ops.fused_moe(x, weights, ids, gate_up, down, row_mask=mask, backend=backend)
+    want, _ = ops.fused_moe(x[mask], weights[mask], ids[mask], gate_up, down, backend=backend)
+    assert torch.equal(got[~mask], torch.zeros_like(got[~mask]))
+    torch.testing.assert_close(got[mask], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(counts, torch.bincount(ids[mask].reshape(-1), minlength=experts))
+
+
 def test_target_forward_makes_no_host_read(family):
     """Each family's whole target forward on packed verify rows (GQA, the MiMo sliding layers
     with sinks, routed layers) makes no host read (``engine_checks``)."""
