@@ -16,7 +16,8 @@ of four layers and the fixed part; the estimate for the preset's depth is their 
 
 What it cannot see: launches that differ between the reference and the kernel (the counts of
 two-launch ops), and anything outside the target's forward (the round's sampling and input
-update: the dense path's figures cover those).
+update). ``--dense-layers 28`` counts the dense path's decode the same way as a check: 169 for
+``dense-2b``, where the H200's profiler measured 174 launches for the whole step.
 """
 from __future__ import annotations
 
@@ -107,15 +108,30 @@ def write_checkpoint(folder: Path, layers: int) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def count(folder: Path, impl: str, k: int = 0, strategy: str = "scratch_swap") -> Counter:
+def write_dense_checkpoint(folder: Path, layers: int) -> None:
+    """A ``save_pretrained`` Qwen3 checkpoint: the dense path, whose launches per step the
+    H200's profiler measured (174 for a ``dense-2b`` B = 1 decode step at b615bfd), to check
+    this counter against."""
+    import transformers
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        tie_word_embeddings=True)).save_pretrained(folder)
+
+
+def count(folder: Path, impl: str, k: int = 0, strategy: str = "scratch_swap",
+          dense: bool = False) -> Counter:
     """Launches of the target's first B = 1 forward over ``k + 1`` rows: a plain decode
-    (``k = 0``) or a verify of ``k`` drafts (forced full acceptance)."""
+    (``k = 0``) or a verify of ``k`` drafts (forced full acceptance). ``dense``: a Qwen3
+    checkpoint (decode only; ``impl`` unused), its layers fused as the CUDA build fuses them."""
     from speccal.kernels import ops
     from speccal.kernels.config import KernelConfig, LinearAttentionTuning
-    from speccal.runner import hybrid
+    from speccal.runner import hybrid, layers
     from speccal.runner.engine import Engine, EngineConfig, RoundPlan
     from speccal.runner.hybrid import HybridModel, freeze_constants
     from speccal.runner.hybrid_state import StateStrategy
+    from speccal.runner.model import TargetModel
     from speccal.runner.path import ExecutionPath, bind_path
     from speccal.runner.sampling import SamplingParams
 
@@ -130,12 +146,16 @@ def count(folder: Path, impl: str, k: int = 0, strategy: str = "scratch_swap") -
     target = eng.loaded.target
     bind_path(target, FusedOnCpu(kernels=KernelConfig(
         linear_attention=LinearAttentionTuning(impl=impl))))
-    freeze_constants(target)  # as the CUDA build does, under the bound path's plan
+    if dense:
+        target.fuse_weights()  # as the CUDA build does on the Triton path
+    else:
+        freeze_constants(target)  # as the CUDA build does, under the bound path's plan
+    model_cls, attend_mod = (TargetModel, layers) if dense else (HybridModel, hybrid)
     counter = Counter()
     names = [n for n in dir(ops) if not n.startswith("_") and callable(getattr(ops, n))
              and not isinstance(getattr(ops, n), type)]
     saved = {n: getattr(ops, n) for n in names}
-    real_forward = HybridModel.forward
+    real_forward = model_cls.forward
     real_commit = StateStrategy.commit
     seen: list[str] = []
 
@@ -154,20 +174,20 @@ def count(folder: Path, impl: str, k: int = 0, strategy: str = "scratch_swap") -
             return real_commit(self, *a, **kw)
 
     # the attention rows: the CPU's grid + sdpa, one ops.paged_attention on CUDA
-    real_attend = hybrid.attend_rows
+    real_attend = attend_mod.attend_rows
     try:
-        hybrid.attend_rows = counter.op("paged_attention (CPU: attend_rows)", real_attend)
+        attend_mod.attend_rows = counter.op("paged_attention (CPU: attend_rows)", real_attend)
         for n in names:
             setattr(ops, n, counter.op(n, saved[n]))
-        HybridModel.forward = forward
+        model_cls.forward = forward
         StateStrategy.commit = commit
         eng.add_request([5, 17, 3, 88, 41, 9], SamplingParams(max_tokens=3 + 2 * k,
                                                                ignore_eos=True))
         while eng.has_unfinished():
             eng.step(RoundPlan(k))
     finally:
-        hybrid.attend_rows = real_attend
-        HybridModel.forward = real_forward
+        attend_mod.attend_rows = real_attend
+        model_cls.forward = real_forward
         StateStrategy.commit = real_commit
         for n, fn in saved.items():
             setattr(ops, n, fn)
@@ -183,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=25, help="ops listed per impl (per 4 layers)")
     ap.add_argument("--verify", type=int, default=3,
                     help="k of the verify forwards counted (0: decode only)")
+    ap.add_argument("--dense-layers", type=int, default=28,
+                    help="also count the dense path's decode at this depth (dense-2b: 28; 0: "
+                         "skip), the counter's check against the profiler's figure")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = ap.parse_args(argv)
     if args.layers % 4:
@@ -197,6 +220,19 @@ def main(argv: list[str] | None = None) -> int:
         for depth in (4, 8):
             folders[depth] = Path(tmp) / f"l{depth}"
             write_checkpoint(folders[depth], depth)
+        if args.dense_layers:  # the dense path, per layer from 2 and 4 layers
+            for depth in (2, 4):
+                write_dense_checkpoint(Path(tmp) / f"d{depth}", depth)
+            c2, c4 = (count(Path(tmp) / f"d{d}", "fla", dense=True) for d in (2, 4))
+            per_layer = (c4.total - c2.total) // 2
+            group = collections.Counter(c4.by_name)
+            group.subtract(c2.by_name)
+            out["dense (Qwen3) decode"] = {
+                "per_4_layers": 4 * per_layer, "fixed": c2.total - 2 * per_layer,
+                "host_reads": c2.syncs,
+                "estimate": c2.total + per_layer * (args.dense_layers - 2),
+                "layers": args.dense_layers,
+                "per_4_layers_by_op": {op: 2 * n for op, n in group.most_common(args.top)}}
         for impl in args.impl.split(","):
             for mode, k, strategy in modes:
                 c4, c8 = (count(folders[d], impl, k, strategy) for d in (4, 8))
@@ -206,15 +242,15 @@ def main(argv: list[str] | None = None) -> int:
                 group.subtract(c4.by_name)
                 out[f"{impl} {mode}"] = {
                     "per_4_layers": per_group, "fixed": fixed, "host_reads": c4.syncs,
-                    f"estimate_{args.layers}_layers": fixed + per_group * args.layers // 4,
+                    "estimate": fixed + per_group * args.layers // 4, "layers": args.layers,
                     "per_4_layers_by_op": dict(group.most_common(args.top))}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     for name, row in out.items():
-        print(f"{name}: {row[f'estimate_{args.layers}_layers']} launches at B = 1, "
-              f"{args.layers} layers ({row['per_4_layers']} per 4 layers + {row['fixed']} "
-              f"fixed; host reads {row['host_reads']})")
+        print(f"{name}: {row['estimate']} launches at B = 1, {row['layers']} layers "
+              f"({row['per_4_layers']} per 4 layers + {row['fixed']} fixed; host reads "
+              f"{row['host_reads']})")
         for op, n in row["per_4_layers_by_op"].items():
             if n:
                 print(f"    {n:4d}  {op}")
