@@ -98,6 +98,10 @@ run() {
       # the modules it imports from source, seconds of a cold start)
       $PY -c "import glob, os, sys, torch; d = os.path.dirname(torch.__file__); print('torch .py', len(glob.glob(d + '/**/*.py', recursive=True)), '.pyc', len(glob.glob(d + '/**/*.pyc', recursive=True)), 'dont_write_bytecode', sys.flags.dont_write_bytecode)"
       echo "git HEAD $(git rev-parse --short HEAD 2>/dev/null), tree given as ${SPECCAL_COMMIT:-(not given)}"
+      # the files' own tree hash (the host's HEAD may be older than the files it got): here,
+      # `git log --format='%h %T' | grep HASH` names the commit whose tree it is
+      echo "tree $(GIT_INDEX_FILE=/tmp/speccal-index git add -A . ':!.whl' >/dev/null 2>&1 \
+                   && GIT_INDEX_FILE=/tmp/speccal-index git write-tree 2>/dev/null)"
     } > "$W/host.txt" 2>&1
     cat "$W/host.txt"
     export TRITON_CACHE_DIR=/tmp/tcache
