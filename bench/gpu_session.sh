@@ -14,7 +14,11 @@
 #   dscold      cold default --mode draft_step calibration of dense-2b (partly filled buckets
 #               measured: issue 35), its table at dscold/ds.json
 #   sweep       bench/bench_sweep.py on dscold's table (adaptive-step; every workload in its own
-#               process, 3 runs each) [replay_vs_live_error_pct_sweep_max, ...]
+#               process, 3 runs each) [replay_vs_live_error_pct_sweep_max, ...]. Its nine
+#               workloads take longer than one call: SWEEP_WORKLOADS=a,b,... runs a subset, and
+#               SWEEP_TABLE=PATH a table brought along (dscold's ds.json from an earlier call's
+#               session.tgz, in a git-excluded folder named in the call's carry); the metrics of
+#               the whole sweep are the worst over its parts
 #   sweepv      bench/bench_sweep.py on cold's target_verify table (adaptive-verify)
 #   pyc         compileall over the image's site-packages (timed; host.txt says whether the
 #               image ships bytecode): run before `cold` to time a cold start with it
@@ -129,8 +133,8 @@ run() {
                 echo "rc=$?"
                 grep -E "Elapsed|runner build|Triton:|quality gate: (window|held)|^grid" "$d/cal.log" ;;
             sweep*)
-                local tab="$W/dscold/ds.json"
-                [[ $stage == sweepv* ]] && tab="$W/cold/dense-2b-h200.json"
+                local tab="${SWEEP_TABLE:-$W/dscold/ds.json}"
+                [[ $stage == sweepv* ]] && tab="${SWEEP_TABLE:-$W/cold/dense-2b-h200.json}"
                 timeout "$(left)" $PY bench/bench_sweep.py --model dense-2b --device cuda \
                     --dtype bfloat16 --table "$tab" --repeats 3 --json-out "$d/sweep.json" \
                     ${SWEEP_WORKLOADS:+--workloads "$SWEEP_WORKLOADS"} \
