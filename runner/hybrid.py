@@ -273,10 +273,10 @@ class GatedAttention(nn.Module):
     def _fused_rows(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                     kv: tuple[torch.Tensor, torch.Tensor], rotary: RotaryTable, path,
                     ) -> torch.Tensor:  # [N, hq * d]: attention rows times the gate
-        """The fused plan's attention rows in four to five launches: the q/k/v GEMV
+        """The fused plan's attention rows in five or six launches: the q/k/v GEMV
         (``qkv_weight``), one ``ops.rotary_kv_write`` (the per-head q/k norms with the frozen
         ``1 + weight``, partial rotary, k and v into their slots, q to its own buffer), the
-        attention, and the gate (sigmoid, product)."""
+        attention (one or two: split keys), and the gate (sigmoid, product)."""
         n = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         mult = 2 if self.is_gated else 1
