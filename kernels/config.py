@@ -304,7 +304,8 @@ class LinearAttentionTuning:
     GEMV: ``speccal.runner.hybrid``). ``fla`` stays the default until the fused path is
     validated end to end on the H200 (fp32 greedy equal to transformers under both state
     strategies, then timed against ``fla``: ``bench/bench_hybrid.py --linear-attention
-    fla,fused``). ``block_v``: the delta rule's value-dim tile per program (None: 8, fla's),
+    fla,fused``; the first half passed on an H100 at c175a57, the timing is owed). Tables
+    recorded before this group existed ran ``fla`` (``_LATE_GROUPS``). ``block_v``: the delta rule's value-dim tile per program (None: 8, fla's),
     ``warps``: its warps (None: 1, fla's).
     """
 
@@ -326,9 +327,13 @@ class LinearAttentionTuning:
 
 _GROUPS = {"pdl": PdlConfig, "gemv": GemvTuning, "attention": AttentionTuning,
            "norm": NormFusion, "precision": Precision, "linear_attention": LinearAttentionTuning}
-#: groups omitted from :meth:`KernelConfig.to_dict` at their defaults (added after tables were
-#: recorded with the others: a dense engine's default digest stays the shipped tables')
-_LATE_GROUPS = {"linear_attention": LinearAttentionTuning}
+#: groups added after tables were first recorded, each with the value those tables ran under:
+#: :meth:`KernelConfig.to_dict` omits a group at that value (a dense engine's default digest
+#: stays the shipped tables') and :meth:`KernelConfig.from_dict` reads a missing group as it.
+#: Keyed to the recorded value, not to the class default: when a default changes (``fused``
+#: for ``linear_attention`` once the H200 has timed it), a table without the group still means
+#: what it ran, and the new default is written out
+_LATE_GROUPS = {"linear_attention": LinearAttentionTuning(impl="fla")}
 
 
 @dataclass(frozen=True)
@@ -363,12 +368,13 @@ class KernelConfig:
         """The nested JSON object a table records (overrides as their string form).
 
         Groups added after tables were first recorded (:data:`_LATE_GROUPS`) are written only
-        when they differ from their defaults, so a default configuration keeps the digest the
-        recorded tables carry; :meth:`from_dict` reads a missing group as its defaults."""
+        when they differ from the value those tables ran under, so such a configuration keeps
+        the digest the recorded tables carry; :meth:`from_dict` reads a missing group as that
+        value."""
         out = asdict(self)
         out["gemv"]["overrides"] = [_override_text(o) for o in self.gemv.overrides]
-        for name, group in _LATE_GROUPS.items():
-            if getattr(self, name) == group():
+        for name, recorded in _LATE_GROUPS.items():
+            if getattr(self, name) == recorded:
                 del out[name]
         return out
 
@@ -383,6 +389,9 @@ class KernelConfig:
             raise InputError(f"kernels.{unknown[0]}", data[unknown[0]], f"one of {sorted(top)}")
         kwargs: dict[str, Any] = {k: data[k] for k in ("backend", "prewait") if k in data}
         for name, group in _GROUPS.items():
+            if name in _LATE_GROUPS and name not in data:  # what the recorded tables ran
+                kwargs[name] = _LATE_GROUPS[name]
+                continue
             raw = data.get(name) or {}
             if not isinstance(raw, Mapping):
                 raise InputError(f"kernels.{name}", raw, f"an object of {group.__name__} fields")

@@ -250,11 +250,29 @@ def test_to_dict_from_dict_round_trip(cfg):
     text = json.dumps(data, sort_keys=True, allow_nan=False)
     assert KernelConfig.from_dict(data) == cfg
     assert KernelConfig.from_dict(json.loads(text)) == cfg
-    late = {name for name in _LATE_GROUPS if getattr(cfg, name) == _LATE_GROUPS[name]()}
+    late = {name for name in _LATE_GROUPS if getattr(cfg, name) == _LATE_GROUPS[name]}
     assert set(data) == {f.name for f in dataclasses.fields(KernelConfig)} - late
     for name, cls in GROUPS.items():
         if name not in late:
             assert set(data[name]) == {f.name for f in dataclasses.fields(cls)}
+
+
+def test_a_late_group_is_keyed_to_the_value_tables_ran_under():
+    """A table recorded before ``linear_attention`` existed ran ``fla``: the group is omitted
+    at ``fla`` (the shipped digests hold) and a missing group reads as ``fla``, whatever the
+    class default is: ``fused`` is written out, and a table without the group reads as
+    ``fla`` (another digest than ``fused``'s), as it will when ``fused`` becomes the default.
+    The shipped tables' digest is unchanged."""
+    fla = LinearAttentionTuning(impl="fla")
+    fused = DEFAULT_KERNELS.replace(linear_attention=LinearAttentionTuning(impl="fused"))
+    assert _LATE_GROUPS["linear_attention"] == fla
+    assert "linear_attention" not in DEFAULT_KERNELS.replace(linear_attention=fla).to_dict()
+    assert fused.to_dict()["linear_attention"]["impl"] == "fused"
+    assert KernelConfig.from_dict({}).linear_attention == fla
+    old = {k: v for k, v in fused.to_dict().items() if k != "linear_attention"}
+    assert KernelConfig.from_dict(old).linear_attention == fla
+    assert KernelConfig.from_dict(old).digest() != fused.digest()
+    assert DEFAULT_KERNELS.digest() == "9de3def2bf8cdce0"  # tables/dense-2b-h200*.json
 
 
 def test_overrides_are_recorded_in_their_syntax():
