@@ -10,16 +10,7 @@ from typing import Annotated
 
 import typer
 
-Model = Annotated[
-    str, typer.Option("--model", help="Runner preset name or checkpoint folder.")
-]
-
-Device = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or npu.")]
-
-Dtype = Annotated[
-    str | None,
-    typer.Option("--dtype", help="float32, bfloat16 or float16 (runner default if unset)."),
-]
+from speccal.cli.options import Device, Dtype, Model  # noqa: F401 (the runner's own)
 
 DraftWidth = Annotated[
     int | None,

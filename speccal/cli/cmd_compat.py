@@ -14,6 +14,7 @@ import typer
 
 from speccal.base.atomic import check_writable, write_json_atomic
 from speccal.base.errors import InputError
+from speccal.cli import options as o
 from speccal.cli.render_table import echo_json, err_console
 
 
@@ -26,18 +27,9 @@ def compat(
             show_default=False,
         ),
     ] = None,
-    model: Annotated[
-        str, typer.Option("--model", help="Runner preset name or checkpoint folder.")
-    ] = "tiny",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or npu.")] = "cpu",
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            "--dtype",
-            help="float32, bfloat16 or float16 (runner default if unset).",
-            show_default=False,
-        ),
-    ] = None,
+    model: o.Model = "tiny",
+    device: o.Device = "cpu",
+    dtype: o.Dtype = None,
     draft_width: Annotated[
         int | None,
         typer.Option(

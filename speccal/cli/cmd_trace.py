@@ -19,6 +19,7 @@ from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError
 from speccal.base.paths import check_outputs
 from speccal.base.progress import ProgressReporter
+from speccal.cli import options as o
 from speccal.cli import parse
 from speccal.cli.render_replay import err_console
 from speccal.replay_run import scenario_trace
@@ -38,14 +39,9 @@ def trace_cmd(
             help="rounds (per-round acceptance) or tokens (per-token acceptance matrix, greedy).",
         ),
     ] = "rounds",
-    model: Annotated[
-        str, typer.Option("--model", help="Runner model preset or HF folder.")
-    ] = "tiny",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")] = "cpu",
-    dtype: Annotated[
-        str | None,
-        typer.Option("--dtype", help="float32 / bfloat16 / float16 (default per device)."),
-    ] = None,
+    model: o.Model = "tiny",
+    device: o.Device = "cpu",
+    dtype: o.Dtype = None,
     draft_width: Annotated[
         int, typer.Option("--draft-width", help="Draft width w (every round drafts w).")
     ] = 3,

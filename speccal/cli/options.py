@@ -1,4 +1,5 @@
-"""Options shared by the runner's commands (``generate``, ``bench``) and the one conversion of
+"""Options shared by the commands that build a runner (``generate``, ``bench``; ``--model``,
+``--device``, ``--dtype`` also ``calibrate``, ``trace``, ``compat``) and the one conversion of
 their values into an engine configuration.
 
 Each capitalised name is an ``Annotated`` type a command's parameter takes (its flag and help:
@@ -17,7 +18,8 @@ from speccal.base.run_spec import RunSpec
 from speccal.cli import parse
 
 Model = Annotated[
-    str, typer.Option("--model", help="Preset (tiny, dense-0.5b, dense-2b, mimo-7b) or HF folder.")
+    str, typer.Option("--model", help="Runner preset (tiny, dense-2b, qwen3.5-2b, moe-16b-a3b, "
+                      "...: speccal.runner.presets) or a Hugging Face checkpoint folder.")
 ]
 Device = Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or npu[:N].")]
 Dtype = Annotated[
