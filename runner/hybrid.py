@@ -67,6 +67,7 @@ from speccal.runner.linear_attention import (
     LinearAttentionConfig,
     LinearState,
     StateMeta,
+    grid_sources,
 )
 from speccal.runner.model import ModelCapabilities
 from speccal.runner.moe import RoutedMoE, SwiGLU, bind_real_rows, concat_rows
@@ -478,10 +479,9 @@ class HybridModel(PathBound, nn.Module):
         if rows is not None:  # flat rows <-> the [B, R] grid: one gather each way per layer
             num_grid = state_meta.read_slots.shape[0] * state_meta.num_q_rows
             to_grid = state_meta.grid_source
-            if to_grid is None:
-                to_grid = rows.new_zeros(num_grid + 1)
-                to_grid.index_copy_(0, rows, torch.arange(rows.shape[0], device=rows.device))
-                to_grid = to_grid[:num_grid]
+            if to_grid is None:  # a StateMeta built without it (the strategies give it)
+                to_grid = grid_sources(rows, torch.arange(rows.shape[0], device=rows.device),
+                                       rows.new_empty(num_grid + 1))
             # padding rows (the trash cell) read the last cell's row: finite, dropped later
             to_flat = rows.clamp(max=num_grid - 1)
         layers = self.model.layers

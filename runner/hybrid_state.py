@@ -59,7 +59,7 @@ from speccal.base.errors import InputError
 from speccal.base.vocab import STATE_STRATEGIES
 from speccal.runner.hybrid import HybridModel
 from speccal.runner.kv_cache import KVCache
-from speccal.runner.linear_attention import LinearState, StateMeta
+from speccal.runner.linear_attention import LinearState, StateMeta, grid_sources
 from speccal.runner.prefill import prefill as prefill_request
 from speccal.runner.request import Request
 
@@ -226,14 +226,11 @@ class StateStrategy(ABC):
         num_valid = x.host.num_verify + 1  # [bcap]: pending token + verified drafts
         iota = self._iota[: ver_row.shape[0]]
         grid = ver_row if packed is None else _grid_rows(packed, k + 1, iota)
-        cells = self._cells[: bcap * (k + 1) + 1]
-        cells.zero_()
-        cells.index_copy_(0, grid, iota)  # each cell's flat row (the trash cell: any of them)
         if k == 0:
             meta = StateMeta(rows, rows, 1, num_valid, row_index=grid)
         else:
             meta = self._verify_meta(slots, bcap, k, rows, num_valid, grid)
-        meta.grid_source = cells[: bcap * (k + 1)]
+        meta.grid_source = grid_sources(grid, iota, self._cells[: bcap * (k + 1) + 1])
         return meta, self.state
 
     @abstractmethod

@@ -213,6 +213,17 @@ class StateMeta:
     grid_source: torch.Tensor | None = None
 
 
+def grid_sources(row_index: torch.Tensor,  # [N] int64: each flat row's grid cell (+1 trash)
+                 iota: torch.Tensor,  # [N] int64: 0 .. N - 1
+                 cells: torch.Tensor,  # [B * R + 1] int64, written
+                 ) -> torch.Tensor:  # [B * R]: StateMeta.grid_source, a view of ``cells``
+    """The inverse of ``row_index``: each grid cell's flat row, cells no row fills (and the
+    trash cell) row 0. Two launches into ``cells`` (a static buffer: no allocation)."""
+    cells.zero_()
+    cells.index_copy_(0, row_index, iota)
+    return cells[:-1]
+
+
 class GatedDeltaNet(PathBound, nn.Module):
     """One linear-attention token mixer with HF parameter names (``linear_attn.*``).
 
