@@ -257,22 +257,23 @@ def test_to_dict_from_dict_round_trip(cfg):
             assert set(data[name]) == {f.name for f in dataclasses.fields(cls)}
 
 
-def test_a_late_group_is_keyed_to_the_value_tables_ran_under():
+def test_a_late_group_is_keyed_to_the_value_tables_ran_under(monkeypatch):
     """A table recorded before ``linear_attention`` existed ran ``fla``: the group is omitted
     at ``fla`` (the shipped digests hold) and a missing group reads as ``fla``, whatever the
-    class default is: ``fused`` is written out, and a table without the group reads as
-    ``fla`` (another digest than ``fused``'s), as it will when ``fused`` becomes the default.
-    The shipped tables' digest is unchanged."""
+    class default is. Checked with the default switched to ``fused`` (the switch the H200's
+    timing decides): ``fused`` is written out, a table without the group still reads as
+    ``fla`` (another digest than ``fused``'s), and the shipped digest is unchanged."""
+    monkeypatch.setattr(LinearAttentionTuning.__init__, "__defaults__", ("fused", None, None))
+    assert LinearAttentionTuning().impl == "fused"
     fla = LinearAttentionTuning(impl="fla")
-    fused = DEFAULT_KERNELS.replace(linear_attention=LinearAttentionTuning(impl="fused"))
+    fused = DEFAULT_KERNELS.replace(linear_attention=LinearAttentionTuning())
     assert _LATE_GROUPS["linear_attention"] == fla
     assert "linear_attention" not in DEFAULT_KERNELS.replace(linear_attention=fla).to_dict()
     assert fused.to_dict()["linear_attention"]["impl"] == "fused"
-    assert KernelConfig.from_dict({}).linear_attention == fla
     old = {k: v for k, v in fused.to_dict().items() if k != "linear_attention"}
     assert KernelConfig.from_dict(old).linear_attention == fla
     assert KernelConfig.from_dict(old).digest() != fused.digest()
-    assert DEFAULT_KERNELS.digest() == "9de3def2bf8cdce0"  # tables/dense-2b-h200*.json
+    assert DEFAULT_KERNELS.replace(linear_attention=fla).digest() == "9de3def2bf8cdce0"
 
 
 def test_overrides_are_recorded_in_their_syntax():
