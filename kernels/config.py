@@ -293,23 +293,25 @@ class LinearAttentionTuning:
     """Which kernels run a hybrid target's gated delta-net decode / verify (prefill always takes
     the chunked path: ``fla``'s chunked kernel on CUDA, the torch chunked form on CPU).
 
-    ``impl``: ``fla`` (default: today's path, torch ops around ``fla``'s fused recurrent kernel;
-    the snapshot strategy calls it once per verified row) or ``fused`` (four launches per layer,
-    ``speccal.kernels.gated_delta``: the gates, conv1d state update + SiLU, the delta rule over
-    every row with in-kernel q/k l2norm, its state read once and written once, every row's
-    snapshot in the same launch, then the gated RMSNorm; on CUDA tensors, or any under Triton's
-    interpreter), and the hybrid layers' fused launch plan on CUDA (zero-centred norms as one
-    ``ops.rms_norm`` or folded into the GEMV before them, dense MLPs and output projections as
-    GEMVs with the residual and the next norm in their launch, Qwen3.5's four projections as one
-    GEMV: ``speccal.runner.hybrid``). ``fla`` stays the default until the fused path is
-    validated end to end on the H200 (fp32 greedy equal to transformers under both state
-    strategies, then timed against ``fla``: ``bench/bench_hybrid.py --linear-attention
-    fla,fused``; the first half passed on an H100 at c175a57, the timing is owed). Tables
-    recorded before this group existed ran ``fla`` (``_LATE_GROUPS``). ``block_v``: the delta rule's value-dim tile per program (None: 8, fla's),
+    ``impl``: ``fused`` (default: four launches per layer, ``speccal.kernels.gated_delta``: the
+    gates, conv1d state update + SiLU, the delta rule over every row with in-kernel q/k l2norm,
+    its state read once and written once, every row's snapshot in the same launch, then the
+    gated RMSNorm; on CUDA tensors, or any under Triton's interpreter; and the hybrid layers'
+    fused launch plan on CUDA: zero-centred norms as one ``ops.rms_norm`` or folded into the
+    GEMV before them, dense MLPs and output projections as GEMVs with the residual and the next
+    norm in their launch, Qwen3.5's four projections as one GEMV, the attention rows' q/k norms,
+    partial rotary and KV write as one launch: ``speccal.runner.hybrid``) or ``fla`` (torch ops
+    around ``fla``'s fused recurrent kernel; the snapshot strategy calls it once per verified
+    row). ``fused`` became the default once it emitted transformers' fp32 greedy tokens under
+    both state strategies on CUDA and ran qwen3.5-2b's B = 1 decode step in 1.92 ms against
+    ``fla``'s 4.45 ms (H100, b7e53da, bench/RESULTS.md). Tables recorded before this group
+    existed ran ``fla`` (``_LATE_GROUPS``); an engine without linear-attention layers records
+    the group at that value (:meth:`KernelConfig.for_model`), so a dense table's digest does not
+    depend on it. ``block_v``: the delta rule's value-dim tile per program (None: 8, fla's),
     ``warps``: its warps (None: 1, fla's).
     """
 
-    impl: str = "fla"
+    impl: str = "fused"
     block_v: int | None = None
     warps: int | None = None
 
@@ -414,6 +416,14 @@ class KernelConfig:
         """16 hex digits of the SHA-256 of the canonical JSON of :meth:`to_dict`
         (``speccal.base.digest.json_digest``, as ``costmodel.compat.kernel_digest``)."""
         return json_digest(self.to_dict(), "kernels")
+
+    def for_model(self, *, linear_attention: bool) -> KernelConfig:
+        """This configuration as an engine records it: a group the model never runs (the
+        linear-attention one of a model without such layers) at the value recorded tables ran
+        under (:data:`_LATE_GROUPS`), so the digest names only kernels that ran."""
+        if linear_attention:
+            return self
+        return replace(self, linear_attention=_LATE_GROUPS["linear_attention"])
 
     def replace(self, **groups: Any) -> KernelConfig:
         """A copy with whole groups or top-level fields replaced."""

@@ -325,6 +325,9 @@ class EngineBuild:
         only where the target keeps recurrent state (a table without it means ``none``, the
         form a dense target's table has always had)."""
         name = device_name(self.device)
+        # the kernels that run: a model without linear-attention layers records that group at
+        # the value the tables before it ran (KernelConfig.for_model)
+        kx = self.path.kernels.for_model(linear_attention=self._has_state)
         out = {
             "draft_width": self.config.draft_width,
             "model": {
@@ -340,8 +343,7 @@ class EngineBuild:
             "device": {"kind": self.device.type, "name": name},
             "attention_backend": self.path.attention_backend,
             "input_update": self.input_update,
-            "kernels": {"digest": self.path.kernels.digest(),
-                        "config": self.path.kernels.to_dict()},
+            "kernels": {"digest": kx.digest(), "config": kx.to_dict()},
             "loop": "pipelined" if self.config.pipeline else "synchronous",
         }
         if self.runner.state is not None:

@@ -223,7 +223,7 @@ CHANGES = {
     "norm.defer": "o",
     "norm.input_defer_max": 8,
     "precision.fp32_dot": "tf32",
-    "linear_attention.impl": "fused",
+    "linear_attention.impl": "fla",
     "linear_attention.block_v": 32,
     "linear_attention.warps": 4,
 }
@@ -257,16 +257,14 @@ def test_to_dict_from_dict_round_trip(cfg):
             assert set(data[name]) == {f.name for f in dataclasses.fields(cls)}
 
 
-def test_a_late_group_is_keyed_to_the_value_tables_ran_under(monkeypatch):
+def test_a_late_group_is_keyed_to_the_value_tables_ran_under():
     """A table recorded before ``linear_attention`` existed ran ``fla``: the group is omitted
-    at ``fla`` (the shipped digests hold) and a missing group reads as ``fla``, whatever the
-    class default is. Checked with the default switched to ``fused`` (the switch the H200's
-    timing decides): ``fused`` is written out, a table without the group still reads as
+    at ``fla`` (the shipped digests hold) and a missing group reads as ``fla``, although the
+    class default is now ``fused``: ``fused`` is written out, a table without the group reads as
     ``fla`` (another digest than ``fused``'s), and the shipped digest is unchanged."""
-    monkeypatch.setattr(LinearAttentionTuning.__init__, "__defaults__", ("fused", None, None))
     assert LinearAttentionTuning().impl == "fused"
     fla = LinearAttentionTuning(impl="fla")
-    fused = DEFAULT_KERNELS.replace(linear_attention=LinearAttentionTuning())
+    fused = DEFAULT_KERNELS
     assert _LATE_GROUPS["linear_attention"] == fla
     assert "linear_attention" not in DEFAULT_KERNELS.replace(linear_attention=fla).to_dict()
     assert fused.to_dict()["linear_attention"]["impl"] == "fused"
@@ -274,6 +272,22 @@ def test_a_late_group_is_keyed_to_the_value_tables_ran_under(monkeypatch):
     assert KernelConfig.from_dict(old).linear_attention == fla
     assert KernelConfig.from_dict(old).digest() != fused.digest()
     assert DEFAULT_KERNELS.replace(linear_attention=fla).digest() == "9de3def2bf8cdce0"
+
+
+def test_for_model_records_the_linear_attention_group_only_where_it_runs():
+    """A model without linear-attention layers records the group at the value the tables
+    before it ran, whatever was asked (its digest is the shipped dense tables'); a hybrid model
+    records what it runs."""
+    fla = LinearAttentionTuning(impl="fla")
+    for asked in (DEFAULT_KERNELS, DEFAULT_KERNELS.replace(linear_attention=fla),
+                  DEFAULT_KERNELS.replace(linear_attention=LinearAttentionTuning(block_v=16))):
+        dense = asked.for_model(linear_attention=False)
+        assert dense.linear_attention == fla and dense.digest() == "9de3def2bf8cdce0"
+        assert asked.for_model(linear_attention=True) is asked
+    assert DEFAULT_KERNELS.for_model(linear_attention=True).digest() != "9de3def2bf8cdce0"
+    # every other group passes through
+    poll = _set(DEFAULT_KERNELS, "attention.poll", True)
+    assert poll.for_model(linear_attention=False).attention.poll is True
 
 
 def test_overrides_are_recorded_in_their_syntax():
@@ -285,9 +299,12 @@ def test_overrides_are_recorded_in_their_syntax():
 
 
 def test_from_dict_fills_defaults_and_refuses_unknown_keys():
-    assert KernelConfig.from_dict({}) == DEFAULT_KERNELS
+    # a missing late group reads as the value recorded tables ran (fla), not the class default
+    legacy = DEFAULT_KERNELS.for_model(linear_attention=False)
+    assert KernelConfig.from_dict({}) == legacy
     assert KernelConfig.from_dict({"attention": {"verify_splits": 3}}) == _set(
-        DEFAULT_KERNELS, "attention.verify_splits", 3)
+        legacy, "attention.verify_splits", 3)
+    assert KernelConfig.from_dict(DEFAULT_KERNELS.to_dict()) == DEFAULT_KERNELS
     cases = [
         ({"kernel": {}}, "kernels.kernel"),
         ({"attention": {"splits": 3}}, "kernels.attention.splits"),
@@ -332,23 +349,25 @@ def test_digest_is_what_a_cost_table_records():
 
 def test_the_default_configuration_keeps_the_shipped_tables_digest():
     """Groups added after the shipped tables were recorded (``linear_attention``) are left out
-    of ``to_dict`` at their defaults, so a default engine still matches those tables' kernel
-    digest (no false "kernel digest differs" warning for every existing table); changed, they
-    are recorded and move the digest."""
+    of ``to_dict`` at the value those tables ran, and a dense engine records the group at that
+    value (``for_model``), so a default dense engine still matches those tables' kernel digest
+    (no false "kernel digest differs" warning for every existing table); a hybrid engine's
+    default (``fused``) is recorded and moves the digest."""
     pytest.importorskip("pydantic")
     from speccal.costmodel.table import load_table
 
     shipped = [p for p in sorted((Path(__file__).resolve().parents[2] / "tables").glob("*.json"))
                if "schema" not in p.name]
     assert shipped
+    dense = DEFAULT_KERNELS.for_model(linear_attention=False)
     for path in shipped:
         kernels = load_table(path).compatibility.kernels
-        assert kernels.digest == DEFAULT_KERNELS.digest(), path.name
-    assert "linear_attention" not in DEFAULT_KERNELS.to_dict()
-    fused = _set(DEFAULT_KERNELS, "linear_attention.impl", "fused")
+        assert kernels.digest == dense.digest(), path.name
+    assert "linear_attention" not in dense.to_dict()
+    fused = DEFAULT_KERNELS
     assert fused.to_dict()["linear_attention"]["impl"] == "fused"
     assert KernelConfig.from_dict(fused.to_dict()) == fused
-    assert fused.digest() != DEFAULT_KERNELS.digest()
+    assert fused.digest() != dense.digest()
 
 
 def test_digest_moves_with_every_field():
