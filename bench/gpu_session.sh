@@ -29,6 +29,10 @@
 #               engines (a subset of `cuda`, ~2-3 min)
 #   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE Triton kernels against the
 #               reference, routed layers captured in graphs equal to eager, the MLA engine
+#   moebench    bench/bench_moe.py on moe-16b-a3b (B = 1 and 8, k = 3) [moe_decode_step_floor_ratio,
+#               moe_verify_full_width_ratio]
+#   moecal      a default speccal calibrate of moe-16b-a3b (cold Triton cache), its table at
+#               moecal/moe.json [calibration_cold_wall_s_moe_h200, held-out error]
 #   fusedla     the fused gated delta-net kernels (KernelConfig.linear_attention.impl=fused):
 #               their CUDA tests, the engine against transformers on them (the gate for making
 #               them the default), then bench/bench_hybrid.py --linear-attention fla,fused
@@ -112,7 +116,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            fusedbench) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
+            fusedbench) min=150 ;; moebench) min=150 ;; moecal) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
             decode) min=120 ;; hf) min=120 ;;
             *) echo "unknown stage $stage"; continue ;;
@@ -183,6 +187,17 @@ run() {
                     --skip compile,hf,strategies,greedy --linear-attention fla,fused --record \
                     --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1
                 echo "rc=$?"; tail -24 "$d/log.txt" ;;
+            moebench)
+                timeout "$(left)" $PY bench/bench_moe.py --out "$d" --record \
+                    > "$d/log.txt" 2>&1
+                echo "rc=$?"; cp bench/results.jsonl "$d/results.jsonl"; tail -40 "$d/log.txt" ;;
+            moecal)
+                rm -rf "$TRITON_CACHE_DIR"
+                /usr/bin/time -v timeout "$(left)" $PY -m speccal calibrate --model moe-16b-a3b \
+                    --device cuda --dtype bfloat16 --out "$d/moe.json" --json \
+                    > "$d/cal.json" 2> "$d/cal.log"
+                echo "rc=$?"
+                grep -E "Elapsed|runner build|Triton:|quality gate: (window|held)|^grid|error" "$d/cal.log" ;;
             moetest)
                 SPECCAL_KERNEL_TEST_DEVICE=cuda timeout "$(left)" $PY -m pytest -m cuda \
                     tests/kernels/test_fused_moe.py tests/runner/test_graphs.py \

@@ -1,0 +1,78 @@
+"""bench/bench_moe.py's floor on the CPU: the bytes a routed-MoE step reads, counted from the
+experts the step activated (``moe-tiny``: MLA, 16 routed experts top-4 + 2 shared, layer 0
+dense, one routed MTP layer)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+from speccal.runner.moe import routed_modules
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench_moe():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("bench_moe")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig.flat(model="moe-tiny", device="cpu", draft_width=2,
+                                    request_buckets=(1, 2), max_model_len=64))
+
+
+def _bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def test_step_bytes_counts_only_the_activated_experts(bench_moe, engine):
+    t = engine.loaded.target
+    layers = routed_modules(t)
+    num_experts = len(layers[0].experts)
+    per_expert = _bytes(layers[0].experts[0].parameters())
+    emb = t.model.embed_tokens.weight
+    every = _bytes(p for p in t.parameters() if p.dim() >= 2 and p is not emb)
+    full = bench_moe.step_bytes(engine, [num_experts] * len(layers), 0)
+    assert full["weights"] == every and full["kv"] == 0
+    none = bench_moe.step_bytes(engine, [0] * len(layers), 0)
+    assert none["routed"] == 0
+    assert full["weights"] - none["weights"] == per_expert * num_experts * len(layers)
+    two = bench_moe.step_bytes(engine, [2] + [0] * (len(layers) - 1), 0)
+    assert two["routed"] == 2 * per_expert
+    # the KV the step attends: every target layer's cached bytes per token x tokens
+    c = engine.loaded.config
+    per_token = sum(k[0, 0].numel() * k.element_size() + v[0, 0].numel() * v.element_size()
+                    for k, v in engine.kv.layers[: c.num_hidden_layers])
+    assert bench_moe.step_bytes(engine, [0] * len(layers), 10)["kv"] == 10 * per_token
+    with pytest.raises(ValueError, match="routed layers"):
+        bench_moe.step_bytes(engine, [1], 0)
+    with pytest.raises(ValueError, match="experts of a layer"):
+        bench_moe.step_bytes(engine, [num_experts + 1] * len(layers), 0)
+
+
+def test_a_plain_round_activates_at_most_top_k_experts_per_row(bench_moe):
+    """What the bench feeds step_bytes: one B = 1 decode round activates between 1 and top-k
+    experts in each routed target layer (the engine's per-layer counts)."""
+    engine = Engine(EngineConfig.flat(model="moe-tiny", device="cpu", speculative=False,
+                                      request_buckets=(1,), max_model_len=64))
+    rid = engine.add_request([5, 6, 7, 8])
+    engine.prefill_pending()
+    engine.take_activated_experts()
+    engine.step(RoundPlan(num_draft_steps=0))
+    engine.synchronize()
+    counts = engine.take_activated_experts()["target"]
+    top_k = routed_modules(engine.loaded.target)[0].moe.top_k
+    assert counts and all(1 <= n <= top_k for n in counts)
+    got = bench_moe.step_bytes(engine, counts, 5)
+    assert 0 < got["routed"] < got["weights"] < got["total"]
+    engine.release(rid)
