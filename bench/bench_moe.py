@@ -54,7 +54,7 @@ def step_bytes(eng: Engine, activated: list[int], kv_tokens: int) -> dict[str, i
         raise ValueError(f"activated: {len(activated)} counts for {len(layers)} routed layers")
     expert_ids: set[int] = set()
     routed = 0
-    for m, n in zip(layers, activated):
+    for m, n in zip(layers, activated, strict=True):
         per_expert = [sum(p.numel() * p.element_size() for p in e.parameters())
                       for e in m.experts]
         expert_ids.update(id(p) for e in m.experts for p in e.parameters())
