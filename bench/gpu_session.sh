@@ -143,7 +143,7 @@ run() {
                     --dtype bfloat16 --table "$tab" --repeats 3 --json-out "$d/sweep.json" \
                     ${SWEEP_WORKLOADS:+--workloads "$SWEEP_WORKLOADS"} \
                     --plot "$d/sweep.png" --record --results "$d/results.jsonl" \
-                    --device-label "NVIDIA H200" > "$d/log.txt" 2>&1
+                    > "$d/log.txt" 2>&1
                 echo "rc=$?"
                 tail -40 "$d/log.txt" ;;
             cold*)
@@ -326,7 +326,7 @@ PYEOF
                 timeout "$(left)" $PY bench/bench_live_policy.py --model dense-2b --device cuda \
                     --dtype bfloat16 --graph-mode split --attention-backend triton \
                     --num-requests 32 --max-tokens 256 --warmup-steps 4 --window-steps 32 \
-                    --windows-per-point 3 --repeats 4 --pipeline --device-label H200 \
+                    --windows-per-point 3 --repeats 4 --pipeline \
                     "${table[@]}" --json-out "$d/live.json" > "$d/log.txt" 2>&1
                 echo "rc=$?"
                 tail -12 "$d/log.txt" ;;
