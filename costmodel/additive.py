@@ -25,7 +25,14 @@ k = 2 with 4; the first round runs one draft forward, the second two). Folding `
 - ``none``: no term (``theta`` absorbs it; every target_verify table: ``k = w`` always);
 - ``shared``: one ``delta`` for every Bcap (a draft forward costs the same at every bucket);
 - ``per_bcap``: one ``delta`` per Bcap level (each bucket's captured draft graph has its own
-  cost).
+  cost);
+- ``shared_rows`` / ``per_bcap_rows``: either, plus ``rho * G / (k + 1)``, the requests one
+  verify serves (padding included): at one KV interval the verify's attention reads each
+  request's KV once, whatever its rows, so in a partly filled bucket part of the cost follows
+  the requests, which neither ``theta(G)`` nor ``alpha(Bcap)`` separates. ``rho`` is the last
+  value of ``delta_ms``. On two dense-2b draft-step calibrations of an H100 (bench/RESULTS.md,
+  ``bench/fit_terms.py``) the worst context's leave-one-point-out error fell from 3.62 / 3.75 %
+  (``per_bcap``) to 1.39 / 1.39 % (``shared_rows``).
 
 ``(k - 1)`` rather than ``k`` keeps ``bias`` the measured corner cell's cost (the smallest G is
 ``Bcap * 2``, a k = 1 round). A term the points cannot separate from ``alpha`` and ``theta``
@@ -47,7 +54,9 @@ from speccal.costmodel.grid import check_connected
 from speccal.costmodel.lookup import k_part, k_term_of, level_lookup
 
 #: Forms of the draft-forward term, fewest parameters first (the tie-break order).
-K_TERMS = ("none", "shared", "per_bcap")
+K_TERMS = ("none", "shared", "per_bcap", "shared_rows", "per_bcap_rows")
+#: The forms without the requests column (the KV model's; it has its own rows slope).
+K_TERMS_BASE = ("none", "shared", "per_bcap")
 
 
 def design_matrix(points: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray) -> np.ndarray:
@@ -72,13 +81,17 @@ def k_columns(points: np.ndarray, bcap_levels: np.ndarray, k_term: str,
     group of each level, :func:`delta_groups`; default one group per level)."""
     if k_term == "none":
         return np.zeros((len(points), 0))
+    base = k_term.removesuffix("_rows")
     extra = points[:, 2] - 1.0
-    if k_term == "shared":
-        return extra[:, None]
-    if groups is None:
-        groups = np.arange(len(bcap_levels))
-    S = np.zeros((len(points), int(groups.max()) + 1))
-    S[np.arange(len(points)), groups[np.searchsorted(bcap_levels, points[:, 0])]] = extra
+    if base == "shared":
+        S = extra[:, None]
+    else:
+        if groups is None:
+            groups = np.arange(len(bcap_levels))
+        S = np.zeros((len(points), int(groups.max()) + 1))
+        S[np.arange(len(points)), groups[np.searchsorted(bcap_levels, points[:, 0])]] = extra
+    if base != k_term:  # the requests one verify serves
+        S = np.hstack([S, (points[:, 1] / (points[:, 2] + 1.0))[:, None]])
     return S
 
 
@@ -115,7 +128,8 @@ def full_design(points: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarra
     D = design_matrix(points[:, :2], bcap_levels, g_levels)
     if k_term == "none":
         return D
-    groups = delta_groups(points, bcap_levels, g_levels) if k_term == "per_bcap" else None
+    groups = (delta_groups(points, bcap_levels, g_levels)
+              if k_term.startswith("per_bcap") else None)
     return np.hstack([D, k_columns(points, bcap_levels, k_term, groups)])
 
 
@@ -131,7 +145,7 @@ class AdditiveCostModel(RegressorMixin, BaseEstimator):
     ----------
     combine : {"median", "mean"}
         How repeated windows of one (Bcap, G) point are combined before the least-squares fit.
-    k_term : {"none", "shared", "per_bcap"}
+    k_term : {"none", "shared", "per_bcap", "shared_rows", "per_bcap_rows"}
         The draft-forward term (module docstring); anything but ``none`` needs ``X`` with a
         ``k`` column.
 
@@ -142,7 +156,8 @@ class AdditiveCostModel(RegressorMixin, BaseEstimator):
     g_levels_, theta_ms_ : ndarray [ng], G levels and their offsets (first is 0).
     points_ : ndarray [m, 2 | 3], combined (bcap, g[, k]) points; ``point_ms_`` [m] their
         cost; ``n_windows_`` [m] windows per point.
-    delta_ms_ : ndarray [0 | 1 | nb], the draft-forward term per extra draft forward.
+    delta_ms_ : ndarray [0 | 1 | nb] (+ 1 for the rows forms: rho last), the draft-forward term
+        per extra draft forward.
     """
 
     def __init__(self, *, combine: str = "median", k_term: str = "none"):
@@ -165,7 +180,7 @@ class AdditiveCostModel(RegressorMixin, BaseEstimator):
         check_connected(((int(p[0]), int(p[1])) for p in keys), where="additive grid")
         bl = np.unique(keys[:, 0])
         gl = np.unique(keys[:, 1])
-        groups = delta_groups(keys, bl, gl) if self.k_term == "per_bcap" else None
+        groups = delta_groups(keys, bl, gl) if self.k_term.startswith("per_bcap") else None
         D = np.hstack([design_matrix(keys[:, :2], bl, gl),
                        k_columns(keys, bl, self.k_term, groups)])
         with single_thread_blas():
@@ -182,7 +197,10 @@ class AdditiveCostModel(RegressorMixin, BaseEstimator):
         self.g_levels_ = gl.astype(np.int64)
         self.theta_ms_ = np.concatenate([[0.0], coef[nb : nb + ng - 1]])
         delta = np.asarray(coef[nb + ng - 1 :], dtype=np.float64)
-        self.delta_ms_ = delta if groups is None else delta[groups]  # one per Bcap level
+        rows = self.k_term.endswith("_rows")
+        if groups is not None:  # one per Bcap level (then rho, the rows forms' last)
+            delta = np.concatenate([delta[:-1][groups], delta[-1:]]) if rows else delta[groups]
+        self.delta_ms_ = delta
         self.points_ = keys.astype(np.int64)
         self.point_ms_ = value
         self.n_windows_ = count.astype(np.int64)
@@ -198,12 +216,13 @@ class AdditiveCostModel(RegressorMixin, BaseEstimator):
     def _predict_levels(self, bcap, g, k=None) -> np.ndarray:
         a = level_lookup(bcap, self.bcap_levels_.astype(np.float64), self.alpha_ms_)
         t = level_lookup(g, self.g_levels_.astype(np.float64), self.theta_ms_)
-        return self.bias_ms_ + a + t + self._k_part(bcap, k)
+        return self.bias_ms_ + a + t + self._k_part(bcap, k, g)
 
-    def _k_part(self, bcap, k) -> np.ndarray | float:
+    def _k_part(self, bcap, k, g) -> np.ndarray | float:
         if k is None and self.k_term != "none":
             raise InputError("k", None, f"the draft forwards of each row (k_term {self.k_term!r})")
-        return k_part(self.k_term, self.delta_ms_, self.bcap_levels_.astype(np.float64), bcap, k)
+        return k_part(self.k_term, self.delta_ms_, self.bcap_levels_.astype(np.float64), bcap, k,
+                      g)
 
     @property
     def n_params_(self) -> int:
@@ -216,7 +235,7 @@ class AdditiveCostModel(RegressorMixin, BaseEstimator):
         k_term: str | None = None, delta_ms=(),
     ) -> AdditiveCostModel:
         """Rebuild a fitted model from stored parameters (tables persist arrays, never pickles);
-        ``k_term`` None infers it from ``len(delta_ms)``."""
+        ``k_term`` None infers it from ``len(delta_ms)`` (the forms without a rows term)."""
         delta = np.asarray(delta_ms, dtype=np.float64).reshape(-1)
         m = cls(combine=combine, k_term=k_term or k_term_of(len(delta)))
         check_k_term(m.k_term)

@@ -164,7 +164,7 @@ def _additive_logo(X: np.ndarray, y: np.ndarray, combine: str,
         bl = m.bcap_levels_.astype(np.float64)
         theta = np.interp(g, m.g_levels_.astype(np.float64), m.theta_ms_)
         alpha = level_lookup(X[test, 0], bl, m.alpha_ms_)
-        extra = k_part(m.k_term, m.delta_ms_, bl, X[test, 0], X[test, 2])
+        extra = k_part(m.k_term, m.delta_ms_, bl, X[test, 0], X[test, 2], X[test, 1])
         out[test] = m.bias_ms_ + alpha + theta + extra
     return out
 

@@ -17,7 +17,16 @@ forms (``kv_term``), two axes ``x`` times two ways of sharing the slope:
 - ``shared_bcap``: ``x = Bcap``, one slope: attention reads each request's KV once, whatever
   number of its rows are verified (the paged kernels read a request's KV blocks once for all
   of its query rows and heads of a group), so memory-bound attention costs ``Bcap * kv``;
-- ``per_bcap``: ``x = Bcap``, one slope per Bcap level.
+- ``per_bcap``: ``x = Bcap``, one slope per Bcap level;
+- ``shared_rows`` (draft_step tables only): ``x = G / (k + 1)``, one slope: the requests one
+  verify serves, padding included. A partly filled bucket runs fewer requests than ``Bcap``
+  (Bcap 64 with 42 requests at k = 2 verifies G = 128 rows of 42 requests, padded to 128 / 3),
+  and a draft-step round's ``G`` mixes requests and draft depth, so neither axis above follows
+  the attention's reads there. On two dense-2b draft-step calibrations of an H100 (140 points
+  over four contexts each, bench/RESULTS.md) this form with per-Bcap draft slopes held out at
+  0.91 / 0.92 % (leave-one-point-out mean) and 1.39 / 1.40 % (worst context left out) against
+  2.17 / 2.16 % and 3.66 / 3.58 % for the best of the four forms above
+  (``python3 bench/fit_terms.py``'s KV variant).
 
 The request axis came second and fits better where attention is memory-bound: on the shipped
 tables (76 points over four contexts each) leave-one-context-out mean / max 0.95 / 2.5 %
@@ -61,7 +70,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from speccal.base.errors import InputError
 from speccal.costmodel.additive import (
-    K_TERMS,
+    K_TERMS_BASE,
     check_k_term,
     delta_groups,
     design_matrix,
@@ -72,10 +81,14 @@ from speccal.costmodel.estimator import COMBINE, single_thread_blas
 from speccal.costmodel.grid import check_connected
 from speccal.costmodel.lookup import k_part, k_term_of, level_lookup
 
-KV_TERMS = ("shared", "per_g", "shared_bcap", "per_bcap")
-#: kv_term -> (the slope's axis x: "g" or "bcap", one slope per level of it)
+KV_TERMS = ("shared", "per_g", "shared_bcap", "per_bcap", "shared_rows")
+#: kv_term -> (the slope's axis x: "g", "bcap" or "rows" = G / (k + 1), one slope per level of
+#: it)
 KV_FORMS = {"shared": ("g", False), "per_g": ("g", True),
-            "shared_bcap": ("bcap", False), "per_bcap": ("bcap", True)}
+            "shared_bcap": ("bcap", False), "per_bcap": ("bcap", True),
+            "shared_rows": ("rows", False)}
+#: the forms whose axis needs each point's k (draft_step rows only)
+NEEDS_K = frozenset(t for t, (axis, _) in KV_FORMS.items() if axis == "rows")
 #: Held-out errors (percentage points of mean |error|) closer than this count as a tie.
 TIE_PCT = 0.1
 _HAT_TOL = 1e-9
@@ -96,8 +109,16 @@ def kv_design(
     """
     D = design_matrix(points[:, :2], bcap_levels, g_levels)
     axis, per_level = KV_FORMS[kv_term]
-    col, levels = (0, bcap_levels) if axis == "bcap" else (1, g_levels)
-    xkv = points[:, col] * points[:, 2] / 1000.0
+    if axis == "rows":
+        if points.shape[1] != 4:
+            raise InputError("kv_term", kv_term, "a form without k: points have no k column "
+                             "(rows = G / (k + 1) needs draft_step points [bcap, g, kv, k])")
+        x = points[:, 1] / (points[:, 3] + 1.0)
+    else:
+        col = 0 if axis == "bcap" else 1
+        x = points[:, col]
+    levels = bcap_levels if axis == "bcap" else g_levels
+    xkv = x * points[:, 2] / 1000.0
     if not per_level:
         S = xkv[:, None]
     else:
@@ -119,7 +140,7 @@ def _groups(points: np.ndarray, bcap_levels: np.ndarray, g_levels: np.ndarray,
 
 
 def _n_slopes(kv_term: str, bcap_levels: np.ndarray, g_levels: np.ndarray) -> int:
-    axis, per_level = KV_FORMS[kv_term]
+    axis, per_level = KV_FORMS[kv_term]  # the rows axis has one shared slope
     return (len(bcap_levels) if axis == "bcap" else len(g_levels)) if per_level else 1
 
 
@@ -169,10 +190,12 @@ class KVCostModel(RegressorMixin, BaseEstimator):
         if self.kv_term not in KV_TERMS:
             raise InputError("kv_term", self.kv_term, f"one of {list(KV_TERMS)}")
         check_k_term(self.k_term)
+        if self.k_term not in K_TERMS_BASE:  # the KV model's rows axis is its kv_term
+            raise InputError("k_term", self.k_term, f"one of {list(K_TERMS_BASE)} (a KV model)")
         if self.combine not in COMBINE:
             raise InputError("combine", self.combine, f"one of {list(COMBINE)}")
         X, y = validate_data(self, X, y, reset=True, dtype=np.float64, y_numeric=True)
-        want = 3 if self.k_term == "none" else 4
+        want = 3 if self.k_term == "none" and self.kv_term not in NEEDS_K else 4
         if X.shape[1] not in (want, 4):
             raise InputError("X", f"n_features = {X.shape[1]}",
                              "3 columns [bcap, g, kv_length]" if want == 3
@@ -216,13 +239,16 @@ class KVCostModel(RegressorMixin, BaseEstimator):
         a = level_lookup(bcap, bl, self.alpha_ms_)
         t = level_lookup(g, gl, self.theta_ms_)
         axis, per_level = KV_FORMS[self.kv_term]
-        x, levels = (bcap, bl) if axis == "bcap" else (g, gl)
+        kk = None if k is None else np.broadcast_to(np.asarray(k, dtype=np.float64), bcap.shape)
+        if axis == "rows":  # the requests a verify serves: NaN without k
+            x, levels = (np.full(bcap.shape, np.nan) if kk is None else g / (kk + 1.0)), None
+        else:
+            x, levels = (bcap, bl) if axis == "bcap" else (g, gl)
         if per_level:
             slope = level_lookup(x, levels, self.beta_ms_)
         else:  # NaN off the levels of either axis, as the categorical terms are
             slope = np.where(np.isnan(a + t), np.nan, self.beta_ms_[0])
-        extra = k_part(self.k_term, self.delta_ms_, bl, bcap,
-                       None if k is None else np.broadcast_to(k, bcap.shape))
+        extra = k_part(self.k_term, self.delta_ms_, bl, bcap, kk, g)
         return self.bias_ms_ + a + t + slope * x * kv + extra
 
     def additive_at(self, kv_length: float) -> tuple[float, np.ndarray, np.ndarray]:
@@ -233,6 +259,10 @@ class KVCostModel(RegressorMixin, BaseEstimator):
         kv = float(kv_length)
         alpha, theta = self.alpha_ms_.astype(np.float64), self.theta_ms_.astype(np.float64)
         axis, per_level = KV_FORMS[self.kv_term]
+        if axis == "rows":  # G / (k + 1): not additive in (Bcap, G) without the round's k
+            raise InputError("kv_model.kv_term", self.kv_term,
+                             "a slope over Bcap or G (a shared_rows KV model prices G / (k + 1) "
+                             "requests: a draft_step table's lookup, with k)")
         levels = self.bcap_levels_ if axis == "bcap" else self.g_levels_
         beta = self.beta_ms_ if per_level else np.full(len(levels), self.beta_ms_[0])
         term = beta * levels.astype(np.float64) * kv
@@ -258,6 +288,8 @@ class KVCostModel(RegressorMixin, BaseEstimator):
             raise InputError("kv_term", kv_term, f"one of {list(KV_TERMS)}")
         m = cls(kv_term=kv_term, combine=combine, k_term=k_term or k_term_of(len(delta)))
         check_k_term(m.k_term)
+        if m.k_term not in K_TERMS_BASE:
+            raise InputError("k_term", m.k_term, f"one of {list(K_TERMS_BASE)} (a KV model)")
         m.delta_ms_ = delta
         m.bias_ms_ = float(bias_ms)
         m.bcap_levels_ = np.asarray(bcap_levels, dtype=np.int64)
@@ -265,7 +297,7 @@ class KVCostModel(RegressorMixin, BaseEstimator):
         m.g_levels_ = np.asarray(g_levels, dtype=np.int64)
         m.theta_ms_ = np.asarray(theta_ms, dtype=np.float64)
         m.beta_ms_ = beta
-        m.n_features_in_ = 3 if m.k_term == "none" else 4
+        m.n_features_in_ = 3 if m.k_term == "none" and kv_term not in NEEDS_K else 4
         return m
 
 
@@ -400,8 +432,10 @@ def select_kv_model(windows: pd.DataFrame, *, combine: str = "median") -> KVFit 
         return None
     held: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
     candidates: dict[tuple[str, str], dict[str, ErrorSummary]] = {}
-    for k_term in K_TERMS if several_k else ("none",):
+    for k_term in K_TERMS_BASE if several_k else ("none",):
         for term in KV_TERMS:
+            if term in NEEDS_K and not several_k:
+                continue
             if not _full_rank(P, term, k_term):
                 continue
             lopo, loco = _lopo(P, y, term, k_term), _loco(ctx, P, y, term, k_term)
@@ -450,9 +484,9 @@ def _choose(
 ) -> tuple[tuple[str, str], str]:
     """The ``(kv_term, k_term)`` with the lowest held-out error, and which error decided: among
     the forms within :data:`TIE_PCT` of the best, the one with the fewest slopes, then the
-    simplest draft-forward term (KV_TERMS, K_TERMS order)."""
+    simplest draft-forward term (KV_TERMS, K_TERMS_BASE order)."""
     def order(c):
-        return (K_TERMS.index(c[1]), KV_FORMS[c[0]][1], KV_TERMS.index(c[0]))
+        return (K_TERMS_BASE.index(c[1]), KV_FORMS[c[0]][1], KV_TERMS.index(c[0]))
 
     for metric in ("leave_one_context_out", "leave_one_point_out"):
         errs = {c: v[metric].mean_abs_pct for c, v in candidates.items()}

@@ -72,17 +72,32 @@ def k_reason(k_levels: list[int] | None, k: Any, what: str) -> str | None:
 
 
 def k_part(k_term: str, delta: np.ndarray, bcap_levels: np.ndarray, bcap: np.ndarray,
-           k: np.ndarray | None) -> np.ndarray | float:
+           k: np.ndarray | None, g: np.ndarray | None = None) -> np.ndarray | float:
     """``(k - 1) * delta`` of the additive forms (0 for ``none``; NaN where ``k`` is missing,
-    or ``bcap`` is not a level of a per-Bcap term)."""
+    or ``bcap`` is not a level of a per-Bcap term); the ``*_rows`` forms add
+    ``delta[-1] * g / (k + 1)`` (the requests one verify serves; ``g`` required)."""
     if k_term == "none":
         return 0.0
     if k is None:
         return np.full(np.shape(bcap), np.nan)
-    extra = np.asarray(k, dtype=np.float64) - 1.0
-    if k_term == "shared":
-        return extra * delta[0]
-    return extra * level_lookup(bcap, bcap_levels, delta)
+    kk = np.asarray(k, dtype=np.float64)
+    extra = kk - 1.0
+    base = k_term.removesuffix("_rows")
+    rows = 0.0
+    if base != k_term:
+        if g is None:
+            raise ValueError(f"k_part: k_term {k_term!r} needs g")
+        rows = delta[-1] * np.asarray(g, dtype=np.float64) / (kk + 1.0)
+        delta = delta[:-1]
+    if base == "shared":
+        return extra * delta[0] + rows
+    return extra * level_lookup(bcap, bcap_levels, delta) + rows
+
+
+def n_delta(k_term: str, n_bcap_levels: int) -> int:
+    """Parameters of a draft-forward term: ``delta_ms``'s length."""
+    base = {"none": 0, "shared": 1, "per_bcap": n_bcap_levels}[k_term.removesuffix("_rows")]
+    return base + (k_term.endswith("_rows"))
 
 
 class CostLookup(NamedTuple):
@@ -175,7 +190,7 @@ class TableLookup:
                     np.asarray(p.alpha_ms, dtype=np.float64),
                     np.asarray(p.g_levels, dtype=np.float64),
                     np.asarray(p.theta_ms, dtype=np.float64),
-                    k_term_of(len(p.delta_ms)),
+                    p.k_term,
                     np.asarray(p.delta_ms, dtype=np.float64),
                 )
                 k_levels = sorted({w.k for w in f.windows}) if p.delta_ms else None
@@ -358,7 +373,7 @@ class TableLookup:
             if f.kind == "additive":
                 bias, bl, alpha, gl, theta, k_term, delta = f.arrays
                 out[m] = (bias + level_lookup(bm, bl, alpha) + level_lookup(gm, gl, theta)
-                          + k_part(k_term, delta, bl, bm, km))
+                          + k_part(k_term, delta, bl, bm, km, gm))
             else:
                 bl, gl, cost, ks = f.arrays
                 covered = level_lookup(bm, bl, np.zeros(len(bl)))  # 0 if calibrated, else NaN

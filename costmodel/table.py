@@ -1,6 +1,6 @@
 """The cost-table file: save, load (with migration and compatibility checks), parse, JSON Schema.
 
-A table file is one JSON document of ``speccal.costmodel.table_schema`` (schema version 2; the
+A table file is one JSON document of ``speccal.costmodel.table_schema`` (schema version 4; the
 JSON Schema of every version is committed under ``tables/schema/cost_table.vN.schema.json``).
 Files are written canonically (sorted keys, ``allow_nan=False``) and atomically, so save -> load
 -> save is byte-identical. Saving always writes the latest version. Building a table from
@@ -12,7 +12,9 @@ Loading migrates older documents forward, one version at a time (:data:`MIGRATIO
   geometry is rebuilt from the fits, a missing provenance is marked unknown;
 - 1 -> 2: the execution path was never recorded: ``attention_backend`` and ``input_update``
   become ``unknown``, ``kernels`` ``{"digest": "unknown", "config": null}`` (loading such a table
-  against a running config warns that its kernel configuration is unknown).
+  against a running config warns that its kernel configuration is unknown);
+- 2 -> 3: fits without a draft-forward term (:func:`migrate_v2`);
+- 3 -> 4: unchanged (version 4 adds the KV model's ``shared_rows`` slope, :func:`migrate_v3`).
 
 ``provenance.migrated_from`` names the oldest version a document came from (``legacy``, ``v1``).
 A newer version is refused with ``SchemaError``; so are unreadable JSON, unknown or missing keys,
@@ -41,6 +43,7 @@ from speccal.base.geometry import MAX_REQUEST_BUCKETS, Geometry, default_target_
 from speccal.costmodel.compat import UNKNOWN_EXECUTION, Compatibility, check_compatibility
 from speccal.costmodel.grid import check_contexts
 from speccal.costmodel.kv import KV_FORMS
+from speccal.costmodel.lookup import n_delta
 from speccal.costmodel.measurements import STEP_MS_RTOL, check_shapes
 from speccal.costmodel.table_schema import SCHEMA_VERSION, CostTable, validate_block
 
@@ -259,7 +262,36 @@ def migrate_v2(doc: dict, source: str = "table") -> dict:
 
 
 #: ``{version: migrate to version + 1}``; :func:`parse_table` applies them in order.
-MIGRATIONS: dict[int, Callable[[dict, str], dict]] = {1: migrate_v1, 2: migrate_v2}
+def migrate_v3(doc: dict, source: str = "table") -> dict:
+    """Migrate a schema version 3 document to version 4: nothing to change.
+
+    Version 4 adds the requests a verify serves, ``G / (k + 1)``, to draft_step models: the KV
+    model's ``shared_rows`` slope (``speccal.costmodel.kv``) and the additive fits'
+    ``shared_rows`` / ``per_bcap_rows`` draft-forward terms (``speccal.costmodel.additive``),
+    which a version 3 reader refuses; every version 3 table prices exactly as before.
+    """
+    doc = json.loads(json.dumps(doc))
+    kvm = doc.get("kv_model")
+    if isinstance(kvm, dict) and kvm.get("kv_term") == "shared_rows":
+        raise SchemaError(f"{source}: kv_model.kv_term", "shared_rows",
+                          "a slope form of schema version 3 (shared_rows was added in 4)")
+    fits = doc.get("fits")
+    for i, fit in enumerate(fits if isinstance(fits, list) else ()):
+        add = fit.get("additive") if isinstance(fit, dict) else None
+        term = add.get("k_term") if isinstance(add, dict) else None
+        if isinstance(term, str) and term.endswith("_rows"):
+            raise SchemaError(f"{source}: fits.{i}.additive.k_term", term,
+                              "a draft-forward term of schema version 3 (the rows forms were "
+                              "added in 4)")
+    prov = doc.get("provenance")
+    if isinstance(prov, dict):
+        prov["migrated_from"] = prov.get("migrated_from") or "v3"
+    doc["schema_version"] = 4
+    return doc
+
+
+MIGRATIONS: dict[int, Callable[[dict, str], dict]] = {1: migrate_v1, 2: migrate_v2,
+                                                       3: migrate_v3}
 
 
 def _check_consistent(t: CostTable, source: str) -> None:
@@ -320,7 +352,7 @@ def _check_k_term(t: CostTable, f: Any, where: str) -> None:
     sps fit's ``k`` parallel to ``g_levels``, each curve ascending in G."""
     if f.model == "additive":
         p = f.additive
-        want = {"none": 0, "shared": 1, "per_bcap": len(p.bcap_levels)}[p.k_term]
+        want = n_delta(p.k_term, len(p.bcap_levels))
         if len(p.delta_ms) != want:
             raise SchemaError(f"{where}.additive.delta_ms", p.delta_ms,
                               f"{want} value(s) for k_term {p.k_term!r}")
@@ -523,6 +555,10 @@ def _check_kv_model(t: CostTable, source: str) -> None:
         raise SchemaError(
             f"{where}.beta_ms", kv.beta_ms, f"{want} value(s) for kv_term {kv.kv_term!r}"
         )
+    if axis == "rows" and t.calibration.mode != "draft_step":
+        raise SchemaError(f"{where}.kv_term", kv.kv_term,
+                          "a slope over G or Bcap (the rows axis G / (k + 1) needs the "
+                          "draft_step rounds' k)")
     want = {"none": 0, "shared": 1, "per_bcap": len(kv.bcap_levels)}[kv.k_term]
     if len(kv.delta_ms) != want:
         raise SchemaError(f"{where}.delta_ms", kv.delta_ms,

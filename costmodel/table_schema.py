@@ -56,12 +56,12 @@ from speccal.base.atomic import dumps_json
 from speccal.base.geometry import Geometry
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.compat import Compatibility, pydantic_message
-from speccal.costmodel.kv import KVCostModel
+from speccal.costmodel.kv import KV_FORMS, KVCostModel
 from speccal.costmodel.lookup import CostLookup, TableLookup
 from speccal.costmodel.measurements import validate_measurements
 from speccal.costmodel.sps import SPSCostModel
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 #: A request-bucket key of a ``{Bcap: [G, ...]}`` map: JSON object keys are strings, so the
@@ -265,7 +265,7 @@ class ErrorBlock(_Strict):
     max_abs_pct: float | None
 
 
-KTerm = Literal["none", "shared", "per_bcap"]
+KTerm = Literal["none", "shared", "per_bcap", "shared_rows", "per_bcap_rows"]
 
 
 class KTermCandidate(_Strict):
@@ -287,7 +287,8 @@ class KTermSelection(_Strict):
 class AdditiveParams(_Strict):
     """``bias + alpha(Bcap) + theta(G) + (k - 1) * delta`` (``speccal.costmodel.additive``;
     ``delta_ms`` empty for ``k_term`` ``none``, one value for ``shared``, one per Bcap level
-    for ``per_bcap``)."""
+    for ``per_bcap``; the ``*_rows`` forms (schema version 4) append ``rho``, ms per request a
+    verify serves, ``G / (k + 1)``)."""
 
     bias_ms: float = Field(ge=0)  # the cost of the reference cell: a measured step cost
     bcap_levels: list[int]
@@ -362,7 +363,7 @@ class KVContextErrors(_Strict):
 class KVCandidate(_Strict):
     """Held-out errors of one slope form the selection compared."""
 
-    kv_term: Literal["shared", "per_g", "shared_bcap", "per_bcap"]
+    kv_term: Literal["shared", "per_g", "shared_bcap", "per_bcap", "shared_rows"]
     k_term: KTerm = "none"
     leave_one_context_out: ErrorBlock
     leave_one_point_out: ErrorBlock
@@ -388,13 +389,15 @@ class KVModelBlock(_Strict):
 
     ``cost = bias + alpha(Bcap) + theta(G) + beta(x) * x * kv`` for ``kv`` in
     ``[min_kv_length, max_kv_length]`` (the calibrated span: the smallest and largest bound of the
-    contexts), ``x`` = G (``shared``, ``per_g``) or Bcap (``shared_bcap``, ``per_bcap``);
+    contexts), ``x`` = G (``shared``, ``per_g``), Bcap (``shared_bcap``, ``per_bcap``) or, in
+    draft_step tables, the requests a verify serves, ``G / (k + 1)`` (``shared_rows``: priced
+    only with the round's ``k``);
     ``beta_ms`` has one value (the shared forms) or one per level of ``x`` (``per_g``: per G
     level, ``per_bcap``: per Bcap level), in ms per unit of ``x`` and KV token. ``bias_ms`` is the
     reference cell's cost extrapolated to KV 0 and may be any finite number.
     """
 
-    kv_term: Literal["shared", "per_g", "shared_bcap", "per_bcap"]
+    kv_term: Literal["shared", "per_g", "shared_bcap", "per_bcap", "shared_rows"]
     combine: Literal["median", "mean"] = "median"
     reference: Literal["smallest_bcap_and_g"] = "smallest_bcap_and_g"
     min_kv_length: int = Field(ge=0)
@@ -405,7 +408,8 @@ class KVModelBlock(_Strict):
     g_levels: list[int]
     theta_ms: list[float]
     beta_ms: list[float] = Field(min_length=1)
-    k_term: KTerm = "none"  # the draft-forward term, as in AdditiveParams
+    k_term: Literal["none", "shared", "per_bcap"] = "none"  # as in AdditiveParams (no rows:
+    # the KV model's rows axis is kv_term shared_rows)
     delta_ms: list[float] = Field(default_factory=list)
     selected_by: Literal["leave_one_context_out", "leave_one_point_out", "fewest_parameters"]
     residuals: ErrorBlock
@@ -437,8 +441,9 @@ class KVModelBlock(_Strict):
         return out
 
     def k_levels(self) -> list[int] | None:
-        """The draft forwards the model prices (its points' k), or None without a term."""
-        if self.k_term == "none":
+        """The draft forwards the model prices (its points' k), or None when it does not
+        depend on k (no draft-forward term, a slope over Bcap or G)."""
+        if self.k_term == "none" and KV_FORMS[self.kv_term][0] != "rows":
             return None
         return sorted({p.k for p in self.points if p.k is not None})
 
@@ -547,7 +552,7 @@ class CostTable(_Strict):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
-    schema_version: Literal[3] = SCHEMA_VERSION
+    schema_version: Literal[4] = SCHEMA_VERSION
     calibration: CalibrationConfig
     compatibility: Compatibility
     # Stored under the JSON key "geometry"; the attribute name leaves ``geometry()`` free for the

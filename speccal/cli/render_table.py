@@ -134,12 +134,16 @@ def _params_tables(table, console: Console) -> None:
                 t.add_row("alpha(Bcap)", str(b), f"{a:.4f}")
             for g, th in zip(p.g_levels, p.theta_ms, strict=True):
                 t.add_row("theta(G)", str(g), f"{th:.4f}")
-            if p.k_term == "shared":
+            base = p.k_term.removesuffix("_rows")
+            if base == "shared":
                 t.add_row("delta (per draft forward past the first)", "every Bcap",
                           f"{p.delta_ms[0]:.4f}")
-            for b, dl in zip(p.bcap_levels if p.k_term == "per_bcap" else (), p.delta_ms,
+            for b, dl in zip(p.bcap_levels if base == "per_bcap" else (), p.delta_ms,
                              strict=False):
                 t.add_row("delta(Bcap) (per draft forward past the first)", str(b), f"{dl:.4f}")
+            if base != p.k_term:
+                t.add_row("rho (per request a verify serves, G / (k + 1))", "every Bcap",
+                          f"{p.delta_ms[-1]:.4f}")
         else:
             p = f.sps
             t = Table(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
@@ -103,6 +104,15 @@ def test_additive_at_one_kv_is_the_model_at_that_kv(kv_term):
     alpha or theta, re-referenced to the smallest levels) prices every cell as ``predict_at``."""
     df = kv_rows()
     X = df[["bcap", "g", "mean_kv_length"]].to_numpy()
+    if kv_term == "shared_rows":  # G / (k + 1) needs each point's k: no additive form at one KV
+        with pytest.raises(InputError, match=r"\[bcap, g, kv_length, k\]"):
+            KVCostModel(kv_term=kv_term).fit(X, df["step_ms"].to_numpy())
+        Xk = np.hstack([X, np.full((len(X), 1), 2.0)])
+        m = KVCostModel(kv_term=kv_term).fit(Xk, df["step_ms"].to_numpy())
+        with pytest.raises(InputError, match="kv_model.kv_term"):
+            m.additive_at(3000.0)
+        assert np.isnan(m.predict_at(X[:1, 0], X[:1, 1], X[:1, 2])).all()  # no k: no price
+        return
     m = KVCostModel(kv_term=kv_term).fit(X, df["step_ms"].to_numpy())
     kv = 3000.0
     bias, alpha, theta = m.additive_at(kv)
@@ -281,3 +291,59 @@ def test_a_table_checks_the_slope_count_of_its_form():
     kv["kv_term"], kv["beta_ms"] = "shared_bcap", [1e-5, 2e-5]
     with pytest.raises(SchemaError, match="beta_ms"):
         parse_table(json.dumps(doc))
+
+
+def _rows_truth_windows(rho: float, *, seed: int = 0) -> pd.DataFrame:
+    """Draft-step windows whose attention cost follows the requests a verify serves: partly
+    filled buckets (B below Bcap) at k = 1..3, four contexts; cost = bias + alpha(Bcap) +
+    theta(G) + (k - 1) * 0.05 + rho * G / (k + 1) * kv (ms, kv in tokens) + noise."""
+    rng = np.random.default_rng(seed)
+    alpha = {1: 0.0, 2: 0.05, 4: 0.12, 8: 0.3}
+    rows = []
+    for ci, kv in enumerate((200.0, 600.0, 1100.0, 2100.0)):
+        prev = 0
+        for bcap in sorted(alpha):
+            for b in sorted({bcap, max(prev + 1, bcap - 1), max(prev + 1, bcap // 2 + 1)}):
+                for k in (1, 2, 3):
+                    g = b * (k + 1)
+                    cost = (1.0 + alpha[bcap] + 0.01 * g + (k - 1) * 0.05
+                            + rho * g / (k + 1) * kv)
+                    for _ in range(3):
+                        rows.append({"context_index": ci, "bcap": bcap, "g": g, "k": k,
+                                     "num_requests": b, "mean_kv_length": kv,
+                                     "step_ms": cost * (1 + rng.normal(0, 0.001))})
+            prev = bcap
+    return pd.DataFrame(rows)
+
+
+def test_the_rows_slope_is_chosen_where_attention_follows_the_requests():
+    """A draft-step truth whose KV cost is per request served (G / (k + 1)): the selection
+    keeps ``shared_rows`` and prices held-out points within the noise; the G and Bcap slopes it
+    beat are off by more. Without that structure (rho = 0) a simpler form wins the tie."""
+    fit = select_kv_model(_rows_truth_windows(2e-4))
+    assert fit is not None and fit.model.kv_term == "shared_rows"
+    errs = {c: v["leave_one_context_out"].mean_abs_pct for c, v in fit.candidates.items()}
+    best_other = min(e for (t, _), e in errs.items() if t != "shared_rows")
+    assert fit.leave_one_context_out.mean_abs_pct < 0.5 < best_other
+    assert fit.model.beta_ms_[0] == pytest.approx(2e-4, rel=0.05)
+    # the rows form prices only with k: NaN without it, the fitted cost with it
+    m = fit.model
+    assert np.isnan(m.predict_at([4], [8], [600.0])).all()
+    assert m.predict_at([4], [8], [600.0], [1])[0] == pytest.approx(
+        1.0 + 0.12 + 0.08 + 2e-4 * 4 * 600.0, rel=0.01)
+    flat = select_kv_model(_rows_truth_windows(0.0))
+    assert flat is not None and flat.model.kv_term != "shared_rows"
+
+
+def test_the_rows_slope_is_never_a_candidate_without_k():
+    """target_verify rows (one k): G / (k + 1) is G up to a constant, the ``shared`` form."""
+    rows = []
+    for ci, kv in enumerate((200.0, 600.0, 1100.0, 2100.0)):
+        for bcap in (1, 2, 4, 8):
+            for g in sorted({bcap * 2, bcap * 4, 16}):
+                rows += [{"context_index": ci, "bcap": bcap, "g": g, "k": 3, "num_requests": bcap,
+                          "mean_kv_length": kv, "step_ms": 1.0 + 0.02 * bcap + 0.01 * g
+                          + 2e-4 * g / 4 * kv}] * 2
+    fit = select_kv_model(pd.DataFrame(rows))
+    assert fit is not None
+    assert all(t != "shared_rows" for t, _ in fit.candidates)

@@ -50,6 +50,7 @@ SCHEMA_FILE = SCHEMA_DIR / f"cost_table.v{SCHEMA_VERSION}.schema.json"
 FROZEN_SCHEMAS = {
     1: "c6599d40c326760cc8d9159d8b381719433c72d72b830357152573adb70939e2",
     2: "68473499ebe6d78fd705984ba99b64ca79e308b12f62f6271b31d9eec0f691ea",
+    3: "968454b7e94382abf1345d5b5668e5e4656d309627042525229837052f45a757",
 }
 #: Golden files of every version: name -> (schema version on disk, migrated_from after load).
 GOLDEN = {
@@ -58,8 +59,10 @@ GOLDEN = {
     "table_v1_sps.json": (1, "v1"),
     "table_v2_additive.json": (2, "v2"),
     "table_v2_sps.json": (2, "v2"),
-    "table_v3_additive.json": (3, None),
-    "table_v3_sps.json": (3, None),
+    "table_v3_additive.json": (3, "v3"),
+    "table_v3_sps.json": (3, "v3"),
+    "table_v4_additive.json": (4, None),
+    "table_v4_sps.json": (4, None),
 }
 
 
@@ -367,7 +370,7 @@ def test_build_refuses_a_negative_additive_bias():
 # ------------------------------------------------------------------------ golden files, schema
 
 
-@pytest.mark.parametrize("name", ["table_v3_additive.json", "table_v3_sps.json"])
+@pytest.mark.parametrize("name", ["table_v4_additive.json", "table_v4_sps.json"])
 def test_golden_current_files_load_and_resave_byte_identically(name):
     raw = (FIXTURES / name).read_bytes()
     table = parse_table(raw)
