@@ -157,3 +157,49 @@ def test_the_kv_model_keeps_the_term_across_contexts():
     assert not t.cost_ms(4, 12, at).calibrated
     cost = CostModel.from_table(t)
     assert cost.k_aware and np.isfinite(cost.step_costs(np.array([3]), np.array([at]))).all()
+
+
+RHO = 0.35  # ms per request one verify serves, G / (k + 1)
+
+
+def rows_truth_rows(noise_ms: float = 0.004):
+    """``rows()`` plus ``RHO * G / (k + 1)``: part of the cost follows the requests a verify
+    serves (padding included), which neither theta(G) nor alpha(Bcap) separates."""
+    df = rows(noise_ms=noise_ms).copy()
+    extra = RHO * df["g"] / (df["k"] + 1.0)
+    df["step_ms"] = df["step_ms"] + extra
+    df["elapsed_s"] = df["step_ms"] * df["window_steps"] / 1000.0
+    return df
+
+
+def test_a_cost_that_follows_the_requests_gets_a_rows_term():
+    """Version 4: the selection keeps a ``*_rows`` form where the truth has one, rho is the
+    last ``delta_ms`` value, every shape is priced at its truth, the table round-trips, and a
+    version 3 document carrying the form is refused (a version 3 reader could not read it)."""
+    t = build_table(rows_truth_rows(), compatibility=COMPAT, geometry=GEOM)
+    p = t.fits[0].additive
+    assert p.k_term in ("shared_rows", "per_bcap_rows")
+    sel = {c.k_term: c for c in p.k_selection.candidates}
+    assert sel[p.k_term].partly_filled.mean_abs_pct < 0.5 * min(
+        sel[k].partly_filled.mean_abs_pct for k in ("shared", "per_bcap") if k in sel)
+    assert p.delta_ms[-1] == pytest.approx(RHO, rel=0.1)
+    for b, g, k, _ in shapes():
+        got = t.cost_ms(b, g, KV, k)
+        want = truth(b, g, k) + RHO * g / (k + 1)
+        assert got.calibrated and got.cost_ms == pytest.approx(want, rel=0.02), (b, g, k)
+    assert not t.cost_ms(8, 12, KV).calibrated  # k needed
+    again = parse_table(t.to_json())
+    assert again.to_json() == t.to_json()
+    doc = json.loads(t.to_json())
+    doc["schema_version"] = 3
+    with pytest.raises(SchemaError, match="k_term"):
+        parse_table(json.dumps(doc))
+    doc = json.loads(t.to_json())
+    doc["fits"][0]["additive"]["delta_ms"].pop()
+    with pytest.raises(SchemaError, match="delta_ms"):
+        parse_table(json.dumps(doc))
+
+
+def test_without_a_request_cost_the_simpler_term_wins():
+    t = build_table(rows(), compatibility=COMPAT, geometry=GEOM)
+    assert not t.fits[0].additive.k_term.endswith("_rows")
