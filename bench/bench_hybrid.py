@@ -15,7 +15,9 @@ and Triton attention on CUDA; eager fp32 and torch attention on CPU):
   (``bench_decode.target_ms``; CPU: ``Engine.step`` wall) vs its HBM floor = (weight bytes:
   ``bench_decode.floor_bytes`` plus the non-matrix parameters; the committed state row read and
   written, ``StateStrategy.round_traffic(1, 0)``; the full-attention layers' KV read) / copy
-  bandwidth [hybrid_decode_step_floor_ratio]; on CUDA, where that step's device time goes: its
+  bandwidth [hybrid_decode_step_floor_ratio]; the same at B = ``--large-batch`` (8: every
+  request's state row and KV, the weights once) [hybrid_decode_step_floor_ratio_b8]; on CUDA,
+  where the B = 1 step's device time goes: its
   kernels by name, time and launches per step (``bench_decode.breakdown``, torch.profiler over
   graph replays; ``breakdown_b1``, every kernel of one replay in ``sequence_b1``);
 - plain decode tokens/s at B = 1 of ``Engine.step`` end to end (``bench_hf.engine_tok_s``; the
@@ -23,8 +25,8 @@ and Triton attention on CUDA; eager fp32 and torch attention on CPU):
   transformers' ``Qwen3_5ForCausalLM`` with the same shapes and weights (this run's target
   state dict), greedy loop ``bench_hf.hf_tok_s``: static cache, dynamic cache, and (CUDA, time
   permitting) static cache + ``torch.compile(reduce-overhead)`` in a child process killed at
-  the internal deadline; the fastest that worked is the peer, its name recorded
-  [hybrid_decode_speedup_vs_hf_b1];
+  the internal deadline (B = 1 first, then the large batch); per batch the fastest that worked
+  is the peer, its name recorded [hybrid_decode_speedup_vs_hf_b1, _b8];
 - round cost per k = 1 .. w for both state strategies on the same forced-acceptance workload
   (``bench_round_phases.measure_mode``: ``--round-batch`` requests, window mean and, on CUDA,
   the device span of ``execute``), with the state bytes each strategy moves per round
@@ -129,26 +131,28 @@ def copy_bandwidth(device: torch.device, repeats: int) -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times)
 
 
-def floor_parts(eng: Engine, kv_tokens: int) -> dict[str, int]:
-    """Bytes a plain B = 1 decode step must move: weights (bench_decode's weight matrices plus
-    the conv kernels, decays and norms), the committed state row read and written (the state
-    strategy's accounting), the full-attention layers' KV read."""
+def floor_parts(eng: Engine, kv_tokens: int, batch: int = 1) -> dict[str, int]:
+    """Bytes a plain decode step of ``batch`` requests must move: weights (bench_decode's weight
+    matrices plus the conv kernels, decays and norms, read once), each request's committed state
+    row read and written (the state strategy's accounting), each request's full-attention KV
+    read (``kv_tokens`` per request)."""
     t = eng.loaded.target
     matrices = floor_bytes(eng, 0)  # every weight matrix incl. the LM head; KV counted below
     others = sum(p.numel() * p.element_size() for p in t.parameters() if p.dim() != 2)
     c = eng.loaded.config
-    kv = (eng.loaded.num_kv_layers * 2 * kv_tokens * c.num_key_value_heads * c.head_dim
+    kv = (batch * eng.loaded.num_kv_layers * 2 * kv_tokens * c.num_key_value_heads * c.head_dim
           * t.model.embed_tokens.weight.element_size())
-    state = eng.runner.state.round_traffic(1, 0).total
+    state = eng.runner.state.round_traffic(batch, 0).total
     return {"weight_bytes": matrices + others, "state_bytes": state, "kv_bytes": kv}
 
 
-def decode_step_ms(eng: Engine, kv: int, repeats: int) -> float:
-    """B = 1 plain decode step at KV ``kv``: captured graph replay (CUDA events) or, eager,
-    the median ``Engine.step`` wall time."""
-    fill(eng, 1, 0, kv)  # greedy request: the host picks the fast path
+def decode_step_ms(eng: Engine, kv: int, repeats: int, batch: int = 1) -> float:
+    """Plain decode step of ``batch`` requests at KV ``kv``: captured graph replay (CUDA
+    events) or, eager, the median ``Engine.step`` wall time."""
+    fill(eng, batch, 0, kv)  # greedy requests: the host picks the fast path
     if eng.runner.graphs is not None:
-        return target_ms(eng, 1, 0, 1, eng.runner.resolve_update(1, 0, 1), repeats)
+        return target_ms(eng, batch, 0, batch, eng.runner.resolve_update(batch, 0, batch),
+                         repeats)
     times = []
     for _ in range(max(3, repeats)):
         t0 = time.perf_counter()
@@ -184,36 +188,46 @@ def hf_twin(loaded: LoadedModel, device: torch.device):
 
 
 def hf_eager(loaded: LoadedModel, device: torch.device, prompt: int,
-             steps: int) -> dict[str, object]:
-    """Static and dynamic cache, no compile, B = 1: tokens/s or the error of each."""
+             steps: int, batches: tuple[int, ...] = (1,)) -> dict[str, object]:
+    """Static and dynamic cache, no compile, at each batch: tokens/s or the error of each."""
     conf, model = hf_twin(loaded, device)
     out: dict[str, object] = {}
-    for cache in ("static", "dynamic"):
-        try:
-            out[f"hf_{cache}_tok_s_b1"] = hf_tok_s(conf, model, 1, False, cache=cache,
-                                                   prompt=prompt, steps=steps,
-                                                   warmup=min(4, steps), device=device.type)
-        except Exception as exc:  # a cache transformers cannot run on this model: recorded
-            out[f"hf_{cache}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        log(f"transformers {cache} cache: {out.get(f'hf_{cache}_tok_s_b1', 'failed')}")
+    for b in batches:
+        for cache in ("static", "dynamic"):
+            try:
+                out[f"hf_{cache}_tok_s_b{b}"] = hf_tok_s(conf, model, b, False, cache=cache,
+                                                         prompt=prompt, steps=steps,
+                                                         warmup=min(4, steps),
+                                                         device=device.type)
+            except Exception as exc:  # a cache transformers cannot run on this model: recorded
+                out[f"hf_{cache}_error_b{b}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log(f"transformers {cache} cache B={b}: "
+                f"{out.get(f'hf_{cache}_tok_s_b{b}', 'failed')}")
     del model
     return out
 
 
 def compile_child(args) -> None:
-    """Child process: static cache + torch.compile(reduce-overhead) at B = 1, written to
-    ``hf_compile.json`` (a kill at the parent's deadline leaves no figure, never a wrong one)."""
+    """Child process: static cache + torch.compile(reduce-overhead) at B = 1, then at the large
+    batch, ``hf_compile.json`` rewritten after each (a kill at the parent's deadline keeps the
+    batches measured, never a wrong figure)."""
     device = resolve_device(args.device)
     loaded = load_model(args.model, device=device, dtype=args.dtype, seed=0,
                         max_model_len=args.max_len, max_positions=args.max_len + 16,
                         need_draft=False)
     conf, model = hf_twin(loaded, device)
     del loaded
-    t0 = time.time()
-    tps = hf_tok_s(conf, model, 1, True, cache="static", prompt=args.kv, steps=args.hf_steps,
-                   warmup=min(4, args.hf_steps), device=device.type)
-    Path(args.out, "hf_compile.json").write_text(
-        json.dumps({"hf_compile_tok_s_b1": tps, "hf_compile_wall_s": time.time() - t0}))
+    out: dict[str, float] = {}
+    for b in args.batches:
+        t0 = time.time()
+        out[f"hf_compile_tok_s_b{b}"] = hf_tok_s(conf, model, b, True, cache="static",
+                                                 prompt=args.kv, steps=args.hf_steps,
+                                                 warmup=min(4, args.hf_steps),
+                                                 device=device.type)
+        out[f"hf_compile_wall_s_b{b}"] = time.time() - t0
+        if b == 1:
+            out["hf_compile_wall_s"] = out["hf_compile_wall_s_b1"]
+        Path(args.out, "hf_compile.json").write_text(json.dumps(out))
 
 
 def hf_compiled(args, left_s: float) -> dict[str, object]:
@@ -221,7 +235,8 @@ def hf_compiled(args, left_s: float) -> dict[str, object]:
     child.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--compile-child", "--out", str(args.out), "--model",
            args.model, "--device", args.device, "--dtype", args.dtype, "--kv", str(args.kv),
-           "--draft-width", str(args.draft_width), "--hf-steps", str(args.hf_steps)]
+           "--draft-width", str(args.draft_width), "--hf-steps", str(args.hf_steps),
+           "--large-batch", str(args.large_batch)]
     out: dict[str, object] = {}
     try:
         proc = subprocess.run(cmd, timeout=left_s, capture_output=True, text=True)
@@ -233,18 +248,19 @@ def hf_compiled(args, left_s: float) -> dict[str, object]:
     return out
 
 
-def pick_peer(res: dict) -> None:
-    """The fastest transformers configuration that ran, and our speedup over it."""
-    names = {"hf_static_tok_s_b1": "static cache, no compile",
-             "hf_dynamic_tok_s_b1": "dynamic cache, no compile",
-             "hf_compile_tok_s_b1": "static cache + torch.compile(reduce-overhead)"}
-    ran = {k: float(res[k]) for k in names if isinstance(res.get(k), float)}
-    if not ran:
-        return
-    best = max(ran, key=ran.get)
-    res["hf_tok_s_b1"] = ran[best]
-    res["hf_config_b1"] = names[best]
-    res["hybrid_decode_speedup_vs_hf_b1"] = res["ours_tok_s_b1"] / ran[best]
+def pick_peer(res: dict, batches: tuple[int, ...] = (1,)) -> None:
+    """Per batch, the fastest transformers configuration that ran, and our speedup over it."""
+    for b in batches:
+        names = {f"hf_static_tok_s_b{b}": "static cache, no compile",
+                 f"hf_dynamic_tok_s_b{b}": "dynamic cache, no compile",
+                 f"hf_compile_tok_s_b{b}": "static cache + torch.compile(reduce-overhead)"}
+        ran = {k: float(res[k]) for k in names if isinstance(res.get(k), float)}
+        if not ran or not isinstance(res.get(f"ours_tok_s_b{b}"), float):
+            continue
+        best = max(ran, key=ran.get)
+        res[f"hf_tok_s_b{b}"] = ran[best]
+        res[f"hf_config_b{b}"] = names[best]
+        res[f"hybrid_decode_speedup_vs_hf_b{b}"] = res[f"ours_tok_s_b{b}"] / ran[best]
 
 
 # ---------------------------------------------------------------------- greedy check
@@ -320,6 +336,8 @@ def parse_args(argv=None):
     ap.add_argument("--kv", type=int, default=1024, help="KV length of the decode step and of "
                     "the tokens/s comparison's prompt")
     ap.add_argument("--round-batch", type=int, default=8, help="requests of the strategy rounds")
+    ap.add_argument("--large-batch", type=int, default=8, help="the second decode batch (floor "
+                    "ratio and the transformers comparison at B = 1 and this; 1: B = 1 only)")
     ap.add_argument("--round-prompt", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=32, help="timed rounds per k (and a window)")
     ap.add_argument("--round-warmup", type=int, default=4)
@@ -356,11 +374,12 @@ def parse_args(argv=None):
     if odd:
         ap.error(f"--skip {sorted(odd)}: expected stages among hf, compile, strategies, greedy")
     for name in ("repeats", "draft_width", "kv", "round_batch", "round_prompt", "rounds",
-                 "check_prompts", "check_tokens", "hf_steps"):
+                 "check_prompts", "check_tokens", "hf_steps", "large_batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
     w = args.draft_width
     args.check_prompt_len = 32
+    args.batches = tuple(sorted({1, args.large_batch}))
     # bench_decode.fill asks for 512 tokens after a KV-long prompt; the strategy rounds need
     # (warmup + 2 * rounds + 1) * (w + 1) + 1 after theirs
     round_need = args.round_prompt + (args.round_warmup + 2 * args.rounds + 1) * (w + 1) + 1
@@ -420,7 +439,7 @@ def main(argv=None) -> dict:
         return eng
 
     # ---- decode step vs its HBM floor, ours tokens/s
-    plain = engine(speculative=False, request_buckets=(1,), pipeline=True)
+    plain = engine(speculative=False, request_buckets=args.batches, pipeline=True)
     parts = floor_parts(plain, args.kv)
     res.update(parts)
     res["decode_floor_ms"] = sum(parts.values()) / bw * 1e3
@@ -436,16 +455,27 @@ def main(argv=None) -> dict:
     res["ours_tok_s_b1"] = engine_tok_s(plain, 1, prompt=args.kv, steps=args.hf_steps,
                                         warmup=min(4, args.hf_steps))
     log(f"ours {res['ours_tok_s_b1']:.1f} tok/s")
+    for b in args.batches[1:]:  # the large batch: floor (B requests' state and KV), tokens/s
+        big = floor_parts(plain, args.kv, b)
+        res[f"decode_floor_ms_b{b}"] = sum(big.values()) / bw * 1e3
+        res[f"floor_bytes_b{b}"] = big
+        res[f"decode_step_ms_b{b}"] = decode_step_ms(plain, args.kv, args.repeats, b)
+        res[f"hybrid_decode_step_floor_ratio_b{b}"] = (res[f"decode_step_ms_b{b}"]
+                                                        / res[f"decode_floor_ms_b{b}"])
+        res[f"ours_tok_s_b{b}"] = engine_tok_s(plain, b, prompt=args.kv, steps=args.hf_steps,
+                                               warmup=min(4, args.hf_steps))
+        log(f"B={b}: decode step {res[f'decode_step_ms_b{b}']:.3f} ms, floor "
+            f"{res[f'decode_floor_ms_b{b}']:.3f} ms; ours {res[f'ours_tok_s_b{b}']:.1f} tok/s")
     save()
 
     # ---- transformers, eager configurations (the compiled one last: it may take minutes)
     if not skip("hf"):
         try:
-            res.update(hf_eager(loaded, device, args.kv, args.hf_steps))
+            res.update(hf_eager(loaded, device, args.kv, args.hf_steps, args.batches))
         except (ImportError, UnsupportedError) as exc:  # no peer here: the rest still runs
             res["hf_error"] = f"{type(exc).__name__}: {exc}"
             log(f"no transformers peer: {res['hf_error']}")
-        pick_peer(res)
+        pick_peer(res, args.batches)
         save()
     free(device)
 
@@ -529,7 +559,7 @@ def main(argv=None) -> dict:
     else:
         log(f"transformers static cache + torch.compile (child, {left:.0f} s left)")
         res.update(hf_compiled(args, left))
-        pick_peer(res)
+        pick_peer(res, args.batches)
     save()
     show(res)
     if args.record:
@@ -593,6 +623,11 @@ def record(res: dict, args) -> None:
     command = "python3 bench/bench_hybrid.py " + " ".join(sys.argv[1:])
     rows = [("hybrid_decode_step_floor_ratio", res.get("hybrid_decode_step_floor_ratio"), "x"),
             ("hybrid_decode_speedup_vs_hf_b1", res.get("hybrid_decode_speedup_vs_hf_b1"), "x")]
+    for b in args.batches[1:]:
+        rows += [(f"hybrid_decode_step_floor_ratio_b{b}",
+                  res.get(f"hybrid_decode_step_floor_ratio_b{b}"), "x"),
+                 (f"hybrid_decode_speedup_vs_hf_b{b}",
+                  res.get(f"hybrid_decode_speedup_vs_hf_b{b}"), "x")]
     for s, per_k in res.get("hybrid_state_strategy_round_ms", {}).items():
         rows += [(f"hybrid_state_strategy_round_ms.{s}.{k}", v, "ms") for k, v in per_k.items()]
     for impl, row in res.get("linear_attention", {}).items():
@@ -616,6 +651,13 @@ def show(res: dict) -> None:
         if key in res:
             v = res[key]
             print(f"{key:34s} {v:12.4f}" if isinstance(v, float) else f"{key:34s} {v}")
+    for b in res.get("setup", {}).get("batches", (1,))[1:]:
+        for key in (f"decode_floor_ms_b{b}", f"decode_step_ms_b{b}",
+                    f"hybrid_decode_step_floor_ratio_b{b}", f"ours_tok_s_b{b}",
+                    f"hf_tok_s_b{b}", f"hf_config_b{b}", f"hybrid_decode_speedup_vs_hf_b{b}"):
+            if key in res:
+                v = res[key]
+                print(f"{key:34s} {v:12.4f}" if isinstance(v, float) else f"{key:34s} {v}")
     per = res.get("strategy_rounds", {})
     if per:
         print(f"\n{'strategy':14s} {'k':>3s} {'round ms':>9s} {'state MB':>9s} {'state ms@bw':>11s}")

@@ -26,6 +26,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_hybrid.py"
 W = 3
 BATCH = 2
 PROMPTS = 2
+LARGE = 2  # the second decode batch (8 on the GPU)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def report(tmp_path_factory):
     cmd = [sys.executable, str(BENCH), "--device", "cpu", "--model", str(folder), "--out",
            str(out), "--kv", "24", "--repeats", "3", "--draft-width", str(W), "--round-batch",
            str(BATCH), "--round-prompt", "12", "--rounds", "2", "--round-warmup", "1",
-           "--check-prompts", str(PROMPTS), "--check-tokens", "8", "--hf-steps", "3"]
+           "--check-prompts", str(PROMPTS), "--check-tokens", "8", "--hf-steps", "3",
+           "--large-batch", str(LARGE)]
     # one intra-op thread: on a shared 2-core host two threads per op run this tiny model's
     # small ops several times slower (6 s vs 36 s for the whole run here)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -72,6 +74,25 @@ def test_every_figure_is_present_finite_and_positive(report):
     assert res["hf_config_b1"] in ("static cache, no compile", "dynamic cache, no compile")
     assert res["hf_compile_status"].startswith("not tried")
     assert "hybrid_decode_step_floor_ratio" in stdout  # the printed summary
+
+
+def test_the_large_batch_has_its_floor_step_and_peer(report):
+    """B = LARGE: the floor moves each request's state row and KV once and the weights once;
+    the step, our tokens/s and the transformers peer at that batch are recorded."""
+    res, stdout = report
+    b = LARGE
+    big = res[f"floor_bytes_b{b}"]
+    assert big["weight_bytes"] == res["weight_bytes"]
+    assert big["state_bytes"] == b * res["state_bytes"]
+    assert big["kv_bytes"] == b * res["kv_bytes"]
+    assert res[f"decode_floor_ms_b{b}"] == pytest.approx(
+        sum(big.values()) / (res["copy_bandwidth_gbs"] * 1e9) * 1e3)
+    assert res[f"hybrid_decode_step_floor_ratio_b{b}"] == pytest.approx(
+        res[f"decode_step_ms_b{b}"] / res[f"decode_floor_ms_b{b}"])
+    assert res[f"hybrid_decode_speedup_vs_hf_b{b}"] == pytest.approx(
+        res[f"ours_tok_s_b{b}"] / res[f"hf_tok_s_b{b}"])
+    assert res[f"hf_config_b{b}"] in ("static cache, no compile", "dynamic cache, no compile")
+    assert f"hybrid_decode_step_floor_ratio_b{b}" in stdout
 
 
 def test_floor_is_weights_state_and_kv_over_the_copy_bandwidth(report):
