@@ -91,6 +91,7 @@ def test_small_sweep_records_the_metrics_and_plots(sweep):
     names = {x["metric"] for x in lines}
     assert names == {
         "replay_vs_live_error_pct_sweep_max",
+        "replay_vs_live_error_pct_sweep_max_undisturbed",
         "uncalibrated_rounds_pct_sweep_max",
         "adaptive_verify_vs_best_fixed_pct_sweep_min",
         "adaptive_verify_vs_best_fixed_pct_phased_min",
@@ -158,3 +159,44 @@ def test_a_draft_step_table_prices_partly_filled_rounds_at_their_own_k(tmp_path)
                 assert r["decisions_match"], (d["workload"]["name"], name)
                 assert r["batch_max"] == d["workload"]["num_requests"] > r["batch_min"]
     assert doc["metrics"]["uncalibrated_rounds_pct_sweep_max"] == 0.0
+
+
+def test_a_run_slower_for_the_same_work_is_flagged_and_kept_in_the_worst():
+    """The H100's disturbed runs (n3-short-easy fixed:1 at 0a2c622): live 1,524 / 980 / 1,508
+    tok/s against replays of 1,517 / 1,541 / 1,497: the second ran the same work 35 % slower.
+    It is flagged, stays in the headline (judged by the worst) and is left out of the
+    undisturbed figure; a run whose replay moved too (other work) is not flagged, nor are two
+    runs (no majority)."""
+    mod = _module()
+
+    def rows(live, rep):
+        return [{"live_tokens_per_s": a, "replay_tokens_per_s": b,
+                 "error_pct": 100 * abs(b - a) / a, "uncalibrated_pct": 0.0}
+                for a, b in zip(live, rep, strict=True)]
+
+    seen = rows([1524.0, 980.0, 1508.0], [1517.0, 1541.0, 1497.0])
+    mod.flag_disturbed(seen)
+    assert [r["disturbed"] for r in seen] == [False, True, False]
+    assert seen[1]["live_vs_median_pct"] == pytest.approx(100 * (980 / 1508 - 1))
+    other = rows([1524.0, 980.0, 1508.0], [1517.0, 1000.0, 1497.0])  # its replay slowed too
+    mod.flag_disturbed(other)
+    assert not any(r["disturbed"] for r in other)
+    two = rows([1524.0, 980.0], [1517.0, 1541.0])
+    mod.flag_disturbed(two)
+    assert not any(r["disturbed"] for r in two) and two[0]["live_vs_median_pct"] is None
+    doc = {"workload": {"name": "n3-short-easy", "phased": False, "num_requests": 3},
+           "adaptive": "adaptive-step",
+           "policies": {"fixed:1": {"runs": seen, "decisions_match": True,
+                                    "error_pct_max": max(r["error_pct"] for r in seen),
+                                    "uncalibrated_pct_max": 0.0}},
+           "gain_vs_best_fixed_pct": 0.0, "gain_vs_phase_oracle_pct": 0.0,
+           "best_fixed": "fixed:1"}
+    got = mod.sweep_metrics([doc])
+    assert got["metrics"]["replay_vs_live_error_pct_sweep_max"] == pytest.approx(
+        100 * (1541 - 980) / 980)
+    assert got["metrics"]["replay_vs_live_error_pct_sweep_max_undisturbed"] == pytest.approx(
+        max(seen[0]["error_pct"], seen[2]["error_pct"]))
+    assert got["context"]["disturbed_runs"] == [
+        {"workload": "n3-short-easy", "policy": "fixed:1", "run": 1,
+         "error_pct": round(seen[1]["error_pct"], 3),
+         "live_vs_median_pct": round(seen[1]["live_vs_median_pct"], 3)}]
