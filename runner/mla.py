@@ -306,15 +306,18 @@ def attend_latent(
     """
     _, heads, dim = q.shape
     num_b, num_r, t = lk.is_visible.shape
-    keys = lk.keys.to(q.dtype)
-    # heads folded into the query rows (row r * H + h): one key head, no expansion
-    qg = lk.grid(q).reshape(num_b, 1, num_r * heads, dim)
+    # heads folded into the query rows (row r * H + h): one key head, no expansion. Two
+    # batched products in fp32 (scores, then the weighted latents) read each request's keys
+    # once and split over the keys; the fused SDPA kernels parallelise over query rows, and
+    # with every head folded into one key head a decode row gives them one program for all of
+    # its keys (H100, moe-16b-a3b at B = 1: 148 us a layer, a third of the step).
+    keys = lk.keys.float()  # [B, T, latent + rope]
+    qg = lk.grid(q).reshape(num_b, num_r * heads, dim).float()
+    scores = torch.matmul(qg, keys.transpose(1, 2)) * scale  # [B, R * H, T]
     mask = lk.is_visible[:, :, None, :].expand(num_b, num_r, heads, t)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qg, keys[:, None], keys[:, None, :, :latent_dim],
-        attn_mask=mask.reshape(num_b, 1, num_r * heads, t), scale=scale,
-    ).view(num_b * num_r, heads, latent_dim)
-    return lk.flat(out)
+    scores = scores.masked_fill(~mask.reshape(num_b, num_r * heads, t), float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), keys[..., :latent_dim])
+    return lk.flat(out.to(q.dtype).view(num_b * num_r, heads, latent_dim))
 
 
 def attend_expanded(
