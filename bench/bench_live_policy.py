@@ -116,10 +116,11 @@ def warm_up(engine, cost, prompts, max_tokens: int = 8) -> float:
 
 
 def run_and_replay(engine, names, cost, replay_cost, prompts, params, *, step_cfg, phases,
-                   repeats, meta, on_run=None):
+                   repeats, meta, on_run=None, seed=None):
     """Steps 3 and 4: every policy of ``names`` ``repeats`` times, interleaved
     (``run_interleaved``, planning with ``cost``), then a fresh twin replayed on every run's own
-    trace against ``replay_cost``. Returns ``(timed, per_policy, run_log)``: the
+    trace against ``replay_cost``; ``seed``: common random numbers per cycle
+    (``run_interleaved``). Returns ``(timed, per_policy, run_log)``: the
     :class:`TimedRun` list, policy -> its runs' summaries (each with ``replay``, the prediction
     without arrays), and per run its place, times, tokens/s and replay error."""
     import numpy as np
@@ -136,6 +137,7 @@ def run_and_replay(engine, names, cost, replay_cost, prompts, params, *, step_cf
         phases=phases,
         meta=meta,
         on_run=on_run,
+        seed=seed,
     )
     per_policy: dict[str, list[dict]] = {n: [] for n in names}
     run_log = []

@@ -28,7 +28,12 @@ policy ``--repeats`` times interleaved and replay a fresh twin on each run's own
   requests finish at different rounds and the batch shrinks mid-run;
 * prompt lengths (``short`` / ``long`` of ``--prompt-lens``, cycled over the requests);
 * acceptance: one level (constant) or two, the change at ``--phase-at`` of the workload's tokens
-  (easy -> hard and hard -> easy); :func:`profile` turns a level into ``w`` probabilities.
+  (easy -> hard and hard -> easy); :func:`profile` turns a level into ``w`` probabilities. The
+  draws are common random numbers: run ``c`` of every policy starts the engine's generator at
+  the same seed (``run_interleaved(seed=)``), so two policies that decide alike accept alike
+  and the gains compare policies, not acceptance luck (at 0a2c622 on an H100, adaptive-step
+  deciding k = 3 in every round of n3-short-easy "lost" 6.3 % to fixed:3 on luck alone:
+  acceptance 0.72-0.76 against 0.76-0.82); ``--independent-draws`` turns that off.
 
 Per workload and policy (``workloads[].policies`` of the JSON): live decode tokens/s (median
 over the runs, every run listed), the replay prediction from the run's own trace, the error
@@ -190,6 +195,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--update-interval", type=int, default=5)
     ap.add_argument("--switch-min-gain", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--independent-draws", action="store_true",
+                    help="let the synthetic acceptance stream run on from run to run (default: "
+                    "common random numbers, run c of every policy seeded alike)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads on the CPU (default: the table's calibration)")
     ap.add_argument("--json-out", default=None, help="write the full result JSON here")
@@ -217,6 +225,8 @@ def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
             argv += ["--" + dest.replace("_", "-"), str(value)]
     if args.pipeline is not None:
         argv.append("--pipeline" if args.pipeline else "--no-pipeline")
+    if args.independent_draws:
+        argv.append("--independent-draws")
     return argv
 
 
@@ -337,6 +347,9 @@ def run_one(args: argparse.Namespace) -> dict:
         engine, names, cost, replay_cost, prompts, spec["max_tokens"], step_cfg=step_cfg,
         phases=phases, repeats=args.repeats, meta={"workload": wl.name, "seed": args.seed},
         on_run=announce,
+        # common random numbers: run c of every policy draws acceptance from one stream
+        seed=None if args.independent_draws else (args.seed + 1) * 1_000_003
+        + zlib.crc32(wl.name.encode()) % 1_000_003,
     )
     live_s = time.perf_counter() - t0
     runs_of = {n: [tr.run for tr in timed if tr.policy == n] for n in names}
