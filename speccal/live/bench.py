@@ -316,7 +316,9 @@ def bench_policies(
 
     ``policies`` are policy specs (``fixed:K``, ``adaptive-step``, ``adaptive-verify``); every run
     builds a fresh object on ``cost``. A short warm-up run at every ``k`` precedes the timed runs.
-    Each policy runs ``repeats`` times, interleaved (``speccal.live.policies.interleaved_order``).
+    Each policy runs ``repeats`` times, interleaved (``speccal.live.policies.interleaved_order``),
+    run ``c`` of every policy on the engine's generator seeded ``seed + c`` (common random
+    numbers: policies that decide alike accept alike, so the gains compare decisions).
     Returns ``{"policies": [summary...], "runs": [TimedRun...], "best_fixed", "setup"}``: one
     summary per policy (``median_summary`` of its runs), each with ``gain_vs_best_fixed_pct``
     (median ``round_tokens_per_s``) and, when the cost model prices the run, its ``replay``
@@ -357,6 +359,7 @@ def bench_policies(
         phases=phases,
         meta=meta,
         on_run=progress,
+        seed=seed,  # common random numbers: run c of every policy draws acceptance alike
     )
     per_policy: dict[str, list[dict]] = {name: [] for name in policies}
     log = []
