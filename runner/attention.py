@@ -32,7 +32,7 @@ count, MiMo-V2-Flash's ``v_head_dim``): outputs have the value's channels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,6 +65,10 @@ class AttnMeta:
     # one request's rows (prefill): the slots of its positions 0 .. seq_len - 1; its N rows are
     # the last N positions and attend to these keys read by slot (``attend_own_keys``)
     key_slots: torch.Tensor | None = None  # [seq_len] int64
+    # values every layer of this forward derives alike from the metadata (the MLA layers'
+    # causal visibility, their rotary rows), computed by the first layer that needs them: a
+    # metadata object lives for one forward (the round builds one per forward)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def write_kv(

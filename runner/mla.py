@@ -168,8 +168,15 @@ class MLAttention(PathBound, nn.Module):
         q = q.view(n, heads, m.qk_head_dim)
         ckv = self._lin(x, self.kv_a_proj_with_mqa)  # [N, latent + rope]
         latent = self.kv_a_layernorm(ckv[:, :lat].contiguous())
-        cos = rotary.cos.index_select(0, positions)[:, None, :]  # [N, 1, rope]
-        sin = rotary.sin.index_select(0, positions)[:, None, :]
+        # the same rows for every layer of the forward (held with the tensors they index, so
+        # another forward's positions never match)
+        got = meta.memo.get("mla_rope")
+        if got is None or got[0] is not positions or got[1] is not rotary:
+            got = (positions, rotary,
+                   rotary.cos.index_select(0, positions)[:, None, :],  # [N, 1, rope]
+                   rotary.sin.index_select(0, positions)[:, None, :])
+            meta.memo["mla_rope"] = got
+        cos, sin = got[2], got[3]
         q_rot = rotate(q[..., nope:], cos, sin, m.is_rope_interleaved)
         k_rot = rotate(ckv[:, None, lat:], cos, sin, m.is_rope_interleaved)[:, 0]
         k_cache, v_cache = kv
@@ -261,7 +268,7 @@ def latent_keys(
         if index is not None:
             ikeys = v_cache.view(-1, v_cache.shape[-1]).index_select(0, meta.key_slots)[None]
         num_b, num_r, t = 1, n, keys.shape[1]
-        q_pos = (t - n + torch.arange(n, device=dev))[None]  # [1, N]
+        q_pos = None  # [1, N], built below when the visibility is not memoised
         rows = None
         grid = lambda x: x[None]  # noqa: E731
     else:
@@ -272,12 +279,21 @@ def latent_keys(
         keys = k_cache.index_select(0, blocks).view(num_b, t, dim)
         if index is not None:
             ikeys = v_cache.index_select(0, blocks).view(num_b, t, v_cache.shape[-1])
-        q_pos = meta.seq_lens.long()[:, None] - num_r + torch.arange(num_r, device=dev)
+        q_pos = None  # [B, R]
         grid = lambda x: _to_grid(x, rows, num_b, num_r)  # noqa: E731
     if visible is not None:
         return LatentKeys(keys, visible, grid, rows)
-    key_pos = torch.arange(t, device=dev)
-    is_visible = key_pos[None, None, :] <= q_pos.clamp_min(0)[:, :, None]  # [B, R, T]
+    # the causal visibility is the same for every layer of the forward: once per forward
+    key = ("mla_visible", n, t)
+    is_visible = meta.memo.get(key)
+    if is_visible is None:
+        if meta.key_slots is not None:
+            q_pos = (t - n + torch.arange(n, device=dev))[None]
+        else:
+            q_pos = meta.seq_lens.long()[:, None] - num_r + torch.arange(num_r, device=dev)
+        key_pos = torch.arange(t, device=dev)
+        is_visible = key_pos[None, None, :] <= q_pos.clamp_min(0)[:, :, None]  # [B, R, T]
+        meta.memo[key] = is_visible
     if index is not None:
         iq, iw, topk = index
         scores = torch.einsum("brhd,btd->brht", grid(iq).float(), ikeys.float())
