@@ -272,7 +272,11 @@ def latent_keys(
         rows = None
         grid = lambda x: x[None]  # noqa: E731
     else:
-        rows = meta.row_index if meta.row_index is not None else _packed_grid_rows(meta, n)
+        rows = meta.row_index
+        if rows is None:  # the packed layout's grid cells: the same for every layer
+            rows = meta.memo.get(("mla_rows", n))
+            if rows is None:
+                rows = meta.memo[("mla_rows", n)] = _packed_grid_rows(meta, n)
         num_b, num_r = meta.block_table.shape[0], meta.num_q_rows
         blocks = meta.block_table.reshape(-1).long()
         t = meta.block_table.shape[1] * k_cache.shape[1]
