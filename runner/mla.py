@@ -244,6 +244,23 @@ class LatentKeys:
     is_visible: torch.Tensor  # [B, R, T] bool: causal, and the DSA indexer's top-k when on
     grid: Callable[[torch.Tensor], torch.Tensor]  # [N, ...] flat rows -> [B, R, ...]
     rows: torch.Tensor | None  # [N] int64 grid cell of each flat row; None: grid == rows
+    memo: dict | None = None  # the forward's AttnMeta.memo (the bias is shared through it)
+
+    def bias(self, heads: int) -> torch.Tensor:  # [B, R * heads, T] float32: 0 or -inf
+        """The visibility as an additive fp32 bias with the heads folded into the rows (row
+        ``r * heads + h``), built once per forward and visibility (every layer of a forward
+        without the DSA indexer shares one)."""
+        key = ("mla_bias", heads)
+        got = None if self.memo is None else self.memo.get(key)
+        if got is not None and got[0] is self.is_visible:
+            return got[1]
+        b, r, t = self.is_visible.shape
+        vis = self.is_visible[:, :, None, :].expand(b, r, heads, t).reshape(b, r * heads, t)
+        out = torch.zeros(vis.shape, dtype=torch.float32, device=vis.device).masked_fill_(
+            ~vis, float("-inf"))
+        if self.memo is not None:
+            self.memo[key] = (self.is_visible, out)
+        return out
 
     def flat(self, out: torch.Tensor) -> torch.Tensor:  # [B * R, ...] -> [N, ...]
         """Grid cells back to the flat rows (rows of no cell give zeros)."""
@@ -289,7 +306,7 @@ def latent_keys(
         q_pos = None  # [B, R]
         grid = lambda x: _to_grid(x, rows, num_b, num_r)  # noqa: E731
     if visible is not None:
-        return LatentKeys(keys, visible, grid, rows)
+        return LatentKeys(keys, visible, grid, rows, meta.memo)
     # the causal visibility is the same for every layer of the forward: once per forward
     key = ("mla_visible", n, t)
     is_visible = meta.memo.get(key)
@@ -309,7 +326,7 @@ def latent_keys(
         total = total.masked_fill(~is_visible, float("-inf"))
         chosen = total.topk(min(topk, t), dim=-1).indices  # [B, R, k]
         is_visible = is_visible & torch.zeros_like(is_visible).scatter_(-1, chosen, True)
-    return LatentKeys(keys, is_visible, grid, rows)
+    return LatentKeys(keys, is_visible, grid, rows, meta.memo)
 
 
 def attend_latent(
@@ -336,9 +353,9 @@ def attend_latent(
     # its keys (H100, moe-16b-a3b at B = 1: 148 us a layer, a third of the step).
     keys = lk.keys.float()  # [B, T, latent + rope]
     qg = lk.grid(q).reshape(num_b, num_r * heads, dim).float()
-    scores = torch.matmul(qg, keys.transpose(1, 2)) * scale  # [B, R * H, T]
-    mask = lk.is_visible[:, :, None, :].expand(num_b, num_r, heads, t)
-    scores = scores.masked_fill(~mask.reshape(num_b, num_r * heads, t), float("-inf"))
+    # the mask as an additive bias (0 / -inf) inside the scores' product: one launch for
+    # product, scale and mask
+    scores = torch.baddbmm(lk.bias(heads), qg, keys.transpose(1, 2), alpha=scale)  # [B, RH, T]
     out = torch.matmul(torch.softmax(scores, dim=-1), keys[..., :latent_dim])
     return lk.flat(out.to(q.dtype).view(num_b * num_r, heads, latent_dim))
 
