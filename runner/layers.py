@@ -29,10 +29,8 @@ from speccal.runner.attention import AttnMeta, attend_rows, write_kv
 from speccal.runner.config import ModelConfig
 from speccal.runner.distributed.tp import TPBound, reduce_partial
 from speccal.runner.moe import RoutedMoE, concat_rows, interleave_rows
-from speccal.runner.path import ExecutionPath, PathBound
+from speccal.runner.path import SKINNY_ROWS, ExecutionPath, PathBound
 from speccal.runner.rope import RotaryTable
-
-SKINNY_ROWS = 64  # the split-K GEMV's tuned range (decode / verify rows)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

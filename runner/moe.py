@@ -43,7 +43,7 @@ from torch import nn
 from speccal.base.errors import UnsupportedError
 from speccal.kernels import ops
 from speccal.runner.moe_config import MoEConfig
-from speccal.runner.path import PathBound
+from speccal.runner.path import SKINNY_ROWS, PathBound
 
 #: added to the chosen sigmoid weights' sum before renormalising (transformers' DeepSeek-V3)
 SIGMOID_NORM_EPS = 1e-20
@@ -201,7 +201,16 @@ class RoutedMoE(PathBound, nn.Module):
                                          device=x.device)
         self.masks |= (counts > 0)[None]
         if self.shared_form is not None:
-            shared = getattr(self, self.shared_form)(x)
+            mlp = getattr(self, self.shared_form)
+            if (self.shared_expert_gate is None and mlp.gate_up_weight is not None
+                    and self.path.fused(x) and x.shape[0] <= SKINNY_ROWS):
+                # decode / verify rows on the fused path: the dense MLP's two GEMVs (SwiGLU
+                # epilogue, then down adding into the routed sum), not five torch launches
+                act = ops.linear(x.contiguous(), mlp.gate_up_weight, epilogue="silu_mul",
+                                 tune=self.kx)
+                ops.linear(act, mlp.down_proj.weight, residual=out, tune=self.kx)
+                return out
+            shared = mlp(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
@@ -251,8 +260,11 @@ class RoutedMoE(PathBound, nn.Module):
             self.masks[1].zero_()
 
     def fuse_weights(self) -> None:
-        """Stack the experts' weights (:meth:`stack_experts`) for the fused-MoE op."""
+        """Stack the experts' weights (:meth:`stack_experts`) for the fused-MoE op, and
+        interleave the shared expert's gate / up for the GEMV's SwiGLU epilogue."""
         self.stack_experts()
+        if self.shared_form is not None:
+            getattr(self, self.shared_form).interleave()
 
 
 def activated_counts(module: nn.Module) -> list[int]:

@@ -28,8 +28,13 @@ ATTENTION_BACKENDS = ("torch", "triton")
 INPUT_UPDATES = ("auto", "in_graph", "host")
 
 __all__ = ["ATTENTION_BACKENDS", "ExecutionPath", "GRAPH_MODES", "INPUT_UPDATES", "KernelConfig",
-           "PathBound",
+           "PathBound", "SKINNY_ROWS",
            "bind_path", "prefill_path", "rebound", "served_path"]
+
+
+#: Rows the split-K Triton GEMV serves (its tuned range: decode and verify rows); more rows
+#: (prefill chunks) take cuBLAS.
+SKINNY_ROWS = 64
 
 
 @dataclass(frozen=True)
