@@ -77,7 +77,7 @@ def bench(
             show_default=False,
         ),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Prompt / weight seed.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Prompt / weight seed; --policy runs: run c of every policy draws acceptance from seed + c.")] = 0,
     policy: Annotated[
         list[str] | None,
         typer.Option(
