@@ -23,10 +23,10 @@ forms (``kv_term``), two axes ``x`` times two ways of sharing the slope:
   (Bcap 64 with 42 requests at k = 2 verifies G = 128 rows of 42 requests, padded to 128 / 3),
   and a draft-step round's ``G`` mixes requests and draft depth, so neither axis above follows
   the attention's reads there. On two dense-2b draft-step calibrations of an H100 (140 points
-  over four contexts each, bench/RESULTS.md) this form with per-Bcap draft slopes held out at
-  0.91 / 0.92 % (leave-one-point-out mean) and 1.39 / 1.40 % (worst context left out) against
-  2.17 / 2.16 % and 3.66 / 3.58 % for the best of the four forms above
-  (``python3 bench/fit_terms.py``'s KV variant).
+  over four contexts each, bench/RESULTS.md; ``python3 bench/fit_journal.py`` on the journals
+  in bench/journals/) this form with per-Bcap draft slopes held out at 0.91 / 0.92 %
+  (leave-one-point-out mean; leave-one-context-out 0.93 / 0.95 %) where the best of the four
+  forms above had held out at 2.17 % (leave-one-context-out 2.26 %).
 
 The request axis came second and fits better where attention is memory-bound: on the shipped
 tables (76 points over four contexts each) leave-one-context-out mean / max 0.95 / 2.5 %
