@@ -250,6 +250,7 @@ CFG = LinearAttentionConfig(num_k_heads=2, num_v_heads=4, head_k_dim=12, head_v_
                             conv_kernel=4)
 HIDDEN = 24
 FUSED = LinearAttentionTuning(impl="fused")
+FLA = LinearAttentionTuning(impl="fla")  # the torch path (the default is fused)
 
 
 def _layer(dtype: torch.dtype, device: str) -> GatedDeltaNet:
@@ -315,7 +316,7 @@ def test_fused_wiring_over_the_references_gives_the_torch_paths_bits(scenario):
     snapshots and replayed state bit for bit, for each state strategy's forward."""
     x, num_r, state = _layer_inputs(torch.float32, "cpu", scenario)
     layer = _layer(torch.float32, "cpu")
-    want = _run_layer(layer, x, scenario, num_r, state, KernelConfig())
+    want = _run_layer(layer, x, scenario, num_r, state, KernelConfig(linear_attention=FLA))
     got = _run_layer(layer, x, scenario, num_r, state,
                      KernelConfig(backend="reference", linear_attention=FUSED))
     assert torch.equal(got[0], want[0])
@@ -336,7 +337,7 @@ def test_fused_layer_equals_the_torch_path(scenario, dtype):
                      KernelConfig(backend="triton", linear_attention=FUSED))
     cpu_state = copy.deepcopy(state)
     cpu_state.layers = [tuple(t.cpu() for t in pair) for pair in state.layers]
-    want = _run_layer(layer.cpu(), x.cpu(), scenario, num_r, cpu_state, KernelConfig())
+    want = _run_layer(layer.cpu(), x.cpu(), scenario, num_r, cpu_state, KernelConfig(linear_attention=FLA))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, b in zip([got[0], *got[1]], [want[0], *want[1]], strict=True):
         assert rel_err(a, b) < tol
