@@ -42,7 +42,7 @@ from speccal.base.errors import GridError, InputError, SchemaError
 from speccal.base.geometry import MAX_REQUEST_BUCKETS, Geometry, default_target_rows
 from speccal.costmodel.compat import UNKNOWN_EXECUTION, Compatibility, check_compatibility
 from speccal.costmodel.grid import check_contexts
-from speccal.costmodel.kv import KV_FORMS
+from speccal.costmodel.kv import KV_FORMS, NEEDS_K
 from speccal.costmodel.lookup import n_delta
 from speccal.costmodel.measurements import STEP_MS_RTOL, check_shapes
 from speccal.costmodel.table_schema import SCHEMA_VERSION, CostTable, validate_block
@@ -555,7 +555,7 @@ def _check_kv_model(t: CostTable, source: str) -> None:
         raise SchemaError(
             f"{where}.beta_ms", kv.beta_ms, f"{want} value(s) for kv_term {kv.kv_term!r}"
         )
-    if axis == "rows" and t.calibration.mode != "draft_step":
+    if kv.kv_term in NEEDS_K and t.calibration.mode != "draft_step":
         raise SchemaError(f"{where}.kv_term", kv.kv_term,
                           "a slope over G or Bcap (the rows axis G / (k + 1) needs the "
                           "draft_step rounds' k)")

@@ -56,7 +56,7 @@ from speccal.base.atomic import dumps_json
 from speccal.base.geometry import Geometry
 from speccal.costmodel.additive import AdditiveCostModel
 from speccal.costmodel.compat import Compatibility, pydantic_message
-from speccal.costmodel.kv import KV_FORMS, KVCostModel
+from speccal.costmodel.kv import NEEDS_K, KVCostModel
 from speccal.costmodel.lookup import CostLookup, TableLookup
 from speccal.costmodel.measurements import validate_measurements
 from speccal.costmodel.sps import SPSCostModel
@@ -443,7 +443,7 @@ class KVModelBlock(_Strict):
     def k_levels(self) -> list[int] | None:
         """The draft forwards the model prices (its points' k), or None when it does not
         depend on k (no draft-forward term, a slope over Bcap or G)."""
-        if self.k_term == "none" and KV_FORMS[self.kv_term][0] != "rows":
+        if self.k_term == "none" and self.kv_term not in NEEDS_K:
             return None
         return sorted({p.k for p in self.points if p.k is not None})
 

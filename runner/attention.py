@@ -70,6 +70,13 @@ class AttnMeta:
     # metadata object lives for one forward (the round builds one per forward)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def once(self, key: object, make):
+        """``make()`` the first time ``key`` is asked for in this forward, the same value after
+        (:attr:`memo`)."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
 
 def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]

@@ -168,15 +168,12 @@ class MLAttention(PathBound, nn.Module):
         q = q.view(n, heads, m.qk_head_dim)
         ckv = self._lin(x, self.kv_a_proj_with_mqa)  # [N, latent + rope]
         latent = self.kv_a_layernorm(ckv[:, :lat].contiguous())
-        # the same rows for every layer of the forward (held with the tensors they index, so
-        # another forward's positions never match)
-        got = meta.memo.get("mla_rope")
-        if got is None or got[0] is not positions or got[1] is not rotary:
-            got = (positions, rotary,
-                   rotary.cos.index_select(0, positions)[:, None, :],  # [N, 1, rope]
-                   rotary.sin.index_select(0, positions)[:, None, :])
-            meta.memo["mla_rope"] = got
-        cos, sin = got[2], got[3]
+        # the same rows for every layer of the forward (the value holds the tensors its key
+        # names by id, so no other tensor can take their ids while it is kept)
+        _, _, cos, sin = meta.once(("mla_rope", id(rotary), id(positions)), lambda: (
+            positions, rotary,
+            rotary.cos.index_select(0, positions)[:, None, :],  # [N, 1, rope]
+            rotary.sin.index_select(0, positions)[:, None, :]))
         # the query heads' and the shared key's rope channels rotated in one pass (elementwise:
         # the same values as two calls, a third of the launches)
         both = rotate(torch.cat([q[..., nope:], ckv[:, None, lat:]], dim=1), cos, sin,
@@ -244,23 +241,21 @@ class LatentKeys:
     is_visible: torch.Tensor  # [B, R, T] bool: causal, and the DSA indexer's top-k when on
     grid: Callable[[torch.Tensor], torch.Tensor]  # [N, ...] flat rows -> [B, R, ...]
     rows: torch.Tensor | None  # [N] int64 grid cell of each flat row; None: grid == rows
-    memo: dict | None = None  # the forward's AttnMeta.memo (the bias is shared through it)
+    meta: AttnMeta  # the forward's metadata (the bias is shared through its memo)
 
     def bias(self, heads: int) -> torch.Tensor:  # [B, R * heads, T] float32: 0 or -inf
         """The visibility as an additive fp32 bias with the heads folded into the rows (row
         ``r * heads + h``), built once per forward and visibility (every layer of a forward
         without the DSA indexer shares one)."""
-        key = ("mla_bias", heads)
-        got = None if self.memo is None else self.memo.get(key)
-        if got is not None and got[0] is self.is_visible:
-            return got[1]
-        b, r, t = self.is_visible.shape
-        vis = self.is_visible[:, :, None, :].expand(b, r, heads, t).reshape(b, r * heads, t)
-        out = torch.zeros(vis.shape, dtype=torch.float32, device=vis.device).masked_fill_(
-            ~vis, float("-inf"))
-        if self.memo is not None:
-            self.memo[key] = (self.is_visible, out)
-        return out
+        vis = self.is_visible
+
+        def make():
+            b, r, t = vis.shape
+            rows = vis[:, :, None, :].expand(b, r, heads, t).reshape(b, r * heads, t)
+            return vis, torch.zeros(rows.shape, dtype=torch.float32, device=rows.device
+                                    ).masked_fill_(~rows, float("-inf"))
+
+        return self.meta.once(("mla_bias", heads, id(vis)), make)[1]
 
     def flat(self, out: torch.Tensor) -> torch.Tensor:  # [B * R, ...] -> [N, ...]
         """Grid cells back to the flat rows (rows of no cell give zeros)."""
@@ -288,36 +283,30 @@ def latent_keys(
         if index is not None:
             ikeys = v_cache.view(-1, v_cache.shape[-1]).index_select(0, meta.key_slots)[None]
         num_b, num_r, t = 1, n, keys.shape[1]
-        q_pos = None  # [1, N], built below when the visibility is not memoised
         rows = None
         grid = lambda x: x[None]  # noqa: E731
     else:
         rows = meta.row_index
         if rows is None:  # the packed layout's grid cells: the same for every layer
-            rows = meta.memo.get(("mla_rows", n))
-            if rows is None:
-                rows = meta.memo[("mla_rows", n)] = _packed_grid_rows(meta, n)
+            rows = meta.once(("mla_rows", n), lambda: _packed_grid_rows(meta, n))
         num_b, num_r = meta.block_table.shape[0], meta.num_q_rows
         blocks = meta.block_table.reshape(-1).long()
         t = meta.block_table.shape[1] * k_cache.shape[1]
         keys = k_cache.index_select(0, blocks).view(num_b, t, dim)
         if index is not None:
             ikeys = v_cache.index_select(0, blocks).view(num_b, t, v_cache.shape[-1])
-        q_pos = None  # [B, R]
         grid = lambda x: _to_grid(x, rows, num_b, num_r)  # noqa: E731
     if visible is not None:
-        return LatentKeys(keys, visible, grid, rows, meta.memo)
-    # the causal visibility is the same for every layer of the forward: once per forward
-    key = ("mla_visible", n, t)
-    is_visible = meta.memo.get(key)
-    if is_visible is None:
+        return LatentKeys(keys, visible, grid, rows, meta)
+
+    def causal():  # [B, R, T]: the same for every layer of the forward
         if meta.key_slots is not None:
-            q_pos = (t - n + torch.arange(n, device=dev))[None]
-        else:
+            q_pos = (t - n + torch.arange(n, device=dev))[None]  # [1, N]
+        else:  # [B, R]
             q_pos = meta.seq_lens.long()[:, None] - num_r + torch.arange(num_r, device=dev)
-        key_pos = torch.arange(t, device=dev)
-        is_visible = key_pos[None, None, :] <= q_pos.clamp_min(0)[:, :, None]  # [B, R, T]
-        meta.memo[key] = is_visible
+        return torch.arange(t, device=dev)[None, None, :] <= q_pos.clamp_min(0)[:, :, None]
+
+    is_visible = meta.once(("mla_visible", n, t), causal)
     if index is not None:
         iq, iw, topk = index
         scores = torch.einsum("brhd,btd->brht", grid(iq).float(), ikeys.float())
@@ -326,7 +315,7 @@ def latent_keys(
         total = total.masked_fill(~is_visible, float("-inf"))
         chosen = total.topk(min(topk, t), dim=-1).indices  # [B, R, k]
         is_visible = is_visible & torch.zeros_like(is_visible).scatter_(-1, chosen, True)
-    return LatentKeys(keys, is_visible, grid, rows, meta.memo)
+    return LatentKeys(keys, is_visible, grid, rows, meta)
 
 
 def attend_latent(
