@@ -31,6 +31,8 @@
 #               reference, routed layers captured in graphs equal to eager, the MLA engine
 #   moebench    bench/bench_moe.py on moe-16b-a3b (B = 1 and 8, k = 3) [moe_decode_step_floor_ratio,
 #               moe_verify_full_width_ratio]
+#   kvspread    bench/bench_kv_spread.py: a round at one mean KV, uniform vs spread KV lengths
+#               [kv_spread_round_ratio_max]
 #   moecal      a default speccal calibrate of moe-16b-a3b (cold Triton cache), its table at
 #               moecal/moe.json [calibration_cold_wall_s_moe_h200, held-out error]
 #   fusedla     the fused gated delta-net kernels (KernelConfig.linear_attention.impl=fused):
@@ -118,7 +120,7 @@ run() {
         case $stage in
             fusedbench) min=150 ;; moebench) min=150 ;; moecal) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
-            decode) min=120 ;; hf) min=150 ;;
+            decode) min=120 ;; hf) min=150 ;; kvspread) min=90 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
         if (( $(left) < min )); then
@@ -191,6 +193,10 @@ run() {
                 timeout "$(left)" $PY bench/bench_moe.py --out "$d" --record \
                     > "$d/log.txt" 2>&1
                 echo "rc=$?"; cp bench/results.jsonl "$d/results.jsonl"; tail -40 "$d/log.txt" ;;
+            kvspread)
+                timeout "$(left)" $PY bench/bench_kv_spread.py --out "$d" --record \
+                    > "$d/log.txt" 2>&1
+                echo "rc=$?"; cp bench/results.jsonl "$d/results.jsonl"; tail -16 "$d/log.txt" ;;
             moecal)
                 rm -rf "$TRITON_CACHE_DIR"
                 /usr/bin/time -v timeout "$(left)" $PY -m speccal calibrate --model moe-16b-a3b \
