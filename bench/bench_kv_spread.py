@@ -59,7 +59,7 @@ def fill(eng: Engine, lengths: list[int], k: int) -> None:
     rng = np.random.default_rng(0)
     for n in lengths:
         eng.add_request(rng.integers(0, vocab, max(n - 1, 1)).tolist(),
-                        SamplingParams(max_tokens=512, ignore_eos=True))
+                        SamplingParams(max_tokens=64, ignore_eos=True))
     eng.prefill_pending()
     eng.step(RoundPlan(num_draft_steps=k))
     eng.synchronize()
@@ -101,7 +101,7 @@ def main() -> None:
     t0 = time.time()
     eng = Engine(EngineConfig.flat(
         model=args.model, device="cuda", dtype="bfloat16", attention_backend="triton",
-        graph_mode="split", max_model_len=context + 64, block_size=16,
+        graph_mode="split", max_model_len=context + 64,  # fill's prompts + max_tokens block_size=16,
         request_buckets=tuple(batches), draft_width=max(widths), acceptance="forced",
         target_rows={b: tuple((k + 1) * b for k in widths) for b in batches},
         kv_capacity_tokens=max(batches) * (2 * max(means) + 64) + context))
