@@ -30,10 +30,14 @@ import triton.language as tl
 
 from speccal.kernels.pdl import pdl_enter
 
-__all__ = ["fused_moe_triton"]
+__all__ = ["fused_moe_triton", "moe_align_triton", "moe_sum_slots_triton"]
 
 _BLOCK_N = 64
 _BLOCK_K = 64
+# the down product's tiles: half as wide and twice as deep as gate/up's, so a decode round's few
+# active blocks spread over twice the programs (hidden / 32 per block) with half the K steps
+_DOWN_BLOCK_N = 32
+_DOWN_BLOCK_K = 128
 
 
 @triton.jit(do_not_specialize=("num_pairs",))  # one compile per model, any row count
@@ -132,10 +136,149 @@ def fused_moe_triton(
         H=hidden, INTER=inter, TOP_K=k, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
         PREC=prec, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
-    _down_kernel[(num_blocks, triton.cdiv(hidden, _BLOCK_N))](
+    _down_kernel[(num_blocks, triton.cdiv(hidden, _DOWN_BLOCK_N))](
         act, down, sorted_pairs, block_expert, rw, out, n * k,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=_DOWN_BLOCK_N, BLOCK_K=_DOWN_BLOCK_K,
         PREC=prec, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )
+    return out
+
+
+@triton.jit(do_not_specialize=("num_pairs", "num_blocks"))
+def _align_kernel(
+    ids_ptr, real_ptr, pairs_ptr, experts_ptr, counts_ptr, act_ptr, num_pairs, num_blocks,
+    stride_act,
+    TOP_K: tl.constexpr, E: tl.constexpr, EB: tl.constexpr, BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_REAL: tl.constexpr, ACT_ROWS: tl.constexpr, PDL: tl.constexpr,
+):
+    # one program: the whole layout of ``reference.moe_align_ref`` (a stable counting sort by
+    # expert; expert slot E is the sentinel of rows outside ``real``), the counts and the
+    # activated masks, from ``[EB, CHUNK]`` comparisons of expert slots against pair chunks
+    pdl_enter(PDL)
+    slot = tl.arange(0, EB)
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros([EB], dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        p = p0 + lane
+        ok = p < num_pairs
+        ex = tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32)
+        if HAS_REAL:
+            real = tl.load(real_ptr + p // TOP_K, mask=ok, other=1)
+            ex = tl.where(real != 0, ex, E)
+        counts += tl.sum((ex[None, :] == slot[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # [EB]: each slot's run ends here (empty slots add nothing)
+    total = num_blocks * BLOCK_M
+    for q0 in range(0, total, CHUNK):
+        q = q0 + lane
+        tl.store(pairs_ptr + q, num_pairs + q * 0, mask=q < total)  # the padding pair
+    tl.debug_barrier()  # the fill lands before the scatter below overwrites parts of it
+    run = ends - padded  # [EB]: next free position of each slot's run
+    for p0 in range(0, num_pairs, CHUNK):
+        p = p0 + lane
+        ok = p < num_pairs
+        ex = tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32)
+        if HAS_REAL:
+            real = tl.load(real_ptr + p // TOP_K, mask=ok, other=1)
+            ex = tl.where(real != 0, ex, E)
+        hit = ex[None, :] == slot[:, None]  # [EB, CHUNK]
+        base = tl.sum(tl.where(hit, run[:, None], 0), axis=0)  # [CHUNK]
+        earlier = (ex[None, :] == ex[:, None]) & (lane[None, :] < lane[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)  # earlier pairs of the chunk, same expert
+        tl.store(pairs_ptr + base + rank, p.to(pairs_ptr.dtype.element_ty), mask=ok)
+        run += tl.sum(hit.to(tl.int32), axis=1)
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + lane
+        # the run a block starts in: how many runs end at or before its start (searchsorted)
+        idx = tl.sum((ends[:, None] <= (b * BLOCK_M)[None, :]).to(tl.int32), axis=0)
+        tl.store(experts_ptr + b, tl.where(idx < E, idx, -1).to(experts_ptr.dtype.element_ty),
+                 mask=b < num_blocks)
+    is_e = slot < E
+    tl.store(counts_ptr + slot, counts.to(counts_ptr.dtype.element_ty), mask=is_e)
+    for r in tl.static_range(ACT_ROWS):  # the activated masks: OR in this call's experts
+        cur = tl.load(act_ptr + r * stride_act + slot, mask=is_e, other=0)
+        tl.store(act_ptr + r * stride_act + slot, ((cur != 0) | (counts > 0)).to(tl.uint8),
+                 mask=is_e)
+
+
+def moe_align_triton(
+    ids: torch.Tensor,  # [N, top_k] int
+    num_experts: int,
+    block_m: int,
+    real: torch.Tensor | None,  # [N] bool: rows that route (None: all); the others' pairs go last
+    activated: torch.Tensor | None,  # [R, E] bool, ORed with this call's experts in place
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # as reference.moe_align_ref
+    """One launch; arguments validated by ``ops.fused_moe``. The same layout, block experts and
+    counts as ``reference.moe_align_ref(ids masked to the sentinel where not real, ...,
+    sentinel=real is not None)``."""
+    n, k = ids.shape
+    num_pairs = n * k
+    laid = num_experts + 1 if real is not None else num_experts
+    num_blocks = -(-(num_pairs + min(laid, num_pairs) * (block_m - 1)) // block_m)
+    dev = ids.device
+    pairs = torch.empty(num_blocks * block_m, dtype=torch.long, device=dev)
+    experts = torch.empty(num_blocks, dtype=torch.long, device=dev)
+    counts = torch.empty(num_experts, dtype=torch.long, device=dev)
+    eb = triton.next_power_of_2(laid)
+    chunk = max(16, min(64, 8192 // eb))
+    act = activated.view(torch.uint8) if activated is not None else counts
+    _align_kernel[(1,)](
+        ids.contiguous(), real.view(torch.uint8) if real is not None else ids, pairs, experts,
+        counts, act, num_pairs, num_blocks, act.stride(0) if activated is not None else 0,
+        TOP_K=k, E=num_experts, EB=eb, BLOCK_M=block_m, CHUNK=chunk,
+        HAS_REAL=real is not None, ACT_ROWS=activated.shape[0] if activated is not None else 0,
+        PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )
+    return pairs, experts, counts
+
+
+@triton.jit
+def _sum_slots_kernel(
+    y_ptr, ids_ptr, real_ptr, out_ptr, stride_y, stride_o,
+    H: tl.constexpr, TOP_K: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_REAL: tl.constexpr, PDL: tl.constexpr,
+):
+    # one row's pair outputs added in ascending expert order, each addition rounded to the
+    # output's dtype (``reference.moe_sum_slots_ref``); rows outside ``real`` are zero
+    n, pid_h = tl.program_id(0), tl.program_id(1)
+    pdl_enter(PDL)
+    j = tl.arange(0, KB)
+    ex = tl.load(ids_ptr + n * TOP_K + j, mask=j < TOP_K, other=2**30)
+    before = (ex[None, :] < ex[:, None]) | ((ex[None, :] == ex[:, None]) & (j[None, :] < j[:, None]))
+    rank = tl.sum(before.to(tl.int32), axis=1)  # [KB]: the slot's place in expert order
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < H
+    row = y_ptr + (n * TOP_K).to(tl.int64) * stride_y
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for r in tl.static_range(TOP_K):
+        s = tl.sum(tl.where(rank == r, j, 0), axis=0)
+        y = tl.load(row + s * stride_y + h, mask=ok, other=0.0).to(tl.float32)
+        if r == 0:
+            acc = y
+        else:
+            acc = (acc + y).to(out_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_REAL:
+        acc = tl.where(tl.load(real_ptr + n) != 0, acc, 0.0)
+    tl.store(out_ptr + n.to(tl.int64) * stride_o + h, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_sum_slots_triton(
+    pair_out: torch.Tensor,  # [N * top_k, hidden]
+    ids: torch.Tensor,  # [N, top_k] int: distinct within a row
+    real: torch.Tensor | None,  # [N] bool: rows kept (None: all); the others are zero
+    pdl: bool = False,
+) -> torch.Tensor:  # [N, hidden] pair_out's dtype
+    """One launch: ``reference.moe_sum_slots_ref``, then the rows outside ``real`` zeroed."""
+    n, k = ids.shape
+    hidden = pair_out.shape[1]
+    out = torch.empty(n, hidden, dtype=pair_out.dtype, device=pair_out.device)
+    block_h = min(triton.next_power_of_2(hidden), 1024)
+    _sum_slots_kernel[(n, triton.cdiv(hidden, block_h))](
+        pair_out, ids.contiguous(), real.view(torch.uint8) if real is not None else ids, out,
+        pair_out.stride(0), out.stride(0),
+        H=hidden, TOP_K=k, KB=triton.next_power_of_2(k), BLOCK_H=block_h,
+        HAS_REAL=real is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out

@@ -59,6 +59,7 @@ from speccal.kernels.ops_attention import (  # noqa: F401 (re-exported)
     attention_signal,
     attention_tiling_update,
     fold_wanted,
+    mla_latent_attention,
     paged_attention,
     plan_splits,
     residual_panel,

@@ -31,6 +31,7 @@ def fused_moe(
     down: torch.Tensor,  # [E, hidden, I]
     *,
     row_mask: torch.Tensor | None = None,  # [N] bool: rows that belong to requests (None: all)
+    activated: torch.Tensor | None = None,  # [R, E] bool: ORed in place with the experts used
     block_m: int = MOE_BLOCK_M,
     backend: str | None = None,  # overrides tune.backend (comparisons in tests)
     tune: KernelConfig = DEFAULT_KERNELS,
@@ -52,6 +53,15 @@ def fused_moe(
     sentinel expert past the last, whose blocks read no weights, their output rows are zero and
     ``counts`` leaves them out, so what a round activates is its requests' experts, whatever
     stale tokens its padding rows carry.
+
+    ``activated``: every row ORed in place with ``counts > 0`` (a module's per-call and per-round
+    expert masks), inside the layout's launch on the Triton path.
+
+    Launches on the Triton path, up to :data:`ALIGN_MAX_PAIRS` pairs (decode and verify rows):
+    the layout, counts and masks in one (``fused_moe.moe_align_triton``), gate/up and down
+    (``fused_moe_triton``), the ordered sum with the masked rows zeroed in one
+    (``fused_moe.moe_sum_slots_triton``): four in all, where the torch layout and sum take about
+    twenty. More pairs (prefill chunks) take the torch layout.
     """
     _need(x.dim() == 2 and x.stride(1) == 1 and x.dtype in _FLOATS, "x", (_shape(x), x.dtype),
           "[N, hidden] float, hidden contiguous")
@@ -73,12 +83,44 @@ def fused_moe(
     if row_mask is not None:
         _need(_shape(row_mask) == (n,) and row_mask.dtype == torch.bool, "row_mask",
               (_shape(row_mask), row_mask.dtype), f"[{n}] bool")
-        ids = torch.where(row_mask[:, None], ids, num_experts)  # the sentinel expert
-    out, counts = _experts(x, weights, ids, gate_up, down, num_experts, block_m, backend, tune,
+    if activated is not None:
+        _need(activated.dim() == 2 and activated.shape[1] == num_experts
+              and activated.dtype == torch.bool and activated.is_contiguous(), "activated",
+              (_shape(activated), activated.dtype), f"[R, {num_experts}] bool, contiguous")
+    if use_triton(x, backend or tune.backend) and ids.numel() <= ALIGN_MAX_PAIRS:
+        _need(block_m >= 16 and not block_m & (block_m - 1), "block_m", block_m,
+              "a power of two >= 16 (tl.dot's M tile)")
+        if not dry_pass_active():
+            return _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m,
+                                   tune)
+        _experts_triton(x, weights, ids, gate_up, down, row_mask, None, block_m, tune)
+        backend = "reference"  # skipped launches: the reference gives the values
+    masked = ids if row_mask is None else torch.where(row_mask[:, None], ids, num_experts)
+    out, counts = _experts(x, weights, masked, gate_up, down, num_experts, block_m, backend, tune,
                            sentinel=row_mask is not None)
     if row_mask is not None:
         out = torch.where(row_mask[:, None], out, 0)  # the sentinel pairs wrote nothing
+    if activated is not None:
+        activated |= (counts > 0)[None]
     return out, counts
+
+
+#: the most (row, expert) pairs whose layout one program builds (``fused_moe.moe_align_triton``)
+ALIGN_MAX_PAIRS = 8192
+
+
+def _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m, tune):
+    """:func:`fused_moe`'s Triton path: four launches (see its docstring)."""
+    from speccal.kernels.fused_moe import (fused_moe_triton, moe_align_triton,
+                                           moe_sum_slots_triton)
+
+    pdl = pdl_level(x, tune) > 0
+    pairs, blocks, counts = moe_align_triton(ids, gate_up.shape[0], block_m, row_mask,
+                                             activated, pdl=pdl)
+    prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
+    pair_out = fused_moe_triton(x, weights.contiguous(), gate_up, down, pairs, blocks, prec,
+                                pdl=pdl)
+    return moe_sum_slots_triton(pair_out, ids, row_mask, pdl=pdl), counts
 
 
 def _experts(x, weights, ids, gate_up, down, num_experts, block_m, backend, tune, *,

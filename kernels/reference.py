@@ -613,6 +613,31 @@ def fused_moe_ref(
     return out.index_copy_(0, sorted_pairs, (y * w[:, None]).to(x.dtype))[: n * k]
 
 
+def mla_latent_attention_ref(
+    q: torch.Tensor,  # [B, R * heads, latent + rope]: row r * heads + h
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    num_rows: int,  # R
+    heads: int,
+    latent_dim: int,
+    scale: float,
+) -> torch.Tensor:  # [B, R * heads, latent] q's dtype
+    """MLA attention in absorbed form over the paged latent cache: each request's keys (the
+    whole block table), row ``r`` (position ``seq_lens[b] - R + r``) seeing keys ``0 ..
+    max(position, 0)``, scores and softmax in fp32, the latent part of the keys as values."""
+    num_b, rows, dim = q.shape
+    t = block_table.shape[1] * cache.shape[1]
+    keys = cache.index_select(0, block_table.reshape(-1).long()).view(num_b, t, dim).float()
+    pos = (seq_lens.long()[:, None] - num_rows
+           + torch.arange(rows, device=q.device)[None] // heads).clamp_min(0)  # [B, RH]
+    seen = torch.arange(t, device=q.device)[None, None] <= pos[..., None]  # [B, RH, T]
+    scores = torch.bmm(q.float(), keys.transpose(1, 2)) * scale
+    scores = scores.masked_fill(~seen, float("-inf"))
+    out = torch.bmm(torch.softmax(scores, dim=-1), keys[..., :latent_dim])
+    return out.to(q.dtype)
+
+
 def moe_sum_slots_ref(
     pair_out: torch.Tensor,  # [N * top_k, hidden]
     ids: torch.Tensor,  # [N, top_k]

@@ -39,8 +39,11 @@ selection is transformers'. GLM-5's sharing layers (``MLAConfig.index_shared``) 
 and attend with the visibility the last earlier indexer layer computed in the same forward
 (:func:`link_shared_index`, ``MLAttention.last_visible``).
 
-No Triton path: :meth:`MLADecoderLayer.can_fuse` is False, so an engine on the Triton backend
-runs these layers per op (its GEMVs and norms) with the torch attention here.
+The Triton backend runs these layers per op (:meth:`MLADecoderLayer.can_fuse` is False: the
+fused layer is GQA's), with one Triton piece: decode and verify rows of a layer without DSA
+attend through ``ops.mla_latent_attention`` (:func:`attend_latent_paged`: split-KV over the
+paged latent cache, the keys read once for all heads up to each request's length); prefill
+chunks, DSA layers and the CPU take the torch attention here.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ import torch
 from torch import nn
 
 from speccal.base.errors import InputError, UnsupportedError
+from speccal.kernels import ops
+from speccal.kernels._backend import use_triton
+from speccal.kernels.config import KernelConfig
 from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
 from speccal.runner.layers import DecoderLayer, RMSNorm, linear_rows
@@ -195,6 +201,16 @@ class MLAttention(PathBound, nn.Module):
                 raise UnsupportedError("a DSA layer sharing an earlier layer's top-k runs only "
                                        "inside its model (link_shared_index)")
             shared = self._index_source[0].last_visible
+        if (meta.key_slots is None and index is None and shared is None
+                and use_triton(x, self.kx.backend)):
+            # decode / verify rows without DSA on the Triton path: the keys read in the kernel,
+            # straight from the paged cache (no gather, no fp32 copy, no bias)
+            self.last_visible = None
+            q_lat = torch.einsum("nhd,hdl->nhl", q[..., :nope], w_kv[:, :nope])
+            out = attend_latent_paged(torch.cat([q_lat, q_rot], dim=-1), k_cache, meta,
+                                      self.scale, lat, self.kx)  # [N, H, latent]
+            out = torch.einsum("nhl,hvl->nhv", out, w_kv[:, nope:])
+            return self._lin(out.reshape(n, heads * m.v_head_dim), self.o_proj)
         lk = latent_keys(n, k_cache, v_cache, meta, index, visible=shared)
         self.last_visible = lk.is_visible
         if meta.key_slots is not None:  # a prefill chunk: many rows, expanding pays
@@ -209,7 +225,7 @@ class MLAttention(PathBound, nn.Module):
         return self._lin(out.reshape(n, heads * m.v_head_dim), self.o_proj)
 
     def fuse_weights(self) -> None:
-        """Nothing to fuse: MLA layers run per op (no Triton MLA attention kernel)."""
+        """Nothing to fuse: MLA layers run per op (the fused layer is GQA's)."""
 
 
 def _packed_grid_rows(meta: AttnMeta, num_rows: int) -> torch.Tensor:  # [N] int64
@@ -347,6 +363,29 @@ def attend_latent(
     scores = torch.baddbmm(lk.bias(heads), qg, keys.transpose(1, 2), alpha=scale)  # [B, RH, T]
     out = torch.matmul(torch.softmax(scores, dim=-1), keys[..., :latent_dim])
     return lk.flat(out.to(q.dtype).view(num_b * num_r, heads, latent_dim))
+
+
+def attend_latent_paged(
+    q: torch.Tensor,  # [N, heads, latent + rope]: absorbed no-rope part | rotated rope part
+    k_cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
+    meta: AttnMeta,  # the grid or packed layout (not a prefill chunk)
+    scale: float,
+    latent_dim: int,
+    tune: KernelConfig,
+) -> torch.Tensor:  # [N, heads, latent]
+    """:func:`attend_latent` for decode and verify rows on the Triton path: the rows onto the
+    ``[B, R]`` grid, ``ops.mla_latent_attention`` over the paged cache (its kernel reads each
+    request's keys up to its length, once for all heads), the cells back to the rows."""
+    n, heads, dim = q.shape
+    rows = meta.row_index
+    if rows is None:  # the packed layout's grid cells: the same for every layer
+        rows = meta.once(("mla_rows", n), lambda: _packed_grid_rows(meta, n))
+    num_b, num_r = meta.block_table.shape[0], meta.num_q_rows
+    grid = _to_grid(q, rows, num_b, num_r).view(num_b, num_r * heads, dim)
+    out = ops.mla_latent_attention(grid, k_cache, meta.block_table, meta.seq_lens, num_r, heads,
+                                   latent_dim, scale, tune=tune)
+    out = out.view(num_b * num_r, heads, latent_dim)
+    return torch.cat([out, out.new_zeros(1, heads, latent_dim)]).index_select(0, rows)
 
 
 def attend_expanded(

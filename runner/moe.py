@@ -193,13 +193,12 @@ class RoutedMoE(PathBound, nn.Module):
         if real is not None and real.shape[0] != x.shape[0]:
             raise RuntimeError(f"RoutedMoE.real_rows: {real.shape[0]} rows bound, the forward "
                                f"has {x.shape[0]} (bind_real_rows before each forward)")
-        out, counts = ops.fused_moe(x, weights, ids, *self._stacked(), row_mask=real,
-                                    tune=self.kx)
         if self.masks is None or self.masks.device != x.device:
             with torch.inference_mode(False):  # reset in place later, outside inference mode
                 self.masks = torch.zeros(2, self.moe.num_experts, dtype=torch.bool,
                                          device=x.device)
-        self.masks |= (counts > 0)[None]
+        out, _ = ops.fused_moe(x, weights, ids, *self._stacked(), row_mask=real,
+                               activated=self.masks, tune=self.kx)
         if self.shared_form is not None:
             mlp = getattr(self, self.shared_form)
             if (self.shared_expert_gate is None and mlp.gate_up_weight is not None

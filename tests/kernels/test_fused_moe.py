@@ -71,22 +71,104 @@ def test_masked_rows_choose_no_expert(backend):
     assert torch.equal(counts.cpu(), want) and int(counts[lonely]) == 0
 
 
+ALIGN_CASES = [
+    # (rows, experts, top_k, block_m, masked)
+    (1, 6, 2, 16, False),
+    (1, 64, 6, 16, True),  # a decode row of DeepSeek-V2-Lite's layer
+    (13, 6, 3, 16, True),
+    (40, 16, 4, 16, False),  # experts past one block of 16 pairs
+    (37, 64, 6, 32, True),
+    (9, 256, 8, 16, True),  # DeepSeek-V3's router: 512 expert slots with the sentinel
+]
+if DEV != "cpu":
+    ALIGN_CASES += [(256, 64, 6, 16, True), (1000, 128, 8, 16, False)]
+
+
+def _ids(gen, rows, experts, top_k):
+    return torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(rows)])
+
+
+@pytest.mark.parametrize("case", ALIGN_CASES)
+def test_align_kernel_equals_the_reference_layout(case):
+    """The one-program layout (``moe_align_triton``): the same sorted pairs, block experts and
+    counts as ``reference.moe_align_ref`` (masked rows' pairs to the sentinel expert), and the
+    activated masks ORed with the counts' experts, the bits already set kept."""
+    from speccal.kernels.fused_moe import moe_align_triton
+    from speccal.kernels.reference import moe_align_ref
+
+    rows, experts, top_k, block_m, masked = case
+    gen = torch.Generator().manual_seed(rows * 7 + experts)
+    for _ in range(3):
+        ids = _ids(gen, rows, experts, top_k)
+        real = (torch.rand(rows, generator=gen) < 0.7) if masked else None
+        act = torch.rand(2, experts, generator=gen) < 0.1
+        before = act.clone()
+        act_dev = act.to(DEV)
+        got = moe_align_triton(ids.to(DEV), experts, block_m,
+                               None if real is None else real.to(DEV), act_dev)
+        routed = ids if real is None else torch.where(real[:, None], ids, experts)
+        want = moe_align_ref(routed, experts, block_m, sentinel=masked)
+        for g, w, name in zip(got, want, ("sorted pairs", "block experts", "counts"),
+                              strict=True):
+            assert torch.equal(g.cpu(), w), name
+        assert torch.equal(act_dev.cpu(), before | (want[2] > 0)[None])
+
+
+@pytest.mark.parametrize("top_k,masked", [(1, False), (2, True), (6, True), (8, False)])
+def test_sum_kernel_adds_in_expert_order(top_k, masked):
+    """``moe_sum_slots_triton``: bit-equal to ``reference.moe_sum_slots_ref`` (each row's pair
+    outputs in ascending expert order, every addition rounded to the dtype), masked rows zero
+    (their pairs' outputs, never written on the Triton path, are NaN here)."""
+    from speccal.kernels.fused_moe import moe_sum_slots_triton
+    from speccal.kernels.reference import moe_sum_slots_ref
+
+    gen = torch.Generator().manual_seed(top_k)
+    rows, hidden = 11, 1100
+    ids = _ids(gen, rows, 32, top_k)
+    pair_out = torch.randn(rows * top_k, hidden, generator=gen).to(DTYPES[0])
+    real = torch.rand(rows, generator=gen) < 0.6 if masked else None
+    if masked:
+        pair_out.view(rows, top_k, hidden)[~real] = float("nan")
+    got = moe_sum_slots_triton(pair_out.to(DEV), ids.to(DEV),
+                               None if real is None else real.to(DEV)).cpu()
+    want = moe_sum_slots_ref(pair_out, ids)
+    if masked:
+        want[~real] = 0
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="a big layout is slow under the interpreter")
+def test_more_pairs_than_one_program_takes_the_torch_layout():
+    """Past ``ALIGN_MAX_PAIRS`` (a prefill chunk) the op lays the pairs out in torch and still
+    equals the reference."""
+    from speccal.kernels.ops_moe import ALIGN_MAX_PAIRS
+
+    rows = ALIGN_MAX_PAIRS // 6 + 7
+    x, w, ids, gu, dn = moe_case(3, rows, 64, 32, 16, 6, torch.bfloat16, DEV)
+    got, counts = ops.fused_moe(x, w, ids, gu, dn, backend="triton")
+    want, want_counts = ops.fused_moe(x.float(), w, ids, gu.float(), dn.float(),
+                                      backend="reference")
+    assert rel_err(got, want) < TOL[torch.bfloat16] and torch.equal(counts, want_counts)
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="the interpreter keeps no compiled specializations")
 def test_the_kernels_compile_once_for_every_row_count():
     """Cold start: one specialization of each kernel serves every bucket's row count (the pair
     count is not specialised), not one per divisibility class of ``N * top_k``."""
-    from speccal.kernels.fused_moe import _down_kernel, _gate_up_kernel
+    from speccal.kernels import fused_moe as fm
+
+    kernels = (fm._gate_up_kernel, fm._down_kernel, fm._align_kernel, fm._sum_slots_kernel)
 
     def specializations(kernel):
         return sum(len(caches[0]) for caches in kernel.device_caches.values())
 
-    before = (specializations(_gate_up_kernel), specializations(_down_kernel))
+    before = [specializations(k) for k in kernels]
     for rows in (1, 2, 3, 4, 5, 8, 16, 17, 32):
         x, w, ids, gu, dn = moe_case(rows, rows, 40, 24, 6, 2, torch.bfloat16, DEV)
         ops.fused_moe(x, w, ids, gu, dn, backend="triton")
-    after = (specializations(_gate_up_kernel), specializations(_down_kernel))
+    after = [specializations(k) for k in kernels]
     # at most one new specialization each (none if an earlier test compiled this shape)
-    assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1, (before, after)
+    assert all(a - b <= 1 for a, b in zip(after, before, strict=True)), (before, after)
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="CUDA graphs need a GPU")

@@ -1,0 +1,163 @@
+"""Triton MLA attention in absorbed form over the paged latent cache (decode and verify rows).
+
+Owns the kernels behind ``speccal.kernels.ops.mla_latent_attention``; its pure-torch twin is
+``reference.mla_latent_attention_ref``. MLA in absorbed form is multi-query attention with one
+key head of ``[latent | rope]`` channels whose value is the latent part, so every query head of
+a request reads the same keys: one program handles one (request, KV split, tile of ``BLOCK_M``
+query rows), the tile stacking the rows' heads (row ``m = r * heads + h`` of the ``[B, R *
+heads]`` grid), and reads each key tile once for all of them straight from the paged cache
+(no gather, no fp32 copy, only the keys before ``seq_lens``). Row ``r`` of request ``b`` is at
+position ``seq_lens[b] - R + r`` and sees keys ``0 .. max(position, 0)``.
+
+1. ``_split_kernel``, grid ``(B, max_splits, cdiv(R * heads, BLOCK_M))``: online softmax over
+   the split's ``SPLIT`` keys (scores from the latent and rope parts in fp32, the value product
+   in the cache's dtype with fp32 accumulation, as flash attention), partial output and
+   log-sum-exp to a workspace; splits past the request's keys write an empty partial.
+2. ``_merge_kernel``, grid ``(B * R * heads,)``: the splits merged by their log-sum-exp,
+   written in the query's dtype.
+
+Grids depend only on static shapes (``max_splits`` from the block table's width), so the
+launches are CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from speccal.kernels.pdl import pdl_enter
+
+__all__ = ["mla_latent_attention_triton"]
+
+_BLOCK_M = 16
+_BLOCK_N = 32
+SPLIT = 64  # keys per split program
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, cache_ptr, bt_ptr, seq_ptr, part_ptr, lse_ptr,
+    R, max_blocks, max_splits, scale,
+    stride_qb, stride_qm, stride_slot, stride_bt,
+    HEADS: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, LAT_P: tl.constexpr,
+    ROPE_P: tl.constexpr, BS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+):
+    b, s, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pdl_enter(PDL)
+    rows = R * HEADS
+    m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok_m = m < rows
+    seq = tl.load(seq_ptr + b)
+    q_pos = tl.maximum(seq - R + m // HEADS, 0)  # [BLOCK_M]
+    start = s * SPLIT_N
+    stop = tl.minimum(start + SPLIT_N, seq)
+    lat = tl.arange(0, LAT_P)
+    rope = tl.arange(0, ROPE_P)
+    ok_lat = lat < LAT
+    ok_rope = rope < ROPE
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + m[:, None].to(tl.int64) * stride_qm
+    q_lat = tl.load(q_row + lat[None, :], mask=ok_m[:, None] & ok_lat[None, :], other=0.0)
+    q_rope = tl.load(q_row + LAT + rope[None, :], mask=ok_m[:, None] & ok_rope[None, :],
+                     other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, LAT_P], dtype=tl.float32)
+    for t0 in range(start, stop, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        ok_t = t < stop
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + t // BS, mask=ok_t, other=0)
+        slot = (blk.to(tl.int64) * BS + t % BS) * stride_slot
+        k_lat = tl.load(cache_ptr + slot[:, None] + lat[None, :],
+                        mask=ok_t[:, None] & ok_lat[None, :], other=0.0)  # [BLOCK_N, LAT_P]
+        k_rope = tl.load(cache_ptr + slot[:, None] + LAT + rope[None, :],
+                         mask=ok_t[:, None] & ok_rope[None, :], other=0.0)
+        sc = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
+        sc = tl.dot(q_rope, tl.trans(k_rope), sc, input_precision=PREC) * scale
+        vis = ok_t[None, :] & (t[None, :] <= q_pos[:, None])
+        sc = tl.where(vis, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet
+        p = tl.exp(sc - base[:, None])
+        alpha = tl.exp(m_i - base)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+    lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    cell = (b * max_splits + s).to(tl.int64) * rows + m  # [BLOCK_M]
+    tl.store(lse_ptr + cell, lse, mask=ok_m)
+    tl.store(part_ptr + cell[:, None] * LAT_P + lat[None, :], out, mask=ok_m[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, lse_ptr, out_ptr, rows, max_splits, stride_ob, stride_om,
+    LAT: tl.constexpr, LAT_P: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pdl_enter(PDL)
+    b, m = pid // rows, pid % rows
+    lat = tl.arange(0, LAT_P)
+    sp = tl.arange(0, SPLITS_P)
+    top = tl.full([SPLITS_P], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, max_splits, SPLITS_P):
+        s = s0 + sp
+        cell = (b * max_splits + s).to(tl.int64) * rows + m
+        top = tl.maximum(top, tl.load(lse_ptr + cell, mask=s < max_splits, other=float("-inf")))
+    big = tl.max(top, 0)
+    big = tl.where(big == float("-inf"), 0.0, big)
+    den = tl.zeros([SPLITS_P], dtype=tl.float32)
+    acc = tl.zeros([LAT_P], dtype=tl.float32)
+    for s0 in range(0, max_splits, SPLITS_P):
+        s = s0 + sp
+        ok = s < max_splits
+        cell = (b * max_splits + s).to(tl.int64) * rows + m
+        w = tl.exp(tl.load(lse_ptr + cell, mask=ok, other=float("-inf")) - big)  # [SPLITS_P]
+        den += w
+        part = tl.load(part_ptr + cell[:, None] * LAT_P + lat[None, :],
+                       mask=ok[:, None] & (w > 0)[:, None], other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+    total = tl.sum(den, 0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + m.to(tl.int64) * stride_om + lat,
+             out.to(out_ptr.dtype.element_ty), mask=lat < LAT)
+
+
+def mla_latent_attention_triton(
+    q: torch.Tensor,  # [B, R * heads, latent + rope]: row r * heads + h
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    num_rows: int,  # R
+    heads: int,
+    latent_dim: int,
+    scale: float,
+    prec: str | None,  # tl.dot's input_precision for fp32 operands (None: Triton's default)
+    pdl: bool = False,
+) -> torch.Tensor:  # [B, R * heads, latent] q's dtype
+    """Two launches; arguments validated by ``ops.mla_latent_attention``."""
+    num_b, rows, dim = q.shape
+    bs = cache.shape[1]
+    max_blocks = block_table.shape[1]
+    max_splits = triton.cdiv(max_blocks * bs, SPLIT)
+    rope = dim - latent_dim
+    lat_p = max(triton.next_power_of_2(latent_dim), 16)
+    part = torch.empty(num_b * max_splits * rows, lat_p, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_b * max_splits * rows, dtype=torch.float32, device=q.device)
+    out = torch.empty(num_b, rows, latent_dim, dtype=q.dtype, device=q.device)
+    _split_kernel[(num_b, max_splits, triton.cdiv(rows, _BLOCK_M))](
+        q, cache, block_table, seq_lens, part, lse,
+        num_rows, max_blocks, max_splits, scale,
+        q.stride(0), q.stride(1), cache.stride(1), block_table.stride(0),
+        HEADS=heads, LAT=latent_dim, ROPE=rope, LAT_P=lat_p,
+        ROPE_P=max(triton.next_power_of_2(rope), 16), BS=bs, SPLIT_N=SPLIT, BLOCK_M=_BLOCK_M,
+        BLOCK_N=_BLOCK_N, PREC=prec, PDL=pdl, num_warps=8 if lat_p >= 256 else 4,
+        launch_pdl=pdl,
+    )
+    _merge_kernel[(num_b * rows,)](
+        part, lse, out, rows, max_splits, out.stride(0), out.stride(1),
+        LAT=latent_dim, LAT_P=lat_p, SPLITS_P=16, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )
+    return out

@@ -1,0 +1,78 @@
+"""The Triton MLA attention (absorbed form over the paged latent cache) against the reference,
+on the GPU (``cuda`` marker); ``SPECCAL_KERNEL_TEST_DEVICE=cpu`` with ``TRITON_INTERPRET=1``
+runs the same checks through Triton's interpreter on fp32."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from speccal.kernels import ops
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.cuda
+DEV = os.environ.get("SPECCAL_KERNEL_TEST_DEVICE", "cuda")
+DTYPES = [torch.float32] if DEV == "cpu" else [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+CASES = [
+    # (requests, rows R, heads, latent, rope, block size, blocks per request)
+    (1, 1, 16, 512, 64, 16, 6),  # a decode row of DeepSeek-V2-Lite's layer
+    (3, 1, 4, 32, 16, 16, 4),
+    (2, 4, 3, 40, 8, 16, 5),  # verify rows, odd widths: masked channel tiles
+    (4, 2, 5, 24, 12, 8, 9),  # more splits than one key tile, small blocks
+]
+if DEV != "cpu":
+    CASES += [(8, 4, 16, 512, 64, 16, 80), (2, 1, 128, 512, 64, 64, 40)]  # V3's 128 heads
+
+
+def _case(seed, b, r, h, lat, rope, bs, mb, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    dim = lat + rope
+    blocks = b * mb + 1
+    cache = torch.randn(blocks, bs, 1, dim, generator=gen)
+    table = (torch.randperm(blocks - 1, generator=gen)[: b * mb] + 1).view(b, mb).int()
+    seq = torch.randint(1, mb * bs + 1, (b,), generator=gen).int()
+    seq[0] = mb * bs  # one request at the table's full width
+    if b > 2:
+        seq[1] = 1  # one whose rows see a single key (front padding rows too)
+    q = torch.randn(b, r * h, dim, generator=gen)
+    return (q.to(DEV, dtype), cache.to(DEV, dtype), table.to(DEV), seq.to(DEV))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_mla_attention_matches_reference(dtype, case):
+    b, r, h, lat, rope, bs, mb = case
+    q, cache, table, seq = _case(7, b, r, h, lat, rope, bs, mb, dtype)
+    scale = (lat + rope) ** -0.5
+    got = ops.mla_latent_attention(q, cache, table, seq, r, h, lat, scale, backend="triton")
+    want = ops.mla_latent_attention(q.float(), cache.float(), table, seq, r, h, lat, scale,
+                                    backend="reference")
+    assert got.shape == (b, r * h, lat) and got.dtype == dtype and torch.isfinite(got).all()
+    err = (got.float() - want).norm() / want.norm()
+    assert err < TOL[dtype], err
+
+
+def test_keys_past_the_length_are_never_read():
+    """Keys at or past ``seq_lens`` (and every key a row's position hides) do not move the
+    output: poisoned with NaN, the result is unchanged and finite."""
+    q, cache, table, seq = _case(3, 3, 2, 4, 32, 16, 16, 4, torch.float32)
+    scale = 0.2
+    clean = ops.mla_latent_attention(q, cache, table, seq, 2, 4, 32, scale, backend="triton")
+    bs = cache.shape[1]
+    for i in range(3):
+        for t in range(int(seq[i]), table.shape[1] * bs):
+            cache[int(table[i, t // bs]), t % bs] = float("nan")
+    again = ops.mla_latent_attention(q, cache, table, seq, 2, 4, 32, scale, backend="triton")
+    assert torch.isfinite(again).all() and torch.equal(again, clean)
+
+
+def test_bad_input_names_the_field():
+    q, cache, table, seq = _case(1, 2, 1, 4, 32, 16, 16, 2, torch.float32)
+    with pytest.raises(Exception, match="num_rows"):
+        ops.mla_latent_attention(q, cache, table, seq, 3, 4, 32, 0.1)
+    with pytest.raises(Exception, match="latent_dim"):
+        ops.mla_latent_attention(q, cache, table, seq, 1, 4, 48, 0.1)
