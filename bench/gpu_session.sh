@@ -27,8 +27,9 @@
 #   pathtest    the CUDA tests of the served path against transformers, attention, the
 #               round loop at both queue depths, graphs, verify budgets, the hybrid and MLA
 #               engines (a subset of `cuda`, ~2-3 min)
-#   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE Triton kernels against the
-#               reference, routed layers captured in graphs equal to eager, the MLA engine
+#   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE and MLA attention Triton
+#               kernels against the reference, routed layers captured in graphs equal to
+#               eager, the MLA and MoE engines against transformers
 #   moebench    bench/bench_moe.py on moe-16b-a3b (B = 1 and 8, k = 3) [moe_decode_step_floor_ratio,
 #               moe_verify_full_width_ratio]
 #   kvspread    bench/bench_kv_spread.py: a round at one mean KV, uniform vs spread KV lengths
@@ -206,7 +207,8 @@ run() {
                 grep -E "Elapsed|runner build|Triton:|quality gate: (window|held)|^grid|error" "$d/cal.log" ;;
             moetest)
                 SPECCAL_KERNEL_TEST_DEVICE=cuda timeout "$(left)" $PY -m pytest -m cuda \
-                    tests/kernels/test_fused_moe.py tests/runner/test_graphs.py \
+                    tests/kernels/test_fused_moe.py tests/kernels/test_mla_decode.py \
+                    tests/runner/test_graphs.py \
                     tests/runner/test_mla_engine.py tests/runner/test_moe_engine.py \
                     -n 8 -v -rfE -p no:cacheprovider > "$d/tests.log" 2>&1
                 echo "rc=$?"

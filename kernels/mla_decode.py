@@ -4,17 +4,18 @@ Owns the kernels behind ``speccal.kernels.ops.mla_latent_attention``; its pure-t
 ``reference.mla_latent_attention_ref``. MLA in absorbed form is multi-query attention with one
 key head of ``[latent | rope]`` channels whose value is the latent part, so every query head of
 a request reads the same keys: one program handles one (request, KV split, tile of ``BLOCK_M``
-query rows), the tile stacking the rows' heads (row ``m = r * heads + h`` of the ``[B, R *
-heads]`` grid), and reads each key tile once for all of them straight from the paged cache
-(no gather, no fp32 copy, only the keys before ``seq_lens``). Row ``r`` of request ``b`` is at
-position ``seq_lens[b] - R + r`` and sees keys ``0 .. max(position, 0)``.
+(row, head) cells ``m = i * heads + h`` of the request's rows), and reads each key tile once
+for all of them straight from the paged cache (no gather, no fp32 copy, only the keys before
+``seq_lens``). The query rows are packed (request ``b``'s rows ``cu_q_lens[b] ..
+cu_q_lens[b + 1]``, the verify layout of the Triton path) or a ``[B, R]`` grid; row ``i`` of
+``q_len`` is at position ``seq_lens[b] - q_len + i`` and sees keys ``0 .. max(position, 0)``.
 
 1. ``_split_kernel``, grid ``(B, max_splits, cdiv(R * heads, BLOCK_M))``: online softmax over
    the split's ``SPLIT`` keys (scores from the latent and rope parts in fp32, the value product
    in the cache's dtype with fp32 accumulation, as flash attention), partial output and
    log-sum-exp to a workspace; splits past the request's keys write an empty partial.
 2. ``_merge_kernel``, grid ``(B * R * heads,)``: the splits merged by their log-sum-exp,
-   written in the query's dtype.
+   written to the cell's row in the query's dtype (cells past a request's rows exit).
 
 Grids depend only on static shapes (``max_splits`` from the block table's width), so the
 launches are CUDA-graph safe.
@@ -36,28 +37,43 @@ SPLIT = 64  # keys per split program
 
 
 @triton.jit
+def _rows_of(b, cu_ptr, R, PACKED: tl.constexpr):
+    """Request ``b``'s first query row and its row count: packed (``cu_q_lens``) or the grid's
+    ``R`` rows a request."""
+    if PACKED:
+        q_start = tl.load(cu_ptr + b)
+        q_len = tl.load(cu_ptr + b + 1) - q_start
+    else:
+        q_start = b * R
+        q_len = R
+    return q_start, q_len
+
+
+@triton.jit
 def _split_kernel(
-    q_ptr, cache_ptr, bt_ptr, seq_ptr, part_ptr, lse_ptr,
+    q_ptr, cache_ptr, bt_ptr, seq_ptr, cu_ptr, part_ptr, lse_ptr,
     R, max_blocks, max_splits, scale,
-    stride_qb, stride_qm, stride_slot, stride_bt,
-    HEADS: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, LAT_P: tl.constexpr,
+    stride_qn, stride_qh, stride_slot, stride_bt,
+    PACKED: tl.constexpr, HEADS: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, LAT_P: tl.constexpr,
     ROPE_P: tl.constexpr, BS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     b, s, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl_enter(PDL)
     rows = R * HEADS
+    q_start, q_len = _rows_of(b, cu_ptr, R, PACKED)
     m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    ok_m = m < rows
+    i, h = m // HEADS, m % HEADS
+    ok_m = (m < rows) & (i < q_len)
     seq = tl.load(seq_ptr + b)
-    q_pos = tl.maximum(seq - R + m // HEADS, 0)  # [BLOCK_M]
+    q_pos = tl.maximum(seq - q_len + i, 0)  # [BLOCK_M]
     start = s * SPLIT_N
     stop = tl.minimum(start + SPLIT_N, seq)
     lat = tl.arange(0, LAT_P)
     rope = tl.arange(0, ROPE_P)
     ok_lat = lat < LAT
     ok_rope = rope < ROPE
-    q_row = q_ptr + b.to(tl.int64) * stride_qb + m[:, None].to(tl.int64) * stride_qm
+    q_row = q_ptr + (q_start + i[:, None]).to(tl.int64) * stride_qn + h[:, None] * stride_qh
     q_lat = tl.load(q_row + lat[None, :], mask=ok_m[:, None] & ok_lat[None, :], other=0.0)
     q_rope = tl.load(q_row + LAT + rope[None, :], mask=ok_m[:, None] & ok_rope[None, :],
                      other=0.0)
@@ -93,12 +109,18 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_ptr, lse_ptr, out_ptr, rows, max_splits, stride_ob, stride_om,
-    LAT: tl.constexpr, LAT_P: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr,
+    part_ptr, lse_ptr, cu_ptr, out_ptr, R, max_splits, stride_on, stride_oh,
+    PACKED: tl.constexpr, HEADS: tl.constexpr, LAT: tl.constexpr, LAT_P: tl.constexpr,
+    SPLITS_P: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pdl_enter(PDL)
+    rows = R * HEADS
     b, m = pid // rows, pid % rows
+    q_start, q_len = _rows_of(b, cu_ptr, R, PACKED)
+    i = m // HEADS
+    if i >= q_len:  # a grid cell past the request's rows
+        return
     lat = tl.arange(0, LAT_P)
     sp = tl.arange(0, SPLITS_P)
     top = tl.full([SPLITS_P], float("-inf"), dtype=tl.float32)
@@ -121,43 +143,51 @@ def _merge_kernel(
         acc += tl.sum(part * w[:, None], 0)
     total = tl.sum(den, 0)
     out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + m.to(tl.int64) * stride_om + lat,
-             out.to(out_ptr.dtype.element_ty), mask=lat < LAT)
+    dst = out_ptr + (q_start + i).to(tl.int64) * stride_on + (m % HEADS) * stride_oh + lat
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=lat < LAT)
 
 
 def mla_latent_attention_triton(
-    q: torch.Tensor,  # [B, R * heads, latent + rope]: row r * heads + h
+    q: torch.Tensor,  # [N, heads, latent + rope]
     cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
     block_table: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
-    num_rows: int,  # R
-    heads: int,
+    cu_q_lens: torch.Tensor | None,  # [B + 1] int32 (packed rows); None: N = B * R, the grid
+    num_rows: int,  # R: the most rows of one request
     latent_dim: int,
     scale: float,
     prec: str | None,  # tl.dot's input_precision for fp32 operands (None: Triton's default)
     pdl: bool = False,
-) -> torch.Tensor:  # [B, R * heads, latent] q's dtype
-    """Two launches; arguments validated by ``ops.mla_latent_attention``."""
-    num_b, rows, dim = q.shape
+) -> torch.Tensor:  # [N, heads, latent] q's dtype (rows of no request: zeros)
+    """Two launches (and a zero fill for packed rows); arguments validated by
+    ``ops.mla_latent_attention``."""
+    n, heads, dim = q.shape
+    num_b = block_table.shape[0]
     bs = cache.shape[1]
     max_blocks = block_table.shape[1]
     max_splits = triton.cdiv(max_blocks * bs, SPLIT)
+    rows = num_rows * heads
     rope = dim - latent_dim
     lat_p = max(triton.next_power_of_2(latent_dim), 16)
+    packed = cu_q_lens is not None
     part = torch.empty(num_b * max_splits * rows, lat_p, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_b * max_splits * rows, dtype=torch.float32, device=q.device)
-    out = torch.empty(num_b, rows, latent_dim, dtype=q.dtype, device=q.device)
+    # packed: rows past cu_q_lens[B] (a bucket's padding) are no request's: zeros
+    out = (torch.zeros if packed else torch.empty)(n, heads, latent_dim, dtype=q.dtype,
+                                                    device=q.device)
+    cu = cu_q_lens if packed else seq_lens
     _split_kernel[(num_b, max_splits, triton.cdiv(rows, _BLOCK_M))](
-        q, cache, block_table, seq_lens, part, lse,
+        q, cache, block_table, seq_lens, cu, part, lse,
         num_rows, max_blocks, max_splits, scale,
         q.stride(0), q.stride(1), cache.stride(1), block_table.stride(0),
-        HEADS=heads, LAT=latent_dim, ROPE=rope, LAT_P=lat_p,
+        PACKED=packed, HEADS=heads, LAT=latent_dim, ROPE=rope, LAT_P=lat_p,
         ROPE_P=max(triton.next_power_of_2(rope), 16), BS=bs, SPLIT_N=SPLIT, BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N, PREC=prec, PDL=pdl, num_warps=8 if lat_p >= 256 else 4,
         launch_pdl=pdl,
     )
     _merge_kernel[(num_b * rows,)](
-        part, lse, out, rows, max_splits, out.stride(0), out.stride(1),
-        LAT=latent_dim, LAT_P=lat_p, SPLITS_P=16, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        part, lse, cu, out, num_rows, max_splits, out.stride(0), out.stride(1),
+        PACKED=packed, HEADS=heads, LAT=latent_dim, LAT_P=lat_p, SPLITS_P=16, PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )
     return out

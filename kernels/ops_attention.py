@@ -380,44 +380,49 @@ def attention_tiling_update(
 
 
 def mla_latent_attention(
-    q: torch.Tensor,  # [B, R * heads, latent + rope]: row r * heads + h
+    q: torch.Tensor,  # [N, heads, latent + rope]
     cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
     block_table: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
-    num_rows: int,  # R
-    heads: int,
+    cu_q_lens: torch.Tensor | None,  # [B + 1] int32 (packed rows); None: N = B * R, the grid
+    num_rows: int,  # R: the most rows of one request
     latent_dim: int,
     scale: float,
     *,
     backend: str | None = None,  # overrides tune.backend (comparisons in tests)
     tune: KernelConfig = DEFAULT_KERNELS,
-) -> torch.Tensor:  # [B, R * heads, latent] q's dtype
+) -> torch.Tensor:  # [N, heads, latent] q's dtype
     """MLA attention in absorbed form (one key head of ``[latent | rope]`` channels, the latent
-    as value) of the ``[B, R]`` query grid over the paged latent cache, causal by position:
-    row ``r`` of request ``b`` is at ``seq_lens[b] - R + r`` and sees keys ``0 .. max(that,
-    0)``. Triton: ``mla_decode.py`` (split-KV over the keys before ``seq_lens``, read straight
-    from the cache, two launches); reference: ``reference.mla_latent_attention_ref``."""
+    as value) of decode / verify rows over the paged latent cache, causal by position: row
+    ``i`` of a request's ``q_len`` rows (packed: ``cu_q_lens``, rows past ``cu_q_lens[B]`` give
+    zeros; grid: ``R`` rows a request) is at ``seq_lens[b] - q_len + i`` and sees keys ``0 ..
+    max(that, 0)``. Triton: ``mla_decode.py`` (split-KV over the keys before ``seq_lens``,
+    read straight from the cache, two launches); reference:
+    ``reference.mla_latent_attention_ref``."""
     _need(q.dim() == 3 and q.dtype in _FLOATS and q.stride(2) == 1, "q", (_shape(q), q.dtype),
-          "[B, R * heads, latent + rope] float, last dim contiguous")
-    num_b, rows, dim = q.shape
+          "[N, heads, latent + rope] float, last dim contiguous")
+    n, heads, dim = q.shape
+    num_b = block_table.shape[0] if block_table.dim() == 2 else -1
     _need(cache.dim() == 4 and cache.shape[2] == 1 and cache.shape[3] == dim
           and cache.is_contiguous() and cache.dtype == q.dtype, "cache",
           (_shape(cache), cache.dtype), f"[blocks, block_size, 1, {dim}] {q.dtype}, contiguous")
-    _need(block_table.dim() == 2 and block_table.shape[0] == num_b, "block_table",
-          _shape(block_table), f"[{num_b}, max_blocks]")
+    _need(num_b >= 1, "block_table", _shape(block_table), "[B, max_blocks]")
     _need(_shape(seq_lens) == (num_b,), "seq_lens", _shape(seq_lens), f"[{num_b}]")
-    _need(num_rows >= 1 and heads >= 1 and rows == num_rows * heads, "num_rows * heads",
-          (num_rows, heads), f"R * heads == {rows}")
+    if cu_q_lens is None:
+        _need(num_rows >= 1 and n == num_b * num_rows, "num_rows", num_rows,
+              f"R with B * R == {n} rows (the grid)")
+    else:
+        _need(_shape(cu_q_lens) == (num_b + 1,), "cu_q_lens", _shape(cu_q_lens),
+              f"[{num_b + 1}]")
+        _need(num_rows >= 1, "num_rows", num_rows, "an int >= 1")
     _need(0 < latent_dim < dim, "latent_dim", latent_dim, f"in 1 .. {dim - 1}")
+    args = (q, cache, block_table, seq_lens, cu_q_lens, num_rows, latent_dim, scale)
     if not use_triton(q, backend or tune.backend):
-        return ref.mla_latent_attention_ref(q, cache, block_table, seq_lens, num_rows, heads,
-                                            latent_dim, scale)
+        return ref.mla_latent_attention_ref(*args)
     from speccal.kernels.mla_decode import mla_latent_attention_triton
 
     prec = tune.precision.fp32_dot if q.dtype == torch.float32 else None
-    out = mla_latent_attention_triton(q, cache, block_table, seq_lens, num_rows, heads,
-                                      latent_dim, scale, prec, pdl=pdl_level(q, tune) > 0)
+    out = mla_latent_attention_triton(*args, prec, pdl=pdl_level(q, tune) > 0)
     if dry_pass_active():  # skipped launches: the reference gives the values
-        return ref.mla_latent_attention_ref(q, cache, block_table, seq_lens, num_rows, heads,
-                                            latent_dim, scale)
+        return ref.mla_latent_attention_ref(*args)
     return out

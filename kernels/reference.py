@@ -614,28 +614,40 @@ def fused_moe_ref(
 
 
 def mla_latent_attention_ref(
-    q: torch.Tensor,  # [B, R * heads, latent + rope]: row r * heads + h
+    q: torch.Tensor,  # [N, heads, latent + rope]
     cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
     block_table: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
-    num_rows: int,  # R
-    heads: int,
+    cu_q_lens: torch.Tensor | None,  # [B + 1] int32 (packed rows); None: N = B * R, the grid
+    num_rows: int,  # R: the most rows of one request
     latent_dim: int,
     scale: float,
-) -> torch.Tensor:  # [B, R * heads, latent] q's dtype
+) -> torch.Tensor:  # [N, heads, latent] q's dtype (rows of no request: zeros)
     """MLA attention in absorbed form over the paged latent cache: each request's keys (the
-    whole block table), row ``r`` (position ``seq_lens[b] - R + r``) seeing keys ``0 ..
-    max(position, 0)``, scores and softmax in fp32, the latent part of the keys as values."""
-    num_b, rows, dim = q.shape
+    whole block table); row ``i`` of a request's ``q_len`` rows (packed: ``cu_q_lens``; grid:
+    ``R``) at position ``seq_lens[b] - q_len + i`` sees keys ``0 .. max(position, 0)``; scores
+    and softmax in fp32, the latent part of the keys as values."""
+    n, heads, dim = q.shape
+    num_b, num_r, dev = block_table.shape[0], num_rows, q.device
     t = block_table.shape[1] * cache.shape[1]
     keys = cache.index_select(0, block_table.reshape(-1).long()).view(num_b, t, dim).float()
-    pos = (seq_lens.long()[:, None] - num_rows
-           + torch.arange(rows, device=q.device)[None] // heads).clamp_min(0)  # [B, RH]
-    seen = torch.arange(t, device=q.device)[None, None] <= pos[..., None]  # [B, RH, T]
-    scores = torch.bmm(q.float(), keys.transpose(1, 2)) * scale
-    scores = scores.masked_fill(~seen, float("-inf"))
-    out = torch.bmm(torch.softmax(scores, dim=-1), keys[..., :latent_dim])
-    return out.to(q.dtype)
+    if cu_q_lens is None:
+        cell = torch.arange(n, device=dev)  # the rows are the grid
+    else:  # each packed row's right-aligned grid cell; rows past the last request's: trash
+        cu = cu_q_lens.long()
+        p = torch.arange(n, device=dev)
+        req = torch.searchsorted(cu[1:], p, right=True).clamp(max=num_b - 1)
+        q_len = cu[req + 1] - cu[req]
+        cell = torch.where(p < cu[-1], req * num_r + num_r - q_len + p - cu[req], num_b * num_r)
+    grid = q.new_zeros(num_b * num_r + 1, heads, dim).index_copy_(0, cell, q)
+    grid = grid[:-1].view(num_b, num_r * heads, dim).float()
+    pos = (seq_lens.long()[:, None] - num_r
+           + torch.arange(num_r * heads, device=dev)[None] // heads).clamp_min(0)  # [B, RH]
+    seen = torch.arange(t, device=dev)[None, None] <= pos[..., None]  # [B, RH, T]
+    scores = torch.bmm(grid, keys.transpose(1, 2)) * scale
+    out = torch.bmm(torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1),
+                    keys[..., :latent_dim]).view(num_b * num_r, heads, latent_dim)
+    return torch.cat([out, out.new_zeros(1, heads, latent_dim)]).index_select(0, cell).to(q.dtype)
 
 
 def moe_sum_slots_ref(

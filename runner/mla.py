@@ -373,19 +373,21 @@ def attend_latent_paged(
     latent_dim: int,
     tune: KernelConfig,
 ) -> torch.Tensor:  # [N, heads, latent]
-    """:func:`attend_latent` for decode and verify rows on the Triton path: the rows onto the
-    ``[B, R]`` grid, ``ops.mla_latent_attention`` over the paged cache (its kernel reads each
-    request's keys up to its length, once for all heads), the cells back to the rows."""
-    n, heads, dim = q.shape
-    rows = meta.row_index
-    if rows is None:  # the packed layout's grid cells: the same for every layer
-        rows = meta.once(("mla_rows", n), lambda: _packed_grid_rows(meta, n))
-    num_b, num_r = meta.block_table.shape[0], meta.num_q_rows
-    grid = _to_grid(q, rows, num_b, num_r).view(num_b, num_r * heads, dim)
-    out = ops.mla_latent_attention(grid, k_cache, meta.block_table, meta.seq_lens, num_r, heads,
-                                   latent_dim, scale, tune=tune)
-    out = out.view(num_b * num_r, heads, latent_dim)
-    return torch.cat([out, out.new_zeros(1, heads, latent_dim)]).index_select(0, rows)
+    """:func:`attend_latent` for decode and verify rows on the Triton path:
+    ``ops.mla_latent_attention`` over the paged cache, on the rows as they are (packed or the
+    grid): its kernel reads each request's keys up to its length, once for all heads."""
+    if meta.cu_q_lens is None and meta.row_index is not None:
+        # the grid layout's rows onto their cells, and back (the packed layout needs neither)
+        n, heads, dim = q.shape
+        num_b, num_r = meta.block_table.shape[0], meta.num_q_rows
+        grid = _to_grid(q, meta.row_index, num_b, num_r).reshape(num_b * num_r, heads, dim)
+        out = ops.mla_latent_attention(grid, k_cache, meta.block_table, meta.seq_lens, None,
+                                       num_r, latent_dim, scale, tune=tune)
+        return torch.cat([out, out.new_zeros(1, heads, latent_dim)]).index_select(
+            0, meta.row_index)
+    return ops.mla_latent_attention(q, k_cache, meta.block_table, meta.seq_lens,
+                                    meta.cu_q_lens, meta.num_q_rows, latent_dim, scale,
+                                    tune=tune)
 
 
 def attend_expanded(

@@ -38,8 +38,17 @@ def _case(seed, b, r, h, lat, rope, bs, mb, dtype):
     seq[0] = mb * bs  # one request at the table's full width
     if b > 2:
         seq[1] = 1  # one whose rows see a single key (front padding rows too)
-    q = torch.randn(b, r * h, dim, generator=gen)
+    q = torch.randn(b * r, h, dim, generator=gen)
     return (q.to(DEV, dtype), cache.to(DEV, dtype), table.to(DEV), seq.to(DEV))
+
+
+def _packed(seed, b, r, h, dim, dtype, pad=3):
+    """Packed rows: request ``i`` has 1 .. ``r`` rows, ``pad`` padding rows after the last."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens = torch.randint(1, r + 1, (b,), generator=gen)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).int()
+    q = torch.randn(int(cu[-1]) + pad, h, dim, generator=gen)
+    return q.to(DEV, dtype), cu.to(DEV)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -48,10 +57,19 @@ def test_mla_attention_matches_reference(dtype, case):
     b, r, h, lat, rope, bs, mb = case
     q, cache, table, seq = _case(7, b, r, h, lat, rope, bs, mb, dtype)
     scale = (lat + rope) ** -0.5
-    got = ops.mla_latent_attention(q, cache, table, seq, r, h, lat, scale, backend="triton")
-    want = ops.mla_latent_attention(q.float(), cache.float(), table, seq, r, h, lat, scale,
+    got = ops.mla_latent_attention(q, cache, table, seq, None, r, lat, scale, backend="triton")
+    want = ops.mla_latent_attention(q.float(), cache.float(), table, seq, None, r, lat, scale,
                                     backend="reference")
-    assert got.shape == (b, r * h, lat) and got.dtype == dtype and torch.isfinite(got).all()
+    assert got.shape == (b * r, h, lat) and got.dtype == dtype and torch.isfinite(got).all()
+    err = (got.float() - want).norm() / want.norm()
+    assert err < TOL[dtype], err
+    # the packed layout (the Triton path's verify rows): requests of 1 .. R rows, padding rows
+    qp, cu = _packed(8, b, r, h, lat + rope, dtype)
+    got = ops.mla_latent_attention(qp, cache, table, seq, cu, r, lat, scale, backend="triton")
+    want = ops.mla_latent_attention(qp.float(), cache.float(), table, seq, cu, r, lat, scale,
+                                    backend="reference")
+    assert torch.isfinite(got).all() and torch.equal(got[int(cu[-1]):],
+                                                     torch.zeros_like(got[int(cu[-1]):]))
     err = (got.float() - want).norm() / want.norm()
     assert err < TOL[dtype], err
 
@@ -61,18 +79,20 @@ def test_keys_past_the_length_are_never_read():
     output: poisoned with NaN, the result is unchanged and finite."""
     q, cache, table, seq = _case(3, 3, 2, 4, 32, 16, 16, 4, torch.float32)
     scale = 0.2
-    clean = ops.mla_latent_attention(q, cache, table, seq, 2, 4, 32, scale, backend="triton")
+    clean = ops.mla_latent_attention(q, cache, table, seq, None, 2, 32, scale, backend="triton")
     bs = cache.shape[1]
     for i in range(3):
         for t in range(int(seq[i]), table.shape[1] * bs):
             cache[int(table[i, t // bs]), t % bs] = float("nan")
-    again = ops.mla_latent_attention(q, cache, table, seq, 2, 4, 32, scale, backend="triton")
+    again = ops.mla_latent_attention(q, cache, table, seq, None, 2, 32, scale, backend="triton")
     assert torch.isfinite(again).all() and torch.equal(again, clean)
 
 
 def test_bad_input_names_the_field():
     q, cache, table, seq = _case(1, 2, 1, 4, 32, 16, 16, 2, torch.float32)
     with pytest.raises(Exception, match="num_rows"):
-        ops.mla_latent_attention(q, cache, table, seq, 3, 4, 32, 0.1)
+        ops.mla_latent_attention(q, cache, table, seq, None, 3, 32, 0.1)
     with pytest.raises(Exception, match="latent_dim"):
-        ops.mla_latent_attention(q, cache, table, seq, 1, 4, 48, 0.1)
+        ops.mla_latent_attention(q, cache, table, seq, None, 1, 48, 0.1)
+    with pytest.raises(Exception, match="cu_q_lens"):
+        ops.mla_latent_attention(q, cache, table, seq, seq, 1, 32, 0.1)

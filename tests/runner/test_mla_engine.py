@@ -335,8 +335,9 @@ def test_mla_under_tensor_parallelism_is_refused():
 @pytest.mark.cuda
 @pytest.mark.parametrize("checkpoint", ["v3", "v32-dsa", "glm5-dsa", "glm4-lite"], indirect=True)
 def test_triton_path_serves_mla_layers_per_op_on_cuda(checkpoint):
-    """On the Triton backend MLA layers do not fuse (no MLA kernel): they run per op with the
-    torch attention; plain and speculative tokens equal transformers' (fp32)."""
+    """On the Triton backend MLA layers do not fuse (the fused layer is GQA's): they run per op,
+    decode and verify rows attending through the Triton MLA kernel (DSA layers: the torch
+    attention); plain and speculative tokens equal transformers' (fp32)."""
     variant, folder, refs = checkpoint
     params, want = _stop_case(refs)
     kw = dict(device="cuda", dtype="float32", attention_backend="triton")
