@@ -30,7 +30,7 @@ import triton.language as tl
 
 from speccal.kernels.pdl import pdl_enter
 
-__all__ = ["fused_moe_triton", "moe_align_triton", "moe_sum_slots_triton"]
+__all__ = ["fused_moe_triton", "moe_align_triton", "moe_route_triton", "moe_sum_slots_triton"]
 
 _BLOCK_N = 64
 _BLOCK_K = 64
@@ -282,3 +282,89 @@ def moe_sum_slots_triton(
         HAS_REAL=real is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, scale, eps,
+    E: tl.constexpr, E_P: tl.constexpr, TOP_K: tl.constexpr, K_P: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+    NORMALISE: tl.constexpr, PDL: tl.constexpr,
+):
+    # one row: scores, (group-limited) selection, the top_k by repeated arg-max (ties to the
+    # lower expert), their weights; ``reference.moe_route_ref``
+    n = tl.program_id(0)
+    pdl_enter(PDL)
+    cols = tl.arange(0, E_P)
+    ok = cols < E
+    x = tl.load(logits_ptr + n.to(tl.int64) * stride_l + cols, mask=ok,
+                other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        score = 1.0 / (1.0 + tl.exp(-x))
+        choice = score
+        if HAS_BIAS:
+            choice = score + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        choice = tl.where(ok, choice, float("-inf"))
+        if GROUPS > 1:  # E == E_P here: the [G, E / G] view is exact
+            g = tl.reshape(choice, (GROUPS, E // GROUPS))
+            within = tl.arange(0, E // GROUPS)
+            first = tl.argmax(g, 1)
+            best = tl.max(g, 1)
+            second = tl.max(tl.where(within[None, :] == first[:, None], float("-inf"), g), 1)
+            gscore = best + second  # [G]
+            gid = tl.arange(0, GROUPS)
+            keep = gid < 0
+            for _ in tl.static_range(TOPK_GROUPS):
+                top = tl.argmax(gscore, 0)
+                keep = keep | (gid == top)
+                gscore = tl.where(gid == top, float("-inf"), gscore)
+            g = tl.where(keep[:, None], g, float("-inf"))
+            choice = tl.reshape(g, (E_P,))
+    else:
+        big = tl.max(x, 0)
+        e = tl.exp(x - big)
+        score = e / tl.sum(e, 0)
+        choice = tl.where(ok, score, float("-inf"))
+    slot = tl.arange(0, K_P)
+    picked = tl.zeros([K_P], dtype=tl.int32)
+    weight = tl.zeros([K_P], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        top = tl.argmax(choice, 0)
+        w = tl.sum(tl.where(cols == top, score, 0.0), 0)
+        picked = tl.where(slot == j, top, picked)
+        weight = tl.where(slot == j, w, weight)
+        choice = tl.where(cols == top, float("-inf"), choice)
+    if NORMALISE:
+        weight = weight / (tl.sum(weight, 0) + eps)
+    weight = weight * scale
+    tl.store(w_ptr + n * TOP_K + slot, weight.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
+    tl.store(ids_ptr + n * TOP_K + slot, picked.to(ids_ptr.dtype.element_ty), mask=slot < TOP_K)
+
+
+def moe_route_triton(
+    logits: torch.Tensor,  # [N, E]
+    bias: torch.Tensor | None,  # [E] float32
+    top_k: int,
+    scoring: str,
+    num_groups: int,
+    topk_groups: int,
+    normalise: bool,
+    scale: float,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [N, top_k], ids [N, top_k] int64
+    """One launch, one program a row; arguments validated by ``ops.moe_route``."""
+    n, num_experts = logits.shape
+    sigmoid = scoring == "sigmoid"
+    weights = torch.empty(n, top_k, dtype=torch.float32 if sigmoid else logits.dtype,
+                          device=logits.device)
+    ids = torch.empty(n, top_k, dtype=torch.long, device=logits.device)
+    eps = (1e-20 if sigmoid else 0.0) if normalise else 0.0
+    _route_kernel[(n,)](
+        logits, bias if bias is not None else logits, weights, ids, logits.stride(0), scale, eps,
+        E=num_experts, E_P=triton.next_power_of_2(num_experts), TOP_K=top_k,
+        K_P=triton.next_power_of_2(top_k), SIGMOID=sigmoid,
+        HAS_BIAS=bias is not None, GROUPS=num_groups, TOPK_GROUPS=topk_groups,
+        NORMALISE=normalise, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )
+    return weights, ids

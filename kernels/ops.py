@@ -71,7 +71,7 @@ from speccal.kernels.ops_linear import (
     gated_decay,
     rmsnorm_gated,
 )
-from speccal.kernels.ops_moe import MOE_BLOCK_M, fused_moe  # noqa: F401 (MOE_BLOCK_M: re-exported)
+from speccal.kernels.ops_moe import MOE_BLOCK_M, fused_moe, moe_route  # noqa: F401 (re-exported)
 from speccal.kernels.precompile import dry_pass_active
 
 __all__ = [

@@ -111,8 +111,7 @@ ALIGN_MAX_PAIRS = 8192
 
 def _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m, tune):
     """:func:`fused_moe`'s Triton path: four launches (see its docstring)."""
-    from speccal.kernels.fused_moe import (fused_moe_triton, moe_align_triton,
-                                           moe_sum_slots_triton)
+    from speccal.kernels.fused_moe import fused_moe_triton, moe_align_triton, moe_sum_slots_triton
 
     pdl = pdl_level(x, tune) > 0
     pairs, blocks, counts = moe_align_triton(ids, gate_up.shape[0], block_m, row_mask,
@@ -169,3 +168,49 @@ def _moe_by_expert(x, weights, ids, gate_up, down):  # shapes as fused_moe -> (o
             out.index_add_(0, rows, (y * w[pick, None]).to(x.dtype))
             start += c
     return out, counts[:num_experts]
+
+
+def moe_route(
+    logits: torch.Tensor,  # [N, E]: the router's (x's dtype for softmax, float32 for sigmoid)
+    bias: torch.Tensor | None,  # [E] float32: the sigmoid selection bias (None: no bias)
+    top_k: int,
+    scoring: str,  # softmax | sigmoid
+    *,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    normalise: bool = False,
+    scale: float = 1.0,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [N, top_k], ids [N, top_k] int64
+    """The routers' selection rule after their product (``reference.moe_route_ref`` says what
+    it computes). Triton, for decode / verify rows (up to :data:`ROUTE_MAX_ROWS`) where the
+    expert count is at most 1,024 and groups divide a power-of-two expert count: one launch,
+    one program a row (the top-k by repeated arg-max, ties to the lower expert id), where the
+    torch rule takes four launches (softmax) to a dozen (grouped sigmoid). Otherwise the
+    reference."""
+    _need(logits.dim() == 2 and logits.dtype in _FLOATS and logits.stride(1) == 1, "logits",
+          (_shape(logits), logits.dtype), "[N, E] float, contiguous rows")
+    n, num_experts = logits.shape
+    _need(scoring in ("softmax", "sigmoid"), "scoring", scoring, "softmax or sigmoid")
+    _need(1 <= top_k <= num_experts, "top_k", top_k, f"in 1 .. {num_experts}")
+    _need(num_groups >= 1 and num_experts % num_groups == 0, "num_groups", num_groups,
+          f"a divisor of {num_experts}")
+    _need(1 <= topk_groups <= num_groups, "topk_groups", topk_groups, f"in 1 .. {num_groups}")
+    if bias is not None:
+        _need(_shape(bias) == (num_experts,), "bias", _shape(bias), f"[{num_experts}]")
+    args = (logits, bias, top_k, scoring, num_groups, topk_groups, normalise, scale)
+    grouped_ok = num_groups == 1 or (scoring == "sigmoid"
+                                     and num_experts & (num_experts - 1) == 0)
+    if (use_triton(logits, backend or tune.backend) and n <= ROUTE_MAX_ROWS
+            and num_experts <= 1024 and grouped_ok):
+        from speccal.kernels.fused_moe import moe_route_triton
+
+        got = moe_route_triton(*args, pdl=pdl_level(logits, tune) > 0)
+        if not dry_pass_active():  # skipped launches: the reference gives the values
+            return got
+    return ref.moe_route_ref(*args)
+
+
+#: the most rows the Triton router takes (a program a row; prefill chunks take torch's)
+ROUTE_MAX_ROWS = 4096

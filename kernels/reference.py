@@ -554,6 +554,52 @@ def verify_accept_ref(
 # routed experts
 
 
+#: added to the chosen sigmoid weights' sum before renormalising (transformers' DeepSeek-V3)
+SIGMOID_NORM_EPS = 1e-20
+
+
+def moe_route_ref(
+    logits: torch.Tensor,  # [N, E]: the router's (x's dtype for softmax, float32 for sigmoid)
+    bias: torch.Tensor | None,  # [E] float32: the sigmoid selection bias (None: no bias)
+    top_k: int,
+    scoring: str,  # softmax | sigmoid
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    normalise: bool = False,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [N, top_k], ids [N, top_k] int64
+    """Each row's experts and their weights from the router's logits.
+
+    softmax: probabilities over all experts (float32), the ``top_k`` largest, optionally
+    renormalised, times ``scale``, cast to the logits' dtype. sigmoid: per-expert scores
+    (float32); the selection score adds ``bias``; with groups, only the ``topk_groups`` groups
+    whose two best selection scores sum highest are eligible; the weights are the *unbiased*
+    scores of the chosen experts, optionally renormalised (+ :data:`SIGMOID_NORM_EPS`), times
+    ``scale`` (float32)."""
+    if scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if normalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if scale != 1.0:
+            weights = weights * scale
+        return weights.to(logits.dtype), ids
+    scores = torch.sigmoid(logits.float())  # [N, E]
+    choice = scores if bias is None else scores + bias.float()
+    if num_groups > 1:
+        n, g = choice.shape[0], num_groups
+        grouped = choice.view(n, g, choice.shape[1] // g)
+        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        kept = torch.topk(group_score, topk_groups, dim=-1, sorted=False).indices
+        eligible = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
+        choice = grouped.masked_fill(~eligible[:, :, None], float("-inf")).view(n, -1)
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if normalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + SIGMOID_NORM_EPS)
+    return weights * scale, ids
+
+
 def moe_align_ref(
     ids: torch.Tensor,  # [N, top_k] int: each row's experts
     num_experts: int,

@@ -42,11 +42,9 @@ from torch import nn
 
 from speccal.base.errors import UnsupportedError
 from speccal.kernels import ops
+from speccal.kernels.config import DEFAULT_KERNELS, KernelConfig
 from speccal.runner.moe_config import MoEConfig
 from speccal.runner.path import SKINNY_ROWS, PathBound
-
-#: added to the chosen sigmoid weights' sum before renormalising (transformers' DeepSeek-V3)
-SIGMOID_NORM_EPS = 1e-20
 
 
 @torch.no_grad()
@@ -120,41 +118,20 @@ def route(
     x: torch.Tensor,  # [N, hidden]
     router: Router,
     moe: MoEConfig,
+    tune: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [N, top_k] (float32 or x's dtype), ids [N, top_k]
-    """Each row's experts and their weights.
-
-    softmax: probabilities over all experts (float32, from logits in ``x``'s dtype), the
-    ``top_k`` largest, optionally renormalised, cast to ``x``'s dtype. sigmoid: per-expert
-    scores from float32 logits; the selection score adds ``e_score_correction_bias``; with
-    groups, only the ``topk_groups`` groups whose two best selection scores sum highest are
-    eligible; the weights are the *unbiased* scores of the chosen experts, optionally
-    renormalised (+ :data:`SIGMOID_NORM_EPS`), times ``routed_scaling_factor`` (float32).
-    """
+    """Each row's experts and their weights: the router's product (softmax: in ``x``'s dtype;
+    sigmoid: float32), then ``ops.moe_route`` (``reference.moe_route_ref`` states the rule:
+    softmax probabilities or sigmoid scores with the selection bias and group limit, top-k,
+    optional renormalisation, ``routed_scaling_factor``)."""
     if moe.scoring == "softmax":
         logits = F.linear(x, router.weight)  # [N, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, moe.top_k, dim=-1)
-        if moe.is_topk_normalised:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if moe.routed_scaling_factor != 1.0:
-            weights = weights * moe.routed_scaling_factor
-        return weights.to(logits.dtype), ids
-    scores = torch.sigmoid(F.linear(x.float(), router.weight.float()))  # [N, E]
-    choice = scores
-    if router.e_score_correction_bias is not None:
-        choice = scores + router.e_score_correction_bias.float()
-    if moe.num_groups > 1:
-        n, g = choice.shape[0], moe.num_groups
-        grouped = choice.view(n, g, moe.num_experts // g)
-        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
-        kept = torch.topk(group_score, moe.topk_groups, dim=-1, sorted=False).indices
-        eligible = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
-        choice = grouped.masked_fill(~eligible[:, :, None], float("-inf")).view(n, -1)
-    ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, ids)
-    if moe.is_topk_normalised:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + SIGMOID_NORM_EPS)
-    return weights * moe.routed_scaling_factor, ids
+    else:
+        logits = F.linear(x.float(), router.weight.float())
+    return ops.moe_route(logits, router.e_score_correction_bias, moe.top_k, moe.scoring,
+                         num_groups=moe.num_groups, topk_groups=moe.topk_groups,
+                         normalise=moe.is_topk_normalised, scale=moe.routed_scaling_factor,
+                         tune=tune)
 
 
 class RoutedMoE(PathBound, nn.Module):
@@ -188,7 +165,7 @@ class RoutedMoE(PathBound, nn.Module):
         self.real_rows: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        weights, ids = route(x, self.gate, self.moe)  # [N, k]
+        weights, ids = route(x, self.gate, self.moe, self.kx)  # [N, k]
         real = self.real_rows
         if real is not None and real.shape[0] != x.shape[0]:
             raise RuntimeError(f"RoutedMoE.real_rows: {real.shape[0]} rows bound, the forward "

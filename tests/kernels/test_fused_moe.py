@@ -137,6 +137,41 @@ def test_sum_kernel_adds_in_expert_order(top_k, masked):
     assert torch.equal(got, want)
 
 
+ROUTE_CASES = [
+    # (rows, experts, top_k, scoring, groups, topk_groups, normalise, scale, bias)
+    (1, 64, 6, "softmax", 1, 1, False, 1.0, False),  # DeepSeek-V2-Lite's router
+    (7, 60, 4, "softmax", 1, 1, True, 1.5, False),  # Qwen3-MoE-like, odd expert count
+    (5, 256, 8, "sigmoid", 8, 4, True, 2.5, True),  # DeepSeek-V3's noaux_tc router
+    (9, 160, 8, "sigmoid", 1, 1, True, 1.0, True),  # GLM-4.5-like: no groups, 160 experts
+    (3, 16, 3, "sigmoid", 4, 2, False, 1.0, False),
+]
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES)
+def test_route_kernel_equals_the_reference_rule(case):
+    """``ops.moe_route`` on the Triton path: the same experts per row as the reference rule
+    (as sets: the reference's sigmoid top-k is unsorted) with the same weights, in the
+    reference's dtypes."""
+    rows, experts, top_k, scoring, groups, tg, norm, scale, with_bias = case
+    gen = torch.Generator().manual_seed(rows + experts)
+    logits = torch.randn(rows, experts, generator=gen)
+    if scoring == "softmax":
+        logits = logits.to(DTYPES[0])
+    bias = torch.randn(experts, generator=gen) * 0.1 if with_bias else None
+    kw = dict(num_groups=groups, topk_groups=tg, normalise=norm, scale=scale)
+    got_w, got_ids = ops.moe_route(logits.to(DEV), None if bias is None else bias.to(DEV),
+                                   top_k, scoring, backend="triton", **kw)
+    want_w, want_ids = ops.moe_route(logits, bias, top_k, scoring, backend="reference", **kw)
+    assert got_w.dtype == want_w.dtype and got_ids.dtype == torch.long
+    got_w, got_ids = got_w.cpu(), got_ids.cpu()
+    for n in range(rows):
+        g = dict(zip(got_ids[n].tolist(), got_w[n].float().tolist(), strict=True))
+        w = dict(zip(want_ids[n].tolist(), want_w[n].float().tolist(), strict=True))
+        assert set(g) == set(w), n
+        for e, v in w.items():
+            assert g[e] == pytest.approx(v, rel=1e-5 if got_w.dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="a big layout is slow under the interpreter")
 def test_more_pairs_than_one_program_takes_the_torch_layout():
     """Past ``ALIGN_MAX_PAIRS`` (a prefill chunk) the op lays the pairs out in torch and still
@@ -157,7 +192,8 @@ def test_the_kernels_compile_once_for_every_row_count():
     count is not specialised), not one per divisibility class of ``N * top_k``."""
     from speccal.kernels import fused_moe as fm
 
-    kernels = (fm._gate_up_kernel, fm._down_kernel, fm._align_kernel, fm._sum_slots_kernel)
+    kernels = (fm._gate_up_kernel, fm._down_kernel, fm._align_kernel, fm._sum_slots_kernel,
+               fm._route_kernel)
 
     def specializations(kernel):
         return sum(len(caches[0]) for caches in kernel.device_caches.values())
@@ -166,6 +202,7 @@ def test_the_kernels_compile_once_for_every_row_count():
     for rows in (1, 2, 3, 4, 5, 8, 16, 17, 32):
         x, w, ids, gu, dn = moe_case(rows, rows, 40, 24, 6, 2, torch.bfloat16, DEV)
         ops.fused_moe(x, w, ids, gu, dn, backend="triton")
+        ops.moe_route(torch.randn(rows, 6, device=DEV), None, 2, "sigmoid", backend="triton")
     after = [specializations(k) for k in kernels]
     # at most one new specialization each (none if an earlier test compiled this shape)
     assert all(a - b <= 1 for a, b in zip(after, before, strict=True)), (before, after)
