@@ -32,6 +32,7 @@
 #               eager, the MLA and MoE engines against transformers
 #   moebench    bench/bench_moe.py on moe-16b-a3b (B = 1 and 8, k = 3) [moe_decode_step_floor_ratio,
 #               moe_verify_full_width_ratio]
+#   hybridnext  the CUDA tests of the Qwen3-Next (routed) hybrid engine in captured graphs
 #   kvspread    bench/bench_kv_spread.py: a round at one mean KV, uniform vs spread KV lengths
 #               [kv_spread_round_ratio_max]
 #   moecal      a default speccal calibrate of moe-16b-a3b (cold Triton cache), its table at
@@ -121,7 +122,7 @@ run() {
         case $stage in
             fusedbench) min=150 ;; moebench) min=150 ;; moecal) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
-            decode) min=120 ;; hf) min=150 ;; kvspread) min=90 ;;
+            decode) min=120 ;; hf) min=150 ;; kvspread) min=90 ;; hybridnext) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
         if (( $(left) < min )); then
@@ -194,6 +195,12 @@ run() {
                 timeout "$(left)" $PY bench/bench_moe.py --out "$d" --record \
                     > "$d/log.txt" 2>&1
                 echo "rc=$?"; cp bench/results.jsonl "$d/results.jsonl"; tail -40 "$d/log.txt" ;;
+            hybridnext)
+                timeout "$(left)" $PY -m pytest -m cuda tests/runner/test_hybrid_engine.py \
+                    -k "qwen3_next and graphs" -n 4 -q -rfE -p no:cacheprovider \
+                    > "$d/tests.log" 2>&1
+                echo "rc=$?"
+                tail -5 "$d/tests.log" ;;
             kvspread)
                 timeout "$(left)" $PY bench/bench_kv_spread.py --out "$d" --record \
                     > "$d/log.txt" 2>&1

@@ -417,7 +417,13 @@ def mla_latent_attention(
         _need(num_rows >= 1, "num_rows", num_rows, "an int >= 1")
     _need(0 < latent_dim < dim, "latent_dim", latent_dim, f"in 1 .. {dim - 1}")
     args = (q, cache, block_table, seq_lens, cu_q_lens, num_rows, latent_dim, scale)
-    if not use_triton(q, backend or tune.backend):
+    chosen = backend or tune.backend
+    if chosen == "triton" and not mla_rows_aligned(cache, latent_dim):
+        raise UnsupportedError(
+            f"mla_latent_attention on Triton: cache rows of {dim} x {cache.element_size()} bytes "
+            f"with the rope part at {latent_dim} x {cache.element_size()}: expected both multiples "
+            f"of 16 bytes (every MLA checkpoint's 512 + 64 channels are)")
+    if not use_triton(q, chosen) or not mla_rows_aligned(cache, latent_dim):
         return ref.mla_latent_attention_ref(*args)
     from speccal.kernels.mla_decode import mla_latent_attention_triton
 
@@ -426,3 +432,11 @@ def mla_latent_attention(
     if dry_pass_active():  # skipped launches: the reference gives the values
         return ref.mla_latent_attention_ref(*args)
     return out
+
+
+def mla_rows_aligned(cache: torch.Tensor, latent_dim: int) -> bool:
+    """Whether the Triton MLA kernel takes this latent cache: each cached row and its rope part
+    start on 16 bytes (the kernel's vector loads; on an H100 a bf16 cache of 24 + 12 channels,
+    72-byte rows, faulted with a misaligned address)."""
+    size = cache.element_size()
+    return (cache.shape[-1] * size) % 16 == 0 and (latent_dim * size) % 16 == 0

@@ -93,7 +93,7 @@ def fused_moe(
         if not dry_pass_active():
             return _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m,
                                    tune)
-        _experts_triton(x, weights, ids, gate_up, down, row_mask, None, block_m, tune)
+        _dry_experts_triton(x, weights, ids, gate_up, down, row_mask, block_m, tune)
         backend = "reference"  # skipped launches: the reference gives the values
     masked = ids if row_mask is None else torch.where(row_mask[:, None], ids, num_experts)
     out, counts = _experts(x, weights, masked, gate_up, down, num_experts, block_m, backend, tune,
@@ -107,6 +107,29 @@ def fused_moe(
 
 #: the most (row, expert) pairs whose layout one program builds (``fused_moe.moe_align_triton``)
 ALIGN_MAX_PAIRS = 8192
+
+
+def _dry_experts_triton(x, weights, ids, gate_up, down, row_mask, block_m, tune):
+    """The precompile dry pass's launches of :func:`_experts_triton`, each on inputs that are
+    valid whether or not the launches before it ran: a launch is skipped only while its kernel
+    still compiles, so the layout the expert kernels index by comes from the reference, never
+    from a skipped layout launch's empty buffers (an illegal address)."""
+    from speccal.kernels.fused_moe import (
+        fused_moe_triton,
+        moe_align_triton,
+        moe_sum_slots_triton,
+    )
+
+    pdl = pdl_level(x, tune) > 0
+    num_experts = gate_up.shape[0]
+    moe_align_triton(ids, num_experts, block_m, row_mask, None, pdl=pdl)
+    masked = ids if row_mask is None else torch.where(row_mask[:, None], ids, num_experts)
+    pairs, blocks, _ = ref.moe_align_ref(masked, num_experts, block_m,
+                                         sentinel=row_mask is not None)
+    prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
+    pair_out = fused_moe_triton(x, weights.contiguous(), gate_up, down, pairs, blocks, prec,
+                                pdl=pdl)
+    moe_sum_slots_triton(pair_out, ids, row_mask, pdl=pdl)  # reads values only
 
 
 def _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m, tune):

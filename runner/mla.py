@@ -202,7 +202,7 @@ class MLAttention(PathBound, nn.Module):
                                        "inside its model (link_shared_index)")
             shared = self._index_source[0].last_visible
         if (meta.key_slots is None and index is None and shared is None
-                and use_triton(x, self.kx.backend)):
+                and use_triton(x, self.kx.backend) and ops.mla_rows_aligned(k_cache, lat)):
             # decode / verify rows without DSA on the Triton path: the keys read in the kernel,
             # straight from the paged cache (no gather, no fp32 copy, no bias)
             self.last_visible = None

@@ -56,6 +56,13 @@ def _packed(seed, b, r, h, dim, dtype, pad=3):
 def test_mla_attention_matches_reference(dtype, case):
     b, r, h, lat, rope, bs, mb = case
     q, cache, table, seq = _case(7, b, r, h, lat, rope, bs, mb, dtype)
+    if not ops.mla_rows_aligned(cache, lat):  # rows off 16 bytes: refused by name, auto: torch
+        with pytest.raises(Exception, match="multiples of 16 bytes"):
+            ops.mla_latent_attention(q, cache, table, seq, None, r, lat, 0.1, backend="triton")
+        auto = ops.mla_latent_attention(q, cache, table, seq, None, r, lat, 0.1)
+        assert torch.equal(auto, ops.mla_latent_attention(q, cache, table, seq, None, r, lat,
+                                                          0.1, backend="reference"))
+        return
     scale = (lat + rope) ** -0.5
     got = ops.mla_latent_attention(q, cache, table, seq, None, r, lat, scale, backend="triton")
     want = ops.mla_latent_attention(q.float(), cache.float(), table, seq, None, r, lat, scale,
