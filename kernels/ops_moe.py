@@ -93,8 +93,10 @@ def fused_moe(
         if not dry_pass_active():
             return _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m,
                                    tune)
-        _dry_experts_triton(x, weights, ids, gate_up, down, row_mask, block_m, tune)
-        backend = "reference"  # skipped launches: the reference gives the values
+        # the precompile dry pass: activations as zeros (its rule for activation ops), the
+        # counts real
+        counts = _dry_experts_triton(x, weights, ids, gate_up, down, row_mask, block_m, tune)
+        return torch.zeros_like(x), counts
     masked = ids if row_mask is None else torch.where(row_mask[:, None], ids, num_experts)
     out, counts = _experts(x, weights, masked, gate_up, down, num_experts, block_m, backend, tune,
                            sentinel=row_mask is not None)
@@ -109,7 +111,8 @@ def fused_moe(
 ALIGN_MAX_PAIRS = 8192
 
 
-def _dry_experts_triton(x, weights, ids, gate_up, down, row_mask, block_m, tune):
+def _dry_experts_triton(x, weights, ids, gate_up, down, row_mask, block_m, tune
+                        ) -> torch.Tensor:  # counts [E]
     """The precompile dry pass's launches of :func:`_experts_triton`, each on inputs that are
     valid whether or not the launches before it ran: a launch is skipped only while its kernel
     still compiles, so the layout the expert kernels index by comes from the reference, never
@@ -124,12 +127,13 @@ def _dry_experts_triton(x, weights, ids, gate_up, down, row_mask, block_m, tune)
     num_experts = gate_up.shape[0]
     moe_align_triton(ids, num_experts, block_m, row_mask, None, pdl=pdl)
     masked = ids if row_mask is None else torch.where(row_mask[:, None], ids, num_experts)
-    pairs, blocks, _ = ref.moe_align_ref(masked, num_experts, block_m,
-                                         sentinel=row_mask is not None)
+    pairs, blocks, counts = ref.moe_align_ref(masked, num_experts, block_m,
+                                              sentinel=row_mask is not None)
     prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
     pair_out = fused_moe_triton(x, weights.contiguous(), gate_up, down, pairs, blocks, prec,
                                 pdl=pdl)
     moe_sum_slots_triton(pair_out, ids, row_mask, pdl=pdl)  # reads values only
+    return counts
 
 
 def _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m, tune):

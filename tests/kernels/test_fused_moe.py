@@ -172,6 +172,27 @@ def test_route_kernel_equals_the_reference_rule(case):
             assert g[e] == pytest.approx(v, rel=1e-5 if got_w.dtype == torch.float32 else 1e-2)
 
 
+def test_dry_pass_indexes_by_the_reference_layout():
+    """In the precompile dry pass a launch is skipped only while its kernel compiles, so the
+    expert kernels must never index by a layout launch's buffers (empty if it was skipped:
+    an illegal address on an H100); the op returns zeros (the dry pass's rule for
+    activations), the real counts, and leaves the activated masks alone."""
+    from speccal.kernels import precompile
+
+    x, w, ids, gu, dn = moe_case(2, 9, 40, 24, 6, 2, DTYPES[0], DEV)
+    mask = torch.tensor([True, False, True, True, False, True, True, False, True], device=DEV)
+    act = torch.zeros(2, 6, dtype=torch.bool, device=DEV)
+    token = precompile._DRY.set(True)
+    try:
+        got, counts = ops.fused_moe(x, w, ids, gu, dn, row_mask=mask, activated=act,
+                                    backend="triton")
+    finally:
+        precompile._DRY.reset(token)
+    _, want = ops.fused_moe(x, w, ids, gu, dn, row_mask=mask, backend="reference")
+    assert torch.equal(got, torch.zeros_like(got)) and torch.equal(counts, want)
+    assert not act.any()
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="a big layout is slow under the interpreter")
 def test_more_pairs_than_one_program_takes_the_torch_layout():
     """Past ``ALIGN_MAX_PAIRS`` (a prefill chunk) the op lays the pairs out in torch and still
