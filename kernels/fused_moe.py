@@ -145,6 +145,20 @@ def fused_moe_triton(
     return out
 
 
+@triton.jit
+def _pair_chunk(ids_ptr, real_ptr, p0, lane, num_pairs, TOP_K: tl.constexpr, E: tl.constexpr,
+                HAS_REAL: tl.constexpr):
+    """Pairs ``p0 + lane``: their indices, which exist, and their expert slots (E, the
+    sentinel, for rows outside ``real``; -1 past the last pair)."""
+    p = p0 + lane
+    ok = p < num_pairs
+    ex = tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32)
+    if HAS_REAL:
+        real = tl.load(real_ptr + p // TOP_K, mask=ok, other=1)
+        ex = tl.where(real != 0, ex, E)
+    return p, ok, ex
+
+
 @triton.jit(do_not_specialize=("num_pairs", "num_blocks"))
 def _align_kernel(
     ids_ptr, real_ptr, pairs_ptr, experts_ptr, counts_ptr, act_ptr, num_pairs, num_blocks,
@@ -160,12 +174,7 @@ def _align_kernel(
     lane = tl.arange(0, CHUNK)
     counts = tl.zeros([EB], dtype=tl.int32)
     for p0 in range(0, num_pairs, CHUNK):
-        p = p0 + lane
-        ok = p < num_pairs
-        ex = tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32)
-        if HAS_REAL:
-            real = tl.load(real_ptr + p // TOP_K, mask=ok, other=1)
-            ex = tl.where(real != 0, ex, E)
+        p, ok, ex = _pair_chunk(ids_ptr, real_ptr, p0, lane, num_pairs, TOP_K, E, HAS_REAL)
         counts += tl.sum((ex[None, :] == slot[:, None]).to(tl.int32), axis=1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)  # [EB]: each slot's run ends here (empty slots add nothing)
@@ -176,12 +185,7 @@ def _align_kernel(
     tl.debug_barrier()  # the fill lands before the scatter below overwrites parts of it
     run = ends - padded  # [EB]: next free position of each slot's run
     for p0 in range(0, num_pairs, CHUNK):
-        p = p0 + lane
-        ok = p < num_pairs
-        ex = tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32)
-        if HAS_REAL:
-            real = tl.load(real_ptr + p // TOP_K, mask=ok, other=1)
-            ex = tl.where(real != 0, ex, E)
+        p, ok, ex = _pair_chunk(ids_ptr, real_ptr, p0, lane, num_pairs, TOP_K, E, HAS_REAL)
         hit = ex[None, :] == slot[:, None]  # [EB, CHUNK]
         base = tl.sum(tl.where(hit, run[:, None], 0), axis=0)  # [CHUNK]
         earlier = (ex[None, :] == ex[:, None]) & (lane[None, :] < lane[:, None])
@@ -342,17 +346,8 @@ def _route_kernel(
     tl.store(ids_ptr + n * TOP_K + slot, picked.to(ids_ptr.dtype.element_ty), mask=slot < TOP_K)
 
 
-def moe_route_triton(
-    logits: torch.Tensor,  # [N, E]
-    bias: torch.Tensor | None,  # [E] float32
-    top_k: int,
-    scoring: str,
-    num_groups: int,
-    topk_groups: int,
-    normalise: bool,
-    scale: float,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:  # weights [N, top_k], ids [N, top_k] int64
+def moe_route_triton(logits, bias, top_k, scoring, num_groups, topk_groups, normalise, scale,
+                     pdl=False) -> tuple[torch.Tensor, torch.Tensor]:  # weights, ids [N, top_k]
     """One launch, one program a row; arguments validated by ``ops.moe_route``."""
     n, num_experts = logits.shape
     sigmoid = scoring == "sigmoid"

@@ -147,20 +147,11 @@ def _merge_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=lat < LAT)
 
 
-def mla_latent_attention_triton(
-    q: torch.Tensor,  # [N, heads, latent + rope]
-    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
-    block_table: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    cu_q_lens: torch.Tensor | None,  # [B + 1] int32 (packed rows); None: N = B * R, the grid
-    num_rows: int,  # R: the most rows of one request
-    latent_dim: int,
-    scale: float,
-    prec: str | None,  # tl.dot's input_precision for fp32 operands (None: Triton's default)
-    pdl: bool = False,
-) -> torch.Tensor:  # [N, heads, latent] q's dtype (rows of no request: zeros)
-    """Two launches (and a zero fill for packed rows); arguments validated by
-    ``ops.mla_latent_attention``."""
+def mla_latent_attention_triton(q, cache, block_table, seq_lens, cu_q_lens, num_rows,
+                                latent_dim, scale, prec, pdl=False) -> torch.Tensor:
+    """``ops.mla_latent_attention`` (its arguments, validated there; ``prec``: tl.dot's
+    input_precision for fp32 operands, None: Triton's default) on the kernels above: two
+    launches (and a zero fill for packed rows)."""
     n, heads, dim = q.shape
     num_b = block_table.shape[0]
     bs = cache.shape[1]

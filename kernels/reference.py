@@ -558,17 +558,10 @@ def verify_accept_ref(
 SIGMOID_NORM_EPS = 1e-20
 
 
-def moe_route_ref(
-    logits: torch.Tensor,  # [N, E]: the router's (x's dtype for softmax, float32 for sigmoid)
-    bias: torch.Tensor | None,  # [E] float32: the sigmoid selection bias (None: no bias)
-    top_k: int,
-    scoring: str,  # softmax | sigmoid
-    num_groups: int = 1,
-    topk_groups: int = 1,
-    normalise: bool = False,
-    scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:  # weights [N, top_k], ids [N, top_k] int64
-    """Each row's experts and their weights from the router's logits.
+def moe_route_ref(logits, bias, top_k, scoring, num_groups=1, topk_groups=1, normalise=False,
+                  scale=1.0) -> tuple[torch.Tensor, torch.Tensor]:  # weights, ids [N, top_k]
+    """Each row's experts and their weights from the router's logits (``ops.moe_route``'s
+    arguments and shapes).
 
     softmax: probabilities over all experts (float32), the ``top_k`` largest, optionally
     renormalised, times ``scale``, cast to the logits' dtype. sigmoid: per-expert scores
@@ -659,18 +652,10 @@ def fused_moe_ref(
     return out.index_copy_(0, sorted_pairs, (y * w[:, None]).to(x.dtype))[: n * k]
 
 
-def mla_latent_attention_ref(
-    q: torch.Tensor,  # [N, heads, latent + rope]
-    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
-    block_table: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    cu_q_lens: torch.Tensor | None,  # [B + 1] int32 (packed rows); None: N = B * R, the grid
-    num_rows: int,  # R: the most rows of one request
-    latent_dim: int,
-    scale: float,
-) -> torch.Tensor:  # [N, heads, latent] q's dtype (rows of no request: zeros)
-    """MLA attention in absorbed form over the paged latent cache: each request's keys (the
-    whole block table); row ``i`` of a request's ``q_len`` rows (packed: ``cu_q_lens``; grid:
+def mla_latent_attention_ref(q, cache, block_table, seq_lens, cu_q_lens, num_rows, latent_dim,
+                             scale) -> torch.Tensor:  # [N, heads, latent], q's dtype
+    """``ops.mla_latent_attention`` (its arguments and shapes): MLA attention in absorbed form
+    over the paged latent cache, each request's keys (the whole block table); row ``i`` of a request's ``q_len`` rows (packed: ``cu_q_lens``; grid:
     ``R``) at position ``seq_lens[b] - q_len + i`` sees keys ``0 .. max(position, 0)``; scores
     and softmax in fp32, the latent part of the keys as values."""
     n, heads, dim = q.shape
