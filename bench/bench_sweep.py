@@ -371,6 +371,8 @@ def run_one(args: argparse.Namespace) -> dict:
                 "uncalibrated_pct": 100.0 * (s["rounds_uncalibrated"] or 0) / max(s["rounds"], 1),
                 "batch_max": int(run.num_requests.max()) if run.num_requests.size else 0,
                 "batch_min": int(run.num_requests.min()) if run.num_requests.size else 0,
+                # how far the rounds' longest request sat past the mean KV they are priced at
+                "kv_spread": run.trace.kv_spread(),
                 "mean_k": s["mean_k"],
                 "acceptance_rate": s["acceptance_rate"],
                 "output_tokens": s["output_tokens"],

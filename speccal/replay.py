@@ -570,6 +570,7 @@ class ReplayReport:
     trace_meta: dict[str, Any]
     config: ReplayConfig
     elapsed_s: float = 0.0
+    kv_spread: dict[str, float] | None = None  # RoundTrace.kv_spread of the replayed trace
 
     def run(self, name: str) -> PolicyRun:
         for r in self.runs:
@@ -630,6 +631,7 @@ class ReplayReport:
                 "pipelined": self.config.pipelined
                 or bool(self.trace_meta.get("pipelined", False)),
             },
+            "kv_spread": self.kv_spread,
             "elapsed_s": round(self.elapsed_s, 4),
         }
 
@@ -728,4 +730,5 @@ def replay(
         trace_meta=dict(trace.meta),
         config=cfg,
         elapsed_s=time.perf_counter() - t0,
+        kv_spread=trace.kv_spread() if isinstance(trace, RoundTrace) else None,
     )

@@ -6,7 +6,9 @@ Two kinds of trace (full description in ``docs/TRACES.md``):
   ``num_requests[r]`` (B), ``kv_length[r]`` (mean KV length), ``k[r]`` (draft forwards run),
   ``phase[r]`` (index into ``meta["phases"]``), optionally ``plan_kv_length[r]`` (the mean KV
   length the plan of round ``r`` saw: recorded by the live runner, whose host knows the KV only
-  as of the rounds it has collected; replay decides on it); per request of the round, flattened
+  as of the rounds it has collected; replay decides on it) and ``kv_max_length[r]`` (the
+  longest request's KV length: how far the batch's KV spreads past the mean it is priced at,
+  :meth:`RoundTrace.kv_spread`); per request of the round, flattened
   over rounds
   in round order (``cu_requests`` ``[R + 1]`` are the offsets): ``accepted [N]`` (accepted drafts,
   ``0..k``) and ``draft_scores [N, w]`` (draft probability of each selected token; NaN at
@@ -57,6 +59,7 @@ class RoundTrace:
     phase: np.ndarray | None = None  # [R] int64; default all 0
     meta: dict[str, Any] = field(default_factory=dict)
     plan_kv_length: np.ndarray | None = None  # [R] float64: the KV each round's plan saw
+    kv_max_length: np.ndarray | None = None  # [R] float64: the longest request's KV length
 
     def __post_init__(self) -> None:
         w = int(self.draft_width)
@@ -92,6 +95,16 @@ class RoundTrace:
                 raise SchemaError("plan_kv_length", pkv.size,
                                   f"{r} finite values >= 0, one per round")
             object.__setattr__(self, "plan_kv_length", pkv)
+        if self.kv_max_length is not None:
+            mx = np.asarray(self.kv_max_length, dtype=np.float64).reshape(-1)
+            if mx.size != r or not np.isfinite(mx).all():
+                raise SchemaError("kv_max_length", mx.size, f"{r} finite values, one per round")
+            low = mx < kv * (1.0 - 1e-9)
+            if low.any():
+                i = int(np.argmax(low))
+                raise SchemaError("kv_max_length", float(mx[i]),
+                                  f">= the round's mean kv_length {kv[i]:g} (round {i})")
+            object.__setattr__(self, "kv_max_length", mx)
         if self.draft_scores is not None:
             s = np.asarray(self.draft_scores, dtype=np.float32)
             if s.shape != (acc.size, w):
@@ -122,6 +135,17 @@ class RoundTrace:
         rounds it has collected, two rounds behind on the pipelined loop), else ``kv_length``
         (a trace from elsewhere: the KV after the round is the best it says)."""
         return self.kv_length if self.plan_kv_length is None else self.plan_kv_length
+
+    def kv_spread(self) -> dict[str, float] | None:
+        """How far each round's longest request sat past the mean KV its round is priced at:
+        the median and 90th percentile of ``kv_max_length / kv_length`` over the rounds and the
+        share of rounds past 1.5x (%); None when the trace did not record the longest."""
+        if self.kv_max_length is None or self.num_rounds == 0:
+            return None
+        ratio = self.kv_max_length / np.maximum(self.kv_length, 1.0)
+        return {"median_max_over_mean": float(np.median(ratio)),
+                "p90_max_over_mean": float(np.percentile(ratio, 90)),
+                "rounds_past_1_5x_pct": float(100.0 * np.mean(ratio > 1.5))}
 
     @property
     def full_width(self) -> bool:
@@ -232,6 +256,7 @@ class RoundTraceBuilder:
         self._acc: list[np.ndarray] = []
         self._scores: list[np.ndarray] = []
         self._plan_kv: list[float | None] = []
+        self._kv_max: list[float] = []
 
     def add(self, k: int, accepted: Any, draft_scores: Any, kv_lengths: Any,
             plan_kv_length: float | None = None) -> None:
@@ -245,6 +270,7 @@ class RoundTraceBuilder:
         sc[:, :k] = np.asarray(draft_scores, dtype=np.float32).reshape(acc.size, k)
         self._b.append(acc.size)
         self._kv.append(float(np.mean(kv_lengths)))
+        self._kv_max.append(float(np.max(kv_lengths)))
         self._k.append(int(k))
         self._acc.append(acc)
         self._scores.append(sc)
@@ -266,6 +292,7 @@ class RoundTraceBuilder:
             meta=meta or {},
             plan_kv_length=None if not self._plan_kv or None in self._plan_kv
             else np.asarray(self._plan_kv, dtype=np.float64),
+            kv_max_length=np.asarray(self._kv_max, dtype=np.float64),
         )
 
 
@@ -389,8 +416,9 @@ def _to_parquet(trace: Trace) -> bytes:
             "phase": pa.array(trace.phase),
             "accepted": pa.LargeListArray.from_arrays(offsets, pa.array(trace.accepted)),
         }
-        if trace.plan_kv_length is not None:
-            cols["plan_kv_length"] = pa.array(trace.plan_kv_length)
+        for name in ("plan_kv_length", "kv_max_length"):
+            if getattr(trace, name) is not None:
+                cols[name] = pa.array(getattr(trace, name))
         if trace.draft_scores is not None:
             cols["draft_scores"] = pa.LargeListArray.from_arrays(
                 pa.array(offsets.to_numpy() * w),
@@ -448,6 +476,8 @@ def _from_parquet(path: Path) -> Trace:
             meta=h.get("meta", {}),
             plan_kv_length=plain("plan_kv_length", np.float64)
             if "plan_kv_length" in table.column_names else None,
+            kv_max_length=plain("kv_max_length", np.float64)
+            if "kv_max_length" in table.column_names else None,
         )
     return TokenTrace(
         draft_width=w,
@@ -477,8 +507,9 @@ def _to_jsonl(trace: Trace) -> bytes:
                 "phase": int(trace.phase[r]),
                 "accepted": trace.accepted[cu[r] : cu[r + 1]].tolist(),
             }
-            if trace.plan_kv_length is not None:
-                row["plan_kv_length"] = float(trace.plan_kv_length[r])
+            for name in ("plan_kv_length", "kv_max_length"):
+                if getattr(trace, name) is not None:
+                    row[name] = float(getattr(trace, name)[r])
             if trace.draft_scores is not None:
                 row["draft_scores"] = _nan_to_none(trace.draft_scores[cu[r] : cu[r + 1]])
             lines.append(json.dumps(row, allow_nan=False))
@@ -534,6 +565,7 @@ def _from_jsonl(path: Path) -> Trace:
             draft_scores=scores_of(rows),
             meta=h.get("meta", {}),
             plan_kv_length=_optional_column(rows, "plan_kv_length", np.float64),
+            kv_max_length=_optional_column(rows, "kv_max_length", np.float64),
         )
     return TokenTrace(
         draft_width=w,

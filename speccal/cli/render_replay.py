@@ -166,6 +166,9 @@ def print_replay(d: dict[str, Any]) -> None:
     if traffic:
         err_console.print(state_traffic_line(traffic), soft_wrap=True)
     err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}", markup=False)
+    line = kv_spread_line(d.get("kv_spread"))
+    if line:
+        err_console.print(line, markup=False, soft_wrap=True)
     for p in d["policies"]:
         gain = p.get("gain_vs_best_fixed_pct")
         if p["name"].startswith("adaptive") and gain is not None:
@@ -189,3 +192,25 @@ def print_plot(summary: dict[str, Any]) -> None:
         err_console.print(
             f"replay: best fixed {r['best_fixed']}; gain vs best fixed: {gains}", markup=False
         )
+
+
+#: the share of rounds (%) whose longest request sits past 1.5x the batch's mean KV above which
+#: the replay cautions that its prices are low there
+SPREAD_CAUTION_PCT = 10.0
+
+
+def kv_spread_line(spread: dict | None) -> str | None:
+    """One line on how far the rounds' KV lengths spread past the mean each is priced at
+    (``RoundTrace.kv_spread``), with a caution where many rounds spread far; None without it."""
+    if not spread:
+        return None
+    line = (f"KV spread: the longest request at {spread['median_max_over_mean']:.2f}x its "
+            f"round's mean KV (median; 90th percentile {spread['p90_max_over_mean']:.2f}x), "
+            f"{spread['rounds_past_1_5x_pct']:.0f} % of rounds past 1.5x")
+    if spread["rounds_past_1_5x_pct"] > SPREAD_CAUTION_PCT:
+        line += (". Rounds are priced at their mean KV and the calibration measures batches "
+                 "of near-equal KV lengths: a batch whose KV spreads costs more than its mean "
+                 "(most where one request is much longer than the rest; "
+                 "bench/bench_kv_spread.py measures it), so read these rounds' predicted "
+                 "tokens/s as optimistic")
+    return line

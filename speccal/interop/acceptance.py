@@ -115,6 +115,7 @@ class Acceptance:
             draft_width=w,
             num_requests=sizes,
             kv_length=kv,
+            kv_max_length=None if self.kv_length is None else np.maximum.reduceat(kv_rows, starts),
             k=np.full(sizes.size, w, dtype=np.int64),
             accepted=self.accepted[order],
             draft_scores=None,

@@ -72,6 +72,8 @@ def test_small_sweep_prices_every_round_and_replays_the_live_decisions(sweep):
                 # requests with their own max_tokens leave one by one: the batch shrinks
                 assert r["batch_max"] == d["workload"]["num_requests"] > r["batch_min"]
                 assert r["output_tokens"] == sum(d["workload"]["max_tokens"])
+                # the live trace records each round's longest request: never below its mean
+                assert r["kv_spread"]["median_max_over_mean"] >= 1.0
         assert np.isfinite(d["gain_vs_best_fixed_pct"])
         assert np.isfinite(d["gain_vs_phase_oracle_pct"])
         assert len(d["phases"]) == (2 if d["workload"]["phased"] else 1)

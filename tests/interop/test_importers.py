@@ -139,6 +139,8 @@ def test_csv_keeps_the_recorded_rounds_and_kv(trace, tmp_path):
     assert tr.num_rounds == 30 and (tr.num_requests == 8).all()
     assert np.array_equal(tr.accepted, trace.accepted[:240])
     assert np.allclose(tr.kv_length, trace.kv_length[:30])
+    # each row's KV is its round's here: the longest request of a round is the round's mean
+    assert np.allclose(tr.kv_max_length, tr.kv_length)
     assert _survival(tr) == engine_files.counts(trace, slice(0, 30))["per_pos"]
 
 

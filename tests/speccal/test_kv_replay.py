@@ -73,3 +73,26 @@ def test_kv_aware_decisions_move_with_context_and_beat_one_context():
     flat_tps = 1000.0 * flat.tokens.sum() / flat_ms.sum()
     gain_pct = 100.0 * (aware.totals()["tokens_per_s"] / flat_tps - 1.0)
     assert gain_pct > 2.0, gain_pct
+
+
+def test_replay_reports_the_kv_spread_and_cautions_where_it_is_wide():
+    """A trace that recorded each round's longest request: the replay's report carries how far
+    it sat past the mean the round is priced at, and its line cautions when many rounds spread
+    far (a trace without it reports nothing)."""
+    from dataclasses import replace
+
+    from speccal.cli.render_replay import kv_spread_line
+
+    trace = _trace()
+    cost = CostModel.from_table(_table(((256, 1, 512), (2048, 513, 4096), (6000, 4097, 8192))))
+    cfg = ReplayConfig(policies=("adaptive-step",))
+    assert replay(trace, cost, cfg).to_dict()["kv_spread"] is None
+    # every third round has one request at 3x the mean, the others at the mean
+    wide = np.where(np.arange(trace.num_rounds) % 3 == 0, 3.0, 1.0) * trace.kv_length
+    spread = replay(replace(trace, kv_max_length=wide), cost, cfg).to_dict()["kv_spread"]
+    assert spread["median_max_over_mean"] == 1.0 and spread["p90_max_over_mean"] == 3.0
+    assert abs(spread["rounds_past_1_5x_pct"] - 100 / 3) < 1.0
+    line = kv_spread_line(spread)
+    assert "1.00x" in line and "33 % of rounds past 1.5x" in line and "optimistic" in line
+    narrow = kv_spread_line({**spread, "rounds_past_1_5x_pct": 5.0})
+    assert "optimistic" not in narrow and kv_spread_line(None) is None

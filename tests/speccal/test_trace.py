@@ -144,3 +144,34 @@ def test_plan_kv_length_is_validated(tmp_path):
     p.write_text("\n".join([lines[0], lines[1], json.dumps(row)]) + "\n")
     with pytest.raises(SchemaError, match="plan_kv_length"):
         load_trace(p)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_kv_max_length_round_trips_and_measures_the_spread(tmp_path, suffix):
+    """The builder records each round's longest request (``kv_max_length``); it survives both
+    formats, and ``kv_spread`` says how far past the round's mean KV it sat."""
+    b = RoundTraceBuilder(3)
+    b.add(3, [1, 2], [[0.5] * 3, [0.5] * 3], [10, 30])  # mean 20, longest 30: 1.5x
+    b.add(3, [0, 3, 1, 1], [[0.5] * 3] * 4, [100, 10, 10, 40])  # mean 40, longest 100: 2.5x
+    b.add(3, [1], [[0.5] * 3], [7])  # one request: 1x
+    tr = b.build()
+    np.testing.assert_array_equal(tr.kv_max_length, [30.0, 100.0, 7.0])
+    back = load_trace(save_trace(tr, tmp_path / f"t{suffix}"))
+    np.testing.assert_array_equal(back.kv_max_length, [30.0, 100.0, 7.0])
+    spread = back.kv_spread()
+    assert spread["median_max_over_mean"] == pytest.approx(1.5)
+    assert spread["rounds_past_1_5x_pct"] == pytest.approx(100 / 3)
+    assert spread["p90_max_over_mean"] == pytest.approx(np.percentile([1.5, 2.5, 1.0], 90))
+    bare = RoundTrace(draft_width=3, num_requests=[1, 2], kv_length=[5.0, 9.0], k=[3, 3],
+                      accepted=[1, 2, 0])  # a trace from elsewhere: no longest recorded
+    plain = load_trace(save_trace(bare, tmp_path / f"p{suffix}"))
+    assert plain.kv_max_length is None and plain.kv_spread() is None
+
+
+def test_kv_max_length_is_validated():
+    with pytest.raises(SchemaError, match="kv_max_length.*mean kv_length 5"):
+        RoundTrace(draft_width=3, num_requests=[1], kv_length=[5.0], k=[3], accepted=[1],
+                   kv_max_length=[4.0])
+    with pytest.raises(SchemaError, match="kv_max_length"):
+        RoundTrace(draft_width=3, num_requests=[1, 1], kv_length=[5.0, 6.0], k=[3, 3],
+                   accepted=[1, 1], kv_max_length=[5.0])
