@@ -11,13 +11,17 @@ cu_q_lens[b + 1]``, the verify layout of the Triton path) or a ``[B, R]`` grid; 
 ``q_len`` is at position ``seq_lens[b] - q_len + i`` and sees keys ``0 .. max(position, 0)``.
 
 1. ``_split_kernel``, grid ``(B, max_splits, cdiv(R * heads, BLOCK_M))``: online softmax over
-   the split's ``SPLIT`` keys (scores from the latent and rope parts in fp32, the value product
+   the split's keys (request ``b``'s ``seq_lens[b]`` keys cut into ``max_splits`` runs of a
+   multiple of ``BLOCK_N``, at least ``MIN_SPLIT``: :func:`plan_max_splits` sizes the grid so
+   the programs of a bucket fill the GPU about twice whatever the cache's capacity, and the
+   workspace stays a few MB; scores from the latent and rope parts in fp32, the value product
    in the cache's dtype with fp32 accumulation, as flash attention), partial output and
    log-sum-exp to a workspace; splits past the request's keys write an empty partial.
 2. ``_merge_kernel``, grid ``(B * R * heads,)``: the splits merged by their log-sum-exp,
    written to the cell's row in the query's dtype (cells past a request's rows exit).
 
-Grids depend only on static shapes (``max_splits`` from the block table's width), so the
+Grids depend only on static shapes (``max_splits`` from the bucket's shape and the block
+table's width; each request's split length is derived from its length in the kernel), so the
 launches are CUDA-graph safe.
 """
 
@@ -27,13 +31,23 @@ import torch
 import triton
 import triton.language as tl
 
+from speccal.kernels._backend import num_sms
 from speccal.kernels.pdl import pdl_enter
 
 __all__ = ["mla_latent_attention_triton"]
 
 _BLOCK_M = 16
 _BLOCK_N = 32
-SPLIT = 64  # keys per split program
+MIN_SPLIT = 64  # the fewest keys a split program takes (unless its request has fewer)
+
+
+def plan_max_splits(batch: int, rows: int, capacity: int, sms: int) -> int:
+    """Split programs per request: enough that ``batch x splits x row tiles`` programs fill
+    the GPU about twice (``2 sms``), never more than the cache's capacity in ``MIN_SPLIT``-key
+    runs, at least one. The grid and the fp32 workspace (``B x splits x rows x latent``) then
+    stay bounded by the GPU, not by ``max_model_len``."""
+    tiles = triton.cdiv(rows, _BLOCK_M)
+    return max(1, min(triton.cdiv(capacity, MIN_SPLIT), triton.cdiv(2 * sms, batch * tiles)))
 
 
 @triton.jit
@@ -55,7 +69,7 @@ def _split_kernel(
     R, max_blocks, max_splits, scale,
     stride_qn, stride_qh, stride_slot, stride_bt,
     PACKED: tl.constexpr, HEADS: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, LAT_P: tl.constexpr,
-    ROPE_P: tl.constexpr, BS: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    ROPE_P: tl.constexpr, BS: tl.constexpr, MIN_SPLIT_N: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     b, s, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -67,8 +81,10 @@ def _split_kernel(
     ok_m = (m < rows) & (i < q_len)
     seq = tl.load(seq_ptr + b)
     q_pos = tl.maximum(seq - q_len + i, 0)  # [BLOCK_M]
-    start = s * SPLIT_N
-    stop = tl.minimum(start + SPLIT_N, seq)
+    # this request's split length: its keys over max_splits programs, whole key tiles
+    split = tl.maximum(tl.cdiv(tl.cdiv(seq, max_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_N)
+    start = s * split
+    stop = tl.minimum(start + split, seq)
     lat = tl.arange(0, LAT_P)
     rope = tl.arange(0, ROPE_P)
     ok_lat = lat < LAT
@@ -156,7 +172,7 @@ def mla_latent_attention_triton(q, cache, block_table, seq_lens, cu_q_lens, num_
     num_b = block_table.shape[0]
     bs = cache.shape[1]
     max_blocks = block_table.shape[1]
-    max_splits = triton.cdiv(max_blocks * bs, SPLIT)
+    max_splits = plan_max_splits(num_b, num_rows * heads, max_blocks * bs, num_sms(q.device))
     rows = num_rows * heads
     rope = dim - latent_dim
     lat_p = max(triton.next_power_of_2(latent_dim), 16)
@@ -172,7 +188,7 @@ def mla_latent_attention_triton(q, cache, block_table, seq_lens, cu_q_lens, num_
         num_rows, max_blocks, max_splits, scale,
         q.stride(0), q.stride(1), cache.stride(1), block_table.stride(0),
         PACKED=packed, HEADS=heads, LAT=latent_dim, ROPE=rope, LAT_P=lat_p,
-        ROPE_P=max(triton.next_power_of_2(rope), 16), BS=bs, SPLIT_N=SPLIT, BLOCK_M=_BLOCK_M,
+        ROPE_P=max(triton.next_power_of_2(rope), 16), BS=bs, MIN_SPLIT_N=MIN_SPLIT, BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N, PREC=prec, PDL=pdl, num_warps=8 if lat_p >= 256 else 4,
         launch_pdl=pdl,
     )

@@ -23,6 +23,7 @@ CASES = [
     (3, 1, 4, 32, 16, 16, 4),
     (2, 4, 3, 40, 8, 16, 5),  # verify rows, odd widths: masked channel tiles
     (4, 2, 5, 24, 12, 8, 9),  # more splits than one key tile, small blocks
+    (12, 2, 16, 32, 16, 16, 200),  # a long cache: 11 splits of several key tiles each
 ]
 if DEV != "cpu":
     CASES += [(8, 4, 16, 512, 64, 16, 80), (2, 1, 128, 512, 64, 64, 40)]  # V3's 128 heads
@@ -103,3 +104,20 @@ def test_bad_input_names_the_field():
         ops.mla_latent_attention(q, cache, table, seq, None, 1, 48, 0.1)
     with pytest.raises(Exception, match="cu_q_lens"):
         ops.mla_latent_attention(q, cache, table, seq, seq, 1, 32, 0.1)
+
+
+def test_split_plan_is_bounded_by_the_gpu_not_the_cache():
+    """``plan_max_splits``: about twice the SMs in programs, at most the cache in 64-key runs,
+    at least one; so the fp32 workspace is bounded by the GPU or by the rows themselves (one
+    split), never by ``max_model_len``."""
+    from speccal.kernels.mla_decode import MIN_SPLIT, plan_max_splits
+
+    assert plan_max_splits(1, 16, 1536, 132) == 1536 // MIN_SPLIT  # short cache: 64-key runs
+    assert plan_max_splits(1, 16, 131072, 132) == 264  # long cache: the GPU bounds it
+    assert plan_max_splits(64, 64, 131072, 132) == 2  # 64 requests x 4 row tiles
+    assert plan_max_splits(512, 512, 131072, 132) == 1
+    for b, rows, cap in [(1, 16, 131072), (8, 64, 32768), (64, 512, 131072)]:
+        splits = plan_max_splits(b, rows, cap, 132)
+        workspace = b * splits * rows * 512 * 4
+        bound = max(2 * 132 * 16 * 2, b * rows) * 512 * 4
+        assert workspace <= bound, (b, rows, cap, workspace)
