@@ -75,6 +75,9 @@ class PolicyRun:
     num_requests: np.ndarray
     phase: np.ndarray
     reasons: dict[str, int] = field(default_factory=dict)
+    # [R] the same decisions priced as if every request sat at its round's longest KV
+    # (price_at_longest_kv); None where the trace did not record the longest
+    cost_ms_at_longest: np.ndarray | None = None
 
     @property
     def priced(self) -> bool:
@@ -599,6 +602,7 @@ class ReplayReport:
                     "gain_vs_best_fixed_pct": _f(100.0 * (t["tokens_per_s"] / best - 1.0))
                     if t
                     else None,
+                    "tokens_per_s_at_longest_kv": _at_longest(r) if r.priced else None,
                     "mean_k": float(np.mean(r.k)),
                     "mean_g": float(np.mean(r.g)),
                     "switches": int(np.count_nonzero(np.diff(r.k)))
@@ -634,6 +638,26 @@ class ReplayReport:
             "kv_spread": self.kv_spread,
             "elapsed_s": round(self.elapsed_s, 4),
         }
+
+
+def price_at_kv(run: PolicyRun, cost: CostModel, kv_length: np.ndarray) -> np.ndarray:
+    """``[R]`` the cost of ``run``'s decisions (its ``k`` and ``G`` per round) at other KV
+    lengths: at each round's longest request (``RoundTrace.kv_max_length``) it prices the
+    round as if every request were that long, an upper bound on its cost where the KV spreads
+    (the table prices the mean: a lower one in every spread layout measured)."""
+    bcap = cost.bcap(run.num_requests)
+    k = run.k if cost.mode == "draft_step" else None
+    return np.asarray(cost.lookup(bcap, run.g, np.asarray(kv_length, dtype=np.float64), k),
+                      dtype=np.float64)
+
+
+def _at_longest(run: PolicyRun) -> float | None:
+    """tokens/s of ``run`` priced at each round's longest KV; None where any round is
+    unpriced there (past the table's KV span) or it was not recorded."""
+    c = run.cost_ms_at_longest
+    if c is None or c.size == 0 or not bool((np.isfinite(c) & (c > 0)).all()):
+        return None
+    return _f(1000.0 * float(np.sum(run.tokens)) / float(np.sum(c)))
 
 
 def _f(x: float) -> float | None:
@@ -716,6 +740,9 @@ def replay(
     if isinstance(trace, RoundTrace):
         oracle, choice = _phase_oracle(fixed, phase)
         all_runs = runs + [oracle] + fixed
+        if trace.kv_max_length is not None:
+            for r in all_runs:
+                r.cost_ms_at_longest = price_at_kv(r, cost, trace.kv_max_length)
     else:
         choice = {0: best.name}
         all_runs = runs + fixed

@@ -166,7 +166,7 @@ def print_replay(d: dict[str, Any]) -> None:
     if traffic:
         err_console.print(state_traffic_line(traffic), soft_wrap=True)
     err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}", markup=False)
-    line = kv_spread_line(d.get("kv_spread"))
+    line = kv_spread_line(d.get("kv_spread"), d["policies"])
     if line:
         err_console.print(line, markup=False, soft_wrap=True)
     for p in d["policies"]:
@@ -199,9 +199,11 @@ def print_plot(summary: dict[str, Any]) -> None:
 SPREAD_CAUTION_PCT = 10.0
 
 
-def kv_spread_line(spread: dict | None) -> str | None:
+def kv_spread_line(spread: dict | None, policies: list[dict] | None = None) -> str | None:
     """One line on how far the rounds' KV lengths spread past the mean each is priced at
-    (``RoundTrace.kv_spread``), with a caution where many rounds spread far; None without it."""
+    (``RoundTrace.kv_spread``), with a caution where many rounds spread far and, there, each
+    policy's tokens/s priced at every round's longest request (the other end of the range the
+    truth lies in); None without it."""
     if not spread:
         return None
     line = (f"KV spread: the longest request at {spread['median_max_over_mean']:.2f}x its "
@@ -213,4 +215,9 @@ def kv_spread_line(spread: dict | None) -> str | None:
                  "(most where one request is much longer than the rest; "
                  "bench/bench_kv_spread.py measures it), so read these rounds' predicted "
                  "tokens/s as optimistic")
+        ends = [f"{p['name']} {p['tokens_per_s_at_longest_kv']:,.1f}"
+                for p in policies or () if p.get("tokens_per_s_at_longest_kv") is not None]
+        if ends:
+            line += ("; priced as if every request were its round's longest (a floor): "
+                     + ", ".join(ends) + " tokens/s")
     return line

@@ -96,3 +96,30 @@ def test_replay_reports_the_kv_spread_and_cautions_where_it_is_wide():
     assert "1.00x" in line and "33 % of rounds past 1.5x" in line and "optimistic" in line
     narrow = kv_spread_line({**spread, "rounds_past_1_5x_pct": 5.0})
     assert "optimistic" not in narrow and kv_spread_line(None) is None
+
+
+def test_the_longest_request_prices_a_floor_under_the_mean_price():
+    """``price_at_kv``: at the rounds' own mean KV it reproduces every run's replay cost; at
+    each round's longest request (every request that long) it costs more where the KV grows
+    the cost, so each policy's tokens/s there is a floor under its mean-priced tokens/s, and
+    the report and its line carry it."""
+    from dataclasses import replace
+
+    from speccal.cli.render_replay import kv_spread_line
+    from speccal.replay import price_at_kv
+
+    trace = _trace()
+    cost = CostModel.from_table(_table(((256, 1, 512), (2048, 513, 4096), (6000, 4097, 8192))))
+    wide = np.where(np.arange(trace.num_rounds) % 2 == 0, 2.0, 1.0) * trace.kv_length
+    wide = np.minimum(wide, 8192.0)  # inside the table's KV span
+    rep = replay(replace(trace, kv_max_length=wide), cost,
+                 ReplayConfig(policies=("adaptive-step",)))
+    for run in rep.runs:
+        np.testing.assert_allclose(price_at_kv(run, cost, trace.kv_length), run.cost_ms)
+        assert (run.cost_ms_at_longest >= run.cost_ms - 1e-12).all()
+    d = rep.to_dict()
+    for p in d["policies"]:
+        if p["priced"]:
+            assert p["tokens_per_s_at_longest_kv"] < p["tokens_per_s"], p["name"]
+    line = kv_spread_line(d["kv_spread"], d["policies"])
+    assert "a floor" in line and "adaptive-step" in line
