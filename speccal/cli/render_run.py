@@ -18,6 +18,7 @@ from rich.table import Table
 
 from speccal.base.progress import ProgressReporter
 from speccal.base.rich_tables import make_console, print_table
+from speccal.cli.render_replay import SPREAD_CAUTION_PCT, kv_spread_line
 
 err_console = make_console()
 
@@ -152,6 +153,12 @@ def print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
             "uncalibrated); calibrate the engine's captured buckets",
             soft_wrap=True,
         )
+    spreads = [s["kv_spread"] for s in doc["policies"] if s.get("kv_spread")]
+    if spreads:
+        widest = max(spreads, key=lambda x: x["rounds_past_1_5x_pct"])
+        if widest["rounds_past_1_5x_pct"] > SPREAD_CAUTION_PCT:
+            err_console.print(f"[yellow]warning[/]: {escape(kv_spread_line(widest))}",
+                              soft_wrap=True)
     if repeats > 1:
         err_console.print(
             "run order (" + doc["order"]["scheme"] + "): " + " ".join(doc["order"]["sequence"]),

@@ -156,6 +156,8 @@ class LiveRun:
             "rounds_priced": None if self.priced is None else int(self.priced.sum()),
             "rounds_uncalibrated": (None if self.priced is None
                                     else int(self.priced.size - self.priced.sum())),
+            # how far each round's longest request sat past the mean KV it is priced at
+            "kv_spread": self.trace.kv_spread(),
             "timeline": self.timeline(),
         }
 

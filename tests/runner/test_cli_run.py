@@ -231,6 +231,10 @@ def test_bench_policies_json_live_vs_replay(tiny_table, tmp_path):
     tr = load_trace(doc["traces"]["adaptive-step"])
     assert tr.num_rounds == ad["rounds"] and tr.meta["policy"] == "adaptive-step"
     assert tr.meta["phases"] == doc["setup"]["phases"]
+    # every prompt is as long: the KV lengths part only by what each request accepted
+    assert tr.kv_max_length is not None and (tr.kv_max_length >= tr.kv_length).all()
+    assert 1.0 < ad["kv_spread"]["median_max_over_mean"] < 1.2
+    assert ad["kv_spread"]["rounds_past_1_5x_pct"] == 0.0
 
 
 def test_bench_policy_reports_performance_only_table_warnings(tiny_table, tmp_path):
@@ -330,14 +334,15 @@ def test_bench_policy_table_of_another_width_refused(tiny_table):
     assert "draft_width" in r.stderr and "Traceback" not in r.stderr
 
 
-# The top-level and per-policy keys of a single-run ``bench --policy --json`` (as before repeats).
+# The top-level and per-policy keys of a single-run ``bench --policy --json`` (as before repeats;
+# ``kv_spread`` added with the traces' longest request).
 N1_KEYS = {"policies", "best_fixed", "setup", "cost_table", "table_mode", "table_warnings",
            "traces", "engine"}  # fmt: skip
 N1_POLICY_KEYS = {
     "policy", "rounds", "round_tokens_per_s", "tokens_per_s", "tpot_ms", "acceptance_rate",
     "mean_accepted_length", "mean_k", "mean_round_ms", "decode_s", "loop_tokens_per_s", "loop_s",
     "prefill_s", "output_tokens", "round_tokens", "switches", "reasons", "timeline", "replay",
-    "gain_vs_best_fixed_pct", "rounds_priced", "rounds_uncalibrated",
+    "gain_vs_best_fixed_pct", "rounds_priced", "rounds_uncalibrated", "kv_spread",
 }  # fmt: skip
 REPEAT_ARGS = ["--request-buckets", "1,2,4", "--num-requests", "2", "--max-tokens", "8", "--json"]
 
