@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from speccal.kernels.pdl import pdl_enter
+from speccal.kernels.reference_moe import SIGMOID_NORM_EPS
 
 __all__ = ["fused_moe_triton", "moe_align_triton", "moe_route_triton", "moe_sum_slots_triton"]
 
@@ -354,7 +355,7 @@ def moe_route_triton(logits, bias, top_k, scoring, num_groups, topk_groups, norm
     weights = torch.empty(n, top_k, dtype=torch.float32 if sigmoid else logits.dtype,
                           device=logits.device)
     ids = torch.empty(n, top_k, dtype=torch.long, device=logits.device)
-    eps = (1e-20 if sigmoid else 0.0) if normalise else 0.0
+    eps = SIGMOID_NORM_EPS if sigmoid and normalise else 0.0
     _route_kernel[(n,)](
         logits, bias if bias is not None else logits, weights, ids, logits.stride(0), scale, eps,
         E=num_experts, E_P=triton.next_power_of_2(num_experts), TOP_K=top_k,
