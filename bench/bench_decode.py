@@ -74,15 +74,16 @@ def floor_bytes(eng: Engine, kv_tokens: int) -> int:
     return n
 
 
-def fill(eng: Engine, batch: int, k: int, kv: int = KV) -> None:
-    """``batch`` requests at KV ~``kv``, one real round of ``k`` drafts (stages every buffer)."""
+def fill(eng: Engine, batch: int, k: int, kv: int = KV, *, lengths: list[int] | None = None,
+         max_tokens: int = 512) -> None:
+    """``batch`` requests at KV ~``kv`` (or request ``i`` at ~``lengths[i]``), one real round of
+    ``k`` drafts (stages every buffer)."""
     eng.reset()
     vocab = eng.loaded.config.vocab_size
     rng = np.random.default_rng(0)
-    for _ in range(batch):
-        eng.add_request(
-            rng.integers(0, vocab, kv - 1).tolist(), SamplingParams(max_tokens=512, ignore_eos=True)
-        )
+    for n in lengths if lengths is not None else [kv] * batch:
+        eng.add_request(rng.integers(0, vocab, max(n - 1, 1)).tolist(),
+                        SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     eng.prefill_pending()
     eng.step(RoundPlan(num_draft_steps=k))
     eng.synchronize()

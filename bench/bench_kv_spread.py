@@ -29,14 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
+from bench_decode import fill as decode_fill
 from cuda_timing import events_ms
 from results import append_results, git_commit
 
-from speccal.runner.engine import Engine, EngineConfig, RoundPlan
+from speccal.runner.engine import Engine, EngineConfig
 from speccal.runner.graphs import GraphKey
-from speccal.runner.sampling import SamplingParams
 
 
 def layouts(batch: int, mean: int, context: int) -> dict[str, list[int]]:
@@ -53,16 +52,9 @@ def layouts(batch: int, mean: int, context: int) -> dict[str, list[int]]:
 
 
 def fill(eng: Engine, lengths: list[int], k: int) -> None:
-    """Requests at KV ``lengths``, one real round of ``k`` drafts (stages every buffer)."""
-    eng.reset()
-    vocab = eng.loaded.config.vocab_size
-    rng = np.random.default_rng(0)
-    for n in lengths:
-        eng.add_request(rng.integers(0, vocab, max(n - 1, 1)).tolist(),
-                        SamplingParams(max_tokens=64, ignore_eos=True))
-    eng.prefill_pending()
-    eng.step(RoundPlan(num_draft_steps=k))
-    eng.synchronize()
+    """Requests at KV ``lengths``, one real round of ``k`` drafts (``bench_decode.fill``; few
+    tokens to go, so the longest prompt fits the context)."""
+    decode_fill(eng, len(lengths), k, lengths=lengths, max_tokens=64)
 
 
 def round_ms(eng: Engine, bcap: int, k: int, repeats: int) -> float:

@@ -418,12 +418,13 @@ def mla_latent_attention(
     _need(0 < latent_dim < dim, "latent_dim", latent_dim, f"in 1 .. {dim - 1}")
     args = (q, cache, block_table, seq_lens, cu_q_lens, num_rows, latent_dim, scale)
     chosen = backend or tune.backend
-    if chosen == "triton" and not mla_rows_aligned(cache, latent_dim):
+    aligned = mla_rows_aligned(cache, latent_dim)
+    if chosen == "triton" and not aligned:
         raise UnsupportedError(
             f"mla_latent_attention on Triton: cache rows of {dim} x {cache.element_size()} bytes "
             f"with the rope part at {latent_dim} x {cache.element_size()}: expected both multiples "
             f"of 16 bytes (every MLA checkpoint's 512 + 64 channels are)")
-    if not use_triton(q, chosen) or not mla_rows_aligned(cache, latent_dim):
+    if not use_triton(q, chosen) or not aligned:
         return ref.mla_latent_attention_ref(*args)
     from speccal.kernels.mla_decode import mla_latent_attention_triton
 

@@ -90,16 +90,10 @@ def fused_moe(
     if use_triton(x, backend or tune.backend) and ids.numel() <= ALIGN_MAX_PAIRS:
         _need(block_m >= 16 and not block_m & (block_m - 1), "block_m", block_m,
               "a power of two >= 16 (tl.dot's M tile)")
-        if not dry_pass_active():
-            return _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m,
-                                   tune)
-        # the precompile dry pass: activations as zeros (its rule for activation ops), the
-        # counts real
-        counts = _dry_experts_triton(x, weights, ids, gate_up, down, row_mask, block_m, tune)
-        return torch.zeros_like(x), counts
-    masked = ids if row_mask is None else torch.where(row_mask[:, None], ids, num_experts)
-    out, counts = _experts(x, weights, masked, gate_up, down, num_experts, block_m, backend, tune,
-                           sentinel=row_mask is not None)
+        return _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m,
+                               tune, dry=dry_pass_active())
+    out, counts = _experts(x, weights, _to_sentinel(ids, row_mask, num_experts), gate_up, down,
+                           num_experts, block_m, backend, tune, sentinel=row_mask is not None)
     if row_mask is not None:
         out = torch.where(row_mask[:, None], out, 0)  # the sentinel pairs wrote nothing
     if activated is not None:
@@ -111,42 +105,34 @@ def fused_moe(
 ALIGN_MAX_PAIRS = 8192
 
 
-def _dry_experts_triton(x, weights, ids, gate_up, down, row_mask, block_m, tune
-                        ) -> torch.Tensor:  # counts [E]
-    """The precompile dry pass's launches of :func:`_experts_triton`, each on inputs that are
-    valid whether or not the launches before it ran: a launch is skipped only while its kernel
-    still compiles, so the layout the expert kernels index by comes from the reference, never
-    from a skipped layout launch's empty buffers (an illegal address)."""
-    from speccal.kernels.fused_moe import (
-        fused_moe_triton,
-        moe_align_triton,
-        moe_sum_slots_triton,
-    )
-
-    pdl = pdl_level(x, tune) > 0
-    num_experts = gate_up.shape[0]
-    moe_align_triton(ids, num_experts, block_m, row_mask, None, pdl=pdl)
-    masked = ids if row_mask is None else torch.where(row_mask[:, None], ids, num_experts)
-    pairs, blocks, counts = ref.moe_align_ref(masked, num_experts, block_m,
-                                              sentinel=row_mask is not None)
-    prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
-    pair_out = fused_moe_triton(x, weights.contiguous(), gate_up, down, pairs, blocks, prec,
-                                pdl=pdl)
-    moe_sum_slots_triton(pair_out, ids, row_mask, pdl=pdl)  # reads values only
-    return counts
+def _to_sentinel(ids: torch.Tensor, row_mask: torch.Tensor | None, num_experts: int
+                 ) -> torch.Tensor:
+    """``ids`` with the rows outside ``row_mask`` sent to the sentinel expert ``num_experts``."""
+    return ids if row_mask is None else torch.where(row_mask[:, None], ids, num_experts)
 
 
-def _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m, tune):
-    """:func:`fused_moe`'s Triton path: four launches (see its docstring)."""
+def _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m, tune, *,
+                    dry: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_moe`'s Triton path: four launches (see its docstring). ``dry``: the
+    precompile dry pass, where a launch is skipped only while its kernel still compiles, so
+    the expert kernels index by the reference layout, never by a skipped layout launch's
+    empty buffers (an illegal address); the output is zeros (the dry pass's rule for
+    activations), the counts real, the masks untouched."""
     from speccal.kernels.fused_moe import fused_moe_triton, moe_align_triton, moe_sum_slots_triton
 
     pdl = pdl_level(x, tune) > 0
-    pairs, blocks, counts = moe_align_triton(ids, gate_up.shape[0], block_m, row_mask,
-                                             activated, pdl=pdl)
+    num_experts = gate_up.shape[0]
+    pairs, blocks, counts = moe_align_triton(ids, num_experts, block_m, row_mask,
+                                             None if dry else activated, pdl=pdl)
+    if dry:
+        pairs, blocks, counts = ref.moe_align_ref(_to_sentinel(ids, row_mask, num_experts),
+                                                  num_experts, block_m,
+                                                  sentinel=row_mask is not None)
     prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
     pair_out = fused_moe_triton(x, weights.contiguous(), gate_up, down, pairs, blocks, prec,
                                 pdl=pdl)
-    return moe_sum_slots_triton(pair_out, ids, row_mask, pdl=pdl), counts
+    out = moe_sum_slots_triton(pair_out, ids, row_mask, pdl=pdl)  # reads values only
+    return (torch.zeros_like(x) if dry else out), counts
 
 
 def _experts(x, weights, ids, gate_up, down, num_experts, block_m, backend, tune, *,

@@ -201,26 +201,21 @@ class MLAttention(PathBound, nn.Module):
                 raise UnsupportedError("a DSA layer sharing an earlier layer's top-k runs only "
                                        "inside its model (link_shared_index)")
             shared = self._index_source[0].last_visible
-        if (meta.key_slots is None and index is None and shared is None
-                and use_triton(x, self.kx.backend) and ops.mla_rows_aligned(k_cache, lat)):
-            # decode / verify rows without DSA on the Triton path: the keys read in the kernel,
-            # straight from the paged cache (no gather, no fp32 copy, no bias)
-            self.last_visible = None
-            q_lat = torch.einsum("nhd,hdl->nhl", q[..., :nope], w_kv[:, :nope])
-            out = attend_latent_paged(torch.cat([q_lat, q_rot], dim=-1), k_cache, meta,
-                                      self.scale, lat, self.kx)  # [N, H, latent]
-            out = torch.einsum("nhl,hvl->nhv", out, w_kv[:, nope:])
-            return self._lin(out.reshape(n, heads * m.v_head_dim), self.o_proj)
-        lk = latent_keys(n, k_cache, v_cache, meta, index, visible=shared)
-        self.last_visible = lk.is_visible
+        # decode / verify rows without DSA on the Triton path read the keys in the kernel,
+        # straight from the paged cache (no gather, no fp32 copy, no bias): no LatentKeys
+        paged = (meta.key_slots is None and index is None and shared is None
+                 and use_triton(x, self.kx.backend) and ops.mla_rows_aligned(k_cache, lat))
+        lk = None if paged else latent_keys(n, k_cache, v_cache, meta, index, visible=shared)
+        self.last_visible = None if lk is None else lk.is_visible
         if meta.key_slots is not None:  # a prefill chunk: many rows, expanding pays
             out = attend_expanded(torch.cat([q[..., :nope], q_rot], dim=-1), lk, w_kv,
                                   self.scale)  # [N, H, v_head_dim]
         else:
             # absorbed query: each head's no-rope part in the latent space, [N, H, latent + rope]
             q_lat = torch.einsum("nhd,hdl->nhl", q[..., :nope], w_kv[:, :nope])
-            out = attend_latent(torch.cat([q_lat, q_rot], dim=-1), lk, self.scale,
-                                lat)  # [N, H, latent]
+            qa = torch.cat([q_lat, q_rot], dim=-1)
+            out = (attend_latent_paged(qa, k_cache, meta, self.scale, lat, self.kx) if paged
+                   else attend_latent(qa, lk, self.scale, lat))  # [N, H, latent]
             out = torch.einsum("nhl,hvl->nhv", out, w_kv[:, nope:])  # [N, H, v_head_dim]
         return self._lin(out.reshape(n, heads * m.v_head_dim), self.o_proj)
 

@@ -199,6 +199,11 @@ def print_plot(summary: dict[str, Any]) -> None:
 SPREAD_CAUTION_PCT = 10.0
 
 
+def spread_is_wide(spread: dict | None) -> bool:
+    """Whether more than :data:`SPREAD_CAUTION_PCT` % of the rounds spread past 1.5x."""
+    return bool(spread) and spread["rounds_past_1_5x_pct"] > SPREAD_CAUTION_PCT
+
+
 def kv_spread_line(spread: dict | None, policies: list[dict] | None = None) -> str | None:
     """One line on how far the rounds' KV lengths spread past the mean each is priced at
     (``RoundTrace.kv_spread``), with a caution where many rounds spread far and, there, each
@@ -209,7 +214,7 @@ def kv_spread_line(spread: dict | None, policies: list[dict] | None = None) -> s
     line = (f"KV spread: the longest request at {spread['median_max_over_mean']:.2f}x its "
             f"round's mean KV (median; 90th percentile {spread['p90_max_over_mean']:.2f}x), "
             f"{spread['rounds_past_1_5x_pct']:.0f} % of rounds past 1.5x")
-    if spread["rounds_past_1_5x_pct"] > SPREAD_CAUTION_PCT:
+    if spread_is_wide(spread):
         line += (". Rounds are priced at their mean KV and the calibration measures batches "
                  "of near-equal KV lengths: a batch whose KV spreads costs more than its mean "
                  "(most where one request is much longer than the rest; "

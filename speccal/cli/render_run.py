@@ -18,7 +18,7 @@ from rich.table import Table
 
 from speccal.base.progress import ProgressReporter
 from speccal.base.rich_tables import make_console, print_table
-from speccal.cli.render_replay import SPREAD_CAUTION_PCT, kv_spread_line
+from speccal.cli.render_replay import kv_spread_line, spread_is_wide
 
 err_console = make_console()
 
@@ -156,7 +156,7 @@ def print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
     spreads = [s["kv_spread"] for s in doc["policies"] if s.get("kv_spread")]
     if spreads:
         widest = max(spreads, key=lambda x: x["rounds_past_1_5x_pct"])
-        if widest["rounds_past_1_5x_pct"] > SPREAD_CAUTION_PCT:
+        if spread_is_wide(widest):
             err_console.print(f"[yellow]warning[/]: {escape(kv_spread_line(widest))}",
                               soft_wrap=True)
     if repeats > 1:
