@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from speccal.base.atomic import read_text
 from speccal.base.errors import InputError
@@ -98,7 +98,8 @@ MIN_ADAPTIVE_WINDOWS = 2
 #: spread 14-20 %, so an early stop would rarely fire and would cost accuracy where it did.
 KIND_DEFAULTS: dict[str, dict[str, int | float]] = {
     "cpu": {"warmup_steps": 2, "window_steps": 24, "windows_per_point": 6, "context_levels": 1},
-    "cuda": {"warmup_steps": 2, "min_windows_per_point": 2, "early_stop_spread_pct": 1.0},
+    "cuda": {"warmup_steps": 2, "min_windows_per_point": 2, "early_stop_spread_pct": 1.0,
+             "kv_spread": True},
 }
 
 # Every key the effective configuration reports a source for, in print order.
@@ -114,6 +115,7 @@ KEYS = (
     "windows_per_point",
     "min_windows_per_point",
     "early_stop_spread_pct",
+    "kv_spread",
     "token_seed",
     "policy.window_size",
     "policy.update_interval",
@@ -220,6 +222,10 @@ class CalibrationConfig:
         ``target_graph_rows``, each measured with ``B`` requests. Derived from the engine's
         geometry by :func:`resolve` (not part of :meth:`to_dict`: the rows and the geometry
         determine it).
+    kv_spread : measure the spread points after the grid (``speccal.calibrate.grid.spread_points``:
+        one per request bucket >= 2, half the requests short and half long at a calibrated
+        point's mean KV), for the table's KV spread term (``speccal.costmodel.spread``). On by
+        default on CUDA, off on the CPU (its rounds' noise is larger than the effect).
     """
 
     model: str
@@ -238,6 +244,7 @@ class CalibrationConfig:
     sources: Mapping[str, str] = field(default_factory=dict)
     notes: Mapping[str, str] = field(default_factory=dict)
     partly_filled: tuple[tuple[int, int, int, int], ...] = ()
+    kv_spread: bool = False
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -276,6 +283,8 @@ class CalibrationConfig:
             self.min_windows_per_point, self.early_stop_spread_pct, self.windows_per_point
         )
         _check_int("token_seed", self.token_seed, 0)
+        if not isinstance(self.kv_spread, bool):
+            raise InputError("kv_spread", self.kv_spread, "true or false")
         kinds = tuple(f"default ({kind})" for kind in KIND_DEFAULTS)
         bad = {k: v for k, v in self.sources.items()
                if k not in KEYS or v not in SOURCES + kinds}
@@ -408,6 +417,7 @@ class CalibrationModel(_Strict):
     windows_per_point: StrictInt | None = None
     min_windows_per_point: StrictInt | None = None
     early_stop_spread_pct: StrictFloat | StrictInt | None = None
+    kv_spread: StrictBool | None = None
     token_seed: StrictInt | None = None
 
 
@@ -517,6 +527,7 @@ class UserConfig:
                 "windows_per_point",
                 "min_windows_per_point",
                 "early_stop_spread_pct",
+                "kv_spread",
                 "token_seed",
             ):
                 v = getattr(cal, key)
@@ -729,6 +740,7 @@ def resolve_config(
         sources=sources,
         notes=notes,
         partly_filled=partly,
+        kv_spread=bool(pick("kv_spread", False)),
     )
 
 

@@ -71,7 +71,7 @@ from __future__ import annotations
 import datetime as _dt
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -79,8 +79,8 @@ import numpy as np
 from speccal.base.errors import SpeccalError
 from speccal.base.runner_face import Routing
 from speccal.calibrate.config import CalibrationConfig
-from speccal.calibrate.feasibility import reserve_tokens
-from speccal.calibrate.grid import GridPoint
+from speccal.calibrate.feasibility import TRANSITION_ROUNDS, reserve_tokens
+from speccal.calibrate.grid import GridPoint, spread_points
 from speccal.calibrate.journal import Journal
 from speccal.calibrate.timing import SpeedProbe, WindowTime, WindowTimer
 
@@ -187,7 +187,65 @@ def prompt_lengths(cfg: CalibrationConfig, point: GridPoint) -> np.ndarray:
     levels = (np.arange(b) + 0.5) / b
     verify = np.asarray(point.verify_tokens or (point.k,) * b, dtype=float)
     lead = (cfg.draft_width - verify) * mean_measured_rounds(cfg)
-    return np.round(lo + levels * (hi - lo) + lead).astype(int)
+    ramp = np.round(lo + levels * (hi - lo) + lead).astype(int)
+    if point.layout is None:
+        return ramp
+    return two_level(ramp, spread_room(cfg, point))
+
+
+def spread_growth(cfg: CalibrationConfig, point: GridPoint) -> int:
+    """Tokens a request of ``point`` grows past its base prompt at most: the window advance,
+    the transition rounds, the warm-up and one window, ``max(v) + 1`` tokens each."""
+    v = max(point.verify_tokens or (point.k,))
+    return (replicate_advance(cfg) + TRANSITION_ROUNDS + cfg.warmup_steps
+            + cfg.window_steps) * (v + 1)
+
+
+def spread_room(cfg: CalibrationConfig, point: GridPoint, limit: int | None = None) -> int:
+    """The longest base prompt a spread point's request may take: its context's
+    ``max_kv_length`` (and ``limit``, the tokens a request may hold) less its growth."""
+    cap = cfg.contexts[point.context_index].max_kv_length
+    if limit is not None:
+        cap = min(cap, limit)
+    return cap - spread_growth(cfg, point)
+
+
+def two_level(ramp: np.ndarray, room: int) -> np.ndarray:
+    """The ``two_level`` layout of a spread point (``speccal.costmodel.spread``): the first half
+    of the requests at a quarter of the calibrated mean prompt, the rest at what keeps the mean
+    (seven quarters for an even count), the long ones capped at ``room`` (the short ones then
+    longer, the mean kept; never below one token)."""
+    n = ramp.size
+    total = int(ramp.sum())
+    n_lo = n // 2
+    n_hi = n - n_lo
+    short = max(total // (4 * n), 1)
+    long_ = (total - n_lo * short) // n_hi
+    if long_ > room:
+        long_ = max(room, 1)
+        short = max((total - n_hi * long_) // max(n_lo, 1), 1)
+    out = np.array([short] * n_lo + [long_] * n_hi, dtype=np.int64)
+    out[-1] += total - int(out.sum())  # the rounding remainder: the mean exactly
+    return out
+
+
+def spread_context(cfg: CalibrationConfig, limit: int | None = None) -> int | None:
+    """The context the spread points are measured at: the one where the largest bucket's long
+    requests reach furthest past the mean KV, in tokens (7/4 of the mean, capped by the context
+    and ``limit``: ``spread_room``), so the measured difference is largest against the noise;
+    None where none reaches a quarter of its mean past it (contexts too short to spread) or
+    no bucket holds two requests."""
+    best, best_reach = None, 0.0
+    for ci in range(len(cfg.contexts)):
+        points = spread_points(cfg, ci)
+        if not points:
+            return None
+        point = points[-1]  # the largest bucket
+        mean = float(prompt_lengths(cfg, replace(point, layout=None)).mean())
+        reach = min(spread_room(cfg, point, limit), 7 * mean / 4) - mean
+        if reach >= mean / 4 and reach > best_reach:
+            best, best_reach = ci, reach
+    return best
 
 
 def synthetic_base(cfg: CalibrationConfig, vocab_size: int) -> np.ndarray:
@@ -252,6 +310,7 @@ def measurement_row(
     loop: str | None = None,
     span: WindowTime | None = None,
     experts_activated: float | None = None,
+    mean_kv_max_length: float | None = None,
 ) -> dict[str, Any]:
     """One journal / measurement row (required + optional columns of ARCHITECTURE.md).
 
@@ -259,7 +318,8 @@ def measurement_row(
     ``wall_over_device`` (wall total over device span); ``loop`` adds the round loop; a
     probe-clock ``span`` adds ``clock``, ``wall_s``, ``probe_ms`` and ``probe_ref_ms``;
     ``experts_activated`` (a routed-expert target) the window's mean distinct experts per
-    routed layer and round.
+    routed layer and round; ``mean_kv_max_length`` the window's mean of its rounds' longest
+    KV length; a spread point adds its ``layout`` (``speccal.costmodel.spread``).
     """
     ctx = cfg.contexts[point.context_index]
     row = {
@@ -288,6 +348,10 @@ def measurement_row(
         row["wall_over_device"] = 1000.0 * elapsed_s / device_ms
     if experts_activated is not None:
         row["experts_activated"] = experts_activated
+    if mean_kv_max_length is not None:
+        row["mean_kv_max_length"] = mean_kv_max_length
+    if point.layout is not None:
+        row["layout"] = point.layout
     if span is not None and span.probe_ref_ms is not None:
         # the probe clock (speccal.calibrate.timing): elapsed_s is the normalised CPU total
         row.update(clock="cpu_probe", wall_s=span.wall_s, probe_ms=span.probe_ms,
@@ -458,13 +522,13 @@ def drive(
             after = engine.drain()
             results = _window_results(before + inside + after, point, first, cfg.window_steps,
                                       queued)
-            mean_kv = float(
-                np.mean([np.mean(np.asarray(r.kv_lengths, dtype=float)) for r in results])
-            )
+            kv = [np.asarray(r.kv_lengths, dtype=float) for r in results]
             journal.append(
-                measurement_row(cfg, point, window_index, span.elapsed_s, mean_kv, device,
+                measurement_row(cfg, point, window_index, span.elapsed_s,
+                                float(np.mean([x.mean() for x in kv])), device,
                                 device_ms=span.device_ms, loop=loop, span=span,
-                                experts_activated=mean_experts_activated(results, routing))
+                                experts_activated=mean_experts_activated(results, routing),
+                                mean_kv_max_length=float(np.mean([x.max() for x in kv])))
             )
             measured += 1
             left[point.key] -= 1

@@ -82,6 +82,7 @@ import numpy as np
 
 from speccal.base.errors import InputError, SpeccalError
 from speccal.calibrate.grid import GridPoint
+from speccal.calibrate.journal import window_key
 
 #: Default bounds per device kind: (max_spread_pct, max_heldout_pct).
 DEFAULTS = {"cpu": (25.0, 10.0), "cuda": (3.0, 5.0), "npu": (3.0, 5.0)}
@@ -203,8 +204,9 @@ def spread_pct(step_ms: Sequence[float]) -> float | None:
     return float(100.0 * (x.max() - x.min()) / np.median(x))
 
 
-def _point_key(row: Mapping[str, Any]) -> tuple[int, int, int, int]:
-    return (int(row["context_index"]), int(row["bcap"]), int(row["g"]), int(row["k"]))
+def _point_key(row: Mapping[str, Any]) -> tuple:
+    """``GridPoint.key`` of a measurement row (the layout appended for a spread point)."""
+    return window_key(row)[:-1]
 
 
 def rounds_of(

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from speccal.base.errors import GridError
 from speccal.costmodel import grid
+from speccal.costmodel.spread import SPREAD_LAYOUT
 
 if TYPE_CHECKING:
     from speccal.calibrate.config import CalibrationConfig
@@ -38,6 +39,10 @@ class GridPoint:
     verify_tokens : per request, drafted tokens sent to the target (prefix length); None = all k.
     num_requests : requests the point runs (``B``); None = ``bcap`` (a full bucket). A draft_step
         point of a partly filled bucket runs fewer.
+    layout : how the requests' KV lengths are laid out: None (the calibrated layout, midpoint
+        quantiles of the context interval: ``speccal.calibrate.driver.prompt_lengths``) or
+        ``"two_level"`` (a spread point, :func:`spread_points`: the same mean KV, half the
+        requests short and half long), which the fits never see.
     """
 
     context_index: int
@@ -46,6 +51,7 @@ class GridPoint:
     k: int
     verify_tokens: tuple[int, ...] | None = None
     num_requests: int | None = None
+    layout: str | None = None
 
     @property
     def requests(self) -> int:
@@ -53,9 +59,11 @@ class GridPoint:
         return self.bcap if self.num_requests is None else self.num_requests
 
     @property
-    def key(self) -> tuple[int, int, int, int]:
-        """Identity of the point in the journal and in measurement rows."""
-        return (self.context_index, self.bcap, self.g, self.k)
+    def key(self) -> tuple:
+        """Identity of the point in the journal and in measurement rows: ``(context_index, bcap,
+        g, k)``, with the layout appended for a spread point (``journal.window_key``)."""
+        base = (self.context_index, self.bcap, self.g, self.k)
+        return base if self.layout is None else (*base, self.layout)
 
 
 def split_rows(bcap: int, g: int, draft_width: int) -> tuple[int, ...]:
@@ -96,6 +104,28 @@ def build_grid(cfg: CalibrationConfig) -> tuple[GridPoint, ...]:
                 at += sorted(partly.get((b, g), ()))
                 points.extend(GridPoint(ci, b, g, k, None, n) for k, n in sorted(at))
     return tuple(points)
+
+
+def spread_points(cfg: CalibrationConfig, context_index: int | None) -> tuple[GridPoint, ...]:
+    """The spread points (``speccal.costmodel.spread``): at ``context_index`` (None: none),
+    one per request bucket ``Bcap >= 2``, the bucket's full point at ``k = 1`` (draft_step,
+    ``G = 2 Bcap``) or at full width (target_verify, ``G = Bcap (w + 1)``), where that G is
+    calibrated, measured with the ``two_level`` layout."""
+    if context_index is None:
+        return ()
+    w = cfg.draft_width
+    out = []
+    for b in cfg.request_buckets:
+        if b < 2:
+            continue
+        if cfg.mode == "draft_step":
+            if 2 * b in cfg.target_graph_rows[b]:
+                out.append(GridPoint(context_index, b, 2 * b, 1, layout=SPREAD_LAYOUT))
+        elif b * (w + 1) in cfg.target_graph_rows[b]:
+            g = b * (w + 1)
+            out.append(GridPoint(context_index, b, g, w, split_rows(b, g, w),
+                                 layout=SPREAD_LAYOUT))
+    return tuple(out)
 
 
 def check_connected(points: tuple[GridPoint, ...]) -> None:

@@ -91,15 +91,14 @@ def run_key(
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def window_key(row: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
-    """(context_index, bcap, g, k, window_index) of a measurement row."""
-    return (
-        int(row["context_index"]),
-        int(row["bcap"]),
-        int(row["g"]),
-        int(row["k"]),
-        int(row["window_index"]),
-    )
+def window_key(row: Mapping[str, Any]) -> tuple:
+    """(context_index, bcap, g, k, window_index) of a measurement row; a spread point's rows
+    (``layout``: ``speccal.calibrate.grid.spread_points``) carry the layout before the window
+    index, as their ``GridPoint.key`` does."""
+    base = (int(row["context_index"]), int(row["bcap"]), int(row["g"]), int(row["k"]))
+    layout = row.get("layout")
+    return (*base, int(row["window_index"])) if layout is None else (
+        *base, str(layout), int(row["window_index"]))
 
 
 def window_identity(row: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -65,8 +65,8 @@ from speccal.calibrate.config import (
     parse_config_file,
     resolve_config,
 )
-from speccal.calibrate.driver import DriveStats, drive, loop_of, prompt_fill
-from speccal.calibrate.feasibility import check_feasible
+from speccal.calibrate.driver import DriveStats, drive, loop_of, prompt_fill, spread_context
+from speccal.calibrate.feasibility import check_feasible, slot_tokens
 from speccal.calibrate.gate import (
     EarlyStop,
     GateConfig,
@@ -79,11 +79,12 @@ from speccal.calibrate.gate import (
     points_to_remeasure,
     select_windows,
 )
-from speccal.calibrate.grid import GridPoint, build_grid
-from speccal.calibrate.journal import Journal, check_discard, open_journal
+from speccal.calibrate.grid import GridPoint, build_grid, spread_points
+from speccal.calibrate.journal import Journal, check_discard, open_journal, window_key
 from speccal.calibrate.timing import CLOCKS, SpeedProbe, at_run_speed, loop_timing
 from speccal.costmodel.coverage import warn_coverage
 from speccal.costmodel.report import routing_summary
+from speccal.costmodel.spread import fit_spread
 from speccal.costmodel.table import load_table, save_table
 from speccal.costmodel.table_build import assemble_table, fit_table
 from speccal.costmodel.table_schema import Provenance
@@ -402,12 +403,17 @@ def _calibrate(
         "load": machine.load_record(opts.device, measured.load_before, measured.load_after),
         "sources": dict(gate.sources),
     }
-    table = assemble_table(parts, quality=quality)  # the table, built once with its quality
+    spread = (None if measured.spread_context is None else
+              fit_spread(selection.rows, measured.spread_rows,
+                         context_index=measured.spread_context))
+    # the table, built once with its quality and spread term
+    table = assemble_table(parts, quality=quality, kv_spread=spread)
     fit_s = time.perf_counter() - t_fit
     total_s = time.perf_counter() - t_start
     report.print_fit_report(console, table)
     report.print_routing(console, table)
     report.print_kv_model(console, table)
+    report.print_kv_spread(console, table)
     report.print_timing(console, table.calibration.timing)
     report.print_gate(console, quality, selection, held)
     refused = not passed and not gate.accept_noisy
@@ -527,6 +533,8 @@ class _Measured:
     remeasured_windows: int
     load_before: dict[str, Any]
     load_after: dict[str, Any]
+    spread_context: int | None = None  # the context of the spread points (None: none)
+    spread_rows: list[dict[str, Any]] = field(default_factory=list)  # their windows
 
 
 def _measure(
@@ -608,7 +616,7 @@ def _measure(
 
             def on_window(point: GridPoint, window_index: int) -> None:
                 nonlocal points_done
-                if window_index in first:
+                if window_index in first and point.key in left:
                     left[point.key] -= 1
                     points_done += left[point.key] == 0
                 progress.update(
@@ -652,6 +660,17 @@ def _measure(
                 more = measure(due, indices)
                 phases[f"remeasure_{r}"] = more
                 stats = stats.plus(more)
+            # The KV spread term's points (speccal.costmodel.spread), after the grid: one window
+            # round each, never re-measured (their median only prices the spread term)
+            spread_ctx = (spread_context(cfg, request_kv_limit(cfg, geometry))
+                          if cfg.kv_spread else None)
+            extra = spread_points(cfg, spread_ctx)
+            if extra:
+                todo = sum((*p.key, i) not in journal.done for p in extra for i in range(w))
+                progress.update(total=(progress.total or 0) + len(extra) * w,
+                                advance=len(extra) * w - todo, phase="KV spread")
+                phases["spread"] = measure(extra, range(w))
+                stats = stats.plus(phases["spread"])
         load_after = machine.load_sample(opts.device)
         console.print(
             f"warm-up {stats.transition_s + stats.warmup_s:.1f} s (prefill and first round of each "
@@ -660,7 +679,10 @@ def _measure(
             f"machine {machine.describe_load(load_after)} after",
             soft_wrap=True,
         )
-        selection = select_windows(at_run_speed(journal.rows), points, w, gate, early)
+        priced = at_run_speed(journal.rows)
+        selection = select_windows(priced, points, w, gate, early)
+        keys = {p.key for p in extra}
+        spread_rows = [r for r in priced if tuple(window_key(r)[:-1]) in keys]
     return _Measured(
         stats=stats,
         phases=phases,
@@ -671,7 +693,18 @@ def _measure(
         remeasured_windows=sum(int(r["window_index"]) >= w for r in journal.rows),
         load_before=load_before,
         load_after=load_after,
+        spread_context=spread_ctx if extra else None,
+        spread_rows=spread_rows,
     )
+
+
+def request_kv_limit(cfg: CalibrationConfig, geometry: Any) -> int | None:
+    """The most KV tokens one request of the largest bucket may hold: the model context and
+    its share of the KV capacity (``feasibility.slot_tokens``), whichever is smaller."""
+    limits = [slot_tokens(geometry, max(cfg.request_buckets))]
+    if geometry.max_model_len:
+        limits.append(int(geometry.max_model_len))
+    return min(limits)
 
 
 def phase_timings(stats: DriveStats) -> dict[str, float | int]:

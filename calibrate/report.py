@@ -70,6 +70,7 @@ def effective_config_dict(
     return {
         "config": cfg.to_dict(),
         "windows": cfg.windows_dict(),
+        "kv_spread": cfg.kv_spread,
         "sources": sources,
         "notes": dict(cfg.notes),
         "geometry": geometry.to_dict(),
@@ -300,6 +301,23 @@ def print_kv_model(console: Console, table: Any) -> None:
         f"{_fmt(e['leave_one_context_out_mean_pct'], '.2f')} %, max "
         f"{_fmt(e['leave_one_context_out_max_pct'], '.2f')} % ({per}); leave-one-point-out mean "
         f"{_fmt(e['leave_one_point_out_mean_pct'], '.2f')} % over {e['points']} points",
+        soft_wrap=True,
+    )
+
+
+def print_kv_spread(console: Console, table: Any) -> None:
+    """One line on the KV spread term (``speccal.costmodel.spread``; nothing without one)."""
+    block = getattr(table, "kv_spread", None)
+    if block is None:
+        return
+    parts = ", ".join(
+        f"Bcap {p.bcap} +{100.0 * (p.spread_ms / p.calibrated_ms - 1.0):.1f} % "
+        f"({1e3 * p.slope_ms_per_token:.3f} us/token)" for p in block.points)
+    pt = block.points[0]
+    console.print(
+        f"KV spread ({block.layout}, context {block.context_index}, mean KV "
+        f"{pt.mean_kv_length:.0f}, longest request +{pt.spread_excess:.0f} past it): {parts}; "
+        "rounds whose longest request runs past their mean KV are priced that much more",
         soft_wrap=True,
     )
 

@@ -64,6 +64,10 @@ OPTIONAL_COLUMNS: dict[str, str] = {
     "wall_over_device": "float",  # elapsed_s over that span
     # routed-expert targets: distinct experts per routed layer and round, the window's mean
     "experts_activated": "float",
+    # the longest request's KV length, the window's mean over its rounds (speccal.costmodel.spread)
+    "mean_kv_max_length": "float",
+    # a spread point's KV layout (speccal.calibrate.grid.spread_points); absent: calibrated
+    "layout": "str",
 }
 
 MODES = ("draft_step", "target_verify")

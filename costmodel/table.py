@@ -1,6 +1,6 @@
 """The cost-table file: save, load (with migration and compatibility checks), parse, JSON Schema.
 
-A table file is one JSON document of ``speccal.costmodel.table_schema`` (schema version 4; the
+A table file is one JSON document of ``speccal.costmodel.table_schema`` (schema version 5; the
 JSON Schema of every version is committed under ``tables/schema/cost_table.vN.schema.json``).
 Files are written canonically (sorted keys, ``allow_nan=False``) and atomically, so save -> load
 -> save is byte-identical. Saving always writes the latest version. Building a table from
@@ -14,7 +14,8 @@ Loading migrates older documents forward, one version at a time (:data:`MIGRATIO
   become ``unknown``, ``kernels`` ``{"digest": "unknown", "config": null}`` (loading such a table
   against a running config warns that its kernel configuration is unknown);
 - 2 -> 3: fits without a draft-forward term (:func:`migrate_v2`);
-- 3 -> 4: unchanged (version 4 adds the KV model's ``shared_rows`` slope, :func:`migrate_v3`).
+- 3 -> 4: unchanged (version 4 adds the KV model's ``shared_rows`` slope, :func:`migrate_v3`);
+- 4 -> 5: unchanged (version 5 adds the optional ``kv_spread`` block, :func:`migrate_v4`).
 
 ``provenance.migrated_from`` names the oldest version a document came from (``legacy``, ``v1``).
 A newer version is refused with ``SchemaError``; so are unreadable JSON, unknown or missing keys,
@@ -290,8 +291,26 @@ def migrate_v3(doc: dict, source: str = "table") -> dict:
     return doc
 
 
+def migrate_v4(doc: dict, source: str = "table") -> dict:
+    """Migrate a schema version 4 document to version 5: nothing to change.
+
+    Version 5 adds the optional ``kv_spread`` block (``speccal.costmodel.spread``: what a
+    round's spread of KV lengths costs past its mean-KV price), which a version 4 reader
+    refuses; a version 4 table has none and prices exactly as before.
+    """
+    doc = json.loads(json.dumps(doc))
+    if "kv_spread" in doc:
+        raise SchemaError(f"{source}: kv_spread", "present",
+                          "no kv_spread block in a schema version 4 table (added in 5)")
+    prov = doc.get("provenance")
+    if isinstance(prov, dict):
+        prov["migrated_from"] = prov.get("migrated_from") or "v4"
+    doc["schema_version"] = 5
+    return doc
+
+
 MIGRATIONS: dict[int, Callable[[dict, str], dict]] = {1: migrate_v1, 2: migrate_v2,
-                                                       3: migrate_v3}
+                                                       3: migrate_v3, 4: migrate_v4}
 
 
 def _check_consistent(t: CostTable, source: str) -> None:

@@ -52,6 +52,7 @@ from speccal.costmodel.table_schema import (
     KVContextErrors,
     KVModelBlock,
     KVPoint,
+    KVSpreadBlock,
     PointBlock,
     Provenance,
     QualityBlock,
@@ -254,11 +255,13 @@ def fit_table(
 
 
 def assemble_table(
-    parts: TableFit, *, quality: Mapping[str, Any] | None = None, stacklevel: int = 2
+    parts: TableFit, *, quality: Mapping[str, Any] | None = None,
+    kv_spread: Mapping[str, Any] | None = None, stacklevel: int = 2
 ) -> CostTable:
     """The one validated :class:`CostTable` of ``parts``, with ``calibration.quality`` set to
     ``quality`` (a :class:`~speccal.costmodel.table_schema.QualityBlock` document, validated
-    here) when given.
+    here) when given, and the KV spread term ``kv_spread`` (``speccal.costmodel.spread.fit_spread``,
+    validated here as a :class:`~speccal.costmodel.table_schema.KVSpreadBlock`) when given.
 
     Warns :class:`NonPositiveCostWarning` when a fit predicts a zero or negative step cost at
     calibrated cells (listed; see :meth:`CostTable.nonpositive_cells`). The table is still
@@ -274,6 +277,8 @@ def assemble_table(
         geometry_block=parts.geometry,
         fits=list(parts.fits),
         kv_model=parts.kv_model,
+        kv_spread=None if kv_spread is None else validate_block(
+            KVSpreadBlock, dict(kv_spread), "kv_spread", InputError),
         provenance=parts.provenance,
     )
     cells = table.nonpositive_cells()
@@ -378,7 +383,7 @@ def refit_table(
     cal = table.calibration.model_copy(update={"model": model or table.calibration.model})
     if model and model != table.calibration.model:
         cal = cal.model_copy(update={"sources": {**cal.sources, "model": "caller"}})
-    return build_table(
+    refitted = build_table(
         table.measurements(),
         compatibility=table.compatibility,
         calibration=cal,
@@ -386,6 +391,8 @@ def refit_table(
         provenance=provenance or Provenance.now(),
         combine=table.fits[0].combine,
     )
+    # the spread points are not windows of the fits: the term stays as measured
+    return refitted.model_copy(update={"kv_spread": table.kv_spread})
 
 
 _WINDOW_KEYS = tuple(k for k in Window.model_fields if k != "experts_activated")

@@ -1,12 +1,12 @@
-"""The cost-table document (schema version 3): its pydantic blocks.
+"""The cost-table document (schema version 5): its pydantic blocks.
 
 Owns the in-memory shape of a table; what it answers at a cell is
 ``speccal.costmodel.lookup`` (reached through :meth:`CostTable.lookup`), building one from
 measurements is ``speccal.costmodel.table_build``, reading and writing the file (and migrating
 older versions) is ``speccal.costmodel.table``. The document (JSON Schema committed under
-``tables/schema/cost_table.v3.schema.json``)::
+``tables/schema/cost_table.v5.schema.json``)::
 
-    {"schema_version": 3,
+    {"schema_version": 5,
      "calibration": {...effective config: model, draft_width, mode, request_buckets,
                      target_graph_rows, contexts, warmup_steps, window_steps,
                      windows_per_point, token_seed, policy, sources, threads,
@@ -29,6 +29,9 @@ older versions) is ``speccal.costmodel.table``. The document (JSON Schema commit
                   theta_ms, beta_ms, selected_by, residuals, leave_one_point_out,
                   leave_one_context_out, per_context, candidates, points} | absent
                  (three or more contexts only: see KVModelBlock),
+     "kv_spread": {layout, context_index, points: [{bcap, g, k, mean_kv_length,
+                   calibrated_excess, spread_excess, calibrated_ms, spread_ms,
+                   slope_ms_per_token, windows}]} | absent (speccal.costmodel.spread),
      "provenance": {speccal_version, created, command, python_version, torch_version,
                     driver_version, migrated_from,
                     timings: {compile_capture_s, transition_s, warmup_s, sampling_s} | null}}
@@ -61,7 +64,7 @@ from speccal.costmodel.lookup import CostLookup, TableLookup
 from speccal.costmodel.measurements import validate_measurements
 from speccal.costmodel.sps import SPSCostModel
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 #: A request-bucket key of a ``{Bcap: [G, ...]}`` map: JSON object keys are strings, so the
@@ -383,6 +386,33 @@ class KVPoint(_Strict):
     loco_ms: float | None
 
 
+class SpreadPointBlock(_Strict):
+    """One request bucket's spread point against its calibrated point (same context, Bcap, G,
+    k and mean KV; ``speccal.costmodel.spread``). ``*_excess``: the windows' mean of the longest
+    request's KV minus the mean KV; ``*_ms``: median step time of the windows."""
+
+    bcap: int = Field(ge=2)
+    g: int = Field(ge=1)
+    k: int = Field(ge=1)
+    mean_kv_length: float = Field(ge=0)
+    calibrated_excess: float = Field(ge=0)
+    spread_excess: float = Field(ge=0)
+    calibrated_ms: float = Field(gt=0)
+    spread_ms: float = Field(gt=0)
+    slope_ms_per_token: float = Field(ge=0)
+    windows: int = Field(ge=1)
+
+
+class KVSpreadBlock(_Strict):
+    """The KV spread term (schema version 5; ``speccal.costmodel.spread``): a round is priced
+    ``cost(mean KV) + slope(Bcap) * max(0, (max KV - mean KV) - calibrated_excess(Bcap))``,
+    one point per request bucket >= 2 measured at ``context_index`` with ``layout``."""
+
+    layout: Literal["two_level"]
+    context_index: int = Field(ge=0)
+    points: list[SpreadPointBlock] = Field(min_length=1)
+
+
 class KVModelBlock(_Strict):
     """The KV-aware model over every context (``speccal.costmodel.kv``), present only in tables
     of three or more context intervals with a connected (Bcap, G) grid.
@@ -552,7 +582,7 @@ class CostTable(_Strict):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
-    schema_version: Literal[4] = SCHEMA_VERSION
+    schema_version: Literal[5] = SCHEMA_VERSION
     calibration: CalibrationConfig
     compatibility: Compatibility
     # Stored under the JSON key "geometry"; the attribute name leaves ``geometry()`` free for the
@@ -561,6 +591,8 @@ class CostTable(_Strict):
     fits: list[ContextFit] = Field(min_length=1)
     # Optional (absent in single-context tables and in tables written before it existed).
     kv_model: KVModelBlock | None = None
+    # Optional (version 5: calibrations that measured spread points; ``speccal.costmodel.spread``).
+    kv_spread: KVSpreadBlock | None = None
     provenance: Provenance
 
     _lookup: TableLookup | None = PrivateAttr(default=None)
@@ -648,10 +680,11 @@ class CostTable(_Strict):
 
     def to_json_dict(self) -> dict:
         doc = self.model_dump(mode="json", by_alias=True)
-        if doc.get("kv_model") is None:
-            # Absent, not null: a table without a KV model keeps the bytes it had before the
-            # block existed.
-            doc.pop("kv_model", None)
+        for name in ("kv_model", "kv_spread"):
+            if doc.get(name) is None:
+                # Absent, not null: a table without the block keeps the bytes it had before
+                # the block existed.
+                doc.pop(name, None)
         if doc["calibration"].get("state_traffic") is None:  # likewise: only hybrid targets
             doc["calibration"].pop("state_traffic", None)
         if doc["calibration"].get("routing") is None:  # likewise: only routed-expert targets

@@ -32,6 +32,7 @@ from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.geometry import Geometry
 from speccal.base.vocab import POLICY_DEFAULTS
 from speccal.costmodel.lookup import LookupMemo, evaluate, memoised
+from speccal.costmodel.spread import SpreadPricer
 from speccal.policy_rules import (
     CURVE_RESOLUTION,
     choose_budget,
@@ -69,6 +70,10 @@ class CostModel:
     k_aware : whether ``cost`` takes the rounds' draft forwards as a fourth argument,
         ``f(bcap, g, kv_length, k)`` (a draft_step table whose fit keeps a draft-forward term:
         a partly filled bucket verifies the G of another k, ``speccal.costmodel.lookup``).
+    spread : the table's KV spread term (``speccal.costmodel.spread``: what a round whose
+        longest request runs past its mean KV costs more), or None (a table without one prices
+        every round at its mean KV). :meth:`price` adds it where a round's longest KV is known;
+        decisions are taken on :meth:`lookup` (the mean KV), live and in replay alike.
     """
 
     cost: CostFn
@@ -77,6 +82,7 @@ class CostModel:
     memo: LookupMemo | None = field(default=None, compare=False, repr=False)
     k_aware: bool = False
     step_config: AdaptiveStepConfig | None = field(default=None, compare=False)
+    spread: SpreadPricer | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,6 +105,8 @@ class CostModel:
             memo=lookup.memo() if memo else None,
             k_aware=lookup.depends_on_k,
             step_config=table_step_config(table),
+            spread=None if getattr(table, "kv_spread", None) is None
+            else SpreadPricer(table.kv_spread),
         )
 
     @property
@@ -123,6 +131,22 @@ class CostModel:
         if not self.k_aware:
             return evaluate(self.cost, bcap, g, kv_length)
         return evaluate(self.cost, bcap, g, kv_length, self.draft_width if k is None else k)
+
+    def spread_ms(self, bcap: np.ndarray, kv_length: np.ndarray,
+                  kv_max_length: np.ndarray | None) -> np.ndarray:
+        """The KV spread term of rounds whose longest request is at ``kv_max_length`` (0
+        without a spread term or without the longest KV)."""
+        if self.spread is None or kv_max_length is None:
+            return np.zeros(np.broadcast_shapes(np.shape(bcap), np.shape(kv_length)))
+        return self.spread.extra_ms(bcap, kv_length, kv_max_length)
+
+    def price(self, bcap: np.ndarray, g: np.ndarray, kv_length: np.ndarray,
+              k: np.ndarray | int | None = None,
+              kv_max_length: np.ndarray | None = None) -> np.ndarray:
+        """What a round costs: :meth:`lookup` at its mean KV plus the spread term where its
+        longest request's KV is given (NaN stays NaN)."""
+        return (np.asarray(self.lookup(bcap, g, kv_length, k), dtype=np.float64)
+                + self.spread_ms(bcap, kv_length, kv_max_length))
 
     @memoised("step", kv=True)
     def step_costs(self, num_requests: np.ndarray, kv_length: np.ndarray) -> np.ndarray:

@@ -204,12 +204,20 @@ def check_replayable(
 # --------------------------------------------------------------------------------------------
 
 
+def _spread_extra(trace: RoundTrace, cost: CostModel) -> np.ndarray:
+    """``[R]`` the KV spread term of every round (``CostModel.spread_ms``: 0 without a spread
+    term in the table or without the rounds' longest KV in the trace). Decisions stay on the
+    mean-KV costs, as the live policy takes them."""
+    return cost.spread_ms(cost.bcap(trace.num_requests), trace.kv_length, trace.kv_max_length)
+
+
 def _fixed_runs(trace: RoundTrace, cost: CostModel, H: np.ndarray) -> list[PolicyRun]:
     w = trace.draft_width
     b = trace.num_requests
     cum = np.cumsum(H, axis=1)  # [R, w]: accepted drafts with k = index + 1
     costs = cost.step_costs(b, trace.kv_length)  # [R, w]
     bcap = cost.bcap(b)
+    extra = _spread_extra(trace, cost)
     runs = []
     for k in range(1, w + 1):
         runs.append(
@@ -221,7 +229,7 @@ def _fixed_runs(trace: RoundTrace, cost: CostModel, H: np.ndarray) -> list[Polic
                 tokens=b + cum[:, k - 1],
                 accepted=cum[:, k - 1].astype(np.float64),
                 verified=(b * k).astype(np.float64),
-                cost_ms=costs[:, k - 1],
+                cost_ms=costs[:, k - 1] + extra,
                 num_requests=b,
                 phase=trace.phase,
                 reasons={"fixed": int(b.size)},
@@ -339,7 +347,7 @@ def _adaptive_step_run(
         tokens=b + acc,
         accepted=acc,
         verified=(b * k_round).astype(np.float64),
-        cost_ms=costs[rows, k_round - 1],
+        cost_ms=costs[rows, k_round - 1] + _spread_extra(trace, cost),
         num_requests=b,
         phase=trace.phase,
         reasons={n: int((reason == i).sum()) for i, n in enumerate(REASONS) if (reason == i).any()},
@@ -396,7 +404,7 @@ def _adaptive_verify_run(
         tokens=b + accepted,
         accepted=accepted,
         verified=verified,
-        cost_ms=np.where(g > 0, g_cost, np.nan),
+        cost_ms=np.where(g > 0, g_cost, np.nan) + _spread_extra(trace, cost),
         num_requests=b,
         phase=trace.phase,
         reasons={
@@ -467,9 +475,10 @@ def run_sequential(
 
     def step(
         r: int, acc_full: np.ndarray, scores: np.ndarray | None, kv: float, phase: int,
-        decide_kv: float | None = None,
+        decide_kv: float | None = None, kv_max: float | None = None,
     ) -> np.ndarray:
-        # decide on the KV the plan saw (decide_kv), price at the round's own KV (kv)
+        # decide on the KV the plan saw (decide_kv), price at the round's own KV (kv; plus the
+        # spread term where its longest request's KV, kv_max, is known)
         nb = acc_full.size
         d = policy.decide(BatchState(round_index=r, num_requests=nb,
                                      kv_length=kv if decide_kv is None else decide_kv))
@@ -487,7 +496,7 @@ def run_sequential(
         rec["tokens"].append(float(a.sum() + nb))
         rec["accepted"].append(float(a.sum()))
         rec["verified"].append(float(v.sum()))
-        rec["cost_ms"].append(float(cost.lookup(bcap, d.g, kv, d.k)))
+        rec["cost_ms"].append(float(cost.price(bcap, d.g, kv, d.k, kv_max)))
         rec["b"].append(nb)
         rec["phase"].append(phase)
         rec["reason"].append(d.reason)
@@ -512,6 +521,7 @@ def run_sequential(
         cu = trace.cu_requests
         n = trace.num_rounds if max_rounds is None else min(max_rounds, trace.num_rounds)
         plan_kv = trace.decision_kv  # what the live plan saw, where the trace recorded it
+        kv_max = trace.kv_max_length
         for r in range(n):
             sl = slice(cu[r], cu[r + 1])
             sc = (
@@ -520,7 +530,7 @@ def run_sequential(
                 else np.nan_to_num(trace.draft_scores[sl].astype(np.float64))
             )
             step(r, trace.accepted[sl], sc, float(trace.kv_length[r]), int(trace.phase[r]),
-                 float(plan_kv[r]))
+                 float(plan_kv[r]), None if kv_max is None else float(kv_max[r]))
     else:
         match = trace.match_length
         ids, starts, lengths = np.unique(trace.request, return_index=True, return_counts=True)
@@ -574,6 +584,7 @@ class ReplayReport:
     config: ReplayConfig
     elapsed_s: float = 0.0
     kv_spread: dict[str, float] | None = None  # RoundTrace.kv_spread of the replayed trace
+    spread_priced: bool = False  # rounds carry the table's KV spread term (CostModel.spread)
 
     def run(self, name: str) -> PolicyRun:
         for r in self.runs:
@@ -636,6 +647,7 @@ class ReplayReport:
                 or bool(self.trace_meta.get("pipelined", False)),
             },
             "kv_spread": self.kv_spread,
+            "spread_priced": self.spread_priced,
             "elapsed_s": round(self.elapsed_s, 4),
         }
 
@@ -758,4 +770,6 @@ def replay(
         config=cfg,
         elapsed_s=time.perf_counter() - t0,
         kv_spread=trace.kv_spread() if isinstance(trace, RoundTrace) else None,
+        spread_priced=isinstance(trace, RoundTrace) and trace.kv_max_length is not None
+        and cost.spread is not None,
     )

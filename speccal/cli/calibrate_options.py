@@ -39,7 +39,7 @@ MaxModelLen = Annotated[
 Config = Annotated[
     Path | None,
     typer.Option(
-        "--config", help='Calibration JSON, every key optional: model, draft_width, request_buckets, target_graph_rows, contexts [{prefill_tokens, min_kv_length, max_kv_length}], warmup_steps, window_steps, windows_per_point, min_windows_per_point, early_stop_spread_pct, token_seed; or those keys under "calibration" next to "policy" {window_size, update_interval, switch_min_gain} (the adaptive-draft-step file: the two config shapes of the xLLM engine).'
+        "--config", help='Calibration JSON, every key optional: model, draft_width, request_buckets, target_graph_rows, contexts [{prefill_tokens, min_kv_length, max_kv_length}], warmup_steps, window_steps, windows_per_point, min_windows_per_point, early_stop_spread_pct, kv_spread, token_seed; or those keys under "calibration" next to "policy" {window_size, update_interval, switch_min_gain} (the adaptive-draft-step file: the two config shapes of the xLLM engine).'
     ),
 ]
 
@@ -126,6 +126,17 @@ EarlyStopSpreadPct = Annotated[
         help="A point whose first windows spread ((max - min) / median) at most this "
         "many % keeps them (capped by --max-spread-pct). Default: 1 on cuda; with "
         "--min-windows-per-point elsewhere, the gate's --max-spread-pct.",
+    ),
+]
+
+KVSpread = Annotated[
+    bool | None,
+    typer.Option(
+        "--kv-spread/--no-kv-spread",
+        help="After the grid, measure one spread point per request bucket (half the requests "
+        "short, half long, at a calibrated point's mean KV) so the table prices a batch whose "
+        "KV lengths spread (its kv_spread term). Default: on on cuda, off elsewhere.",
+        show_default=False,
     ),
 ]
 

@@ -71,6 +71,7 @@ def calibrate_cmd(
     windows_per_point: o.WindowsPerPoint = None,
     min_windows_per_point: o.MinWindowsPerPoint = None,
     early_stop_spread_pct: o.EarlyStopSpreadPct = None,
+    kv_spread: o.KVSpread = None,
     graph_mode: o.GraphMode = None,
     attention_backend: o.AttentionBackend = None,
     kernels: o.Kernels = None,
@@ -130,6 +131,7 @@ def calibrate_cmd(
             "windows_per_point": windows_per_point,
             "min_windows_per_point": min_windows_per_point,
             "early_stop_spread_pct": early_stop_spread_pct,
+            "kv_spread": kv_spread,
         },
     )
     _check_outputs(opts, kernels)

@@ -166,7 +166,7 @@ def print_replay(d: dict[str, Any]) -> None:
     if traffic:
         err_console.print(state_traffic_line(traffic), soft_wrap=True)
     err_console.print(f"per-phase oracle choice: {d['oracle_per_phase']}", markup=False)
-    line = kv_spread_line(d.get("kv_spread"), d["policies"])
+    line = kv_spread_line(d.get("kv_spread"), d["policies"], priced=bool(d.get("spread_priced")))
     if line:
         err_console.print(line, markup=False, soft_wrap=True)
     for p in d["policies"]:
@@ -204,17 +204,23 @@ def spread_is_wide(spread: dict | None) -> bool:
     return bool(spread) and spread["rounds_past_1_5x_pct"] > SPREAD_CAUTION_PCT
 
 
-def kv_spread_line(spread: dict | None, policies: list[dict] | None = None) -> str | None:
+def kv_spread_line(spread: dict | None, policies: list[dict] | None = None, *,
+                   priced: bool = False) -> str | None:
     """One line on how far the rounds' KV lengths spread past the mean each is priced at
     (``RoundTrace.kv_spread``), with a caution where many rounds spread far and, there, each
     policy's tokens/s priced at every round's longest request (the other end of the range the
-    truth lies in); None without it."""
+    truth lies in); None without it. ``priced``: the table's spread term priced the rounds
+    (``speccal.costmodel.spread``): said instead of the caution."""
     if not spread:
         return None
     line = (f"KV spread: the longest request at {spread['median_max_over_mean']:.2f}x its "
             f"round's mean KV (median; 90th percentile {spread['p90_max_over_mean']:.2f}x), "
             f"{spread['rounds_past_1_5x_pct']:.0f} % of rounds past 1.5x")
-    if spread_is_wide(spread):
+    if priced:
+        line += ("; priced by the table's spread term (measured per request bucket with half "
+                 "the requests short and half long; one request far longer than the rest can "
+                 "still cost more)")
+    elif spread_is_wide(spread):
         line += (". Rounds are priced at their mean KV and the calibration measures batches "
                  "of near-equal KV lengths: a batch whose KV spreads costs more than its mean "
                  "(most where one request is much longer than the rest; "

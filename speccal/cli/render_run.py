@@ -156,7 +156,7 @@ def print_policy_bench(doc: dict, model: str, as_json: bool) -> None:
     spreads = [s["kv_spread"] for s in doc["policies"] if s.get("kv_spread")]
     if spreads:
         widest = max(spreads, key=lambda x: x["rounds_past_1_5x_pct"])
-        if spread_is_wide(widest):
+        if spread_is_wide(widest) and not doc.get("table_spread_priced"):
             err_console.print(f"[yellow]warning[/]: {escape(kv_spread_line(widest))}",
                               soft_wrap=True)
     if repeats > 1:

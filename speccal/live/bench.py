@@ -548,6 +548,7 @@ def run_policy_bench(
         **res,
         "cost_table": None if config.cost_table is None else str(config.cost_table),
         "table_mode": cost.mode,
+        "table_spread_priced": cost.spread is not None,  # rounds' KV spread priced
         "table_warnings": table_warnings,
         "traces": written,
         "engine": _engine_doc(engine),

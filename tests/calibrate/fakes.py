@@ -80,6 +80,7 @@ class FakeEngine:
     clock: FakeClock
     factors: Mapping[tuple[int, int], Sequence[float]] = field(default_factory=dict)
     extra_ms: Mapping[tuple[int, int], float] = field(default_factory=dict)  # non-additive part
+    spread_ms_per_token: float = 0.0  # ms per token the longest request runs past the mean KV
     device_kind: str = "cpu"
     stop_after_windows: int | None = None  # raise KeyboardInterrupt at that window's transition
     build_s: float = 0.0  # real seconds the "compile/capture" takes
@@ -161,7 +162,9 @@ class FakeEngine:
             self.windows += 1
         self.steps += 1
         self.threads_seen.add(torch.get_num_threads())
-        self.clock.now += self.cost_ms(bcap, g) * self._factor / 1000.0
+        excess = max(self._kv) - sum(self._kv) / bcap
+        self.clock.now += (self.cost_ms(bcap, g) * self._factor
+                           + self.spread_ms_per_token * excess) / 1000.0
         self._kv = [kv + v + 1 for kv, v in zip(self._kv, verify, strict=True)]
         self.round_index += 1
         n = self.round_index - 1

@@ -102,7 +102,7 @@ def test_every_default_applied_with_its_source():
     expected = {k: "default" for k in cfg.sources}
     expected["draft_width"] = "run"
     assert cfg.sources == expected
-    assert len(cfg.sources) == 15
+    assert len(cfg.sources) == 16
     assert list(cfg.notes) == ["request_buckets", "contexts"]
     assert "3 geometric KV levels" in cfg.notes["contexts"]
     assert "SERVED_REQUEST_BUCKETS" in cfg.notes["request_buckets"]

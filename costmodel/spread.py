@@ -1,0 +1,128 @@
+"""The KV spread term: what a round costs past its mean-KV price when its requests' KV lengths
+spread.
+
+A table prices a round at its batch's mean KV length (``speccal.costmodel.kv``): attention
+reads every request's keys, so the total work follows the mean. But a request's keys are split
+over a bounded number of attention programs, so the longest request sets the attention's
+critical path: at one mean KV, half the requests short and half long cost more than all at the
+mean (on an H100, dense-2b: 0.1-3.5 % for a two-level layout, up to 66 % for one long request
+among short ones; ``bench/bench_kv_spread.py``). Calibration measures every point with the
+requests' prompts at midpoint quantiles of a narrow interval (nearly uniform), so the spread a
+serving batch has is not in the fits.
+
+The calibration therefore adds one **spread point** per request bucket (``Bcap >= 2``) at one
+context (``speccal.calibrate.driver.spread_context``): the bucket's full point at ``k = 1``
+(draft_step) or full width (target_verify), with the same mean KV as the calibrated point but
+half of the requests at a quarter of it and half at seven quarters (``two_level``). With
+``excess = max KV - mean KV`` of a round (the windows' mean of the longest request's KV minus
+the mean KV), the bucket's slope is
+
+``slope(Bcap) = (ms(spread) - ms(calibrated)) / (excess(spread) - excess(calibrated))``
+
+(clipped at 0), and a round is priced
+
+``cost(Bcap, G, kv_mean, kv_max) = cost(Bcap, G, kv_mean) + slope(Bcap) * max(0, (kv_max -
+kv_mean) - excess_ref(Bcap))``
+
+with ``excess_ref`` the calibrated point's own excess (what the fits already hold). A bucket
+without a spread point (Bcap 1: one request has no spread) adds nothing. One slope per bucket,
+not per layout: on the H100 points the extra cost per token of excess agreed between the
+two-level and the one-long layout at B = 8 (0.13 / 0.14 us) but not at B = 32 (0.17-0.19 against
+0.49 us: one very long request among many short ones is underpriced; ``speccal replay`` still
+cautions and reports the longest-KV floor there).
+
+Pure numpy; the table block is ``speccal.costmodel.table_schema.KVSpreadBlock``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+#: The layout the spread points are measured with (``speccal.calibrate.driver``).
+SPREAD_LAYOUT = "two_level"
+
+
+def _median_by_point(rows: Iterable[Mapping[str, Any]]) -> dict[tuple, dict[str, float]]:
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        key = (int(r["bcap"]), int(r["g"]), int(r["k"]))
+        groups.setdefault(key, []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        mean_kv = np.array([float(r["mean_kv_length"]) for r in rs])
+        max_kv = np.array([float(r.get("mean_kv_max_length", np.nan)) for r in rs])
+        out[key] = {
+            "ms": float(np.median([float(r["step_ms"]) for r in rs])),
+            "mean_kv": float(np.mean(mean_kv)),
+            "excess": float(np.mean(max_kv - mean_kv)),
+            "windows": len(rs),
+        }
+    return out
+
+
+def fit_spread(
+    calibrated: Iterable[Mapping[str, Any]],
+    spread: Iterable[Mapping[str, Any]],
+    *,
+    context_index: int,
+) -> dict[str, Any] | None:
+    """The ``kv_spread`` table block (a plain dict) from the calibrated windows of the spread
+    context and the spread points' windows, or None where no bucket has both (or their
+    ``mean_kv_max_length`` is missing). Rows are measurement rows (``step_ms``,
+    ``mean_kv_length``, ``mean_kv_max_length``, ``bcap``, ``g``, ``k``)."""
+    base = _median_by_point(r for r in calibrated if int(r["context_index"]) == context_index)
+    wide = _median_by_point(spread)
+    points = []
+    for key in sorted(wide):
+        if key not in base:
+            continue
+        b, s = base[key], wide[key]
+        d_excess = s["excess"] - b["excess"]
+        if not (np.isfinite(d_excess) and d_excess > 0):
+            continue
+        slope = max(0.0, (s["ms"] - b["ms"]) / d_excess)
+        points.append({
+            "bcap": key[0], "g": key[1], "k": key[2],
+            "mean_kv_length": b["mean_kv"],
+            "calibrated_excess": b["excess"], "spread_excess": s["excess"],
+            "calibrated_ms": b["ms"], "spread_ms": s["ms"],
+            "slope_ms_per_token": slope,
+            "windows": s["windows"],
+        })
+    if not points:
+        return None
+    return {"layout": SPREAD_LAYOUT, "context_index": int(context_index), "points": points}
+
+
+class SpreadPricer:
+    """``extra_ms(bcap, kv_mean, kv_max)``: the spread term of a table's ``kv_spread`` block
+    (module docstring), vectorised and broadcasting; 0 for a bucket without a spread point."""
+
+    def __init__(self, block: Any):
+        pts = block.points if hasattr(block, "points") else block["points"]
+        get = (lambda p, k: getattr(p, k)) if hasattr(block, "points") else (lambda p, k: p[k])
+        by_bcap: dict[int, tuple[float, float]] = {}
+        for p in pts:
+            by_bcap[int(get(p, "bcap"))] = (float(get(p, "slope_ms_per_token")),
+                                            float(get(p, "calibrated_excess")))
+        size = max(by_bcap) + 1 if by_bcap else 1
+        self._slope = np.zeros(size)
+        self._ref = np.zeros(size)
+        for b, (slope, ref) in by_bcap.items():
+            self._slope[b], self._ref[b] = slope, ref
+
+    def slope(self, bcap: int) -> float:
+        """ms per token of excess at ``bcap`` (0 without a spread point)."""
+        return float(self._slope[bcap]) if 0 <= bcap < self._slope.size else 0.0
+
+    def extra_ms(self, bcap: Any, kv_mean: Any, kv_max: Any) -> np.ndarray:
+        b = np.asarray(bcap, dtype=np.int64)
+        inside = (b >= 0) & (b < self._slope.size)
+        idx = np.where(inside, b, 0)
+        slope = np.where(inside, self._slope[idx], 0.0)
+        ref = np.where(inside, self._ref[idx], 0.0)
+        excess = np.asarray(kv_max, dtype=np.float64) - np.asarray(kv_mean, dtype=np.float64)
+        return slope * np.maximum(0.0, excess - ref)
