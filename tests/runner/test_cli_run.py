@@ -336,8 +336,8 @@ def test_bench_policy_table_of_another_width_refused(tiny_table):
 
 # The top-level and per-policy keys of a single-run ``bench --policy --json`` (as before repeats;
 # ``kv_spread`` added with the traces' longest request).
-N1_KEYS = {"policies", "best_fixed", "setup", "cost_table", "table_mode", "table_warnings",
-           "traces", "engine"}  # fmt: skip
+N1_KEYS = {"policies", "best_fixed", "setup", "cost_table", "table_mode", "table_spread_priced",
+           "table_warnings", "traces", "engine"}  # fmt: skip
 N1_POLICY_KEYS = {
     "policy", "rounds", "round_tokens_per_s", "tokens_per_s", "tpot_ms", "acceptance_rate",
     "mean_accepted_length", "mean_k", "mean_round_ms", "decode_s", "loop_tokens_per_s", "loop_s",
