@@ -284,10 +284,16 @@ def migrate_v3(doc: dict, source: str = "table") -> dict:
             raise SchemaError(f"{source}: fits.{i}.additive.k_term", term,
                               "a draft-forward term of schema version 3 (the rows forms were "
                               "added in 4)")
+    return _stamped(doc, 3)
+
+
+def _stamped(doc: dict, version: int) -> dict:
+    """``doc`` moved from ``version`` to the next one, naming ``version`` as its origin unless
+    it came from an older one (``provenance.migrated_from``)."""
     prov = doc.get("provenance")
     if isinstance(prov, dict):
-        prov["migrated_from"] = prov.get("migrated_from") or "v3"
-    doc["schema_version"] = 4
+        prov["migrated_from"] = prov.get("migrated_from") or f"v{version}"
+    doc["schema_version"] = version + 1
     return doc
 
 
@@ -302,11 +308,7 @@ def migrate_v4(doc: dict, source: str = "table") -> dict:
     if "kv_spread" in doc:
         raise SchemaError(f"{source}: kv_spread", "present",
                           "no kv_spread block in a schema version 4 table (added in 5)")
-    prov = doc.get("provenance")
-    if isinstance(prov, dict):
-        prov["migrated_from"] = prov.get("migrated_from") or "v4"
-    doc["schema_version"] = 5
-    return doc
+    return _stamped(doc, 4)
 
 
 MIGRATIONS: dict[int, Callable[[dict, str], dict]] = {1: migrate_v1, 2: migrate_v2,

@@ -404,6 +404,13 @@ def test_golden_files_of_every_version_load_as_the_latest(name):
         assert got.calibrated and want.calibrated
 
 
+def test_v4_document_with_a_v5_key_is_refused():
+    doc = json.loads((FIXTURES / "table_v4_additive.json").read_text())
+    doc["kv_spread"] = json.loads((FIXTURES / "table_v5_additive.json").read_text())["kv_spread"]
+    with pytest.raises(SchemaError, match="kv_spread.*added in 5"):
+        parse_table(json.dumps(doc))
+
+
 def test_every_past_version_has_a_migration():
     assert sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION))
 
