@@ -204,7 +204,7 @@ def spread_pct(step_ms: Sequence[float]) -> float | None:
     return float(100.0 * (x.max() - x.min()) / np.median(x))
 
 
-def _point_key(row: Mapping[str, Any]) -> tuple:
+def point_key(row: Mapping[str, Any]) -> tuple:
     """``GridPoint.key`` of a measurement row (the layout appended for a spread point)."""
     return window_key(row)[:-1]
 
@@ -216,7 +216,7 @@ def rounds_of(
     out: dict[tuple[int, int, int, int], dict[int, dict[int, Mapping[str, Any]]]] = {}
     for row in rows:
         wi = int(row["window_index"])
-        rnd = out.setdefault(_point_key(row), {}).setdefault(wi // windows_per_point, {})
+        rnd = out.setdefault(point_key(row), {}).setdefault(wi // windows_per_point, {})
         rnd[wi] = row
     return out
 
@@ -438,7 +438,7 @@ def select_windows(
                 noisy=all(is_noisy(s, gate) for s in spreads.values()),
             )
         )
-    kept.sort(key=lambda r: (int(r["window_index"]), _point_key(r)))
+    kept.sort(key=lambda r: (int(r["window_index"]), point_key(r)))
     return Selection(rows=kept, points=tuple(records))
 
 

@@ -75,12 +75,13 @@ from speccal.calibrate.gate import (
     Selection,
     check_bounds,
     held_out,
+    point_key,
     points_for_more_windows,
     points_to_remeasure,
     select_windows,
 )
 from speccal.calibrate.grid import GridPoint, build_grid, spread_points
-from speccal.calibrate.journal import Journal, check_discard, open_journal, window_key
+from speccal.calibrate.journal import Journal, check_discard, open_journal
 from speccal.calibrate.timing import CLOCKS, SpeedProbe, at_run_speed, loop_timing
 from speccal.costmodel.coverage import warn_coverage
 from speccal.costmodel.report import routing_summary
@@ -682,7 +683,7 @@ def _measure(
         priced = at_run_speed(journal.rows)
         selection = select_windows(priced, points, w, gate, early)
         keys = {p.key for p in extra}
-        spread_rows = [r for r in priced if tuple(window_key(r)[:-1]) in keys]
+        spread_rows = [r for r in priced if point_key(r) in keys]
     return _Measured(
         stats=stats,
         phases=phases,

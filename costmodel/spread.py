@@ -102,21 +102,12 @@ class SpreadPricer:
     (module docstring), vectorised and broadcasting; 0 for a bucket without a spread point."""
 
     def __init__(self, block: Any):
-        pts = block.points if hasattr(block, "points") else block["points"]
-        get = (lambda p, k: getattr(p, k)) if hasattr(block, "points") else (lambda p, k: p[k])
-        by_bcap: dict[int, tuple[float, float]] = {}
-        for p in pts:
-            by_bcap[int(get(p, "bcap"))] = (float(get(p, "slope_ms_per_token")),
-                                            float(get(p, "calibrated_excess")))
-        size = max(by_bcap) + 1 if by_bcap else 1
+        """``block``: a ``KVSpreadBlock`` (its ``points``)."""
+        size = max(int(p.bcap) for p in block.points) + 1
         self._slope = np.zeros(size)
         self._ref = np.zeros(size)
-        for b, (slope, ref) in by_bcap.items():
-            self._slope[b], self._ref[b] = slope, ref
-
-    def slope(self, bcap: int) -> float:
-        """ms per token of excess at ``bcap`` (0 without a spread point)."""
-        return float(self._slope[bcap]) if 0 <= bcap < self._slope.size else 0.0
+        for p in block.points:
+            self._slope[p.bcap], self._ref[p.bcap] = p.slope_ms_per_token, p.calibrated_excess
 
     def extra_ms(self, bcap: Any, kv_mean: Any, kv_max: Any) -> np.ndarray:
         b = np.asarray(bcap, dtype=np.int64)

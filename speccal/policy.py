@@ -145,8 +145,11 @@ class CostModel:
               kv_max_length: np.ndarray | None = None) -> np.ndarray:
         """What a round costs: :meth:`lookup` at its mean KV plus the spread term where its
         longest request's KV is given (NaN stays NaN)."""
-        return (np.asarray(self.lookup(bcap, g, kv_length, k), dtype=np.float64)
-                + self.spread_ms(bcap, kv_length, kv_max_length))
+        base = self.lookup(bcap, g, kv_length, k)
+        if self.spread is None or kv_max_length is None:  # the per-round replay loop's case
+            return base
+        return np.asarray(base, dtype=np.float64) + self.spread.extra_ms(bcap, kv_length,
+                                                                         kv_max_length)
 
     @memoised("step", kv=True)
     def step_costs(self, num_requests: np.ndarray, kv_length: np.ndarray) -> np.ndarray:

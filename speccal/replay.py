@@ -211,13 +211,13 @@ def _spread_extra(trace: RoundTrace, cost: CostModel) -> np.ndarray:
     return cost.spread_ms(cost.bcap(trace.num_requests), trace.kv_length, trace.kv_max_length)
 
 
-def _fixed_runs(trace: RoundTrace, cost: CostModel, H: np.ndarray) -> list[PolicyRun]:
+def _fixed_runs(trace: RoundTrace, cost: CostModel, H: np.ndarray,
+                extra: np.ndarray) -> list[PolicyRun]:
     w = trace.draft_width
     b = trace.num_requests
     cum = np.cumsum(H, axis=1)  # [R, w]: accepted drafts with k = index + 1
     costs = cost.step_costs(b, trace.kv_length)  # [R, w]
     bcap = cost.bcap(b)
-    extra = _spread_extra(trace, cost)
     runs = []
     for k in range(1, w + 1):
         runs.append(
@@ -239,7 +239,8 @@ def _fixed_runs(trace: RoundTrace, cost: CostModel, H: np.ndarray) -> list[Polic
 
 
 def _adaptive_step_run(
-    trace: RoundTrace, cost: CostModel, H: np.ndarray, cfg: AdaptiveStepConfig
+    trace: RoundTrace, cost: CostModel, H: np.ndarray, cfg: AdaptiveStepConfig,
+    extra: np.ndarray,
 ) -> PolicyRun:
     """Vectorised twin of :class:`~speccal.policy.AdaptiveStepPolicy` with lag-0 feedback.
 
@@ -347,7 +348,7 @@ def _adaptive_step_run(
         tokens=b + acc,
         accepted=acc,
         verified=(b * k_round).astype(np.float64),
-        cost_ms=costs[rows, k_round - 1] + _spread_extra(trace, cost),
+        cost_ms=costs[rows, k_round - 1] + extra,
         num_requests=b,
         phase=trace.phase,
         reasons={n: int((reason == i).sum()) for i, n in enumerate(REASONS) if (reason == i).any()},
@@ -355,7 +356,7 @@ def _adaptive_step_run(
 
 
 def _adaptive_verify_run(
-    trace: RoundTrace, cost: CostModel, cfg: AdaptiveVerifyConfig
+    trace: RoundTrace, cost: CostModel, cfg: AdaptiveVerifyConfig, extra: np.ndarray
 ) -> PolicyRun:
     """Vectorised twin of :class:`~speccal.policy.AdaptiveVerifyPolicy`.
 
@@ -404,7 +405,7 @@ def _adaptive_verify_run(
         tokens=b + accepted,
         accepted=accepted,
         verified=verified,
-        cost_ms=np.where(g > 0, g_cost, np.nan) + _spread_extra(trace, cost),
+        cost_ms=np.where(g > 0, g_cost, np.nan) + extra,
         num_requests=b,
         phase=trace.phase,
         reasons={
@@ -708,8 +709,9 @@ def replay(
     note = on_step or (lambda _s: None)
     if isinstance(trace, RoundTrace):
         H = trace.survival_counts()
+        extra = _spread_extra(trace, cost)  # [R], once: every vectorised run adds it
         note("fixed baselines")
-        fixed = _fixed_runs(trace, cost, H)
+        fixed = _fixed_runs(trace, cost, H, extra)
         runs = []
         for p in specs:
             note(p.text)
@@ -718,10 +720,10 @@ def replay(
                 policy = make_policy(p, cost, step_config=cfg.step, verify_config=cfg.verify)
                 runs.append(run_sequential(trace, cost, policy, pipelined=True))
             elif p.kind == "adaptive-step":
-                runs.append(_adaptive_step_run(trace, cost, H, cfg.step))
+                runs.append(_adaptive_step_run(trace, cost, H, cfg.step, extra))
             elif p.kind == "adaptive-verify":
                 # decides from rounds <= r - feedback_lag (>= 2): the same under the pipeline
-                runs.append(_adaptive_verify_run(trace, cost, cfg.verify))
+                runs.append(_adaptive_verify_run(trace, cost, cfg.verify, extra))
         phase = trace.phase
     else:
         fixed = []
