@@ -266,6 +266,84 @@ def oracle_tokens_per_s(adaptive_runs: list, fixed_runs: dict[str, list]) -> dic
             "best_per_phase": best}
 
 
+def run_phases(run) -> list[dict]:
+    """Per acceptance phase of one run: rounds, round tokens, seconds, tokens/s and mean ``k``."""
+    import numpy as np
+
+    out = []
+    for ph in np.unique(run.phase).tolist():
+        sel = run.phase == ph
+        tok, s = float(run.round_tokens[sel].sum()), float(run.round_ms[sel].sum()) / 1000.0
+        out.append({"phase": int(ph), "rounds": int(sel.sum()), "tokens": tok, "seconds": s,
+                    "tokens_per_s": tok / s if s > 0 else None,
+                    "mean_k": float(run.k[sel].mean()),
+                    "mean_batch": float(run.num_requests[sel].mean())})
+    return out
+
+
+def k_timeline(k) -> list[list[int]]:
+    """Run-length ``[first_round, rounds, k]`` segments of a run's decisions."""
+    out: list[list[int]] = []
+    for i, v in enumerate(k.tolist()):
+        if out and out[-1][2] == v:
+            out[-1][1] += 1
+        else:
+            out.append([i, 1, int(v)])
+    return out
+
+
+class HostProbe:
+    """What the machine did between two marks (around each live run, outside its timed rounds):
+    this process's CPU seconds and context switches (``getrusage``: involuntary switches mean
+    the scheduler took the CPU away), the load average, and on CUDA the GPU's SM clock, power,
+    temperature and active clock-event (throttle) reasons from ``nvidia-smi`` at each mark. A
+    disturbed run (:func:`flag_disturbed`) can then be told apart: host contention shows as
+    involuntary switches or CPU seconds, a slowed GPU as its clock or throttle reasons."""
+
+    QUERY = ("clocks.sm,clocks.mem,power.draw,temperature.gpu,"
+             "clocks_event_reasons.active")
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.marks: list[dict] = []
+
+    def _gpu(self) -> dict | None:
+        if not self.cuda:
+            return None
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=" + self.QUERY,
+                                  "--format=csv,noheader,nounits", "-i", "0"],
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return {"error": str(e)}
+        parts = [x.strip() for x in out.stdout.strip().split(",")]
+        if out.returncode != 0 or len(parts) != 5:
+            return {"error": (out.stderr or out.stdout).strip()[:200]}
+        return dict(zip(("sm_mhz", "mem_mhz", "power_w", "temp_c", "event_reasons"), parts,
+                        strict=True))
+
+    def mark(self) -> None:
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        self.marks.append({"t": time.perf_counter(), "cpu_s": ru.ru_utime + ru.ru_stime,
+                           "nivcsw": ru.ru_nivcsw, "nvcsw": ru.ru_nvcsw,
+                           "load1": os.getloadavg()[0], "gpu": self._gpu()})
+
+    def between(self) -> list[dict]:
+        """One record per pair of consecutive marks."""
+        out = []
+        for a, b in zip(self.marks[:-1], self.marks[1:], strict=True):
+            wall = b["t"] - a["t"]
+            out.append({"wall_s": round(wall, 4),
+                        "cpu_s": round(b["cpu_s"] - a["cpu_s"], 4),
+                        "cpu_share": round((b["cpu_s"] - a["cpu_s"]) / wall, 4) if wall else None,
+                        "involuntary_switches": b["nivcsw"] - a["nivcsw"],
+                        "voluntary_switches": b["nvcsw"] - a["nvcsw"],
+                        "load1_after": b["load1"], "gpu_before": a["gpu"], "gpu_after": b["gpu"]})
+        return out
+
+
 def flag_disturbed(rows: list[dict]) -> None:
     """Mark each run of one policy (``live_tokens_per_s``, ``replay_tokens_per_s``) with
     ``disturbed``: live more than :data:`DISTURBED_PCT` below the runs' median live rate while
@@ -339,7 +417,10 @@ def run_one(args: argparse.Namespace) -> dict:
     prompts = [rng.integers(0, vocab, n).tolist() for n in spec["prompt_lens"]]
     warmup_s = warm_up(engine, cost, prompts, max_tokens=args.warmup_tokens)
 
+    host = HostProbe(args.device)
+
     def announce(i, total, name):
+        host.mark()
         console.print(f"[{wl.name}] live {name} ({i + 1}/{total}) ...")
 
     t0 = time.perf_counter()
@@ -352,11 +433,14 @@ def run_one(args: argparse.Namespace) -> dict:
         + zlib.crc32(wl.name.encode()) % 1_000_003,
     )
     live_s = time.perf_counter() - t0
+    host.mark()
+    probes = host.between()  # probes[i]: what the machine did while run i (of timed) ran
     runs_of = {n: [tr.run for tr in timed if tr.policy == n] for n in names}
+    probe_of = {n: [probes[i] for i, tr in enumerate(timed) if tr.policy == n] for n in names}
     policies = {}
     for n in names:
         rows = []
-        for run, s in zip(runs_of[n], per_policy[n], strict=True):
+        for run, s, probe in zip(runs_of[n], per_policy[n], probe_of[n], strict=True):
             rep = s["replay"]
             rows.append({
                 "live_tokens_per_s": s["round_tokens_per_s"],
@@ -376,6 +460,9 @@ def run_one(args: argparse.Namespace) -> dict:
                 "mean_k": s["mean_k"],
                 "acceptance_rate": s["acceptance_rate"],
                 "output_tokens": s["output_tokens"],
+                "phases": run_phases(run),
+                "k_timeline": k_timeline(run.k),
+                "host": probe,
             })
         flag_disturbed(rows)
         errs = [r["error_pct"] for r in rows]  # NaN: a run the table could not price
@@ -439,7 +526,8 @@ def sweep_metrics(docs: list[dict]) -> dict:
                     if r.get("disturbed"):
                         disturbed.append({"workload": d["workload"]["name"], "policy": name,
                                           "run": i, "error_pct": round(e, 3),
-                                          "live_vs_median_pct": round(r["live_vs_median_pct"], 3)})
+                                          "live_vs_median_pct": round(r["live_vs_median_pct"], 3),
+                                          "host": r.get("host")})
                     else:
                         calm.append(e)
                 uncal.append(r["uncalibrated_pct"])

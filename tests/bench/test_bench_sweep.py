@@ -74,6 +74,15 @@ def test_small_sweep_prices_every_round_and_replays_the_live_decisions(sweep):
                 assert r["output_tokens"] == sum(d["workload"]["max_tokens"])
                 # the live trace records each round's longest request: never below its mean
                 assert r["kv_spread"]["median_max_over_mean"] >= 1.0
+                # per phase: rounds and tokens add up to the run's; k stays inside the width
+                assert sum(x["rounds"] for x in r["phases"]) == r["rounds"]
+                assert len(r["phases"]) == (2 if d["workload"]["phased"] else 1)
+                assert all(1 <= x["mean_k"] <= 3 and x["seconds"] > 0 for x in r["phases"])
+                assert sum(seg[1] for seg in r["k_timeline"]) == r["rounds"]
+                # what the machine did during the run: this process ran, nothing on a GPU
+                h = r["host"]
+                assert h["wall_s"] > 0 and h["cpu_s"] > 0 and h["involuntary_switches"] >= 0
+                assert h["gpu_before"] is None and h["gpu_after"] is None
         assert np.isfinite(d["gain_vs_best_fixed_pct"])
         assert np.isfinite(d["gain_vs_phase_oracle_pct"])
         assert len(d["phases"]) == (2 if d["workload"]["phased"] else 1)
@@ -201,4 +210,4 @@ def test_a_run_slower_for_the_same_work_is_flagged_and_kept_in_the_worst():
     assert got["context"]["disturbed_runs"] == [
         {"workload": "n3-short-easy", "policy": "fixed:1", "run": 1,
          "error_pct": round(seen[1]["error_pct"], 3),
-         "live_vs_median_pct": round(seen[1]["live_vs_median_pct"], 3)}]
+         "live_vs_median_pct": round(seen[1]["live_vs_median_pct"], 3), "host": None}]
