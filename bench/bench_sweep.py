@@ -294,7 +294,7 @@ def k_timeline(k) -> list[list[int]]:
 
 class HostProbe:
     """What the machine did between two marks (around each live run, outside its timed rounds):
-    this process's CPU seconds and context switches (``getrusage``: involuntary switches mean
+    this process's CPU seconds, cyclic-collector passes and context switches (``getrusage``: involuntary switches mean
     the scheduler took the CPU away), the load average, and on CUDA the GPU's SM clock, power,
     temperature and active clock-event (throttle) reasons from ``nvidia-smi`` at each mark. A
     disturbed run (:func:`flag_disturbed`) can then be told apart: host contention shows as
@@ -304,8 +304,22 @@ class HostProbe:
              "clocks_event_reasons.active")
 
     def __init__(self, device: str):
+        import gc
+
         self.cuda = device.startswith("cuda")
         self.marks: list[dict] = []
+        self.gc_ms = [0.0, 0.0, 0.0]  # collector time per generation, running totals
+        self.gc_n = [0, 0, 0]
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            g = int(info["generation"])
+            self.gc_n[g] += 1
+            self.gc_ms[g] += 1000.0 * (time.perf_counter() - self._gc_t0)
 
     def _gpu(self) -> dict | None:
         if not self.cuda:
@@ -328,7 +342,8 @@ class HostProbe:
         ru = resource.getrusage(resource.RUSAGE_SELF)
         self.marks.append({"t": time.perf_counter(), "cpu_s": ru.ru_utime + ru.ru_stime,
                            "nivcsw": ru.ru_nivcsw, "nvcsw": ru.ru_nvcsw,
-                           "load1": os.getloadavg()[0], "gpu": self._gpu()})
+                           "load1": os.getloadavg()[0], "gpu": self._gpu(),
+                           "gc_n": list(self.gc_n), "gc_ms": list(self.gc_ms)})
 
     def between(self) -> list[dict]:
         """One record per pair of consecutive marks."""
@@ -340,7 +355,12 @@ class HostProbe:
                         "cpu_share": round((b["cpu_s"] - a["cpu_s"]) / wall, 4) if wall else None,
                         "involuntary_switches": b["nivcsw"] - a["nivcsw"],
                         "voluntary_switches": b["nvcsw"] - a["nvcsw"],
-                        "load1_after": b["load1"], "gpu_before": a["gpu"], "gpu_after": b["gpu"]})
+                        "load1_after": b["load1"], "gpu_before": a["gpu"], "gpu_after": b["gpu"],
+                        # cyclic-collector passes per generation and their milliseconds (the
+                        # live rounds run with it paused: speccal.base.gcpause)
+                        "gc_collections": [y - x for x, y in zip(a["gc_n"], b["gc_n"], strict=True)],
+                        "gc_ms": [round(y - x, 2) for x, y in zip(a["gc_ms"], b["gc_ms"],
+                                                                   strict=True)]})
         return out
 
 
@@ -461,6 +481,9 @@ def run_one(args: argparse.Namespace) -> dict:
                 "acceptance_rate": s["acceptance_rate"],
                 "output_tokens": s["output_tokens"],
                 "phases": run_phases(run),
+                # one stalled round stands out against the median
+                "round_ms_median": float(np.median(run.round_ms)) if run.round_ms.size else None,
+                "round_ms_max": float(run.round_ms.max()) if run.round_ms.size else None,
                 "k_timeline": k_timeline(run.k),
                 "host": probe,
             })

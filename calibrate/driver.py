@@ -77,6 +77,7 @@ from typing import Any
 import numpy as np
 
 from speccal.base.errors import SpeccalError
+from speccal.base.gcpause import paused_gc
 from speccal.base.runner_face import Routing
 from speccal.calibrate.config import CalibrationConfig
 from speccal.calibrate.feasibility import TRANSITION_ROUNDS, reserve_tokens
@@ -458,6 +459,17 @@ def drive(
         the call's first window sets the reference, and the fit re-prices every row at the
         run's median probe, ``timing.at_run_speed``); None: the wall clock.
     """
+    with paused_gc():  # a full collection is a 60-150 ms stall inside some window
+        return _drive(engine, cfg, points, journal, device=device, vocab_size=vocab_size,
+                      window_indices=window_indices, on_window=on_window, clock=clock,
+                      probe=probe)
+
+
+def _drive(engine: Any, cfg: CalibrationConfig, points: tuple[GridPoint, ...], journal: Journal,
+           *, device: str, vocab_size: int, window_indices: Sequence[int] | None,
+           on_window: Callable[[GridPoint, int], None] | None, clock: Callable[[], float],
+           probe: SpeedProbe | None) -> DriveStats:
+    """:func:`drive`'s body (the collector paused)."""
     from speccal.runner.engine import RoundPlan
     from speccal.runner.sampling import SamplingParams
 

@@ -383,9 +383,12 @@ class AdaptiveStepPolicy:
     """Adaptive draft step: one batch-wide ``k`` from windowed prefix acceptance and the table.
 
     Bookkeeping: each observed batch adds its per-position counts to a window of the last
-    ``window_size`` batches. ``decide`` re-scores when ``update_interval`` batches have completed
-    since the last re-scoring (first at ``update_interval`` completed batches; full width
-    before), and otherwise holds ``k``. A round whose lookup at the held ``k`` is uncalibrated
+    ``window_size`` batches. ``decide`` scores first as soon as one batch has completed (full
+    width before: the only ``k`` that observes every position), then re-scores at every
+    multiple of ``update_interval`` completed batches, and otherwise holds ``k``. (The seed fixes
+    the re-scoring interval, not the first scoring; waiting a whole interval before it ran the
+    first ``update_interval`` + 1 pipelined rounds at full width, 1-2.6 % of a 150-round run
+    where ``k = 1`` was right on an H100 at 98963ed.) A round whose lookup at the held ``k`` is uncalibrated
     runs full width without changing the held ``k``.
     """
 
@@ -400,7 +403,7 @@ class AdaptiveStepPolicy:
         w = cost.draft_width
         self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=self.config.window_size)
         self._completed = 0
-        self._scored_at = 0
+        self._next_score = 1  # completed batches at which decide() scores next
         self._k = w
         self._last_reason = "warmup"
         self._last_gain = math.nan
@@ -430,8 +433,9 @@ class AdaptiveStepPolicy:
     def decide(self, state: BatchState) -> Decision:
         costs = self.cost.step_costs(state.num_requests, state.kv_length)
         interval = self.config.update_interval
-        if self._completed - self._scored_at >= interval:
-            self._scored_at = self._completed - self._completed % interval
+        warm = self._next_score == 1  # no scoring yet
+        if self._completed >= self._next_score:
+            self._next_score = (self._completed // interval + 1) * interval
             k, reason, gain = choose_step(
                 prefix_acceptance(*self.window_counts()),
                 costs,
@@ -445,9 +449,7 @@ class AdaptiveStepPolicy:
             fresh = False
         w = self.cost.draft_width
         k = self._k
-        reason = (
-            self._last_reason if fresh else ("warmup" if self._completed < interval else "hold")
-        )
+        reason = self._last_reason if fresh else ("warmup" if warm else "hold")
         if not np.isfinite(costs[k - 1]):
             k, reason = w, "uncalibrated"
         bcap = int(self.cost.bcap(state.num_requests))

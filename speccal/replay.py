@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -244,11 +245,12 @@ def _adaptive_step_run(
 ) -> PolicyRun:
     """Vectorised twin of :class:`~speccal.policy.AdaptiveStepPolicy` with lag-0 feedback.
 
-    Round ``r`` sees the feedback of rounds ``< r``; re-scoring happens at rounds ``start`` =
-    ``update_interval * j`` (``j >= 1``) from the window ``[start - window_size, start)``. The
-    window is a difference of running sums ``Q`` of masked survival counts, kept at block edges
-    (block = ``update_interval`` rounds, one held ``k``), so a block costs O(w) unless one of its
-    rounds is uncalibrated at the held ``k`` (then that block is summed round by round).
+    Round ``r`` sees the feedback of rounds ``< r``; scoring happens at round 1 (the first
+    feedback) and then at rounds ``start`` = ``update_interval * j`` (``j >= 1``) from the window
+    ``[start - window_size, start)``. The window is a difference of running sums ``Q`` of masked
+    survival counts, kept at block edges (a block runs from one scoring to the next, one held
+    ``k``), so a block costs O(w) unless one of its rounds is uncalibrated at the held ``k``
+    (then that block is summed round by round).
     """
     r_total, w = H.shape
     b = trace.num_requests
@@ -260,9 +262,11 @@ def _adaptive_step_run(
     ch_s = np.concatenate((zero, np.cumsum(Hf, axis=0)))  # unmasked running sums [R + 1, w]
     ch_r = np.concatenate((zero, np.cumsum(reached, axis=0)))
     interval, window, gain_min = cfg.update_interval, cfg.window_size, cfg.switch_min_gain
-    starts = np.arange(0, r_total, interval)
-    stops = np.minimum(starts + interval, r_total)
+    starts = np.unique(np.concatenate(([0, 1], np.arange(interval, r_total, interval))))
+    starts = starts[starts < r_total]
+    stops = np.concatenate((starts[1:], [r_total]))
     nblocks = starts.size
+    start_list = starts.tolist()
     bad_block = np.logical_or.reduceat(bad, starts, axis=0).tolist()  # [nblocks][w]
     # Per-block unmasked sums and per-start lookups as plain lists: the loop below runs once
     # per block (2 * 10^5 times for 10^6 rounds) on vectors of length w, where numpy's
@@ -281,8 +285,8 @@ def _adaptive_step_run(
     code = {name: i for i, name in enumerate(REASONS)}
 
     def q_at(r: int) -> tuple[list[float], list[float]]:
-        j = r // interval
-        off = r - j * interval
+        j = bisect_right(start_list, r) - 1
+        off = r - start_list[j]
         if off == 0:
             return qs[j], qr[j]
         if j in irregular:
@@ -304,7 +308,7 @@ def _adaptive_step_run(
         if j == 0:
             why = code["warmup"]
         else:
-            lo_s, lo_r = q_at(max(0, j * interval - window))
+            lo_s, lo_r = q_at(max(0, start_list[j] - window))
             qs_j, qr_j = qs[j], qr[j]
             prefix = prefix_acceptance_list(
                 [x - y for x, y in zip(qs_j, lo_s, strict=True)],

@@ -71,6 +71,7 @@ from typing import Any
 import numpy as np
 
 from speccal.base.errors import InputError
+from speccal.base.gcpause import paused_gc
 from speccal.policy import BatchState, CostModel, Decision, Feedback, Policy
 from speccal.replay import run_sequential
 from speccal.runner.engine import Engine, RoundPlan, RoundState
@@ -285,50 +286,51 @@ def run_live(
         plan_kv[state.round_index] = float(state.kv_length)
         return to_plan(d, mode)
 
-    t_loop = time.perf_counter()
-    t_prev = None  # pipelined: when the previous step returned (the next round's period starts)
-    while engine.has_unfinished():
-        want = 0
-        for i, ph in enumerate(phases):
-            if emitted >= ph.start_fraction * total_target:
-                want = i
-        if phases and want != current_phase:
-            engine.set_acceptance_profile(phases[want].profile)
-            current_phase = want
-        t0 = time.perf_counter()
-        first = engine.prefill_pending()
-        if first:
-            engine.synchronize()
-            prefill_s += time.perf_counter() - t0
-            emitted += len(first)
-            t_prev = None  # a round's period never includes a prefill
-        t0 = time.perf_counter()
-        res = engine.step(plan_fn)
-        t1 = time.perf_counter()
-        ms = 1000.0 * (t1 - (t0 if t_prev is None or not pipelined else t_prev))
-        t_prev = t1
-        emitted += sum(len(e) for e in res.emitted)
-        d = decisions.pop(res.round_index, None)
-        seen_kv = plan_kv.pop(res.round_index, None)
-        res = res.physical()  # pipelined: the rows of the extra round too (what the device ran)
-        if res.num_requests == 0:
-            continue
-        if d is None:
-            raise RuntimeError("engine.step ran a round without calling the plan callback")
-        r = res.round_index - base
-        policy.observe(Feedback.from_round_result(res, r))
-        builder.add(res.k, res.accepted, res.draft_scores, res.kv_lengths, seen_kv)
-        rec["k"].append(res.k)
-        rec["g"].append(d.g)
-        rec["g_run"].append(res.g)
-        rec["b"].append(res.num_requests)
-        rec["acc"].append(int(res.accepted.sum()))
-        rec["ver"].append(int(res.num_verify.sum()))
-        rec["ms"].append(ms)
-        rec["why"].append(d.reason)
-        rec["bcap"].append(res.bcap)
-        rec["kv"].append(float(np.mean(res.kv_lengths)) if seen_kv is None else seen_kv)
-        phase_of_round.append(max(current_phase, 0))
+    with paused_gc():  # no 60-150 ms full collection inside a timed round
+        t_loop = time.perf_counter()
+        t_prev = None  # pipelined: when the previous step returned (the next round's period starts)
+        while engine.has_unfinished():
+            want = 0
+            for i, ph in enumerate(phases):
+                if emitted >= ph.start_fraction * total_target:
+                    want = i
+            if phases and want != current_phase:
+                engine.set_acceptance_profile(phases[want].profile)
+                current_phase = want
+            t0 = time.perf_counter()
+            first = engine.prefill_pending()
+            if first:
+                engine.synchronize()
+                prefill_s += time.perf_counter() - t0
+                emitted += len(first)
+                t_prev = None  # a round's period never includes a prefill
+            t0 = time.perf_counter()
+            res = engine.step(plan_fn)
+            t1 = time.perf_counter()
+            ms = 1000.0 * (t1 - (t0 if t_prev is None or not pipelined else t_prev))
+            t_prev = t1
+            emitted += sum(len(e) for e in res.emitted)
+            d = decisions.pop(res.round_index, None)
+            seen_kv = plan_kv.pop(res.round_index, None)
+            res = res.physical()  # pipelined: the rows of the extra round too (what the device ran)
+            if res.num_requests == 0:
+                continue
+            if d is None:
+                raise RuntimeError("engine.step ran a round without calling the plan callback")
+            r = res.round_index - base
+            policy.observe(Feedback.from_round_result(res, r))
+            builder.add(res.k, res.accepted, res.draft_scores, res.kv_lengths, seen_kv)
+            rec["k"].append(res.k)
+            rec["g"].append(d.g)
+            rec["g_run"].append(res.g)
+            rec["b"].append(res.num_requests)
+            rec["acc"].append(int(res.accepted.sum()))
+            rec["ver"].append(int(res.num_verify.sum()))
+            rec["ms"].append(ms)
+            rec["why"].append(d.reason)
+            rec["bcap"].append(res.bcap)
+            rec["kv"].append(float(np.mean(res.kv_lengths)) if seen_kv is None else seen_kv)
+            phase_of_round.append(max(current_phase, 0))
     loop_s = time.perf_counter() - t_loop - prefill_s
     outputs = sum(len(engine.requests[r].output) for r in rids)
     for r in rids:

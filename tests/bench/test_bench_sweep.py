@@ -83,6 +83,8 @@ def test_small_sweep_prices_every_round_and_replays_the_live_decisions(sweep):
                 h = r["host"]
                 assert h["wall_s"] > 0 and h["cpu_s"] > 0 and h["involuntary_switches"] >= 0
                 assert h["gpu_before"] is None and h["gpu_after"] is None
+                assert len(h["gc_collections"]) == 3 and min(h["gc_collections"]) >= 0
+                assert 0 < r["round_ms_median"] <= r["round_ms_max"]
         assert np.isfinite(d["gain_vs_best_fixed_pct"])
         assert np.isfinite(d["gain_vs_phase_oracle_pct"])
         assert len(d["phases"]) == (2 if d["workload"]["phased"] else 1)

@@ -216,3 +216,26 @@ def test_missing_bytecode_is_reported(tmp_path, monkeypatch, small_config, engin
     assert summary["timings"]["no_bytecode"] == ["slowpkg"]
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("Python: no bytecode")]
     assert len(lines) == 1 and "slowpkg" in lines[0]
+
+
+def test_windows_are_measured_with_the_collector_paused(tmp_path, small_config, engine_factory):
+    """No full collection (60-150 ms with torch loaded) lands inside a window: the collector is
+    off while drive() measures, and on again after the calibration."""
+    import gc
+
+    seen = []
+
+    def factory(*a, **k):
+        eng = engine_factory(*a, **k)
+        step = eng.step
+
+        def spy(*sa, **sk):
+            seen.append(gc.isenabled())
+            return step(*sa, **sk)
+
+        eng.step = spy
+        return eng
+
+    assert gc.isenabled()
+    _cfg(tmp_path, small_config, factory, windows_per_point=1)
+    assert seen and not any(seen[-4:]) and gc.isenabled()

@@ -475,3 +475,19 @@ def test_policy_bench_config_refuses_bad_input(kw, match):
     args = {"engine": _bench_engine_config(), "policies": ("fixed:1",), **kw}
     with pytest.raises(InputError, match=match):
         PolicyBenchConfig(**args)
+
+
+def test_the_collector_is_paused_while_the_live_rounds_run():
+    """A full collection (60-150 ms with torch loaded) inside a timed round made whole sweep
+    runs look disturbed: the live loop runs with the collector off and restores it after."""
+    import gc
+
+    eng = _engine(profile=(0.5, 0.5, 0.5), buckets=(1, 2, 4))
+    cost = _cost(eng.geometry)
+    policy = make_policy("fixed:2", cost)
+    seen = []
+    decide = policy.decide
+    policy.decide = lambda state: (seen.append(gc.isenabled()), decide(state))[1]
+    assert gc.isenabled()
+    run_live(eng, policy, "draft_step", _prompts(eng, 3), [12, 12, 12])
+    assert seen and not any(seen) and gc.isenabled()

@@ -132,18 +132,27 @@ def test_adaptive_step_window_and_interval_bookkeeping():
     cost = table_cost({1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0})
     pol = AdaptiveStepPolicy(cost, AdaptiveStepConfig(window_size=20, update_interval=5))
     state = lambda r: BatchState(round_index=r, num_requests=4, kv_length=100.0)  # noqa: E731
-    # Rounds 0..4: no re-scoring yet -> full width.
-    for r in range(5):
-        d = pol.decide(state(r))
-        assert (d.k, d.reason) == (4, "warmup")
-        feed(pol, r, [0, 0, 0, 0], d.k)  # nothing accepted: the best k is 1
-    d = pol.decide(state(5))
+    # Round 0: no feedback yet -> full width (the only k that observes every position).
+    d = pol.decide(state(0))
+    assert (d.k, d.reason) == (4, "warmup")
+    feed(pol, 0, [0, 0, 0, 0], d.k)  # nothing accepted: the best k is 1
+    # The first scoring comes with the first feedback, not a whole interval later.
+    d = pol.decide(state(1))
     assert (d.k, d.reason) == (1, "switch")
+    feed(pol, 1, [0, 0, 0, 0], d.k)
+    # Then every update_interval completed batches: rounds 2..4 hold, round 5 re-scores.
+    for r in range(2, 5):
+        d = pol.decide(state(r))
+        assert (d.k, d.reason) == (1, "hold")
+        feed(pol, r, [0, 0, 0, 0], d.k)
+    d = pol.decide(state(5))
+    assert (d.k, d.reason) == (1, "hold")  # re-scored (still 1), no switch
+    assert math.isfinite(d.predicted_gain)
     # Feedback turning perfect must not move k before the next re-scoring point (round 10).
     for r in range(5, 10):
         if r > 5:
             d = pol.decide(state(r))
-            assert (d.k, d.reason) == (1, "hold")
+            assert (d.k, d.reason) == (1, "hold") and math.isnan(d.predicted_gain)
         feed(pol, r, [d.k] * 4, d.k)
     # Window holds rounds 0..9: position 0 reached 40 times, survived 20 (rounds 5..9).
     s, reached = pol.window_counts()
