@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from speccal.base.gcpause import paused_gc
+
 
 def events_ms(fn: Callable[[], object], iters: int, repeats: int) -> float:
     """Median over ``repeats`` of the mean time of ``iters`` calls (CUDA events), in ms; one
@@ -20,14 +22,15 @@ def events_ms(fn: Callable[[], object], iters: int, repeats: int) -> float:
     fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / iters)
+    with paused_gc():  # no 60-150 ms full collection inside a repeat (speccal.base.gcpause)
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / iters)
     return statistics.median(times)
 
 
