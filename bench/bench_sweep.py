@@ -58,7 +58,11 @@ work slower: the machine, not the table, changed during that run (on an H100 hos
 ran every round ~1.4x slower, 40-57 % off their replay, as one window of each calibration did).
 Such runs stay in every figure above (judged by the worst); they are listed in
 ``context.disturbed_runs`` and ``replay_vs_live_error_pct_sweep_max_undisturbed`` is the worst
-over the others, so a reader can tell a model error from a disturbance.
+over the others, so a reader can tell a model error from a disturbance. Each run also carries
+its host probe (:class:`HostProbe`), its phases and ``k`` timeline, its longest round against
+its median, and where its live time departs from its replay (:func:`round_residuals`: rounds
+after a batch-size change against steady ones, and per bucket), summed over the sweep in
+``context.residual_breakdown``.
 """
 
 from __future__ import annotations
@@ -281,6 +285,63 @@ def run_phases(run) -> list[dict]:
     return out
 
 
+def round_residuals(run, predicted_ms, cost) -> dict:
+    """Where a run's live round time departs from its replay's price: live and predicted ms
+    summed over the rounds that follow a change of batch size (and the first round: a new shape,
+    its graph and caches cold) and over the steady rest, and per request bucket. ``excess_ms``
+    = live - predicted; the sweep adds them up over every run (``residual_breakdown``)."""
+    import numpy as np
+
+    live = np.asarray(run.round_ms, dtype=np.float64)
+    pred = np.asarray(predicted_ms, dtype=np.float64)
+    b = np.asarray(run.num_requests)
+    if live.size == 0 or pred.shape != live.shape:
+        return {}
+    change = np.concatenate(([True], b[1:] != b[:-1]))
+    bcap = np.asarray(cost.bcap(b))
+
+    def part(sel) -> dict:
+        lv, pr = float(live[sel].sum()), float(pred[sel].sum())
+        return {"rounds": int(np.count_nonzero(sel)), "live_ms": round(lv, 4),
+                "replay_ms": round(pr, 4), "excess_ms": round(lv - pr, 4)}
+
+    return {"transition": part(change), "steady": part(~change),
+            "by_bcap": {str(int(x)): part(bcap == x) for x in np.unique(bcap).tolist()}}
+
+
+def residual_breakdown(docs: list[dict]) -> dict:
+    """The runs' :func:`round_residuals` summed per policy kind (fixed / adaptive) and over all:
+    how much of the live time the replay missed sits in transition rounds, in steady rounds and
+    in each bucket (``excess_pct`` = excess over the replay's ms of that part)."""
+    out: dict[str, dict] = {}
+
+    def add(into: dict, part: dict) -> None:
+        for key in ("rounds", "live_ms", "replay_ms", "excess_ms"):
+            into[key] = into.get(key, 0) + part[key]
+
+    for d in docs:
+        for name, p in d["policies"].items():
+            for r in p["runs"]:
+                res = r.get("residual") or {}
+                if not res:
+                    continue
+                for group in ("all", "adaptive" if name == d["adaptive"] else "fixed"):
+                    g = out.setdefault(group, {"transition": {}, "steady": {}, "by_bcap": {}})
+                    add(g["transition"], res["transition"])
+                    add(g["steady"], res["steady"])
+                    for bc, part in res["by_bcap"].items():
+                        add(g["by_bcap"].setdefault(bc, {}), part)
+    for g in out.values():
+        parts = [g["transition"], g["steady"], *g["by_bcap"].values()]
+        for part in parts:
+            if part.get("replay_ms"):
+                part["excess_pct"] = round(100.0 * part["excess_ms"] / part["replay_ms"], 3)
+            for key in ("live_ms", "replay_ms", "excess_ms"):
+                if key in part:
+                    part[key] = round(part[key], 3)
+    return out
+
+
 def k_timeline(k) -> list[list[int]]:
     """Run-length ``[first_round, rounds, k]`` segments of a run's decisions."""
     out: list[list[int]] = []
@@ -393,10 +454,16 @@ def run_one(args: argparse.Namespace) -> dict:
     """One workload in this process: engine, table, live runs, replays; the JSON-ready result."""
     import numpy as np
     import torch
-    from bench_live_policy import build_live_engine, load_checked_table, run_and_replay, warm_up
+    from bench_live_policy import (
+        build_live_engine,
+        load_checked_table,
+        policy_factory,
+        run_and_replay,
+        warm_up,
+    )
     from rich.console import Console
 
-    from speccal.live.policies import Phase, live_cost_model
+    from speccal.live.policies import Phase, live_cost_model, replay_prediction
     from speccal.policy import AdaptiveStepConfig, CostModel
 
     console = Console(stderr=True)
@@ -457,10 +524,19 @@ def run_one(args: argparse.Namespace) -> dict:
     probes = host.between()  # probes[i]: what the machine did while run i (of timed) ran
     runs_of = {n: [tr.run for tr in timed if tr.policy == n] for n in names}
     probe_of = {n: [probes[i] for i, tr in enumerate(timed) if tr.policy == n] for n in names}
+    # where each run's live time departs from its replay, round by round (the replay again: its
+    # per-round prices; the same model and decisions as run_and_replay's)
+    resid_of: dict[str, list[dict]] = {n: [] for n in names}
+    for tr in timed:
+        pred = replay_prediction(tr.run, replay_cost,
+                                 policy_factory(tr.policy, replay_cost, step_cfg)())
+        resid_of[tr.policy].append(round_residuals(tr.run, pred["predicted_round_ms"],
+                                                   replay_cost))
     policies = {}
     for n in names:
         rows = []
-        for run, s, probe in zip(runs_of[n], per_policy[n], probe_of[n], strict=True):
+        for run, s, probe, resid in zip(runs_of[n], per_policy[n], probe_of[n], resid_of[n],
+                                        strict=True):
             rep = s["replay"]
             rows.append({
                 "live_tokens_per_s": s["round_tokens_per_s"],
@@ -486,6 +562,7 @@ def run_one(args: argparse.Namespace) -> dict:
                 "round_ms_max": float(run.round_ms.max()) if run.round_ms.size else None,
                 "k_timeline": k_timeline(run.k),
                 "host": probe,
+                "residual": resid,
             })
         flag_disturbed(rows)
         errs = [r["error_pct"] for r in rows]  # NaN: a run the table could not price
@@ -576,6 +653,7 @@ def sweep_metrics(docs: list[dict]) -> dict:
         {"workload": worst[1], "policy": worst[2], "run": worst[3]},
         "decisions_match": all(p["decisions_match"] for d in docs for p in d["policies"].values()),
         "by_workload": {d["workload"]["name"]: _workload_line(d) for d in docs},
+        "residual_breakdown": residual_breakdown(docs),
     }
     return {"metrics": out, "context": context}
 

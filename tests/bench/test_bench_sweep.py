@@ -85,10 +85,29 @@ def test_small_sweep_prices_every_round_and_replays_the_live_decisions(sweep):
                 assert h["gpu_before"] is None and h["gpu_after"] is None
                 assert len(h["gc_collections"]) == 3 and min(h["gc_collections"]) >= 0
                 assert 0 < r["round_ms_median"] <= r["round_ms_max"]
+                # the run's rounds split into transitions (a new batch size) and steady ones,
+                # and into buckets; each part's live and replay ms add up to the whole
+                res = r["residual"]
+                tr, st = res["transition"], res["steady"]
+                assert tr["rounds"] >= 2 and tr["rounds"] + st["rounds"] == r["rounds"]
+                assert sum(x["rounds"] for x in res["by_bcap"].values()) == r["rounds"]
+                live_ms = tr["live_ms"] + st["live_ms"]
+                rep_ms = tr["replay_ms"] + st["replay_ms"]
+                assert abs(sum(x["excess_ms"] for x in res["by_bcap"].values())
+                           - (live_ms - rep_ms)) < 1e-2
+                # the replay's tokens/s is its tokens over these ms: its error is theirs
+                assert r["error_pct"] == pytest.approx(100 * abs(live_ms - rep_ms) / rep_ms,
+                                                       rel=1e-2, abs=1e-2)
         assert np.isfinite(d["gain_vs_best_fixed_pct"])
         assert np.isfinite(d["gain_vs_phase_oracle_pct"])
         assert len(d["phases"]) == (2 if d["workload"]["phased"] else 1)
     m = doc["metrics"]
+    br = doc["context"]["residual_breakdown"]
+    assert set(br) == {"all", "fixed", "adaptive"}
+    total = sum(r["residual"]["transition"]["rounds"] + r["residual"]["steady"]["rounds"]
+                for d in doc["workloads"] for p in d["policies"].values() for r in p["runs"])
+    assert br["all"]["transition"]["rounds"] + br["all"]["steady"]["rounds"] == total
+    assert set(br["all"]["by_bcap"]) <= {"1", "2", "4", "8"}
     assert m["uncalibrated_rounds_pct_sweep_max"] == 0.0
     assert doc["context"]["decisions_match"] and doc["context"]["unpriced_runs"] == 0
     worst = max(r["error_pct"] for d in doc["workloads"] for p in d["policies"].values()
