@@ -18,7 +18,9 @@
 #               workloads take longer than one call: SWEEP_WORKLOADS=a,b,... runs a subset, and
 #               SWEEP_TABLE=PATH a table brought along (dscold's ds.json from an earlier call's
 #               session.tgz, in a git-excluded folder named in the call's carry); the metrics of
-#               the whole sweep are the worst over its parts
+#               the whole sweep are the worst over its parts; SWEEP_MAX_TOKENS=N the 1.0 of
+#               the workloads' max_tokens (default 192: phases of 20-110 rounds, about one
+#               adaptive-step window of 20 batches; 512+ lets the window follow a phase change)
 #   sweepv      bench/bench_sweep.py on cold's target_verify table (adaptive-verify)
 #   pyc         compileall over the image's site-packages (timed; host.txt says whether the
 #               image ships bytecode): run before `cold` to time a cold start with it
@@ -146,6 +148,7 @@ run() {
                 timeout "$(left)" $PY bench/bench_sweep.py --model dense-2b --device cuda \
                     --dtype bfloat16 --table "$tab" --repeats 3 --json-out "$d/sweep.json" \
                     ${SWEEP_WORKLOADS:+--workloads "$SWEEP_WORKLOADS"} \
+                    ${SWEEP_MAX_TOKENS:+--max-tokens "$SWEEP_MAX_TOKENS"} \
                     --plot "$d/sweep.png" --record --results "$d/results.jsonl" \
                     > "$d/log.txt" 2>&1
                 echo "rc=$?"
