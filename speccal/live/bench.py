@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from speccal.base.errors import InputError
+from speccal.base.gcpause import paused_gc
 from speccal.costmodel.coverage import warn_coverage
 from speccal.costmodel.table import load_table
 from speccal.live.policies import (
@@ -117,21 +118,22 @@ def _replica_run(engine: Engine, rids: Sequence[int], k: int, comm: Any | None
     replicas run in step, ``DataParallelRunner``: one agreed round per step, so ``k`` is the
     agreed one there). Returns the outputs and the prefill and decode spans."""
     engine.synchronize()
-    t0 = time.perf_counter()
-    engine.prefill_pending()
-    engine.synchronize()
-    t1 = time.perf_counter()
-    if comm is not None and comm.dp_size > 1:
-        runner = DataParallelRunner(engine, comm)
-        while runner.step()[1]:
-            pass
-        engine.drain()
-    else:
-        plan = RoundPlan(k)
-        while engine.has_unfinished():
-            engine.step(plan)
-    engine.synchronize()
-    t2 = time.perf_counter()
+    with paused_gc():  # no 60-150 ms full collection inside the timed run
+        t0 = time.perf_counter()
+        engine.prefill_pending()
+        engine.synchronize()
+        t1 = time.perf_counter()
+        if comm is not None and comm.dp_size > 1:
+            runner = DataParallelRunner(engine, comm)
+            while runner.step()[1]:
+                pass
+            engine.drain()
+        else:
+            plan = RoundPlan(k)
+            while engine.has_unfinished():
+                engine.step(plan)
+        engine.synchronize()
+        t2 = time.perf_counter()
     outs = [list(engine.requests[r].output) for r in rids]
     for r in rids:
         engine.release(r)

@@ -491,3 +491,24 @@ def test_the_collector_is_paused_while_the_live_rounds_run():
     assert gc.isenabled()
     run_live(eng, policy, "draft_step", _prompts(eng, 3), [12, 12, 12])
     assert seen and not any(seen) and gc.isenabled()
+
+
+def test_the_collector_is_paused_while_a_timed_bench_run_runs():
+    """``speccal bench``'s timed run (prefill and rounds) runs with the collector off too."""
+    import gc
+
+    from speccal.live.bench import timed_run
+
+    eng = _engine(profile=(0.5, 0.5, 0.5), buckets=(1, 2, 4))
+    seen = []
+    step = eng.step
+
+    def spy(*a, **k):
+        seen.append(gc.isenabled())
+        return step(*a, **k)
+
+    eng.step = spy
+    timing, outs = timed_run(eng, _prompts(eng, 2), SamplingParams(max_tokens=6, ignore_eos=True),
+                             2)
+    assert seen and not any(seen) and gc.isenabled()
+    assert [len(o) for o in outs] == [6, 6] and timing.tokens == 12
