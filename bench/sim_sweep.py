@@ -1,0 +1,178 @@
+"""The fidelity sweep's policy comparison simulated on a cost table, without a GPU.
+
+Usage: python3 bench/sim_sweep.py --table T.json [--max-tokens 192,512,1024] [--seeds 4]
+       [--workloads a,b] [--json-out F]
+
+What ``bench/bench_sweep.py`` runs live, simulated: each workload of its ``WORKLOADS``
+(resolved on the table's request buckets with ``bench_sweep.resolve``: request counts that are
+not buckets, per-request ``max_tokens`` so the batch shrinks as requests finish, short and long
+prompts, constant or phased synthetic acceptance changing at half the workload's tokens) runs
+request by request to completion under ``fixed:1..w`` and the live ``AdaptiveStepPolicy``
+object (the table's ``calibration.policy`` or the seeds' 20 / 5 / 0.05), each round priced by
+``CostModel.price`` at its bucket, padded G, mean KV and longest request (the table's KV spread
+term where it has one), with the pipelined engine's feedback lag (round ``r``'s acceptance
+reaches the policy after round ``r + 1`` is planned). Acceptance per request and position is
+drawn from the phase's conditional profile (``bench_sweep.profile``), ``--seeds`` runs per
+policy with the same seeds for every policy (common random numbers), median tokens/s.
+
+It answers what the live sweep cannot afford to try: how long the runs must be for the
+adaptive step's window (``window_size`` batches) to follow a phase change, and what a workload
+change does to the adaptive gain, before spending GPU time. It is a model: its tokens/s are the
+table's, not a measurement (on an H100 at 3965b8d the live adaptive gains ran 0-3 points below
+this simulation at ``--max-tokens 192``; bench/RESULTS.md). Draft-step tables only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+from bench_sweep import BY_NAME, WORKLOADS, profile, resolve
+
+from speccal.costmodel.table import load_table
+from speccal.policy import (
+    AdaptiveStepConfig,
+    AdaptiveStepPolicy,
+    BatchState,
+    CostModel,
+    Feedback,
+    FixedPolicy,
+    table_step_config,
+)
+
+
+def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0.5) -> dict:
+    """One run of a resolved workload (``bench_sweep.resolve``) under ``policy``: tokens,
+    priced milliseconds, rounds and per-phase tokens / ms."""
+    w = cost.draft_width
+    mt = np.asarray(spec["max_tokens"], dtype=np.float64)
+    prompt = np.asarray(spec["prompt_lens"], dtype=np.float64)
+    levels = spec["acceptance"]
+    total = float(mt.sum())
+    rng = np.random.default_rng(seed)
+    gen = np.zeros(mt.size)
+    emitted, rounds, t_ms = 0.0, 0, 0.0
+    by_phase = {p: [0.0, 0.0] for p in range(len(levels))}
+    pending: list[Feedback] = []
+    while (gen < mt).any():
+        idx = np.flatnonzero(gen < mt)
+        b = idx.size
+        kv = prompt[idx] + gen[idx]
+        d = policy.decide(BatchState(round_index=rounds, num_requests=b,
+                                     kv_length=float(kv.mean())))
+        phase = 0 if len(levels) == 1 or emitted < phase_at * total else 1
+        q = np.asarray(profile(levels[phase], w))
+        draws = rng.random((b, w)) < q  # every position drawn: the same stream for every k
+        acc = np.minimum(np.cumprod(draws, axis=1).sum(axis=1), d.k)
+        bcap = int(cost.bcap(b))
+        g = int(cost.g(bcap, b * (d.k + 1)))
+        ms = float(cost.price(np.array([bcap]), np.array([g]), np.array([kv.mean()]),
+                              d.k, np.array([kv.max()]))[0])
+        if not (math.isfinite(ms) and ms > 0):
+            raise ValueError(f"{spec['name']}: the table does not price Bcap {bcap}, G {g}, "
+                             f"KV {kv.mean():.0f} (round {rounds})")
+        step = np.minimum(1.0 + acc, mt[idx] - gen[idx])
+        gen[idx] += step
+        emitted += float(step.sum())
+        t_ms += ms
+        by_phase[phase][0] += float(step.sum())
+        by_phase[phase][1] += ms
+        pending.append(Feedback(round_index=rounds, k=d.k, accepted=acc.astype(np.int64)))
+        if len(pending) == 2:  # pipelined: round r observed after round r + 1 was planned
+            policy.observe(pending.pop(0))
+        rounds += 1
+    return {"tokens": emitted, "ms": t_ms, "rounds": rounds,
+            "tokens_per_s": 1000.0 * emitted / t_ms,
+            "phases": {str(p): {"tokens": v[0], "ms": v[1]} for p, v in by_phase.items()}}
+
+
+def workload(cost: CostModel, spec: dict, cfg: AdaptiveStepConfig, seeds: int) -> dict:
+    """Every policy on one workload, ``seeds`` runs each: median tokens/s, the adaptive gain
+    over the best fixed ``k`` and over the per-phase oracle (each phase at its best fixed ``k``'s
+    rate, weighted by the adaptive runs' tokens in that phase)."""
+    w = cost.draft_width
+    makers = {f"fixed:{k}": (lambda k=k: FixedPolicy(cost, k)) for k in range(1, w + 1)}
+    makers["adaptive-step"] = lambda: AdaptiveStepPolicy(cost, cfg)
+    runs = {name: [simulate(cost, spec, make(), 1000 + s) for s in range(seeds)]
+            for name, make in makers.items()}
+    med = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in runs.items()}
+    fixed = [n for n in runs if n.startswith("fixed:")]
+    best = max(fixed, key=med.get)
+    time_ms = tokens = 0.0
+    for ph in runs["adaptive-step"][0]["phases"]:
+        rate = max(sum(r["phases"][ph]["tokens"] for r in runs[n])
+                   / max(sum(r["phases"][ph]["ms"] for r in runs[n]), 1e-12) for n in fixed)
+        tok = sum(r["phases"][ph]["tokens"] for r in runs["adaptive-step"]) / seeds
+        time_ms += tok / rate if rate > 0 else math.inf
+        tokens += tok
+    oracle = 1000.0 * tokens / time_ms if time_ms > 0 else math.nan  # tokens/s
+    return {
+        "workload": spec,
+        "tokens_per_s": med,
+        "rounds": {n: statistics.median(r["rounds"] for r in rs) for n, rs in runs.items()},
+        "best_fixed": best,
+        "gain_vs_best_fixed_pct": 100.0 * (med["adaptive-step"] / med[best] - 1.0),
+        "gain_vs_phase_oracle_pct": 100.0 * (med["adaptive-step"] / oracle - 1.0),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", required=True, help="a draft_step cost table")
+    ap.add_argument("--max-tokens", default="192", help="comma-separated values of the 1.0")
+    ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--workloads", default=None, help="default: all of bench_sweep's")
+    ap.add_argument("--prompt-lens", default="64,512")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+    table = load_table(Path(args.table))
+    cost = CostModel.from_table(table)
+    if cost.mode != "draft_step":
+        ap.error(f"--table: mode {cost.mode!r}; the simulation needs a draft_step table")
+    names = args.workloads.split(",") if args.workloads else [w.name for w in WORKLOADS]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        ap.error(f"--workloads: unknown {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
+    if args.seeds < 1:
+        ap.error(f"--seeds: got {args.seeds}, expected an integer >= 1")
+    try:
+        lengths = [int(x) for x in args.max_tokens.split(",")]
+        prompt_lens = tuple(int(x) for x in args.prompt_lens.split(","))
+    except ValueError as e:
+        ap.error(f"--max-tokens / --prompt-lens: {e}")
+    if not lengths or min(lengths) < 1 or len(prompt_lens) != 2:
+        ap.error("--max-tokens: integers >= 1; --prompt-lens: SHORT,LONG")
+    cfg = table_step_config(table) or AdaptiveStepConfig()
+    buckets = tuple(table.calibration.request_buckets)
+    out = {"table": args.table, "policy": vars(cfg), "seeds": args.seeds, "by_max_tokens": {}}
+    for mt in lengths:
+        docs = [workload(cost, resolve(BY_NAME[n], buckets, mt, prompt_lens), cfg, args.seeds)
+                for n in names]
+        gains = [d["gain_vs_best_fixed_pct"] for d in docs]
+        phased = [d["gain_vs_best_fixed_pct"] for d in docs if d["workload"]["phased"]]
+        out["by_max_tokens"][str(mt)] = {
+            "adaptive_step_vs_best_fixed_pct_sweep_min": min(gains),
+            "adaptive_step_vs_best_fixed_pct_phased_min": min(phased) if phased else None,
+            "workloads": docs,
+        }
+        print(f"max_tokens {mt}: adaptive-step vs best fixed min {min(gains):+.2f} %, "
+              f"phased min {min(phased) if phased else math.nan:+.2f} %", file=sys.stderr)
+        for d in docs:
+            print(f"  {d['workload']['name']:28s} best {d['best_fixed']}  "
+                  f"{d['gain_vs_best_fixed_pct']:+6.2f} % vs best fixed  "
+                  f"{d['gain_vs_phase_oracle_pct']:+6.2f} % vs phase oracle", file=sys.stderr)
+    text = json.dumps(out, indent=1, sort_keys=True, default=float)
+    if args.json_out:
+        Path(args.json_out).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

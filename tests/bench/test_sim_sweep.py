@@ -1,0 +1,64 @@
+"""bench/sim_sweep.py on the CPU: the sweep's workloads simulated on the committed tiny
+draft-step table (no engine): every policy runs each workload to completion, deterministically."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SIM = ROOT / "bench" / "sim_sweep.py"
+TABLE = ROOT / "tables" / "tiny-cpu-draft-step.json"
+
+
+def _run(tmp_path, *extra, name="sim.json"):
+    out = tmp_path / name
+    proc = subprocess.run([sys.executable, str(SIM), "--table", str(TABLE), "--json-out", str(out),
+                           *extra], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return proc, out
+
+
+def test_simulated_sweep_runs_every_policy_to_completion_deterministically(tmp_path):
+    args = ("--workloads", "n3-short-easy,n6-short-easy-to-hard", "--max-tokens", "16,48",
+            "--seeds", "2", "--prompt-lens", "8,40")
+    proc, out = _run(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["policy"] == {"window_size": 20, "update_interval": 5, "switch_min_gain": 0.05}
+    assert list(doc["by_max_tokens"]) == ["16", "48"]
+    for part in doc["by_max_tokens"].values():
+        ws = part["workloads"]
+        assert [w["workload"]["name"] for w in ws] == ["n3-short-easy", "n6-short-easy-to-hard"]
+        assert part["adaptive_step_vs_best_fixed_pct_sweep_min"] == pytest.approx(
+            min(w["gain_vs_best_fixed_pct"] for w in ws))
+        assert part["adaptive_step_vs_best_fixed_pct_phased_min"] == pytest.approx(
+            ws[1]["gain_vs_best_fixed_pct"])
+        for w in ws:
+            assert set(w["tokens_per_s"]) == {"fixed:1", "fixed:2", "fixed:3", "adaptive-step"}
+            assert all(v > 0 for v in w["tokens_per_s"].values())
+            r = w["rounds"]
+            if not w["workload"]["phased"]:  # easy throughout: more drafts, fewer rounds
+                assert r["fixed:1"] > r["fixed:2"] > r["fixed:3"]
+            assert w["best_fixed"] == max(("fixed:1", "fixed:2", "fixed:3"),
+                                          key=w["tokens_per_s"].get)
+    # longer runs take more rounds; the same seeds give the same figures
+    short, long_ = (doc["by_max_tokens"][m]["workloads"][0]["rounds"]["fixed:1"]
+                    for m in ("16", "48"))
+    assert long_ > short
+    again, out2 = _run(tmp_path, *args, name="again.json")
+    assert again.returncode == 0 and json.loads(out2.read_text()) == doc
+
+
+def test_simulated_sweep_refuses_bad_input(tmp_path):
+    proc, _ = _run(tmp_path, "--workloads", "n3-short-easy,nope")
+    assert proc.returncode == 2 and "nope" in proc.stderr
+    proc, _ = _run(tmp_path, "--max-tokens", "0")
+    assert proc.returncode == 2 and "--max-tokens" in proc.stderr
+    verify = ROOT / "tables" / "tiny-cpu.json"  # a target_verify table
+    proc = subprocess.run([sys.executable, str(SIM), "--table", str(verify)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "draft_step" in proc.stderr
