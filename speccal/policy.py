@@ -388,8 +388,8 @@ class AdaptiveStepPolicy:
     multiple of ``update_interval`` completed batches, and otherwise holds ``k``. (The seed fixes
     the re-scoring interval, not the first scoring; waiting a whole interval before it ran the
     first ``update_interval`` + 1 pipelined rounds at full width, 1-2.6 % of a 150-round run
-    where ``k = 1`` was right on an H100 at 98963ed.) A round whose lookup at the held ``k`` is uncalibrated
-    runs full width without changing the held ``k``.
+    where ``k = 1`` was right on an H100 at 98963ed.) A round whose lookup at the held ``k`` is
+    uncalibrated runs full width without changing the held ``k``.
     """
 
     def __init__(self, cost: CostModel, config: AdaptiveStepConfig | None = None):
