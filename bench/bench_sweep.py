@@ -54,15 +54,17 @@ phased workloads), ``A_vs_phase_oracle_pct_sweep_min`` and ``A_vs_phase_oracle_p
 **Disturbed runs** (:func:`flag_disturbed`): a run whose live rate fell more than
 :data:`DISTURBED_PCT` below the median of its policy's runs while its replay (the same table on
 the run's own trace) explains less than :data:`EXPLAINED_SHARE` of that fall ran about the same
-work slower: the machine, not the table, changed during that run (on an H100 host at 0a2c622 five of 108 runs
-ran every round ~1.4x slower, 40-57 % off their replay, as one window of each calibration did).
+work slower: something outside the table's model ran during that run (on an H100 at 98963ed
+each disturbed run held one 0.11-0.14 s stall, a full collection of Python's cyclic garbage
+collector; the live loop and the calibration windows now run with it paused,
+``speccal.base.gcpause``, and 3965b8d's sweeps had no disturbed run).
 Such runs stay in every figure above (judged by the worst); they are listed in
 ``context.disturbed_runs`` and ``replay_vs_live_error_pct_sweep_max_undisturbed`` is the worst
 over the others, so a reader can tell a model error from a disturbance. Each run also carries
 its host probe (:class:`HostProbe`), its phases and ``k`` timeline, its longest round against
 its median, and where its live time departs from its replay (:func:`round_residuals`: rounds
-after a batch-size change against steady ones, and per bucket), summed over the sweep in
-``context.residual_breakdown``.
+after a batch-size change against steady ones, per bucket and per mean-KV bin), summed over the
+sweep in ``context.residual_breakdown``.
 """
 
 from __future__ import annotations
@@ -285,10 +287,15 @@ def run_phases(run) -> list[dict]:
     return out
 
 
+#: Mean-KV bins of the residual breakdown (tokens; the last is open).
+KV_BINS = (256, 512, 1024, 2048)
+
+
 def round_residuals(run, predicted_ms, cost) -> dict:
     """Where a run's live round time departs from its replay's price: live and predicted ms
     summed over the rounds that follow a change of batch size (and the first round: a new shape,
-    its graph and caches cold) and over the steady rest, and per request bucket. ``excess_ms``
+    its graph and caches cold) and over the steady rest, per request bucket and per mean-KV bin
+    (:data:`KV_BINS`: where the KV model interpolates between contexts). ``excess_ms``
     = live - predicted; the sweep adds them up over every run (``residual_breakdown``)."""
     import numpy as np
 
@@ -305,8 +312,12 @@ def round_residuals(run, predicted_ms, cost) -> dict:
         return {"rounds": int(np.count_nonzero(sel)), "live_ms": round(lv, 4),
                 "replay_ms": round(pr, 4), "excess_ms": round(lv - pr, 4)}
 
+    kv = np.asarray(run.trace.kv_length, dtype=np.float64)
+    edges = np.searchsorted(KV_BINS, kv, side="right")  # bin i: [KV_BINS[i-1], KV_BINS[i])
+    names = [f"{lo}-{hi}" for lo, hi in zip((0, *KV_BINS), (*KV_BINS, "inf"), strict=True)]
     return {"transition": part(change), "steady": part(~change),
-            "by_bcap": {str(int(x)): part(bcap == x) for x in np.unique(bcap).tolist()}}
+            "by_bcap": {str(int(x)): part(bcap == x) for x in np.unique(bcap).tolist()},
+            "by_kv": {names[i]: part(edges == i) for i in np.unique(edges).tolist()}}
 
 
 def residual_breakdown(docs: list[dict]) -> dict:
@@ -326,13 +337,15 @@ def residual_breakdown(docs: list[dict]) -> dict:
                 if not res:
                     continue
                 for group in ("all", "adaptive" if name == d["adaptive"] else "fixed"):
-                    g = out.setdefault(group, {"transition": {}, "steady": {}, "by_bcap": {}})
+                    g = out.setdefault(group, {"transition": {}, "steady": {}, "by_bcap": {},
+                                               "by_kv": {}})
                     add(g["transition"], res["transition"])
                     add(g["steady"], res["steady"])
-                    for bc, part in res["by_bcap"].items():
-                        add(g["by_bcap"].setdefault(bc, {}), part)
+                    for axis in ("by_bcap", "by_kv"):
+                        for key, part in res[axis].items():
+                            add(g[axis].setdefault(key, {}), part)
     for g in out.values():
-        parts = [g["transition"], g["steady"], *g["by_bcap"].values()]
+        parts = [g["transition"], g["steady"], *g["by_bcap"].values(), *g["by_kv"].values()]
         for part in parts:
             if part.get("replay_ms"):
                 part["excess_pct"] = round(100.0 * part["excess_ms"] / part["replay_ms"], 3)

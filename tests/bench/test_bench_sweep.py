@@ -91,6 +91,9 @@ def test_small_sweep_prices_every_round_and_replays_the_live_decisions(sweep):
                 tr, st = res["transition"], res["steady"]
                 assert tr["rounds"] >= 2 and tr["rounds"] + st["rounds"] == r["rounds"]
                 assert sum(x["rounds"] for x in res["by_bcap"].values()) == r["rounds"]
+                assert sum(x["rounds"] for x in res["by_kv"].values()) == r["rounds"]
+                assert set(res["by_kv"]) <= {"0-256", "256-512", "512-1024", "1024-2048",
+                                             "2048-inf"}
                 live_ms = tr["live_ms"] + st["live_ms"]
                 rep_ms = tr["replay_ms"] + st["replay_ms"]
                 assert abs(sum(x["excess_ms"] for x in res["by_bcap"].values())
