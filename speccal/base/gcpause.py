@@ -7,7 +7,8 @@ every "disturbed" sweep run (each ran 0.11-0.14 s long while its CPU and GPU sta
 the one slow window of each calibration (79 % over its point). :func:`paused_gc` disables the
 collector for a timed region and re-enables it after (as ``timeit`` does); reference counting
 still frees everything that is not part of a cycle, and the cycles left over are collected at the
-next automatic collection outside the region.
+next automatic collection outside the region (few: the 22.8 s measuring phase of a default
+``speccal calibrate --model tiny`` on the CPU grew the heap by 604 objects and left 10 in cycles).
 """
 
 from __future__ import annotations
