@@ -1,7 +1,7 @@
 """The fidelity sweep's policy comparison simulated on a cost table, without a GPU.
 
 Usage: python3 bench/sim_sweep.py --table T.json [--max-tokens 192,512,1024] [--seeds 4]
-       [--workloads a,b] [--json-out F]
+       [--workloads a,b] [--window-size N --update-interval N --switch-min-gain X] [--json-out F]
 
 What ``bench/bench_sweep.py`` runs live, simulated: each workload of its ``WORKLOADS``
 (resolved on the table's request buckets with ``bench_sweep.resolve``: request counts that are
@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from bench_sweep import BY_NAME, WORKLOADS, profile, resolve
 
+from speccal.base.errors import InputError
 from speccal.costmodel.table import load_table
 from speccal.policy import (
     AdaptiveStepConfig,
@@ -128,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--workloads", default=None, help="default: all of bench_sweep's")
     ap.add_argument("--prompt-lens", default="64,512")
+    ap.add_argument("--window-size", type=int, default=None, help="default: the table's")
+    ap.add_argument("--update-interval", type=int, default=None, help="default: the table's")
+    ap.add_argument("--switch-min-gain", type=float, default=None, help="default: the table's")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     table = load_table(Path(args.table))
@@ -147,7 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-tokens / --prompt-lens: {e}")
     if not lengths or min(lengths) < 1 or len(prompt_lens) != 2:
         ap.error("--max-tokens: integers >= 1; --prompt-lens: SHORT,LONG")
-    cfg = table_step_config(table) or AdaptiveStepConfig()
+    base = table_step_config(table) or AdaptiveStepConfig()
+    try:
+        cfg = AdaptiveStepConfig(
+            window_size=base.window_size if args.window_size is None else args.window_size,
+            update_interval=(base.update_interval if args.update_interval is None
+                             else args.update_interval),
+            switch_min_gain=(base.switch_min_gain if args.switch_min_gain is None
+                             else args.switch_min_gain))
+    except InputError as e:
+        ap.error(str(e))
     buckets = tuple(table.calibration.request_buckets)
     out = {"table": args.table, "policy": vars(cfg), "seeds": args.seeds, "by_max_tokens": {}}
     for mt in lengths:

@@ -51,6 +51,11 @@ def test_simulated_sweep_runs_every_policy_to_completion_deterministically(tmp_p
     assert long_ > short
     again, out2 = _run(tmp_path, *args, name="again.json")
     assert again.returncode == 0 and json.loads(out2.read_text()) == doc
+    other, out3 = _run(tmp_path, *args, "--window-size", "4", "--update-interval", "2",
+                       name="other.json")
+    assert other.returncode == 0
+    assert json.loads(out3.read_text())["policy"] == {"window_size": 4, "update_interval": 2,
+                                                      "switch_min_gain": 0.05}
 
 
 def test_simulated_sweep_refuses_bad_input(tmp_path):
@@ -58,6 +63,8 @@ def test_simulated_sweep_refuses_bad_input(tmp_path):
     assert proc.returncode == 2 and "nope" in proc.stderr
     proc, _ = _run(tmp_path, "--max-tokens", "0")
     assert proc.returncode == 2 and "--max-tokens" in proc.stderr
+    proc, _ = _run(tmp_path, "--window-size", "0")
+    assert proc.returncode == 2 and "window_size" in proc.stderr
     verify = ROOT / "tables" / "tiny-cpu.json"  # a target_verify table
     proc = subprocess.run([sys.executable, str(SIM), "--table", str(verify)], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
