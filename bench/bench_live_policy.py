@@ -116,13 +116,14 @@ def warm_up(engine, cost, prompts, max_tokens: int = 8) -> float:
 
 
 def run_and_replay(engine, names, cost, replay_cost, prompts, params, *, step_cfg, phases,
-                   repeats, meta, on_run=None, seed=None):
+                   repeats, meta, on_run=None, seed=None, on_replay=None):
     """Steps 3 and 4: every policy of ``names`` ``repeats`` times, interleaved
     (``run_interleaved``, planning with ``cost``), then a fresh twin replayed on every run's own
     trace against ``replay_cost``; ``seed``: common random numbers per cycle
     (``run_interleaved``). Returns ``(timed, per_policy, run_log)``: the
     :class:`TimedRun` list, policy -> its runs' summaries (each with ``replay``, the prediction
-    without arrays), and per run its place, times, tokens/s and replay error."""
+    without arrays), and per run its place, times, tokens/s and replay error. ``on_replay(tr,
+    prediction)``: each run's full prediction (its per-round arrays too) as it is made."""
     import numpy as np
 
     from speccal.live.policies import replay_prediction, run_interleaved
@@ -144,6 +145,8 @@ def run_and_replay(engine, names, cost, replay_cost, prompts, params, *, step_cf
     for i, tr in enumerate(timed):
         p = replay_prediction(tr.run, replay_cost, policy_factory(tr.policy, replay_cost,
                                                                   step_cfg)())
+        if on_replay is not None:
+            on_replay(tr, p)
         s = tr.run.summary()
         s["replay"] = {k: v for k, v in p.items() if not isinstance(v, np.ndarray)}
         per_policy[tr.policy].append(s)

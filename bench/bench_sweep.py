@@ -240,27 +240,29 @@ def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
 
 
 def phase_rates(runs: list) -> dict[int, tuple[float, float]]:
-    """Phase -> (round tokens, seconds) summed over ``runs`` (``LiveRun``)."""
-    import numpy as np
-
+    """Phase -> (round tokens, seconds) summed over ``runs`` (``LiveRun``; :func:`run_phases`)."""
     out: dict[int, tuple[float, float]] = {}
     for run in runs:
-        for ph in np.unique(run.phase).tolist():
-            sel = run.phase == ph
-            tok, s = out.get(ph, (0.0, 0.0))
-            out[ph] = (tok + float(run.round_tokens[sel].sum()),
-                       s + float(run.round_ms[sel].sum()) / 1000.0)
+        for x in run_phases(run):
+            tok, s = out.get(x["phase"], (0.0, 0.0))
+            out[x["phase"]] = (tok + x["tokens"], s + x["seconds"])
     return out
 
 
 def oracle_tokens_per_s(adaptive_runs: list, fixed_runs: dict[str, list]) -> dict:
-    """The per-phase oracle: in each phase the best fixed ``k``'s live rate there, weighted by
-    the adaptive runs' tokens in that phase (mean over the runs)."""
-    rates = {name: {ph: tok / s for ph, (tok, s) in phase_rates(runs).items() if s > 0}
-             for name, runs in fixed_runs.items()}
-    ad = phase_rates(adaptive_runs)
+    """The per-phase oracle of live runs (:func:`phase_oracle` of their :func:`phase_rates`)."""
+    return phase_oracle(phase_rates(adaptive_runs),
+                        {name: phase_rates(runs) for name, runs in fixed_runs.items()})
+
+
+def phase_oracle(adaptive: dict, fixed: dict[str, dict]) -> dict:
+    """The per-phase oracle: in each phase the best fixed ``k``'s rate there, weighted by the
+    adaptive runs' tokens in that phase. ``adaptive``: phase -> (tokens, seconds) summed over
+    its runs; ``fixed``: policy -> the same (``bench/sim_sweep.py`` passes its simulated runs')."""
+    rates = {name: {ph: tok / s for ph, (tok, s) in totals.items() if s > 0}
+             for name, totals in fixed.items()}
     best, time_s, tokens = {}, 0.0, 0.0
-    for ph, (tok, _) in sorted(ad.items()):
+    for ph, (tok, _) in sorted(adaptive.items()):
         have = {n: r[ph] for n, r in rates.items() if ph in r}
         if not have:
             return {"tokens_per_s": math.nan, "best_per_phase": {}}
@@ -467,16 +469,10 @@ def run_one(args: argparse.Namespace) -> dict:
     """One workload in this process: engine, table, live runs, replays; the JSON-ready result."""
     import numpy as np
     import torch
-    from bench_live_policy import (
-        build_live_engine,
-        load_checked_table,
-        policy_factory,
-        run_and_replay,
-        warm_up,
-    )
+    from bench_live_policy import build_live_engine, load_checked_table, run_and_replay, warm_up
     from rich.console import Console
 
-    from speccal.live.policies import Phase, live_cost_model, replay_prediction
+    from speccal.live.policies import Phase, live_cost_model
     from speccal.policy import AdaptiveStepConfig, CostModel
 
     console = Console(stderr=True)
@@ -523,11 +519,20 @@ def run_one(args: argparse.Namespace) -> dict:
         host.mark()
         console.print(f"[{wl.name}] live {name} ({i + 1}/{total}) ...")
 
+    # where each run's live time departs from its replay, round by round (run_and_replay's own
+    # prediction of the run: its per-round prices)
+    resid_of: dict[str, list[dict]] = {n: [] for n in names}
+
+    def on_replay(tr, pred):
+        resid_of[tr.policy].append(round_residuals(tr.run, pred["predicted_round_ms"],
+                                                   replay_cost))
+
     t0 = time.perf_counter()
     timed, per_policy, run_log = run_and_replay(
         engine, names, cost, replay_cost, prompts, spec["max_tokens"], step_cfg=step_cfg,
         phases=phases, repeats=args.repeats, meta={"workload": wl.name, "seed": args.seed},
         on_run=announce,
+        on_replay=on_replay,
         # common random numbers: run c of every policy draws acceptance from one stream
         seed=None if args.independent_draws else (args.seed + 1) * 1_000_003
         + zlib.crc32(wl.name.encode()) % 1_000_003,
@@ -537,14 +542,6 @@ def run_one(args: argparse.Namespace) -> dict:
     probes = host.between()  # probes[i]: what the machine did while run i (of timed) ran
     runs_of = {n: [tr.run for tr in timed if tr.policy == n] for n in names}
     probe_of = {n: [probes[i] for i, tr in enumerate(timed) if tr.policy == n] for n in names}
-    # where each run's live time departs from its replay, round by round (the replay again: its
-    # per-round prices; the same model and decisions as run_and_replay's)
-    resid_of: dict[str, list[dict]] = {n: [] for n in names}
-    for tr in timed:
-        pred = replay_prediction(tr.run, replay_cost,
-                                 policy_factory(tr.policy, replay_cost, step_cfg)())
-        resid_of[tr.policy].append(round_residuals(tr.run, pred["predicted_round_ms"],
-                                                   replay_cost))
     policies = {}
     for n in names:
         rows = []

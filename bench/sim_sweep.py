@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from bench_sweep import BY_NAME, WORKLOADS, profile, resolve
+from bench_sweep import BY_NAME, WORKLOADS, phase_oracle, profile, resolve
 
 from speccal.base.errors import InputError
 from speccal.costmodel.table import load_table
@@ -104,14 +104,13 @@ def workload(cost: CostModel, spec: dict, cfg: AdaptiveStepConfig, seeds: int) -
     med = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in runs.items()}
     fixed = [n for n in runs if n.startswith("fixed:")]
     best = max(fixed, key=med.get)
-    time_ms = tokens = 0.0
-    for ph in runs["adaptive-step"][0]["phases"]:
-        rate = max(sum(r["phases"][ph]["tokens"] for r in runs[n])
-                   / max(sum(r["phases"][ph]["ms"] for r in runs[n]), 1e-12) for n in fixed)
-        tok = sum(r["phases"][ph]["tokens"] for r in runs["adaptive-step"]) / seeds
-        time_ms += tok / rate if rate > 0 else math.inf
-        tokens += tok
-    oracle = 1000.0 * tokens / time_ms if time_ms > 0 else math.nan  # tokens/s
+
+    def totals(rs: list[dict]) -> dict[str, tuple[float, float]]:  # phase -> (tokens, seconds)
+        return {ph: (sum(r["phases"][ph]["tokens"] for r in rs),
+                     sum(r["phases"][ph]["ms"] for r in rs) / 1000.0) for ph in rs[0]["phases"]}
+
+    oracle = phase_oracle(totals(runs["adaptive-step"]),
+                          {n: totals(runs[n]) for n in fixed})["tokens_per_s"]
     return {
         "workload": spec,
         "tokens_per_s": med,
