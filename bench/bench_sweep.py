@@ -240,12 +240,16 @@ def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
 
 
 def phase_rates(runs: list) -> dict[int, tuple[float, float]]:
-    """Phase -> (round tokens, seconds) summed over ``runs`` (``LiveRun``; :func:`run_phases`)."""
+    """Phase -> (round tokens, seconds) summed over ``runs`` (``LiveRun``)."""
+    import numpy as np
+
     out: dict[int, tuple[float, float]] = {}
     for run in runs:
-        for x in run_phases(run):
-            tok, s = out.get(x["phase"], (0.0, 0.0))
-            out[x["phase"]] = (tok + x["tokens"], s + x["seconds"])
+        for ph in np.unique(run.phase).tolist():
+            sel = run.phase == ph
+            tok, s = out.get(ph, (0.0, 0.0))
+            out[ph] = (tok + float(run.round_tokens[sel].sum()),
+                       s + float(run.round_ms[sel].sum()) / 1000.0)
     return out
 
 
