@@ -36,7 +36,7 @@
 #               moe_verify_full_width_ratio]
 #   hybridnext  the CUDA tests of the Qwen3-Next (routed) hybrid engine in captured graphs
 #   kvspread    bench/bench_kv_spread.py: a round at one mean KV, uniform vs spread KV lengths
-#               [kv_spread_round_ratio_max]
+#               [kv_spread_round_ratio_max]; KVSPREAD_ARGS="--batches 24 --means 300" other points
 #   moecal      a default speccal calibrate of moe-16b-a3b (cold Triton cache), its table at
 #               moecal/moe.json [calibration_cold_wall_s_moe_h200, held-out error]
 #   fusedla     the fused gated delta-net kernels (KernelConfig.linear_attention.impl=fused):
@@ -205,7 +205,7 @@ run() {
                 echo "rc=$?"
                 tail -5 "$d/tests.log" ;;
             kvspread)
-                timeout "$(left)" $PY bench/bench_kv_spread.py --out "$d" --record \
+                timeout "$(left)" $PY bench/bench_kv_spread.py --out "$d" --record ${KVSPREAD_ARGS:-} \
                     > "$d/log.txt" 2>&1
                 echo "rc=$?"; cp bench/results.jsonl "$d/results.jsonl"; tail -16 "$d/log.txt" ;;
             moecal)
