@@ -207,6 +207,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads on the CPU (default: the table's calibration)")
     ap.add_argument("--json-out", default=None, help="write the full result JSON here")
+    ap.add_argument("--save-runs", default=None,
+                    help="write every timed run here (DIR/<workload>/<i>-<policy>.*) for "
+                    "bench/sweep_runs.py to replay against another table")
     ap.add_argument("--plot", default=None, help="write a PNG of the replay errors here")
     ap.add_argument("--device-label", default=None)
     ap.add_argument("--record", action="store_true", help="append the metrics to --results")
@@ -220,7 +223,7 @@ def parser() -> argparse.ArgumentParser:
 CHILD_OPTIONS = ("table", "model", "device", "dtype", "request_buckets", "graph_mode",
                  "attention_backend", "repeats", "max_tokens", "prompt_lens", "phase_at",
                  "warmup_tokens", "window_size", "update_interval", "switch_min_gain", "seed",
-                 "threads")
+                 "threads", "save_runs")
 
 
 def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
@@ -543,6 +546,12 @@ def run_one(args: argparse.Namespace) -> dict:
     )
     live_s = time.perf_counter() - t0
     host.mark()
+    if args.save_runs:
+        from sweep_runs import save_run
+
+        for i, tr in enumerate(timed):
+            save_run(tr.run, Path(args.save_runs) / wl.name / f"{i:02d}-{tr.policy.replace(':', '_')}",
+                     {"workload": wl.name, "index": i})
     probes = host.between()  # probes[i]: what the machine did while run i (of timed) ran
     runs_of = {n: [tr.run for tr in timed if tr.policy == n] for n in names}
     probe_of = {n: [probes[i] for i, tr in enumerate(timed) if tr.policy == n] for n in names}

@@ -146,7 +146,7 @@ run() {
                 local tab="${SWEEP_TABLE:-$W/dscold/ds.json}"
                 [[ $stage == sweepv* ]] && tab="${SWEEP_TABLE:-$W/cold/dense-2b-h200.json}"
                 timeout "$(left)" $PY bench/bench_sweep.py --model dense-2b --device cuda \
-                    --dtype bfloat16 --table "$tab" --repeats 3 --json-out "$d/sweep.json" \
+                    --dtype bfloat16 --table "$tab" --repeats 3 --json-out "$d/sweep.json" --save-runs "$d/runs" \
                     ${SWEEP_WORKLOADS:+--workloads "$SWEEP_WORKLOADS"} \
                     ${SWEEP_MAX_TOKENS:+--max-tokens "$SWEEP_MAX_TOKENS"} \
                     --plot "$d/sweep.png" --record --results "$d/results.jsonl" \

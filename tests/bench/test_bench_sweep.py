@@ -30,7 +30,8 @@ def sweep(tmp_path_factory):
     cmd = [sys.executable, str(BENCH), "--table", str(TABLE), "--model", "tiny", "--device",
            "cpu", "--workloads", ",".join(WORKLOADS), "--repeats", "2", "--max-tokens", "12",
            "--prompt-lens", "8,40", "--json-out", str(out / "sweep.json"), "--plot",
-           str(out / "errors.png"), "--record", "--results", str(out / "results.jsonl")]
+           str(out / "errors.png"), "--record", "--results", str(out / "results.jsonl"),
+           "--save-runs", str(out / "runs")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
@@ -142,6 +143,32 @@ def test_small_sweep_records_the_metrics_and_plots(sweep):
         assert [w["num_requests"] for w in x["by_workload"].values()] == [3, 5, 7]
     png = (out / "errors.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_saved_runs_replay_to_the_sweeps_own_errors(sweep):
+    """bench/sweep_runs.py reads every saved run back and replays it against the same table:
+    the same error for every run as the sweep reported, the same decisions."""
+    doc, _, out = sweep
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import sweep_runs
+
+        from speccal.policy import AdaptiveStepConfig
+
+        res = sweep_runs.rereplay(out / "runs", TABLE, AdaptiveStepConfig(20, 5, 0.05))
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert sorted(res["workloads"]) == sorted(WORKLOADS)
+    for d in doc["workloads"]:
+        again = res["workloads"][d["workload"]["name"]]
+        assert sorted(again) == sorted(d["policies"])
+        for name, p in d["policies"].items():
+            assert len(again[name]["errors"]) == len(p["runs"]) == 2
+            # runs are saved in run order; each policy's runs keep their order
+            np.testing.assert_allclose(again[name]["errors"],
+                                       [r["error_pct"] for r in p["runs"]], rtol=1e-9)
+            assert again[name]["decisions_match"] == p["decisions_match"]
+    assert res["residual_breakdown"]["all"]["steady"]["rounds"] > 0
 
 
 def test_workload_counts_are_not_buckets_over_the_whole_range():
