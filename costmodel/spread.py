@@ -99,21 +99,30 @@ def fit_spread(
 
 class SpreadPricer:
     """``extra_ms(bcap, kv_mean, kv_max)``: the spread term of a table's ``kv_spread`` block
-    (module docstring), vectorised and broadcasting; 0 for a bucket without a spread point."""
+    (module docstring), vectorised and broadcasting; 0 for a bucket without a spread point.
+
+    A bucket with spread points at several mean KV lengths (one per context) takes its slope and
+    its reference excess piecewise linearly in the round's mean KV between them, held flat past
+    the first and the last (``numpy.interp``); with one point both are that point's."""
 
     def __init__(self, block: Any):
         """``block``: a ``KVSpreadBlock`` (its ``points``)."""
-        size = max(int(p.bcap) for p in block.points) + 1
-        self._slope = np.zeros(size)
-        self._ref = np.zeros(size)
+        by_bcap: dict[int, list[tuple[float, float, float]]] = {}
         for p in block.points:
-            self._slope[p.bcap], self._ref[p.bcap] = p.slope_ms_per_token, p.calibrated_excess
+            by_bcap.setdefault(int(p.bcap), []).append(
+                (float(p.mean_kv_length), float(p.slope_ms_per_token), float(p.calibrated_excess)))
+        self._curves = {b: tuple(np.array(col) for col in zip(*sorted(pts), strict=True))
+                        for b, pts in by_bcap.items()}
 
     def extra_ms(self, bcap: Any, kv_mean: Any, kv_max: Any) -> np.ndarray:
-        b = np.asarray(bcap, dtype=np.int64)
-        inside = (b >= 0) & (b < self._slope.size)
-        idx = np.where(inside, b, 0)
-        slope = np.where(inside, self._slope[idx], 0.0)
-        ref = np.where(inside, self._ref[idx], 0.0)
-        excess = np.asarray(kv_max, dtype=np.float64) - np.asarray(kv_mean, dtype=np.float64)
-        return slope * np.maximum(0.0, excess - ref)
+        b, mean, top = np.broadcast_arrays(np.asarray(bcap, dtype=np.int64),
+                                           np.asarray(kv_mean, dtype=np.float64),
+                                           np.asarray(kv_max, dtype=np.float64))
+        slope = np.zeros(b.shape)
+        ref = np.zeros(b.shape)
+        for bucket, (means, slopes, refs) in self._curves.items():
+            at = b == bucket
+            if at.any():
+                slope[at] = np.interp(mean[at], means, slopes)
+                ref[at] = np.interp(mean[at], means, refs)
+        return slope * np.maximum(0.0, (top - mean) - ref)

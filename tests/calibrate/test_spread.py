@@ -164,3 +164,25 @@ def test_replay_prices_the_spread_term_and_decides_on_the_mean(tmp_path):
     seq = run_sequential(trace, cost, make_policy("adaptive-step", cost))
     assert np.allclose(seq.cost_ms, with_spread.run("adaptive-step").cost_ms)
     assert with_spread.to_dict()["spread_priced"] is True
+
+
+def test_pricer_interpolates_a_buckets_points_in_the_mean_kv():
+    """Points of one bucket at several mean KV lengths: slope and reference excess follow the
+    round's mean KV piecewise linearly, flat past the ends; one point is a constant; other
+    buckets price nothing."""
+    from types import SimpleNamespace as NS
+
+    def pt(bcap, mean, slope, ref):
+        return NS(bcap=bcap, mean_kv_length=mean, slope_ms_per_token=slope, calibrated_excess=ref)
+
+    pricer = SpreadPricer(NS(points=[pt(8, 1000.0, 0.002, 40.0), pt(8, 200.0, 0.004, 0.0),
+                                     pt(4, 600.0, 0.001, 10.0)]))
+    mean = np.array([100.0, 200.0, 600.0, 1000.0, 3000.0])
+    top = mean + 100.0
+    got = pricer.extra_ms(np.full(5, 8), mean, top)
+    slope = np.array([0.004, 0.004, 0.003, 0.002, 0.002])
+    ref = np.array([0.0, 0.0, 20.0, 40.0, 40.0])
+    np.testing.assert_allclose(got, slope * (100.0 - ref))
+    np.testing.assert_allclose(pricer.extra_ms(4, mean, top), 0.001 * 90.0)
+    assert pricer.extra_ms(16, 500.0, 900.0) == 0.0
+    assert pricer.extra_ms(8, 500.0, 500.0) == 0.0  # no spread, no extra
