@@ -230,23 +230,23 @@ def two_level(ramp: np.ndarray, room: int) -> np.ndarray:
     return out
 
 
-def spread_context(cfg: CalibrationConfig, limit: int | None = None) -> int | None:
-    """The context the spread points are measured at: the one where the largest bucket's long
-    requests reach furthest past the mean KV, in tokens (7/4 of the mean, capped by the context
-    and ``limit``: ``spread_room``), so the measured difference is largest against the noise;
-    None where none reaches a quarter of its mean past it (contexts too short to spread) or
-    no bucket holds two requests."""
-    best, best_reach = None, 0.0
+def spread_contexts(cfg: CalibrationConfig, limit: int | None = None) -> tuple[int, ...]:
+    """The contexts the spread points are measured at: every one where the largest bucket's long
+    requests reach at least a quarter of the mean KV past it (7/4 of the mean, capped by the
+    context and ``limit``: ``spread_room``); none where no bucket holds two requests. One set
+    per context, because what a spread costs and what the calibrated point already holds both
+    move with the mean KV (``speccal.costmodel.spread``)."""
+    out = []
     for ci in range(len(cfg.contexts)):
-        points = spread_points(cfg, ci)
+        points = spread_points(cfg, (ci,))
         if not points:
-            return None
+            return ()
         point = points[-1]  # the largest bucket
         mean = float(prompt_lengths(cfg, replace(point, layout=None)).mean())
         reach = min(spread_room(cfg, point, limit), 7 * mean / 4) - mean
-        if reach >= mean / 4 and reach > best_reach:
-            best, best_reach = ci, reach
-    return best
+        if reach >= mean / 4:
+            out.append(ci)
+    return tuple(out)
 
 
 def synthetic_base(cfg: CalibrationConfig, vocab_size: int) -> np.ndarray:

@@ -15,6 +15,7 @@ Pure Python (no torch): the grid is built and checked before any sampling.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -106,25 +107,23 @@ def build_grid(cfg: CalibrationConfig) -> tuple[GridPoint, ...]:
     return tuple(points)
 
 
-def spread_points(cfg: CalibrationConfig, context_index: int | None) -> tuple[GridPoint, ...]:
-    """The spread points (``speccal.costmodel.spread``): at ``context_index`` (None: none),
-    one per request bucket ``Bcap >= 2``, the bucket's full point at ``k = 1`` (draft_step,
+def spread_points(cfg: CalibrationConfig, contexts: Iterable[int]) -> tuple[GridPoint, ...]:
+    """The spread points (``speccal.costmodel.spread``): at each of ``contexts``, one per
+    request bucket ``Bcap >= 2``, the bucket's full point at ``k = 1`` (draft_step,
     ``G = 2 Bcap``) or at full width (target_verify, ``G = Bcap (w + 1)``), where that G is
     calibrated, measured with the ``two_level`` layout."""
-    if context_index is None:
-        return ()
     w = cfg.draft_width
     out = []
-    for b in cfg.request_buckets:
-        if b < 2:
-            continue
-        if cfg.mode == "draft_step":
-            if 2 * b in cfg.target_graph_rows[b]:
-                out.append(GridPoint(context_index, b, 2 * b, 1, layout=SPREAD_LAYOUT))
-        elif b * (w + 1) in cfg.target_graph_rows[b]:
-            g = b * (w + 1)
-            out.append(GridPoint(context_index, b, g, w, split_rows(b, g, w),
-                                 layout=SPREAD_LAYOUT))
+    for ci in contexts:
+        for b in cfg.request_buckets:
+            if b < 2:
+                continue
+            if cfg.mode == "draft_step":
+                if 2 * b in cfg.target_graph_rows[b]:
+                    out.append(GridPoint(ci, b, 2 * b, 1, layout=SPREAD_LAYOUT))
+            elif b * (w + 1) in cfg.target_graph_rows[b]:
+                g = b * (w + 1)
+                out.append(GridPoint(ci, b, g, w, split_rows(b, g, w), layout=SPREAD_LAYOUT))
     return tuple(out)
 
 

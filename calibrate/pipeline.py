@@ -65,7 +65,7 @@ from speccal.calibrate.config import (
     parse_config_file,
     resolve_config,
 )
-from speccal.calibrate.driver import DriveStats, drive, loop_of, prompt_fill, spread_context
+from speccal.calibrate.driver import DriveStats, drive, loop_of, prompt_fill, spread_contexts
 from speccal.calibrate.feasibility import check_feasible, slot_tokens
 from speccal.calibrate.gate import (
     EarlyStop,
@@ -404,9 +404,8 @@ def _calibrate(
         "load": machine.load_record(opts.device, measured.load_before, measured.load_after),
         "sources": dict(gate.sources),
     }
-    spread = (None if measured.spread_context is None else
-              fit_spread(selection.rows, measured.spread_rows,
-                         context_index=measured.spread_context))
+    spread = (fit_spread(selection.rows, measured.spread_rows)
+              if measured.spread_contexts else None)
     # the table, built once with its quality and spread term
     table = assemble_table(parts, quality=quality, kv_spread=spread)
     fit_s = time.perf_counter() - t_fit
@@ -534,7 +533,7 @@ class _Measured:
     remeasured_windows: int
     load_before: dict[str, Any]
     load_after: dict[str, Any]
-    spread_context: int | None = None  # the context of the spread points (None: none)
+    spread_contexts: tuple[int, ...] = ()  # the contexts of the spread points (none: none)
     spread_rows: list[dict[str, Any]] = field(default_factory=list)  # their windows
 
 
@@ -661,16 +660,17 @@ def _measure(
                 more = measure(due, indices)
                 phases[f"remeasure_{r}"] = more
                 stats = stats.plus(more)
-            # The KV spread term's points (speccal.costmodel.spread), after the grid: one window
-            # round each, never re-measured (their median only prices the spread term)
-            spread_ctx = (spread_context(cfg, request_kv_limit(cfg, geometry))
-                          if cfg.kv_spread else None)
+            # The KV spread term's points (speccal.costmodel.spread), after the grid, at every
+            # context that can spread: one pass of the first windows each (those the early stop
+            # measures every point with), never re-measured (their median only prices the term)
+            spread_ctx = (spread_contexts(cfg, request_kv_limit(cfg, geometry))
+                          if cfg.kv_spread else ())
             extra = spread_points(cfg, spread_ctx)
             if extra:
-                todo = sum((*p.key, i) not in journal.done for p in extra for i in range(w))
-                progress.update(total=(progress.total or 0) + len(extra) * w,
-                                advance=len(extra) * w - todo, phase="KV spread")
-                phases["spread"] = measure(extra, range(w))
+                todo = sum((*p.key, i) not in journal.done for p in extra for i in first)
+                progress.update(total=(progress.total or 0) + len(extra) * len(first),
+                                advance=len(extra) * len(first) - todo, phase="KV spread")
+                phases["spread"] = measure(extra, first)
                 stats = stats.plus(phases["spread"])
         load_after = machine.load_sample(opts.device)
         console.print(
@@ -694,7 +694,7 @@ def _measure(
         remeasured_windows=sum(int(r["window_index"]) >= w for r in journal.rows),
         load_before=load_before,
         load_after=load_after,
-        spread_context=spread_ctx if extra else None,
+        spread_contexts=spread_ctx if extra else (),
         spread_rows=spread_rows,
     )
 

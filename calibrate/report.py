@@ -306,20 +306,27 @@ def print_kv_model(console: Console, table: Any) -> None:
 
 
 def print_kv_spread(console: Console, table: Any) -> None:
-    """One line on the KV spread term (``speccal.costmodel.spread``; nothing without one)."""
+    """One line per context on the KV spread term (``speccal.costmodel.spread``; nothing
+    without one)."""
     block = getattr(table, "kv_spread", None)
     if block is None:
         return
-    parts = ", ".join(
-        f"Bcap {p.bcap} +{100.0 * (p.spread_ms / p.calibrated_ms - 1.0):.1f} % "
-        f"({1e3 * p.slope_ms_per_token:.3f} us/token)" for p in block.points)
-    pt = block.points[0]
-    console.print(
-        f"KV spread ({block.layout}, context {block.context_index}, mean KV "
-        f"{pt.mean_kv_length:.0f}, longest request +{pt.spread_excess:.0f} past it): {parts}; "
-        "rounds whose longest request runs past their mean KV are priced that much more",
-        soft_wrap=True,
-    )
+    by_ctx: dict[int, list] = {}
+    for p in block.points:
+        by_ctx.setdefault(p.context_index, []).append(p)
+    for ci, pts in sorted(by_ctx.items()):
+        parts = ", ".join(
+            f"Bcap {p.bcap} +{100.0 * (p.spread_ms / p.calibrated_ms - 1.0):.1f} % "
+            f"({1e3 * p.slope_ms_per_token:.3f} us/token)" for p in pts)
+        pt = pts[0]
+        console.print(
+            f"KV spread ({block.layout}, context {ci}, mean KV {pt.mean_kv_length:.0f}, longest "
+            f"request +{pt.spread_excess:.0f} past it): {parts}",
+            soft_wrap=True,
+        )
+    console.print("rounds whose longest request runs past their mean KV are priced that much "
+                  "more (slope and reference linear in the mean KV between contexts)",
+                  soft_wrap=True)
 
 
 def fit_summary(table: Any) -> list[dict]:

@@ -10,21 +10,27 @@ among short ones; ``bench/bench_kv_spread.py``). Calibration measures every poin
 requests' prompts at midpoint quantiles of a narrow interval (nearly uniform), so the spread a
 serving batch has is not in the fits.
 
-The calibration therefore adds one **spread point** per request bucket (``Bcap >= 2``) at one
-context (``speccal.calibrate.driver.spread_context``): the bucket's full point at ``k = 1``
-(draft_step) or full width (target_verify), with the same mean KV as the calibrated point but
-half of the requests at a quarter of it and half at seven quarters (``two_level``). With
-``excess = max KV - mean KV`` of a round (the windows' mean of the longest request's KV minus
-the mean KV), the bucket's slope is
+The calibration therefore adds one **spread point** per request bucket (``Bcap >= 2``) at every
+context that can spread (``speccal.calibrate.driver.spread_contexts``): the bucket's full point
+at ``k = 1`` (draft_step) or full width (target_verify), with the same mean KV as the calibrated
+point but half of the requests at a quarter of it and half at seven quarters (``two_level``).
+With ``excess = max KV - mean KV`` of a round (the windows' mean of the longest request's KV
+minus the mean KV), the bucket's slope at that context is
 
-``slope(Bcap) = (ms(spread) - ms(calibrated)) / (excess(spread) - excess(calibrated))``
+``slope(c, Bcap) = (ms(spread) - ms(calibrated)) / (excess(spread) - excess(calibrated))``
 
-(clipped at 0), and a round is priced
+(clipped at 0), and a round at mean KV ``m`` is priced
 
-``cost(Bcap, G, kv_mean, kv_max) = cost(Bcap, G, kv_mean) + slope(Bcap) * max(0, (kv_max -
-kv_mean) - excess_ref(Bcap))``
+``cost(Bcap, G, m, kv_max) = cost(Bcap, G, m) + slope(m, Bcap) * max(0, (kv_max - m) -
+excess_ref(m, Bcap))``
 
-with ``excess_ref`` the calibrated point's own excess (what the fits already hold). A bucket
+with ``excess_ref(c, Bcap)`` the calibrated point's own excess at context ``c`` (what the fits
+already hold there: 0 at a context whose prompts all start alike, ~3.5 % of the mean KV at the
+longest) and ``slope(m, .)``, ``excess_ref(m, .)`` linear in ``m`` between the contexts' points,
+flat past the first and the last (:class:`SpreadPricer`). Both move with the mean KV: on the H100
+the same two-level layout cost +8.5 % at Bcap 32 and +0.2 % at Bcap 64 at a mean of 2,174,
+while the short-prompt workloads' residual sat at low KV. Tables of schema version 5 hold one
+context's points, which price every KV alike. A bucket
 without a spread point (Bcap 1: one request has no spread) adds nothing. One slope per bucket,
 not per layout: on the H100 points the extra cost per token of excess agreed between the
 two-level and the one-long layout at B = 8 (0.13 / 0.14 us) but not at B = 32 (0.17-0.19 against
@@ -66,35 +72,36 @@ def _median_by_point(rows: Iterable[Mapping[str, Any]]) -> dict[tuple, dict[str,
 def fit_spread(
     calibrated: Iterable[Mapping[str, Any]],
     spread: Iterable[Mapping[str, Any]],
-    *,
-    context_index: int,
 ) -> dict[str, Any] | None:
-    """The ``kv_spread`` table block (a plain dict) from the calibrated windows of the spread
-    context and the spread points' windows, or None where no bucket has both (or their
-    ``mean_kv_max_length`` is missing). Rows are measurement rows (``step_ms``,
-    ``mean_kv_length``, ``mean_kv_max_length``, ``bcap``, ``g``, ``k``)."""
-    base = _median_by_point(r for r in calibrated if int(r["context_index"]) == context_index)
-    wide = _median_by_point(spread)
+    """The ``kv_spread`` table block (a plain dict) from the calibrated windows and the spread
+    points' windows: one point per (context, bucket) that has both, each against its calibrated
+    twin of the same context; None where none has both (or their ``mean_kv_max_length`` is
+    missing). Rows are measurement rows (``step_ms``, ``mean_kv_length``,
+    ``mean_kv_max_length``, ``context_index``, ``bcap``, ``g``, ``k``)."""
+    calibrated, spread = list(calibrated), list(spread)
     points = []
-    for key in sorted(wide):
-        if key not in base:
-            continue
-        b, s = base[key], wide[key]
-        d_excess = s["excess"] - b["excess"]
-        if not (np.isfinite(d_excess) and d_excess > 0):
-            continue
-        slope = max(0.0, (s["ms"] - b["ms"]) / d_excess)
-        points.append({
-            "bcap": key[0], "g": key[1], "k": key[2],
-            "mean_kv_length": b["mean_kv"],
-            "calibrated_excess": b["excess"], "spread_excess": s["excess"],
-            "calibrated_ms": b["ms"], "spread_ms": s["ms"],
-            "slope_ms_per_token": slope,
-            "windows": s["windows"],
-        })
+    for ci in sorted({int(r["context_index"]) for r in spread}):
+        base = _median_by_point(r for r in calibrated if int(r["context_index"]) == ci)
+        wide = _median_by_point(r for r in spread if int(r["context_index"]) == ci)
+        for key in sorted(wide):
+            if key not in base:
+                continue
+            b, s = base[key], wide[key]
+            d_excess = s["excess"] - b["excess"]
+            if not (np.isfinite(d_excess) and d_excess > 0):
+                continue
+            slope = max(0.0, (s["ms"] - b["ms"]) / d_excess)
+            points.append({
+                "context_index": ci, "bcap": key[0], "g": key[1], "k": key[2],
+                "mean_kv_length": b["mean_kv"],
+                "calibrated_excess": b["excess"], "spread_excess": s["excess"],
+                "calibrated_ms": b["ms"], "spread_ms": s["ms"],
+                "slope_ms_per_token": slope,
+                "windows": s["windows"],
+            })
     if not points:
         return None
-    return {"layout": SPREAD_LAYOUT, "context_index": int(context_index), "points": points}
+    return {"layout": SPREAD_LAYOUT, "points": points}
 
 
 class SpreadPricer:

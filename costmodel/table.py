@@ -15,7 +15,9 @@ Loading migrates older documents forward, one version at a time (:data:`MIGRATIO
   against a running config warns that its kernel configuration is unknown);
 - 2 -> 3: fits without a draft-forward term (:func:`migrate_v2`);
 - 3 -> 4: unchanged (version 4 adds the KV model's ``shared_rows`` slope, :func:`migrate_v3`);
-- 4 -> 5: unchanged (version 5 adds the optional ``kv_spread`` block, :func:`migrate_v4`).
+- 4 -> 5: unchanged (version 5 adds the optional ``kv_spread`` block, :func:`migrate_v4`);
+- 5 -> 6: the ``kv_spread`` block's ``context_index`` moves into each point (version 6 measures
+  spread points per context, :func:`migrate_v5`).
 
 ``provenance.migrated_from`` names the oldest version a document came from (``legacy``, ``v1``).
 A newer version is refused with ``SchemaError``; so are unreadable JSON, unknown or missing keys,
@@ -311,8 +313,31 @@ def migrate_v4(doc: dict, source: str = "table") -> dict:
     return _stamped(doc, 4)
 
 
+def migrate_v5(doc: dict, source: str = "table") -> dict:
+    """Migrate a schema version 5 document to version 6: the ``kv_spread`` block's one
+    ``context_index`` moves into each of its points.
+
+    Version 6 measures the spread points at every context and prices the term by the round's
+    mean KV between them (``speccal.costmodel.spread``); a version 5 table's points, all at one
+    context, price every KV alike, as before. A version 5 reader refuses a version 6 block.
+    """
+    doc = json.loads(json.dumps(doc))
+    block = doc.get("kv_spread")
+    if isinstance(block, dict):
+        if "context_index" not in block:
+            raise SchemaError(f"{source}: kv_spread.context_index", None,
+                              "the context of a schema version 5 spread block")
+        ci = block.pop("context_index")
+        points = block.get("points")
+        for p in points if isinstance(points, list) else ():
+            if isinstance(p, dict):
+                p.setdefault("context_index", ci)
+    return _stamped(doc, 5)
+
+
 MIGRATIONS: dict[int, Callable[[dict, str], dict]] = {1: migrate_v1, 2: migrate_v2,
-                                                       3: migrate_v3, 4: migrate_v4}
+                                                       3: migrate_v3, 4: migrate_v4,
+                                                       5: migrate_v5}
 
 
 def _check_consistent(t: CostTable, source: str) -> None:
@@ -366,6 +391,23 @@ def _check_consistent(t: CostTable, source: str) -> None:
     _check_predictions(t, source)
     if t.kv_model is not None:
         _check_kv_model(t, source)
+    if t.kv_spread is not None:
+        _check_kv_spread(t, source)
+
+
+def _check_kv_spread(t: CostTable, source: str) -> None:
+    """Each spread point at a context of the fits, at most one per context and bucket."""
+    contexts = {f.context_index for f in t.fits}
+    seen: set[tuple[int, int]] = set()
+    for i, p in enumerate(t.kv_spread.points):
+        where = f"{source}: kv_spread.points.{i}"
+        if p.context_index not in contexts:
+            raise SchemaError(f"{where}.context_index", p.context_index,
+                              f"one of the fits' contexts {sorted(contexts)}")
+        if (p.context_index, p.bcap) in seen:
+            raise SchemaError(f"{where}.bcap", p.bcap,
+                              f"at most one point per bucket at context {p.context_index}")
+        seen.add((p.context_index, p.bcap))
 
 
 def _check_k_term(t: CostTable, f: Any, where: str) -> None:

@@ -1,12 +1,12 @@
-"""The cost-table document (schema version 5): its pydantic blocks.
+"""The cost-table document (schema version 6): its pydantic blocks.
 
 Owns the in-memory shape of a table; what it answers at a cell is
 ``speccal.costmodel.lookup`` (reached through :meth:`CostTable.lookup`), building one from
 measurements is ``speccal.costmodel.table_build``, reading and writing the file (and migrating
 older versions) is ``speccal.costmodel.table``. The document (JSON Schema committed under
-``tables/schema/cost_table.v5.schema.json``)::
+``tables/schema/cost_table.v6.schema.json``)::
 
-    {"schema_version": 5,
+    {"schema_version": 6,
      "calibration": {...effective config: model, draft_width, mode, request_buckets,
                      target_graph_rows, contexts, warmup_steps, window_steps,
                      windows_per_point, token_seed, policy, sources, threads,
@@ -29,7 +29,7 @@ older versions) is ``speccal.costmodel.table``. The document (JSON Schema commit
                   theta_ms, beta_ms, selected_by, residuals, leave_one_point_out,
                   leave_one_context_out, per_context, candidates, points} | absent
                  (three or more contexts only: see KVModelBlock),
-     "kv_spread": {layout, context_index, points: [{bcap, g, k, mean_kv_length,
+     "kv_spread": {layout, points: [{context_index, bcap, g, k, mean_kv_length,
                    calibrated_excess, spread_excess, calibrated_ms, spread_ms,
                    slope_ms_per_token, windows}]} | absent (speccal.costmodel.spread),
      "provenance": {speccal_version, created, command, python_version, torch_version,
@@ -64,7 +64,7 @@ from speccal.costmodel.lookup import CostLookup, TableLookup
 from speccal.costmodel.measurements import validate_measurements
 from speccal.costmodel.sps import SPSCostModel
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 #: A request-bucket key of a ``{Bcap: [G, ...]}`` map: JSON object keys are strings, so the
@@ -387,10 +387,12 @@ class KVPoint(_Strict):
 
 
 class SpreadPointBlock(_Strict):
-    """One request bucket's spread point against its calibrated point (same context, Bcap, G,
-    k and mean KV; ``speccal.costmodel.spread``). ``*_excess``: the windows' mean of the longest
-    request's KV minus the mean KV; ``*_ms``: median step time of the windows."""
+    """One request bucket's spread point at one context against its calibrated point (same
+    context, Bcap, G, k and mean KV; ``speccal.costmodel.spread``). ``*_excess``: the windows'
+    mean of the longest request's KV minus the mean KV; ``*_ms``: median step time of the
+    windows."""
 
+    context_index: int = Field(ge=0)
     bcap: int = Field(ge=2)
     g: int = Field(ge=1)
     k: int = Field(ge=1)
@@ -404,13 +406,14 @@ class SpreadPointBlock(_Strict):
 
 
 class KVSpreadBlock(_Strict):
-    """The KV spread term (schema version 5; ``speccal.costmodel.spread``): a round is priced
-    ``cost(mean KV) + slope(Bcap) * max(0, (max KV - mean KV) - calibrated_excess(Bcap))``,
-    one point per request bucket >= 2 measured at ``context_index`` with ``layout``."""
+    """The KV spread term (schema version 5, per context since 6; ``speccal.costmodel.spread``):
+    a round at mean KV ``m`` is priced ``cost(m) + slope(m, Bcap) * max(0, (max KV - m) -
+    calibrated_excess(m, Bcap))``, slope and excess linear in ``m`` between a bucket's points
+    (at most one per context and bucket, measured with ``layout``)."""
 
     layout: Literal["two_level"]
-    context_index: int = Field(ge=0)
     points: list[SpreadPointBlock] = Field(min_length=1)
+
 
 
 class KVModelBlock(_Strict):
@@ -582,7 +585,7 @@ class CostTable(_Strict):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
-    schema_version: Literal[5] = SCHEMA_VERSION
+    schema_version: Literal[6] = SCHEMA_VERSION
     calibration: CalibrationConfig
     compatibility: Compatibility
     # Stored under the JSON key "geometry"; the attribute name leaves ``geometry()`` free for the

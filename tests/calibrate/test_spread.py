@@ -12,7 +12,7 @@ from rich.console import Console
 
 from speccal.base.errors import InputError
 from speccal.calibrate.config import CalibrationConfig, ContextInterval
-from speccal.calibrate.driver import prompt_lengths, spread_context, spread_room, two_level
+from speccal.calibrate.driver import prompt_lengths, spread_contexts, spread_room, two_level
 from speccal.calibrate.grid import build_grid, spread_points
 from speccal.calibrate.journal import window_key
 from speccal.calibrate.pipeline import CalibrateOptions, calibrate
@@ -44,13 +44,13 @@ def test_two_level_keeps_the_mean_and_caps_the_long_requests():
     assert odd.sum() == 180 and odd.size == 3
 
 
-def test_spread_points_one_per_bucket_at_the_last_context_that_fits():
+def test_spread_points_one_per_bucket_at_every_context_that_can_spread():
     cfg = _cfg()
-    ctx = spread_context(cfg)
-    assert ctx == 2  # the long requests reach furthest past the mean there
-    pts = spread_points(cfg, ctx)
-    assert [(p.bcap, p.g, p.k, p.layout) for p in pts] == [
-        (b, 2 * b, 1, "two_level") for b in (2, 4, 8)]
+    ctxs = spread_contexts(cfg)
+    assert ctxs == (0, 1, 2)  # every context's long requests reach a quarter past its mean
+    pts = spread_points(cfg, ctxs)
+    assert [(p.context_index, p.bcap, p.g, p.k, p.layout) for p in pts] == [
+        (c, b, 2 * b, 1, "two_level") for c in ctxs for b in (2, 4, 8)]
     grid_keys = {p.key for p in build_grid(cfg)}
     for p in pts:
         assert p.key not in grid_keys and p.key[:4] in grid_keys  # its calibrated twin
@@ -58,10 +58,13 @@ def test_spread_points_one_per_bucket_at_the_last_context_that_fits():
         twin = prompt_lengths(cfg, replace(p, layout=None))
         assert lengths.sum() == twin.sum()  # the same mean KV
         assert lengths.max() <= spread_room(cfg, p)  # never past the context
-        assert lengths.max() - lengths.mean() > 10 * (twin.max() - twin.mean())
-    assert spread_points(cfg, None) == ()
+        assert lengths.max() - lengths.mean() > 10 * max(twin.max() - twin.mean(), 1)
+    assert spread_points(cfg, ()) == ()
+    # a context too short to spread (its cap leaves no room past the mean) is left out
+    tight = _cfg(contexts=(ContextInterval(1, 1, 401), ContextInterval(800, 790, 810)))
+    assert spread_contexts(tight) == (0,)
     # one bucket: nothing to spread
-    assert spread_context(_cfg(request_buckets=(1,), target_graph_rows={1: (2, 3, 4)})) is None
+    assert spread_contexts(_cfg(request_buckets=(1,), target_graph_rows={1: (2, 3, 4)})) == ()
 
 
 def test_spread_rows_have_their_own_journal_key():
@@ -92,8 +95,9 @@ def test_calibration_measures_the_spread_term_exactly_on_an_exact_engine(tmp_pat
     slope = 0.004  # ms per token of excess
     summary, table, make = _calibrate(tmp_path, slope, kv_spread=True)
     block = table.kv_spread
-    assert block is not None and block.layout == "two_level" and block.context_index == 0
-    (pt,) = block.points  # Bcap 2 only (Bcap 1 has no spread)
+    assert block is not None and block.layout == "two_level"
+    (pt,) = block.points
+    assert pt.context_index == 0  # Bcap 2 only (Bcap 1 has no spread)
     assert (pt.bcap, pt.g, pt.k) == (2, 8, 3)  # target_verify: full width
     assert pt.slope_ms_per_token == pytest.approx(slope, rel=1e-6)
     assert pt.spread_excess > pt.calibrated_excess
@@ -128,12 +132,12 @@ def test_fit_spread_clips_at_zero_and_skips_points_without_a_twin():
 
     calibrated = [row(1, 2, 3.0, 100, 110), row(1, 4, 4.0, 100, 115), row(0, 8, 9.0, 100, 101)]
     spread = [row(1, 2, 2.9, 100, 175), row(1, 4, 4.5, 100, 175), row(1, 8, 9.0, 100, 175)]
-    block = fit_spread(calibrated, spread, context_index=1)
+    block = fit_spread(calibrated, spread)
     by = {p["bcap"]: p for p in block["points"]}
     assert sorted(by) == [2, 4]  # Bcap 8 has no calibrated twin at context 1
     assert by[2]["slope_ms_per_token"] == 0.0  # faster when spread: noise, not a discount
     assert by[4]["slope_ms_per_token"] == pytest.approx(0.5 / 60)
-    assert fit_spread(calibrated, [], context_index=1) is None
+    assert fit_spread(calibrated, []) is None
 
 
 def test_replay_prices_the_spread_term_and_decides_on_the_mean(tmp_path):

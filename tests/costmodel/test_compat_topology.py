@@ -77,19 +77,19 @@ def test_other_device_names_only_warn_naming_the_rank(tp2_table):
 
 def test_older_table_without_the_fields_loads_under_a_multi_rank_engine(tmp_path):
     # the goldens predate world_size / devices: unknown, not compared, nothing to warn about
-    golden = json.loads((FIXTURES / "table_v5_additive.json").read_text())
+    golden = json.loads((FIXTURES / "table_v6_additive.json").read_text())
     assert set(golden["compatibility"]["topology"]) == {"tp", "dp"}
     running = {**golden["compatibility"],
                "topology": {"tp": 1, "dp": 1, "world_size": 1, "devices": ["golden-cpu"]}}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        table = load_table(FIXTURES / "table_v5_additive.json", expect=running)
+        table = load_table(FIXTURES / "table_v6_additive.json", expect=running)
     assert not [w for w in seen if "topology" in str(w.message)]  # (versions may differ)
     assert table.compatibility.topology.world_size == "unknown"
     assert table.compatibility.topology.devices == "unknown"
     # ... and re-saved it stays byte-identical (unknown fields are not written)
     out = save_table(table, tmp_path / "again.json")
-    assert out.read_bytes() == (FIXTURES / "table_v5_additive.json").read_bytes()
+    assert out.read_bytes() == (FIXTURES / "table_v6_additive.json").read_bytes()
 
 
 @pytest.mark.parametrize("topology,field,expected", [

@@ -52,6 +52,7 @@ FROZEN_SCHEMAS = {
     2: "68473499ebe6d78fd705984ba99b64ca79e308b12f62f6271b31d9eec0f691ea",
     3: "968454b7e94382abf1345d5b5668e5e4656d309627042525229837052f45a757",
     4: "d33ca7bdfa646334ba9d4058612b9497910dd963385cb92d9230d43a555e23f7",
+    5: "eac49b25c8b1f738fa7228e4c38ec538e204caa926b15c2a0895f843bcf44496",
 }
 #: Golden files of every version: name -> (schema version on disk, migrated_from after load).
 GOLDEN = {
@@ -64,8 +65,10 @@ GOLDEN = {
     "table_v3_sps.json": (3, "v3"),
     "table_v4_additive.json": (4, "v4"),
     "table_v4_sps.json": (4, "v4"),
-    "table_v5_additive.json": (5, None),
-    "table_v5_sps.json": (5, None),
+    "table_v5_additive.json": (5, "v5"),
+    "table_v5_sps.json": (5, "v5"),
+    "table_v6_additive.json": (6, None),
+    "table_v6_sps.json": (6, None),
 }
 
 
@@ -373,7 +376,7 @@ def test_build_refuses_a_negative_additive_bias():
 # ------------------------------------------------------------------------ golden files, schema
 
 
-@pytest.mark.parametrize("name", ["table_v5_additive.json", "table_v5_sps.json"])
+@pytest.mark.parametrize("name", ["table_v6_additive.json", "table_v6_sps.json"])
 def test_golden_current_files_load_and_resave_byte_identically(name):
     raw = (FIXTURES / name).read_bytes()
     table = parse_table(raw)
@@ -409,6 +412,32 @@ def test_v4_document_with_a_v5_key_is_refused():
     doc["kv_spread"] = json.loads((FIXTURES / "table_v5_additive.json").read_text())["kv_spread"]
     with pytest.raises(SchemaError, match="kv_spread.*added in 5"):
         parse_table(json.dumps(doc))
+
+
+def test_v5_spread_block_migrates_its_context_into_every_point():
+    """A version 5 table's spread points (one context, block-level) price as before: each point
+    takes the block's context; a v5 block without its context is refused by name."""
+    v5 = json.loads((FIXTURES / "table_v5_additive.json").read_text())
+    ci = v5["kv_spread"]["context_index"]
+    table = load_table(FIXTURES / "table_v5_additive.json")
+    assert [p.context_index for p in table.kv_spread.points] == [ci] * len(v5["kv_spread"]["points"])
+    assert [p.slope_ms_per_token for p in table.kv_spread.points] == [
+        p["slope_ms_per_token"] for p in v5["kv_spread"]["points"]]
+    del v5["kv_spread"]["context_index"]
+    with pytest.raises(SchemaError, match="kv_spread.context_index"):
+        parse_table(json.dumps(v5))
+
+
+def test_spread_points_must_sit_at_a_fitted_context_once_per_bucket():
+    doc = json.loads((FIXTURES / "table_v6_additive.json").read_text())
+    bad = json.loads(json.dumps(doc))
+    bad["kv_spread"]["points"][0]["context_index"] = 7
+    with pytest.raises(SchemaError, match=r"kv_spread.points.0.context_index: got 7"):
+        parse_table(json.dumps(bad))
+    twice = json.loads(json.dumps(doc))
+    twice["kv_spread"]["points"].append(dict(twice["kv_spread"]["points"][0]))
+    with pytest.raises(SchemaError, match=r"kv_spread.points.4.bcap: got 2.*at most one point"):
+        parse_table(json.dumps(twice))
 
 
 def test_every_past_version_has_a_migration():

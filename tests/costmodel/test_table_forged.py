@@ -18,7 +18,7 @@ from speccal.costmodel.table import load_table, parse_table
 ROOT = Path(__file__).resolve().parents[2]
 KV_TABLE = json.loads((ROOT / "tables" / "tiny-cpu.json").read_text())  # kv_model, w = 3
 ADDITIVE = json.loads(
-    (ROOT / "tests" / "costmodel" / "fixtures" / "table_v5_additive.json").read_text()
+    (ROOT / "tests" / "costmodel" / "fixtures" / "table_v6_additive.json").read_text()
 )
 
 

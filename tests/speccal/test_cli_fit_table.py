@@ -21,7 +21,7 @@ from speccal.costmodel.table_schema import SCHEMA_VERSION
 
 from ..costmodel.helpers import COMPAT, compat, kernels_with
 
-GOLDEN = Path(__file__).parents[1] / "costmodel" / "fixtures" / "table_v5_additive.json"
+GOLDEN = Path(__file__).parents[1] / "costmodel" / "fixtures" / "table_v6_additive.json"
 TINY = Path(__file__).parents[2] / "tables" / "tiny-cpu.json"
 
 ENV = {"COLUMNS": "120", "NO_COLOR": "1"}
