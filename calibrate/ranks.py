@@ -19,14 +19,15 @@ every rank naming it):
 4. every rank measures every window of the grid (``speccal.calibrate.driver.drive``, its own
    clock); the windows are gathered on every rank after each measuring round, and the noisy
    points to re-measure are chosen from the merged rows, so every rank re-measures the same
-   points (TP ranks must run the same rounds);
-5. the per-rank skew of each point (the spread of the ranks' median window times,
+   points (TP ranks must run the same rounds); then the KV spread points where the
+   configuration asks for them (``kv_spread``, as ``speccal.calibrate.pipeline`` measures them);
+5. the per-rank skew of each grid point (the spread of the ranks' median window times,
    ``(max - min) / min``) is reported; beyond ``max_rank_skew_pct`` the run is refused naming
    the ranks and points (:class:`RankSkewError`, exit 1) and no table is written (rank 0 keeps
    the journal of every rank's windows);
 6. rank 0 fits one table on the merged rows (each window's slowest rank: a step of a TP replica,
    and a round of a DP deployment, lasts as long as its slowest rank) with the quality gate of
-   ``speccal.calibrate.pipeline``; the table's JSON is broadcast and every rank validates it
+   ``speccal.calibrate.pipeline``, and the spread term on the merged spread windows; the table's JSON is broadcast and every rank validates it
    against its own engine's compatibility (so a topology mismatch is refused there) and checks
    that its SHA-256 equals every other rank's; then rank 0 alone writes it.
 
@@ -53,7 +54,7 @@ from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError, SpeccalError, UnsupportedError
 from speccal.calibrate import lock, machine, report
 from speccal.calibrate.config import UserConfig, parse_config_file, resolve_config
-from speccal.calibrate.driver import drive, loop_of, prompt_fill
+from speccal.calibrate.driver import drive, loop_of, prompt_fill, spread_contexts
 from speccal.calibrate.feasibility import check_feasible
 from speccal.calibrate.gate import (
     EarlyStop,
@@ -64,15 +65,17 @@ from speccal.calibrate.gate import (
     points_to_remeasure,
     select_windows,
 )
-from speccal.calibrate.grid import build_grid
+from speccal.calibrate.grid import build_grid, spread_points
 from speccal.calibrate.journal import check_discard, open_journal, window_key
 from speccal.calibrate.pipeline import (
     CalibrateOptions,
     check_run_values,
     engine_config,
+    request_kv_limit,
 )
 from speccal.calibrate.timing import loop_timing
 from speccal.costmodel.compat import check_compatibility
+from speccal.costmodel.spread import fit_spread
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import assemble_table, fit_table
 from speccal.costmodel.table_schema import Provenance
@@ -352,9 +355,18 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
                               lambda due=due, r=r: measure(due, range(r * w, (r + 1) * w)))
             stats = stats.plus(more)
             by_rank = comm.all_gather_object(mine.rows)
+        # the KV spread term's points (speccal.costmodel.spread), as one rank measures them:
+        # after the grid, every context that can spread, one pass of the first windows
+        extra = spread_points(cfg, spread_contexts(cfg, request_kv_limit(cfg, geometry))
+                              if cfg.kv_spread else ())
+        if extra:
+            more = comm.agree("calibrate: KV spread", lambda: measure(extra, first))
+            stats = stats.plus(more)
+            by_rank = comm.all_gather_object(mine.rows)
         load_after = machine.load_sample(opts.device)
 
-    skews = rank_skew(by_rank)
+    # the rank skew judges the grid's points (the spread points only price the spread term)
+    skews = rank_skew([[r for r in rows if not r.get("layout")] for rows in by_rank])
     skew_max = max((s.skew_pct for s in skews), default=0.0)
     console.print(f"rank skew: largest {skew_max:.1f} % over {len(skews)} points on "
                   f"{comm.world_size} ranks (bound {max_skew:g} %)", soft_wrap=True)
@@ -399,8 +411,12 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
             "load": machine.load_record(opts.device, load_before, load_after),
             "sources": dict(gate.sources),
         }
-        table = assemble_table(parts, quality=quality)  # built once, with its quality
+        spread_rows = [r for r in merged if r.get("layout")]
+        spread = fit_spread(selection.rows, spread_rows) if spread_rows else None
+        # built once, with its quality and spread term
+        table = assemble_table(parts, quality=quality, kv_spread=spread)
         report.print_fit_report(console, table)
+        report.print_kv_spread(console, table)
         report.print_gate(console, quality, selection, held)
         return json.dumps(table.to_json_dict(), sort_keys=True, allow_nan=False), quality
 

@@ -23,6 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,12 +55,25 @@ def _greedy(engine, prompts=PROMPTS, k=3):
     return generate(engine, prompts, SamplingParams(max_tokens=NEW, ignore_eos=True), k)
 
 
-def _cal_opts(work: Path, name: str):
+#: Two buckets (draft_step mode, a flag) with the spread points on (Bcap 2 has one per context).
+SPREAD_CAL = {
+    "request_buckets": [1, 2],
+    "target_graph_rows": {"1": [2, 3, 4], "2": [4, 6, 8]},
+    "contexts": [{"prefill_tokens": 16, "min_kv_length": 1, "max_kv_length": 64}],
+    "warmup_steps": 1,
+    "window_steps": 2,
+    "windows_per_point": 2,
+    "kv_spread": True,
+}
+
+
+def _cal_opts(work: Path, name: str, config: str = "cal.json", buckets=(1,), flags=None):
     from speccal.calibrate.pipeline import CalibrateOptions
 
-    return CalibrateOptions(model="tiny", config_path=work / "cal.json", out=work / name,
-                            request_buckets=(1,), max_model_len=128, progress=False,
-                            accept_noisy=True, remeasure_rounds=0, overwrite=True)
+    return CalibrateOptions(model="tiny", config_path=work / config, out=work / name,
+                            request_buckets=buckets, max_model_len=128, progress=False,
+                            accept_noisy=True, remeasure_rounds=0, overwrite=True,
+                            flags=flags or {})
 
 
 def _scenarios(work: Path, ckpt: Path):
@@ -200,6 +214,13 @@ def _scenarios(work: Path, ckpt: Path):
         return {"status": s["status"], "topology": s["topology"], "sha": s["table_sha256"],
                 "skew": s["rank_skew"]}
 
+    def calibrate_tp2_spread():
+        s = calibrate_ranks(_cal_opts(work, "spread.json", "spread_cal.json", (1, 2),
+                                      {"mode": "draft_step"}), tp2,
+                            engine_factory=rank_engine_factory(tp2), max_rank_skew_pct=1e6,
+                            console=quiet)
+        return {"sha": s["table_sha256"], "skew": s["rank_skew"]}
+
     def calibrate_dp2():  # DP replicas on 2 shared cores skew naturally: a loose bound here
         s = calibrate_ranks(_cal_opts(work, "dp.json"), dp2, engine_factory=rank_engine_factory(dp2),
                             max_rank_skew_pct=1e6, console=quiet)
@@ -264,7 +285,8 @@ def _scenarios(work: Path, ckpt: Path):
 
     return {"tp_tiny": tp_tiny, "tp_hf": tp_hf, "tp_argmax": tp_argmax, "dp_tiny": dp_tiny,
             "generate_ranks": generate_ranks, "tp_gathers": tp_gathers, "bench_ranks": bench_ranks,
-            "calibrate_tp2": calibrate_tp2, "calibrate_dp2": calibrate_dp2,
+            "calibrate_tp2": calibrate_tp2, "calibrate_tp2_spread": calibrate_tp2_spread,
+            "calibrate_dp2": calibrate_dp2,
             "calibrate_skewed": calibrate_skewed,
             "rank_error": rank_error, "rank_leaves": rank_leaves}
 
@@ -323,6 +345,7 @@ def ranks(tmp_path_factory):
     work = tmp_path_factory.mktemp("ranks")
     ckpt = work / "ckpt"
     (work / "cal.json").write_text(json.dumps(SMALL_CAL))
+    (work / "spread_cal.json").write_text(json.dumps(SPREAD_CAL))
     # This process holds the rendezvous store, as torchrun's agent does (the ranks join it as
     # clients): bound to a port the kernel picks and held until the ranks are done, so no other
     # process (another xdist worker's launch) can take the port between choosing and binding it.
@@ -466,6 +489,29 @@ def test_two_rank_calibration_writes_one_table_with_topology(ranks):
                               max_model_len=128, pipeline=True))
     with pytest.raises(CompatibilityError, match=r"topology\.tp: expected 1, found 2"):
         load_table(work / "t.json", expect=one.compatibility())
+
+
+def test_two_rank_calibration_measures_the_spread_points_on_every_rank(ranks):
+    """kv_spread on a TP pair: the spread points measured on both ranks (journal), left out of
+    the rank skew (grid points only), fitted into the one table both ranks hold."""
+    from speccal.costmodel.table import load_table
+
+    _, work, _ = ranks
+    a, b = _ok(ranks, "calibrate_tp2_spread")
+    assert a["sha"] == b["sha"]
+    table = load_table(work / "spread.json")
+    assert table.kv_spread is not None
+    assert [(p.context_index, p.bcap) for p in table.kv_spread.points] == [(0, 2)]
+    rows = [json.loads(x)["row"] for x in
+            (work / "spread.json.journal.jsonl").read_text().splitlines()[1:]]
+    spread = [r for r in rows if r.get("layout") == "two_level"]
+    assert {r["rank"] for r in spread} == {0, 1} and len(spread) == 2 * 2  # 2 windows x 2 ranks
+    # the skew of the spread point's calibrated twin is over the grid's windows alone
+    (twin,) = [s for s in a["skew"] if (s["bcap"], s["g"], s["k"]) == (2, 4, 1)]
+    for rank in (0, 1):
+        grid = [r["step_ms"] for r in rows if r["rank"] == rank and "layout" not in r
+                and (r["bcap"], r["g"], r["k"]) == (2, 4, 1)]
+        assert twin["step_ms"][rank] == pytest.approx(float(np.median(grid)))
 
 
 def test_two_dp_replicas_calibrate_one_table_recording_dp(ranks):
