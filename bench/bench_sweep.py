@@ -214,6 +214,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device-label", default=None)
     ap.add_argument("--record", action="store_true", help="append the metrics to --results")
     ap.add_argument("--results", default=None, help="default: bench/results.jsonl")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="DOC",
+                    help="no runs: the sweep's metrics over workload documents already written "
+                    "(the --json-out PATH.<workload>.json of one or several calls; a workload "
+                    "given twice is refused), printed, plotted and recorded as a sweep's")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one workload
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     return ap
@@ -740,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not names:
         ap.error(f"--workloads: unknown {', '.join(unknown) or '(none given)'}; "
                  f"known: {', '.join(BY_NAME)}")
-    if not Path(args.table).is_file():
+    if not args.merge and not Path(args.table).is_file():
         ap.error(f"--table: {args.table} is not a file")
     if args.one is not None:  # child
         doc = run_one(args)
@@ -753,6 +757,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     docs, failures = [], []
+    if args.merge:
+        docs = merged_docs(args.merge, ap)
+        return report(args, argv, docs, failures, t_start)
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             out = Path(tmp) / f"{name}.json"
@@ -768,6 +775,48 @@ def main(argv: list[str] | None = None) -> int:
             if args.json_out:  # each workload as it finishes: a sweep cut short keeps them
                 Path(args.json_out).with_suffix(f".{name}.json").write_text(
                     json.dumps(doc, sort_keys=True, default=float))
+    return report(args, argv, docs, failures, t_start)
+
+
+#: What the workloads merged into one sweep must share (their ``setup``).
+MERGE_SAME = ("model", "device", "dtype", "request_buckets", "pipeline", "repeats", "graph_mode",
+              "attention_backend")
+
+
+def merged_docs(paths: list[str], ap: argparse.ArgumentParser) -> list[dict]:
+    """The workload documents of ``--merge``, in the sweep's workload order."""
+    docs: dict[str, dict] = {}
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            ap.error(f"--merge: {path} is not a file")
+        try:
+            doc = json.loads(p.read_text())
+            name = doc["workload"]["name"]
+            doc["policies"], doc["adaptive"]  # noqa: B018 - a workload document has both
+        except (ValueError, KeyError, TypeError):
+            ap.error(f"--merge: {path} is not a sweep workload document "
+                     "(bench_sweep --json-out PATH writes them as PATH.<workload>.json)")
+        if name in docs:
+            ap.error(f"--merge: workload {name} given twice (the second in {path})")
+        docs[name] = doc
+    first = next(iter(docs.values()))
+    for name, doc in docs.items():
+        for key in MERGE_SAME:
+            if doc["setup"].get(key) != first["setup"].get(key):
+                ap.error(f"--merge: workload {name} ran with {key} = "
+                         f"{doc['setup'].get(key)!r}, {first['workload']['name']} with "
+                         f"{first['setup'].get(key)!r} (one sweep runs one setup)")
+        if doc["mode"] != first["mode"]:
+            ap.error(f"--merge: workload {name} is a {doc['mode']} sweep, "
+                     f"{first['workload']['name']} a {first['mode']} one")
+    order = {n: i for i, n in enumerate(BY_NAME)}
+    return sorted(docs.values(), key=lambda d: order.get(d["workload"]["name"], len(order)))
+
+
+def report(args: argparse.Namespace, argv: list[str] | None, docs: list[dict],
+           failures: list[dict], t_start: float) -> int:
+    """Print, write, plot and record the sweep over ``docs``; the exit status."""
     summary = sweep_metrics(docs)
     for d in docs:
         wl = d["workload"]
@@ -798,8 +847,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and docs:
         plot_errors(docs, Path(args.plot))
     if args.record and docs:
+        setup = docs[0]["setup"] if args.merge else {"model": args.model, "device": args.device,
+                                                       "repeats": args.repeats}
         label = args.device_label or (
-            f"cpu ({os.cpu_count()} cores)" if args.device == "cpu"
+            f"cpu ({os.cpu_count()} cores)" if setup["device"] == "cpu"
             else docs[0]["compatibility"]["device"]["name"]
         )
         record = {} if args.results is None else {"path": Path(args.results)}
@@ -812,10 +863,10 @@ def main(argv: list[str] | None = None) -> int:
                 "commit": result["commit"],
                 "date": result["date"][:10],
                 "command": result["command"],
-                "model": args.model,
+                "model": setup["model"],
                 "table": str(args.table),
                 "table_mode": docs[0]["mode"],
-                "repeats": args.repeats,
+                "repeats": setup["repeats"],
                 "workloads": [d["workload"]["name"] + f" (B={d['workload']['num_requests']})"
                               for d in docs],
                 "failed_workloads": [f["workload"] for f in failures],

@@ -18,7 +18,8 @@
 #               workloads take longer than one call: SWEEP_WORKLOADS=a,b,... runs a subset, and
 #               SWEEP_TABLE=PATH a table brought along (dscold's ds.json from an earlier call's
 #               session.tgz, in a git-excluded folder named in the call's carry); the metrics of
-#               the whole sweep are the worst over its parts; SWEEP_MAX_TOKENS=N the 1.0 of
+#               the whole sweep are the worst over its parts (bench_sweep.py --merge over the
+#               calls' sweep.<workload>.json computes them); SWEEP_MAX_TOKENS=N the 1.0 of
 #               the workloads' max_tokens (default 192: phases of 20-110 rounds, about one
 #               adaptive-step window of 20 batches; 512+ lets the window follow a phase change)
 #   sweepv      bench/bench_sweep.py on cold's target_verify table (adaptive-verify)

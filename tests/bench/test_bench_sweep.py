@@ -171,6 +171,33 @@ def test_saved_runs_replay_to_the_sweeps_own_errors(sweep):
     assert res["residual_breakdown"]["all"]["steady"]["rounds"] > 0
 
 
+def test_merge_recomputes_the_sweeps_metrics_from_its_workload_documents(sweep, tmp_path):
+    """--merge over the per-workload documents a sweep wrote (as two calls would leave them)
+    gives the sweep's own metrics; a workload twice or a different setup is refused."""
+    doc, lines, out = sweep
+    parts = [str(out / f"sweep.{name}.json") for name in reversed(WORKLOADS)]
+    cmd = [sys.executable, str(BENCH), "--table", "carried/ds.json", "--merge", *parts,
+           "--json-out", str(tmp_path / "merged.json"), "--record", "--results",
+           str(tmp_path / "results.jsonl")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert [d["workload"]["name"] for d in merged["workloads"]] == list(WORKLOADS)
+    assert merged["metrics"] == doc["metrics"]
+    again = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(x["metric"], x["value"]) for x in again] == [(x["metric"], x["value"]) for x in lines]
+    assert again[0]["device"].startswith("cpu") and again[0]["table"] == "carried/ds.json"
+    twice = subprocess.run(cmd[:5] + [parts[0], parts[0]], capture_output=True, text=True,
+                           cwd=ROOT, timeout=120)
+    assert twice.returncode == 2 and "given twice" in twice.stderr
+    other = json.loads(Path(parts[0]).read_text())
+    other["setup"]["repeats"] = 5
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    mixed = subprocess.run(cmd[:5] + [str(tmp_path / "other.json"), parts[1]],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert mixed.returncode == 2 and "repeats" in mixed.stderr
+
+
 def test_workload_counts_are_not_buckets_over_the_whole_range():
     mod = _module()
     assert len(mod.WORKLOADS) >= 8
