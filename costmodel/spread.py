@@ -29,8 +29,10 @@ already hold there: 0 at a context whose prompts all start alike, ~3.5 % of the 
 longest) and ``slope(m, .)``, ``excess_ref(m, .)`` linear in ``m`` between the contexts' points,
 flat past the first and the last (:class:`SpreadPricer`). Both move with the mean KV: on the H100
 the same two-level layout cost +8.5 % at Bcap 32 and +0.2 % at Bcap 64 at a mean of 2,174,
-while the short-prompt workloads' residual sat at low KV. Tables of schema version 5 hold one
-context's points, which price every KV alike. A bucket
+while the short-prompt workloads' residual sat at low KV. On the same H100 live runs of the
+sweep's mixed-prompt workloads the worst replay error was 4.38 % without the term, 3.25 % with
+one context's points and 2.23 % per context (bench/RESULTS.md, 0e3a505). Tables of schema
+version 5 hold one context's points, which price every KV alike. A bucket
 without a spread point (Bcap 1: one request has no spread) adds nothing. One slope per bucket,
 not per layout: on the H100 points the extra cost per token of excess agreed between the
 two-level and the one-long layout at B = 8 (0.13 / 0.14 us) but not at B = 32 (0.17-0.19 against
