@@ -404,8 +404,7 @@ def _calibrate(
         "load": machine.load_record(opts.device, measured.load_before, measured.load_after),
         "sources": dict(gate.sources),
     }
-    spread = (fit_spread(selection.rows, measured.spread_rows)
-              if measured.spread_contexts else None)
+    spread = fit_spread(selection.rows, measured.spread_rows) if measured.spread_rows else None
     # the table, built once with its quality and spread term
     table = assemble_table(parts, quality=quality, kv_spread=spread)
     fit_s = time.perf_counter() - t_fit
@@ -533,8 +532,7 @@ class _Measured:
     remeasured_windows: int
     load_before: dict[str, Any]
     load_after: dict[str, Any]
-    spread_contexts: tuple[int, ...] = ()  # the contexts of the spread points (none: none)
-    spread_rows: list[dict[str, Any]] = field(default_factory=list)  # their windows
+    spread_rows: list[dict[str, Any]] = field(default_factory=list)  # the spread points' windows
 
 
 def _measure(
@@ -663,9 +661,7 @@ def _measure(
             # The KV spread term's points (speccal.costmodel.spread), after the grid, at every
             # context that can spread: one pass of the first windows each (those the early stop
             # measures every point with), never re-measured (their median only prices the term)
-            spread_ctx = (spread_contexts(cfg, request_kv_limit(cfg, geometry))
-                          if cfg.kv_spread else ())
-            extra = spread_points(cfg, spread_ctx)
+            extra = spread_plan(cfg, geometry)
             if extra:
                 todo = sum((*p.key, i) not in journal.done for p in extra for i in first)
                 progress.update(total=(progress.total or 0) + len(extra) * len(first),
@@ -694,9 +690,16 @@ def _measure(
         remeasured_windows=sum(int(r["window_index"]) >= w for r in journal.rows),
         load_before=load_before,
         load_after=load_after,
-        spread_contexts=spread_ctx if extra else (),
         spread_rows=spread_rows,
     )
+
+
+def spread_plan(cfg: CalibrationConfig, geometry: Any) -> tuple[GridPoint, ...]:
+    """The KV spread points a calibration measures after its grid (none unless ``kv_spread``):
+    one per bucket at every context that can spread within what a request may hold."""
+    if not cfg.kv_spread:
+        return ()
+    return spread_points(cfg, spread_contexts(cfg, request_kv_limit(cfg, geometry)))
 
 
 def request_kv_limit(cfg: CalibrationConfig, geometry: Any) -> int | None:

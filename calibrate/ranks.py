@@ -27,9 +27,10 @@ every rank naming it):
    the journal of every rank's windows);
 6. rank 0 fits one table on the merged rows (each window's slowest rank: a step of a TP replica,
    and a round of a DP deployment, lasts as long as its slowest rank) with the quality gate of
-   ``speccal.calibrate.pipeline``, and the spread term on the merged spread windows; the table's JSON is broadcast and every rank validates it
-   against its own engine's compatibility (so a topology mismatch is refused there) and checks
-   that its SHA-256 equals every other rank's; then rank 0 alone writes it.
+   ``speccal.calibrate.pipeline``, and the spread term on the merged spread windows; the table's
+   JSON is broadcast and every rank validates it against its own engine's compatibility (so a
+   topology mismatch is refused there) and checks that its SHA-256 equals every other rank's;
+   then rank 0 alone writes it.
 
 Only rank 0 prints (``console`` of the others is the caller's to silence) and writes files.
 This module imports no torch: the runner comes in through ``engine_factory`` and ``comm``.
@@ -54,7 +55,7 @@ from speccal.base.atomic import check_writable
 from speccal.base.errors import InputError, SpeccalError, UnsupportedError
 from speccal.calibrate import lock, machine, report
 from speccal.calibrate.config import UserConfig, parse_config_file, resolve_config
-from speccal.calibrate.driver import drive, loop_of, prompt_fill, spread_contexts
+from speccal.calibrate.driver import drive, loop_of, prompt_fill
 from speccal.calibrate.feasibility import check_feasible
 from speccal.calibrate.gate import (
     EarlyStop,
@@ -65,13 +66,13 @@ from speccal.calibrate.gate import (
     points_to_remeasure,
     select_windows,
 )
-from speccal.calibrate.grid import build_grid, spread_points
+from speccal.calibrate.grid import build_grid
 from speccal.calibrate.journal import check_discard, open_journal, window_key
 from speccal.calibrate.pipeline import (
     CalibrateOptions,
     check_run_values,
     engine_config,
-    request_kv_limit,
+    spread_plan,
 )
 from speccal.calibrate.timing import loop_timing
 from speccal.costmodel.compat import check_compatibility
@@ -357,8 +358,7 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
             by_rank = comm.all_gather_object(mine.rows)
         # the KV spread term's points (speccal.costmodel.spread), as one rank measures them:
         # after the grid, every context that can spread, one pass of the first windows
-        extra = spread_points(cfg, spread_contexts(cfg, request_kv_limit(cfg, geometry))
-                              if cfg.kv_spread else ())
+        extra = spread_plan(cfg, geometry)
         if extra:
             more = comm.agree("calibrate: KV spread", lambda: measure(extra, first))
             stats = stats.plus(more)
