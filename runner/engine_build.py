@@ -182,6 +182,7 @@ class EngineBuild:
             path=self.path,
             max_model_len=max_len,
             state=state,
+            score_informativeness=config.score_informativeness,
         )
         lap("setup_s")
         for module in (self.loaded.target, self.loaded.draft):

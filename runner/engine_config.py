@@ -35,6 +35,9 @@ class EngineConfig:
     target_rows : optional ``{Bcap: (G, ...)}``; default ``Bcap * j`` for ``j = 1 .. w + 1``.
     acceptance : ``greedy`` | ``sample`` | ``synthetic`` | ``forced``.
     acceptance_profile : ``synthetic`` only: conditional acceptance per draft position (``w``).
+    score_informativeness : ``synthetic`` only, in ``[0, 1]``: how much a draft's reported score
+        says about its acceptance (``speccal.runner.sampling.synthetic_draft_scores``; 0: every
+        score is its position's profile value, 1: the score is the outcome).
     seed : seeds the sampling generator and preset weights.
     max_model_len : prompt + generated tokens per request; None = min(model limit, 4096).
     block_size : tokens per KV block.
@@ -70,6 +73,7 @@ class EngineConfig:
     target_rows: Mapping[int, Sequence[int]] | None = None
     acceptance: str = "greedy"
     acceptance_profile: tuple[float, ...] | None = None
+    score_informativeness: float = 0.0
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -121,6 +125,14 @@ class EngineConfig:
             raise InputError(
                 "acceptance_profile", self.acceptance_profile, "None unless acceptance='synthetic'"
             )
+        lam = self.score_informativeness
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0.0 <= lam <= 1.0:
+            raise InputError("score_informativeness", lam, "a number in [0, 1]")
+        if lam != 0.0 and self.acceptance != "synthetic":
+            raise InputError("score_informativeness", lam,
+                             "0 unless acceptance='synthetic' (other modes report the draft's "
+                             "own probabilities)")
+        object.__setattr__(self, "score_informativeness", float(lam))
         if not isinstance(self.pipeline, bool):
             raise InputError("pipeline", self.pipeline, "a bool")
         if self.state_strategy not in STATE_STRATEGIES:
@@ -181,6 +193,7 @@ def from_spec(spec: RunSpec) -> EngineConfig:
         "dtype": spec.dtype,
         "acceptance": spec.acceptance,
         "acceptance_profile": spec.acceptance_profile,
+        "score_informativeness": spec.score_informativeness,
         "seed": spec.seed,
         "speculative": spec.speculative,
         "pipeline": spec.pipelined,

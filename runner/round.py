@@ -145,6 +145,7 @@ class RoundRunner:
         path: ExecutionPath,
         max_model_len: int = 4096,
         state=None,
+        score_informativeness: float = 0.0,
     ):
         # recurrent-state rows of a hybrid target (speccal.runner.hybrid_state.StateStrategy):
         # the verify forward reads / writes them, acceptance commits them; None: KV only
@@ -156,6 +157,9 @@ class RoundRunner:
         self.max_bucket = max_bucket
         self.acceptance = acceptance
         self.profile = profile
+        # synthetic acceptance: how much a draft's score says about its acceptance
+        # (sampling.synthetic_draft_scores)
+        self.score_informativeness = float(score_informativeness)
         self.generator = generator
         self.device = device
         self.block_size = kv.allocator.block_size
@@ -213,6 +217,8 @@ class RoundRunner:
                 "packed_cu": (rows + 1, i64),  # _packed's cumulative counts [bcap + 1]
                 "num_splits": (max_bucket, i32),  # split-KV tiling of one attention call [bcap]
                 "split_len": (max_bucket, i32),
+                # synthetic acceptance: the draft scores its acceptance uses [bcap, k]
+                "synthetic_scores": (max_bucket * draft_width, torch.float32),
             }.items()
         }
         # one pinned result buffer per staging slot, filled by a copy queued at the
@@ -547,7 +553,26 @@ class RoundRunner:
                 score = sampling.draft_token_probability(logits, tok)
             drafts.append(tok)
             scores.append(score)
+        if self.acceptance == "synthetic":
+            # the draft's probabilities are computed (the round's cost) but the scores reported
+            # are those the synthetic acceptance will use
+            return torch.stack(drafts, 1), self._synthetic_scores(bcap, k)
         return torch.stack(drafts, 1), torch.stack(scores, 1)
+
+    def _synthetic_scores(self, bcap: int, k: int) -> torch.Tensor:  # [bcap, k]
+        """Synthetic acceptance: this round's draft scores, drawn by the draft part into a
+        static buffer that the target part's acceptance reads
+        (:func:`~speccal.runner.sampling.synthetic_draft_scores`)."""
+        out = self._scratch["synthetic_scores"][: bcap * k].view(bcap, k)
+        return sampling.synthetic_draft_scores(self.profile, self.score_informativeness,
+                                               self.generator, out)
+
+    def _acceptance_profile(self, bcap: int, k: int) -> torch.Tensor | None:
+        """What a synthetic acceptance draws against: the scores of this round's draft part
+        (``[bcap, k]``); None for the other modes."""
+        if self.acceptance != "synthetic":
+            return None
+        return self._scratch["synthetic_scores"][: bcap * k].view(bcap, k)
 
     def target_part(self, x: RoundInputs, draft_tokens: torch.Tensor) -> RoundOutputs:
         """Verify input update, target forward, acceptance, slot-state update (no host sync).
@@ -594,7 +619,8 @@ class RoundRunner:
                 nv = facts.num_verify
                 if k > 0 and self.acceptance == "synthetic":
                     nv = sampling.synthetic_accepted_length(
-                        self.profile, self.generator, nv, bcap, k, self.device)
+                        self._acceptance_profile(bcap, k), self.generator, nv, bcap, k,
+                        self.device)
                 greedy = k > 0 and self.acceptance not in ("forced", "synthetic")
                 num_accepted, out = ops.verify_accept(
                     row_argmax, src, draft_tokens, nv, facts.slot_index, h,
@@ -641,8 +667,8 @@ class RoundRunner:
                 num_accepted = self._zero[:bcap]
             else:
                 num_accepted, out = sampling.accept_tokens(
-                    self.acceptance, draft_tokens, grid_tok, facts.num_verify, self.profile,
-                    self.generator)
+                    self.acceptance, draft_tokens, grid_tok, facts.num_verify,
+                    self._acceptance_profile(bcap, k), self.generator)
         elif k == 0:
             out = sampling.sample_plain(grid_logits[:, 0], *self._row_params(slot_index),
                                         self.generator)[:, None]
@@ -650,7 +676,7 @@ class RoundRunner:
         else:
             num_accepted, out = sampling.accept(
                 self.acceptance, draft_tokens, grid_logits, facts.num_verify,
-                self._row_params(slot_index), self.profile, self.generator)
+                self._row_params(slot_index), self._acceptance_profile(bcap, k), self.generator)
         if self.state is not None:  # the state after each request's accepted prefix
             self.state.commit(x, num_accepted)
         self.ext_tokens[slot_index, : k + 1] = out

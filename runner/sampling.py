@@ -544,14 +544,20 @@ def verify_rejection(
     return num_accepted, _emit(draft_tokens, num_accepted, samples)
 
 
-def _profile_tensor(profile, k: int, device) -> torch.Tensor:
+def _profile_tensor(profile, k: int, device) -> torch.Tensor:  # -> [1, k] or [B, k]
+    """The acceptance probabilities of a synthetic draw, broadcastable over ``[B, k]``: a
+    profile (``[w >= k]``, one per position) or per-draft probabilities (``[B, w >= k]``, the
+    scores of :func:`synthetic_draft_scores`)."""
     if isinstance(profile, torch.Tensor):
         # Values are not checked: that would read the device (the engine validates its config).
-        if profile.dim() != 1 or profile.shape[0] < k or not profile.is_floating_point():
+        if (profile.dim() not in (1, 2) or profile.shape[-1] < k
+                or not profile.is_floating_point()):
             raise InputError(
-                "profile", tuple(profile.shape), f"a floating tensor of at least k={k} entries"
+                "profile", tuple(profile.shape),
+                f"a floating tensor [w] or [B, w] with w >= k={k}",
             )
-        return profile[:k].to(device=device, dtype=torch.float32)
+        prof = profile[..., :k].to(device=device, dtype=torch.float32)
+        return prof if prof.dim() == 2 else prof[None, :]
     if isinstance(profile, (str, bytes)) or not isinstance(profile, Sequence):
         raise InputError("profile", profile, "a sequence of acceptance probabilities in [0, 1]")
     values = list(profile)
@@ -560,7 +566,7 @@ def _profile_tensor(profile, k: int, device) -> torch.Tensor:
     for i, v in enumerate(values):
         if not _is_real(v) or not 0.0 <= float(v) <= 1.0:
             raise InputError(f"profile[{i}]", v, "an acceptance probability in [0, 1]")
-    return torch.tensor([float(v) for v in values[:k]], dtype=torch.float32, device=device)
+    return torch.tensor([[float(v) for v in values[:k]]], dtype=torch.float32, device=device)
 
 
 def verify_synthetic(
@@ -584,8 +590,35 @@ def verify_synthetic(
     nv = _verify_lengths(num_verify, b, k, target_logits.device)
     prof = _profile_tensor(profile, k, target_logits.device)
     u = torch.rand((b, k), generator=generator, device=target_logits.device)
-    num_accepted = _accepted_length(u < prof[None, :], nv)
+    num_accepted = _accepted_length(u < prof, nv)
     return num_accepted, _emit(draft_tokens, num_accepted, target_logits.argmax(dim=-1))
+
+
+def synthetic_draft_scores(
+    profile: torch.Tensor,  # [w >= k]: P(accept j | accepted 0..j-1)
+    informativeness: float,
+    generator: torch.Generator | None,
+    out: torch.Tensor,  # [B, k] float32, written in place and returned
+) -> torch.Tensor:
+    """The draft scores of a synthetic round, which its acceptance then uses: ``out [B, k]``.
+
+    Each drafted position ``j`` gets ``q = p_j + lam * (Bern(p_j) - p_j)`` (``lam`` =
+    ``informativeness`` in ``[0, 1]``) and is accepted, given its prefix, with probability ``q``
+    (pass ``out`` as the ``profile`` of :func:`verify_synthetic` or
+    :func:`synthetic_accepted_length`). The marginal acceptance of position ``j`` stays ``p_j``
+    (``E[q] = p_j``) and a score is a calibrated acceptance probability whatever ``lam``:
+    ``lam = 0`` gives every draft ``p_j`` (no per-draft information; no random draw, so the
+    acceptance draws are the profile's own), ``lam = 1`` gives ``q`` in ``{0, 1}`` (the score
+    is the outcome). Between them a score ranks the drafts that will pass above those that will
+    not, as a real draft head's probabilities do, so adaptive verification has something to
+    rank by under synthetic acceptance. No host sync (captured graphs).
+    """
+    b, k = out.shape
+    prof = _profile_tensor(profile, k, out.device)  # [1, k]
+    if informativeness == 0.0:
+        return out.copy_(prof.expand(b, k))
+    bern = (torch.rand((b, k), generator=generator, device=out.device) < prof).float()
+    return torch.add(prof, (bern - prof) * float(informativeness), out=out)
 
 
 def verify_forced(
@@ -632,7 +665,7 @@ def synthetic_accepted_length(
     nv = _verify_lengths(num_verify, b, k, device)
     prof = _profile_tensor(profile, k, device)
     u = torch.rand((b, k), generator=generator, device=device)
-    return _accepted_length(u < prof[None, :], nv)
+    return _accepted_length(u < prof, nv)
 
 
 def verify_forced_tokens(

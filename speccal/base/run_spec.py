@@ -31,6 +31,7 @@ class RunSpec:
     seed: int = 0
     acceptance: str = "greedy"
     acceptance_profile: tuple[float, ...] | None = None
+    score_informativeness: float = 0.0  # synthetic acceptance: what a draft's score says
     speculative: bool = True
     loop: str = "pipelined"  # LOOPS: pipelined = queue depth 1, synchronous = 0
     state_strategy: str = "scratch_swap"

@@ -61,6 +61,7 @@ def bench(
         ),
     ] = "greedy",
     profile: o.Profile = None,
+    score_informativeness: o.ScoreInformativeness = 0.0,
     num_requests: Annotated[
         int, typer.Option("--num-requests", help="Requests decoded together, 1..256.")
     ] = 4,
@@ -145,6 +146,7 @@ def bench(
         model, device, dtype, draft_width, acceptance, profile, seed, None, True,
         parse.bench_buckets(request_buckets), graph_mode=graph_mode,
         attention_backend=attention_backend, loop=loop, state_strategy=state_strategy,
+        score_informativeness=score_informativeness,
     )
     workload = {"num_requests": num_requests, "prompt_len": prompt_len, "max_tokens": max_tokens}
     if policy and not is_distributed(tp, dp):

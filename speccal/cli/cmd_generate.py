@@ -65,6 +65,7 @@ def generate(
         ),
     ] = "greedy",
     profile: o.Profile = None,
+    score_informativeness: o.ScoreInformativeness = 0.0,
     plain: Annotated[bool, typer.Option("--plain", help="Plain decoding (no draft head).")] = False,
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", help="Tokens to generate per prompt.")
@@ -109,7 +110,7 @@ def generate(
     cfg = engine_config(
         model, device, dtype, draft_width, acceptance, profile, seed, max_model_len, not plain,
         graph_mode=graph_mode, attention_backend=attention_backend, loop=loop,
-        state_strategy=state_strategy,
+        state_strategy=state_strategy, score_informativeness=score_informativeness,
     )
     distributed = is_distributed(tp, dp)
     if distributed:

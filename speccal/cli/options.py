@@ -89,6 +89,16 @@ StateStrategy = Annotated[
         "one); ignored by full-attention targets.",
     ),
 ]
+ScoreInformativeness = Annotated[
+    float,
+    typer.Option(
+        "--score-informativeness",
+        help="Synthetic acceptance: how much a draft's score says about its acceptance, 0-1 "
+        "(0: every score is its position's profile value; 1: the score is the outcome; "
+        "between, scores rank drafts as a real draft head's probabilities do, which adaptive "
+        "verify allocates by). The acceptance rate stays the profile's.",
+    ),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print results as JSON on stdout.")]
 
 
@@ -107,6 +117,7 @@ def engine_config(
     attention_backend=None,
     loop="pipelined",
     state_strategy="scratch_swap",
+    score_informativeness=0.0,
 ):
     """The ``EngineConfig`` of a command's options (defaults: the path served on ``device``, the
     pipelined round loop, the scratch-swap state strategy): their ``RunSpec`` through the one
@@ -114,7 +125,8 @@ def engine_config(
     spec = RunSpec(
         model=model, device=device, dtype=dtype, draft_width=draft_width,
         request_buckets=request_buckets, acceptance=acceptance,
-        acceptance_profile=parse.floats(profile, "--acceptance-profile"), seed=seed,
+        acceptance_profile=parse.floats(profile, "--acceptance-profile"),
+        score_informativeness=score_informativeness, seed=seed,
         max_model_len=max_model_len, speculative=speculative, loop=loop,
         state_strategy=state_strategy, graph_mode=graph_mode,
         attention_backend=attention_backend)

@@ -66,7 +66,11 @@ CASES = [
 
 @pytest.mark.parametrize("update,acceptance,profile", CASES)
 def test_allocation_is_the_rule_on_this_rounds_scores(update, acceptance, profile):
-    eng = Engine(_cfg(input_update=update, acceptance=acceptance, acceptance_profile=profile))
+    # synthetic: scores that say something about each draft (0 would report the profile
+    # itself every round, the same allocation every round)
+    extra = {"score_informativeness": 0.5} if acceptance == "synthetic" else {}
+    eng = Engine(_cfg(input_update=update, acceptance=acceptance, acceptance_profile=profile,
+                      **extra))
     rounds = _run_budgets(eng, _prompts(4))
     prev: dict[int, np.ndarray] = {}
     differs_from_previous_scores = 0
@@ -110,8 +114,10 @@ def test_budget_below_every_bucket_verifies_no_draft():
 @pytest.mark.parametrize("acceptance,profile", [("greedy", None), ("synthetic", (0.9, 0.6, 0.3))])
 def test_in_graph_and_host_updates_agree(acceptance, profile):
     runs = {}
+    extra = {"score_informativeness": 0.5} if acceptance == "synthetic" else {}
     for update in ("host", "in_graph"):
-        eng = Engine(_cfg(input_update=update, acceptance=acceptance, acceptance_profile=profile))
+        eng = Engine(_cfg(input_update=update, acceptance=acceptance, acceptance_profile=profile,
+                          **extra))
         rounds = _run_budgets(eng, _prompts(4, seed=3))
         assert eng.runner.resolve_update(4, W, 8) == update
         runs[update] = [(r.request_ids, r.num_verify.tolist(), r.emitted) for _, _, r in rounds]
@@ -179,7 +185,8 @@ def test_no_host_read_between_draft_and_target_in_graph(monkeypatch):
 
 
 def test_live_adaptive_verify_trace_replays_the_device_allocation(tmp_path):
-    eng = Engine(_cfg(acceptance="synthetic", acceptance_profile=(0.9, 0.5, 0.2)))
+    eng = Engine(_cfg(acceptance="synthetic", acceptance_profile=(0.9, 0.5, 0.2),
+                      score_informativeness=0.7))
 
     def per_row(bcap, g, kv):  # known costs: 4 ms + 3 ms per target row
         return 4.0 + 3.0 * np.asarray(g, float) + 0 * np.asarray(bcap, float) + 0 * kv
