@@ -33,7 +33,13 @@ policy ``--repeats`` times interleaved and replay a fresh twin on each run's own
   the same seed (``run_interleaved(seed=)``), so two policies that decide alike accept alike
   and the gains compare policies, not acceptance luck (at 0a2c622 on an H100, adaptive-step
   deciding k = 3 in every round of n3-short-easy "lost" 6.3 % to fixed:3 on luck alone:
-  acceptance 0.72-0.76 against 0.76-0.82); ``--independent-draws`` turns that off.
+  acceptance 0.72-0.76 against 0.76-0.82); ``--independent-draws`` turns that off. The draft
+  scores the engine reports are the synthetic acceptance's own (``--score-informativeness``,
+  ``speccal.runner.sampling.synthetic_draft_scores``): each draft's score is the probability
+  it is accepted with, its mean the profile's, so adaptive verify's survival curves and its
+  ranking of drafts see what a real draft head's probabilities would tell it (before
+  19bbf29 the scores were the random-weight draft's probabilities, unrelated to the
+  acceptance).
 
 Per workload and policy (``workloads[].policies`` of the JSON): live decode tokens/s (median
 over the runs, every run listed), the replay prediction from the run's own trace, the error
@@ -175,6 +181,16 @@ def table_facts(path: Path) -> dict:
     }
 
 
+def score_informativeness(given: float | None, mode: str) -> float:
+    """The live engine's ``score_informativeness``: ``given``, else 0.5 on a target_verify table
+    (adaptive verify ranks the drafts by their scores: under synthetic acceptance they must say
+    something about each draft, as a real draft head's probabilities do) and 0 on a draft_step
+    one (adaptive step reads accepted lengths only; 0 keeps the profile's own draws)."""
+    if given is None:
+        return 0.5 if mode == "target_verify" else 0.0
+    return float(given)
+
+
 def adaptive_name(mode: str) -> str:
     return "adaptive-verify" if mode == "target_verify" else "adaptive-step"
 
@@ -201,6 +217,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--update-interval", type=int, default=5)
     ap.add_argument("--switch-min-gain", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--score-informativeness", type=float, default=None,
+                    help="synthetic acceptance: what a draft's score says about its acceptance "
+                    "(EngineConfig.score_informativeness); default 0.5 on a target_verify table "
+                    "(adaptive verify ranks drafts by their scores), 0 on a draft_step one "
+                    "(the scores are unused; 0 keeps the profile's own draws)")
     ap.add_argument("--independent-draws", action="store_true",
                     help="let the synthetic acceptance stream run on from run to run (default: "
                     "common random numbers, run c of every policy seeded alike)")
@@ -227,7 +248,7 @@ def parser() -> argparse.ArgumentParser:
 CHILD_OPTIONS = ("table", "model", "device", "dtype", "request_buckets", "graph_mode",
                  "attention_backend", "repeats", "max_tokens", "prompt_lens", "phase_at",
                  "warmup_tokens", "window_size", "update_interval", "switch_min_gain", "seed",
-                 "threads", "save_runs")
+                 "threads", "save_runs", "score_informativeness")
 
 
 def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
@@ -510,6 +531,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "graph_mode": args.graph_mode or facts["graph_mode"] or "eager",
         "attention_backend": args.attention_backend or facts["attention_backend"] or "torch",
+        "score_informativeness": score_informativeness(args.score_informativeness, facts["mode"]),
     }
     t0 = time.perf_counter()
     engine = build_live_engine(common, phases[0].profile, pipeline)
@@ -746,6 +768,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"known: {', '.join(BY_NAME)}")
     if not args.merge and not Path(args.table).is_file():
         ap.error(f"--table: {args.table} is not a file")
+    lam = args.score_informativeness
+    if lam is not None and not 0.0 <= lam <= 1.0:
+        ap.error(f"--score-informativeness: got {lam}, expected a number in [0, 1]")
     if args.one is not None:  # child
         doc = run_one(args)
         text = json.dumps(doc, sort_keys=True, default=float)
@@ -780,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
 
 #: What the workloads merged into one sweep must share (their ``setup``).
 MERGE_SAME = ("model", "device", "dtype", "request_buckets", "pipeline", "repeats", "graph_mode",
-              "attention_backend")
+              "attention_backend", "score_informativeness")
 
 
 def merged_docs(paths: list[str], ap: argparse.ArgumentParser) -> list[dict]:

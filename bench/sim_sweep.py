@@ -19,7 +19,15 @@ It answers what the live sweep cannot afford to try: how long the runs must be f
 adaptive step's window (``window_size`` batches) to follow a phase change, and what a workload
 change does to the adaptive gain, before spending GPU time. It is a model: its tokens/s are the
 table's, not a measurement (on an H100 at 3965b8d the live adaptive gains ran 0-3 points below
-this simulation at ``--max-tokens 192``; bench/RESULTS.md). Draft-step tables only.
+this simulation at ``--max-tokens 192``; bench/RESULTS.md).
+
+On a ``target_verify`` table it runs ``fixed:1..w`` (``k`` verified drafts per request) and the
+live ``AdaptiveVerifyPolicy``: every round drafts ``w``, each draft gets the synthetic score
+of ``speccal.runner.sampling.synthetic_draft_scores`` (``--score-informativeness``, default as
+``bench_sweep``'s: 0.5 on a target_verify table) and is accepted with that probability, the
+adaptive budget's rows go to the drafts of highest prefix survival
+(``speccal.policy_rules.allocate_prefixes``, the rule the device runs) and the round is priced
+at its verify bucket.
 """
 
 from __future__ import annotations
@@ -32,24 +40,29 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from bench_sweep import BY_NAME, WORKLOADS, phase_oracle, profile, resolve
+from bench_sweep import BY_NAME, WORKLOADS, phase_oracle, profile, resolve, score_informativeness
 
 from speccal.base.errors import InputError
 from speccal.costmodel.table import load_table
 from speccal.policy import (
     AdaptiveStepConfig,
     AdaptiveStepPolicy,
+    AdaptiveVerifyPolicy,
     BatchState,
     CostModel,
     Feedback,
     FixedPolicy,
     table_step_config,
 )
+from speccal.policy_rules import allocate_prefixes
 
 
-def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0.5) -> dict:
+def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0.5,
+             informativeness: float = 0.0) -> dict:
     """One run of a resolved workload (``bench_sweep.resolve``) under ``policy``: tokens,
-    priced milliseconds, rounds and per-phase tokens / ms."""
+    priced milliseconds, rounds and per-phase tokens / ms. ``informativeness``: the synthetic
+    scores' (target_verify tables)."""
+    verify = cost.mode == "target_verify"
     w = cost.draft_width
     mt = np.asarray(spec["max_tokens"], dtype=np.float64)
     prompt = np.asarray(spec["prompt_lens"], dtype=np.float64)
@@ -68,10 +81,20 @@ def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0
                                      kv_length=float(kv.mean())))
         phase = 0 if len(levels) == 1 or emitted < phase_at * total else 1
         q = np.asarray(profile(levels[phase], w))
+        scores = None
+        if verify:  # each draft's score, accepted with that probability (E = the profile)
+            scores = q + informativeness * ((rng.random((b, w)) < q) - q)
+            q = scores
         draws = rng.random((b, w)) < q  # every position drawn: the same stream for every k
-        acc = np.minimum(np.cumprod(draws, axis=1).sum(axis=1), d.k)
         bcap = int(cost.bcap(b))
-        g = int(cost.g(bcap, b * (d.k + 1)))
+        if verify:
+            g = int(d.g)
+            nv = (np.asarray(d.verify_tokens) if d.verify_tokens is not None
+                  else allocate_prefixes(scores, g - b))
+            acc = np.minimum(np.cumprod(draws, axis=1).sum(axis=1), nv)
+        else:
+            acc = np.minimum(np.cumprod(draws, axis=1).sum(axis=1), d.k)
+            g = int(cost.g(bcap, b * (d.k + 1)))
         ms = float(cost.price(np.array([bcap]), np.array([g]), np.array([kv.mean()]),
                               d.k, np.array([kv.max()]))[0])
         if not (math.isfinite(ms) and ms > 0):
@@ -83,7 +106,8 @@ def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0
         t_ms += ms
         by_phase[phase][0] += float(step.sum())
         by_phase[phase][1] += ms
-        pending.append(Feedback(round_index=rounds, k=d.k, accepted=acc.astype(np.int64)))
+        pending.append(Feedback(round_index=rounds, k=d.k, accepted=acc.astype(np.int64),
+                                draft_scores=scores))
         if len(pending) == 2:  # pipelined: round r observed after round r + 1 was planned
             policy.observe(pending.pop(0))
         rounds += 1
@@ -92,14 +116,18 @@ def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0
             "phases": {str(p): {"tokens": v[0], "ms": v[1]} for p, v in by_phase.items()}}
 
 
-def workload(cost: CostModel, spec: dict, cfg: AdaptiveStepConfig, seeds: int) -> dict:
+def workload(cost: CostModel, spec: dict, cfg: AdaptiveStepConfig, seeds: int,
+             informativeness: float = 0.0) -> dict:
     """Every policy on one workload, ``seeds`` runs each: median tokens/s, the adaptive gain
     over the best fixed ``k`` and over the per-phase oracle (each phase at its best fixed ``k``'s
     rate, weighted by the adaptive runs' tokens in that phase)."""
     w = cost.draft_width
     makers = {f"fixed:{k}": (lambda k=k: FixedPolicy(cost, k)) for k in range(1, w + 1)}
-    makers["adaptive-step"] = lambda: AdaptiveStepPolicy(cost, cfg)
-    runs = {name: [simulate(cost, spec, make(), 1000 + s) for s in range(seeds)]
+    ad = "adaptive-verify" if cost.mode == "target_verify" else "adaptive-step"
+    makers[ad] = ((lambda: AdaptiveVerifyPolicy(cost)) if ad == "adaptive-verify"
+                  else (lambda: AdaptiveStepPolicy(cost, cfg)))
+    runs = {name: [simulate(cost, spec, make(), 1000 + s, informativeness=informativeness)
+                   for s in range(seeds)]
             for name, make in makers.items()}
     med = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in runs.items()}
     fixed = [n for n in runs if n.startswith("fixed:")]
@@ -109,21 +137,21 @@ def workload(cost: CostModel, spec: dict, cfg: AdaptiveStepConfig, seeds: int) -
         return {ph: (sum(r["phases"][ph]["tokens"] for r in rs),
                      sum(r["phases"][ph]["ms"] for r in rs) / 1000.0) for ph in rs[0]["phases"]}
 
-    oracle = phase_oracle(totals(runs["adaptive-step"]),
-                          {n: totals(runs[n]) for n in fixed})["tokens_per_s"]
+    oracle = phase_oracle(totals(runs[ad]), {n: totals(runs[n]) for n in fixed})["tokens_per_s"]
     return {
         "workload": spec,
         "tokens_per_s": med,
         "rounds": {n: statistics.median(r["rounds"] for r in rs) for n, rs in runs.items()},
         "best_fixed": best,
-        "gain_vs_best_fixed_pct": 100.0 * (med["adaptive-step"] / med[best] - 1.0),
-        "gain_vs_phase_oracle_pct": 100.0 * (med["adaptive-step"] / oracle - 1.0),
+        "adaptive": ad,
+        "gain_vs_best_fixed_pct": 100.0 * (med[ad] / med[best] - 1.0),
+        "gain_vs_phase_oracle_pct": 100.0 * (med[ad] / oracle - 1.0),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--table", required=True, help="a draft_step cost table")
+    ap.add_argument("--table", required=True, help="a cost table (its mode picks the policies)")
     ap.add_argument("--max-tokens", default="192", help="comma-separated values of the 1.0")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--workloads", default=None, help="default: all of bench_sweep's")
@@ -131,12 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-size", type=int, default=None, help="default: the table's")
     ap.add_argument("--update-interval", type=int, default=None, help="default: the table's")
     ap.add_argument("--switch-min-gain", type=float, default=None, help="default: the table's")
+    ap.add_argument("--score-informativeness", type=float, default=None,
+                    help="target_verify tables: the synthetic scores' (default 0.5)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     table = load_table(Path(args.table))
     cost = CostModel.from_table(table)
-    if cost.mode != "draft_step":
-        ap.error(f"--table: mode {cost.mode!r}; the simulation needs a draft_step table")
+    lam = score_informativeness(args.score_informativeness, cost.mode)
+    if not 0.0 <= lam <= 1.0:
+        ap.error(f"--score-informativeness: got {lam}, expected a number in [0, 1]")
     names = args.workloads.split(",") if args.workloads else [w.name for w in WORKLOADS]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
@@ -161,18 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         ap.error(str(e))
     buckets = tuple(table.calibration.request_buckets)
-    out = {"table": args.table, "policy": vars(cfg), "seeds": args.seeds, "by_max_tokens": {}}
+    out = {"table": args.table, "mode": cost.mode, "policy": vars(cfg), "seeds": args.seeds,
+           "score_informativeness": lam, "by_max_tokens": {}}
+    ad = "adaptive_verify" if cost.mode == "target_verify" else "adaptive_step"
     for mt in lengths:
-        docs = [workload(cost, resolve(BY_NAME[n], buckets, mt, prompt_lens), cfg, args.seeds)
-                for n in names]
+        docs = [workload(cost, resolve(BY_NAME[n], buckets, mt, prompt_lens), cfg, args.seeds,
+                         lam) for n in names]
         gains = [d["gain_vs_best_fixed_pct"] for d in docs]
         phased = [d["gain_vs_best_fixed_pct"] for d in docs if d["workload"]["phased"]]
         out["by_max_tokens"][str(mt)] = {
-            "adaptive_step_vs_best_fixed_pct_sweep_min": min(gains),
-            "adaptive_step_vs_best_fixed_pct_phased_min": min(phased) if phased else None,
+            f"{ad}_vs_best_fixed_pct_sweep_min": min(gains),
+            f"{ad}_vs_best_fixed_pct_phased_min": min(phased) if phased else None,
             "workloads": docs,
         }
-        print(f"max_tokens {mt}: adaptive-step vs best fixed min {min(gains):+.2f} %, "
+        print(f"max_tokens {mt}: {ad} vs best fixed min {min(gains):+.2f} %, "
               f"phased min {min(phased) if phased else math.nan:+.2f} %", file=sys.stderr)
         for d in docs:
             print(f"  {d['workload']['name']:28s} best {d['best_fixed']}  "

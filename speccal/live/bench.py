@@ -561,6 +561,9 @@ def run_policy_bench(
             "dtype": engine.dtype_name,
             "draft_width": w,
             "acceptance": config.engine.acceptance,
+            "acceptance_profile": (None if config.engine.acceptance_profile is None
+                                   else list(config.engine.acceptance_profile)),
+            "score_informativeness": config.engine.score_informativeness,
             "request_buckets": list(config.engine.request_buckets),
         },
     }

@@ -61,6 +61,8 @@ def test_small_sweep_prices_every_round_and_replays_the_live_decisions(sweep):
     assert counts == [3, 5, 7] and not any(n in buckets for n in counts)
     for d in doc["workloads"]:
         assert d["mode"] == "target_verify" and d["adaptive"] == "adaptive-verify"
+        # a target_verify table: the synthetic acceptance's scores rank the drafts
+        assert d["setup"]["score_informativeness"] == 0.5
         assert set(d["policies"]) == {"fixed:1", "fixed:2", "fixed:3", "adaptive-verify"}
         assert len(set(d["workload"]["max_tokens"])) > 1
         for name, p in d["policies"].items():

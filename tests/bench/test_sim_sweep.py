@@ -66,6 +66,43 @@ def test_simulated_sweep_refuses_bad_input(tmp_path):
     proc, _ = _run(tmp_path, "--window-size", "0")
     assert proc.returncode == 2 and "window_size" in proc.stderr
     verify = ROOT / "tables" / "tiny-cpu.json"  # a target_verify table
-    proc = subprocess.run([sys.executable, str(SIM), "--table", str(verify)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 2 and "draft_step" in proc.stderr
+    proc = subprocess.run([sys.executable, str(SIM), "--table", str(verify),
+                           "--score-informativeness", "1.5"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "--score-informativeness" in proc.stderr
+
+
+def test_simulated_verify_sweep_ranks_drafts_by_their_scores(tmp_path):
+    """A target_verify table: fixed:1..3 and adaptive-verify, each draft scored and accepted as
+    the engine's synthetic acceptance does (default informativeness 0.5, as bench_sweep's);
+    the informativeness reaches the runs, and the same arguments give the same figures."""
+    verify = ROOT / "tables" / "tiny-cpu.json"
+    args = ("--workloads", "n6-short-easy-to-hard,n56-short-hard-to-easy", "--max-tokens", "48",
+            "--seeds", "2", "--prompt-lens", "8,40")
+    docs = {}
+    for lam in (None, "0", "1"):
+        extra = () if lam is None else ("--score-informativeness", lam)
+        out = tmp_path / f"verify-{lam}.json"
+        proc = subprocess.run([sys.executable, str(SIM), "--table", str(verify), "--json-out",
+                               str(out), *args, *extra], capture_output=True, text=True,
+                              cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        docs[lam] = json.loads(out.read_text())
+    assert docs[None]["mode"] == "target_verify" and docs[None]["score_informativeness"] == 0.5
+    for doc in docs.values():
+        part = doc["by_max_tokens"]["48"]
+        ws = part["workloads"]
+        assert part["adaptive_verify_vs_best_fixed_pct_sweep_min"] == pytest.approx(
+            min(w["gain_vs_best_fixed_pct"] for w in ws))
+        for w in ws:
+            assert w["adaptive"] == "adaptive-verify"
+            assert set(w["tokens_per_s"]) == {"fixed:1", "fixed:2", "fixed:3", "adaptive-verify"}
+            assert all(v > 0 for v in w["tokens_per_s"].values())
+
+    assert docs["0"]["score_informativeness"] == 0.0 and docs["1"]["score_informativeness"] == 1.0
+    assert docs["0"]["by_max_tokens"] != docs["1"]["by_max_tokens"]
+    again = tmp_path / "again.json"
+    proc = subprocess.run([sys.executable, str(SIM), "--table", str(verify), "--json-out",
+                           str(again), *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0 and json.loads(again.read_text()) == docs[None]

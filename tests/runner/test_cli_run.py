@@ -417,3 +417,14 @@ def test_acceptance_profile_has_one_name_in_bench_and_trace():
         assert r.exit_code == 0 and "--acceptance-profile" in r.output and "--profile" in r.output
     r = _run("bench", "--acceptance", "synthetic", "--acceptance-profile", "0.5,x,0.5")
     assert r.exit_code == 2 and "--acceptance-profile" in r.stderr, r.output
+
+
+def test_score_informativeness_is_refused_outside_its_range_and_mode():
+    """``--score-informativeness``: in [0, 1] and only with synthetic acceptance (the other
+    modes report the draft's own probabilities); exit 2 naming the field and the value."""
+    r = _run("bench", "--acceptance", "synthetic", "--acceptance-profile", "0.9,0.6,0.3",
+             "--score-informativeness", "1.5")
+    assert r.exit_code == 2 and "score_informativeness" in r.stderr and "1.5" in r.stderr
+    r = _run("generate", "--prompt", "hi", "--score-informativeness", "0.5")
+    assert r.exit_code == 2 and "score_informativeness" in r.stderr
+    assert "synthetic" in r.stderr, r.stderr

@@ -173,6 +173,38 @@ def test_synthetic_mean_accepted_length():
     assert eng.stats.hist.sum() == 600
 
 
+def test_synthetic_scores_are_what_the_acceptance_draws_against():
+    """``score_informativeness`` 1: every reported draft score is 0 or 1 and a request's accepted
+    length is its scores' leading ones (the score is the outcome); 0: every score is its
+    position's profile value. The acceptance rate is the profile's either way."""
+    profile = (0.9, 0.6, 0.5)
+    for lam in (1.0, 0.0):
+        eng = Engine(_cfg(acceptance="synthetic", acceptance_profile=profile, seed=2,
+                          max_model_len=512, score_informativeness=lam))
+        assert eng.runner.score_informativeness == lam
+        for i in range(4):
+            eng.add_request([i + 1] * 3, SamplingParams(max_tokens=400, ignore_eos=True))
+        for _ in range(60):
+            res = eng.step(RoundPlan(3))
+            sc = res.draft_scores
+            if lam == 1.0:
+                assert set(np.unique(sc)) <= {0.0, 1.0}
+                np.testing.assert_array_equal(res.accepted, np.cumprod(sc == 1.0, axis=1).sum(1))
+            else:
+                np.testing.assert_allclose(sc, np.broadcast_to(profile, sc.shape), rtol=1e-6)
+        np.testing.assert_allclose(eng.stats.prefix_acceptance(), [0.9, 0.54, 0.27], atol=0.08)
+
+
+def test_score_informativeness_is_checked():
+    with pytest.raises(InputError, match="score_informativeness"):
+        _cfg(acceptance="synthetic", acceptance_profile=(0.9, 0.6, 0.5), score_informativeness=1.5)
+    with pytest.raises(InputError, match="score_informativeness.*synthetic"):
+        _cfg(acceptance="greedy", score_informativeness=0.5)
+    with pytest.raises(InputError, match="score_informativeness"):
+        _cfg(acceptance="synthetic", acceptance_profile=(0.9, 0.6, 0.5),
+             score_informativeness="high")
+
+
 def test_sample_mode_mixed_temperatures_keeps_greedy_rows_exact():
     prompts = [[5, 6, 7], [9, 10, 11, 12], [1, 2], [3, 3, 3, 3, 3]]
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)

@@ -41,15 +41,16 @@ def _cfg(**kw) -> EngineConfig:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("acceptance", ["greedy", "forced", "synthetic"])
+@pytest.mark.parametrize("acceptance", ["greedy", "forced", "synthetic", "synthetic-scored"])
 def test_in_graph_update_matches_host_path_cpu(k, acceptance):
     """The in-graph path (fused ``verify_accept`` after the argmax; synthetic lengths drawn
     first) emits the host path's tokens, also for forced and synthetic acceptance (same seed,
-    same draws)."""
+    same draws; ``synthetic-scored``: the draft part draws informative scores first)."""
     verify = [[k, 0, k], [1 if k > 1 else 0, k, k]]
     kw = {"acceptance": acceptance, "seed": 3}
-    if acceptance == "synthetic":
-        kw["acceptance_profile"] = (0.6, 0.5, 0.4)
+    if acceptance.startswith("synthetic"):
+        kw |= {"acceptance": "synthetic", "acceptance_profile": (0.6, 0.5, 0.4),
+               "score_informativeness": 0.6 if acceptance == "synthetic-scored" else 0.0}
     host = _run(Engine(_cfg(input_update="host", **kw)), 6, k, verify)
     fast_eng = Engine(_cfg(input_update="in_graph", **kw))
     fast = _run(fast_eng, 6, k, verify)
@@ -122,6 +123,24 @@ def test_split_graphs_equal_eager_cuda(dtype, backend):
     eager = _run(Engine(_cfg(**kw)), 8, 3, verify)
     graph = _run(Engine(_cfg(graph_mode="split", **kw)), 8, 3, verify)
     assert eager == graph
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("update", ["host", "in_graph"])
+def test_synthetic_scores_reach_the_captured_acceptance_cuda(update):
+    """Synthetic acceptance with scores that are the outcome (``score_informativeness`` 1),
+    captured graphs: the draft graph draws the scores, the target graph's acceptance reads
+    them, so every request's accepted length is its reported scores' leading ones."""
+    eng = Engine(_cfg(device="cuda", dtype="float32", attention_backend="triton",
+                      graph_mode="split", input_update=update, acceptance="synthetic",
+                      acceptance_profile=(0.8, 0.6, 0.4), score_informativeness=1.0, seed=5))
+    for i in range(4):
+        eng.add_request([i + 1] * 5, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(30):
+        res = eng.step(RoundPlan(3))
+        assert set(np.unique(res.draft_scores)) <= {0.0, 1.0}
+        np.testing.assert_array_equal(res.accepted,
+                                      np.cumprod(res.draft_scores == 1.0, axis=1).sum(1))
 
 
 @pytest.mark.cuda

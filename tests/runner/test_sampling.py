@@ -23,6 +23,8 @@ from speccal.runner.sampling import (
     filtered_probs,
     sample_plain,
     sampling_tensors,
+    synthetic_accepted_length,
+    synthetic_draft_scores,
     verify_forced,
     verify_greedy,
     verify_rejection,
@@ -386,6 +388,46 @@ def test_verify_synthetic_extremes_trim_and_profile_errors():
         verify_synthetic(draft, logits, [0.5], gen)
     with pytest.raises(InputError, match=r"profile\[1\]"):
         verify_synthetic(draft, logits, [0.5, 1.5], gen)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5, 1.0])
+def test_synthetic_draft_scores_keep_the_profile_and_rank_the_drafts(lam):
+    """65,536 requests, a w=3 profile: each score is p_j or p_j + lam (Bern(p_j) - p_j); drawn
+    against the scores, position j is still accepted at its profile rate given its prefix (5
+    binomial sigma), and drafts scored high pass at the high score's rate, those scored low at
+    the low one's (the score is a calibrated probability per draft)."""
+    profile = torch.tensor([0.9, 0.6, 0.3])
+    k = 3
+    gen = torch.Generator().manual_seed(4)
+    before = gen.get_state()
+    q = synthetic_draft_scores(profile, lam, gen, torch.empty(N, k))
+    if lam == 0.0:  # the profile itself, no random draw: the acceptance draws are unchanged
+        assert torch.equal(q, profile.expand(N, k)) and torch.equal(gen.get_state(), before)
+    hi, lo = profile + lam * (1 - profile), profile * (1 - lam)
+    assert ((q == hi) | (q == lo)).all()
+    na = synthetic_accepted_length(q, gen, None, N, k, "cpu")
+    for j in range(k):
+        p = float(profile[j])
+        reached = na >= j
+        n = int(reached.sum())
+        rate = float((na[reached] >= j + 1).float().mean())
+        assert abs(rate - p) <= SIGMAS * math.sqrt(p * (1 - p) / n)
+        for level in (float(hi[j]), float(lo[j])):
+            sel = reached & (q[:, j] == level)
+            m = int(sel.sum())
+            if m == 0 or level in (0.0, 1.0):  # lam = 1: the outcome itself
+                if m:
+                    assert float((na[sel] >= j + 1).float().mean()) == level
+                continue
+            got = float((na[sel] >= j + 1).float().mean())
+            assert abs(got - level) <= SIGMAS * math.sqrt(level * (1 - level) / m)
+
+
+def test_synthetic_draft_scores_refuse_a_short_profile():
+    with pytest.raises(InputError, match="profile"):
+        synthetic_draft_scores(torch.tensor([0.5]), 0.5, None, torch.empty(4, 2))
+    with pytest.raises(InputError, match="profile"):
+        synthetic_accepted_length(torch.ones(4, 1), None, None, 4, 2, "cpu")
 
 
 # ---------------------------------------------------------------------------------------------
