@@ -553,23 +553,17 @@ class RoundRunner:
                 score = sampling.draft_token_probability(logits, tok)
             drafts.append(tok)
             scores.append(score)
-        if self.acceptance == "synthetic":
-            # the draft's probabilities are computed (the round's cost) but the scores reported
-            # are those the synthetic acceptance will use
-            return torch.stack(drafts, 1), self._synthetic_scores(bcap, k)
-        return torch.stack(drafts, 1), torch.stack(scores, 1)
+        drafted = torch.stack(drafts, 1)
+        if self.acceptance == "synthetic":  # the draft's probabilities are the round's cost; its
+            # scores are those the acceptance will draw against
+            return drafted, sampling.synthetic_draft_scores(
+                self.profile, self.score_informativeness, self.generator,
+                self._synthetic_scores(bcap, k))
+        return drafted, torch.stack(scores, 1)
 
-    def _synthetic_scores(self, bcap: int, k: int) -> torch.Tensor:  # [bcap, k]
-        """Synthetic acceptance: this round's draft scores, drawn by the draft part into a
-        static buffer that the target part's acceptance reads
-        (:func:`~speccal.runner.sampling.synthetic_draft_scores`)."""
-        out = self._scratch["synthetic_scores"][: bcap * k].view(bcap, k)
-        return sampling.synthetic_draft_scores(self.profile, self.score_informativeness,
-                                               self.generator, out)
-
-    def _acceptance_profile(self, bcap: int, k: int) -> torch.Tensor | None:
-        """What a synthetic acceptance draws against: the scores of this round's draft part
-        (``[bcap, k]``); None for the other modes."""
+    def _synthetic_scores(self, bcap: int, k: int) -> torch.Tensor | None:  # [bcap, k]
+        """Synthetic acceptance: the static buffer of the scores the draft part draws and the
+        target part's acceptance draws against (None for the other modes)."""
         if self.acceptance != "synthetic":
             return None
         return self._scratch["synthetic_scores"][: bcap * k].view(bcap, k)
@@ -619,7 +613,7 @@ class RoundRunner:
                 nv = facts.num_verify
                 if k > 0 and self.acceptance == "synthetic":
                     nv = sampling.synthetic_accepted_length(
-                        self._acceptance_profile(bcap, k), self.generator, nv, bcap, k,
+                        self._synthetic_scores(bcap, k), self.generator, nv, bcap, k,
                         self.device)
                 greedy = k > 0 and self.acceptance not in ("forced", "synthetic")
                 num_accepted, out = ops.verify_accept(
@@ -668,7 +662,7 @@ class RoundRunner:
             else:
                 num_accepted, out = sampling.accept_tokens(
                     self.acceptance, draft_tokens, grid_tok, facts.num_verify,
-                    self._acceptance_profile(bcap, k), self.generator)
+                    self._synthetic_scores(bcap, k), self.generator)
         elif k == 0:
             out = sampling.sample_plain(grid_logits[:, 0], *self._row_params(slot_index),
                                         self.generator)[:, None]
@@ -676,7 +670,7 @@ class RoundRunner:
         else:
             num_accepted, out = sampling.accept(
                 self.acceptance, draft_tokens, grid_logits, facts.num_verify,
-                self._row_params(slot_index), self._acceptance_profile(bcap, k), self.generator)
+                self._row_params(slot_index), self._synthetic_scores(bcap, k), self.generator)
         if self.state is not None:  # the state after each request's accepted prefix
             self.state.commit(x, num_accepted)
         self.ext_tokens[slot_index, : k + 1] = out
