@@ -72,7 +72,7 @@ def test_simulated_sweep_refuses_bad_input(tmp_path):
     assert proc.returncode == 2 and "--score-informativeness" in proc.stderr
 
 
-def test_simulated_verify_sweep_ranks_drafts_by_their_scores(tmp_path):
+def test_simulated_verify_sweep_scores_drafts_as_the_engine_does(tmp_path):
     """A target_verify table: fixed:1..3 and adaptive-verify, each draft scored and accepted as
     the engine's synthetic acceptance does (default informativeness 0.5, as bench_sweep's);
     the informativeness reaches the runs, and the same arguments give the same figures."""
