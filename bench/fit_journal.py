@@ -24,8 +24,8 @@ import pandas as pd
 
 from speccal.calibrate.gate import GateConfig, select_windows
 from speccal.calibrate.grid import GridPoint
-from speccal.costmodel.table import save_table
 from speccal.costmodel.spread import fit_spread
+from speccal.costmodel.table import save_table
 from speccal.costmodel.table_build import assemble_table, fit_table
 
 
