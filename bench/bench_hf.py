@@ -65,6 +65,7 @@ def engine_tok_s(eng, batch: int, prompt: int = PROMPT, steps: int = STEPS,
                  warmup: int = WARMUP) -> float:
     """Plain decode tokens/s of ``Engine.step`` end to end: ``batch`` random prompts of
     ``prompt`` tokens prefilled, ``warmup`` untimed rounds, then ``steps`` timed ones."""
+    from speccal.base.gcpause import paused_gc
     from speccal.runner.engine import RoundPlan
     from speccal.runner.sampling import SamplingParams
 
@@ -80,11 +81,12 @@ def engine_tok_s(eng, batch: int, prompt: int = PROMPT, steps: int = STEPS,
     for _ in range(warmup):
         eng.step(RoundPlan(num_draft_steps=0))
     eng.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step(RoundPlan(num_draft_steps=0))
-    eng.synchronize()
-    return batch * steps / (time.perf_counter() - t0)
+    with paused_gc():  # the served loop runs with the collector paused (speccal.live)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step(RoundPlan(num_draft_steps=0))
+        eng.synchronize()
+        return batch * steps / (time.perf_counter() - t0)
 
 
 def hf_model():
@@ -142,6 +144,8 @@ def hf_tok_s(conf, model, batch: int, compiled: bool, *, cache: str = "static",
     else:
         raise ValueError(f"cache={cache!r} (compiled={compiled}): expected 'static', or "
                          "'dynamic' without compile")
+    from speccal.base.gcpause import paused_gc
+
     ids = torch.randint(0, conf.vocab_size, (batch, prompt), device=device)
 
     def one(tok, pos):
@@ -161,10 +165,11 @@ def hf_tok_s(conf, model, batch: int, compiled: bool, *, cache: str = "static",
         for i in range(warmup):
             tok = run(tok, i)
         _sync(device)
-        t0 = time.perf_counter()
-        for i in range(steps):
-            tok = run(tok, warmup + i)
-        _sync(device)
+        with paused_gc():  # the same conditions as the served loop's
+            t0 = time.perf_counter()
+            for i in range(steps):
+                tok = run(tok, warmup + i)
+            _sync(device)
     return batch * steps / (time.perf_counter() - t0)
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speccal.base.gcpause import paused_gc
 from speccal.kernels.config import KernelConfig
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
 from speccal.runner.sampling import SamplingParams
@@ -128,22 +129,24 @@ def measure_mode(args, acceptance: str, profile: tuple[float, ...] | None, eng=N
         eng.synchronize()
         timer.reset()
         rows: list[dict[str, float]] = []
-        for _ in range(args.rounds):  # one round per timing (the live loop)
+        with paused_gc():  # as the live loop and the calibration windows run
+            for _ in range(args.rounds):  # one round per timing (the live loop)
+                t0 = time.perf_counter()
+                eng.step(plan)
+                wall = 1e3 * (time.perf_counter() - t0)
+                ph = timer.take()
+                ph["wall"] = wall
+                ph["other"] = wall - sum(ph.get(n, 0.0)
+                                         for n in ("prepare", "execute", "collect"))
+                rows.append(ph)
+            if cuda:
+                dev = [ms for ms, _ in timer.device_ms()]
+            eng.synchronize()
             t0 = time.perf_counter()
-            eng.step(plan)
-            wall = 1e3 * (time.perf_counter() - t0)
-            ph = timer.take()
-            ph["wall"] = wall
-            ph["other"] = wall - sum(ph.get(n, 0.0) for n in ("prepare", "execute", "collect"))
-            rows.append(ph)
-        if cuda:
-            dev = [ms for ms, _ in timer.device_ms()]
-        eng.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.rounds):  # one window (the calibration driver)
-            eng.step(plan)
-        eng.synchronize()
-        window = 1e3 * (time.perf_counter() - t0) / args.rounds
+            for _ in range(args.rounds):  # one window (the calibration driver)
+                eng.step(plan)
+            eng.synchronize()
+            window = 1e3 * (time.perf_counter() - t0) / args.rounds
         timer.reset()
         med = {n: statistics.median(r.get(n, 0.0) for r in rows) for n in rows[0]}
         if cuda:
