@@ -646,7 +646,8 @@ def run_one(args: argparse.Namespace) -> dict:
         "engine": engine.description,
         "compatibility": engine.compatibility(),
         "setup": {**common, "request_buckets": list(buckets), "pipeline": pipeline,
-                  "repeats": args.repeats, "threads": threads},
+                  "repeats": args.repeats, "threads": threads, "max_tokens": args.max_tokens,
+                  "prompt_lens": args.prompt_lens, "phase_at": args.phase_at},
         "timings_s": {"build": build_s, "warmup": warmup_s, "live": live_s},
     }
 
@@ -805,7 +806,8 @@ def main(argv: list[str] | None = None) -> int:
 
 #: What the workloads merged into one sweep must share (their ``setup``).
 MERGE_SAME = ("model", "device", "dtype", "request_buckets", "pipeline", "repeats", "graph_mode",
-              "attention_backend", "score_informativeness")
+              "attention_backend", "score_informativeness", "max_tokens", "prompt_lens",
+              "phase_at")
 
 
 def merged_docs(paths: list[str], ap: argparse.ArgumentParser) -> list[dict]:

@@ -198,6 +198,12 @@ def test_merge_recomputes_the_sweeps_metrics_from_its_workload_documents(sweep, 
     mixed = subprocess.run(cmd[:5] + [str(tmp_path / "other.json"), parts[1]],
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert mixed.returncode == 2 and "repeats" in mixed.stderr
+    assert other["setup"]["max_tokens"] == 12  # runs of another length are another sweep
+    other["setup"] |= {"repeats": 2, "max_tokens": 1024}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    longer = subprocess.run(cmd[:5] + [str(tmp_path / "other.json"), parts[1]],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert longer.returncode == 2 and "max_tokens" in longer.stderr
 
 
 def test_workload_counts_are_not_buckets_over_the_whole_range():
