@@ -202,6 +202,8 @@ def _unique_states(
     b, kv = np.broadcast_arrays(
         np.asarray(num_requests, dtype=np.int64), np.asarray(kv_length, dtype=np.float64)
     )
+    if b.size == 1:  # one live round's state: itself (np.unique is most of a scalar lookup)
+        return b.reshape(1).copy(), kv.reshape(1).copy(), np.zeros(1, dtype=np.int64)
     key = b.reshape(-1).astype(np.float64) + 1j * kv.reshape(-1)
     uniq, inv = np.unique(key, return_inverse=True)
     return uniq.real.astype(np.int64), uniq.imag.copy(), inv.reshape(-1)
