@@ -185,9 +185,12 @@ def score_informativeness(given: float | None, mode: str) -> float:
     """The live engine's ``score_informativeness``: ``given``, else 0.5 on a target_verify table
     (adaptive verify ranks the drafts by their scores: under synthetic acceptance they must say
     something about each draft, as a real draft head's probabilities do) and 0 on a draft_step
-    one (adaptive step reads accepted lengths only; 0 keeps the profile's own draws)."""
+    one (adaptive step reads accepted lengths only; 0 keeps the profile's own draws).
+    ``ValueError`` naming the flag outside ``[0, 1]``."""
     if given is None:
         return 0.5 if mode == "target_verify" else 0.0
+    if not 0.0 <= given <= 1.0:
+        raise ValueError(f"--score-informativeness: got {given}, expected a number in [0, 1]")
     return float(given)
 
 
@@ -769,9 +772,10 @@ def main(argv: list[str] | None = None) -> int:
                  f"known: {', '.join(BY_NAME)}")
     if not args.merge and not Path(args.table).is_file():
         ap.error(f"--table: {args.table} is not a file")
-    lam = args.score_informativeness
-    if lam is not None and not 0.0 <= lam <= 1.0:
-        ap.error(f"--score-informativeness: got {lam}, expected a number in [0, 1]")
+    try:
+        score_informativeness(args.score_informativeness, "draft_step")
+    except ValueError as e:
+        ap.error(str(e))
     if args.one is not None:  # child
         doc = run_one(args)
         text = json.dumps(doc, sort_keys=True, default=float)

@@ -24,7 +24,7 @@ import pandas as pd
 
 from speccal.calibrate.gate import GateConfig, select_windows
 from speccal.calibrate.grid import GridPoint
-from speccal.costmodel.spread import fit_spread
+from speccal.costmodel.spread import fit_spread, split_windows
 from speccal.costmodel.table import save_table
 from speccal.costmodel.table_build import assemble_table, fit_table
 
@@ -40,9 +40,7 @@ def main() -> None:
     head, windows = lines[0], [x["row"] for x in lines[1:] if x.get("kind") == "window"]
     config = head.get("config") or {}
     w = args.windows_per_point or int(config.get("windows_per_point", 3))
-    # the spread points' windows share the grid's keys (another KV layout): apart
-    rows = [r for r in windows if not r.get("layout")]
-    spread_rows = [r for r in windows if r.get("layout")]
+    rows, spread_rows = split_windows(windows)
     # select_windows looks points up by (context, Bcap, G, k) only
     points = [GridPoint(*key, None) for key in
               sorted({(r["context_index"], r["bcap"], r["g"], r["k"]) for r in rows})]
@@ -53,11 +51,10 @@ def main() -> None:
     print(f"{len(points)} points, {len(kept)} windows kept; first-round spread median "
           f"{statistics.median(first):.1f} % max {max(first):.1f} %; pooled rounds' max "
           f"{sel.spread_max_pct:.1f} %")
-    calibration = config or None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         parts = fit_table(pd.DataFrame(kept), model="additive",
-                          compatibility=head["compatibility"], calibration=calibration)
+                          compatibility=head["compatibility"], calibration=config or None)
         spread = fit_spread(kept, spread_rows) if spread_rows else None
         table = assemble_table(parts, kv_spread=spread)
     print(f"{len(spread_rows)} spread windows: "

@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     table = load_table(Path(args.table))
     cost = CostModel.from_table(table)
-    lam = score_informativeness(args.score_informativeness, cost.mode)
-    if not 0.0 <= lam <= 1.0:
-        ap.error(f"--score-informativeness: got {lam}, expected a number in [0, 1]")
+    try:
+        lam = score_informativeness(args.score_informativeness, cost.mode)
+    except ValueError as e:
+        ap.error(str(e))
     names = args.workloads.split(",") if args.workloads else [w.name for w in WORKLOADS]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:

@@ -76,7 +76,7 @@ from speccal.calibrate.pipeline import (
 )
 from speccal.calibrate.timing import loop_timing
 from speccal.costmodel.compat import check_compatibility
-from speccal.costmodel.spread import fit_spread
+from speccal.costmodel.spread import fit_spread, split_windows
 from speccal.costmodel.table import load_table, parse_table, save_table
 from speccal.costmodel.table_build import assemble_table, fit_table
 from speccal.costmodel.table_schema import Provenance
@@ -366,7 +366,7 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
         load_after = machine.load_sample(opts.device)
 
     # the rank skew judges the grid's points (the spread points only price the spread term)
-    skews = rank_skew([[r for r in rows if not r.get("layout")] for rows in by_rank])
+    skews = rank_skew([split_windows(rows)[0] for rows in by_rank])
     skew_max = max((s.skew_pct for s in skews), default=0.0)
     console.print(f"rank skew: largest {skew_max:.1f} % over {len(skews)} points on "
                   f"{comm.world_size} ranks (bound {max_skew:g} %)", soft_wrap=True)
@@ -411,7 +411,7 @@ def _run(opts, comm, engine_factory, max_skew, console, clock, t_start) -> dict[
             "load": machine.load_record(opts.device, load_before, load_after),
             "sources": dict(gate.sources),
         }
-        spread_rows = [r for r in merged if r.get("layout")]
+        spread_rows = split_windows(merged)[1]
         spread = fit_spread(selection.rows, spread_rows) if spread_rows else None
         # built once, with its quality and spread term
         table = assemble_table(parts, quality=quality, kv_spread=spread)

@@ -53,6 +53,18 @@ import numpy as np
 SPREAD_LAYOUT = "two_level"
 
 
+def split_windows(
+    rows: Iterable[Mapping[str, Any]],
+) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """Measurement rows as ``(grid, spread)``: the spread points' windows carry a ``layout``
+    (``speccal.calibrate.driver``) and share their grid twins' keys, so they are told apart by it
+    (a rank's skew and the grid's fit judge the grid alone; :func:`fit_spread` takes both)."""
+    grid, spread = [], []
+    for r in rows:
+        (spread if r.get("layout") else grid).append(r)
+    return grid, spread
+
+
 def _median_by_point(rows: Iterable[Mapping[str, Any]]) -> dict[tuple, dict[str, float]]:
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     for r in rows:
