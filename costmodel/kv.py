@@ -229,17 +229,24 @@ class KVCostModel(RegressorMixin, BaseEstimator):
 
     def predict_at(self, bcap, g, kv_length, k=None) -> np.ndarray:
         """Vectorised prediction over broadcast arrays (what the table lookup calls); NaN
-        without ``k`` when the model has a draft-forward term."""
-        bcap, g, kv = np.broadcast_arrays(
-            np.asarray(bcap, dtype=np.float64),
-            np.asarray(g, dtype=np.float64),
-            np.asarray(kv_length, dtype=np.float64),
-        )
+        without ``k`` when the model has a draft-forward term: ``base + per_token * kv`` of
+        :meth:`line_at`."""
+        base, per_token = self.line_at(bcap, g, k)
+        return base + per_token * np.asarray(kv_length, dtype=np.float64)
+
+    def line_at(self, bcap, g, k=None) -> tuple[np.ndarray, np.ndarray]:
+        """The model as a line in KV at broadcast ``(bcap, g, k)``: ``(base, per_token)`` in ms
+        and ms per KV token, so that :meth:`predict_at` is ``base + per_token * kv`` (the same
+        operations in the same order, so a caller holding the line gets identical values)."""
+        bcap, g, kk = np.broadcast_arrays(np.asarray(bcap, dtype=np.float64),
+                                          np.asarray(g, dtype=np.float64),
+                                          np.asarray(np.nan if k is None else k,
+                                                     dtype=np.float64))
+        kk = None if k is None else kk
         bl, gl = self.bcap_levels_.astype(np.float64), self.g_levels_.astype(np.float64)
         a = level_lookup(bcap, bl, self.alpha_ms_)
         t = level_lookup(g, gl, self.theta_ms_)
         axis, per_level = KV_FORMS[self.kv_term]
-        kk = None if k is None else np.broadcast_to(np.asarray(k, dtype=np.float64), bcap.shape)
         if axis == "rows":  # the requests a verify serves: NaN without k
             x, levels = (np.full(bcap.shape, np.nan) if kk is None else g / (kk + 1.0)), None
         else:
@@ -249,7 +256,7 @@ class KVCostModel(RegressorMixin, BaseEstimator):
         else:  # NaN off the levels of either axis, as the categorical terms are
             slope = np.where(np.isnan(a + t), np.nan, self.beta_ms_[0])
         extra = k_part(self.k_term, self.delta_ms_, bl, bcap, kk, g)
-        return self.bias_ms_ + a + t + slope * x * kv + extra
+        return self.bias_ms_ + a + t + extra, slope * x
 
     def additive_at(self, kv_length: float) -> tuple[float, np.ndarray, np.ndarray]:
         """``(bias, alpha [nb], theta [ng])`` of the additive model this one is at one KV length

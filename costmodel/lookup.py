@@ -31,7 +31,10 @@ plain numpy arrays and lists only (no pydantic objects), so replay can call it 1
   without a KV model a table's cost depends on the KV length only through which context
   intervals hold it (a fit is constant over its interval), so scalar answers keyed by
   ``(integer arguments, intervals holding kv)`` are exact; with one the key holds the KV length
-  itself. The live policy loop plans each round from the memo in microseconds.
+  itself, and :meth:`TableLookup.kv_line` gives the answer as a line in KV (the KV model is
+  linear in it), so the policies' cost model keeps one line per batch size and prices a decoding
+  batch's moving KV on it with the surface's own operations (``speccal.policy.CostModel``). The
+  live policy loop plans each round from the memo in microseconds.
 """
 
 from __future__ import annotations
@@ -357,13 +360,13 @@ class TableLookup:
             np.asarray(np.nan if k is None else k, dtype=np.float64),
         )
         have_k = k is not None
-        out = np.full(b.shape, np.nan)
         if self._kv is not None:
-            m = (kv >= self.kv_span[0]) & (kv <= self.kv_span[1])
-            if self._kv_k is not None:
-                m &= np.isin(kk, self._kv_k)
-            out[m] = self._kv.predict_at(b[m], gg[m], kv[m], kk[m] if have_k else None)
-        for f in self._fits if self._kv is None else ():
+            base, per_token = self.kv_line(b, gg, kk if have_k else None)
+            out = np.array(base + per_token * kv, dtype=np.float64)
+            out[(kv < self.kv_span[0]) | (kv > self.kv_span[1])] = np.nan
+            return out if out.ndim else out[()]
+        out = np.full(b.shape, np.nan)
+        for f in self._fits:
             m = (kv >= f.lo) & (kv <= f.hi)
             if f.k_levels is not None:
                 m &= np.isin(kk, f.k_levels)
@@ -378,13 +381,38 @@ class TableLookup:
                 bl, gl, cost, ks = f.arrays
                 covered = level_lookup(bm, bl, np.zeros(len(bl)))  # 0 if calibrated, else NaN
                 out[m] = sps_curves(gm, km, gl, cost, ks) + covered
-        key = b * self._gmax + gg
-        if len(self._legal):
-            idx = np.clip(np.searchsorted(self._legal, key), 0, len(self._legal) - 1)
-            out[self._legal[idx] != key] = np.nan
-        else:
-            out[...] = np.nan
+        out[~self._captured(b, gg)] = np.nan
         return out if out.ndim else out[()]
+
+    def _captured(self, b: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """Whether each ``(b, g)`` is a captured target bucket of its Bcap in the geometry."""
+        if not len(self._legal):
+            return np.zeros(np.shape(b), dtype=bool)
+        key = b * self._gmax + g
+        idx = np.clip(np.searchsorted(self._legal, key), 0, len(self._legal) - 1)
+        return self._legal[idx] == key
+
+    def kv_line(self, bcap: Any, g: Any, k: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """The KV model's answer as a line in KV, ``(base, per_token)`` broadcast over
+        ``(bcap, g, k)``: :meth:`fitted` is ``base + per_token * kv`` inside :attr:`kv_span`
+        (NaN outside it), with the same operations, so a caller holding the line of a batch
+        state prices every KV identically. NaN where the point is uncalibrated at every KV
+        (not a level, not captured, a k the model does not price). Only for a table with a KV
+        model (:attr:`kv_span` not None)."""
+        if self._kv is None:
+            raise ValueError("kv_line: this lookup has no KV model (kv_span is None)")
+        b, gg, kk = np.broadcast_arrays(
+            np.asarray(bcap, dtype=np.float64),
+            np.asarray(g, dtype=np.float64),
+            np.asarray(np.nan if k is None else k, dtype=np.float64),
+        )
+        base, per_token = self._kv.line_at(b, gg, None if k is None else kk)
+        base = np.array(base, dtype=np.float64)
+        off = ~self._captured(b, gg)
+        if self._kv_k is not None:
+            off |= ~np.isin(kk, self._kv_k)
+        base[off] = np.nan
+        return base, np.asarray(per_token, dtype=np.float64)
 
     def surface(self, bcap: Any, g: Any, kv_length: Any, k: Any = None) -> np.ndarray:
         """:meth:`fitted` with cells whose fitted cost is not positive as NaN (uncalibrated)."""
@@ -448,12 +476,12 @@ class LookupMemo:
         """The memo key, or None when an argument is not a scalar (integral for ``ints``)."""
         parts: list[Any] = [name]
         for x in ints:
-            x = _scalar(x)
+            x = scalar(x)
             if x is None or not float(x).is_integer():
                 return None
             parts.append(int(x))
         if kv_length is not None:
-            kv = _scalar(kv_length)
+            kv = scalar(kv_length)
             if kv is None:
                 return None
             kv = float(kv)
@@ -475,7 +503,7 @@ class LookupMemo:
 _SCALARS = (int, float, np.integer, np.floating)
 
 
-def _scalar(x: Any) -> int | float | None:
+def scalar(x: Any) -> int | float | None:
     """``x`` as a Python number when it is a real scalar (0-d arrays too), else None."""
     if isinstance(x, _SCALARS) and not isinstance(x, bool):
         return x

@@ -31,7 +31,7 @@ import numpy as np
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.geometry import Geometry
 from speccal.base.vocab import POLICY_DEFAULTS
-from speccal.costmodel.lookup import LookupMemo, evaluate, memoised
+from speccal.costmodel.lookup import LookupMemo, evaluate, memoised, scalar
 from speccal.costmodel.spread import SpreadPricer
 from speccal.policy_rules import (
     CURVE_RESOLUTION,
@@ -74,6 +74,12 @@ class CostModel:
         longest request runs past its mean KV costs more), or None (a table without one prices
         every round at its mean KV). :meth:`price` adds it where a round's longest KV is known;
         decisions are taken on :meth:`lookup` (the mean KV), live and in replay alike.
+    kv_line : for a table with a KV model, its ``TableLookup.kv_line`` (the cost as a line in
+        KV, ``(base, per_token)`` at ``(bcap, g, k)``) and ``kv_span`` its inclusive KV span;
+        None otherwise. With a memo, :meth:`step_costs` and :meth:`verify_candidates` of one
+        batch size keep the lines of their candidates and price each round's KV on them (a
+        decoding batch's KV moves every round, so the exact-KV memo never hits): the same
+        values in a few microseconds instead of a surface evaluation per round.
     """
 
     cost: CostFn
@@ -83,6 +89,9 @@ class CostModel:
     k_aware: bool = False
     step_config: AdaptiveStepConfig | None = field(default=None, compare=False)
     spread: SpreadPricer | None = field(default=None, compare=False)
+    kv_line: Callable[..., tuple[np.ndarray, np.ndarray]] | None = field(
+        default=None, compare=False, repr=False)
+    kv_span: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -107,6 +116,8 @@ class CostModel:
             step_config=table_step_config(table),
             spread=None if getattr(table, "kv_spread", None) is None
             else SpreadPricer(table.kv_spread),
+            kv_line=None if lookup.kv_span is None else lookup.kv_line,
+            kv_span=lookup.kv_span,
         )
 
     @property
@@ -151,16 +162,55 @@ class CostModel:
         return np.asarray(base, dtype=np.float64) + self.spread.extra_ms(bcap, kv_length,
                                                                          kv_max_length)
 
-    @memoised("step", kv=True)
+    def _line_key(self, name: str, num_requests: Any, kv_length: Any) -> tuple | None:
+        """The memo key of a batch size's candidate lines, or None (no memo, no KV line, or an
+        argument that is not a scalar): the caller then evaluates the surface."""
+        if self.memo is None or self.kv_line is None or scalar(kv_length) is None:
+            return None
+        return self.memo.key(name, (num_requests,))
+
+    def _line_of(self, bcap: np.ndarray, g: np.ndarray,
+                 k: np.ndarray | int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`lookup`'s cost as a line in KV (NaN base where a bucket is 0 or the point is
+        uncalibrated at every KV)."""
+        if self.k_aware:
+            base, per_token = self.kv_line(bcap, g, self.draft_width if k is None else k)
+        else:
+            base, per_token = self.kv_line(bcap, g)
+        return np.where((bcap > 0) & (g > 0), base, np.nan), per_token
+
+    def _on_line(self, line: tuple[np.ndarray, np.ndarray], kv_length: Any) -> np.ndarray:
+        """:meth:`lookup` at ``kv_length`` from a line: the surface's operations (span, then the
+        fitted value, then positivity), so the values are the surface's."""
+        base, per_token = line
+        kv = float(scalar(kv_length))
+        lo, hi = self.kv_span
+        if not lo <= kv <= hi:
+            return np.full(base.shape, np.nan)
+        value = base + per_token * kv
+        return np.where(value > 0, value, np.nan)
+
     def step_costs(self, num_requests: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
         """Cost of ``k = 1..w`` full-verify rounds, ``[..., w]``: G = g_for(Bcap, B * (k + 1))."""
+        key = self._line_key("step_line", num_requests, kv_length)
+        if key is None:
+            return self._step_costs(num_requests, kv_length)
+        ks = np.arange(1, self.draft_width + 1)
+
+        def line() -> tuple[np.ndarray, np.ndarray]:
+            bcap = np.full(len(ks), self.bcap(num_requests))
+            return self._line_of(bcap, self.g(bcap, int(num_requests) * (ks + 1)), ks)
+
+        return self._on_line(self.memo.get(key, line), kv_length)
+
+    @memoised("step", kv=True)
+    def _step_costs(self, num_requests: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
         b, kv, inv = _unique_states(num_requests, kv_length)
         ks = np.arange(1, self.draft_width + 1)
         bcap = self.bcap(b)[:, None]
         out = self.lookup(bcap, self.g(bcap, b[:, None] * (ks + 1)), kv[:, None], ks)
         return out[inv].reshape(np.shape(num_requests) + (self.draft_width,))
 
-    @memoised("verify", kv=True)
     def verify_candidates(
         self, num_requests: np.ndarray, kv_length: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -169,15 +219,35 @@ class CostModel:
         ``J`` is the most target buckets any Bcap has; missing entries have ``g = 0`` and NaN
         cost. Budgets below ``B`` rows (not even the bonus rows fit) are dropped the same way.
         """
-        b, kv, inv = _unique_states(num_requests, kv_length)
+        key = self._line_key("verify_line", num_requests, kv_length)
+        if key is None:
+            return self._verify_candidates(num_requests, kv_length)
+
+        def line() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            b = np.asarray(num_requests, dtype=np.int64).reshape(1)
+            gs, bcap = self._budgets(b)
+            return (gs[0],) + self._line_of(np.broadcast_to(bcap[:, None], gs.shape)[0], gs[0])
+
+        gs, *at = self.memo.get(key, line)
+        return gs, self._on_line(tuple(at), kv_length)
+
+    def _budgets(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(budgets [U, J], bcap [U])`` of distinct batch sizes ``b`` (g 0: none)."""
         bcap = self.bcap(b)
         width = max(len(gs) for gs in self.geometry.target_rows.values())
         gs = np.zeros(b.shape + (width,), dtype=np.int64)
         for cap, levels in self.geometry.target_rows.items():
             gs[bcap == cap, : len(levels)] = levels
-        gs = np.where(gs >= b[:, None], gs, 0)
+        return np.where(gs >= b[:, None], gs, 0), bcap
+
+    @memoised("verify", kv=True)
+    def _verify_candidates(
+        self, num_requests: np.ndarray, kv_length: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        b, kv, inv = _unique_states(num_requests, kv_length)
+        gs, bcap = self._budgets(b)
         costs = self.lookup(bcap[:, None], gs, kv[:, None])
-        shape = np.shape(num_requests) + (width,)
+        shape = np.shape(num_requests) + (gs.shape[-1],)
         return gs[inv].reshape(shape), costs[inv].reshape(shape)
 
 

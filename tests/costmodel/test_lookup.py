@@ -95,6 +95,29 @@ def test_memoised_cost_model_equals_the_plain_one(table):
     assert live.step_costs(4, 50.0)[0] != live.step_costs(4, 2000.0)[0]  # keyed on the interval
 
 
+def test_kv_lines_price_verify_candidates_as_the_surface_does():
+    """The committed CPU target_verify table has a KV model: the live cost model keeps one
+    line per batch size and answers every KV (in, on the edges of, outside the span; not
+    integers) with the surface's budgets and costs, bit for bit."""
+    from pathlib import Path
+
+    from speccal.costmodel.table import load_table
+
+    table = load_table(Path(__file__).resolve().parents[2] / "tables" / "tiny-cpu.json")
+    live, ref = CostModel.from_table(table, memo=True), CostModel.from_table(table)
+    assert live.kv_span is not None and not live.k_aware
+    lo, hi = live.kv_span
+    kvs = (lo - 0.5, lo, 7.25, 700.0, 701.0, hi - 0.5, hi, hi + 1.0)
+    for b in range(0, max(live.geometry.request_buckets) + 2):
+        for kv in kvs:
+            for got, want in zip(live.verify_candidates(b, kv), ref.verify_candidates(b, kv),
+                                 strict=True):
+                assert np.array_equal(got, want, equal_nan=True), (b, kv)
+            assert np.array_equal(live.step_costs(b, kv), ref.step_costs(b, kv), equal_nan=True)
+    assert np.isfinite(live.verify_candidates(4, 700.0)[1]).any()
+    assert len(live.memo) <= 4 * (max(live.geometry.request_buckets) + 2)
+
+
 def test_memo_computes_once_returns_copies_and_skips_arrays(table):
     live = CostModel.from_table(table, memo=True)
     first = live.step_costs(2, 10.0)
