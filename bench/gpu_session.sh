@@ -62,6 +62,8 @@
 #               [decode_speedup_vs_hf_b1, _b8, _b32]
 #   phases      bench/bench_round_phases.py at B = 1 and 8, both loops [round_wall_over_device_b1,
 #               _b8, pipelined_speedup_b1, _b8]
+#   policyhost  bench/bench_policy_host.py on this host's CPU (SWEEP_TABLE's draft-step table, else
+#               the committed H200 one) [adaptive_step_host_us_per_round]
 #   live        bench/bench_live_policy.py, one process: the first live stage of a call
 #               calibrates the draft-step table, later ones (live2, live3: any name starting with
 #               live) load it [replay_vs_live_error_pct: run three]
@@ -125,7 +127,7 @@ run() {
         case $stage in
             fusedbench) min=150 ;; moebench) min=70 ;; moecal) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
-            decode) min=120 ;; hf) min=150 ;; kvspread) min=90 ;; hybridnext) min=60 ;;
+            decode) min=120 ;; hf) min=150 ;; policyhost) min=30 ;; kvspread) min=90 ;; hybridnext) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
         if (( $(left) < min )); then
@@ -327,6 +329,16 @@ PYEOF
                     --deadline-s "$(( $(left) < 260 ? $(left) - 10 : 250 ))" > "$d/log.txt" 2>&1
                 echo "rc=$?"
                 tail -20 "$d/log.txt" ;;
+            policyhost)
+                # the host time the adaptive policy adds to a live round, on this host's CPU
+                # (bench/bench_policy_host.py; the draft-step table of SWEEP_TABLE, else the
+                # committed H200 one at B = 8) [adaptive_step_host_us_per_round]
+                local pt="${SWEEP_TABLE:-tables/dense-2b-h200-draft-step.json}" pb=12
+                [[ -z "${SWEEP_TABLE:-}" ]] && pb=8
+                timeout "$(left)" $PY bench/bench_policy_host.py --table "$pt" --batch $pb \
+                    --record --results "$d/results.jsonl" --device-label "$(nproc)-core GPU host" \
+                    > "$d/log.txt" 2>&1
+                echo "rc=$?"; cat "$d/log.txt" ;;
             phases)
                 # round wall / device time, pipelined vs synchronous, B = 1 and 8 (one process
                 # each) [round_wall_over_device_b1, _b8, pipelined_speedup_b1, _b8]
