@@ -101,6 +101,24 @@ class GraphSet:
         self.capture_s += time.perf_counter() - t0
         return out
 
+    def capture_all(self, keys: list[GraphKey],
+                    forward: Callable[[GraphKey, bool], Callable[[], object]],
+                    precompile: Callable[[list[Callable[[], object]]], object] | None = None,
+                    ) -> object:
+        """Capture every key not yet captured: drafts first (target graphs read their
+        outputs), each part largest first. ``forward(key, captured)`` is the callable a graph
+        of ``key`` runs (``captured``: the capture's own, else a dry run); ``precompile``, when
+        given, gets every key's dry run before the first capture (parallel Triton compiles)
+        and its answer is returned (None without it)."""
+        order = sorted(keys, key=lambda q: (q.part != "draft", [-v for v in q.size]))
+        order = list(dict.fromkeys(key for key in order if key not in self))
+        report = None
+        if precompile is not None:
+            report = precompile([lambda key=key: forward(key, False)() for key in order])
+        for key in order:
+            self.capture(key, forward(key, True))
+        return report
+
     def replay(self, key: GraphKey) -> object:
         """Launch the captured graph; returns its (static) output tensors."""
         self.graphs[key].replay()

@@ -41,10 +41,9 @@ for the host update's packed verify rows; the draft-extend grid always has ``R =
 Results are copied into the staging slot's pinned buffers as soon as the round is queued
 (:meth:`RoundRunner.stage_outputs`); :meth:`RoundRunner.collect` waits only for that copy.
 
-Token selection is a host flag per round (``RoundInputs.sampling``, the greedy fast path of
-``speccal.runner.sampling``): argmax-only rounds gather tokens, never a ``[bcap, k + 1, V]``
-logits grid, and with the in-graph update end in ``ops.verify_accept`` over the LM head's
-argmax partials; the flag selects a different captured graph, never a device read.
+Token selection is a host flag per round (``RoundInputs.sampling``): argmax-only rounds gather
+tokens, never a ``[bcap, k + 1, V]`` logits grid (in-graph: ``ops.verify_accept`` over the LM
+head's argmax partials); the flag selects another captured graph, never a device read.
 """
 
 from __future__ import annotations
@@ -274,8 +273,7 @@ class RoundRunner:
         return self._plans[key]
 
     def sampling_kind(self, batch: list[Request], k: int) -> str:
-        """Host choice for one round (``sampling.selection_kind``): ``greedy`` (argmax only)
-        or ``sample``."""
+        """The round's token selection (``sampling.selection_kind``): ``greedy`` | ``sample``."""
         return sampling.selection_kind(self.acceptance, [r.params for r in batch], k)
 
     # ------------------------------------------------------------------ slot state
@@ -311,8 +309,7 @@ class RoundRunner:
 
         ``len_bound [B]`` int64: an upper bound of each request's KV length ``L`` when this
         round runs (its host-known length plus ``k + 1`` per queued round it is in; None: no
-        round in flight, the host-known lengths). The host
-        stages the slot indices, the real-row mask ``is_real``, the block table (blocks
+        round in flight, the host-known lengths). The host stages the slot indices, the real-row mask ``is_real``, the block table (blocks
         allocated ahead for ``len_bound + k + 1`` positions: the worst case growth of every
         in-flight round) and the verify lengths (host-chosen, or zero placeholders the device
         allocation overwrites under a budget). Everything that depends on the outcome of the
@@ -454,12 +451,10 @@ class RoundRunner:
         req.ver_seq.copy_(torch.where(real, lens + k + 1, k + 1))
 
     def derive_verify(self, x: RoundInputs) -> None:
-        """Host-update rounds, on the device: packed verify rows from ``num_verify``.
-
-        Request ``b`` gets ``num_verify[b] + 1`` rows,
-        padding requests none, padded to ``G`` rows on the sentinel slot / trash grid row), from
-        the device ``num_verify`` (host-staged or allocated under a budget) and ``ctx_lens``.
-        """
+        """Host-update rounds, on the device: packed verify rows (request ``b`` gets
+        ``num_verify[b] + 1`` rows, padding requests none, padded to ``G`` rows on the sentinel
+        slot / trash grid row) from the device ``num_verify`` (host-staged or allocated under a
+        budget) and ``ctx_lens``."""
         h, v, bcap, k, g = x.host, x.ver, x.bcap, x.k, x.g
         real = h.is_real.bool()
         lens = x.req.ctx_lens.long()
@@ -481,9 +476,9 @@ class RoundRunner:
         self.slot_ext.index_copy_(0, slots, a1)
 
     def stage_outputs(self, out: RoundOutputs, x: RoundInputs) -> None:
-        """Queue the copy of the round's results into its staging slot's
-        pinned buffers now (the next round overwrites the device outputs) and record an event
-        (cuda) that :meth:`collect` waits on."""
+        """Queue the copy of the round's results into its staging slot's pinned buffers now
+        (the next round overwrites the device outputs) and record an event (cuda) that
+        :meth:`collect` waits on."""
         bcap, k = x.bcap, x.k
         cols = [out.num_accepted[:, None], out.num_verify[:, None], out.out_tokens]
         packed = torch.cat(cols, dim=1).view(-1)
@@ -508,18 +503,16 @@ class RoundRunner:
 
     # ------------------------------------------------------------------ execute
 
-    def _row_params(self, slot_index: torch.Tensor) -> tuple:  # [bcap] -> 4 x [bcap]
-        """Each row's ``(temperature, top_k, top_p, min_p)`` from its slot."""
+    def _row_params(self, slot_index: torch.Tensor) -> tuple:  # [bcap] -> 4 x [bcap]: t, k, p, min_p
         return (self.slot_temperature[slot_index], self.slot_top_k[slot_index],
                 self.slot_top_p[slot_index], self.slot_min_p[slot_index])
 
     def _tiling(self, seq: torch.Tensor, plan):  # [B] int32 -> (num_splits, split_len) | None
         if plan is None:
             return None
-        num_splits = self._scratch["num_splits"][: seq.shape[0]]
-        split_len = self._scratch["split_len"][: seq.shape[0]]
-        ops.attention_tiling_update(seq, num_splits, split_len, plan, tune=self.path.kernels)
-        return num_splits, split_len
+        tiling = self._scratch["num_splits"][: len(seq)], self._scratch["split_len"][: len(seq)]
+        ops.attention_tiling_update(seq, *tiling, plan, tune=self.path.kernels)
+        return tiling
 
     def _draft_meta(self, slot, row, bt, seq, num_r, cu, plan) -> AttnMeta:
         if plan is None:  # torch backend: the [B, R] grid
@@ -694,32 +687,20 @@ class RoundRunner:
             self.derive_verify(x)
 
     def capture(self, keys: list[GraphKey], make_inputs) -> None:
-        """Capture every key, largest first; ``make_inputs(key)`` stages warm-up inputs.
-
-        A target key whose ``sampling`` is ``""`` stands for every variant of
-        ``sampling.selection_kinds`` (each captured, with ``RoundInputs.sampling`` set to it).
-        """
-        expanded = []
-        for key in keys:
-            if key.part == "target" and not key.sampling:
-                expanded += [replace(key, sampling=s)
-                             for s in sampling.selection_kinds(self.acceptance, key.k)]
-            else:
-                expanded.append(key)
+        """Capture every key (``GraphSet.capture_all``; ``make_inputs(key)`` stages warm-up
+        inputs), a target key of ``sampling`` ``""`` as each of ``sampling.selection_kinds``."""
+        keys = [replace(key, sampling=s) for key in keys
+                for s in (sampling.selection_kinds(self.acceptance, key.k)
+                          if key.part == "target" and not key.sampling else (key.sampling,))]
+        def pre(forwards):
+            return precompile(forwards, workers=self.precompile_workers, pool=self.compile_pool)
         with torch.inference_mode():
-            # drafts first (target graphs read their outputs), each part largest first
-            order = sorted(expanded, key=lambda q: (q.part != "draft", [-v for v in q.size]))
-            order = [key for key in order if key not in self.graphs]
-            if self._precompiles():
-                self.precompile_report = precompile(
-                    [lambda key=key: self._graph_forward(key, make_inputs, captured=False)()
-                     for key in order], workers=self.precompile_workers, pool=self.compile_pool)
-            for key in order:
-                self.graphs.capture(key, self._graph_forward(key, make_inputs, captured=True))
+            report = self.graphs.capture_all(
+                keys, lambda key, captured: self._graph_forward(key, make_inputs,
+                                                                captured=captured),
+                pre if self.will_precompile(self.device, self.path) else None)
+        self.precompile_report = report or self.precompile_report
         synchronize(self.device)
-
-    def _precompiles(self) -> bool:
-        return self.will_precompile(self.device, self.path)
 
     @classmethod
     def will_precompile(cls, device: torch.device, path: ExecutionPath) -> bool:

@@ -16,7 +16,7 @@ import torch
 from speccal.base.errors import InputError
 from speccal.runner import sampling
 from speccal.runner.engine import Engine, EngineConfig, RoundPlan
-from speccal.runner.graphs import GraphKey
+from speccal.runner.graphs import GraphKey, GraphSet
 from speccal.runner.round import RoundRunner
 from speccal.runner.sampling import SamplingParams
 
@@ -160,8 +160,9 @@ def test_sampling_kinds_per_acceptance_mode(acceptance, k, kinds):
     assert sampling.argmax_only(acceptance, k, "greedy")
 
 
-class _RecordingGraphs:
-    """Stands in for GraphSet off CUDA: runs each captured callable once, records the key."""
+class _RecordingGraphs(GraphSet):
+    """Stands in for GraphSet off CUDA (its ``capture_all``, a capture that runs each callable
+    once and records the key)."""
 
     def __init__(self):
         self.outputs: dict[GraphKey, object] = {}
