@@ -307,16 +307,17 @@ class RoundRunner:
         """Host phase of a round: stage only facts that do not depend on the rounds still in
         flight (none at queue depth 0).
 
-        ``len_bound [B]`` int64: an upper bound of each request's KV length ``L`` when this
-        round runs (its host-known length plus ``k + 1`` per queued round it is in; None: no
-        round in flight, the host-known lengths). The host stages the slot indices, the real-row mask ``is_real``, the block table (blocks
-        allocated ahead for ``len_bound + k + 1`` positions: the worst case growth of every
-        in-flight round) and the verify lengths (host-chosen, or zero placeholders the device
-        allocation overwrites under a budget). Everything that depends on the outcome of the
-        queued rounds (``ctx_lens``, ``pending_index``, the draft-extend rows ``ext_*``, the
-        draft-step rows ``step_*``, ``ver_seq`` and the host path's packed verify rows) is
-        derived on the device by :meth:`derive_inputs` from the per-slot state ``slot_len`` /
-        ``slot_ext``, which the previous round advanced on the device after its acceptance.
+        ``len_bound [B]`` int64: an upper bound of each request's KV length ``L`` when this round
+        runs (its host-known length plus ``k + 1`` per queued round it is in; None: no round in
+        flight, the host-known lengths). The host stages the slot indices, the real-row mask
+        ``is_real``, the block table (blocks allocated ahead for ``len_bound + k + 1`` positions:
+        the worst case growth of every in-flight round) and the verify lengths (host-chosen, or
+        zero placeholders the device allocation overwrites under a budget). Everything that depends
+        on the outcome of the queued rounds (``ctx_lens``, ``pending_index``, the draft-extend rows
+        ``ext_*``, the draft-step rows ``step_*``, ``ver_seq`` and the host path's packed verify
+        rows) is derived on the device by :meth:`derive_inputs` from the per-slot state
+        ``slot_len`` / ``slot_ext``, which the previous round advanced on the device after its
+        acceptance.
 
         The draft-extend grid always has ``R = w + 1`` rows per request and ``bcap * (w + 1)``
         packed rows (the static layout of captured graphs: the host does not know the extend
