@@ -30,7 +30,7 @@
 #   pathtest    the CUDA tests of the served path against transformers, attention, the
 #               round loop at both queue depths, graphs, verify budgets, the hybrid and MLA
 #               engines (a subset of `cuda`, ~2-3 min)
-#   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE and MLA attention Triton
+#   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE, MLA attention and rope-cache Triton
 #               kernels against the reference, routed layers captured in graphs equal to
 #               eager, the MLA and MoE engines against transformers
 #   moebench    bench/bench_moe.py on moe-16b-a3b (B = 1 and 8, k = 3) [moe_decode_step_floor_ratio,
@@ -221,6 +221,7 @@ run() {
             moetest)
                 SPECCAL_KERNEL_TEST_DEVICE=cuda timeout "$(left)" $PY -m pytest -m cuda \
                     tests/kernels/test_fused_moe.py tests/kernels/test_mla_decode.py \
+                    tests/kernels/test_mla_rope.py \
                     tests/runner/test_graphs.py \
                     tests/runner/test_mla_engine.py tests/runner/test_moe_engine.py \
                     -n 8 -v -rfE -p no:cacheprovider > "$d/tests.log" 2>&1

@@ -60,6 +60,7 @@ from speccal.kernels.ops_attention import (  # noqa: F401 (re-exported)
     attention_tiling_update,
     fold_wanted,
     mla_latent_attention,
+    mla_rope_cache,
     mla_rows_aligned,
     paged_attention,
     plan_splits,

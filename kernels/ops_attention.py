@@ -435,6 +435,55 @@ def mla_latent_attention(
     return out
 
 
+def mla_rope_cache(
+    q_first: torch.Tensor,  # [N, H, F]: absorbed no-rope query (decode) or q_nope (prefill)
+    q_pe: torch.Tensor,  # [N, H, rope]: each head's rope channels (a view of q is fine)
+    k_pe: torch.Tensor,  # [N, rope]: the shared key's rope channels
+    latent: torch.Tensor,  # [N, latent]: the normed latent
+    cos: torch.Tensor,  # [N, rope] rows of the rotary table (float32 as RotaryTable holds them)
+    sin: torch.Tensor,  # [N, rope]
+    slot_mapping: torch.Tensor,  # [N] int64
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope], written
+    is_interleaved: bool,
+    *,
+    backend: str | None = None,  # overrides tune.backend (comparisons in tests)
+    tune: KernelConfig = DEFAULT_KERNELS,
+) -> torch.Tensor:  # [N, H, F + rope], q_first's dtype
+    """An MLA layer's rotary and latent-cache write in one pass: the heads' and the shared
+    key's rope channels rotated (interleaved pairs or halves, fp32), ``[latent | rotated k_pe]``
+    written to each row's cache slot, ``[q_first | rotated q_pe]`` returned. Triton:
+    ``mla_rope.py`` (one launch); reference: ``reference.mla_rope_cache_ref``."""
+    _need(q_first.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_first.shape[:2]
+          and q_first.dtype == q_pe.dtype and q_first.dtype in _FLOATS, "q_first/q_pe",
+          (_shape(q_first), _shape(q_pe), q_first.dtype), "[N, H, F] and [N, H, rope], one float dtype")
+    n, heads, _ = q_first.shape
+    rope = q_pe.shape[2]
+    _need(rope >= 2 and rope % 2 == 0, "rope channels", rope, "even, >= 2")
+    _need(_shape(k_pe) == (n, rope) and k_pe.dtype in _FLOATS, "k_pe", _shape(k_pe),
+          f"[{n}, {rope}] float")
+    _need(latent.dim() == 2 and latent.shape[0] == n and latent.dtype in _FLOATS, "latent",
+          _shape(latent), f"[{n}, latent] float")
+    lat = latent.shape[1]
+    for name, t in (("cos", cos), ("sin", sin)):
+        _need(_shape(t) == (n, rope) and t.dtype in _FLOATS, name, (_shape(t), t.dtype),
+              f"[{n}, {rope}] float")
+    _check_int(slot_mapping, "slot_mapping", (n,), (torch.int64,))
+    _need(cache.dim() == 4 and cache.shape[2] == 1 and cache.shape[3] == lat + rope
+          and cache.is_contiguous(), "cache", _shape(cache),
+          f"[blocks, block_size, 1, {lat + rope}] contiguous")
+    _need(all(t.stride(-1) == 1 for t in (q_first, q_pe, k_pe, latent, cos, sin)),
+          "q_first/q_pe/k_pe/latent/cos/sin", "strided", "last dim contiguous")
+    args = (q_first, q_pe, k_pe, latent, cos, sin, slot_mapping, cache, is_interleaved)
+    if not use_triton(q_first, backend or tune.backend):
+        return ref.mla_rope_cache_ref(*args)
+    from speccal.kernels.mla_rope import mla_rope_cache_triton
+
+    out = mla_rope_cache_triton(*args)
+    if dry_pass_active():  # skipped launches: zeros (the dry pass's rule for activations)
+        return torch.zeros_like(out)
+    return out
+
+
 def mla_rows_aligned(cache: torch.Tensor, latent_dim: int) -> bool:
     """Whether the Triton MLA kernel takes this latent cache: each cached row and its rope part
     start on 16 bytes (the kernel's vector loads; on an H100 a bf16 cache of 24 + 12 channels,

@@ -504,6 +504,48 @@ def rotary_kv_write_ref(
     return out
 
 
+def rotate_pairs(
+    x: torch.Tensor,  # [N, heads, rotary_dim]
+    cos: torch.Tensor,  # [N, 1, rotary_dim]: cat(freqs, freqs) cosines (RotaryTable rows)
+    sin: torch.Tensor,  # [N, 1, rotary_dim]
+    is_interleaved: bool,
+) -> torch.Tensor:  # [N, heads, rotary_dim], x's dtype
+    """Rotary over channel pairs ``(2i, 2i + 1)`` written out as ``[even' | odd']`` (DeepSeek's
+    interleaved layout, as transformers' ``apply_rotary_pos_emb_interleave``), or over the two
+    halves (``rotate_half``); fp32 math, rounded to x's dtype."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    if is_interleaved:
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    else:
+        out = xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin
+    return out.to(x.dtype)
+
+
+def mla_rope_cache_ref(
+    q_first: torch.Tensor,  # [N, H, F]: the query channels before the rotated part
+    q_pe: torch.Tensor,  # [N, H, rope]: each head's rope channels
+    k_pe: torch.Tensor,  # [N, rope]: the shared key's rope channels
+    latent: torch.Tensor,  # [N, latent]: the normed latent
+    cos: torch.Tensor,  # [N, rope] fp32 (RotaryTable rows)
+    sin: torch.Tensor,  # [N, rope] fp32
+    slot_mapping: torch.Tensor,  # [N] int64
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope], written
+    is_interleaved: bool,
+) -> torch.Tensor:  # [N, H, F + rope], q_first's dtype
+    """An MLA layer's rotary and latent-cache write: the heads' and the key's rope channels
+    rotated in one pass (:func:`rotate_pairs`), ``[latent | rotated k_pe]`` into each row's
+    cache slot, and the query ``[q_first | rotated q_pe]`` returned."""
+    heads = q_pe.shape[1]
+    both = rotate_pairs(torch.cat([q_pe, k_pe[:, None]], dim=1), cos[:, None], sin[:, None],
+                        is_interleaved)  # [N, H + 1, rope]
+    cache.view(-1, cache.shape[-1]).index_copy_(
+        0, slot_mapping, torch.cat([latent, both[:, heads]], dim=-1).to(cache.dtype))
+    return torch.cat([q_first, both[:, :heads]], dim=-1)
+
+
 def packed_rows_ref(
     cu_q_lens: torch.Tensor,  # [B + 1] int32
     seq_lens: torch.Tensor,  # [B] int32

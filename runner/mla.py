@@ -58,32 +58,13 @@ from speccal.base.errors import InputError, UnsupportedError
 from speccal.kernels import ops
 from speccal.kernels._backend import use_triton
 from speccal.kernels.config import KernelConfig
+from speccal.kernels.reference import rotate_pairs as rotate
 from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
 from speccal.runner.layers import DecoderLayer, RMSNorm, linear_rows
 from speccal.runner.mla_config import INDEXER_NORM_EPS, LATENT_NORM_EPS
 from speccal.runner.path import PathBound
 from speccal.runner.rope import RotaryTable
-
-
-def rotate(
-    x: torch.Tensor,  # [N, heads, rotary_dim]
-    cos: torch.Tensor,  # [N, 1, rotary_dim]: cat(freqs, freqs) cosines (RotaryTable rows)
-    sin: torch.Tensor,  # [N, 1, rotary_dim]
-    is_interleaved: bool,
-) -> torch.Tensor:  # [N, heads, rotary_dim], x's dtype
-    """Rotary over channel pairs ``(2i, 2i + 1)`` written out as ``[even' | odd']`` (DeepSeek's
-    interleaved layout, as transformers' ``apply_rotary_pos_emb_interleave``), or over the two
-    halves (``rotate_half``)."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    if is_interleaved:
-        c, s = cos[..., :half], sin[..., :half]
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    else:
-        out = xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin
-    return out.to(x.dtype)
 
 
 class Indexer(nn.Module):
@@ -180,21 +161,24 @@ class MLAttention(PathBound, nn.Module):
             positions, rotary,
             rotary.cos.index_select(0, positions)[:, None, :],  # [N, 1, rope]
             rotary.sin.index_select(0, positions)[:, None, :]))
-        # the query heads' and the shared key's rope channels rotated in one pass (elementwise:
-        # the same values as two calls, a third of the launches)
-        both = rotate(torch.cat([q[..., nope:], ckv[:, None, lat:]], dim=1), cos, sin,
-                      m.is_rope_interleaved)  # [N, H + 1, rope]
-        q_rot, k_rot = both[:, :heads], both[:, heads]
         k_cache, v_cache = kv
-        k_cache.view(-1, m.latent_dim).index_copy_(
-            0, meta.slot_mapping, torch.cat([latent, k_rot], dim=-1).to(k_cache.dtype))
+        w_kv = self.kv_b_proj.weight.view(heads, nope + m.v_head_dim, lat)
+        absorbed = meta.key_slots is None  # decode / verify rows (a prefill chunk expands)
+        # the query's part before its rope channels: absorbed, each head's no-rope part in the
+        # latent space (q_nope @ W_uk, [N, H, latent]); expanded, q_nope itself
+        first = (torch.einsum("nhd,hdl->nhl", q[..., :nope], w_kv[:, :nope]) if absorbed
+                 else q[..., :nope])
+        # the heads' and the shared key's rope channels rotated in one pass, [latent | k_rot]
+        # into the cache, [first | q_rot] returned: one launch on the Triton path
+        qa = ops.mla_rope_cache(first, q[..., nope:], ckv[:, lat:], latent, cos[:, 0],
+                                sin[:, 0], meta.slot_mapping, k_cache, m.is_rope_interleaved,
+                                tune=self.kx)
         index = None
         if self.indexer is not None:
             iq, ik, iw = self.indexer(x, q_resid, cos, sin)
             v_cache.view(-1, m.index_dim).index_copy_(0, meta.slot_mapping,
                                                       ik.to(v_cache.dtype))
             index = (iq, iw, self.indexer.topk)
-        w_kv = self.kv_b_proj.weight.view(heads, nope + m.v_head_dim, lat)
         shared = None
         if self.shares_index:
             if not self._index_source:
@@ -203,17 +187,13 @@ class MLAttention(PathBound, nn.Module):
             shared = self._index_source[0].last_visible
         # decode / verify rows without DSA on the Triton path read the keys in the kernel,
         # straight from the paged cache (no gather, no fp32 copy, no bias): no LatentKeys
-        paged = (meta.key_slots is None and index is None and shared is None
+        paged = (absorbed and index is None and shared is None
                  and use_triton(x, self.kx.backend) and ops.mla_rows_aligned(k_cache, lat))
         lk = None if paged else latent_keys(n, k_cache, v_cache, meta, index, visible=shared)
         self.last_visible = None if lk is None else lk.is_visible
-        if meta.key_slots is not None:  # a prefill chunk: many rows, expanding pays
-            out = attend_expanded(torch.cat([q[..., :nope], q_rot], dim=-1), lk, w_kv,
-                                  self.scale)  # [N, H, v_head_dim]
-        else:
-            # absorbed query: each head's no-rope part in the latent space, [N, H, latent + rope]
-            q_lat = torch.einsum("nhd,hdl->nhl", q[..., :nope], w_kv[:, :nope])
-            qa = torch.cat([q_lat, q_rot], dim=-1)
+        if not absorbed:  # a prefill chunk: many rows, expanding pays
+            out = attend_expanded(qa, lk, w_kv, self.scale)  # [N, H, v_head_dim]
+        else:  # qa [N, H, latent + rope]
             out = (attend_latent_paged(qa, k_cache, meta, self.scale, lat, self.kx) if paged
                    else attend_latent(qa, lk, self.scale, lat))  # [N, H, latent]
             out = torch.einsum("nhl,hvl->nhv", out, w_kv[:, nope:])  # [N, H, v_head_dim]

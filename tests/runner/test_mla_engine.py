@@ -351,3 +351,45 @@ def test_triton_path_serves_mla_layers_per_op_on_cuda(checkpoint):
     for k in (1, 3):
         got, _ = _run(spec, PROMPTS, params, k)
         assert got == want, k
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpoint", ["v3", "v3-moe", "glm5-dsa"], indirect=True)
+def test_rope_cache_kernel_serves_every_mla_forward(checkpoint, monkeypatch):
+    """``ops.mla_rope_cache`` (one Triton launch a layer: both rotaries, the latent-cache write
+    and the absorbed query) in every MLA forward, prefill chunks, decode and verify rows, DSA
+    layers too: plain and K = 1, 3 tokens equal transformers' (fp32). On the GPU, or on the
+    CPU under Triton's interpreter (SPECCAL_KERNEL_TEST_DEVICE=cpu TRITON_INTERPRET=1), where
+    the attention and routed-expert kernels run their references (the interpreter does not
+    run them) and this kernel runs itself."""
+    import os
+
+    from speccal.kernels import ops
+    from speccal.kernels._backend import interpreting
+
+    pytest.importorskip("triton")
+    dev = os.environ.get("SPECCAL_KERNEL_TEST_DEVICE", "cuda")
+    _, folder, refs = checkpoint
+    calls = []
+    real = ops.mla_rope_cache
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])  # rows
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "mla_rope_cache", counted)
+    if dev == "cpu":
+        assert interpreting(), "SPECCAL_KERNEL_TEST_DEVICE=cpu needs TRITON_INTERPRET=1"
+        for name in ("mla_latent_attention", "fused_moe", "moe_route"):
+            f = getattr(ops, name)
+            monkeypatch.setattr(ops, name, lambda *a, _f=f, **k: _f(*a, **{**k,
+                                                                          "backend": "reference"}))
+    params, want = _stop_case(refs)
+    kw = dict(device=dev, dtype="float32")
+    got, _ = _run(_engine(folder, speculative=False, **kw), PROMPTS, params, 0)
+    assert got == want
+    spec = _engine(folder, **kw)
+    for k in (1, 3):
+        got, _ = _run(spec, PROMPTS, params, k)
+        assert got == want, k
+    assert min(calls) == 1 and max(calls) > 1  # decode rows and prefill chunks / verify rows
