@@ -40,10 +40,12 @@ and attend with the visibility the last earlier indexer layer computed in the sa
 (:func:`link_shared_index`, ``MLAttention.last_visible``).
 
 The Triton backend runs these layers per op (:meth:`MLADecoderLayer.can_fuse` is False: the
-fused layer is GQA's), with one Triton piece: decode and verify rows of a layer without DSA
-attend through ``ops.mla_latent_attention`` (:func:`attend_latent_paged`: split-KV over the
-paged latent cache, the keys read once for all heads up to each request's length); prefill
-chunks, DSA layers and the CPU take the torch attention here.
+fused layer is GQA's), with two Triton pieces: every forward's rotaries, latent-cache write and
+query assembly in one launch (``ops.mla_rope_cache``: on the CPU its reference, the torch ops it
+replaces), and the decode and verify rows of a layer without DSA attend through
+``ops.mla_latent_attention`` (:func:`attend_latent_paged`: split-KV over the paged latent cache,
+the keys read once for all heads up to each request's length); prefill chunks, DSA layers and
+the CPU take the torch attention here.
 """
 
 from __future__ import annotations
