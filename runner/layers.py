@@ -52,7 +52,8 @@ class RMSNorm(PathBound, nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        if self.path.fused(x) and x.is_contiguous():
+        # a row-strided [N, dim] view (MLA's latent part of its projection) needs no copy
+        if self.path.fused(x) and (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)):
             return ops.rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps,
                                    tune=self.kx).view(x.shape)
         dtype = x.dtype

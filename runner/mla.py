@@ -156,7 +156,7 @@ class MLAttention(PathBound, nn.Module):
             q = self._lin(q_resid, self.q_b_proj)
         q = q.view(n, heads, m.qk_head_dim)
         ckv = self._lin(x, self.kv_a_proj_with_mqa)  # [N, latent + rope]
-        latent = self.kv_a_layernorm(ckv[:, :lat].contiguous())
+        latent = self.kv_a_layernorm(ckv[:, :lat])  # [N, latent], the norm reads the view
         # the same rows for every layer of the forward (the value holds the tensors its key
         # names by id, so no other tensor can take their ids while it is kept)
         _, _, cos, sin = meta.once(("mla_rope", id(rotary), id(positions)), lambda: (
