@@ -15,7 +15,9 @@ and they report its error, root cause first. Such a failure is also printed by t
 caused it (``torchrun`` stops every rank once one exits non-zero, possibly before rank 0
 printed). An error that every rank raised alike is printed once, as on one rank. Errors
 before the group is joined (bad options, missing environment, a wrong world size) are the same
-on every rank and printed by rank 0 only (its rank is read from the environment).
+on every rank and printed by rank 0 only (its rank is read from the environment); the other
+ranks wait :data:`PRE_GROUP_EXIT_DELAY_S` before they exit, so rank 0's exit is the one
+``torchrun`` reports.
 
 ``torchrun`` itself exits 1 and prints its own ``ChildFailedError`` report (a traceback of the
 launcher, not of speccal) once any rank exits non-zero: its exit status cannot carry the rank's.
@@ -41,6 +43,13 @@ from speccal.base.errors import InputError, SpeccalError
 from speccal.base.rich_tables import make_console
 
 T = TypeVar("T")
+
+#: Seconds the other ranks wait before exiting on an error raised before the group is joined
+#: (the same error on every rank, printed by rank 0): ``torchrun`` stops every rank once one
+#: exits, and its report names the first failure it saw, so rank 0 must exit first; a rank
+#: that exited first got rank 0 killed (exit code -15 in the report) on a loaded 2-core
+#: machine. ``torchrun`` ends the waiting ranks as soon as rank 0 has exited.
+PRE_GROUP_EXIT_DELAY_S = 5.0
 
 
 def env_rank() -> int:
@@ -119,7 +128,8 @@ def run_ranks(tp: int, dp: int, device: str, body: Callable[[Any, Console], T],
             raise typer.Exit(exc.exit_code) from None
         raise exc from None
     except SpeccalError as exc:
-        if quiet:
+        if quiet:  # an error before the group (every rank raised it): rank 0 exits first
+            time.sleep(PRE_GROUP_EXIT_DELAY_S)
             note_for_launcher(f"error: {exc}")
             raise typer.Exit(exc.exit_code) from None
         raise

@@ -157,3 +157,32 @@ def test_the_rank_that_caused_an_unagreed_failure_prints_it(monkeypatch, capsys)
     assert capsys.readouterr().err == ""
     with pytest.raises(RankError):  # rank 0 raises it for the CLI to print
         _run_ranks_raising(monkeypatch, 0, left)
+
+
+def test_an_error_before_the_group_lets_rank_0_exit_first(monkeypatch):
+    """A wrong world size (raised on every rank before the group is joined): rank 0 raises at
+    once for the CLI to print; every other rank waits PRE_GROUP_EXIT_DELAY_S, then leaves its
+    line for torchrun's report and exits with the same code, silently."""
+    import typer
+
+    from speccal.base.errors import InputError
+    from speccal.cli import dist
+    from speccal.runner.distributed import comm as comm_mod
+
+    slept, noted = [], []
+    monkeypatch.setattr(dist.time, "sleep", slept.append)
+    monkeypatch.setattr(dist, "note_for_launcher", noted.append)
+
+    def wrong_world(topology, env, device):
+        raise InputError("world size", 2, "4")
+
+    monkeypatch.setattr(comm_mod, "init_comm", wrong_world)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(InputError):
+        dist.run_ranks(2, 2, "cpu", lambda comm, console: None)
+    assert slept == [] and noted == []  # the CLI prints and notes rank 0's error
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(typer.Exit) as exit_info:
+        dist.run_ranks(2, 2, "cpu", lambda comm, console: None)
+    assert exit_info.value.exit_code == 2
+    assert slept == [dist.PRE_GROUP_EXIT_DELAY_S] and noted == ["error: world size: got 2, expected 4"]
