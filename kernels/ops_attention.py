@@ -455,7 +455,8 @@ def mla_rope_cache(
     ``mla_rope.py`` (one launch); reference: ``reference.mla_rope_cache_ref``."""
     _need(q_first.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_first.shape[:2]
           and q_first.dtype == q_pe.dtype and q_first.dtype in _FLOATS, "q_first/q_pe",
-          (_shape(q_first), _shape(q_pe), q_first.dtype), "[N, H, F] and [N, H, rope], one float dtype")
+          (_shape(q_first), _shape(q_pe), q_first.dtype),
+          "[N, H, F] and [N, H, rope], one float dtype")
     n, heads, _ = q_first.shape
     rope = q_pe.shape[2]
     _need(rope >= 2 and rope % 2 == 0, "rope channels", rope, "even, >= 2")

@@ -185,4 +185,5 @@ def test_an_error_before_the_group_lets_rank_0_exit_first(monkeypatch):
     with pytest.raises(typer.Exit) as exit_info:
         dist.run_ranks(2, 2, "cpu", lambda comm, console: None)
     assert exit_info.value.exit_code == 2
-    assert slept == [dist.PRE_GROUP_EXIT_DELAY_S] and noted == ["error: world size: got 2, expected 4"]
+    assert slept == [dist.PRE_GROUP_EXIT_DELAY_S]
+    assert noted == ["error: world size: got 2, expected 4"]
