@@ -33,6 +33,8 @@
 #   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE, MLA attention and rope-cache Triton
 #               kernels against the reference, routed layers captured in graphs equal to
 #               eager, the MLA and MoE engines against transformers
+#   moetiles    bench/bench_moe_tiles.py: the routed experts' two kernels under other launch tiles
+#               (moe-16b-a3b's layer, 1 and 8 rows) [moe_expert_kernels_floor_ratio, _best]
 #   moebench    bench/bench_moe.py on moe-16b-a3b (B = 1 and 8, k = 3) [moe_decode_step_floor_ratio,
 #               moe_verify_full_width_ratio]
 #   hybridnext  the CUDA tests of the Qwen3-Next (routed) hybrid engine in captured graphs
@@ -127,7 +129,7 @@ run() {
         case $stage in
             fusedbench) min=150 ;; moebench) min=70 ;; moecal) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
-            decode) min=120 ;; hf) min=150 ;; policyhost) min=30 ;; kvspread) min=90 ;; hybridnext) min=60 ;;
+            decode) min=120 ;; hf) min=150 ;; policyhost) min=30 ;; moetiles) min=60 ;; kvspread) min=90 ;; hybridnext) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
         if (( $(left) < min )); then
@@ -330,6 +332,10 @@ PYEOF
                     --deadline-s "$(( $(left) < 260 ? $(left) - 10 : 250 ))" > "$d/log.txt" 2>&1
                 echo "rc=$?"
                 tail -20 "$d/log.txt" ;;
+            moetiles)
+                timeout "$(left)" $PY bench/bench_moe_tiles.py --out "$d" --record \
+                    --results "$d/results.jsonl" > "$d/log.txt" 2>&1
+                echo "rc=$?"; grep -E "^rows .*(default|best)|floor ratio" "$d/log.txt" ;;
             policyhost)
                 # the host time the adaptive policy adds to a live round, on this host's CPU
                 # (bench/bench_policy_host.py; the draft-step table of SWEEP_TABLE, else the

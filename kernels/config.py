@@ -327,6 +327,51 @@ class LinearAttentionTuning:
         return self.impl == "fused"
 
 
+@dataclass(frozen=True)
+class ExpertTiles:
+    """Launch tiles of the routed experts' two Triton kernels (``fused_moe.fused_moe_triton``):
+    gate/up's and down's ``BLOCK_N`` x ``BLOCK_K`` (powers of two, >= 16: ``tl.dot``'s tiles),
+    the warps of both and their software-pipeline stages (None: Triton's default). Not part of
+    :class:`KernelConfig` (nor of a table's digest): the defaults are what ``ops.fused_moe``
+    runs, down half as wide and twice as deep as gate/up, so a decode round's few active blocks
+    spread over twice the programs (hidden / 32 per block) with half the K steps;
+    ``bench/bench_moe_tiles.py`` times others on a GPU."""
+
+    gate_up_n: int = 64
+    gate_up_k: int = 64
+    down_n: int = 32
+    down_k: int = 128
+    num_warps: int = 4
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("gate_up_n", "gate_up_k", "down_n", "down_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise InputError(f"ExpertTiles.{name}", v, "a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise InputError("ExpertTiles.num_warps", self.num_warps, "1, 2, 4, 8 or 16")
+        if self.num_stages is not None and not (isinstance(self.num_stages, int)
+                                                and 1 <= self.num_stages <= 8):
+            raise InputError("ExpertTiles.num_stages", self.num_stages, "None or 1..8")
+
+    def label(self) -> str:
+        """``gu64x64-d32x128-w4-s-`` (stages ``-``: Triton's default)."""
+        stages = "-" if self.num_stages is None else self.num_stages
+        return (f"gu{self.gate_up_n}x{self.gate_up_k}-d{self.down_n}x{self.down_k}"
+                f"-w{self.num_warps}-s{stages}")
+
+    def launch_options(self) -> dict:
+        """The Triton launch options of both kernels."""
+        out = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            out["num_stages"] = self.num_stages
+        return out
+
+
+DEFAULT_TILES = ExpertTiles()
+
+
 _GROUPS = {"pdl": PdlConfig, "gemv": GemvTuning, "attention": AttentionTuning,
            "norm": NormFusion, "precision": Precision, "linear_attention": LinearAttentionTuning}
 #: groups added after tables were first recorded, each with the value those tables ran under:

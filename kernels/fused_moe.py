@@ -28,17 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
+from speccal.kernels.config import DEFAULT_TILES, ExpertTiles  # noqa: F401 (re-exported)
 from speccal.kernels.pdl import pdl_enter
 from speccal.kernels.reference_moe import SIGMOID_NORM_EPS
 
-__all__ = ["fused_moe_triton", "moe_align_triton", "moe_route_triton", "moe_sum_slots_triton"]
+__all__ = ["DEFAULT_TILES", "ExpertTiles", "fused_moe_triton", "moe_align_triton",
+           "moe_route_triton", "moe_sum_slots_triton"]
 
-_BLOCK_N = 64
-_BLOCK_K = 64
-# the down product's tiles: half as wide and twice as deep as gate/up's, so a decode round's few
-# active blocks spread over twice the programs (hidden / 32 per block) with half the K steps
-_DOWN_BLOCK_N = 32
-_DOWN_BLOCK_K = 128
+
+
 
 
 @triton.jit(do_not_specialize=("num_pairs",))  # one compile per model, any row count
@@ -122,6 +120,7 @@ def fused_moe_triton(
     block_expert: torch.Tensor,  # [P / block_m] int64
     prec: str | None,  # tl.dot's input_precision for fp32 operands (None: Triton's default)
     pdl: bool = False,
+    tiles: ExpertTiles = DEFAULT_TILES,
 ) -> torch.Tensor:  # [N * top_k, hidden]: each pair's weighted expert output
     """Two launches; arguments validated by ``ops.fused_moe``."""
     n, k = weights.shape
@@ -131,17 +130,18 @@ def fused_moe_triton(
     act = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)
     rw = weights.reshape(-1)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, _BLOCK_N))](
+    opts = tiles.launch_options()
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles.gate_up_n))](
         x, gate_up, sorted_pairs, block_expert, act, n * k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        H=hidden, INTER=inter, TOP_K=k, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-        PREC=prec, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        H=hidden, INTER=inter, TOP_K=k, BLOCK_M=block_m, BLOCK_N=tiles.gate_up_n,
+        BLOCK_K=tiles.gate_up_k, PREC=prec, PDL=pdl, launch_pdl=pdl, **opts,
     )
-    _down_kernel[(num_blocks, triton.cdiv(hidden, _DOWN_BLOCK_N))](
+    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles.down_n))](
         act, down, sorted_pairs, block_expert, rw, out, n * k,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=_DOWN_BLOCK_N, BLOCK_K=_DOWN_BLOCK_K,
-        PREC=prec, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k,
+        PREC=prec, PDL=pdl, launch_pdl=pdl, **opts,
     )
     return out
 

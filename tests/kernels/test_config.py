@@ -595,3 +595,14 @@ def test_library_code_never_reads_the_environment():
     allowed = ("kernels/config.py", "KernelConfig.from_env")
     assert allowed in uses  # the walker sees the one read there
     assert {w: lines for w, lines in uses.items() if w != allowed} == {}
+
+
+def test_expert_tiles_refuse_what_tl_dot_cannot_tile():
+    from speccal.base.errors import InputError
+    from speccal.kernels.config import DEFAULT_TILES, ExpertTiles
+
+    assert DEFAULT_TILES.label() == "gu64x64-d32x128-w4-s-"
+    assert ExpertTiles(num_stages=3).launch_options() == {"num_warps": 4, "num_stages": 3}
+    for bad in (dict(gate_up_n=8), dict(down_k=48), dict(num_warps=3), dict(num_stages=0)):
+        with pytest.raises(InputError, match="ExpertTiles." + next(iter(bad))):
+            ExpertTiles(**bad)

@@ -49,6 +49,26 @@ def test_fused_moe_matches_reference(dtype, case):
     assert torch.equal(counts, want_counts)
 
 
+@pytest.mark.parametrize("tiles", [dict(gate_up_n=16, gate_up_k=128, num_stages=2),
+                                   dict(down_n=64, down_k=16, num_warps=2),
+                                   dict(gate_up_n=32, down_n=16, down_k=256, num_warps=8)])
+def test_other_expert_tiles_compute_the_same_products(tiles):
+    """``fused_moe_triton`` under launch tiles other than the shipped ones (what
+    bench/bench_moe_tiles.py sweeps): the reference's result, masked K and N tiles included."""
+    from speccal.kernels.config import ExpertTiles
+    from speccal.kernels.fused_moe import fused_moe_triton
+    from speccal.kernels.reference import moe_align_ref, moe_sum_slots_ref
+
+    dtype = DTYPES[0]
+    x, w, ids, gu, dn = moe_case(12, 7, 40, 24, 6, 3, dtype, DEV, idle=(0,))
+    pairs, blocks, _ = moe_align_ref(ids, 6, 16)
+    prec = "ieee" if dtype == torch.float32 else None
+    got = moe_sum_slots_ref(fused_moe_triton(x, w, gu, dn, pairs, blocks, prec,
+                                             tiles=ExpertTiles(**tiles)), ids)
+    want, _ = ops.fused_moe(x.float(), w, ids, gu.float(), dn.float(), backend="reference")
+    assert torch.isfinite(got).all() and rel_err(got, want) < TOL[dtype]
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_masked_rows_choose_no_expert(backend):
     """``row_mask``: the masked rows' output is zero and their experts are left out of the
