@@ -11,12 +11,12 @@ is an empirical question of tiles, warps and pipeline stages (``fused_moe.Expert
 
 What it times: one MoE layer's experts of moe-16b-a3b's shapes (default: hidden 2048, expert
 width 1408, 64 experts, top-6; random bf16 weights stacked as ``ops.fused_moe`` reads them),
-``--rows`` rows routed uniformly, the layout built once (``moe_align_triton``), then
-``fused_moe_triton`` (gate/up + down) per tile configuration, CUDA events, median of
-``--repeats`` means of 20 calls. Consecutive calls route to disjoint expert sets (the 64
-experts cut into sets of top-k), so a call does not find its weights in L2 from the call
-before. Floor: the active experts' weight bytes (3 x hidden x width x 2 B each) over the
-device's copy bandwidth measured in the same run (a 1 GiB copy). Every configuration's output
+``--rows`` rows routed uniformly (the first row of consecutive calls to disjoint expert sets,
+so a one-row call does not find its weights in L2 from the call before), the layouts built
+once (``moe_align_triton``), then ``fused_moe_triton`` (gate/up + down) per tile
+configuration, CUDA events, median of ``--repeats`` means of 20 calls. Floor: the weight bytes
+of the experts a call activates (3 x hidden x width x 2 B each, the mean over the calls) over
+the device's copy bandwidth measured in the same run (a 1 GiB copy). Every configuration's output
 is checked against the default tiles' (bf16 rounding); one that differs is reported and never
 ranked. Prints a table per row count and writes ``DIR/moe_tiles.json``; ``--record`` appends
 ``moe_expert_kernels_floor_ratio`` (the default tiles) and
@@ -97,16 +97,21 @@ def parse_args(argv=None):
 
 
 def _routings(rows: int, experts: int, top_k: int, device):
-    """Disjoint expert sets (consecutive calls read different weights), each row of a call
-    routed to a shuffled order of its set: ``[S, rows, top_k]`` int64."""
+    """The routings of the calls a timing cycles through, ``[S, rows, top_k]`` int64: row 0 of
+    call ``s`` routes to the ``s``-th of disjoint expert sets (so a one-row call never finds its
+    weights in L2 from the call before), every other row to ``top_k`` distinct experts drawn
+    uniformly (a batch spreads over many experts, as a round's random tokens do)."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(experts, generator=gen)
     sets = [perm[i:i + top_k] for i in range(0, experts - top_k + 1, top_k)]
-    out = torch.stack([torch.stack([s[torch.randperm(top_k, generator=gen)]
-                                    for _ in range(rows)]) for s in sets])
-    return out.to(device)
+    calls = []
+    for s in sets:
+        rows_ = [s[torch.randperm(top_k, generator=gen)]]
+        rows_ += [torch.randperm(experts, generator=gen)[:top_k] for _ in range(rows - 1)]
+        calls.append(torch.stack(rows_))
+    return torch.stack(calls).to(device)
 
 
 def measure(args) -> dict:
@@ -130,7 +135,8 @@ def measure(args) -> dict:
         x = torch.randn(rows, h, device=dev, generator=gen).bfloat16()
         w = torch.softmax(torch.randn(rows, k, device=dev, generator=gen), -1)
         layouts = [moe_align_triton(routes[s], e, 16, None, None)[:2] for s in range(n_sets)]
-        active = len(set(routes[0].reshape(-1).tolist()))
+        # the experts a call reads, averaged over the calls the timing cycles through
+        active = statistics.mean(len(set(r.reshape(-1).tolist())) for r in routes)
         floor_ms = active * 3 * h * i * 2 / copy_bw * 1e3
         want = None
         table = []
