@@ -42,7 +42,8 @@ and Triton attention on CUDA; eager fp32 and torch attention on CPU):
   config from ``SPECCAL_*``, ``--la-strategy``), the B = 1 decode step (captured graph) vs
   the floor above [hybrid_decode_step_floor_ratio], its kernel launches per step
   [hybrid_decode_kernels_per_step_b1] and where its time goes, and the full-width verify
-  (``w`` drafts, ``w + 1`` rows) over that decode step [hybrid_verify_full_width_ratio]; the
+  (``w`` drafts, ``w + 1`` rows) over that decode step [hybrid_verify_full_width_ratio] with
+  its kernels' breakdown, logged against the decode step's (what grows, largest first); the
   two impls' greedy tokens on one prompt (plain and K = 1), recorded side by side in
   ``linear_attention`` (``fused`` stays off by default until this and
   ``tests/runner/test_hybrid_engine.py -k fused_linear_attention`` pass on the H200).
@@ -599,6 +600,11 @@ def linear_attention_stage(args, engine, res: dict, vocab: int) -> dict[str, dic
             row["verify_ms_b1"] = target_ms(spec, 1, w, w + 1, update, args.repeats)
             row["hybrid_verify_full_width_ratio"] = (row["verify_ms_b1"]
                                                      / row["decode_step_ms_b1"])
+            # where the verify's time goes next to the decode step's (issue 38's <= 1.15)
+            row["verify_breakdown_b1"] = breakdown(
+                spec, GraphKey("target", 1, w, w + 1, update, "greedy"), top=40)
+            if "breakdown_b1" in row:
+                log_breakdown_delta(row["breakdown_b1"], row["verify_breakdown_b1"])
         del spec
         free(resolve_device(args.device))
         greedy = engine(acceptance="greedy", request_buckets=(1,), kernels=kernels,
@@ -616,6 +622,24 @@ def linear_attention_stage(args, engine, res: dict, vocab: int) -> dict[str, dic
         out["tokens_equal"] = all(out["fla"][t] == out["fused"][t]
                                   for t in ("tokens_plain", "tokens_k1"))
     return out
+
+
+def log_breakdown_delta(decode: list, verify: list, top: int = 15) -> None:
+    """The kernels whose time per step grows most from the decode step to the full-width
+    verify (``breakdown`` rows ``[name, us, launches]``), and the totals."""
+    d = {name: (us, n) for name, us, n in decode}
+    v = {name: (us, n) for name, us, n in verify}
+    rows = sorted(((name, v.get(name, (0.0, 0))[0] - d.get(name, (0.0, 0))[0],
+                    d.get(name, (0.0, 0)), v.get(name, (0.0, 0)))
+                   for name in set(d) | set(v) if not name.startswith("(")),
+                  key=lambda r: -abs(r[1]))
+    log("verify - decode, per step (us; launches decode -> verify):")
+    for name, delta, (du, dn), (vu, vn) in rows[:top]:
+        log(f"  {delta:+9.1f}  {du:8.1f} -> {vu:8.1f}  x{dn:g} -> x{vn:g}  {name}")
+    for name in ("(all kernels)", "(span incl. gaps)"):
+        if name in d and name in v:
+            log(f"  {v[name][0] - d[name][0]:+9.1f}  {d[name][0]:8.1f} -> {v[name][0]:8.1f}  "
+                f"{name}")
 
 
 def record(res: dict, args) -> None:

@@ -207,3 +207,24 @@ def test_a_divergence_is_reported_with_its_position_tokens_and_margin(tmp_path):
         assert (row["prompt"], row["position"], row["spec"], row["plain"]) == (
             0, 2, true[2], wrong[2])
         assert row == {**row, **bench.top2_margin(plain, prompt + wrong[:2])}
+
+
+def test_the_verify_breakdown_names_what_grows(capsys):
+    """``log_breakdown_delta``: the kernels whose time per step grows most from the decode step
+    to the full-width verify, largest change first, then the totals."""
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        import bench_hybrid
+    finally:
+        sys.path.remove(str(bench))
+    decode = [["gemv", 100.0, 10], ["delta", 5.0, 3], ["(all kernels)", 105.0, 13],
+              ["(span incl. gaps)", 120.0, 0]]
+    verify = [["gemv", 104.0, 10], ["delta", 45.0, 3], ["snap", 7.0, 3],
+              ["(all kernels)", 156.0, 16], ["(span incl. gaps)", 170.0, 0]]
+    bench_hybrid.log_breakdown_delta(decode, verify)
+    out = [x for x in capsys.readouterr().out.splitlines() if x.strip()]
+    body = [x.split("]", 1)[1].split() for x in out[1:]]
+    assert [b[-1] for b in body[:3]] == ["delta", "snap", "gemv"]  # +40, +7, +4
+    assert body[0][0] == "+40.0" and body[1][2] == "->"
+    assert body[-2][-2:] == ["(all", "kernels)"] and body[-2][0] == "+51.0"
