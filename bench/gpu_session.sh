@@ -198,7 +198,7 @@ run() {
                 timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" \
                     --skip compile,hf,strategies,greedy --linear-attention fla,fused --record \
                     --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1
-                echo "rc=$?"; tail -24 "$d/log.txt" ;;
+                echo "rc=$?"; tail -60 "$d/log.txt" ;;
             moebench)
                 timeout "$(left)" $PY bench/bench_moe.py --out "$d" --record \
                     > "$d/log.txt" 2>&1
