@@ -65,7 +65,8 @@
 #   phases      bench/bench_round_phases.py at B = 1 and 8, both loops [round_wall_over_device_b1,
 #               _b8, pipelined_speedup_b1, _b8]
 #   policyhost  bench/bench_policy_host.py on this host's CPU (SWEEP_TABLE's draft-step table, else
-#               the committed H200 one) [adaptive_step_host_us_per_round]
+#               the committed H200 one; then the committed target_verify table)
+#               [adaptive_step_host_us_per_round, adaptive_verify_host_us_per_round]
 #   live        bench/bench_live_policy.py, one process: the first live stage of a call
 #               calibrates the draft-step table, later ones (live2, live3: any name starting with
 #               live) load it [replay_vs_live_error_pct: run three]
@@ -345,6 +346,12 @@ PYEOF
                 timeout "$(left)" $PY bench/bench_policy_host.py --table "$pt" --batch $pb \
                     --record --results "$d/results.jsonl" --device-label "$(nproc)-core GPU host" \
                     > "$d/log.txt" 2>&1
+                echo "rc=$?"
+                # adaptive-verify on the committed H200 target_verify table (buckets 1-8)
+                timeout "$(left)" $PY bench/bench_policy_host.py \
+                    --table tables/dense-2b-h200.json --batch 8 --record \
+                    --results "$d/results.jsonl" --device-label "$(nproc)-core GPU host" \
+                    >> "$d/log.txt" 2>&1
                 echo "rc=$?"; cat "$d/log.txt" ;;
             phases)
                 # round wall / device time, pipelined vs synchronous, B = 1 and 8 (one process
