@@ -36,9 +36,6 @@ __all__ = ["DEFAULT_TILES", "ExpertTiles", "fused_moe_triton", "moe_align_triton
            "moe_route_triton", "moe_sum_slots_triton"]
 
 
-
-
-
 @triton.jit(do_not_specialize=("num_pairs",))  # one compile per model, any row count
 def _gate_up_kernel(
     x_ptr, w_ptr, pairs_ptr, experts_ptr, act_ptr, num_pairs,
