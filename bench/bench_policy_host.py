@@ -10,7 +10,7 @@ device-bound rounds, then underprices the run. This bench times the policy's sha
 way ``speccal.live`` calls it: the memoised live cost model (``live_cost_model``), one batch of
 ``--batch`` requests whose mean KV grows by one token a round from ``--kv`` (as a decoding
 batch's does: an exact-KV memo never hits; a KV-aware table's candidates are priced on their
-lines in KV, ``CostModel.kv_line``), each round's feedback observed one round late
+lines in KV, ``TableLookup.kv_line``), each round's feedback observed one round late
 (the pipelined lag), accepted lengths drawn uniformly. Per policy (``fixed:1`` and the table's
 adaptive one): median over ``--repeats`` of the per-round median and 95th percentile, in us,
 and the ratio of the adaptive policy's median to ``fixed:1``'s. A CPU figure: it depends on

@@ -416,14 +416,29 @@ class TableLookup:
 
     def surface(self, bcap: Any, g: Any, kv_length: Any, k: Any = None) -> np.ndarray:
         """:meth:`fitted` with cells whose fitted cost is not positive as NaN (uncalibrated)."""
-        out = np.asarray(self.fitted(bcap, g, kv_length, k), dtype=np.float64)
-        out = np.where(out > 0, out, np.nan)  # NaN stays NaN; zero and negative costs join it
+        out = _positive(np.asarray(self.fitted(bcap, g, kv_length, k), dtype=np.float64))
         return out if out.ndim else out[()]
+
+    def surface_on_line(self, line: tuple[np.ndarray, np.ndarray], kv_length: float
+                        ) -> np.ndarray:
+        """:meth:`surface` at one KV length from a :meth:`kv_line` (the span, the fitted value,
+        then positivity: the surface's own operations, so the same values)."""
+        base, per_token = line
+        lo, hi = self.kv_span
+        if not lo <= kv_length <= hi:
+            return np.full(np.shape(base), np.nan)
+        return _positive(base + per_token * kv_length)
 
     def memo(self) -> LookupMemo:
         """A fresh exact memo for scalar lookups on this table (keyed by the exact KV length
         when a KV model prices it)."""
         return LookupMemo(self.intervals, exact_kv=self._kv is not None)
+
+
+def _positive(cost: np.ndarray) -> np.ndarray:
+    """``cost`` with every value that is not positive as NaN (NaN stays NaN): a step cost is
+    physical."""
+    return np.where(cost > 0, cost, np.nan)
 
 
 def evaluate(

@@ -345,15 +345,11 @@ class ExpertTiles:
     num_stages: int | None = None
 
     def __post_init__(self) -> None:
+        g = "ExpertTiles"
         for name in ("gate_up_n", "gate_up_k", "down_n", "down_k"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise InputError(f"ExpertTiles.{name}", v, "a power of two >= 16")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise InputError("ExpertTiles.num_warps", self.num_warps, "1, 2, 4, 8 or 16")
-        if self.num_stages is not None and not (isinstance(self.num_stages, int)
-                                                and 1 <= self.num_stages <= 8):
-            raise InputError("ExpertTiles.num_stages", self.num_stages, "None or 1..8")
+            _check_int(g, name, getattr(self, name), 16, pow2=True)
+        _check_choice(g, "num_warps", self.num_warps, (1, 2, 4, 8, 16))
+        _check_int(g, "num_stages", self.num_stages, 1, optional=True, maximum=8)
 
     def label(self) -> str:
         """``gu64x64-d32x128-w4-s-`` (stages ``-``: Triton's default)."""

@@ -60,7 +60,7 @@ from speccal.base.errors import InputError, UnsupportedError
 from speccal.kernels import ops
 from speccal.kernels._backend import use_triton
 from speccal.kernels.config import KernelConfig
-from speccal.kernels.reference import rotate_pairs as rotate
+from speccal.kernels.reference import rotate_pairs
 from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
 from speccal.runner.layers import DecoderLayer, RMSNorm, linear_rows
@@ -96,8 +96,9 @@ class Indexer(nn.Module):
         n, r = x.shape[0], self.rope_dim
         q = self.wq_b(q_resid).view(n, self.num_heads, self.head_dim)
         k = self.k_norm(self.wk(x))[:, None]  # [N, 1, Di]
-        q = torch.cat([rotate(q[..., :r], cos, sin, self.is_rope_interleaved), q[..., r:]], -1)
-        k = torch.cat([rotate(k[..., :r], cos, sin, self.is_rope_interleaved), k[..., r:]], -1)
+        inter = self.is_rope_interleaved
+        q = torch.cat([rotate_pairs(q[..., :r], cos, sin, inter), q[..., r:]], -1)
+        k = torch.cat([rotate_pairs(k[..., :r], cos, sin, inter), k[..., r:]], -1)
         w = self.weights_proj(x).float() * self.num_heads**-0.5
         return q, k[:, 0], w
 

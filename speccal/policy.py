@@ -31,7 +31,7 @@ import numpy as np
 from speccal.base.errors import InputError, UnsupportedError
 from speccal.base.geometry import Geometry
 from speccal.base.vocab import POLICY_DEFAULTS
-from speccal.costmodel.lookup import LookupMemo, evaluate, memoised, scalar
+from speccal.costmodel.lookup import LookupMemo, TableLookup, evaluate, memoised, scalar
 from speccal.costmodel.spread import SpreadPricer
 from speccal.policy_rules import (
     CURVE_RESOLUTION,
@@ -74,12 +74,12 @@ class CostModel:
         longest request runs past its mean KV costs more), or None (a table without one prices
         every round at its mean KV). :meth:`price` adds it where a round's longest KV is known;
         decisions are taken on :meth:`lookup` (the mean KV), live and in replay alike.
-    kv_line : for a table with a KV model, its ``TableLookup.kv_line`` (the cost as a line in
-        KV, ``(base, per_token)`` at ``(bcap, g, k)``) and ``kv_span`` its inclusive KV span;
-        None otherwise. With a memo, :meth:`step_costs` and :meth:`verify_candidates` of one
-        batch size keep the lines of their candidates and price each round's KV on them (a
-        decoding batch's KV moves every round, so the exact-KV memo never hits): the same
-        values in a few microseconds instead of a surface evaluation per round.
+    kv_lines : the table's ``TableLookup`` when it has a KV model (its cost is a line in KV:
+        ``kv_line``, ``surface_on_line``), else None. With a memo, :meth:`step_costs` and
+        :meth:`verify_candidates` of one batch size keep the lines of their candidates and
+        price each round's KV on them (a decoding batch's KV moves every round, so the exact-KV
+        memo never hits): the same values in a few microseconds instead of a surface
+        evaluation per round.
     """
 
     cost: CostFn
@@ -89,9 +89,7 @@ class CostModel:
     k_aware: bool = False
     step_config: AdaptiveStepConfig | None = field(default=None, compare=False)
     spread: SpreadPricer | None = field(default=None, compare=False)
-    kv_line: Callable[..., tuple[np.ndarray, np.ndarray]] | None = field(
-        default=None, compare=False, repr=False)
-    kv_span: tuple[float, float] | None = None
+    kv_lines: TableLookup | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -116,9 +114,13 @@ class CostModel:
             step_config=table_step_config(table),
             spread=None if getattr(table, "kv_spread", None) is None
             else SpreadPricer(table.kv_spread),
-            kv_line=None if lookup.kv_span is None else lookup.kv_line,
-            kv_span=lookup.kv_span,
+            kv_lines=None if lookup.kv_span is None else lookup,
         )
+
+    @property
+    def kv_span(self) -> tuple[float, float] | None:
+        """The inclusive KV span the table's KV model prices (None without one)."""
+        return None if self.kv_lines is None else self.kv_lines.kv_span
 
     @property
     def draft_width(self) -> int:
@@ -165,7 +167,7 @@ class CostModel:
     def _line_key(self, name: str, num_requests: Any, kv_length: Any) -> tuple | None:
         """The memo key of a batch size's candidate lines, or None (no memo, no KV line, or an
         argument that is not a scalar): the caller then evaluates the surface."""
-        if self.memo is None or self.kv_line is None or scalar(kv_length) is None:
+        if self.memo is None or self.kv_lines is None or scalar(kv_length) is None:
             return None
         return self.memo.key(name, (num_requests,))
 
@@ -174,21 +176,15 @@ class CostModel:
         """:meth:`lookup`'s cost as a line in KV (NaN base where a bucket is 0 or the point is
         uncalibrated at every KV)."""
         if self.k_aware:
-            base, per_token = self.kv_line(bcap, g, self.draft_width if k is None else k)
+            base, per_token = self.kv_lines.kv_line(bcap, g,
+                                                    self.draft_width if k is None else k)
         else:
-            base, per_token = self.kv_line(bcap, g)
+            base, per_token = self.kv_lines.kv_line(bcap, g)
         return np.where((bcap > 0) & (g > 0), base, np.nan), per_token
 
     def _on_line(self, line: tuple[np.ndarray, np.ndarray], kv_length: Any) -> np.ndarray:
-        """:meth:`lookup` at ``kv_length`` from a line: the surface's operations (span, then the
-        fitted value, then positivity), so the values are the surface's."""
-        base, per_token = line
-        kv = float(scalar(kv_length))
-        lo, hi = self.kv_span
-        if not lo <= kv <= hi:
-            return np.full(base.shape, np.nan)
-        value = base + per_token * kv
-        return np.where(value > 0, value, np.nan)
+        """:meth:`lookup` at a scalar ``kv_length`` from a line (``surface_on_line``)."""
+        return self.kv_lines.surface_on_line(line, float(scalar(kv_length)))
 
     def step_costs(self, num_requests: np.ndarray, kv_length: np.ndarray) -> np.ndarray:
         """Cost of ``k = 1..w`` full-verify rounds, ``[..., w]``: G = g_for(Bcap, B * (k + 1))."""
@@ -224,9 +220,8 @@ class CostModel:
             return self._verify_candidates(num_requests, kv_length)
 
         def line() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            b = np.asarray(num_requests, dtype=np.int64).reshape(1)
-            gs, bcap = self._budgets(b)
-            return (gs[0],) + self._line_of(np.broadcast_to(bcap[:, None], gs.shape)[0], gs[0])
+            gs, bcap = self._budgets(np.asarray(num_requests, dtype=np.int64).reshape(1))
+            return (gs[0],) + self._line_of(np.full(gs.shape[1], bcap[0]), gs[0])
 
         gs, *at = self.memo.get(key, line)
         return gs, self._on_line(tuple(at), kv_length)
