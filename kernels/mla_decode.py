@@ -18,7 +18,9 @@ cu_q_lens[b + 1]``, the verify layout of the Triton path) or a ``[B, R]`` grid; 
    in the cache's dtype with fp32 accumulation, as flash attention), partial output and
    log-sum-exp to a workspace; splits past the request's keys write an empty partial.
 2. ``_merge_kernel``, grid ``(B * R * heads,)``: the splits merged by their log-sum-exp,
-   written to the cell's row in the query's dtype (cells past a request's rows exit).
+   written to the cell's row in the query's dtype (cells past a request's rows exit); packed
+   rows past ``cu_q_lens[B]`` (a bucket's padding) are zeroed by the cell of the same flat
+   index ``b * R + i`` (no fill launch).
 
 Grids depend only on static shapes (``max_splits`` from the bucket's shape and the block
 table's width; each request's split length is derived from its length in the kernel), so the
@@ -125,9 +127,9 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_ptr, lse_ptr, cu_ptr, out_ptr, R, max_splits, stride_on, stride_oh,
-    PACKED: tl.constexpr, HEADS: tl.constexpr, LAT: tl.constexpr, LAT_P: tl.constexpr,
-    SPLITS_P: tl.constexpr, PDL: tl.constexpr,
+    part_ptr, lse_ptr, cu_ptr, out_ptr, R, max_splits, stride_on, stride_oh, num_b, num_out,
+    PACKED: tl.constexpr, ZERO_TAIL: tl.constexpr, HEADS: tl.constexpr, LAT: tl.constexpr,
+    LAT_P: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pdl_enter(PDL)
@@ -135,9 +137,14 @@ def _merge_kernel(
     b, m = pid // rows, pid % rows
     q_start, q_len = _rows_of(b, cu_ptr, R, PACKED)
     i = m // HEADS
+    lat = tl.arange(0, LAT_P)
+    if ZERO_TAIL:  # the cell's flat row b * R + i, if it is past every request's rows
+        f = b * R + i  # (num_out <= B * R: every padding row is some cell's, once per head)
+        if (f >= tl.load(cu_ptr + num_b)) & (f < num_out):
+            dst = out_ptr + f.to(tl.int64) * stride_on + (m % HEADS) * stride_oh + lat
+            tl.store(dst, tl.zeros([LAT_P], dtype=out_ptr.dtype.element_ty), mask=lat < LAT)
     if i >= q_len:  # a grid cell past the request's rows
         return
-    lat = tl.arange(0, LAT_P)
     sp = tl.arange(0, SPLITS_P)
     top = tl.full([SPLITS_P], float("-inf"), dtype=tl.float32)
     for s0 in range(0, max_splits, SPLITS_P):
@@ -167,7 +174,7 @@ def mla_latent_attention_triton(q, cache, block_table, seq_lens, cu_q_lens, num_
                                 latent_dim, scale, prec, pdl=False) -> torch.Tensor:
     """``ops.mla_latent_attention`` (its arguments, validated there; ``prec``: tl.dot's
     input_precision for fp32 operands, None: Triton's default) on the kernels above: two
-    launches (and a zero fill for packed rows)."""
+    launches (a third, a zero fill, only for packed rows outnumbering the ``B x R`` cells)."""
     n, heads, dim = q.shape
     num_b = block_table.shape[0]
     bs = cache.shape[1]
@@ -179,9 +186,12 @@ def mla_latent_attention_triton(q, cache, block_table, seq_lens, cu_q_lens, num_
     packed = cu_q_lens is not None
     part = torch.empty(num_b * max_splits * rows, lat_p, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_b * max_splits * rows, dtype=torch.float32, device=q.device)
-    # packed: rows past cu_q_lens[B] (a bucket's padding) are no request's: zeros
-    out = (torch.zeros if packed else torch.empty)(n, heads, latent_dim, dtype=q.dtype,
-                                                    device=q.device)
+    # packed: rows past cu_q_lens[B] (a bucket's padding) are no request's: zeros, written by
+    # the merge programs of the cells with those flat rows (a fill launch where there are more
+    # rows than cells)
+    zero_tail = packed and n <= num_b * num_rows
+    out = (torch.zeros if packed and not zero_tail else torch.empty)(
+        n, heads, latent_dim, dtype=q.dtype, device=q.device)
     cu = cu_q_lens if packed else seq_lens
     _split_kernel[(num_b, max_splits, triton.cdiv(rows, _BLOCK_M))](
         q, cache, block_table, seq_lens, cu, part, lse,
@@ -193,8 +203,9 @@ def mla_latent_attention_triton(q, cache, block_table, seq_lens, cu_q_lens, num_
         launch_pdl=pdl,
     )
     _merge_kernel[(num_b * rows,)](
-        part, lse, cu, out, num_rows, max_splits, out.stride(0), out.stride(1),
-        PACKED=packed, HEADS=heads, LAT=latent_dim, LAT_P=lat_p, SPLITS_P=16, PDL=pdl,
+        part, lse, cu, out, num_rows, max_splits, out.stride(0), out.stride(1), num_b, n,
+        PACKED=packed, ZERO_TAIL=zero_tail, HEADS=heads, LAT=latent_dim, LAT_P=lat_p,
+        SPLITS_P=16, PDL=pdl,
         num_warps=4, launch_pdl=pdl,
     )
     return out

@@ -82,6 +82,26 @@ def test_mla_attention_matches_reference(dtype, case):
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize("pad", [1, 9])
+def test_packed_padding_rows_are_zeros(pad):
+    """Packed rows past ``cu_q_lens[B]`` come back zero whether the merge programs write them
+    (``B x R`` cells cover every row: pad 1) or a fill does (more rows than cells: pad 9); the
+    output's memory is poisoned first, so rows nobody writes would show."""
+    b, r, h, lat, rope = 3, 3, 4, 32, 16
+    q, cache, table, seq = _case(5, b, r, h, lat, rope, 16, 4, torch.float32)
+    cu = torch.tensor([0, 2, 3, 5], dtype=torch.int32, device=DEV)  # 5 of the 9 cells' rows
+    n = 5 + pad
+    qp = torch.randn(n, h, lat + rope, generator=torch.Generator().manual_seed(2)).to(DEV)
+    scale = (lat + rope) ** -0.5
+    for _ in range(2):  # the allocator hands the poisoned block back for the same size
+        poison = torch.full((n, h, lat), float("nan"), device=DEV)
+        del poison
+        got = ops.mla_latent_attention(qp, cache, table, seq, cu, r, lat, scale, backend="triton")
+        assert torch.equal(got[5:], torch.zeros_like(got[5:]))
+    want = ops.mla_latent_attention(qp, cache, table, seq, cu, r, lat, scale, backend="reference")
+    assert (got[:5] - want[:5]).abs().max() < 1e-5
+
+
 def test_keys_past_the_length_are_never_read():
     """Keys at or past ``seq_lens`` (and every key a row's position hides) do not move the
     output: poisoned with NaN, the result is unchanged and finite."""
