@@ -2,7 +2,7 @@
 
 This module owns the named groups a round reads (:class:`HostFacts`, :class:`RequestRows`,
 :class:`ExtendRows`, :class:`StepRows`, :class:`VerifyRows`: frozen, keyword-only, a shape next to
-every field), their arena layout (:func:`round_layout`, :func:`derived_shapes`) and
+every field; the captured parts' device scratch, :class:`RoundScratch`), their arena layout (:func:`round_layout`, :func:`derived_shapes`) and
 :class:`StaticInputs`: for each named input a device buffer and a host staging
 buffer (pinned on CUDA / NPU) of the largest size any bucket needs. All names live in one device
 arena and one host arena (byte offsets in declaration order), so a round's inputs reach the
@@ -252,6 +252,43 @@ def derived_shapes(bcap: int, draft_width: int, k: int,
         "step": {"pos": steps, "slot": steps, "seq": steps},
         "ver": {"grid": (g,), "pos": (g,), "slot": (g,), "row": (g,), "drafts": (bcap, k)},
     }
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundScratch:
+    """Device scratch of the captured parts, sized at the largest bucket and viewed per round
+    (nothing inside a captured region allocates; a test checks). Rows: the target's ``g``
+    (<= ``bcap * (k + 1)``) and the draft extend's ``bcap * (w + 1)``, plus the trash grid row.
+    """
+
+    iota: torch.Tensor  # [rows + 1] int64: 0 .. rows (read only)
+    zero: torch.Tensor  # [max bucket] int64: zeros (read only; k = 0 accepted lengths)
+    ver_ids: torch.Tensor  # [g] int64: in-graph update's verify input tokens
+    ver_pos: torch.Tensor  # [g] int64: ... their positions
+    ver_slot: torch.Tensor  # [g] int64: ... their KV slots
+    ver_seq: torch.Tensor  # [bcap] int32: ... KV length after the round
+    ver_cu: torch.Tensor  # [bcap + 1] int32: ... packed row offsets
+    ver_keys: torch.Tensor  # [g] int64: ... the LM head's packed argmax keys
+    grid_src: torch.Tensor  # [bcap * (k + 1) + 1] int64: grid row -> packed row
+    packed_cu: torch.Tensor  # [bcap + 1] int64: RoundRunner._packed's cumulative counts
+    num_splits: torch.Tensor  # [bcap] int32: split-KV tiling of one attention call
+    split_len: torch.Tensor  # [bcap] int32: ... keys per split
+    synthetic_scores: torch.Tensor  # [bcap * k] float32: the scores synthetic acceptance uses
+
+    @classmethod
+    def allocate(cls, max_bucket: int, draft_width: int, device: torch.device) -> RoundScratch:
+        rows = max_bucket * (draft_width + 1)
+        i64, i32 = torch.int64, torch.int32
+        b = max(max_bucket, 1)
+        sizes = {"ver_ids": (rows, i64), "ver_pos": (rows, i64), "ver_slot": (rows, i64),
+                 "ver_seq": (b, i32), "ver_cu": (b + 1, i32), "ver_keys": (rows, i64),
+                 "grid_src": (rows + 1, i64), "packed_cu": (rows + 1, i64),
+                 "num_splits": (b, i32), "split_len": (b, i32),
+                 "synthetic_scores": (b * draft_width, torch.float32)}
+        return cls(iota=torch.arange(rows + 1, dtype=i64, device=device),
+                   zero=torch.zeros(b, dtype=i64, device=device),
+                   **{name: torch.zeros(numel, dtype=dtype, device=device)
+                      for name, (numel, dtype) in sizes.items()})
 
 
 #: names only the host writes; every other name is also written by device code (the verify

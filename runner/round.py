@@ -66,6 +66,7 @@ from speccal.runner.buffers import (
     ExtendRows,
     HostFacts,
     RequestRows,
+    RoundScratch,
     StaticInputs,
     StepRows,
     VerifyRows,
@@ -184,8 +185,7 @@ class RoundRunner:
         self.static = path.graph_mode == "split"
         self.max_model_len = max_model_len
         self._plans: dict[tuple[int, int], object] = {}  # (bcap, rows) -> SplitPlan
-        rows = max_bucket * w1
-        i64, i32 = torch.int64, torch.int32
+        i64 = torch.int64
         layout = round_layout(max_bucket, draft_width, max_blocks_per_seq)
         self.inputs = StaticInputs(layout, device, device_written=frozenset(layout) - HOST_ONLY,
                                    num_host_slots=2)
@@ -199,27 +199,8 @@ class RoundRunner:
         self._derived_views: dict[tuple[int, int, int], tuple] = {}
         pin = is_pinnable(device)
         self._host_drafts = torch.zeros(max_bucket * draft_width, dtype=i64, pin_memory=pin)
-        # device scratch of the captured parts, sized at the largest bucket and viewed per
-        # round: nothing inside a captured region allocates (a test checks). Rows: the target's
-        # G (<= bcap * (k + 1)) and the draft extend's bcap * (w + 1), plus the trash grid row.
-        self._iota = torch.arange(rows + 1, dtype=i64, device=device)  # 0 .. rows
-        self._zero = torch.zeros(max(max_bucket, 1), dtype=i64, device=device)  # read only
-        self._scratch = {
-            name: torch.zeros(numel, dtype=dtype, device=device) for name, (numel, dtype) in {
-                "ver_ids": (rows, i64),  # in-graph update: verify input tokens [G]
-                "ver_pos": (rows, i64),  # ... their positions [G]
-                "ver_slot": (rows, i64),  # ... their KV slots [G]
-                "ver_seq": (max_bucket, i32),  # ... KV length after the round [bcap]
-                "ver_cu": (max_bucket + 1, i32),  # ... packed row offsets [bcap + 1]
-                "ver_keys": (rows, i64),  # ... the LM head's packed argmax keys [G]
-                "grid_src": (rows + 1, i64),  # grid row -> packed row [bcap * (k + 1) (+ 1)]
-                "packed_cu": (rows + 1, i64),  # _packed's cumulative counts [bcap + 1]
-                "num_splits": (max_bucket, i32),  # split-KV tiling of one attention call [bcap]
-                "split_len": (max_bucket, i32),
-                # synthetic acceptance: the draft scores its acceptance uses [bcap, k]
-                "synthetic_scores": (max_bucket * draft_width, torch.float32),
-            }.items()
-        }
+        # device scratch of the captured parts (largest bucket, viewed per round)
+        self._scratch = RoundScratch.allocate(max_bucket, draft_width, device)
         # one pinned result buffer per staging slot, filled by a copy queued at the
         # end of execute (before the next round can overwrite the device outputs)
         self._out_tok = [
@@ -395,10 +376,10 @@ class RoundRunner:
         shapes, no host read.
         """
         bcap = counts.shape[0]
-        cu = self._scratch["packed_cu"][: bcap + 1]
+        cu = self._scratch.packed_cu[: bcap + 1]
         cu[:1].zero_()
         torch.cumsum(counts, 0, out=cu[1:])
-        p = self._iota[:num_rows]
+        p = self._scratch.iota[:num_rows]
         b = torch.searchsorted(cu[1:], p, right=True).clamp(max=bcap - 1)
         return b, p - cu[b], p < cu[-1], cu
 
@@ -439,10 +420,10 @@ class RoundRunner:
             e.seq.copy_(torch.where(real, lens, r))
             e.last.copy_(cu[1:] - 1)
             if k > 1:
-                j = self._iota[1:k, None]  # [k - 1, 1]
+                j = self._scratch.iota[1:k, None]  # [k - 1, 1]
                 spos = lens[None, :] + j - 1  # draft step j + 1 writes position L + j - 1
                 sreal = real[None, :].expand_as(spos)
-                bb = self._iota[None, :bcap].expand_as(spos)
+                bb = self._scratch.iota[None, :bcap].expand_as(spos)
                 st.pos.copy_(torch.where(sreal, spos, j - 1))
                 st.slot.copy_(
                     self._slot_of(bt, bb.reshape(-1), spos.reshape(-1), sreal.reshape(-1))
@@ -511,7 +492,7 @@ class RoundRunner:
     def _tiling(self, seq: torch.Tensor, plan):  # [B] int32 -> (num_splits, split_len) | None
         if plan is None:
             return None
-        tiling = self._scratch["num_splits"][: len(seq)], self._scratch["split_len"][: len(seq)]
+        tiling = self._scratch.num_splits[: len(seq)], self._scratch.split_len[: len(seq)]
         ops.attention_tiling_update(seq, *tiling, plan, tune=self.path.kernels)
         return tiling
 
@@ -560,7 +541,7 @@ class RoundRunner:
         target part's acceptance draws against (None for the other modes)."""
         if self.acceptance != "synthetic":
             return None
-        return self._scratch["synthetic_scores"][: bcap * k].view(bcap, k)
+        return self._scratch.synthetic_scores[: bcap * k].view(bcap, k)
 
     def target_part(self, x: RoundInputs, draft_tokens: torch.Tensor) -> RoundOutputs:
         """Verify input update, target forward, acceptance, slot-state update (no host sync).
@@ -578,11 +559,11 @@ class RoundRunner:
         if x.update == "in_graph":
             kx = self.path.kernels
             sc = self._scratch
-            ids, pos, slot = sc["ver_ids"][:g], sc["ver_pos"][:g], sc["ver_slot"][:g]
-            seq, cu = sc["ver_seq"][:bcap], sc["ver_cu"][: bcap + 1]
-            src = sc["grid_src"][: bcap * (k + 1)]  # grid -> packed row
+            ids, pos, slot = sc.ver_ids[:g], sc.ver_pos[:g], sc.ver_slot[:g]
+            seq, cu = sc.ver_seq[:bcap], sc.ver_cu[: bcap + 1]
+            src = sc.grid_src[: bcap * (k + 1)]  # grid -> packed row
             # the LM head's packed argmax keys (ops.ArgmaxKeys), zeroed by the metadata update
-            keys = (sc["ver_keys"][:g]
+            keys = (sc.ver_keys[:g]
                     if fast and g <= FUSED_HEAD_MAX_ROWS and kx.gemv.argmax_keys else None)
             nv32 = facts.nv32
             # each request's pending token is gathered from the slot state inside the launch
@@ -635,9 +616,9 @@ class RoundRunner:
             # grid row past the end): the grid is gathered, as the in-graph path does; grid rows
             # no packed row fills (past a request's num_verify, padding requests) point at row
             # 0 and are never read
-            src = self._scratch["grid_src"][: bcap * (k + 1) + 1]
+            src = self._scratch.grid_src[: bcap * (k + 1) + 1]
             src.zero_()
-            src.index_copy_(0, v.row, self._iota[:g])
+            src.index_copy_(0, v.row, self._scratch.iota[:g])
             src = src[:-1]
             if fast:
                 # argmax only: under TP from the shards' (max, index) keys, no logits gathered
@@ -652,7 +633,7 @@ class RoundRunner:
         if fast:
             if k == 0:
                 out = grid_tok.long()
-                num_accepted = self._zero[:bcap]
+                num_accepted = self._scratch.zero[:bcap]
             else:
                 num_accepted, out = sampling.accept_tokens(
                     self.acceptance, draft_tokens, grid_tok, facts.num_verify,
@@ -660,7 +641,7 @@ class RoundRunner:
         elif k == 0:
             out = sampling.sample_plain(grid_logits[:, 0], *self._row_params(slot_index),
                                         self.generator)[:, None]
-            num_accepted = self._zero[:bcap]
+            num_accepted = self._scratch.zero[:bcap]
         else:
             num_accepted, out = sampling.accept(
                 self.acceptance, draft_tokens, grid_logits, facts.num_verify,
