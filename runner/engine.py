@@ -53,7 +53,14 @@ from speccal.runner.moe import RoutedMoE, round_counts, routed_modules
 from speccal.runner.prefill import prefill
 from speccal.runner.prompt_source import PromptSource
 from speccal.runner.request import Request
-from speccal.runner.results import PlanFn, RoundPlan, RoundResult, RoundState
+from speccal.runner.results import (
+    PlanFn,
+    RoundPlan,
+    RoundResult,
+    RoundState,
+    check_plan,
+    round_shape,
+)
 from speccal.runner.round import RoundInputs
 from speccal.runner.sampling import SamplingParams, check_supported
 from speccal.runner.stats import SpecStats
@@ -246,55 +253,6 @@ class Engine(EngineBuild):
                 self._finish(req)
         return num_tokens, finished
 
-    def _check_plan(self, plan: RoundPlan, n: int) -> tuple[int, np.ndarray | None]:
-        """``(k, verify_tokens [B])``; verify_tokens is None under a verify budget (device)."""
-        k = plan.num_draft_steps
-        w = self.config.draft_width
-        if self.config.speculative:
-            if not isinstance(k, int) or not 1 <= k <= w:
-                raise InputError("num_draft_steps", k, f"an integer in [1, {w}] (draft_width)")
-        elif k != 0:
-            raise InputError(
-                "num_draft_steps", k, "0 (the engine was built with speculative=False)"
-            )
-        if plan.verify_budget is not None:
-            self._check_budget(plan, k, n)
-            return k, None
-        if plan.verify_tokens is None:
-            return k, np.full(n, k, dtype=np.int64)
-        nv = np.asarray(list(plan.verify_tokens), dtype=np.int64)
-        if nv.shape != (n,) or (nv < 0).any() or (nv > k).any():
-            raise InputError(
-                "verify_tokens",
-                list(plan.verify_tokens),
-                f"{n} integers in [0, {k}] (one per running request)",
-            )
-        return k, nv
-
-    def _check_budget(self, plan: RoundPlan, k: int, n: int) -> None:
-        budget = plan.verify_budget
-        if plan.verify_tokens is not None:
-            raise InputError(
-                "verify_budget", budget, "None when verify_tokens is given (one or the other)"
-            )
-        if not isinstance(budget, (int, np.integer)) or budget < n:
-            raise InputError(
-                "verify_budget", budget, f"an integer >= {n} target rows (one per request)"
-            )
-        w = self.config.draft_width
-        if k != w:
-            raise InputError(
-                "num_draft_steps",
-                k,
-                f"{w} (draft_width) with verify_budget: the draft runs full width",
-            )
-
-    def _budget_rows(self, budget: int, n: int, bcap: int) -> tuple[int | None, int]:
-        """``(G, draft rows)`` of a verify budget: the largest target bucket of ``bcap`` that
-        fits ``budget`` (else the smallest holding the ``n`` bonus rows) and ``min(G, budget) - n``."""
-        g = self.geometry.g_within(bcap, int(budget), n)
-        return g, (min(g, int(budget)) - n if g is not None else 0)
-
     def _resolve(self, plan: RoundPlan | PlanFn, batch: list[Request]) -> tuple[RoundPlan, int, np.ndarray | None]:
         """The round's plan (callback called for a non-empty batch) and its ``(k, verify [B])``."""
         n = len(batch)
@@ -308,24 +266,9 @@ class Engine(EngineBuild):
                 plan = plan(state)
                 if not isinstance(plan, RoundPlan):
                     raise InputError("plan callback result", plan, "a RoundPlan")
-        k, nv = self._check_plan(plan, n)
+        k, nv = check_plan(plan, n, draft_width=self.config.draft_width,
+                           speculative=self.config.speculative)
         return plan, k, nv
-
-    def _shape(self, plan: RoundPlan, n: int, k: int, nv: np.ndarray | None) -> tuple[int, int, int | None]:
-        """``(Bcap, G, budget draft rows or None)`` of a round over ``n`` requests."""
-        bcap = self.geometry.bcap_for(n)
-        if bcap is None:
-            raise CapacityError(f"no captured request bucket for {n} requests")
-        budget_rows = None
-        if nv is None:  # verify budget: allocated on the device from this round's scores
-            g, budget_rows = self._budget_rows(plan.verify_budget, n, bcap)
-            rows = n
-        else:
-            rows = int((nv + 1).sum())
-            g = self.geometry.g_for(bcap, rows) if k > 0 else self.geometry.g_for(bcap, bcap)
-        if g is None:
-            raise CapacityError(f"no captured target bucket for {n} requests / {rows} target rows")
-        return bcap, g, budget_rows
 
     @staticmethod
     def _empty_result(k: int, first: dict[int, int], finished: list[int], num_prefill: int) -> RoundResult:
@@ -389,7 +332,7 @@ class Engine(EngineBuild):
         n = len(batch)
         plan, k, nv = self._resolve(plan, batch)
         if n > 0:
-            bcap, g, budget_rows = self._shape(plan, n, k, nv)
+            bcap, g, budget_rows = round_shape(plan, n, k, nv, self.geometry)
             bound = np.array(
                 [r.num_computed + sum(f.k + 1 for f in self._inflight if r.rid in f.rids)
                  for r in batch],

@@ -1,4 +1,5 @@
 """What a round is asked to run and what it returns: :class:`RoundPlan` (the policy's choice),
+what it means for the engine's buckets (:func:`check_plan`, :func:`round_shape`),
 :class:`RoundState` (what a plan callback sees) and :class:`RoundResult` (the host-side result
 of one ``Engine.step``)."""
 
@@ -8,6 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from speccal.base.errors import CapacityError, InputError
+from speccal.base.geometry import Geometry
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,60 @@ class RoundPlan:
     num_draft_steps: int
     verify_tokens: Sequence[int] | None = None
     verify_budget: int | None = None
+
+
+def check_plan(plan: RoundPlan, n: int, *, draft_width: int,
+               speculative: bool) -> tuple[int, np.ndarray | None]:
+    """``(k, verify_tokens [B])`` of a plan over ``n`` running requests, each field checked
+    (``InputError`` naming it); verify_tokens is None under a verify budget (device)."""
+    k, w = plan.num_draft_steps, draft_width
+    if speculative:
+        if not isinstance(k, int) or not 1 <= k <= w:
+            raise InputError("num_draft_steps", k, f"an integer in [1, {w}] (draft_width)")
+    elif k != 0:
+        raise InputError("num_draft_steps", k, "0 (the engine was built with speculative=False)")
+    budget = plan.verify_budget
+    if budget is not None:
+        if plan.verify_tokens is not None:
+            raise InputError(
+                "verify_budget", budget, "None when verify_tokens is given (one or the other)")
+        if not isinstance(budget, (int, np.integer)) or budget < n:
+            raise InputError(
+                "verify_budget", budget, f"an integer >= {n} target rows (one per request)")
+        if k != w:
+            raise InputError("num_draft_steps", k,
+                             f"{w} (draft_width) with verify_budget: the draft runs full width")
+        return k, None
+    if plan.verify_tokens is None:
+        return k, np.full(n, k, dtype=np.int64)
+    nv = np.asarray(list(plan.verify_tokens), dtype=np.int64)
+    if nv.shape != (n,) or (nv < 0).any() or (nv > k).any():
+        raise InputError("verify_tokens", list(plan.verify_tokens),
+                         f"{n} integers in [0, {k}] (one per running request)")
+    return k, nv
+
+
+def round_shape(plan: RoundPlan, n: int, k: int, nv: np.ndarray | None,
+                geometry: Geometry) -> tuple[int, int, int | None]:
+    """``(Bcap, G, budget draft rows or None)`` of a round over ``n > 0`` requests with
+    :func:`check_plan`'s ``(k, nv)``. Under a verify budget ``G`` is the largest target bucket
+    of ``Bcap`` that fits the budget (else the smallest holding the ``n`` bonus rows) and the
+    draft rows are ``min(G, budget) - n``."""
+    bcap = geometry.bcap_for(n)
+    if bcap is None:
+        raise CapacityError(f"no captured request bucket for {n} requests")
+    budget_rows = None
+    if nv is None:  # verify budget: allocated on the device from this round's scores
+        budget = int(plan.verify_budget)
+        g = geometry.g_within(bcap, budget, n)
+        budget_rows = min(g, budget) - n if g is not None else 0
+        rows = n
+    else:
+        rows = int((nv + 1).sum())
+        g = geometry.g_for(bcap, rows) if k > 0 else geometry.g_for(bcap, bcap)
+    if g is None:
+        raise CapacityError(f"no captured target bucket for {n} requests / {rows} target rows")
+    return bcap, g, budget_rows
 
 
 @dataclass(frozen=True, kw_only=True)
