@@ -28,6 +28,12 @@ of ``speccal.runner.sampling.synthetic_draft_scores`` (``--score-informativeness
 adaptive budget's rows go to the drafts of highest prefix survival
 (``speccal.policy_rules.allocate_prefixes``, the rule the device runs) and the round is priced
 at its verify bucket.
+
+On either table it also runs the **verify bound** (``verify-bound``): every round drafts ``w``
+and sends the target exactly the drafts that will pass, known in advance, priced at ``k = w``
+and the G of those rows. No verify policy that drafts full width (adaptive target verify,
+SPEC 6) can beat it on the table, so its gain over the best fixed ``k``
+(``verify_bound_vs_best_fixed_pct``) says what adaptive verify can win at all on a workload.
 """
 
 from __future__ import annotations
@@ -61,8 +67,13 @@ def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0
              informativeness: float = 0.0) -> dict:
     """One run of a resolved workload (``bench_sweep.resolve``) under ``policy``: tokens,
     priced milliseconds, rounds and per-phase tokens / ms. ``informativeness``: the synthetic
-    scores' (target_verify tables)."""
+    scores' (target_verify tables). ``policy`` None: the verify bound (every round drafts
+    ``w`` and sends the target exactly the drafts that will pass, known in advance; priced at
+    ``k = w`` and the G of those rows on either table mode, or the next G the table prices at
+    ``k = w``: a draft-step table has no k = w round below its partly filled batches' G): what
+    no verify policy that drafts full width can beat on this table."""
     verify = cost.mode == "target_verify"
+    bound = policy is None
     w = cost.draft_width
     mt = np.asarray(spec["max_tokens"], dtype=np.float64)
     prompt = np.asarray(spec["prompt_lens"], dtype=np.float64)
@@ -77,8 +88,8 @@ def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0
         idx = np.flatnonzero(gen < mt)
         b = idx.size
         kv = prompt[idx] + gen[idx]
-        d = policy.decide(BatchState(round_index=rounds, num_requests=b,
-                                     kv_length=float(kv.mean())))
+        d = None if bound else policy.decide(BatchState(round_index=rounds, num_requests=b,
+                                                        kv_length=float(kv.mean())))
         phase = 0 if len(levels) == 1 or emitted < phase_at * total else 1
         q = np.asarray(profile(levels[phase], w))
         scores = None
@@ -87,7 +98,11 @@ def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0
             q = scores
         draws = rng.random((b, w)) < q  # every position drawn: the same stream for every k
         bcap = int(cost.bcap(b))
-        if verify:
+        k = w if bound else d.k
+        if bound:
+            acc = np.cumprod(draws, axis=1).sum(axis=1)
+            g = int(cost.g(bcap, b + int(acc.sum())))
+        elif verify:
             g = int(d.g)
             nv = (np.asarray(d.verify_tokens) if d.verify_tokens is not None
                   else allocate_prefixes(scores, g - b))
@@ -96,7 +111,14 @@ def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0
             acc = np.minimum(np.cumprod(draws, axis=1).sum(axis=1), d.k)
             g = int(cost.g(bcap, b * (d.k + 1)))
         ms = float(cost.price(np.array([bcap]), np.array([g]), np.array([kv.mean()]),
-                              d.k, np.array([kv.max()]))[0])
+                              k, np.array([kv.max()]))[0])
+        if bound and not (math.isfinite(ms) and ms > 0):  # a draft-step table prices k = w
+            # rounds only from the G its partly filled batches verify: the next that it prices
+            for g in (x for x in cost.geometry.target_rows[bcap] if x > g):
+                ms = float(cost.price(np.array([bcap]), np.array([g]), np.array([kv.mean()]),
+                                      k, np.array([kv.max()]))[0])
+                if math.isfinite(ms) and ms > 0:
+                    break
         if not (math.isfinite(ms) and ms > 0):
             raise ValueError(f"{spec['name']}: the table does not price Bcap {bcap}, G {g}, "
                              f"KV {kv.mean():.0f} (round {rounds})")
@@ -106,9 +128,10 @@ def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0
         t_ms += ms
         by_phase[phase][0] += float(step.sum())
         by_phase[phase][1] += ms
-        pending.append(Feedback(round_index=rounds, k=d.k, accepted=acc.astype(np.int64),
+        pending.append(Feedback(round_index=rounds, k=k, accepted=acc.astype(np.int64),
                                 draft_scores=scores))
-        if len(pending) == 2:  # pipelined: round r observed after round r + 1 was planned
+        if len(pending) == 2 and not bound:  # pipelined: round r observed after round r + 1
+            # was planned
             policy.observe(pending.pop(0))
         rounds += 1
     return {"tokens": emitted, "ms": t_ms, "rounds": rounds,
@@ -120,12 +143,14 @@ def workload(cost: CostModel, spec: dict, cfg: AdaptiveStepConfig, seeds: int,
              informativeness: float = 0.0) -> dict:
     """Every policy on one workload, ``seeds`` runs each: median tokens/s, the adaptive gain
     over the best fixed ``k`` and over the per-phase oracle (each phase at its best fixed ``k``'s
-    rate, weighted by the adaptive runs' tokens in that phase)."""
+    rate, weighted by the adaptive runs' tokens in that phase), and the verify bound's
+    (:func:`simulate` without a policy) over the best fixed ``k``."""
     w = cost.draft_width
     makers = {f"fixed:{k}": (lambda k=k: FixedPolicy(cost, k)) for k in range(1, w + 1)}
     ad = "adaptive-verify" if cost.mode == "target_verify" else "adaptive-step"
     makers[ad] = ((lambda: AdaptiveVerifyPolicy(cost)) if ad == "adaptive-verify"
                   else (lambda: AdaptiveStepPolicy(cost, cfg)))
+    makers["verify-bound"] = lambda: None
     runs = {name: [simulate(cost, spec, make(), 1000 + s, informativeness=informativeness)
                    for s in range(seeds)]
             for name, make in makers.items()}
@@ -146,6 +171,7 @@ def workload(cost: CostModel, spec: dict, cfg: AdaptiveStepConfig, seeds: int,
         "adaptive": ad,
         "gain_vs_best_fixed_pct": 100.0 * (med[ad] / med[best] - 1.0),
         "gain_vs_phase_oracle_pct": 100.0 * (med[ad] / oracle - 1.0),
+        "verify_bound_vs_best_fixed_pct": 100.0 * (med["verify-bound"] / med[best] - 1.0),
     }
 
 
@@ -204,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         out["by_max_tokens"][str(mt)] = {
             f"{ad}_vs_best_fixed_pct_sweep_min": min(gains),
             f"{ad}_vs_best_fixed_pct_phased_min": min(phased) if phased else None,
+            "verify_bound_vs_best_fixed_pct_sweep_min": min(
+                d["verify_bound_vs_best_fixed_pct"] for d in docs),
             "workloads": docs,
         }
         print(f"max_tokens {mt}: {ad} vs best fixed min {min(gains):+.2f} %, "
@@ -211,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         for d in docs:
             print(f"  {d['workload']['name']:28s} best {d['best_fixed']}  "
                   f"{d['gain_vs_best_fixed_pct']:+6.2f} % vs best fixed  "
-                  f"{d['gain_vs_phase_oracle_pct']:+6.2f} % vs phase oracle", file=sys.stderr)
+                  f"{d['gain_vs_phase_oracle_pct']:+6.2f} % vs phase oracle  verify bound "
+                  f"{d['verify_bound_vs_best_fixed_pct']:+6.2f} %", file=sys.stderr)
     text = json.dumps(out, indent=1, sort_keys=True, default=float)
     if args.json_out:
         Path(args.json_out).write_text(text)

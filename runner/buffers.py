@@ -2,7 +2,8 @@
 
 This module owns the named groups a round reads (:class:`HostFacts`, :class:`RequestRows`,
 :class:`ExtendRows`, :class:`StepRows`, :class:`VerifyRows`: frozen, keyword-only, a shape next to
-every field; the captured parts' device scratch, :class:`RoundScratch`), their arena layout (:func:`round_layout`, :func:`derived_shapes`) and
+every field; the captured parts' device scratch, :class:`RoundScratch`), their arena layout
+(:func:`round_layout`, :func:`derived_shapes`) and
 :class:`StaticInputs`: for each named input a device buffer and a host staging
 buffer (pinned on CUDA / NPU) of the largest size any bucket needs. All names live in one device
 arena and one host arena (byte offsets in declaration order), so a round's inputs reach the

@@ -38,7 +38,8 @@ def test_simulated_sweep_runs_every_policy_to_completion_deterministically(tmp_p
         assert part["adaptive_step_vs_best_fixed_pct_phased_min"] == pytest.approx(
             ws[1]["gain_vs_best_fixed_pct"])
         for w in ws:
-            assert set(w["tokens_per_s"]) == {"fixed:1", "fixed:2", "fixed:3", "adaptive-step"}
+            assert set(w["tokens_per_s"]) == {"fixed:1", "fixed:2", "fixed:3", "adaptive-step",
+                                              "verify-bound"}
             assert all(v > 0 for v in w["tokens_per_s"].values())
             r = w["rounds"]
             if not w["workload"]["phased"]:  # easy throughout: more drafts, fewer rounds
@@ -94,9 +95,12 @@ def test_simulated_verify_sweep_scores_drafts_as_the_engine_does(tmp_path):
         ws = part["workloads"]
         assert part["adaptive_verify_vs_best_fixed_pct_sweep_min"] == pytest.approx(
             min(w["gain_vs_best_fixed_pct"] for w in ws))
+        assert part["verify_bound_vs_best_fixed_pct_sweep_min"] == pytest.approx(
+            min(w["verify_bound_vs_best_fixed_pct"] for w in ws))
         for w in ws:
             assert w["adaptive"] == "adaptive-verify"
-            assert set(w["tokens_per_s"]) == {"fixed:1", "fixed:2", "fixed:3", "adaptive-verify"}
+            assert set(w["tokens_per_s"]) == {"fixed:1", "fixed:2", "fixed:3", "adaptive-verify",
+                                              "verify-bound"}
             assert all(v > 0 for v in w["tokens_per_s"].values())
 
     assert docs["0"]["score_informativeness"] == 0.0 and docs["1"]["score_informativeness"] == 1.0
@@ -106,3 +110,29 @@ def test_simulated_verify_sweep_scores_drafts_as_the_engine_does(tmp_path):
                            str(again), *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0 and json.loads(again.read_text()) == docs[None]
+
+
+@pytest.mark.parametrize("table", ["tiny-cpu-draft-step.json", "tiny-cpu.json"])
+def test_the_verify_bound_emits_what_full_width_emits_on_fewer_rows(table):
+    """The verify bound (no policy: every round drafts w and verifies exactly the drafts that
+    pass) draws as ``fixed:w`` does: the same tokens in the same rounds, each round on at most
+    fixed:w's target rows, so never priced above it where the table's cost grows with G; its
+    gain over the best fixed k is reported per workload with the sweep's minimum."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from bench_sweep import BY_NAME, resolve
+        from sim_sweep import simulate
+
+        from speccal.costmodel.table import load_table
+        from speccal.policy import CostModel, FixedPolicy
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    t = load_table(ROOT / "tables" / table)
+    cost = CostModel.from_table(t)
+    w = cost.draft_width
+    spec = resolve(BY_NAME["n6-short-easy-to-hard"], tuple(t.calibration.request_buckets), 48,
+                   (8, 40))
+    full = simulate(cost, spec, FixedPolicy(cost, w), 7)
+    bound = simulate(cost, spec, None, 7)
+    assert bound["tokens"] == full["tokens"] and bound["rounds"] == full["rounds"]
+    assert 0 < bound["ms"] <= full["ms"] * (1 + 1e-9)
