@@ -159,7 +159,9 @@ def survival(scores: np.ndarray) -> np.ndarray:
     Scores are clipped to ``[0, 1]`` so survival never increases along a prefix; NaN (not
     drafted) counts as 0.
     """
-    s = np.clip(np.nan_to_num(np.asarray(scores, dtype=np.float64), nan=0.0), 0.0, 1.0)
+    # fmax first: NaN -> 0 (fmax takes the number), then at most 1 (np.clip's values, without
+    # nan_to_num's passes)
+    s = np.fmin(np.fmax(np.asarray(scores, dtype=np.float64), 0.0), 1.0)
     return np.cumprod(s, axis=-1)
 
 
@@ -288,11 +290,18 @@ def choose_budget(
     lo = np.minimum(np.floor(x).astype(np.int64), n - 1)
     hi = np.minimum(lo + 1, n - 1)
     frac = x - lo
-    f = np.take_along_axis(curve, lo, -1) * (1 - frac) + np.take_along_axis(curve, hi, -1) * frac
+    if curve.ndim == 1 and lo.ndim == 1:  # one batch (the live policy): plain indexing
+        f = curve[lo] * (1 - frac) + curve[hi] * frac
+    else:
+        f = (np.take_along_axis(curve, lo, -1) * (1 - frac)
+             + np.take_along_axis(curve, hi, -1) * frac)
     score = b[..., None] * (1.0 + f) / costs
     score = np.where((budgets > 0) & np.isfinite(score), score, -np.inf)
     best = np.argmax(score, axis=-1)
-    best_score = np.take_along_axis(score, best[..., None], -1)[..., 0]
-    chosen = np.take_along_axis(budgets, best[..., None], -1)[..., 0]
+    if score.ndim == 1:
+        best_score, chosen = score[best], budgets[best]
+    else:
+        best_score = np.take_along_axis(score, best[..., None], -1)[..., 0]
+        chosen = np.take_along_axis(budgets, best[..., None], -1)[..., 0]
     ok = np.isfinite(best_score)
     return np.where(ok, chosen, full), np.where(ok, best_score, np.nan)

@@ -281,6 +281,30 @@ def test_survival_curve_end_points_and_batch_agree():
     np.testing.assert_allclose(both[1], survival_curve(pad[1]))
 
 
+def test_survival_clips_scores_and_counts_nan_as_zero():
+    s = survival(np.array([[np.nan, 0.5], [1.5, 0.5], [-0.2, 0.9], [np.inf, -np.inf],
+                           [0.8, np.nan]], dtype=np.float32))
+    assert s.tolist() == [[0.0, 0.0], [1.0, 0.5], [0.0, 0.0], [1.0, 0.0],
+                          [pytest.approx(0.8), 0.0]]
+
+
+def test_one_batchs_budget_equals_its_row_of_the_vectorised_choice():
+    """The live policy's one-batch call and replay's rounds-at-once call pick the same budget
+    with the same score, to the bit (live and replayed decisions must agree)."""
+    rng = np.random.default_rng(3)
+    cost = linear_cost(mode="target_verify")
+    for _ in range(100):
+        b = int(rng.integers(1, 9))
+        curve = survival_curve(rng.uniform(0, 1, size=(b, 4)))
+        budgets, costs = cost.verify_candidates(b, 100.0)
+        if rng.random() < 0.3:
+            costs = np.where(rng.random(costs.shape) < 0.5, np.nan, costs)
+        one = choose_budget(curve, b, budgets, costs)
+        many = choose_budget(np.stack([curve, curve]), np.array([b, b]),
+                             np.stack([budgets, budgets]), np.stack([costs, costs]))
+        assert one[0] == many[0][1] and np.array_equal(one[1], many[1][0], equal_nan=True)
+
+
 def test_allocation_is_prefix_closed_highest_survival_first():
     rng = np.random.default_rng(4)
     for _ in range(200):
