@@ -97,6 +97,8 @@ def test_simulated_verify_sweep_scores_drafts_as_the_engine_does(tmp_path):
             min(w["gain_vs_best_fixed_pct"] for w in ws))
         assert part["verify_bound_vs_best_fixed_pct_sweep_min"] == pytest.approx(
             min(w["verify_bound_vs_best_fixed_pct"] for w in ws))
+        assert part["verify_bound_vs_best_fixed_pct_phased_min"] == pytest.approx(
+            min(w["verify_bound_vs_best_fixed_pct"] for w in ws if w["workload"]["phased"]))
         for w in ws:
             assert w["adaptive"] == "adaptive-verify"
             assert set(w["tokens_per_s"]) == {"fixed:1", "fixed:2", "fixed:3", "adaptive-verify",
