@@ -99,27 +99,27 @@ def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0
         draws = rng.random((b, w)) < q  # every position drawn: the same stream for every k
         bcap = int(cost.bcap(b))
         k = w if bound else d.k
+        passed = np.cumprod(draws, axis=1).sum(axis=1)  # drafts that pass, of all w
         if bound:
-            acc = np.cumprod(draws, axis=1).sum(axis=1)
+            acc = passed
             g = int(cost.g(bcap, b + int(acc.sum())))
         elif verify:
             g = int(d.g)
             nv = (np.asarray(d.verify_tokens) if d.verify_tokens is not None
                   else allocate_prefixes(scores, g - b))
-            acc = np.minimum(np.cumprod(draws, axis=1).sum(axis=1), nv)
+            acc = np.minimum(passed, nv)
         else:
-            acc = np.minimum(np.cumprod(draws, axis=1).sum(axis=1), d.k)
+            acc = np.minimum(passed, d.k)
             g = int(cost.g(bcap, b * (d.k + 1)))
-        ms = float(cost.price(np.array([bcap]), np.array([g]), np.array([kv.mean()]),
-                              k, np.array([kv.max()]))[0])
-        if bound and not (math.isfinite(ms) and ms > 0):  # a draft-step table prices k = w
-            # rounds only from the G its partly filled batches verify: the next that it prices
-            for g in (x for x in cost.geometry.target_rows[bcap] if x > g):
-                ms = float(cost.price(np.array([bcap]), np.array([g]), np.array([kv.mean()]),
-                                      k, np.array([kv.max()]))[0])
-                if math.isfinite(ms) and ms > 0:
-                    break
-        if not (math.isfinite(ms) and ms > 0):
+        # the bound on a draft-step table: k = w rounds are priced only from the G its partly
+        # filled batches verify, so a G below them pays the next G the table prices
+        tried = [g] + ([x for x in cost.geometry.target_rows[bcap] if x > g] if bound else [])
+        for gg in tried:
+            ms = float(cost.price(np.array([bcap]), np.array([gg]), np.array([kv.mean()]),
+                                  k, np.array([kv.max()]))[0])
+            if math.isfinite(ms) and ms > 0:
+                break
+        else:
             raise ValueError(f"{spec['name']}: the table does not price Bcap {bcap}, G {g}, "
                              f"KV {kv.mean():.0f} (round {rounds})")
         step = np.minimum(1.0 + acc, mt[idx] - gen[idx])
@@ -128,11 +128,11 @@ def simulate(cost: CostModel, spec: dict, policy, seed: int, phase_at: float = 0
         t_ms += ms
         by_phase[phase][0] += float(step.sum())
         by_phase[phase][1] += ms
-        pending.append(Feedback(round_index=rounds, k=k, accepted=acc.astype(np.int64),
-                                draft_scores=scores))
-        if len(pending) == 2 and not bound:  # pipelined: round r observed after round r + 1
-            # was planned
-            policy.observe(pending.pop(0))
+        if not bound:  # pipelined: round r observed after round r + 1 was planned
+            pending.append(Feedback(round_index=rounds, k=k, accepted=acc.astype(np.int64),
+                                    draft_scores=scores))
+            if len(pending) == 2:
+                policy.observe(pending.pop(0))
         rounds += 1
     return {"tokens": emitted, "ms": t_ms, "rounds": rounds,
             "tokens_per_s": 1000.0 * emitted / t_ms,
