@@ -359,8 +359,9 @@ def parse_args(argv=None):
     ap.add_argument("--linear-attention", default="", help="comma list of "
                     "kernels.linear_attention impls to time against each other (fla,fused); "
                     "empty: the stage is skipped")
-    ap.add_argument("--la-strategy", default="snapshots", choices=STATE_STRATEGIES,
-                    help="state strategy of the --linear-attention verify engines")
+    ap.add_argument("--la-strategy", default="snapshots", help="comma list of state "
+                    "strategies of the --linear-attention verify engines (the first gives "
+                    "hybrid_verify_full_width_ratio, each its verify_ms_b1.<strategy>)")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -371,6 +372,11 @@ def parse_args(argv=None):
     bad = sorted(set(args.linear_attention) - {"fla", "fused"})
     if bad:
         ap.error(f"--linear-attention {bad}: expected impls among fla, fused")
+    args.la_strategy = [s for s in args.la_strategy.split(",") if s]
+    bad = sorted(set(args.la_strategy) - set(STATE_STRATEGIES))
+    if bad or not args.la_strategy:
+        ap.error(f"--la-strategy {bad or args.la_strategy}: expected strategies among "
+                 f"{', '.join(STATE_STRATEGIES)}")
     odd = args.skip - {"hf", "compile", "strategies", "greedy"}
     if odd:
         ap.error(f"--skip {sorted(odd)}: expected stages among hf, compile, strategies, greedy")
@@ -592,23 +598,29 @@ def linear_attention_stage(args, engine, res: dict, vocab: int) -> dict[str, dic
         row["tokens_plain"] = generate(plain, [prompt], params, 0)[0]
         del plain
         free(resolve_device(args.device))
-        spec = engine(acceptance="forced", request_buckets=(1,), kernels=kernels,
-                      state_strategy=args.la_strategy)
-        fill(spec, 1, w, args.kv)
-        if spec.runner.graphs is not None:
-            update = spec.runner.resolve_update(1, w, w + 1)
-            row["verify_ms_b1"] = target_ms(spec, 1, w, w + 1, update, args.repeats)
-            row["hybrid_verify_full_width_ratio"] = (row["verify_ms_b1"]
-                                                     / row["decode_step_ms_b1"])
-            # where the verify's time goes next to the decode step's (issue 38's <= 1.15)
-            row["verify_breakdown_b1"] = breakdown(
-                spec, GraphKey("target", 1, w, w + 1, update, "greedy"), top=40)
-            if "breakdown_b1" in row:
-                log_breakdown_delta(row["breakdown_b1"], row["verify_breakdown_b1"])
-        del spec
-        free(resolve_device(args.device))
+        for strategy in args.la_strategy:
+            spec = engine(acceptance="forced", request_buckets=(1,), kernels=kernels,
+                          state_strategy=strategy)
+            fill(spec, 1, w, args.kv)
+            if spec.runner.graphs is not None:
+                update = spec.runner.resolve_update(1, w, w + 1)
+                ms = target_ms(spec, 1, w, w + 1, update, args.repeats)
+                row[f"verify_ms_b1.{strategy}"] = ms
+                row[f"verify_ratio.{strategy}"] = ms / row["decode_step_ms_b1"]
+                # where the verify's time goes next to the decode step's (issue 38's <= 1.15)
+                key = GraphKey("target", 1, w, w + 1, update, "greedy")
+                row[f"verify_breakdown_b1.{strategy}"] = brk = breakdown(spec, key, top=40)
+                if "breakdown_b1" in row:
+                    log(f"verify ({strategy}) {ms:.3f} ms, "
+                        f"{ms / row['decode_step_ms_b1']:.3f}x the decode step")
+                    log_breakdown_delta(row["breakdown_b1"], brk)
+                if strategy == args.la_strategy[0]:
+                    row["verify_ms_b1"] = ms
+                    row["hybrid_verify_full_width_ratio"] = ms / row["decode_step_ms_b1"]
+            del spec
+            free(resolve_device(args.device))
         greedy = engine(acceptance="greedy", request_buckets=(1,), kernels=kernels,
-                        state_strategy=args.la_strategy)
+                        state_strategy=args.la_strategy[0])
         row["tokens_k1"] = generate(greedy, [prompt], params, 1)[0]
         del greedy
         free(resolve_device(args.device))
@@ -660,6 +672,8 @@ def record(res: dict, args) -> None:
                 ("hybrid_decode_step_floor_ratio", "x"),
                 ("hybrid_decode_kernels_per_step_b1", "launches"),
                 ("hybrid_verify_full_width_ratio", "x"))]
+            rows += [(f"hybrid_verify_full_width_ratio.{impl}.{strategy}",
+                      row.get(f"verify_ratio.{strategy}"), "x") for strategy in args.la_strategy]
     append_results({"metric": m, "value": v, "unit": u, "device": res["versions"]["device_name"],
                     "commit": commit, "date": date, "command": command, "model": args.model,
                     "dtype": args.dtype} for m, v, u in rows if v is not None)

@@ -45,7 +45,8 @@
 #   fusedla     the fused gated delta-net kernels (KernelConfig.linear_attention.impl=fused):
 #               their CUDA tests, the engine against transformers on them (the gate for making
 #               them the default), then bench/bench_hybrid.py --linear-attention fla,fused
-#   fusedbench  fusedla's bench alone: bench/bench_hybrid.py --linear-attention fla,fused
+#   fusedbench  fusedla's bench alone: bench/bench_hybrid.py --linear-attention fused (the
+#               default; FUSED_IMPLS=fla,fused times the fla plan beside it)
 #   hybrid      bench/bench_hybrid.py (torch.compile peer skipped) [hybrid_* metrics]
 #   hybridhf    bench/bench_hybrid.py decode vs transformers with torch.compile tried
 #               [hybrid_decode_speedup_vs_hf_b1 against the fastest configuration]
@@ -197,7 +198,9 @@ run() {
                 grep -E "^(FAILED|ERROR)|passed|failed" "$d/tests.log" | tail -20 ;;
             fusedbench)
                 timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" \
-                    --skip compile,hf,strategies,greedy --linear-attention fla,fused --record \
+                    --skip compile,hf,strategies,greedy --linear-attention "${FUSED_IMPLS:-fused}" \
+                    --la-strategy snapshots,scratch_swap \
+                    --record \
                     --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1
                 echo "rc=$?"; tail -60 "$d/log.txt" ;;
             moebench)

@@ -228,3 +228,27 @@ def test_the_verify_breakdown_names_what_grows(capsys):
     assert [b[-1] for b in body[:3]] == ["delta", "snap", "gemv"]  # +40, +7, +4
     assert body[0][0] == "+40.0" and body[1][2] == "->"
     assert body[-2][-2:] == ["(all", "kernels)"] and body[-2][0] == "+51.0"
+
+
+def test_linear_attention_stage_both_strategies(tmp_path):
+    """``--linear-attention fused --la-strategy snapshots,scratch_swap``: an engine per strategy
+    (the verify timings need captured graphs: CUDA only), the plain and K = 1 tokens of the
+    first; an unknown strategy is refused by name before anything runs."""
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, "qwen3_5")
+    base = [sys.executable, str(BENCH), "--device", "cpu", "--model", str(folder), "--kv", "24",
+            "--repeats", "2", "--draft-width", "2", "--check-tokens", "6",
+            "--skip", "hf,compile,strategies,greedy", "--linear-attention", "fused"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    bad = subprocess.run(base + ["--out", str(tmp_path / "bad"), "--la-strategy",
+                                 "snapshots,rollback"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert bad.returncode == 2 and "--la-strategy ['rollback']" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    proc = subprocess.run(base + ["--out", str(tmp_path / "out"), "--la-strategy",
+                                  "snapshots,scratch_swap"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads((tmp_path / "out" / "hybrid.json").read_text())["linear_attention"]["fused"]
+    assert len(row["tokens_plain"]) == len(row["tokens_k1"]) == 6
+    assert row["tokens_plain"] == row["tokens_k1"]  # fp32, greedy: speculation changes nothing
