@@ -43,6 +43,7 @@ SWEEP = (
     dict(gate_up_n=16, gate_up_k=128),
     dict(gate_up_k=128),
     dict(gate_up_n=32, num_stages=4),
+    dict(gate_up_n=32, down_k=64, num_stages=4),  # 32 x 64, 4 stages for both: a common M = 1 tile
     dict(gate_up_n=32, gate_up_k=128, num_stages=3),
     dict(down_n=16),
     dict(down_n=16, down_k=256),
