@@ -53,16 +53,17 @@ SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returne
 @triton.jit
 def _conv_cols(state_row, x_req, offs_c, c_ok, cols, cols_ok, stride_sc, stride_st,
                stride_xr, stride_xc, KM1: tl.constexpr):
-    """Columns ``cols [J]`` of the virtual ``[state (K - 1) | rows (R)]`` sequence for the
-    channels ``offs_c``: ``[BLOCK_C, J]`` in the rows' dtype (the state converted as torch's
+    """Columns ``cols [M, J]`` of the virtual ``[state (K - 1) | rows (R)]`` sequence for the
+    channels ``offs_c``: ``[BLOCK_C, M, J]`` in the rows' dtype (the state converted as torch's
     ``conv_state.to(x.dtype)``)."""
-    is_state = cols < KM1
-    mask = c_ok[:, None] & cols_ok[None, :]
-    s = tl.load(state_row + offs_c[:, None] * stride_sc + cols[None, :] * stride_st,
-                mask=mask & is_state[None, :], other=0.0)
-    x = tl.load(x_req + (cols - KM1)[None, :] * stride_xr + offs_c[:, None] * stride_xc,
-                mask=mask & ~is_state[None, :], other=0.0)
-    return tl.where(is_state[None, :], s.to(x.dtype), x)
+    is_state = (cols < KM1)[None, :, :]
+    c3 = offs_c[:, None, None]
+    mask = c_ok[:, None, None] & cols_ok[None, :, :]
+    s = tl.load(state_row + c3 * stride_sc + cols[None, :, :] * stride_st,
+                mask=mask & is_state, other=0.0)
+    x = tl.load(x_req + (cols - KM1)[None, :, :] * stride_xr + c3 * stride_xc,
+                mask=mask & ~is_state, other=0.0)
+    return tl.where(is_state, s.to(x.dtype), x)
 
 
 @triton.jit
@@ -71,50 +72,60 @@ def _conv_update_kernel(
     C, stride_xb, stride_xr, stride_xc, stride_ss, stride_sc, stride_st, stride_wc, stride_wk,
     stride_ob, stride_or, stride_oc, stride_pb, stride_pr, stride_pc, stride_pt,
     stride_rb, stride_rr,
-    R: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_WRITE: tl.constexpr, HAS_NV: tl.constexpr, HAS_SNAP: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
+    R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_WRITE: tl.constexpr, HAS_NV: tl.constexpr,
+    HAS_SNAP: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
+    # every row at once, each window loaded before anything is stored (a load after a store
+    # the compiler cannot prove apart waits for it); rows are the middle axis of [C, RP, taps]
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
     taps = tl.arange(0, BLOCK_K)
+    ri = tl.arange(0, RP)
+    r_ok = ri < R
     KM1: tl.constexpr = K - 1
     w = tl.load(w_ptr + offs_c[:, None] * stride_wc + taps[None, :] * stride_wk,
                 mask=c_ok[:, None] & (taps < K)[None, :], other=0.0).to(tl.float32)
     state_row = state_ptr + tl.load(read_ptr + b).to(tl.int64) * stride_ss
     x_req = x_ptr + b.to(tl.int64) * stride_xb
     win_ok = taps < KM1
-    win_offs = offs_c[:, None] * stride_sc + taps[None, :] * stride_st
-    win_mask = c_ok[:, None] & win_ok[None, :]
-    for i in tl.static_range(R):
-        full = _conv_cols(state_row, x_req, offs_c, c_ok, i + taps, taps < K, stride_sc,
-                          stride_st, stride_xr, stride_xc, KM1)
-        acc = tl.sum(full.to(tl.float32) * w, axis=1)
-        y = acc / (1.0 + tl.exp(-acc))
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + i * stride_or + offs_c * stride_oc,
-                 y.to(out_ptr.dtype.element_ty), mask=c_ok)
-        if HAS_SNAP or HAS_ROWS:  # the window after row i: columns i + 1 .. i + K - 1
-            win = _conv_cols(state_row, x_req, offs_c, c_ok, i + 1 + taps, win_ok, stride_sc,
-                             stride_st, stride_xr, stride_xc, KM1)
-            if HAS_SNAP:
-                tl.store(snap_ptr + b.to(tl.int64) * stride_pb + i * stride_pr
-                         + offs_c[:, None] * stride_pc + taps[None, :] * stride_pt,
-                         win.to(snap_ptr.dtype.element_ty), mask=win_mask)
-            if HAS_ROWS:
-                row = tl.load(rows_ptr + b * stride_rb + i * stride_rr).to(tl.int64)
-                tl.store(state_ptr + row * stride_ss + win_offs,
-                         win.to(state_ptr.dtype.element_ty), mask=win_mask)
+    cols = ri[:, None] + taps[None, :]  # [RP, taps]: row i's inputs are columns i .. i + K - 1
+    full = _conv_cols(state_row, x_req, offs_c, c_ok, cols,
+                      r_ok[:, None] & (taps < K)[None, :], stride_sc, stride_st, stride_xr,
+                      stride_xc, KM1)
+    acc = tl.sum(full.to(tl.float32) * w[:, None, :], axis=2)  # [BLOCK_C, RP]
+    y = acc / (1.0 + tl.exp(-acc))
+    if HAS_SNAP or HAS_ROWS:  # the window after row i: columns i + 1 .. i + K - 1
+        win_mask = r_ok[:, None] & win_ok[None, :]
+        wins = _conv_cols(state_row, x_req, offs_c, c_ok, cols + 1, win_mask, stride_sc,
+                          stride_st, stride_xr, stride_xc, KM1)  # [BLOCK_C, RP, taps]
     if HAS_WRITE:  # the window ending at the last real row
         if HAS_NV:
             nv = tl.load(nv_ptr + b).to(tl.int32)
         else:
             nv = R
-        win = _conv_cols(state_row, x_req, offs_c, c_ok, nv + taps, win_ok, stride_sc,
-                         stride_st, stride_xr, stride_xc, KM1)
+        last = _conv_cols(state_row, x_req, offs_c, c_ok, nv + taps[None, :], win_ok[None, :],
+                          stride_sc, stride_st, stride_xr, stride_xc, KM1)  # [BLOCK_C, 1, taps]
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + ri[None, :] * stride_or
+             + offs_c[:, None] * stride_oc, y.to(out_ptr.dtype.element_ty),
+             mask=c_ok[:, None] & r_ok[None, :])
+    c3 = offs_c[:, None, None]
+    t3 = taps[None, None, :]
+    if HAS_SNAP:
+        tl.store(snap_ptr + b.to(tl.int64) * stride_pb + ri[None, :, None] * stride_pr
+                 + c3 * stride_pc + t3 * stride_pt, wins.to(snap_ptr.dtype.element_ty),
+                 mask=c_ok[:, None, None] & win_mask[None, :, :])
+    if HAS_ROWS:
+        rows = tl.load(rows_ptr + b * stride_rb + ri * stride_rr, mask=r_ok, other=0).to(tl.int64)
+        tl.store(state_ptr + rows[None, :, None] * stride_ss + c3 * stride_sc + t3 * stride_st,
+                 wins.to(state_ptr.dtype.element_ty),
+                 mask=c_ok[:, None, None] & win_mask[None, :, :])
+    if HAS_WRITE:
         tl.debug_barrier()  # every read of the read slot before the (maybe same) write slot
         dst = state_ptr + tl.load(write_ptr + b).to(tl.int64) * stride_ss
-        tl.store(dst + win_offs, win.to(state_ptr.dtype.element_ty), mask=win_mask)
+        tl.store(dst + c3 * stride_sc + t3 * stride_st, last.to(state_ptr.dtype.element_ty),
+                 mask=c_ok[:, None, None] & win_ok[None, None, :])
 
 
 def conv_update_triton(
@@ -140,7 +151,8 @@ def conv_update_triton(
         num_valid if num_valid is not None else read_slots, snap, rows,
         chans, *x.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         *snap.stride(), *rows.stride(),
-        R=num_r, K=kernel, BLOCK_C=CONV_BLOCK_C, BLOCK_K=triton.next_power_of_2(kernel),
+        R=num_r, RP=max(2, triton.next_power_of_2(num_r)), K=kernel, BLOCK_C=CONV_BLOCK_C,
+        BLOCK_K=triton.next_power_of_2(kernel),
         HAS_WRITE=write_slots is not None, HAS_NV=num_valid is not None,
         HAS_SNAP=snapshots is not None, HAS_ROWS=snapshot_rows is not None, num_warps=4,
     )
@@ -148,9 +160,9 @@ def conv_update_triton(
 
 
 @triton.jit
-def _l2normed(ptr, offs, ok, eps):
-    x = tl.load(ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    return x * tl.math.rsqrt(tl.sum(x * x, 0) + eps)
+def _row_of(x, sel):
+    """Row ``i`` of a ``[RP, N]`` tile (``sel = rows == i``, ``[RP]``): ``[N]``, exact."""
+    return tl.sum(tl.where(sel[:, None], x, 0.0), 0)
 
 
 @triton.jit
@@ -163,7 +175,7 @@ def _delta_rule_kernel(
     stride_ob, stride_or, stride_oh, stride_pb, stride_pr, stride_ph, stride_pk, stride_pv,
     stride_rb, stride_rr,
     scale, eps, HV, GROUP, DK, DV,
-    R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    R: tl.constexpr, RP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_WRITE: tl.constexpr, HAS_NV: tl.constexpr, HAS_SNAP: tl.constexpr,
     HAS_ROWS: tl.constexpr,
 ):
@@ -179,19 +191,38 @@ def _delta_rule_kernel(
     tile_ok = k_ok[:, None] & v_ok[None, :]
     src = state_ptr + tl.load(read_ptr + b).to(tl.int64) * stride_ss + h * stride_sh
     s = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
-    if HAS_NV:
+    # every row's inputs are loaded before the recurrence stores anything (a load after a store
+    # the compiler cannot prove apart waits for it: one memory round trip a row otherwise)
+    ri = tl.arange(0, RP)
+    r_ok = ri < R
+    qk_ok = r_ok[:, None] & k_ok[None, :]
+    q_all = tl.load(q_ptr + b * stride_qb + ri[:, None] * stride_qr + hk * stride_qh
+                    + offs_k[None, :], mask=qk_ok, other=0.0).to(tl.float32)  # [RP, BLOCK_K]
+    k_all = tl.load(k_ptr + b * stride_kb + ri[:, None] * stride_kr + hk * stride_kh
+                    + offs_k[None, :], mask=qk_ok, other=0.0).to(tl.float32)
+    q_all = q_all * tl.math.rsqrt(tl.sum(q_all * q_all, 1) + eps)[:, None] * scale
+    k_all = k_all * tl.math.rsqrt(tl.sum(k_all * k_all, 1) + eps)[:, None]
+    v_all = tl.load(v_ptr + b * stride_vb + ri[:, None] * stride_vr + h * stride_vh
+                    + offs_v[None, :], mask=r_ok[:, None] & v_ok[None, :],
+                    other=0.0).to(tl.float32)  # [RP, BLOCK_V]
+    g_all = tl.load(g_ptr + b * stride_gb + ri * stride_gr + h * stride_gh, mask=r_ok,
+                    other=0.0).to(tl.float32)  # [RP]
+    beta_all = tl.load(beta_ptr + b * stride_bb + ri * stride_br + h * stride_bh, mask=r_ok,
+                       other=0.0).to(tl.float32)
+    if HAS_NV:  # padding rows: zero decay, zero write
         nv = tl.load(nv_ptr + b).to(tl.int32)
+        g_all = tl.where(ri < nv, g_all, 0.0)
+        beta_all = tl.where(ri < nv, beta_all, 0.0)
+    if HAS_ROWS:
+        pool_rows = tl.load(rows_ptr + b * stride_rb + ri * stride_rr, mask=r_ok,
+                            other=0).to(tl.int64)
     for i in tl.static_range(R):
-        q = _l2normed(q_ptr + b * stride_qb + i * stride_qr + hk * stride_qh, offs_k, k_ok,
-                      eps) * scale
-        k = _l2normed(k_ptr + b * stride_kb + i * stride_kr + hk * stride_kh, offs_k, k_ok, eps)
-        v = tl.load(v_ptr + b * stride_vb + i * stride_vr + h * stride_vh + offs_v, mask=v_ok,
-                    other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + b * stride_gb + i * stride_gr + h * stride_gh).to(tl.float32)
-        beta = tl.load(beta_ptr + b * stride_bb + i * stride_br + h * stride_bh).to(tl.float32)
-        if HAS_NV:  # padding rows: zero decay, zero write
-            g = tl.where(i < nv, g, 0.0)
-            beta = tl.where(i < nv, beta, 0.0)
+        sel = ri == i
+        q = _row_of(q_all, sel)
+        k = _row_of(k_all, sel)
+        v = _row_of(v_all, sel)
+        g = tl.sum(tl.where(sel, g_all, 0.0), 0)
+        beta = tl.sum(tl.where(sel, beta_all, 0.0), 0)
         s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
@@ -203,7 +234,7 @@ def _delta_rule_kernel(
                      + offs_k[:, None] * stride_pk + offs_v[None, :] * stride_pv,
                      s.to(snap_ptr.dtype.element_ty), mask=tile_ok)
         if HAS_ROWS:
-            row = tl.load(rows_ptr + b * stride_rb + i * stride_rr).to(tl.int64)
+            row = tl.sum(tl.where(sel, pool_rows, 0), 0)
             tl.store(state_ptr + row * stride_ss + h * stride_sh + tile,
                      s.to(state_ptr.dtype.element_ty), mask=tile_ok)
     if HAS_WRITE:
@@ -242,7 +273,8 @@ def delta_rule_verify_triton(
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
         *ssm_state.stride(), *out.stride()[:3], *snap.stride(), *rows.stride(),
         dk**-0.5, L2NORM_EPS, hv, hv // hk, dk, dv,
-        R=num_r, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        R=num_r, RP=max(2, triton.next_power_of_2(num_r)), BLOCK_K=triton.next_power_of_2(dk),
+        BLOCK_V=block_v,
         HAS_WRITE=write_slots is not None, HAS_NV=num_valid is not None,
         HAS_SNAP=snapshots is not None, HAS_ROWS=snapshot_rows is not None,
         num_warps=warps or 1,
