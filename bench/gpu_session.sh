@@ -31,7 +31,7 @@
 #               round loop at both queue depths, graphs, verify budgets, the hybrid and MLA
 #               engines (a subset of `cuda`, ~2-3 min)
 #   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE, MLA attention and rope-cache Triton
-#               kernels against the reference, routed layers captured in graphs equal to
+#               kernels (and the gated delta-net ones) against the reference, routed layers captured in graphs equal to
 #               eager, the MLA and MoE engines against transformers
 #   moetiles    bench/bench_moe_tiles.py: the routed experts' two kernels under other launch tiles
 #               (moe-16b-a3b's layer, 1 and 8 rows) [moe_expert_kernels_floor_ratio, _best]
@@ -227,7 +227,7 @@ run() {
             moetest)
                 SPECCAL_KERNEL_TEST_DEVICE=cuda timeout "$(left)" $PY -m pytest -m cuda \
                     tests/kernels/test_fused_moe.py tests/kernels/test_mla_decode.py \
-                    tests/kernels/test_mla_rope.py \
+                    tests/kernels/test_mla_rope.py tests/kernels/test_gated_delta.py \
                     tests/runner/test_graphs.py \
                     tests/runner/test_mla_engine.py tests/runner/test_moe_engine.py \
                     -n 8 -v -rfE -p no:cacheprovider > "$d/tests.log" 2>&1
