@@ -30,9 +30,10 @@
 #   pathtest    the CUDA tests of the served path against transformers, attention, the
 #               round loop at both queue depths, graphs, verify budgets, the hybrid and MLA
 #               engines (a subset of `cuda`, ~2-3 min)
-#   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE, MLA attention and rope-cache Triton
-#               kernels (and the gated delta-net ones) against the reference, routed layers captured in graphs equal to
-#               eager, the MLA and MoE engines against transformers
+#   moetest     the CUDA tests of routed MoE / MLA: the fused-MoE, MLA attention and rope-cache
+#               Triton kernels (and the gated delta-net ones) against the reference, routed
+#               layers captured in graphs equal to eager, the MLA and MoE engines against
+#               transformers
 #   moetiles    bench/bench_moe_tiles.py: the routed experts' two kernels under other launch tiles
 #               (moe-16b-a3b's layer, 1 and 8 rows) [moe_expert_kernels_floor_ratio, _best]
 #   moebench    bench/bench_moe.py on moe-16b-a3b (B = 1 and 8, k = 3) [moe_decode_step_floor_ratio,
