@@ -69,7 +69,7 @@ from speccal.runner.linear_attention import (
     StateMeta,
     grid_sources,
 )
-from speccal.runner.model import ModelCapabilities
+from speccal.runner.model import ModelCapabilities, fused_head
 from speccal.runner.moe import RoutedMoE, SwiGLU, bind_real_rows, concat_rows
 from speccal.runner.moe_config import MoEConfig
 from speccal.runner.path import PathBound
@@ -520,14 +520,29 @@ class HybridModel(PathBound, nn.Module):
         freeze_constants(self)
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]``, float32 unless ``upcast`` is False (argmax-only)."""
-        out = self.lm_head(hidden)
+        """``[N, hidden] -> [N, vocab]``, float32 unless ``upcast`` is False (argmax-only); on
+        the fused GEMV kernels on the fused plan, at the rows the dense model's head takes them
+        (:meth:`_fused_head`)."""
+        if self._fused_head(hidden):
+            out = ops.linear(hidden.contiguous(), self.lm_head.weight, tune=self.kx)
+        else:
+            out = self.lm_head(hidden)
         return out.float() if upcast else out
 
+    def _fused_head(self, hidden: torch.Tensor) -> bool:  # hidden [N, hidden]
+        """The LM head on the fused GEMV kernels: the fused plan (:func:`_fused_plan`) and the
+        rows the dense model's head takes them at (``model.fused_head``)."""
+        return _fused_plan(self.path, hidden) and fused_head(hidden, self.path)
+
     def argmax_partials(self, hidden: torch.Tensor,  # [N, hidden]
-                        keys: torch.Tensor | None = None) -> torch.Tensor:  # [N] tokens
-        """Each row's argmax token for ``ops.verify_accept`` (which also takes plain tokens):
-        the LM head runs its torch product here, so ``keys`` (the fused head's) is unused."""
+                        keys: torch.Tensor | None = None):  # as TargetModel.argmax_partials
+        """Each row's argmax for ``ops.verify_accept``, as the dense model's
+        (``TargetModel.argmax_partials``): on the fused kernels the LM head GEMV's packed keys
+        (``keys`` given) or per-tile partials, no logits written; else ``[N]`` tokens from
+        :meth:`logits`."""
+        if self._fused_head(hidden):
+            return ops.linear_argmax(hidden.contiguous(), self.lm_head.weight, keys=keys,
+                                     tune=self.kx)
         return self.logits(hidden, upcast=False).argmax(dim=-1)
 
 
@@ -587,8 +602,9 @@ class HybridMTPHead(PathBound, nn.Module):
         freeze_constants(self)
 
     def logits(self, target: HybridModel, normed: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]`` float32 through the target's LM head."""
-        return target.lm_head(normed).float()
+        """``[N, hidden] -> [N, vocab]`` float32 through the target's LM head
+        (:meth:`HybridModel.logits`: the fused GEMV where it applies)."""
+        return target.logits(normed)
 
     def param_key_map(self, num_target_layers: int) -> dict[str, str]:
         """Module parameter name -> checkpoint key, from the family descriptor."""

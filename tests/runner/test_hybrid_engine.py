@@ -522,19 +522,25 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
     path). The plan is ``linear_attention.impl="fused"``'s (its ops' references here; Qwen3.5's
     linear layers also project q/k/v, z, b, a in one GEMV, ``concat_projections``; the
     attention layers q/k/v in one GEMV and their q/k norms, partial rotary and KV write in one
-    ``ops.rotary_kv_write``); under ``fla`` no fused op runs."""
+    ``ops.rotary_kv_write``; the LM head on the dense model's GEMV); under ``fla`` no fused op runs."""
     from speccal.runner.hybrid import freeze_constants
     from speccal.runner.path import bind_path
 
     folder, refs = family
-    calls = {"plain": 0, "residual": 0, "mlp_gemv": 0, "gemv_norm": 0, "rotary": 0}
+    calls = {"plain": 0, "residual": 0, "mlp_gemv": 0, "gemv_norm": 0, "rotary": 0, "head": 0}
     real, real_linear, real_rotary = ops.rms_norm, ops.linear, ops.rotary_kv_write
+    real_argmax = ops.linear_argmax
+
+    def counted_argmax(*a, **kw):
+        calls["head"] += 1
+        return real_argmax(*a, **kw)
 
     def counted(x, weight, eps, **kw):
         calls["residual" if kw.get("residual") is not None else "plain"] += 1
         return real(x, weight, eps, **kw)
 
     def counted_linear(x, weight, **kw):
+        calls["head"] += weight.shape[0] == SHAPES["vocab_size"]
         calls["mlp_gemv"] += 1
         calls["gemv_norm"] += kw.get("norm") is not None
         return real_linear(x, weight, **kw)
@@ -546,6 +552,7 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
     monkeypatch.setattr(ops, "rms_norm", counted)
     monkeypatch.setattr(ops, "linear", counted_linear)
     monkeypatch.setattr(ops, "rotary_kv_write", counted_rotary)
+    monkeypatch.setattr(ops, "linear_argmax", counted_argmax)
     params, want = _stop_case(refs)
     dense = 0  # the target's dense MLPs (Qwen3-Next's layers here are all routed)
     for k in (0, 3):
@@ -562,8 +569,11 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
     layers = SHAPES["num_hidden_layers"]
     if impl == "fla":  # the plan is off: the torch layers the H200 validated, no fused op
         assert calls == {"plain": 0, "residual": 0, "mlp_gemv": 0, "gemv_norm": 0,
-                         "rotary": 0}, calls
+                         "rotary": 0, "head": 0}, calls
         return
+    # the LM head (target and draft) on the dense model's GEMV (argmax partials in the
+    # argmax-only rounds of the in-graph update, a CUDA path)
+    assert calls["head"] > 0, calls
     attn_layers = layers - eng.loaded.target.num_state_layers
     assert calls["rotary"] >= attn_layers > 0, calls  # decode rows of every attention layer
     # every layer's output projection adds into the stream and writes the post-attention
