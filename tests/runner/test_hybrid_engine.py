@@ -517,12 +517,13 @@ def test_fused_norms_and_mlps_equal_transformers(family, strategy, impl, fused_o
     weight or folded into the GEMV before it: the mixer's output projection adds into the
     stream and writes the post-attention norm, a dense MLP is two GEMVs (gate/up with the
     SwiGLU epilogue; down adding into the stream with the next layer's or the final norm),
-    after a routed MLP the next norm adds its output: the tokens stay transformers', plain and speculative on
-    the mixed batch with a stop, both families (Qwen3-Next's routed MLPs keep the per-op
-    path). The plan is ``linear_attention.impl="fused"``'s (its ops' references here; Qwen3.5's
-    linear layers also project q/k/v, z, b, a in one GEMV, ``concat_projections``; the
-    attention layers q/k/v in one GEMV and their q/k norms, partial rotary and KV write in one
-    ``ops.rotary_kv_write``; the LM head on the dense model's GEMV); under ``fla`` no fused op runs."""
+    after a routed MLP the next norm adds its output: the tokens stay transformers', plain
+    and speculative on the mixed batch with a stop, both families (Qwen3-Next's routed MLPs
+    keep the per-op path). The plan is ``linear_attention.impl="fused"``'s (its ops'
+    references here; Qwen3.5's linear layers also project q/k/v, z, b, a in one GEMV,
+    ``concat_projections``; the attention layers q/k/v in one GEMV and their q/k norms,
+    partial rotary and KV write in one ``ops.rotary_kv_write``; the LM head on the dense
+    model's GEMV); under ``fla`` no fused op runs."""
     from speccal.runner.hybrid import freeze_constants
     from speccal.runner.path import bind_path
 
