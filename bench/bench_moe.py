@@ -145,9 +145,44 @@ def record(res: dict, args) -> None:
                 b = 1 if name == "moe_verify_full_width_ratio" else int(name.rsplit("_b", 1)[1])
                 ctx = {"verify_ms": res[f"verify_b{b}"]["ms"],
                        "decode_ms": res[f"decode_b{b}"]["ms"], "batch": b}
-            lines.append({"metric": name, "value": round(res[name], 4), "unit": "x",
-                          **base, **ctx})
+            if args.tiles is not None:
+                ctx["expert_tiles"] = args.tiles.label()
+            lines.append({"metric": name + (".best_tiles" if args.tiles is not None else ""),
+                          "value": round(res[name], 4), "unit": "x", **base, **ctx})
     append_results(lines)
+
+
+def best_tiles(path: str):
+    """The best one-row tiles of a ``bench_moe_tiles.py`` result (``moe_tiles.json``) as
+    ``ExpertTiles``; ValueError naming the file when it has none."""
+    from speccal.kernels.config import ExpertTiles
+
+    try:
+        best = json.loads(Path(path).read_text())["by_rows"]["1"]["best"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"--tiles-from {path}: {exc!r}; expected a moe_tiles.json with a "
+                         "one-row best") from None
+    if best is None:
+        raise ValueError(f"--tiles-from {path}: no one-row configuration matched the shipped "
+                         "tiles' output")
+    return ExpertTiles(**{f: best[f] for f in ExpertTiles.__dataclass_fields__})
+
+
+def use_tiles(path: str, ap: argparse.ArgumentParser):
+    """Run the routed experts on :func:`best_tiles` of ``path``: ``ops.fused_moe`` imports
+    ``fused_moe_triton`` at each call, so the module attribute is replaced by one bound to
+    those tiles (this process only). Returns the tiles."""
+    import functools
+
+    try:
+        tiles = best_tiles(path)
+    except ValueError as exc:
+        ap.error(str(exc))
+    from speccal.kernels import fused_moe
+
+    fused_moe.fused_moe_triton = functools.partial(fused_moe.fused_moe_triton, tiles=tiles)
+    print(f"routed experts on tiles {tiles.label()} (from {path})", flush=True)
+    return tiles
 
 
 def main() -> None:
@@ -158,7 +193,13 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--draft-width", type=int, default=3)
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--tiles-from", default=None, help="a bench_moe_tiles.py moe_tiles.json: "
+                    "the routed experts run its best one-row tiles instead of the shipped "
+                    "ones (metrics recorded with the suffix .best_tiles)")
     args = ap.parse_args()
+    args.tiles = None
+    if args.tiles_from is not None:
+        args.tiles = use_tiles(args.tiles_from, ap)
     args.batches = sorted({int(v) for v in args.batches.split(",") if v})
     if 1 not in args.batches:
         ap.error(f"--batches {args.batches}: expected 1 among them (the floor ratio uses it)")

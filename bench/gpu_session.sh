@@ -38,6 +38,8 @@
 #               (moe-16b-a3b's layer, 1 and 8 rows) [moe_expert_kernels_floor_ratio, _best]
 #   moebench    bench/bench_moe.py on moe-16b-a3b (B = 1 and 8, k = 3) [moe_decode_step_floor_ratio,
 #               moe_verify_full_width_ratio]
+#   moebest     bench/bench_moe.py at B = 1 with the routed experts on moetiles' best one-row
+#               tiles (run it after moetiles) [moe_decode_step_floor_ratio.best_tiles]
 #   hybridnext  the CUDA tests of the Qwen3-Next (routed) hybrid engine in captured graphs
 #   kvspread    bench/bench_kv_spread.py: a round at one mean KV, uniform vs spread KV lengths
 #               [kv_spread_round_ratio_max]; KVSPREAD_ARGS="--batches 24 --means 300" other points
@@ -130,7 +132,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            fusedbench) min=150 ;; moebench) min=70 ;; moecal) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
+            fusedbench) min=150 ;; moebench) min=70 ;; moebest) min=60 ;; moecal) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
             decode) min=120 ;; hf) min=150 ;; policyhost) min=30 ;; moetiles) min=60 ;; kvspread) min=90 ;; hybridnext) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
@@ -208,6 +210,10 @@ run() {
                 timeout "$(left)" $PY bench/bench_moe.py --out "$d" --record \
                     > "$d/log.txt" 2>&1
                 echo "rc=$?"; cp bench/results.jsonl "$d/results.jsonl"; tail -40 "$d/log.txt" ;;
+            moebest)
+                timeout "$(left)" $PY bench/bench_moe.py --out "$d" --record --batches 1 \
+                    --tiles-from /tmp/w/moetiles/moe_tiles.json > "$d/log.txt" 2>&1
+                echo "rc=$?"; cp bench/results.jsonl "$d/results.jsonl"; tail -12 "$d/log.txt" ;;
             hybridnext)
                 timeout "$(left)" $PY -m pytest -m cuda tests/runner/test_hybrid_engine.py \
                     -k "qwen3_next and graphs" -n 4 -q -rfE -p no:cacheprovider \

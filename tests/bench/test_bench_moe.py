@@ -5,6 +5,7 @@ dense, one routed MTP layer)."""
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -76,3 +77,23 @@ def test_a_plain_round_activates_at_most_top_k_experts_per_row(bench_moe):
     got = bench_moe.step_bytes(engine, counts, 5)
     assert 0 < got["routed"] < got["weights"] < got["total"]
     engine.release(rid)
+
+
+def test_best_tiles_reads_the_one_row_best_and_names_a_bad_file(bench_moe, tmp_path):
+    from speccal.kernels.config import DEFAULT_TILES, ExpertTiles
+
+    want = ExpertTiles(gate_up_n=32, down_k=64, num_stages=4)
+    row = {"tiles": want.label(), "gate_up_n": 32, "gate_up_k": 64, "down_n": 32, "down_k": 64,
+           "num_warps": 4, "num_stages": 4, "ms": 0.05, "equal_to_default": True}
+    doc = {"by_rows": {"1": {"best": row, "default": {**row, "tiles": DEFAULT_TILES.label()}},
+                       "8": {"best": None}}}
+    path = tmp_path / "moe_tiles.json"
+    path.write_text(json.dumps(doc))
+    got = bench_moe.best_tiles(str(path))
+    assert got == want and got.label() == "gu32x64-d32x64-w4-s4"
+    doc["by_rows"]["1"]["best"] = None
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="no one-row configuration"):
+        bench_moe.best_tiles(str(path))
+    with pytest.raises(ValueError, match="moe_tiles.json with a one-row best"):
+        bench_moe.best_tiles(str(tmp_path / "missing.json"))
