@@ -90,9 +90,12 @@ def fill(eng: Engine, batch: int, k: int, kv: int = KV, *, lengths: list[int] | 
 
 
 def target_ms(
-    eng: Engine, batch: int, k: int, g: int, update: str, repeats: int, sampling: str = "greedy"
+    eng: Engine, batch: int, k: int, g: int, update: str, repeats: int, sampling: str = "greedy",
+    grid: bool = False,
 ) -> float:
-    key = GraphKey("target", batch, k, g, update, sampling)
+    """Device time of one target graph's replay (``GraphKey``'s fields; ``grid``: a recurrent
+    target's full-grid verify layout, ``RoundInputs.grid``)."""
+    key = GraphKey("target", batch, k, g, update, sampling, grid)
     return events_ms(lambda: eng.runner.graphs.replay(key), 50, repeats)
 
 

@@ -35,8 +35,10 @@ from speccal.base.errors import UnsupportedError
 
 @dataclass(frozen=True, order=True)
 class GraphKey:
-    """One captured forward: ``part`` is ``draft`` or ``target``; ``g``/``update``/``sampling``
-    target only (``sampling``: ``greedy`` | ``sample``; ``""`` = not chosen, expanded at capture)."""
+    """One captured forward: ``part`` is ``draft`` or ``target``; ``g``/``update``/``sampling``/
+    ``grid`` target only (``sampling``: ``greedy`` | ``sample``; ``""`` = not chosen, expanded at
+    capture; ``grid``: a recurrent target's verify rows are the ``[bcap, k + 1]`` grid in order,
+    ``RoundInputs.grid``)."""
 
     part: str
     bcap: int
@@ -44,6 +46,7 @@ class GraphKey:
     g: int = 0
     update: str = ""
     sampling: str = ""
+    grid: bool = False
 
     @property
     def size(self) -> tuple[int, int, int]:

@@ -224,6 +224,8 @@ class StateStrategy(ABC):
             # row is real: no grid scatter and gather, no masks, in every linear layer
             return StateMeta(rows, rows, 1), self.state
         num_valid = x.host.num_verify + 1  # [bcap]: pending token + verified drafts
+        if x.grid:  # the packed rows are the [bcap, k + 1] grid in order: no row map
+            return self._verify_meta(slots, bcap, k, rows, num_valid, None), self.state
         iota = self._iota[: ver_row.shape[0]]
         grid = ver_row if packed is None else _grid_rows(packed, k + 1, iota)
         if k == 0:
@@ -237,7 +239,7 @@ class StateStrategy(ABC):
     def _verify_meta(self, slots, bcap, k, rows, num_valid, grid) -> StateMeta:
         """The verify forward's rows of request slots ``slots [bcap]``: read ``rows [bcap]``,
         ``num_valid [bcap]`` real rows, ``grid [G]``: each packed row's cell of the
-        ``[bcap, k + 1]`` grid."""
+        ``[bcap, k + 1]`` grid (None: the packed rows are the grid, ``RoundInputs.grid``)."""
 
     def commit(self, x, num_accepted: torch.Tensor) -> None:
         """After acceptance: make each slot's committed row the state after its accepted

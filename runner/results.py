@@ -91,6 +91,21 @@ def round_shape(plan: RoundPlan, n: int, k: int, nv: np.ndarray | None,
     return bcap, g, budget_rows
 
 
+def grid_rows(k: int, g: int, bcap: int, n: int, num_verify: np.ndarray | None,
+              budget_rows: int | None) -> bool:
+    """Whether a verify round's packed target rows are the ``[bcap, k + 1]`` grid in order
+    (``RoundInputs.grid``): ``G = bcap * (k + 1)`` and each of the ``n`` requests verifies all
+    ``k`` drafts, host-chosen (``num_verify [n]``) or under a budget of at least ``n * k``
+    draft rows (the allocation then takes every draft, ``policy_rules.allocate_prefixes``).
+    Requests' rows are packed in order and padding requests have none, so request ``b``'s
+    rows are grid row ``b``'s and the padding rows fill the padding requests' grid rows."""
+    if k == 0 or g != bcap * (k + 1):
+        return False
+    if num_verify is not None:
+        return bool(np.all(num_verify == k))
+    return budget_rows is not None and budget_rows >= n * k
+
+
 @dataclass(frozen=True, kw_only=True)
 class RoundState:
     """What a plan callback sees after admission, before the round is planned.

@@ -80,6 +80,7 @@ from speccal.runner.model import FUSED_HEAD_MAX_ROWS, TargetModel
 from speccal.runner.mtp import MTPHead
 from speccal.runner.path import ExecutionPath
 from speccal.runner.request import Request
+from speccal.runner.results import grid_rows
 from speccal.runner.verify_alloc import allocate_prefixes_device
 
 
@@ -101,6 +102,10 @@ class RoundInputs:
     update: str = "host"  # target input update: "in_graph" (device kernels) | "host"
     sampling: str = "greedy"  # token selection: "greedy" (argmax only) | "sample" (host choice)
     budget_rows: int | None = None  # adaptive verify: draft rows inside G (``G - B``)
+    # recurrent targets: every real request verifies all k drafts and G = bcap * (k + 1), so the
+    # packed verify rows are the [bcap, k + 1] grid in order (padding requests' rows last):
+    # the linear layers take them as they are, no row map (``grid_rows``)
+    grid: bool = False
     stage: int = 0  # host staging slot (inputs and results) of this round
     done: object = None  # device event after the result copy (cuda), else None
 
@@ -341,9 +346,11 @@ class RoundRunner:
         kind = self.sampling_kind(batch, k)
         host_nv = None if num_verify is None else nv[:n].copy()
         r_ext = w1 if self.draft is not None and k > 0 else 1
+        grid = self.state is not None and grid_rows(k, g, bcap, n, host_nv, budget_rows)
         return RoundInputs(num_requests=n, bcap=bcap, k=k, g=g, num_ext_rows=r_ext,
                            num_verify=host_nv, host=host, req=req, ext=ext, step=step, ver=ver,
-                           update=update, sampling=kind, budget_rows=budget_rows, stage=stage)
+                           update=update, sampling=kind, budget_rows=budget_rows, stage=stage,
+                           grid=grid)
 
     def _derived(self, bcap: int, k: int, g: int) -> tuple:  # (req, ext, step, ver)
         """The device-derived groups of a bucket: views of the arena (stable addresses),
@@ -674,6 +681,10 @@ class RoundRunner:
         keys = [replace(key, sampling=s) for key in keys
                 for s in (sampling.selection_kinds(self.acceptance, key.k)
                           if key.part == "target" and not key.sampling else (key.sampling,))]
+        # a recurrent target's full-grid verify shape in both row layouts (RoundInputs.grid)
+        keys += [replace(key, grid=True) for key in keys
+                 if self.state is not None and key.part == "target" and not key.grid
+                 and key.k > 0 and key.g == key.bcap * (key.k + 1)]
         def pre(forwards):
             return precompile(forwards, workers=self.precompile_workers, pool=self.compile_pool)
         with torch.inference_mode():
@@ -699,6 +710,7 @@ class RoundRunner:
         if key.part == "draft":
             return lambda: self._draft_graph(x)
         x.sampling = key.sampling
+        x.grid = key.grid
         drafts = x.ver.drafts
         if captured and key.update == "in_graph" and key.k > 0:
             drafts = self.graphs.outputs[GraphKey("draft", key.bcap, key.k)][0]
@@ -749,7 +761,7 @@ class RoundRunner:
             self._stage_drafts(x, drafts)
             drafts = x.ver.drafts
         if self.graphs is not None:
-            key = GraphKey("target", bcap, k, x.g, x.update, x.sampling)
+            key = GraphKey("target", bcap, k, x.g, x.update, x.sampling, x.grid)
             if key not in self.graphs:
                 raise UnsupportedError(f"no captured target graph for {key}")
             out = self.graphs.replay(key)
@@ -778,3 +790,4 @@ class RoundRunner:
         sc = self._out_sc[x.stage][: bcap * k].numpy().reshape(bcap, k)
         sc = sc[: x.num_requests].copy()
         return tok[:, 0], tok[:, 1], tok[:, 2:], sc
+

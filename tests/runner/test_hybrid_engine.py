@@ -188,6 +188,50 @@ def test_speculative_greedy_equals_transformers_every_accepted_length(family, st
     assert counts["partial"] >= 10 and counts["full"] >= 5 and counts["zero"] >= 5, counts
 
 
+@pytest.mark.parametrize("update", ["host", "in_graph"])
+@pytest.mark.parametrize("strategy", STATE_STRATEGIES)
+def test_grid_verify_rows_skip_the_row_map_and_equal_the_packed_layout(family, strategy,
+                                                                       update, monkeypatch):
+    """``RoundInputs.grid``: a verify round whose requests all verify k drafts at ``G = bcap *
+    (k + 1)`` hands the linear layers its packed rows as the grid (no row map, no gathers);
+    the others keep the row map. Under the oracle draft (partial acceptance) the mixed batch,
+    shrinking by its stop, runs both kinds of round and emits transformers' tokens, and the
+    same run with the row map forced everywhere emits the same tokens."""
+    from speccal.runner import hybrid_state
+    from speccal.runner import round as round_mod
+
+    folder, refs = family
+    params, want = _stop_case(refs)
+    seen = {True: 0, False: 0}
+    real_args = hybrid_state.StateStrategy.verify_args
+
+    def counted(self, x, packed=None):
+        meta, state = real_args(self, x, packed)
+        if x.k > 0:
+            seen[x.grid] += 1
+            assert (meta.row_index is None) == x.grid
+        return meta, state
+
+    monkeypatch.setattr(hybrid_state.StateStrategy, "verify_args", counted)
+    eng = _engine(folder, strategy, input_update=update)
+    got, _, _ = oracle_run(eng, PROMPTS, refs, params, 2, V)
+    assert got == want
+    assert seen[True] > 0 and seen[False] > 0, seen  # both layouts in one run
+    # fewer drafts verified than drafted at the full grid's G (target buckets of full width
+    # only): packed rows, not the grid; the emitted tokens stay transformers'
+    seen[False] = seen[True] = 0
+    eng = _engine(folder, strategy, input_update=update, draft_width=2,
+                  target_rows={b: (3 * b,) for b in (1, 2, 4)})
+    uneven, _ = _run(eng, PROMPTS, params, 2, plan=lambda st: RoundPlan(
+        2, verify_tokens=[(st.round_index + i) % 3 for i in range(st.num_requests)]))
+    assert uneven == want and seen[False] > 0, seen
+    monkeypatch.setattr(round_mod, "grid_rows", lambda *a: False)
+    seen[False] = seen[True] = 0
+    eng = _engine(folder, strategy, input_update=update)
+    forced, _, _ = oracle_run(eng, PROMPTS, refs, params, 2, V)
+    assert forced == got and seen[True] == 0 and seen[False] > 0, seen
+
+
 @pytest.mark.parametrize("strategy", STATE_STRATEGIES)
 def test_in_graph_input_update_equals_transformers(family, strategy):
     """The device-side verify input update (packed rows, ``cu_q_lens`` written on the device;

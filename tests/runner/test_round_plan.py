@@ -63,3 +63,15 @@ def test_plain_decoding_takes_k_0_only():
 def test_past_the_captured_buckets_is_a_capacity_error():
     with pytest.raises(CapacityError, match="9 requests"):
         round_shape(RoundPlan(1), 9, 1, np.ones(9, np.int64), GEO)
+
+
+def test_grid_rows_only_when_every_request_verifies_every_draft_at_the_full_grid():
+    from speccal.runner.results import grid_rows
+
+    full = np.array([2, 2, 2])
+    assert grid_rows(2, 12, 4, 3, full, None)  # 3 requests of bucket 4, G = 4 x 3
+    assert not grid_rows(2, 9, 4, 3, full, None)  # G below the grid
+    assert not grid_rows(2, 12, 4, 3, np.array([2, 1, 2]), None)  # a shorter verify
+    assert not grid_rows(0, 4, 4, 3, np.zeros(3, np.int64), None)  # plain decoding
+    assert grid_rows(2, 12, 4, 3, None, 6) and grid_rows(2, 12, 4, 3, None, 9)  # budget >= 3 x 2
+    assert not grid_rows(2, 12, 4, 3, None, 5)  # the allocation may drop a draft
