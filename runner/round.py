@@ -790,4 +790,3 @@ class RoundRunner:
         sc = self._out_sc[x.stage][: bcap * k].numpy().reshape(bcap, k)
         sc = sc[: x.num_requests].copy()
         return tok[:, 0], tok[:, 1], tok[:, 2:], sc
-

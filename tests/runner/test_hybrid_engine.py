@@ -22,6 +22,7 @@ tokens must still be transformers'.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import json
@@ -230,6 +231,38 @@ def test_grid_verify_rows_skip_the_row_map_and_equal_the_packed_layout(family, s
     eng = _engine(folder, strategy, input_update=update)
     forced, _, _ = oracle_run(eng, PROMPTS, refs, params, 2, V)
     assert forced == got and seen[True] == 0 and seen[False] > 0, seen
+
+
+def test_capture_adds_the_grid_layout_of_full_grid_verify_shapes(family):
+    """``RoundRunner.capture`` on a recurrent target: each target key of a full-grid verify
+    shape (``G = Bcap (k + 1)``, k > 0) also in the grid layout (``GraphKey.grid``), no other;
+    each key's forward (the capture's dry run, here eager on the CPU) runs over the warm-up
+    inputs; a dense target's keys get no grid twin."""
+    folder, _ = family
+    eng = _engine(folder, "snapshots", input_update="in_graph")
+    ran = []
+
+    class Recording:  # a GraphSet that runs each forward once instead of capturing it
+        def capture_all(self, keys, forward, precompile=None):
+            for key in keys:
+                forward(key, False)()
+                ran.append(key)
+
+    eng.runner.graphs = Recording()
+    eng._capture_graphs()
+    targets = [key for key in ran if key.part == "target"]
+    twins = {key for key in targets if key.grid}
+    want = {dataclasses.replace(key, grid=True) for key in targets
+            if not key.grid and key.k > 0 and key.g == key.bcap * (key.k + 1)}
+    assert twins == want and len(twins) >= 3 * W, sorted(twins)
+    assert not any(key.grid for key in ran if key.part == "draft")
+    ran.clear()
+    dense = Engine(EngineConfig.flat(model="tiny", device="cpu", draft_width=2,
+                                     request_buckets=(1, 2), max_model_len=64))
+    dense.runner.graphs = Recording()
+    dense._capture_graphs()
+    assert any(key.part == "target" and key.k > 0 for key in ran)
+    assert not any(key.grid for key in ran)
 
 
 @pytest.mark.parametrize("strategy", STATE_STRATEGIES)
