@@ -166,6 +166,12 @@ def _row_of(x, sel):
 
 
 @triton.jit
+def _elem_of(x, sel):
+    """Element ``i`` of an ``[RP]`` vector (``sel = rows == i``): a scalar, exact."""
+    return tl.sum(tl.where(sel, x, 0), 0)
+
+
+@triton.jit
 def _delta_rule_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, read_ptr, write_ptr, nv_ptr,
     snap_ptr, rows_ptr,
@@ -221,8 +227,8 @@ def _delta_rule_kernel(
         q = _row_of(q_all, sel)
         k = _row_of(k_all, sel)
         v = _row_of(v_all, sel)
-        g = tl.sum(tl.where(sel, g_all, 0.0), 0)
-        beta = tl.sum(tl.where(sel, beta_all, 0.0), 0)
+        g = _elem_of(g_all, sel)
+        beta = _elem_of(beta_all, sel)
         s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
@@ -234,7 +240,7 @@ def _delta_rule_kernel(
                      + offs_k[:, None] * stride_pk + offs_v[None, :] * stride_pv,
                      s.to(snap_ptr.dtype.element_ty), mask=tile_ok)
         if HAS_ROWS:
-            row = tl.sum(tl.where(sel, pool_rows, 0), 0)
+            row = _elem_of(pool_rows, sel)
             tl.store(state_ptr + row * stride_ss + h * stride_sh + tile,
                      s.to(state_ptr.dtype.element_ty), mask=tile_ok)
     if HAS_WRITE:

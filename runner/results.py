@@ -91,6 +91,12 @@ def round_shape(plan: RoundPlan, n: int, k: int, nv: np.ndarray | None,
     return bcap, g, budget_rows
 
 
+def full_grid(k: int, g: int, bcap: int) -> bool:
+    """A verify shape whose target runs the whole ``[bcap, k + 1]`` grid: ``k > 0`` and
+    ``G = bcap * (k + 1)`` (the shape :func:`grid_rows` rounds run at)."""
+    return k > 0 and g == bcap * (k + 1)
+
+
 def grid_rows(k: int, g: int, bcap: int, n: int, num_verify: np.ndarray | None,
               budget_rows: int | None) -> bool:
     """Whether a verify round's packed target rows are the ``[bcap, k + 1]`` grid in order
@@ -99,7 +105,7 @@ def grid_rows(k: int, g: int, bcap: int, n: int, num_verify: np.ndarray | None,
     draft rows (the allocation then takes every draft, ``policy_rules.allocate_prefixes``).
     Requests' rows are packed in order and padding requests have none, so request ``b``'s
     rows are grid row ``b``'s and the padding rows fill the padding requests' grid rows."""
-    if k == 0 or g != bcap * (k + 1):
+    if not full_grid(k, g, bcap):
         return False
     if num_verify is not None:
         return bool(np.all(num_verify == k))

@@ -80,7 +80,7 @@ from speccal.runner.model import FUSED_HEAD_MAX_ROWS, TargetModel
 from speccal.runner.mtp import MTPHead
 from speccal.runner.path import ExecutionPath
 from speccal.runner.request import Request
-from speccal.runner.results import grid_rows
+from speccal.runner.results import full_grid, grid_rows
 from speccal.runner.verify_alloc import allocate_prefixes_device
 
 
@@ -684,7 +684,7 @@ class RoundRunner:
         # a recurrent target's full-grid verify shape in both row layouts (RoundInputs.grid)
         keys += [replace(key, grid=True) for key in keys
                  if self.state is not None and key.part == "target" and not key.grid
-                 and key.k > 0 and key.g == key.bcap * (key.k + 1)]
+                 and full_grid(key.k, key.g, key.bcap)]
         def pre(forwards):
             return precompile(forwards, workers=self.precompile_workers, pool=self.compile_pool)
         with torch.inference_mode():
