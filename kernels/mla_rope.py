@@ -72,13 +72,15 @@ def _rope_cache_kernel(
         tl.store(dst + f, head.to(out_ptr.dtype.element_ty), mask=f < FIRST)
         tl.store(dst + FIRST + j, rot.to(out_ptr.dtype.element_ty), mask=j < ROPE)
     else:
-        rot = _rotated(kpe_ptr + n * stride_kn, cos_row, sin_row, ROPE, ROPE_P, INTERLEAVED)
-        rot = rot.to(kpe_ptr.dtype.element_ty)  # the key's own dtype first, as the reference
+        # the key's own dtype first, as the reference (its own name: the query branch's ``rot``
+        # stays fp32, and a compiled if / else must not give one name two types)
+        key_rot = _rotated(kpe_ptr + n * stride_kn, cos_row, sin_row, ROPE, ROPE_P,
+                           INTERLEAVED).to(kpe_ptr.dtype.element_ty)
         dst = cache_ptr + tl.load(slot_ptr + n).to(tl.int64) * (LAT + ROPE)
         c = tl.arange(0, LAT_P)
         lat = tl.load(lat_ptr + n * stride_ln + c, mask=c < LAT)
         tl.store(dst + c, lat.to(cache_ptr.dtype.element_ty), mask=c < LAT)
-        tl.store(dst + LAT + j, rot.to(cache_ptr.dtype.element_ty), mask=j < ROPE)
+        tl.store(dst + LAT + j, key_rot.to(cache_ptr.dtype.element_ty), mask=j < ROPE)
 
 
 def mla_rope_cache_triton(q_first, q_pe, k_pe, latent, cos, sin, slot_mapping, cache,
