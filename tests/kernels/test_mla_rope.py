@@ -38,10 +38,10 @@ def _case(seed, n, h, first, lat, rope, bs, blocks, dtype):
     if n > 4:
         slots[-2:] = 0  # padding rows: the sentinel slot
     cache = torch.randn(blocks, bs, 1, lat + rope, generator=gen)
-    to = dict(device=DEV)
-    return (q[..., :first].to(**to, dtype=dtype), q[..., first + 2:].to(**to, dtype=dtype),
-            ckv[:, lat:].to(**to, dtype=dtype), latent.to(**to, dtype=dtype), cos.to(DEV),
-            sin.to(DEV), slots.to(DEV), cache.to(**to, dtype=dtype))
+    to = dict(device=DEV, dtype=dtype)
+    q, ckv = q.to(**to), ckv.to(**to)  # moved whole, then sliced: the views keep their strides
+    return (q[..., :first], q[..., first + 2:], ckv[:, lat:], latent.to(**to), cos.to(DEV),
+            sin.to(DEV), slots.to(DEV), cache.to(**to))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
