@@ -2,6 +2,7 @@
 
 Usage: python3 bench/bench_moe_tiles.py [--out DIR] [--rows 1,8] [--tiles LABEL,...]
        [--hidden 2048 --inter 1408 --experts 64 --top-k 6] [--repeats 7] [--record]
+       [--timing graph|eager] [--no-pdl]
        python3 bench/bench_moe_tiles.py --list       (the configurations, no GPU needed)
 
 Why: on the H100 the B = 1 moe-16b-a3b decode step spends ~2.0 ms of its ~4.1 ms in these two
@@ -14,8 +15,13 @@ width 1408, 64 experts, top-6; random bf16 weights stacked as ``ops.fused_moe`` 
 ``--rows`` rows routed uniformly (the first row of consecutive calls to disjoint expert sets,
 so a one-row call does not find its weights in L2 from the call before), the layouts built
 once (``moe_align_triton``), then ``fused_moe_triton`` (gate/up + down) per tile
-configuration, CUDA events, median of ``--repeats`` means of 20 calls. Floor: the weight bytes
-of the experts a call activates (3 x hidden x width x 2 B each, the mean over the calls) over
+configuration. Timing (``--timing``): ``graph`` (default) captures one pass over the calls'
+routings (one call per disjoint expert set) into a CUDA graph, launched with PDL as the served
+graphs are (``--no-pdl``: without), and times its replays (CUDA events, median of ``--repeats``
+means of 20 replays, per call); ``eager`` times 20 Python-launched calls. Eager timing of one
+row measures the launches, not the kernels: at 97e7eb6 on an H100 every tile configuration took
+113-124 us, where the served graphs' profile gives the two kernels ~76 us a layer (3b0d4cc,
+``bench_moe.py``) against a 35 us floor. Floor: the weight bytes of the experts a call activates (3 x hidden x width x 2 B each, the mean over the calls) over
 the device's copy bandwidth measured in the same run (a 1 GiB copy). Every configuration's output
 is checked against the default tiles' (bf16 rounding); one that differs is reported and never
 ranked. Prints a table per row count and writes ``DIR/moe_tiles.json``; ``--record`` appends
@@ -26,6 +32,7 @@ ranked. Prints a table per row count and writes ``DIR/moe_tiles.json``; ``--reco
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -75,6 +82,11 @@ def parse_args(argv=None):
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                    help="graph: replays of a captured pass over the calls (the served way); "
+                    "eager: Python-launched calls (host-bound at one row)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="graph timing without programmatic dependent launch")
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--results", default=None, help="default: bench/results.jsonl")
@@ -118,7 +130,7 @@ def _routings(rows: int, experts: int, top_k: int, device):
 def measure(args) -> dict:
     import torch
     from bench_decode import copy_bandwidth
-    from cuda_timing import events_ms
+    from cuda_timing import capture, events_ms
 
     from speccal.kernels.fused_moe import DEFAULT_TILES, fused_moe_triton, moe_align_triton
 
@@ -129,7 +141,9 @@ def measure(args) -> dict:
     down = (torch.randn(e, h, i, device=dev, generator=gen) * i ** -0.5).bfloat16()
     copy_bw = copy_bandwidth()  # bytes/s of a 1 GiB copy, read + write
     doc = {"device": torch.cuda.get_device_name(dev), "copy_bandwidth_gbs": copy_bw / 1e9,
-           "shape": {"hidden": h, "inter": i, "experts": e, "top_k": k}, "by_rows": {}}
+           "shape": {"hidden": h, "inter": i, "experts": e, "top_k": k}, "by_rows": {},
+           "timing": args.timing + (" + pdl" if args.timing == "graph" and not args.no_pdl
+                                    else "")}
     for rows in args.rows:
         routes = _routings(rows, e, k, dev)
         n_sets = routes.shape[0]
@@ -141,19 +155,28 @@ def measure(args) -> dict:
         floor_ms = active * 3 * h * i * 2 / copy_bw * 1e3
         want = None
         table = []
+        pdl = args.timing == "graph" and not args.no_pdl
         for tiles in args.configs:
-            state = {"s": 0}
+            def call(s, tiles=tiles, x=x, w=w, layouts=layouts, pdl=pdl):
+                return fused_moe_triton(x, w, gate_up, down, *layouts[s], None, pdl=pdl,
+                                        tiles=tiles)
 
-            def call(tiles=tiles, state=state, x=x, w=w, layouts=layouts, n_sets=n_sets):
-                s = state["s"] = (state["s"] + 1) % n_sets
-                return fused_moe_triton(x, w, gate_up, down, *layouts[s], None, tiles=tiles)
-
-            state["s"] = -1
-            out = call()  # set 0
+            out = call(0)
             if want is None:
                 want = out.float()
             ok = bool(torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2))
-            ms = events_ms(call, 20, args.repeats)
+            if args.timing == "graph":
+                graph = capture([functools.partial(call, s) for s in range(n_sets)])
+                ms = events_ms(graph.replay, 20, args.repeats) / n_sets
+                del graph
+            else:
+                state = {"s": -1}
+
+                def cycle(state=state, call=call, n_sets=n_sets):
+                    state["s"] = (state["s"] + 1) % n_sets
+                    return call(state["s"])
+
+                ms = events_ms(cycle, 20, args.repeats)
             table.append({"tiles": tiles.label(), **asdict(tiles), "ms": ms,
                           "floor_ratio": ms / floor_ms, "equal_to_default": ok})
             print(f"rows {rows:3d}  {tiles.label():36s} {ms * 1e3:8.1f} us  "
@@ -180,7 +203,8 @@ def record(doc: dict, args, argv) -> None:
                "date": date.today().isoformat(), "rows": int(rows),
                "command": "python3 bench/bench_moe_tiles.py " + " ".join(argv),
                "copy_bandwidth_gbs": round(doc["copy_bandwidth_gbs"], 1), **doc["shape"],
-               "floor_ms": round(r["floor_ms"], 4), "repeats": args.repeats}
+               "floor_ms": round(r["floor_ms"], 4), "repeats": args.repeats,
+               "timing": doc["timing"]}
         d = r["default"]
         lines.append({"metric": "moe_expert_kernels_floor_ratio",
                       "value": round(d["floor_ratio"], 4), "tiles": d["tiles"],

@@ -32,6 +32,7 @@ def test_the_list_starts_with_the_shipped_tiles_and_has_no_twins():
     (("--rows", "0"), "--rows: got [0]"),
     (("--rows", "a"), "--rows: got 'a'"),
     (("--top-k", "9", "--experts", "8"), "--top-k / --experts: got 9 / 8"),
+    (("--timing", "wall"), "--timing: invalid choice: 'wall'"),
 ])
 def test_bad_options_are_refused_by_name(args, says):
     res = _run(*args)
