@@ -205,7 +205,7 @@ run() {
                     --la-strategy snapshots,scratch_swap \
                     --record \
                     --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1
-                echo "rc=$?"; tail -60 "$d/log.txt" ;;
+                echo "rc=$?"; cp bench/results.jsonl "$d/results.jsonl"; tail -60 "$d/log.txt" ;;
             moebench)
                 timeout "$(left)" $PY bench/bench_moe.py --out "$d" --record \
                     > "$d/log.txt" 2>&1
@@ -249,7 +249,7 @@ run() {
                 timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" --skip compile,hf \
                     --linear-attention fla,fused --record --deadline-s "$(( $(left) - 15 ))" \
                     > "$d/log.txt" 2>&1
-                echo "rc=$?"; tail -20 "$d/log.txt" ;;
+                echo "rc=$?"; cp bench/results.jsonl "$d/results.jsonl"; tail -20 "$d/log.txt" ;;
             hybrid)
                 timeout "$(left)" $PY bench/bench_hybrid.py --out "$d" --skip compile \
                     --deadline-s "$(( $(left) - 15 ))" > "$d/log.txt" 2>&1
