@@ -68,6 +68,9 @@
 #               [decode_speedup_vs_hf_b1, _b8, _b32]
 #   phases      bench/bench_round_phases.py at B = 1 and 8, both loops [round_wall_over_device_b1,
 #               _b8, pipelined_speedup_b1, _b8]
+#   phasesab    bench/bench_round_phases.py at B = 1 on a base tree (PHASES_BASE: a `git archive`
+#               tarball in a carried folder) and this tree, alternated twice on one host
+#               (whether a move in round_wall_over_device_sync_b1 is the code's or the host's)
 #   policyhost  bench/bench_policy_host.py on this host's CPU (SWEEP_TABLE's draft-step table, else
 #               the committed H200 one; then the committed target_verify table)
 #               [adaptive_step_host_us_per_round, adaptive_verify_host_us_per_round]
@@ -134,7 +137,7 @@ run() {
         case $stage in
             fusedbench) min=150 ;; moebench) min=70 ;; moebest) min=60 ;; moecal) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
-            decode) min=120 ;; hf) min=150 ;; policyhost) min=30 ;; moetiles) min=60 ;; kvspread) min=90 ;; hybridnext) min=60 ;;
+            decode) min=120 ;; phasesab) min=150 ;; hf) min=150 ;; policyhost) min=30 ;; moetiles) min=60 ;; kvspread) min=90 ;; hybridnext) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
         esac
         if (( $(left) < min )); then
@@ -374,6 +377,30 @@ PYEOF
                     echo "B=$b rc=$?"
                     tail -14 "$d/log$b.txt"
                 done ;;
+            phasesab)
+                # the B = 1 round phases of a base tree and this one, alternated (base, this,
+                # base, this) on one host: a change in round_wall_over_device_sync_b1 told apart
+                # from a difference between hosts. PHASES_BASE: a `git archive` tarball of the
+                # base commit in a carried folder (e.g. .carry/base.tar)
+                if [[ ! -f "${PHASES_BASE:-}" ]]; then
+                    echo "phasesab: PHASES_BASE=${PHASES_BASE:-<unset>} is not a file"; continue
+                fi
+                local base=/tmp/phases-base here tree r name
+                rm -rf "$base" && mkdir -p "$base" && tar -xf "$PHASES_BASE" -C "$base"
+                here=$(pwd)
+                for r in 1 2; do
+                    for tree in "$base" "$here"; do
+                        name=head; [[ $tree == "$base" ]] && name=base
+                        (cd "$tree" && $PY -m pip install -q --no-build-isolation --no-deps -e . \
+                            > /dev/null 2>&1 && timeout "$(left)" $PY \
+                            bench/bench_round_phases.py --model dense-2b --device cuda \
+                            --pipeline both --modes forced --trim --batch 1 \
+                            --out "$d/$name-$r" > "$d/$name-$r.txt" 2>&1)
+                        echo "$name run $r rc=$?"
+                        grep -E "^forced" "$d/$name-$r.txt"
+                    done
+                done
+                $PY -m pip install -q --no-build-isolation --no-deps -e . > /dev/null 2>&1 ;;
             live*)
                 # the first live stage calibrates the draft-step table in its process, the
                 # later ones load it (three back-to-back processes, as the metric asks)
