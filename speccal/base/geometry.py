@@ -123,12 +123,20 @@ class Geometry:
         object.__setattr__(self, "target_rows", fixed)
 
     def bcap_for(self, num_requests: int) -> int | None:
-        """Smallest captured request bucket holding ``num_requests``; None when none does."""
-        return int(self.pad_requests(num_requests)) or None
+        """Smallest captured request bucket holding ``num_requests``; None when none does (the
+        scalar :meth:`pad_requests`, by bisection: every round asks it on the host)."""
+        buckets = self.request_buckets
+        i = bisect.bisect_left(buckets, num_requests)
+        return buckets[i] if i < len(buckets) else None
 
     def g_for(self, bcap: int, rows: int) -> int | None:
-        """Smallest captured target bucket of ``bcap`` holding ``rows`` rows; None when none does."""
-        return int(self.pad_rows(bcap, rows)) or None
+        """Smallest captured target bucket of ``bcap`` holding ``rows`` rows; None when none does
+        (the scalar :meth:`pad_rows`)."""
+        gs = self.target_rows.get(bcap)
+        if not gs:
+            return None
+        i = bisect.bisect_left(gs, rows)
+        return gs[i] if i < len(gs) else None
 
     def pad_requests(self, num_requests: Any) -> np.ndarray:
         """Vectorised :meth:`bcap_for` (int64, same shape as ``num_requests``); 0 where none holds it."""
