@@ -19,6 +19,12 @@ Triton backend, split graphs, KV 1,024 per request):
 - a kernel breakdown of the B = 1 decode step (torch.profiler: time and launches per kernel).
 Writes ``DIR/moe.json`` after every stage; ``--record`` appends the headline figures to
 bench/results.jsonl. Speed goals live here only.
+
+Kernel switches come from ``SPECCAL_*`` variables (``KernelConfig.from_env``): e.g.
+``SPECCAL_PDL=0`` runs without programmatic dependent launch, so the breakdown's per-kernel
+times are each kernel's own (under PDL a kernel's time includes its wait for the one before).
+A run under a non-default config records its metrics with the suffix ``.kernels_env`` and the
+config beside them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from bench_decode import breakdown, copy_bandwidth, fill, target_ms
 from results import append_results, git_commit
 
+from speccal.kernels.config import KernelConfig
 from speccal.runner.engine import Engine, EngineConfig
 from speccal.runner.moe import routed_modules
 
@@ -81,7 +88,7 @@ def measure(args, res: dict, bw: float, save) -> None:
     from speccal.runner.graphs import GraphKey
 
     common = dict(model=args.model, device="cuda", dtype="bfloat16", attention_backend="triton",
-                  graph_mode="split", max_model_len=KV + 512, block_size=16,
+                  kernels=args.kernels, graph_mode="split", max_model_len=KV + 512, block_size=16,
                   request_buckets=tuple(args.batches),
                   kv_capacity_tokens=max(args.batches) * (KV + 520))
     t0 = time.time()
@@ -145,10 +152,15 @@ def record(res: dict, args) -> None:
                 b = 1 if name == "moe_verify_full_width_ratio" else int(name.rsplit("_b", 1)[1])
                 ctx = {"verify_ms": res[f"verify_b{b}"]["ms"],
                        "decode_ms": res[f"decode_b{b}"]["ms"], "batch": b}
+            suffix = ""
             if args.tiles is not None:
                 ctx["expert_tiles"] = args.tiles.label()
-            lines.append({"metric": name + (".best_tiles" if args.tiles is not None else ""),
-                          "value": round(res[name], 4), "unit": "x", **base, **ctx})
+                suffix += ".best_tiles"
+            if args.kernels != KernelConfig():
+                ctx["kernels"] = args.kernels.to_dict()
+                suffix += ".kernels_env"
+            lines.append({"metric": name + suffix, "value": round(res[name], 4), "unit": "x",
+                          **base, **ctx})
     append_results(lines)
 
 
@@ -198,6 +210,10 @@ def main() -> None:
                     "ones (metrics recorded with the suffix .best_tiles)")
     args = ap.parse_args()
     args.tiles = None
+    try:
+        args.kernels = KernelConfig.from_env()
+    except ValueError as exc:  # InputError: the variable, its value, what was expected
+        ap.error(str(exc))
     if args.tiles_from is not None:
         args.tiles = use_tiles(args.tiles_from, ap)
     args.batches = sorted({int(v) for v in args.batches.split(",") if v})
@@ -205,7 +221,8 @@ def main() -> None:
         ap.error(f"--batches {args.batches}: expected 1 among them (the floor ratio uses it)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res: dict = {"device_name": torch.cuda.get_device_name(), "model": args.model}
+    res: dict = {"device_name": torch.cuda.get_device_name(), "model": args.model,
+                 "kernels": args.kernels.to_dict()}
 
     def save() -> None:
         (out / "moe.json").write_text(json.dumps(res, indent=1))

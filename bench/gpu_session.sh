@@ -38,6 +38,8 @@
 #               (moe-16b-a3b's layer, 1 and 8 rows) [moe_expert_kernels_floor_ratio, _best]
 #   moebench    bench/bench_moe.py on moe-16b-a3b (B = 1 and 8, k = 3) [moe_decode_step_floor_ratio,
 #               moe_verify_full_width_ratio]
+#   moeprof     bench/bench_moe.py at B = 1 with SPECCAL_PDL=0: the decode step's kernels each
+#               timed alone (under PDL a kernel's time includes its wait); a diagnostic
 #   moebest     bench/bench_moe.py at B = 1 with the routed experts on moetiles' best one-row
 #               tiles (run it after moetiles) [moe_decode_step_floor_ratio.best_tiles]
 #   hybridnext  the CUDA tests of the Qwen3-Next (routed) hybrid engine in captured graphs
@@ -135,7 +137,7 @@ run() {
     local stage min
     for stage in "$@"; do
         case $stage in
-            fusedbench) min=150 ;; moebench) min=70 ;; moebest) min=60 ;; moecal) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
+            fusedbench) min=150 ;; moebench) min=70 ;; moeprof) min=60 ;; moebest) min=60 ;; moecal) min=150 ;; dscold*) min=120 ;; sweep*) min=150 ;; cold*) min=90 ;; pyc) min=40 ;; cuda) min=330 ;; hybridtest) min=150 ;; pathtest) min=150 ;; moetest) min=120 ;; fusedla) min=240 ;; hybrid) min=120 ;; hybridhf) min=150 ;; hybridprof) min=100 ;;
             hybridcal) min=200 ;; kvgain) min=200 ;; live*) min=200 ;; buildprof) min=60 ;; imports) min=60 ;; phases) min=60 ;;
             decode) min=120 ;; phasesab) min=150 ;; hf) min=150 ;; policyhost) min=30 ;; moetiles) min=60 ;; kvspread) min=90 ;; hybridnext) min=60 ;;
             *) echo "unknown stage $stage"; continue ;;
@@ -213,6 +215,12 @@ run() {
                 timeout "$(left)" $PY bench/bench_moe.py --out "$d" --record \
                     > "$d/log.txt" 2>&1
                 echo "rc=$?"; cp bench/results.jsonl "$d/results.jsonl"; tail -40 "$d/log.txt" ;;
+            moeprof)
+                # B = 1 without PDL: each kernel's own time in the breakdown (diagnostic, no
+                # record; the step is slower than the served one)
+                SPECCAL_PDL=0 timeout "$(left)" $PY bench/bench_moe.py --out "$d" --batches 1 \
+                    --repeats 5 > "$d/log.txt" 2>&1
+                echo "rc=$?"; tail -32 "$d/log.txt" ;;
             moebest)
                 timeout "$(left)" $PY bench/bench_moe.py --out "$d" --record --batches 1 \
                     --tiles-from /tmp/w/moetiles/moe_tiles.json > "$d/log.txt" 2>&1

@@ -97,3 +97,26 @@ def test_best_tiles_reads_the_one_row_best_and_names_a_bad_file(bench_moe, tmp_p
         bench_moe.best_tiles(str(path))
     with pytest.raises(ValueError, match="moe_tiles.json with a one-row best"):
         bench_moe.best_tiles(str(tmp_path / "missing.json"))
+
+
+def test_a_run_under_other_kernels_records_its_metrics_apart(bench_moe, monkeypatch):
+    """``SPECCAL_PDL=0`` (or any non-default kernel config) must not land under the headline
+    metric names: its lines get ``.kernels_env`` and the config; the default keeps the names."""
+    import argparse
+
+    from speccal.kernels.config import KernelConfig
+
+    got = []
+    monkeypatch.setattr(bench_moe, "append_results", lambda lines: got.extend(lines))
+    res = {"device_name": "gpu", "copy_bandwidth_gbs": 3000.0,
+           "decode_b1": {"ms": 3.4, "floor_ms": 1.6}, "verify_b1": {"ms": 5.4},
+           "moe_decode_step_floor_ratio": 2.125, "moe_verify_full_width_ratio": 1.588}
+    for env, suffix in (({}, ""), ({"SPECCAL_PDL": "0"}, ".kernels_env")):
+        got.clear()
+        args = argparse.Namespace(model="moe-16b-a3b", repeats=7, draft_width=3, tiles=None,
+                                  kernels=KernelConfig.from_env(env))
+        bench_moe.record(res, args)
+        assert sorted(line["metric"] for line in got) == [
+            "moe_decode_step_floor_ratio" + suffix, "moe_verify_full_width_ratio" + suffix]
+        assert all(("kernels" in line) == bool(suffix) for line in got)
+    assert got[0]["kernels"]["pdl"]["mode"] == "off"
