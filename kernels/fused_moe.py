@@ -32,30 +32,78 @@ from speccal.kernels.config import DEFAULT_TILES, ExpertTiles  # noqa: F401 (re-
 from speccal.kernels.pdl import pdl_enter
 from speccal.kernels.reference_moe import SIGMOID_NORM_EPS
 
-__all__ = ["DEFAULT_TILES", "ExpertTiles", "fused_moe_triton", "moe_align_triton",
-           "moe_route_triton", "moe_sum_slots_triton"]
+__all__ = ["DEFAULT_TILES", "ExpertTiles", "fused_moe_one_row_triton", "fused_moe_triton",
+           "moe_align_triton", "moe_route_triton", "moe_sum_slots_triton"]
 
 
-@triton.jit(do_not_specialize=("num_pairs",))  # one compile per model, any row count
+@triton.jit
+def _direct_counts(ids_ptr, counts_ptr, act_ptr, stride_act, act_rows, real, TOP_K: tl.constexpr,
+                   E: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr):
+    """One row's expert counts (1 for each of its experts, none if the row is not ``real``) and
+    its experts ORed into ``act_rows`` activated masks: what the layout launch writes."""
+    slot = tl.arange(0, EB)
+    j = tl.arange(0, KB)
+    ex = tl.load(ids_ptr + j, mask=j < TOP_K, other=-1).to(tl.int32)
+    hit = tl.sum((ex[None, :] == slot[:, None]).to(tl.int32), axis=1) * (real != 0).to(tl.int32)
+    is_e = slot < E
+    tl.store(counts_ptr + slot, hit.to(counts_ptr.dtype.element_ty), mask=is_e)
+    for r in range(act_rows):
+        cur = tl.load(act_ptr + r * stride_act + slot, mask=is_e, other=0)
+        tl.store(act_ptr + r * stride_act + slot, ((cur != 0) | (hit > 0)).to(tl.uint8),
+                 mask=is_e)
+
+
+@triton.jit
+def _block_pairs(pairs_ptr, experts_ptr, ids_ptr, real_ptr, pid_m, num_pairs, direct, has_real,
+                 BLOCK_M: tl.constexpr):
+    """Block ``pid_m``'s expert, its ``BLOCK_M`` pair indices (``num_pairs``: padding) and
+    whether it runs. Laid out (``direct == 0``): the layout launch's block expert (-1: none)
+    and sorted pairs. Direct (one row, no layout launch): block j is pair j, its expert the
+    row's j-th choice, run only if the row is real."""
+    lane = tl.arange(0, BLOCK_M)
+    if direct != 0:
+        e = tl.load(ids_ptr + pid_m).to(tl.int64)
+        real = tl.load(real_ptr, mask=has_real != 0, other=1)
+        pair = tl.where(lane == 0, pid_m, num_pairs).to(tl.int64)
+        run = (real != 0).to(tl.int32)
+    else:
+        e = tl.load(experts_ptr + pid_m).to(tl.int64)
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + lane).to(tl.int64)
+        run = (e >= 0).to(tl.int32)
+    return e, pair, run
+
+
+# one compile per model, any row count: the pair count, the direct / mask switches and the
+# row-mask and expert-mask pointers (views of other buffers: their alignment varies) are not
+# specialised (every bucket's graph, one row or many, shares it)
+@triton.jit(do_not_specialize=("num_pairs", "direct", "has_real", "act_rows", "stride_act",
+                               "real_ptr", "mask_ptr"))
 def _gate_up_kernel(
     x_ptr, w_ptr, pairs_ptr, experts_ptr, act_ptr, num_pairs,
+    ids_ptr, real_ptr, counts_ptr, mask_ptr, stride_act, direct, has_real, act_rows,
     stride_x, stride_we, stride_wn, stride_a,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREC: tl.constexpr, PDL: tl.constexpr,
+    E: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     pdl_enter(PDL)
-    e = tl.load(experts_ptr + pid_m)
-    if e < 0:  # past the last expert's run: no weights read
+    if direct != 0:
+        if pid_m == 0:
+            if pid_n == 0:
+                real = tl.load(real_ptr, mask=has_real != 0, other=1)
+                _direct_counts(ids_ptr, counts_ptr, mask_ptr, stride_act, act_rows, real, TOP_K,
+                               E, EB, KB)
+    e, pair, run = _block_pairs(pairs_ptr, experts_ptr, ids_ptr, real_ptr, pid_m, num_pairs,
+                                direct, has_real, BLOCK_M)
+    if run == 0:  # no expert (past the last run, or a masked row): no weights read
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + offs_m)
     is_pair = pair < num_pairs
-    row = (pair // TOP_K).to(tl.int64)
+    row = pair // TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
-    w_gate = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    w_gate = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
     w_up = w_gate + INTER * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -74,25 +122,26 @@ def _gate_up_kernel(
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=is_pair[:, None] & is_col[None, :])
 
 
-@triton.jit(do_not_specialize=("num_pairs",))
+@triton.jit(do_not_specialize=("num_pairs", "direct", "has_real", "real_ptr"))
 def _down_kernel(
     act_ptr, w_ptr, pairs_ptr, experts_ptr, rw_ptr, out_ptr, num_pairs,
+    ids_ptr, real_ptr, direct, has_real,
     stride_a, stride_we, stride_wn, stride_o,
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     pdl_enter(PDL)
-    e = tl.load(experts_ptr + pid_m)
-    if e < 0:
+    e, pair, run = _block_pairs(pairs_ptr, experts_ptr, ids_ptr, real_ptr, pid_m, num_pairs,
+                                direct, has_real, BLOCK_M)
+    if run == 0:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + offs_m)
     is_pair = pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    w_base = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
     a_base = act_ptr + offs_m[:, None].to(tl.int64) * stride_a
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
@@ -119,28 +168,82 @@ def fused_moe_triton(
     pdl: bool = False,
     tiles: ExpertTiles = DEFAULT_TILES,
 ) -> torch.Tensor:  # [N * top_k, hidden]: each pair's weighted expert output
-    """Two launches; arguments validated by ``ops.fused_moe``."""
-    n, k = weights.shape
-    hidden, inter = x.shape[1], down.shape[2]
+    """Two launches over the layout of ``moe_align_triton``; arguments validated by
+    ``ops.fused_moe``."""
     num_blocks = block_expert.shape[0]
     block_m = sorted_pairs.shape[0] // num_blocks
+    pair_out, _ = _launch(x, weights, gate_up, down, sorted_pairs, block_expert, num_blocks,
+                          block_m, None, prec, pdl, tiles)
+    return pair_out
+
+
+def fused_moe_one_row_triton(
+    x: torch.Tensor,  # [1, hidden]
+    weights: torch.Tensor,  # [1, top_k]
+    ids: torch.Tensor,  # [1, top_k] int: distinct experts
+    real: torch.Tensor | None,  # [1] bool: whether the row routes (None: it does)
+    activated: torch.Tensor | None,  # [R, E] bool, ORed with the row's experts in place
+    gate_up: torch.Tensor,  # [E, 2 I, hidden]
+    down: torch.Tensor,  # [E, hidden, I]
+    block_m: int,
+    prec: str | None,
+    pdl: bool = False,
+    tiles: ExpertTiles = DEFAULT_TILES,
+) -> tuple[torch.Tensor, torch.Tensor]:  # pair outputs [top_k, hidden], counts [E] int64
+    """One decode row without the layout launch: block j is the row's pair j (its j-th
+    expert; distinct experts, so the same weight reads as the laid-out blocks), and the first
+    gate/up program writes the counts and the activated masks the layout launch would have.
+    Two launches; arguments validated by ``ops.fused_moe``."""
+    k = ids.shape[1]
+    num_experts = gate_up.shape[0]
+    counts = torch.empty(num_experts, dtype=torch.long, device=x.device)
+    direct = (ids.to(torch.long).contiguous(), real, activated, counts)
+    return _launch(x, weights, gate_up, down, None, None, k, block_m, direct, prec, pdl, tiles)
+
+
+def _launch(x, weights, gate_up, down, pairs, blocks, num_blocks, block_m, direct, prec, pdl,
+            tiles) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gate/up and down launches over ``num_blocks`` blocks of ``block_m`` positions: laid
+    out (``pairs``, ``blocks``) or ``direct`` (``(ids, real, activated, counts)``: one row)."""
+    n, k = weights.shape
+    hidden, inter = x.shape[1], down.shape[2]
+    num_experts = gate_up.shape[0]
     act = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)
     rw = weights.reshape(-1)
+    # unread pointers get stand-ins of their element type (int64 or uint8): a pointer's type
+    # is part of the kernel's signature, and both modes share one compile
+    bytes_ = x.view(torch.uint8)
+    if direct is None:
+        ids = counts = pairs
+        real = mask = bytes_
+        flags = dict(direct=0, has_real=0)
+        act_rows, stride_act = 0, 0
+        pairs_, blocks_ = pairs, blocks
+    else:
+        ids, real, activated, counts = direct
+        flags = dict(direct=1, has_real=int(real is not None))
+        real = real.view(torch.uint8) if real is not None else bytes_
+        mask = activated.view(torch.uint8) if activated is not None else bytes_
+        act_rows = activated.shape[0] if activated is not None else 0
+        stride_act = activated.stride(0) if activated is not None else 0
+        pairs_ = blocks_ = ids
     opts = tiles.launch_options()
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles.gate_up_n))](
-        x, gate_up, sorted_pairs, block_expert, act, n * k,
+        x, gate_up, pairs_, blocks_, act, n * k,
+        ids, real, counts, mask, stride_act, flags["direct"], flags["has_real"], act_rows,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         H=hidden, INTER=inter, TOP_K=k, BLOCK_M=block_m, BLOCK_N=tiles.gate_up_n,
-        BLOCK_K=tiles.gate_up_k, PREC=prec, PDL=pdl, launch_pdl=pdl, **opts,
+        BLOCK_K=tiles.gate_up_k, E=num_experts, EB=triton.next_power_of_2(num_experts),
+        KB=triton.next_power_of_2(k), PREC=prec, PDL=pdl, launch_pdl=pdl, **opts,
     )
     _down_kernel[(num_blocks, triton.cdiv(hidden, tiles.down_n))](
-        act, down, sorted_pairs, block_expert, rw, out, n * k,
-        act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        act, down, pairs_, blocks_, rw, out, n * k, ids, real, flags["direct"],
+        flags["has_real"], act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k,
         PREC=prec, PDL=pdl, launch_pdl=pdl, **opts,
     )
-    return out
+    return out, (None if direct is None else counts)
 
 
 @triton.jit

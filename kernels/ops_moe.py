@@ -61,7 +61,9 @@ def fused_moe(
     the layout, counts and masks in one (``fused_moe.moe_align_triton``), gate/up and down
     (``fused_moe_triton``), the ordered sum with the masked rows zeroed in one
     (``fused_moe.moe_sum_slots_triton``): four in all, where the torch layout and sum take about
-    twenty. More pairs (prefill chunks) take the torch layout.
+    twenty. One row (a B = 1 decode) skips the layout launch: its distinct experts are its
+    blocks as they are (``fused_moe_one_row_triton``; the same weight reads), three launches.
+    More pairs (prefill chunks) take the torch layout.
     """
     _need(x.dim() == 2 and x.stride(1) == 1 and x.dtype in _FLOATS, "x", (_shape(x), x.dtype),
           "[N, hidden] float, hidden contiguous")
@@ -118,17 +120,27 @@ def _experts_triton(x, weights, ids, gate_up, down, row_mask, activated, block_m
     the expert kernels index by the reference layout, never by a skipped layout launch's
     empty buffers (an illegal address); the output is zeros (the dry pass's rule for
     activations), the counts real, the masks untouched."""
-    from speccal.kernels.fused_moe import fused_moe_triton, moe_align_triton, moe_sum_slots_triton
+    from speccal.kernels.fused_moe import (
+        fused_moe_one_row_triton,
+        fused_moe_triton,
+        moe_align_triton,
+        moe_sum_slots_triton,
+    )
 
     pdl = pdl_level(x, tune) > 0
     num_experts = gate_up.shape[0]
+    prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
+    if ids.shape[0] == 1 and not dry:  # one decode row: no layout launch (three in all)
+        pair_out, counts = fused_moe_one_row_triton(x, weights.contiguous(), ids, row_mask,
+                                                    activated, gate_up, down, block_m, prec,
+                                                    pdl=pdl)
+        return moe_sum_slots_triton(pair_out, ids, row_mask, pdl=pdl), counts
     pairs, blocks, counts = moe_align_triton(ids, num_experts, block_m, row_mask,
                                              None if dry else activated, pdl=pdl)
     if dry:
         pairs, blocks, counts = ref.moe_align_ref(_to_sentinel(ids, row_mask, num_experts),
                                                   num_experts, block_m,
                                                   sentinel=row_mask is not None)
-    prec = tune.precision.fp32_dot if x.dtype == torch.float32 else None
     pair_out = fused_moe_triton(x, weights.contiguous(), gate_up, down, pairs, blocks, prec,
                                 pdl=pdl)
     out = moe_sum_slots_triton(pair_out, ids, row_mask, pdl=pdl)  # reads values only

@@ -91,6 +91,48 @@ def test_masked_rows_choose_no_expert(backend):
     assert torch.equal(counts.cpu(), want) and int(counts[lonely]) == 0
 
 
+@pytest.mark.parametrize("real", [None, True, False])
+def test_one_row_runs_without_the_layout_launch(monkeypatch, real):
+    """A single row (a B = 1 decode) skips the layout launch: its experts are its blocks. Its
+    output, counts and activated masks equal the laid-out path's (masks ORed, earlier bits
+    kept); a masked row gives zeros, counts none and leaves the masks; the idle experts' NaN
+    weights are never read; the pair outputs equal the laid-out kernels' exactly."""
+    from speccal.kernels import fused_moe as fm
+    from speccal.kernels.reference import moe_align_ref
+
+    dtype = DTYPES[0]
+    experts, top_k = 9, 3
+    x, w, ids, gu, dn = moe_case(21, 1, 40, 24, experts, top_k, dtype, DEV, idle=(0, 4))
+    mask = None if real is None else torch.tensor([real], device=DEV)
+    act = torch.zeros(2, experts, dtype=torch.bool, device=DEV)
+    act[0, 8] = act[1, 0] = True  # bits set by earlier forwards stay
+    before = act.clone()
+
+    def no_layout(*a, **kw):
+        raise AssertionError("the layout launch ran for one row")
+
+    monkeypatch.setattr(fm, "moe_align_triton", no_layout)
+    got, counts = ops.fused_moe(x, w, ids, gu, dn, row_mask=mask, activated=act,
+                                backend="triton")
+    monkeypatch.undo()
+    want, want_counts = ops.fused_moe(x.float(), w, ids, gu.float(), dn.float(),
+                                      row_mask=mask, backend="reference")
+    assert torch.isfinite(got).all() and rel_err(got, want) < TOL[dtype]
+    assert torch.equal(counts.cpu(), want_counts.cpu())
+    chosen = torch.zeros(experts, dtype=torch.bool, device=DEV)
+    if real is not False:
+        chosen[ids[0]] = True
+    else:
+        assert torch.equal(got, torch.zeros_like(got)) and int(counts.sum()) == 0
+    assert torch.equal(act, before | chosen[None])
+    # the pair outputs of the two launch plans, bit for bit
+    prec = "ieee" if dtype == torch.float32 else None
+    pairs, blocks, _ = moe_align_ref(ids, experts, 16)
+    laid = fm.fused_moe_triton(x, w, gu, dn, pairs, blocks, prec)
+    one, _ = fm.fused_moe_one_row_triton(x, w, ids, None, None, gu, dn, 16, prec)
+    assert torch.equal(one, laid)
+
+
 ALIGN_CASES = [
     # (rows, experts, top_k, block_m, masked)
     (1, 6, 2, 16, False),
