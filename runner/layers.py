@@ -354,6 +354,21 @@ class DecoderLayer(PathBound, nn.Module):
         ops.linear(act, mlp.down_proj.weight, residual=h, norm=nrm, tune=kx)
         return None if next_norm is None else next_norm[1]
 
+    def attend_residual_norm(
+        self,
+        h: torch.Tensor,  # [N, hidden]: the input norm's rows
+        residual: torch.Tensor,  # [N, hidden]: the running sum, attention's output added in place
+        positions: torch.Tensor,  # [N] int64
+        meta: AttnMeta,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryTable,
+    ) -> torch.Tensor:  # [N, hidden]: the post-attention norm of the updated sum (the MLP's input)
+        """The fused path's attention step of :meth:`forward_residual`: attention, its output
+        added into ``residual`` and normed in one launch (``ops.rms_norm`` with a residual)."""
+        ln2 = self.post_attention_layernorm
+        a = self.self_attn(h, positions, meta, kv, rotary)
+        return ops.rms_norm(a, ln2.weight, ln2.eps, residual=residual, tune=self.kx)
+
     def forward_residual(
         self,
         x: torch.Tensor,  # [N, hidden]: last layer's MLP output (or the embedding)
@@ -372,8 +387,7 @@ class DecoderLayer(PathBound, nn.Module):
                 h = ops.rms_norm(x, ln1.weight, ln1.eps, tune=kx)
             else:
                 h = ops.rms_norm(x, ln1.weight, ln1.eps, residual=residual, tune=kx)  # += x
-            a = self.self_attn(h, positions, meta, kv, rotary)
-            h = ops.rms_norm(a, ln2.weight, ln2.eps, residual=residual, tune=kx)  # += a
+            h = self.attend_residual_norm(h, residual, positions, meta, kv, rotary)  # += attn
             return self.mlp(h), residual
         residual = x if residual is None else residual + x
         residual = residual + self.self_attn(ln1(residual), positions, meta, kv, rotary)

@@ -65,7 +65,7 @@ from speccal.runner.attention import AttnMeta
 from speccal.runner.config import ModelConfig
 from speccal.runner.layers import DecoderLayer, RMSNorm, linear_rows
 from speccal.runner.mla_config import INDEXER_NORM_EPS, LATENT_NORM_EPS
-from speccal.runner.path import PathBound
+from speccal.runner.path import SKINNY_ROWS, PathBound
 from speccal.runner.rope import RotaryTable
 
 
@@ -146,6 +146,7 @@ class MLAttention(PathBound, nn.Module):
         meta: AttnMeta,
         kv: tuple[torch.Tensor, torch.Tensor],  # latent cache, indexer key cache of this layer
         rotary: RotaryTable,
+        project: bool = True,  # False: the heads' outputs before o_proj, [N, H * v_head_dim]
     ) -> torch.Tensor:  # [N, hidden]
         m, n, heads = self.mla, x.shape[0], self.num_heads
         nope, lat = m.qk_nope_head_dim, m.kv_lora_rank
@@ -200,7 +201,8 @@ class MLAttention(PathBound, nn.Module):
             out = (attend_latent_paged(qa, k_cache, meta, self.scale, lat, self.kx) if paged
                    else attend_latent(qa, lk, self.scale, lat))  # [N, H, latent]
             out = torch.einsum("nhl,hvl->nhv", out, w_kv[:, nope:])  # [N, H, v_head_dim]
-        return self._lin(out.reshape(n, heads * m.v_head_dim), self.o_proj)
+        flat = out.reshape(n, heads * m.v_head_dim)
+        return self._lin(flat, self.o_proj) if project else flat
 
     def fuse_weights(self) -> None:
         """Nothing to fuse: MLA layers run per op (the fused layer is GQA's)."""
@@ -403,6 +405,19 @@ class MLADecoderLayer(DecoderLayer):
     def can_fuse(self, x: torch.Tensor, rotary: RotaryTable) -> bool:
         """Never: the fused layer is GQA's (no Triton MLA kernels); MLA layers run per op."""
         return False
+
+    def attend_residual_norm(self, h, residual, positions, meta, kv, rotary) -> torch.Tensor:
+        """As :meth:`DecoderLayer.attend_residual_norm`, with the o projection's GEMV adding
+        into ``residual`` (decode / verify rows, no o_proj bias): the projection, the add and
+        the norm in two launches, not a split-K GEMV, its reduce and a norm."""
+        att, ln2 = self.self_attn, self.post_attention_layernorm
+        if att.o_proj.bias is not None or h.shape[0] > SKINNY_ROWS:
+            return super().attend_residual_norm(h, residual, positions, meta, kv, rotary)
+        flat = att(h, positions, meta, kv, rotary, project=False).contiguous()
+        out = torch.empty_like(residual)
+        ops.linear(flat, att.o_proj.weight, residual=residual,
+                   norm=(ln2.weight, ln2.eps, out), tune=self.kx)
+        return out
 
 
 def link_shared_index(layers: Iterable[nn.Module]) -> None:

@@ -329,6 +329,38 @@ def test_mla_under_tensor_parallelism_is_refused():
         local_config(cfg, 2)
 
 
+@pytest.mark.parametrize("checkpoint", ["v3-moe", "glm4-lite"], indirect=True)
+def test_the_fused_path_folds_the_o_projection_into_the_residual_norm(checkpoint, monkeypatch,
+                                                                      fused_on_cpu):
+    """On the fused path (here its references on the CPU) an MLA layer's decode and verify rows
+    run the o projection as one GEMV adding into the residual stream and norming it (the
+    post-attention norm, ``ops.linear(residual=..., norm=...)``), not a GEMV, its reduce and a
+    norm launch; prefill chunks keep the plain projection. Plain and K = 1, 3 tokens equal
+    transformers' (fp32)."""
+    from speccal.kernels import ops
+    from speccal.runner.path import SKINNY_ROWS, bind_path
+
+    _, folder, refs = checkpoint
+    folded = []
+    real = ops.linear
+
+    def counted(x, weight, **kw):
+        if kw.get("norm") is not None:
+            folded.append(x.shape[0])
+        return real(x, weight, **kw)
+
+    monkeypatch.setattr(ops, "linear", counted)
+    params, want = _stop_case(refs)
+    for speculative, ks in ((False, (0,)), (True, (1, 3))):
+        eng = _engine(folder, speculative=speculative)
+        bind_path(eng.loaded.target, fused_on_cpu())
+        for k in ks:
+            got, _ = _run(eng, PROMPTS, params, k)
+            assert got == want, k
+    layers = eng.loaded.config.num_hidden_layers
+    assert folded and max(folded) <= SKINNY_ROWS and len(folded) % layers == 0
+
+
 # ---------------------------------------------------------------- CUDA (run on the GPU)
 
 
